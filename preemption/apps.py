@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class PreemptionConfig(AppConfig):
+    name = "preemption"
+    verbose_name = "Jobs and preemption"

@@ -1,0 +1,246 @@
+"""Jobs (gangs), their attempts and ranks, preemptions and checkpoints."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+from quotas.models import PriorityClass, ResourceFlavor, Team
+
+
+class JobState(models.TextChoices):
+    PENDING = "pending", "Pending"
+    ADMITTED = "admitted", "Admitted"
+    RUNNING = "running", "Running"
+    PREEMPTING = "preempting", "Preempting"
+    REQUEUED = "requeued", "Requeued"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+FINAL_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+ACTIVE_STATES = (JobState.ADMITTED, JobState.RUNNING, JobState.PREEMPTING)
+WAITING_STATES = (JobState.PENDING, JobState.REQUEUED)
+
+
+class Job(models.Model):
+    """A gang: `ranks` processes of `gpus_per_rank` GPUs each, admitted and
+    preempted as one. Every admission is an Attempt; the checkpoint folder is
+    the same for all of them, so a requeued job resumes where it stopped."""
+
+    name = models.CharField(max_length=120, blank=True)
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="jobs")
+    submitter = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
+    priority_class = models.ForeignKey(PriorityClass, on_delete=models.PROTECT, related_name="jobs")
+    flavor = models.ForeignKey(ResourceFlavor, on_delete=models.PROTECT, related_name="jobs")
+    ranks = models.PositiveIntegerField()
+    gpus_per_rank = models.PositiveIntegerField()
+    command = models.TextField()
+    image = models.CharField(max_length=300, blank=True)
+    env = models.JSONField(default=dict, blank=True)
+    state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.PENDING, db_index=True)
+    submitted_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    admitted_at = models.DateTimeField(null=True, blank=True)
+    running_at = models.DateTimeField(null=True, blank=True)
+    preempting_at = models.DateTimeField(null=True, blank=True)
+    requeued_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    waiting_reason = models.CharField(max_length=300, blank=True)
+    failure_reason = models.CharField(max_length=300, blank=True)
+    resume_step = models.PositiveIntegerField(null=True, blank=True)
+    checkpoint_dir = models.CharField(max_length=500, blank=True)
+    events_token = models.CharField(max_length=64, blank=True)
+    max_attempts = models.PositiveIntegerField(default=5)
+    not_before = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-submitted_at", "-id"]
+        indexes = [models.Index(fields=["team", "state"]), models.Index(fields=["submitter", "state"])]
+        constraints = [
+            models.CheckConstraint(condition=Q(ranks__gte=1), name="job_ranks_positive"),
+            models.CheckConstraint(condition=Q(gpus_per_rank__gte=1), name="job_gpus_per_rank_positive"),
+            models.CheckConstraint(
+                condition=Q(state__in=[choice.value for choice in JobState]), name="job_state_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.pk} {self.name}".strip()
+
+    @property
+    def gpus(self) -> int:
+        return self.ranks * self.gpus_per_rank
+
+
+class Attempt(models.Model):
+    """One admission of a job: where its ranks were placed, how many of its GPUs
+    were borrowed, and why it ended."""
+
+    class EndReason(models.TextChoices):
+        SUCCEEDED = "succeeded", "Succeeded"
+        FAILED = "failed", "Failed"
+        PREEMPTED = "preempted", "Preempted"
+        CANCELLED = "cancelled", "Cancelled"
+        GANG_GUARD = "gang-guard", "A rank died; the gang was stopped"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveIntegerField()
+    placement = models.JSONField(default=list)
+    borrowed_gpus = models.PositiveIntegerField(default=0)
+    master_port = models.PositiveIntegerField(null=True, blank=True)
+    admitted_at = models.DateTimeField()
+    launched_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    end_reason = models.CharField(max_length=16, choices=EndReason.choices, blank=True)
+    orphaned_ports = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        ordering = ["job_id", "number"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "number"], name="attempt_number_unique"),
+            models.UniqueConstraint(
+                fields=["job"], condition=Q(ended_at__isnull=True), name="attempt_one_open_per_job"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} attempt {self.number}"
+
+
+class Rank(models.Model):
+    """One process (or pod) of an attempt."""
+
+    class State(models.TextChoices):
+        STARTING = "starting", "Starting"
+        RUNNING = "running", "Running"
+        TERMINATING = "terminating", "Terminating"
+        EXITED = "exited", "Exited"
+        LOST = "lost", "Lost"
+
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="rank_set")
+    index = models.PositiveIntegerField()
+    node = models.CharField(max_length=253)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.STARTING)
+    exit_code = models.IntegerField(null=True, blank=True)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    pod_name = models.CharField(max_length=253, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    signal_sent_at = models.DateTimeField(null=True, blank=True)
+    signal_received_at = models.DateTimeField(null=True, blank=True)
+    exited_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["attempt_id", "index"]
+        constraints = [models.UniqueConstraint(fields=["attempt", "index"], name="rank_index_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.attempt} rank {self.index}"
+
+
+class PreemptionEvent(models.Model):
+    """The graceful stop of one attempt: why, by whom, when it was decided, the
+    deadline, what the ranks managed to checkpoint, and how it ended."""
+
+    class Reason(models.TextChoices):
+        RECLAIM = "reclaim", "Reclaim"
+        PRIORITY = "priority", "Priority"
+        FAIR_SHARE = "fair-share", "Fair share"
+        GANG_GUARD = "gang-guard", "Gang guard"
+        MANUAL = "manual", "Manual"
+
+    class Outcome(models.TextChoices):
+        GRACEFUL = "graceful", "Graceful"
+        KILLED = "killed", "Killed at the deadline"
+        CHECKPOINT_SKIPPED = "checkpoint-skipped", "Checkpoint skipped"
+
+    victim_attempt = models.OneToOneField(Attempt, on_delete=models.CASCADE, related_name="preemption")
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="preemptions")
+    preemptor = models.ForeignKey(
+        Job, null=True, blank=True, on_delete=models.SET_NULL, related_name="preempted_others"
+    )
+    cause = models.CharField(max_length=300, blank=True)
+    reason = models.CharField(max_length=16, choices=Reason.choices)
+    decided_at = models.DateTimeField(db_index=True)
+    grace_seconds = models.FloatField()
+    deadline = models.DateTimeField()
+    signal_sent_at = models.DateTimeField(null=True, blank=True)
+    killed_at = models.DateTimeField(null=True, blank=True)
+    all_exited_at = models.DateTimeField(null=True, blank=True)
+    checkpoint_step = models.PositiveIntegerField(null=True, blank=True)
+    checkpoint_bytes = models.BigIntegerField(null=True, blank=True)
+    checkpoint_seconds = models.FloatField(null=True, blank=True)
+    outcome = models.CharField(max_length=20, choices=Outcome.choices, blank=True)
+    lost_gpu_seconds = models.FloatField(null=True, blank=True)
+    requeued_at = models.DateTimeField(null=True, blank=True)
+    resumed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-decided_at", "-id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(reason__in=["reclaim", "priority", "fair-share", "gang-guard", "manual"]),
+                name="preemption_reason_valid",
+            ),
+            models.CheckConstraint(condition=Q(deadline__gte=models.F("decided_at")), name="preemption_deadline_after_decision"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.reason} of {self.victim_attempt}"
+
+
+class Checkpoint(models.Model):
+    """A checkpoint a job's ranks committed, as reported by the trap."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
+    attempt = models.ForeignKey(Attempt, null=True, blank=True, on_delete=models.SET_NULL, related_name="checkpoints")
+    step = models.PositiveIntegerField()
+    path = models.CharField(max_length=500, blank=True)
+    bytes = models.BigIntegerField(default=0)
+    seconds = models.FloatField(default=0.0)
+    committed_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["-committed_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "attempt", "step"], name="checkpoint_unique_step"),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} step {self.step}"
+
+
+class Webhook(models.Model):
+    """A team's URL that receives preempted, requeued, failed and finished notices."""
+
+    EVENTS = ("preempted", "requeued", "failed", "finished")
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="webhooks")
+    url = models.URLField(max_length=500)
+    secret = models.CharField(max_length=64, blank=True)
+    events = models.JSONField(default=list)
+    active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.team.slug} -> {self.url}"
+
+
+class WebhookDelivery(models.Model):
+    """One notice to one webhook, retried with backoff until delivered or given up."""
+
+    webhook = models.ForeignKey(Webhook, on_delete=models.CASCADE, related_name="deliveries")
+    event = models.CharField(max_length=16)
+    payload = models.JSONField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    tries = models.PositiveIntegerField(default=0)
+    next_try_at = models.DateTimeField(db_index=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    given_up_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.CharField(max_length=300, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        verbose_name_plural = "webhook deliveries"

@@ -1,0 +1,183 @@
+"""The cluster and who may use it: flavors, nodes, the team tree, quotas,
+priority classes, memberships and the audit log."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+
+class ResourceFlavor(models.Model):
+    """A kind of GPU that quotas are counted in, e.g. `h100-80gb`."""
+
+    name = models.SlugField(max_length=63, unique=True)
+    description = models.CharField(max_length=200, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Node(models.Model):
+    """A machine with `gpus` GPUs of one flavor that the engine may place ranks on."""
+
+    name = models.CharField(max_length=253, unique=True)
+    flavor = models.ForeignKey(ResourceFlavor, on_delete=models.PROTECT, related_name="nodes")
+    gpus = models.PositiveIntegerField()
+    labels = models.JSONField(default=dict, blank=True)
+    schedulable = models.BooleanField(default=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [models.CheckConstraint(condition=Q(gpus__gte=0), name="node_gpus_nonnegative")]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Team(models.Model):
+    """A node of the team tree. Leaves submit jobs; inner teams group them.
+
+    `weight` divides the surplus beyond guarantees among siblings.
+    """
+
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="children"
+    )
+    slug = models.SlugField(max_length=63, unique=True)
+    name = models.CharField(max_length=120)
+    weight = models.FloatField(default=1.0)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["slug"]
+        constraints = [
+            models.CheckConstraint(condition=Q(weight__gt=0), name="team_weight_positive"),
+            models.CheckConstraint(
+                condition=~Q(parent=models.F("id")), name="team_not_own_parent"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class Quota(models.Model):
+    """What a team holds of one flavor.
+
+    `guarantee` GPUs are the team's own; `borrow_limit` caps what it may borrow
+    beyond them (null: no cap); `lend_limit` caps what others may borrow of its
+    idle guarantee (null: all of it).
+    """
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="quotas")
+    flavor = models.ForeignKey(ResourceFlavor, on_delete=models.PROTECT, related_name="quotas")
+    guarantee = models.PositiveIntegerField(default=0)
+    borrow_limit = models.PositiveIntegerField(null=True, blank=True)
+    lend_limit = models.PositiveIntegerField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["team__slug", "flavor__name"]
+        constraints = [
+            models.UniqueConstraint(fields=["team", "flavor"], name="quota_one_per_team_flavor"),
+            models.CheckConstraint(condition=Q(guarantee__gte=0), name="quota_guarantee_nonnegative"),
+            models.CheckConstraint(
+                condition=Q(borrow_limit__isnull=True) | Q(borrow_limit__gte=0),
+                name="quota_borrow_limit_nonnegative",
+            ),
+            models.CheckConstraint(
+                condition=Q(lend_limit__isnull=True) | Q(lend_limit__gte=0),
+                name="quota_lend_limit_nonnegative",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.team.slug}/{self.flavor.name}"
+
+
+class PriorityClass(models.Model):
+    """How much a job matters and how it may be stopped.
+
+    `preemption_policy` decides only whether this class preempts lower ones
+    inside its own team; `preemptible` decides whether it may ever be a victim.
+    """
+
+    class Policy(models.TextChoices):
+        PREEMPT_LOWER = "PreemptLowerPriority", "PreemptLowerPriority"
+        NEVER = "Never", "Never"
+
+    name = models.SlugField(max_length=63, unique=True)
+    value = models.IntegerField()
+    preemption_policy = models.CharField(max_length=32, choices=Policy.choices, default=Policy.NEVER)
+    preemptible = models.BooleanField(default=True)
+    grace_seconds = models.PositiveIntegerField(default=60)
+    min_runtime_seconds = models.PositiveIntegerField(default=0)
+    description = models.CharField(max_length=300, blank=True)
+    is_default = models.BooleanField(default=False)
+
+    class Meta:
+        ordering = ["-value"]
+        verbose_name_plural = "priority classes"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["is_default"], condition=Q(is_default=True), name="one_default_priority_class"
+            ),
+            models.CheckConstraint(
+                condition=Q(preemption_policy__in=["PreemptLowerPriority", "Never"]),
+                name="priority_class_policy_valid",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Membership(models.Model):
+    """A person's role in a team. Managers edit the quotas below their team;
+    researchers submit jobs. Platform admins are Django staff instead."""
+
+    class Role(models.TextChoices):
+        MANAGER = "manager", "Manager"
+        RESEARCHER = "researcher", "Researcher"
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices)
+
+    class Meta:
+        ordering = ["team__slug", "user__username"]
+        constraints = [
+            models.UniqueConstraint(fields=["user", "team"], name="membership_one_per_user_team"),
+            models.CheckConstraint(condition=Q(role__in=["manager", "researcher"]), name="membership_role_valid"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} {self.role} of {self.team}"
+
+
+class AuditEntry(models.Model):
+    """One change a person made: who, when, to what, and the values before and after."""
+
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    action = models.CharField(max_length=64)
+    object_type = models.CharField(max_length=64)
+    object_id = models.CharField(max_length=64)
+    object_repr = models.CharField(max_length=200)
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.SET_NULL, related_name="audit_entries")
+    before = models.JSONField(null=True, blank=True)
+    after = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+        verbose_name_plural = "audit entries"
+        indexes = [models.Index(fields=["object_type", "object_id"])]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M} {self.actor} {self.action} {self.object_repr}"

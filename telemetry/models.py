@@ -1,0 +1,73 @@
+"""What Quartermaster measures: trap events, utilization samples and drill runs."""
+
+from __future__ import annotations
+
+from django.db import models
+
+from preemption.models import Job
+from quotas.models import ResourceFlavor, Team
+
+
+class TrapEvent(models.Model):
+    """One event a rank's trap reported, by POST or from its log.
+
+    The fingerprint is a hash of the event's JSON, so the same event arriving
+    both ways is stored once.
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="trap_events")
+    attempt = models.PositiveIntegerField()
+    rank = models.PositiveIntegerField()
+    event = models.CharField(max_length=32)
+    at = models.FloatField()
+    step = models.PositiveIntegerField(null=True, blank=True)
+    payload = models.JSONField()
+    fingerprint = models.CharField(max_length=64, unique=True)
+    source = models.CharField(max_length=8, choices=[("post", "POST"), ("log", "log")])
+    received_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["at", "id"]
+        indexes = [models.Index(fields=["job", "attempt", "event"])]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id}/{self.attempt} rank {self.rank} {self.event}"
+
+
+class UtilizationSample(models.Model):
+    """GPUs a team used, was guaranteed and borrowed of one flavor at one moment."""
+
+    at = models.DateTimeField(db_index=True)
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="utilization_samples")
+    flavor = models.ForeignKey(ResourceFlavor, on_delete=models.CASCADE, related_name="+")
+    used = models.PositiveIntegerField()
+    guarantee = models.PositiveIntegerField()
+    borrowed = models.PositiveIntegerField()
+    lent = models.PositiveIntegerField(default=0)
+    fair_share = models.FloatField(default=0.0)
+    capacity = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["at", "team_id"]
+        constraints = [
+            models.UniqueConstraint(fields=["at", "team", "flavor"], name="one_sample_per_team_flavor_moment")
+        ]
+
+
+class DrillRun(models.Model):
+    """One run of `manage.py drill`: its settings and every figure it measured."""
+
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+    runtime = models.CharField(max_length=16)
+    ranks = models.PositiveIntegerField()
+    grace_seconds = models.FloatField()
+    chaos_rounds = models.PositiveIntegerField(default=0)
+    passed = models.BooleanField(default=False)
+    result = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["-started_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"drill {self.started_at:%Y-%m-%d %H:%M} {self.runtime} {self.ranks} ranks"
