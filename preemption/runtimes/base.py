@@ -1,0 +1,137 @@
+"""The runtime protocol: how the control plane launches, signals, kills and observes gangs.
+
+A gang is every rank of one attempt of one job. Runtimes are level-triggered: every call
+is idempotent, and the state a runtime needs to survive its own restart lives on disk or
+in the cluster, never only in a Python object. This module imports nothing from Django.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class GangId:
+    """Identifies a gang: one attempt of one job."""
+
+    job_id: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlacement:
+    """Where the engine placed one rank: its node and its index among that node's ranks."""
+
+    rank: int
+    node: str
+    local_rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class GangSpec:
+    """Everything a runtime needs to launch one gang.
+
+    `command` is run by `/bin/sh -c` on every rank. `env` carries the trap's variables
+    (QM_JOB_ID, QM_ATTEMPT, QM_GRACE_SECONDS, QM_CHECKPOINT_DIR, QM_EVENTS_URL,
+    QM_EVENTS_TOKEN) and the user's environment; the runtime adds the rendezvous variables.
+    """
+
+    job_id: int
+    attempt: int
+    command: str
+    ranks: tuple[RankPlacement, ...]
+    gpus_per_rank: int
+    grace_seconds: float
+    priority_class: str
+    env: Mapping[str, str]
+    image: str | None = None
+    team: str = ""
+    flavor: str = ""
+
+    @property
+    def gang(self) -> GangId:
+        """The id of the gang this spec launches."""
+        return GangId(job_id=self.job_id, attempt=self.attempt)
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in the gang."""
+        return len(self.ranks)
+
+
+@dataclass(frozen=True, slots=True)
+class RankObservation:
+    """What a runtime actually sees of one rank right now.
+
+    `phase` is one of "starting", "running", "terminating", "exited" or "lost" (the rank
+    is gone and nothing recorded how it ended). `handle` is the pid (local) or the pod
+    name (kubernetes). Times are Unix times from time.time().
+    """
+
+    job_id: int
+    attempt: int
+    rank: int
+    node: str
+    phase: str
+    exit_code: int | None
+    handle: str
+    started_at: float | None
+    exited_at: float | None
+    signal_sent_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInventory:
+    """A node the runtime can place ranks on, with its GPU flavor and GPU count."""
+
+    name: str
+    flavor: str
+    gpus: int
+
+
+class RuntimeTemporaryError(Exception):
+    """A runtime call failed for a reason that may pass: retry it with backoff."""
+
+
+class RuntimePermanentError(Exception):
+    """A runtime call can never succeed as asked: record the failure and stop."""
+
+
+class Runtime(Protocol):
+    """The operations every runtime offers. Every call is idempotent."""
+
+    name: str
+
+    def launch(self, spec: GangSpec) -> None:
+        """Start every rank of the gang; a second launch of the same gang does nothing."""
+        ...
+
+    def signal(self, gang: GangId, grace_seconds: float) -> None:
+        """Ask every rank of the gang at once to stop within `grace_seconds`."""
+        ...
+
+    def kill(self, gang: GangId) -> None:
+        """Stop every rank of the gang now (SIGKILL, or delete with grace 0)."""
+        ...
+
+    def observe(self, gang: GangId | None = None) -> list[RankObservation]:
+        """Observe the ranks of one gang, or of every gang known when `gang` is None."""
+        ...
+
+    def nodes(self) -> list[NodeInventory]:
+        """The nodes this runtime can place ranks on."""
+        ...
+
+    def read_log(self, gang: GangId, rank: int, offset: int = 0, limit: int = 1 << 20) -> bytes:
+        """Up to `limit` bytes of one rank's log, starting at byte `offset`."""
+        ...
+
+    def released_ports(self, gang: GangId) -> list[int]:
+        """Ports of the gang still bound; an empty list means the gang left none behind."""
+        ...
+
+    def forget(self, gang: GangId) -> None:
+        """Drop the bookkeeping of a finished gang; its logs stay readable."""
+        ...

@@ -1,0 +1,200 @@
+"""Start ranks of a gang and wait on each, recording how it ends.
+
+Run as `python -m preemption.runtimes.launcher <gang_dir> <rank> [<rank> ...]` by
+LocalRuntime.launch. The launcher forks one keeper per rank, prints the rank numbers it
+forked and exits; the caller reaps it at once. Each keeper starts its own session, so a
+dying Celery worker, or a signal to the worker's process group, never reaches it. The
+keeper starts the rank in a new session (the rank's pid is its process group id), waits
+on it and records its pid, start time and exit code in the rank's folder (see records.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from preemption.runtimes import procfs
+from preemption.runtimes.records import (
+    EXIT_FILE,
+    GANG_FILE,
+    KEEPER_FILE,
+    KILL_FILE,
+    RANK_DIR_ENV,
+    RANK_LOG,
+    SIGNAL_FILE,
+    STARTED_FILE,
+    TERM_SENT_FILE,
+    create_claim,
+    read_record,
+    write_record,
+)
+
+# `sh -c` runs a compound command as a child of the shell, and dash does not handle
+# SIGTERM itself: the shell would die of it at once and record 143 while the workload
+# was still checkpointing. With this trap the shell waits for its foreground command,
+# then exits with that command's status, so a workload that stops cleanly records 0 and
+# later commands of the same line do not run. Caught signals are reset on exec, so the
+# workload still gets the default SIGTERM behaviour unless it installs a handler.
+SHELL_PREFIX = "trap 'exit $?' TERM\n"
+
+# Exit code recorded when the command could not even be started (as the shell does).
+EXIT_NOT_STARTED = 127
+
+
+def rank_environment(gang: dict[str, Any], rank: int, rank_dir: Path) -> dict[str, str]:
+    """The environment of one rank: ours, the spec's, then the rendezvous variables."""
+    placement = gang["ranks"][rank]
+    env = dict(os.environ)
+    # Put the launcher's interpreter first on PATH, so a command saying `python` gets
+    # the same environment (and packages) as the control plane.
+    python_bin = os.path.dirname(sys.executable)
+    env["PATH"] = python_bin + os.pathsep + env.get("PATH", os.defpath)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(gang["env"])
+    # The runtime owns the rendezvous variables: the spec cannot override them.
+    env.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(len(gang["ranks"])),
+            "LOCAL_RANK": str(placement["local_rank"]),
+            "MASTER_ADDR": str(gang["master_addr"]),
+            "MASTER_PORT": str(gang["master_port"]),
+            "QM_NODE": str(placement["node"]),
+            RANK_DIR_ENV: str(rank_dir),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def _record_exit(rank_dir: Path, exit_code: int, *, started: bool) -> None:
+    write_record(
+        rank_dir / EXIT_FILE,
+        {
+            "exit_code": exit_code,
+            "exited_at": time.time(),
+            "signal": exit_code - 128 if exit_code > 128 else None,
+            "started": started,
+        },
+        durable=True,
+    )
+
+
+def _stop_requested(rank_dir: Path) -> int | None:
+    """The signal the control plane already asked this rank to get, if any."""
+    if (rank_dir / KILL_FILE).exists():
+        return int(signal.SIGKILL)
+    if (rank_dir / SIGNAL_FILE).exists():
+        return int(signal.SIGTERM)
+    return None
+
+
+def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
+    """Start one rank, wait on it, and record its start and its exit code."""
+    rank_dir = gang_dir / str(rank)
+    pid = os.getpid()
+    write_record(
+        rank_dir / KEEPER_FILE,
+        {"pid": pid, "start_ticks": procfs.start_ticks(pid), "at": time.time()},
+    )
+    # A gang stopped before this rank started loses nothing by never starting it.
+    requested = _stop_requested(rank_dir)
+    if requested is not None:
+        _record_exit(rank_dir, 128 + requested, started=False)
+        return
+    env = rank_environment(gang, rank, rank_dir)
+    log_fd = os.open(rank_dir / RANK_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    started_at = time.time()
+    try:
+        process = subprocess.Popen(
+            ["/bin/sh", "-c", SHELL_PREFIX + gang["command"]],
+            stdin=subprocess.DEVNULL,
+            stdout=log_fd,
+            stderr=subprocess.STDOUT,
+            cwd=gang["workdir"],
+            env=env,
+            start_new_session=True,
+        )
+    except OSError as error:
+        os.write(log_fd, f"quartermaster: could not start rank {rank}: {error}\n".encode())
+        os.close(log_fd)
+        _record_exit(rank_dir, EXIT_NOT_STARTED, started=False)
+        return
+    os.close(log_fd)
+    write_record(
+        rank_dir / STARTED_FILE,
+        {
+            "pid": process.pid,
+            "pgid": process.pid,
+            "start_ticks": procfs.start_ticks(process.pid),
+            "started_at": started_at,
+        },
+    )
+    # signal() or kill() may have run between the check above and the started record,
+    # when they could not yet know the process group; deliver what they asked for.
+    requested = _stop_requested(rank_dir)
+    if requested == signal.SIGKILL or (
+        requested == signal.SIGTERM and create_claim(rank_dir / TERM_SENT_FILE)
+    ):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, requested)
+    returncode = process.wait()
+    _record_exit(rank_dir, returncode if returncode >= 0 else 128 - returncode, started=True)
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """Catch and drop a signal; unlike SIG_IGN, a caught signal is not inherited on exec."""
+
+
+def _become_keeper(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
+    """Run in the forked child: detach, then keep the rank. Never returns."""
+    status = 0
+    try:
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, _ignore)
+        keep_rank(gang_dir, gang, rank)
+    except BaseException:
+        traceback.print_exc()
+        status = 70
+    finally:
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def main(argv: list[str]) -> int:
+    """Fork a keeper for each rank named on the command line; print each rank forked."""
+    if len(argv) < 2:
+        print(
+            "usage: python -m preemption.runtimes.launcher GANG_DIR RANK [RANK ...]",
+            file=sys.stderr,
+        )
+        return 2
+    gang_dir = Path(argv[0])
+    gang = read_record(gang_dir / GANG_FILE)
+    if gang is None:
+        print(f"no {GANG_FILE} in {gang_dir}", file=sys.stderr)
+        return 2
+    for rank in (int(value) for value in argv[1:]):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if os.fork() == 0:
+            _become_keeper(gang_dir, gang, rank)
+        print(rank, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,506 @@
+"""The local runtime: every rank a real OS process on this machine.
+
+Each rank runs in its own session and process group, started by a keeper process (see
+launcher.py) that waits on it and records its pid, start time and exit code on disk under
+`<root>/<job_id>/<attempt>/<rank>/` (layout in records.py). The runtime object holds no
+state of its own: a fresh LocalRuntime over the same root, in another process or after a
+restart, observes exactly what the previous one did. Nodes and GPUs are virtual: they come
+from a configured inventory and only label the ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal as signals
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from preemption.runtimes import procfs
+from preemption.runtimes.base import (
+    GangId,
+    GangSpec,
+    NodeInventory,
+    RankObservation,
+    RuntimePermanentError,
+    RuntimeTemporaryError,
+)
+from preemption.runtimes.records import (
+    EXIT_FILE,
+    FORGOTTEN_FILE,
+    GANG_FILE,
+    KEEPER_FILE,
+    KILL_FILE,
+    LAUNCHER_LOG,
+    RANK_DIR_ENV,
+    RANK_LOG,
+    RANK_RECORDS,
+    SIGNAL_FILE,
+    STARTED_FILE,
+    TERM_SENT_FILE,
+    create_claim,
+    create_record,
+    read_record,
+    write_record,
+)
+
+# The folder that holds the `preemption` package: the launcher is started there so that
+# `python -m preemption.runtimes.launcher` imports this very code, and ranks run there
+# unless told otherwise, so commands like `python examples/train_ddp.py` work.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+# A rank folder with no keeper record this long after it was claimed belongs to a launch
+# that died before starting the rank: nothing will ever start it.
+LAUNCH_TIMEOUT_SECONDS = 30.0
+
+# How long launch() waits for the launcher to fork its keepers.
+LAUNCHER_TIMEOUT_SECONDS = 60.0
+
+ENDED_PHASES = ("exited", "lost")
+
+
+@dataclass(frozen=True, slots=True)
+class GangProcess:
+    """A live process that belongs to a gang: in a rank's process group or session, or
+    carrying the rank's QM_RANK_DIR marker in its environment."""
+
+    pid: int
+    pgid: int
+    sid: int
+    rank: int
+    cmdline: str
+
+
+class LocalRuntime:
+    """Runs gangs as local process groups; implements the Runtime protocol."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        root: Path,
+        inventory: Sequence[NodeInventory],
+        python: str = sys.executable,
+        master_addr: str = "127.0.0.1",
+        workdir: Path | None = None,
+    ) -> None:
+        # An absolute root, since the launcher and the ranks run in another folder and
+        # the orphan scan compares the QM_RANK_DIR marker as a string.
+        self.root = Path(root).resolve()
+        self.inventory = list(inventory)
+        self.python = python
+        self.master_addr = master_addr
+        self.workdir = Path(workdir).resolve() if workdir is not None else PROJECT_ROOT
+
+    # ----------------------------------------------------------------- the protocol
+
+    def launch(self, spec: GangSpec) -> None:
+        """Start every rank of the gang, each under its own keeper.
+
+        Idempotent and safe against a concurrent launch: each rank is claimed by creating
+        its folder, so a rank is started at most once, and a launch that died halfway is
+        completed by the next one. A forgotten gang is never launched again.
+        """
+        self._validate(spec)
+        gang_dir = self.gang_dir(spec.gang)
+        if (gang_dir / FORGOTTEN_FILE).exists():
+            return
+        claimed: list[int] = []
+        try:
+            gang_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not (gang_dir / GANG_FILE).exists():
+                # The first launch picks the master port; a concurrent one loses the race
+                # to write the record and uses the winner's port.
+                create_record(gang_dir / GANG_FILE, self._gang_record(spec))
+            for placement in spec.ranks:
+                try:
+                    (gang_dir / str(placement.rank)).mkdir(mode=0o700)
+                except FileExistsError:
+                    continue
+                claimed.append(placement.rank)
+        except OSError as error:
+            self._release_claims(gang_dir, claimed)
+            raise RuntimeTemporaryError(f"cannot prepare {gang_dir}: {error}") from error
+        if claimed:
+            self._start_keepers(gang_dir, claimed)
+
+    def signal(self, gang: GangId, grace_seconds: float) -> None:
+        """Send SIGTERM to every rank's process group at once, each exactly once.
+
+        One pass over the ranks with no waiting in between. A rank whose process has not
+        started yet gets the signal from its keeper, which checks for the request right
+        after starting it (and does not start a rank asked to stop before it began).
+        """
+        gang_dir = self.gang_dir(gang)
+        record = read_record(gang_dir / GANG_FILE)
+        if record is None:
+            return
+        try:
+            for rank in range(len(record["ranks"])):
+                rank_dir = gang_dir / str(rank)
+                if not rank_dir.is_dir() or (rank_dir / EXIT_FILE).exists():
+                    continue
+                requested = create_record(
+                    rank_dir / SIGNAL_FILE,
+                    {"signal_sent_at": time.time(), "grace_seconds": grace_seconds},
+                )
+                if not requested:
+                    continue
+                started = read_record(rank_dir / STARTED_FILE)
+                if started is not None and create_claim(rank_dir / TERM_SENT_FILE):
+                    _signal_group(int(started["pgid"]), signals.SIGTERM)
+        except OSError as error:
+            raise RuntimeTemporaryError(f"cannot signal gang {gang}: {error}") from error
+
+    def kill(self, gang: GangId) -> None:
+        """SIGKILL every live rank's process group and every leftover process of the gang."""
+        gang_dir = self.gang_dir(gang)
+        record = read_record(gang_dir / GANG_FILE)
+        if record is None:
+            return
+        try:
+            for rank in range(len(record["ranks"])):
+                rank_dir = gang_dir / str(rank)
+                if not rank_dir.is_dir() or (rank_dir / EXIT_FILE).exists():
+                    continue
+                create_record(rank_dir / KILL_FILE, {"kill_sent_at": time.time()})
+                started = read_record(rank_dir / STARTED_FILE)
+                if started is not None:
+                    _signal_group(int(started["pgid"]), signals.SIGKILL)
+        except OSError as error:
+            raise RuntimeTemporaryError(f"cannot kill gang {gang}: {error}") from error
+        # Children that left their rank's process group, or outlived a rank that already
+        # exited, would otherwise hold GPUs and ports forever.
+        for process in self.gang_processes(gang):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signals.SIGKILL)
+
+    def observe(self, gang: GangId | None = None) -> list[RankObservation]:
+        """Observe the ranks of one gang, or of every gang under the root.
+
+        Reads only the records on disk and /proc, so it is correct from any process.
+        """
+        gangs = [gang] if gang is not None else self._known_gangs()
+        observations: list[RankObservation] = []
+        for known in gangs:
+            gang_dir = self.gang_dir(known)
+            record = read_record(gang_dir / GANG_FILE)
+            if record is None:
+                continue
+            for placement in record["ranks"]:
+                observations.append(self._observe_rank(known, gang_dir, placement))
+        return observations
+
+    def nodes(self) -> list[NodeInventory]:
+        """The configured inventory of virtual nodes."""
+        return list(self.inventory)
+
+    def read_log(self, gang: GangId, rank: int, offset: int = 0, limit: int = 1 << 20) -> bytes:
+        """Up to `limit` bytes of the rank's log from byte `offset` (b"" before it exists)."""
+        if offset < 0 or limit < 0:
+            raise RuntimePermanentError(f"bad log range: offset {offset}, limit {limit}")
+        rank_dir = self.gang_dir(gang) / str(rank)
+        if not rank_dir.is_dir():
+            raise RuntimePermanentError(f"gang {gang} has no rank {rank} on this runtime")
+        try:
+            with open(rank_dir / RANK_LOG, "rb") as log:
+                log.seek(offset)
+                return log.read(limit)
+        except FileNotFoundError:
+            return b""
+
+    def released_ports(self, gang: GangId) -> list[int]:
+        """Ports of the gang still bound: [] when the gang left nothing behind.
+
+        Two independent checks: the master port must accept a fresh bind, and no process
+        of the gang may hold a listening TCP socket on any port.
+        """
+        record = read_record(self.gang_dir(gang) / GANG_FILE)
+        if record is None:
+            return []
+        bound: set[int] = set()
+        master_port = int(record["master_port"])
+        if not _port_is_free(master_port):
+            bound.add(master_port)
+        listening = procfs.listening_tcp_ports()
+        for process in self.gang_processes(gang):
+            for inode in procfs.socket_inodes(process.pid):
+                if inode in listening:
+                    bound.add(listening[inode])
+        return sorted(bound)
+
+    def forget(self, gang: GangId) -> None:
+        """Drop the records of a finished gang, keep its logs, and never launch it again."""
+        gang_dir = self.gang_dir(gang)
+        record = read_record(gang_dir / GANG_FILE)
+        if record is None:
+            return
+        live = [o.rank for o in self.observe(gang) if o.phase not in ENDED_PHASES]
+        if live:
+            raise RuntimePermanentError(f"gang {gang} still has live ranks {live}")
+        write_record(gang_dir / FORGOTTEN_FILE, {"forgotten_at": time.time()})
+        for rank in range(len(record["ranks"])):
+            for name in RANK_RECORDS:
+                (gang_dir / str(rank) / name).unlink(missing_ok=True)
+        (gang_dir / GANG_FILE).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------- beyond the protocol
+
+    def gang_dir(self, gang: GangId) -> Path:
+        """The folder holding the gang's records and logs."""
+        return self.root / str(gang.job_id) / str(gang.attempt)
+
+    def gang_processes(self, gang: GangId) -> list[GangProcess]:
+        """Every live process of the gang, found by scanning /proc.
+
+        A process belongs to a rank when it is in the rank's process group or session
+        (and started no earlier than the rank, so a reused pid is not mistaken for it), or
+        when its environment carries the rank's QM_RANK_DIR marker, which catches children
+        that started a session of their own.
+        """
+        gang_dir = self.gang_dir(gang)
+        record = read_record(gang_dir / GANG_FILE)
+        if record is None:
+            return []
+        groups: dict[int, tuple[int, int]] = {}
+        for rank in range(len(record["ranks"])):
+            started = read_record(gang_dir / str(rank) / STARTED_FILE)
+            if started is not None:
+                groups[int(started["pgid"])] = (rank, int(started["start_ticks"] or 0))
+        marker_prefix = str(gang_dir) + os.sep
+        own_pid = os.getpid()
+        processes: list[GangProcess] = []
+        for pid in procfs.iter_pids():
+            if pid == own_pid:
+                continue
+            stat = procfs.read_stat(pid)
+            if stat is None or stat.is_zombie:
+                continue
+            rank_of: int | None = None
+            for group in (stat.pgid, stat.sid):
+                if group in groups and stat.start_ticks >= groups[group][1]:
+                    rank_of = groups[group][0]
+                    break
+            if rank_of is None:
+                marker = procfs.read_environ_value(pid, RANK_DIR_ENV)
+                if marker is not None and marker.startswith(marker_prefix):
+                    tail = marker[len(marker_prefix) :]
+                    if tail.isdigit():
+                        rank_of = int(tail)
+            if rank_of is not None:
+                processes.append(
+                    GangProcess(
+                        pid=pid,
+                        pgid=stat.pgid,
+                        sid=stat.sid,
+                        rank=rank_of,
+                        cmdline=procfs.read_cmdline(pid),
+                    )
+                )
+        return processes
+
+    def find_orphans(self, gang: GangId) -> list[GangProcess]:
+        """Live processes of ranks that have already exited or been lost.
+
+        After a gang has ended this must be empty; the chaos drill checks it.
+        """
+        ended = {o.rank for o in self.observe(gang) if o.phase in ENDED_PHASES}
+        return [process for process in self.gang_processes(gang) if process.rank in ended]
+
+    # ---------------------------------------------------------------------- internals
+
+    def _validate(self, spec: GangSpec) -> None:
+        if not spec.command.strip():
+            raise RuntimePermanentError(f"gang {spec.gang} has an empty command")
+        if not spec.ranks:
+            raise RuntimePermanentError(f"gang {spec.gang} has no ranks")
+        numbers = sorted(placement.rank for placement in spec.ranks)
+        if numbers != list(range(len(spec.ranks))):
+            raise RuntimePermanentError(
+                f"gang {spec.gang} must number its ranks 0..{len(spec.ranks) - 1}, got {numbers}"
+            )
+        known = {node.name for node in self.inventory}
+        unknown = sorted({p.node for p in spec.ranks if p.node not in known})
+        if unknown:
+            raise RuntimePermanentError(
+                f"gang {spec.gang} is placed on nodes not in the inventory: {unknown}"
+            )
+
+    def _gang_record(self, spec: GangSpec) -> dict[str, Any]:
+        ranks = sorted(spec.ranks, key=lambda placement: placement.rank)
+        return {
+            "job_id": spec.job_id,
+            "attempt": spec.attempt,
+            "command": spec.command,
+            "ranks": [{"rank": p.rank, "node": p.node, "local_rank": p.local_rank} for p in ranks],
+            "gpus_per_rank": spec.gpus_per_rank,
+            "grace_seconds": spec.grace_seconds,
+            "priority_class": spec.priority_class,
+            "env": dict(spec.env),
+            "image": spec.image,
+            "team": spec.team,
+            "flavor": spec.flavor,
+            "master_addr": self.master_addr,
+            "master_port": _free_port(self.master_addr),
+            "workdir": str(self.workdir),
+            "launched_at": time.time(),
+        }
+
+    def _start_keepers(self, gang_dir: Path, ranks: list[int]) -> None:
+        command = [self.python, "-m", "preemption.runtimes.launcher", str(gang_dir)]
+        command += [str(rank) for rank in ranks]
+        try:
+            with open(gang_dir / LAUNCHER_LOG, "ab") as launcher_log:
+                launcher = subprocess.Popen(
+                    command,
+                    cwd=PROJECT_ROOT,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=launcher_log,
+                    start_new_session=True,
+                )
+        except OSError as error:
+            self._release_claims(gang_dir, ranks)
+            raise RuntimeTemporaryError(f"cannot start the launcher: {error}") from error
+        try:
+            forked_output, _ = launcher.communicate(timeout=LAUNCHER_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            forked_output, _ = launcher.communicate()
+        forked = {int(line) for line in forked_output.split()}
+        missing = [rank for rank in ranks if rank not in forked]
+        if missing:
+            self._release_claims(gang_dir, missing)
+            raise RuntimeTemporaryError(
+                f"the launcher started no keeper for ranks {missing} "
+                f"(exit {launcher.returncode}; see {gang_dir / LAUNCHER_LOG})"
+            )
+
+    @staticmethod
+    def _release_claims(gang_dir: Path, ranks: list[int]) -> None:
+        """Give back rank folders no keeper took, so the next launch retries them."""
+        for rank in ranks:
+            try:
+                (gang_dir / str(rank)).rmdir()
+            except OSError:
+                continue
+
+    def _known_gangs(self) -> list[GangId]:
+        gangs: list[GangId] = []
+        if not self.root.is_dir():
+            return gangs
+        for job_dir in self.root.iterdir():
+            if not job_dir.name.isdigit() or not job_dir.is_dir():
+                continue
+            for attempt_dir in job_dir.iterdir():
+                if attempt_dir.name.isdigit() and (attempt_dir / GANG_FILE).exists():
+                    gangs.append(GangId(job_id=int(job_dir.name), attempt=int(attempt_dir.name)))
+        return sorted(gangs, key=lambda gang: (gang.job_id, gang.attempt))
+
+    def _observe_rank(
+        self, gang: GangId, gang_dir: Path, placement: dict[str, Any]
+    ) -> RankObservation:
+        rank = int(placement["rank"])
+        rank_dir = gang_dir / str(rank)
+        signal_record = read_record(rank_dir / SIGNAL_FILE)
+        exit_record = read_record(rank_dir / EXIT_FILE)
+        started = read_record(rank_dir / STARTED_FILE)
+        if exit_record is None:
+            stopping = signal_record is not None or (rank_dir / KILL_FILE).exists()
+            phase = self._phase_without_exit(rank_dir, started, stopping)
+            if phase == "lost":
+                # The keeper may have recorded the exit just before it went away.
+                exit_record = read_record(rank_dir / EXIT_FILE)
+                started = read_record(rank_dir / STARTED_FILE)
+        if exit_record is not None:
+            phase = "exited"
+        return RankObservation(
+            job_id=gang.job_id,
+            attempt=gang.attempt,
+            rank=rank,
+            node=str(placement["node"]),
+            phase=phase,
+            exit_code=None if exit_record is None else int(exit_record["exit_code"]),
+            handle="" if started is None else str(started["pid"]),
+            started_at=None if started is None else float(started["started_at"]),
+            exited_at=None if exit_record is None else float(exit_record["exited_at"]),
+            signal_sent_at=(
+                None if signal_record is None else float(signal_record["signal_sent_at"])
+            ),
+        )
+
+    @staticmethod
+    def _phase_without_exit(rank_dir: Path, started: dict[str, Any] | None, stopping: bool) -> str:
+        live_phase = "terminating" if stopping else "running"
+        if started is not None and procfs.is_alive(int(started["pid"]), started["start_ticks"]):
+            return live_phase
+        keeper = read_record(rank_dir / KEEPER_FILE)
+        if keeper is not None and procfs.is_alive(int(keeper["pid"]), keeper["start_ticks"]):
+            # Either the rank is about to start, or it has just exited and its keeper is
+            # writing the exit record.
+            if started is None:
+                return "terminating" if stopping else "starting"
+            return live_phase
+        if keeper is None and started is None:
+            try:
+                claimed_at = rank_dir.stat().st_mtime
+            except FileNotFoundError:
+                return "lost"
+            if time.time() - claimed_at < LAUNCH_TIMEOUT_SECONDS:
+                return "terminating" if stopping else "starting"
+        return "lost"
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        # The whole group has already gone: the signal has nothing left to do.
+        pass
+    except PermissionError as error:
+        raise RuntimePermanentError(f"not allowed to signal process group {pgid}") from error
+
+
+def _free_port(address: str) -> int:
+    """A TCP port free on `address` right now, for the gang's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((address, 0))
+        return int(probe.getsockname()[1])
+
+
+def _port_is_free(port: int) -> bool:
+    """True when a fresh socket can bind the port on every IPv4 and IPv6 address.
+
+    SO_REUSEADDR is set so that connections lingering in TIME_WAIT, which no process owns
+    and the kernel clears by itself, do not count as a port still held; a listening
+    socket still makes the bind fail.
+    """
+    families = [(socket.AF_INET, "")]
+    if socket.has_ipv6:
+        families.append((socket.AF_INET6, "::"))
+    for family, address in families:
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind((address, port))
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    return False
+                if family == socket.AF_INET6:
+                    # No usable IPv6 on this machine: the IPv4 check stands alone.
+                    continue
+                raise
+    return True
