@@ -1,0 +1,134 @@
+"""Trap events: one ``QM_EVENT {json}`` line on stdout each, plus a best-effort POST.
+
+The stdout line is the record that counts: after a rank exits, the runtime ingests
+the ``QM_EVENT`` lines from its log, so an event whose POST was lost still arrives.
+The POST only makes the portal learn about it sooner, which is why it runs in a
+background thread with a short timeout and why its failures are swallowed.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any, TextIO
+
+EVENT_PREFIX = "QM_EVENT "
+POST_TIMEOUT_SECONDS = 2.0
+
+EVENT_NAMES = (
+    "signal_received",
+    "checkpoint_started",
+    "checkpoint_committed",
+    "checkpoint_skipped",
+    "exiting",
+    "resumed",
+)
+
+
+def parse_event_line(line: str) -> dict[str, Any] | None:
+    """Return the event carried by one log line, or None when the line is not an event."""
+    if not line.startswith(EVENT_PREFIX):
+        return None
+    payload = json.loads(line[len(EVENT_PREFIX) :])
+    return payload if isinstance(payload, dict) else None
+
+
+class EventReporter:
+    """Writes trap events to stdout and POSTs them to the portal without ever blocking training.
+
+    ``rank`` is a callable because the process group is often initialised after the
+    trap is built, and the rank an event carries must be the one in force when it
+    happened.
+    """
+
+    def __init__(
+        self,
+        *,
+        job_id: int | str | None,
+        attempt: int | None,
+        rank: Callable[[], int],
+        events_url: str | None,
+        events_token: str | None,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.attempt = attempt
+        self.events_url = events_url or None
+        self.events_token = events_token or None
+        self.posts_failed = 0
+        self.posts_sent = 0
+        self._rank = rank
+        self._stream = stream
+        self._outbox: queue.Queue[bytes | None] = queue.Queue()
+        self._sender: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def emit(self, event: str, *, at: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Record one event now; ``at`` defaults to the current Unix time."""
+        payload: dict[str, Any] = {
+            "event": event,
+            "job_id": self.job_id,
+            "attempt": self.attempt,
+            "rank": self._rank(),
+            "at": time.time() if at is None else at,
+        }
+        payload.update(fields)
+        text = json.dumps(payload)
+        stream = self._stream if self._stream is not None else sys.stdout
+        try:
+            stream.write(EVENT_PREFIX + text + "\n")
+            stream.flush()
+        except (OSError, ValueError):
+            # A closed or broken stdout must not take training down with it.
+            pass
+        if self.events_url is not None:
+            self._start_sender()
+            self._outbox.put(text.encode())
+        return payload
+
+    def flush(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for queued POSTs to finish (or fail)."""
+        if self._sender is None:
+            return
+        deadline = time.monotonic() + max(0.0, timeout)
+        while self._outbox.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _start_sender(self) -> None:
+        with self._lock:
+            if self._sender is None:
+                # A daemon thread: a portal that does not answer must never keep a
+                # finished rank alive.
+                self._sender = threading.Thread(
+                    target=self._send_forever, name="gracetrap-events", daemon=True
+                )
+                self._sender.start()
+
+    def _send_forever(self) -> None:
+        while True:
+            body = self._outbox.get()
+            try:
+                if body is None:
+                    return
+                self._post(body)
+            finally:
+                self._outbox.task_done()
+
+    def _post(self, body: bytes) -> None:
+        assert self.events_url is not None
+        headers = {"Content-Type": "application/json"}
+        if self.events_token is not None:
+            headers["Authorization"] = f"Bearer {self.events_token}"
+        request = urllib.request.Request(self.events_url, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=POST_TIMEOUT_SECONDS) as response:
+                response.read()
+            self.posts_sent += 1
+        except Exception:
+            # Best effort by design: the log line above already carries the event.
+            self.posts_failed += 1
