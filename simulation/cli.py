@@ -1,0 +1,226 @@
+"""Command line of the trace replay: ``python -m simulation ...`` (and ``manage.py simulate``).
+
+:func:`add_arguments` declares every option on any argparse parser, so the Django command can
+reuse it; :func:`run_simulation` takes the parsed options (a namespace or a mapping such as the
+``options`` of a Django command) and returns the :class:`~simulation.report.Report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TextIO
+
+from simulation.engine import POLICIES, Progress, SimulationConfig, simulate
+from simulation.report import Report
+from simulation.traces import (
+    FORMATS,
+    ClusterNode,
+    TraceError,
+    TraceJob,
+    derive_quotas,
+    load_cluster,
+    load_helios_quotas,
+    load_quotas,
+    load_trace,
+    uniform_cluster,
+)
+
+# The shared data folder sits next to the project root (../shared/data from /work/main).
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DEFAULT_OPENB_TRACE = SHARED_DATA / "openb_pod_list_default.csv"
+DEFAULT_HELIOS_QUOTAS = SHARED_DATA / "helios_venus_vc_gpus_daily.csv"
+
+DEFAULTS: dict[str, Any] = {
+    "trace": None,
+    "format": "generic",
+    "nodes": None,
+    "gpus_per_node": 8,
+    "cluster": None,
+    "quotas": None,
+    "derive_quotas": False,
+    "quotas_from_helios": None,
+    "helios_file": DEFAULT_HELIOS_QUOTAS,
+    "policy": "fairshare",
+    "checkpoint_interval": 1800.0,
+    "save_seconds": 30.0,
+    "restart_seconds": 60.0,
+    "cycle_seconds": 1.0,
+    "grace_seconds": 120.0,
+    "arrival_scale": 1.0,
+    "json": None,
+    "seed": 0,
+    "progress": True,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the simulation's options (the names of issue 8) on ``parser``."""
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        help="trace file (default for --format openb: ../shared/data/openb_pod_list_default.csv)",
+    )
+    parser.add_argument("--format", choices=FORMATS, default=DEFAULTS["format"])
+    parser.add_argument("--nodes", type=int, help="number of identical nodes")
+    parser.add_argument("--gpus-per-node", type=int, default=DEFAULTS["gpus_per_node"])
+    parser.add_argument(
+        "--cluster", type=Path, help="cluster CSV: name,gpus (or the openb node list)"
+    )
+    quotas = parser.add_mutually_exclusive_group()
+    quotas.add_argument("--quotas", type=Path, help="quota CSV: team,guarantee")
+    quotas.add_argument(
+        "--derive-quotas",
+        action="store_true",
+        help="guarantees proportional to each team's share of the trace's GPU time",
+    )
+    quotas.add_argument(
+        "--quotas-from-helios",
+        metavar="DATE",
+        help="guarantees from one day (YYYY-MM-DD) of the Helios Venus virtual clusters",
+    )
+    parser.add_argument("--helios-file", type=Path, default=DEFAULTS["helios_file"])
+    parser.add_argument("--policy", choices=POLICIES, default=DEFAULTS["policy"])
+    parser.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        default=DEFAULTS["checkpoint_interval"],
+        help="seconds of work between checkpoints (0: never)",
+    )
+    parser.add_argument("--save-seconds", type=float, default=DEFAULTS["save_seconds"])
+    parser.add_argument("--restart-seconds", type=float, default=DEFAULTS["restart_seconds"])
+    parser.add_argument("--cycle-seconds", type=float, default=DEFAULTS["cycle_seconds"])
+    parser.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=DEFAULTS["grace_seconds"],
+        help="grace window of the (single, preemptible) priority class",
+    )
+    parser.add_argument(
+        "--arrival-scale",
+        type=float,
+        default=DEFAULTS["arrival_scale"],
+        help="multiply submit times by this factor (below 1 compresses the trace)",
+    )
+    parser.add_argument("--json", type=Path, help="write the JSON report here")
+    parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    parser.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar on stderr"
+    )
+
+
+def _options(options: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
+    given = vars(options) if isinstance(options, argparse.Namespace) else dict(options)
+    merged = dict(DEFAULTS)
+    for key in DEFAULTS:
+        if given.get(key) is not None:
+            merged[key] = given[key]
+    return merged
+
+
+def _cluster(opts: Mapping[str, Any], guarantees: Mapping[str, int] | None) -> list[ClusterNode]:
+    if opts["cluster"] is not None:
+        if opts["nodes"] is not None:
+            raise TraceError("give either --nodes or --cluster, not both")
+        return load_cluster(Path(opts["cluster"]))
+    nodes = opts["nodes"]
+    per_node = int(opts["gpus_per_node"])
+    if nodes is None:
+        total = sum(guarantees.values()) if guarantees else 0
+        if total <= 0:
+            raise TraceError("give --nodes or --cluster (or quotas whose sum sizes the cluster)")
+        nodes = math.ceil(total / per_node)
+    return uniform_cluster(int(nodes), per_node)
+
+
+def prepare(options: argparse.Namespace | Mapping[str, Any]) -> tuple[list[TraceJob], Any]:
+    """Read every input the options name; return the trace and its SimulationConfig."""
+    opts = _options(options)
+    guarantees: dict[str, int] | None = None
+    if opts["quotas"] is not None:
+        guarantees = load_quotas(Path(opts["quotas"]))
+    elif opts["quotas_from_helios"] is not None:
+        guarantees = load_helios_quotas(Path(opts["helios_file"]), str(opts["quotas_from_helios"]))
+    trace_path = opts["trace"]
+    if trace_path is None:
+        if opts["format"] != "openb":
+            raise TraceError("--trace is required for --format generic and sia")
+        trace_path = DEFAULT_OPENB_TRACE
+    trace = load_trace(Path(trace_path), opts["format"], guarantees, int(opts["seed"]))
+    scale = float(opts["arrival_scale"])
+    if scale <= 0:
+        raise TraceError("--arrival-scale must be > 0")
+    if scale != 1.0:
+        trace = [replace(job, submit_time=job.submit_time * scale) for job in trace]
+    nodes = _cluster(opts, guarantees)
+    capacity = sum(node.gpus for node in nodes)
+    if opts["derive_quotas"]:
+        guarantees = derive_quotas(trace, capacity)
+    config = SimulationConfig(
+        nodes=nodes,
+        guarantees=guarantees or {},
+        policy=opts["policy"],
+        checkpoint_interval=float(opts["checkpoint_interval"]),
+        save_seconds=float(opts["save_seconds"]),
+        restart_seconds=float(opts["restart_seconds"]),
+        cycle_seconds=float(opts["cycle_seconds"]),
+        grace_seconds=float(opts["grace_seconds"]),
+        seed=int(opts["seed"]),
+    )
+    return trace, config
+
+
+def progress_bar(stream: TextIO, width: int = 30) -> Callable[[Progress], None]:
+    """A progress callback drawing one self-overwriting line on ``stream``."""
+    started = time.monotonic()
+
+    def draw(progress: Progress) -> None:
+        share = progress.jobs_done / progress.jobs_total if progress.jobs_total else 1.0
+        filled = int(share * width)
+        bar = "#" * filled + "." * (width - filled)
+        stream.write(
+            f"\r[{bar}] {share:6.1%} {progress.jobs_done}/{progress.jobs_total} jobs, "
+            f"{progress.simulated_seconds / 3600:.1f} h simulated, "
+            f"{progress.running} running, {progress.pending} pending, "
+            f"{progress.plan_calls} cycles, {time.monotonic() - started:.0f} s"
+        )
+        if progress.jobs_done >= progress.jobs_total:
+            stream.write("\n")
+        stream.flush()
+
+    return draw
+
+
+def run_simulation(
+    options: argparse.Namespace | Mapping[str, Any], stderr: TextIO | None = None
+) -> Report:
+    """Run one simulation from parsed options; write --json if given; return the report."""
+    opts = _options(options)
+    trace, config = prepare(opts)
+    progress = progress_bar(stderr or sys.stderr) if opts["progress"] else None
+    report = simulate(trace, config, progress)
+    if opts["json"] is not None:
+        report.write_json(Path(opts["json"]))
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m simulation``: run, print a summary, exit 0 (2 on bad input)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m simulation",
+        description="Replay a job trace through the fair-share engine in simulated time.",
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        report = run_simulation(args)
+    except (TraceError, ValueError) as error:
+        parser.exit(2, f"error: {error}\n")
+    for line in report.summary_lines():
+        print(line)
+    return 0

@@ -1,0 +1,516 @@
+"""Discrete-event replay of a trace through the real ``fairshare`` engine, in simulated time.
+
+The simulation keeps one heap of timed events (arrivals, completions, victims' exits) and runs a
+scheduling cycle on the grid ``k * cycle_seconds`` whenever something changed since the last one,
+as the portal's beat does; every event that happened up to a cycle is applied before it, so one
+call of :func:`fairshare.plan` decides for all of them.  A victim's exit also queues an extra
+cycle at that instant, as an event does in the portal, because a reclaiming team waits on exactly
+that exit.  A cycle with no pending job is skipped: the engine only admits pending jobs and only
+preempts for them, so it could not decide anything.
+
+How a job runs:
+
+* It needs ``duration`` seconds of work.  Every ``checkpoint_interval`` seconds of work it pauses
+  for ``save_seconds`` to commit a checkpoint (not after its last piece of work).
+* A victim with a grace window of at least ``save_seconds`` saves at once, exits
+  ``save_seconds`` later and loses nothing; otherwise the trap skips the save, the victim exits at
+  once and loses the work since its last committed checkpoint.  Its GPUs stay held until it exits.
+* A requeued job is pending again as soon as it exits.  When admitted again it first spends
+  ``restart_seconds`` restoring its checkpoint (holding its GPUs, doing no work), then continues.
+* A job of ``gpus`` GPUs is a gang of ranks: one rank when it fits one node, else
+  ``gpus / r`` ranks of ``r`` GPUs, ``r`` the largest divisor of ``gpus`` not above the largest
+  node.  Jobs that no placement of the cluster can ever hold are counted and left out.
+
+Policies:
+
+* ``fairshare``: one queue per team under a root queue holding the whole cluster, each with its
+  guarantee and no borrow or lend limit: the engine lends idle guarantees and reclaims them.
+* ``static``: the same queues with ``borrow_limit = lend_limit = 0``: nobody borrows or lends.
+* ``fifo``: one queue for everybody, strict head of line.  The engine admits a later job when the
+  head does not fit (it plans every pending workload at once), so the simulation hands it only the
+  head of the line, and asks again for the next one after each admission; placement stays the
+  engine's.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import fairshare
+from simulation.report import Ledger, Report
+from simulation.traces import ClusterNode, TraceJob
+
+POLICIES = ("fifo", "static", "fairshare")
+FLAVOR = "gpu"
+ROOT_QUEUE = "cluster"
+FIFO_QUEUE = "fifo"
+PRIORITY_CLASS = "batch"
+
+_ARRIVAL = 0
+_FINISH = 1
+_EXIT = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SimulationConfig:
+    """Everything a run needs besides the trace."""
+
+    nodes: Sequence[ClusterNode]
+    guarantees: Mapping[str, int]
+    policy: str = "fairshare"
+    checkpoint_interval: float = 1800.0
+    save_seconds: float = 30.0
+    restart_seconds: float = 60.0
+    cycle_seconds: float = 1.0
+    grace_seconds: float = 120.0
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where a run stands, handed to the progress callback about twice a second."""
+
+    jobs_total: int
+    jobs_done: int
+    simulated_seconds: float
+    plan_calls: int
+    running: int
+    pending: int
+
+
+@dataclass(slots=True)
+class SimJob:
+    """The mutable state of one job during the replay."""
+
+    index: int
+    id: str
+    team: str
+    gpus: int
+    ranks: int
+    gpus_per_rank: int
+    duration: float
+    submitted_at: float
+    state: str = "future"  # future | pending | running | terminating | done | unfit
+    attempt: int = 0
+    committed: float = 0.0
+    admitted_at: float = 0.0
+    work_from: float = 0.0
+    checkpoints_planned: int = 0
+    pending_since: float = 0.0
+    pending_seconds: float = 0.0
+    workload: Any = None
+    preemptions: int = 0
+
+
+def gang_shape(gpus: int, largest_node: int) -> tuple[int, int]:
+    """Split a job of ``gpus`` GPUs into (ranks, gpus_per_rank) for nodes of ``largest_node``."""
+    if gpus <= largest_node:
+        return 1, gpus
+    per_rank = max(d for d in range(1, largest_node + 1) if gpus % d == 0)
+    return gpus // per_rank, per_rank
+
+
+def gang_fits(ranks: int, gpus_per_rank: int, nodes: Sequence[ClusterNode]) -> bool:
+    """True when an empty cluster can hold the gang (ranks never split across nodes)."""
+    return sum(node.gpus // gpus_per_rank for node in nodes) >= ranks
+
+
+class Simulation:
+    """One replay of a trace under one policy; :meth:`run` returns its :class:`Report`."""
+
+    def __init__(
+        self,
+        trace: Sequence[TraceJob],
+        config: SimulationConfig,
+        progress: Callable[[Progress], None] | None = None,
+        plan: Callable[[Any], Any] | None = None,
+    ) -> None:
+        if config.policy not in POLICIES:
+            raise ValueError(f"unknown policy {config.policy!r} (one of {', '.join(POLICIES)})")
+        if not config.nodes:
+            raise ValueError("the cluster has no node")
+        self.config = config
+        self.progress = progress
+        self._plan = plan or fairshare.plan
+        self.capacity = sum(node.gpus for node in config.nodes)
+        largest = max(node.gpus for node in config.nodes)
+        teams = {job.team for job in trace}
+        guarantees = dict(config.guarantees)
+        for team in teams:
+            guarantees.setdefault(team, 0)
+        self.guarantees = guarantees
+        self.ledger = Ledger(self.capacity, guarantees)
+        self.jobs: list[SimJob] = []
+        for index, job in enumerate(trace):
+            ranks, per_rank = gang_shape(job.gpus, largest)
+            self.jobs.append(
+                SimJob(
+                    index,
+                    f"{index}",
+                    job.team,
+                    job.gpus,
+                    ranks,
+                    per_rank,
+                    job.duration,
+                    job.submit_time,
+                )
+            )
+        fits_cache: dict[tuple[int, int], bool] = {}
+        for sim_job in self.jobs:
+            shape = (sim_job.ranks, sim_job.gpus_per_rank)
+            if shape not in fits_cache:
+                fits_cache[shape] = gang_fits(*shape, config.nodes)
+            if not fits_cache[shape]:
+                sim_job.state = "unfit"
+        self.nodes = tuple(fairshare.Node(node.name, FLAVOR, node.gpus) for node in config.nodes)
+        self.queues = self._queues()
+        self.priority_classes = (
+            fairshare.PriorityClass(
+                name=PRIORITY_CLASS,
+                value=0,
+                preemption_policy="PreemptLowerPriority",
+                preemptible=True,
+                grace_seconds=config.grace_seconds,
+            ),
+        )
+        self.period = config.checkpoint_interval + config.save_seconds
+        self.events: list[tuple[float, int, int, int, int]] = []
+        self.checkpoints: list[tuple[float, int, int, int]] = []
+        self._sequence = 0
+        self.next_cycle = math.inf
+        self.running: dict[str, Any] = {}
+        self.pending: dict[str, Any] = {}
+        self.by_id = {job.id: job for job in self.jobs}
+        self.plan_calls = 0
+        self.plan_seconds = 0.0
+        self.jobs_done = 0
+        self.stalled_reasons: dict[str, str] = {}
+
+    # Building the engine's view.
+
+    def _queues(self) -> tuple[Any, ...]:
+        policy = self.config.policy
+        if policy == "fifo":
+            quota = fairshare.FlavorQuota(guarantee=self.capacity, borrow_limit=0, lend_limit=0)
+            return (fairshare.Queue(FIFO_QUEUE, None, 1.0, {FLAVOR: quota}),)
+        root = fairshare.Queue(
+            ROOT_QUEUE,
+            None,
+            1.0,
+            {FLAVOR: fairshare.FlavorQuota(guarantee=self.capacity)},
+        )
+        limit = 0 if policy == "static" else None
+        teams = tuple(
+            fairshare.Queue(
+                team,
+                ROOT_QUEUE,
+                1.0,
+                {
+                    FLAVOR: fairshare.FlavorQuota(
+                        guarantee=guarantee, borrow_limit=limit, lend_limit=limit
+                    )
+                },
+            )
+            for team, guarantee in sorted(self.guarantees.items())
+        )
+        return (root, *teams)
+
+    def _queue_of(self, job: SimJob) -> str:
+        return FIFO_QUEUE if self.config.policy == "fifo" else job.team
+
+    def _pending_workload(self, job: SimJob) -> Any:
+        return fairshare.Workload(
+            id=job.id,
+            queue=self._queue_of(job),
+            priority_class=PRIORITY_CLASS,
+            flavor=FLAVOR,
+            ranks=job.ranks,
+            gpus_per_rank=job.gpus_per_rank,
+            state="pending",
+            submitted_at=job.submitted_at,
+        )
+
+    def _placed_workload(
+        self, job: SimJob, state: str, placement: Any, last_checkpoint_at: float | None
+    ) -> Any:
+        return fairshare.Workload(
+            id=job.id,
+            queue=self._queue_of(job),
+            priority_class=PRIORITY_CLASS,
+            flavor=FLAVOR,
+            ranks=job.ranks,
+            gpus_per_rank=job.gpus_per_rank,
+            state=state,
+            submitted_at=job.submitted_at,
+            admitted_at=job.admitted_at,
+            placement=placement,
+            last_checkpoint_at=last_checkpoint_at,
+        )
+
+    # Events.
+
+    def _push(self, at: float, kind: int, job: SimJob) -> None:
+        self._sequence += 1
+        heapq.heappush(self.events, (at, self._sequence, kind, job.index, job.attempt))
+
+    def _cycle_after(self, now: float) -> float:
+        cycle = self.config.cycle_seconds
+        if cycle <= 0:
+            return now
+        return math.ceil(now / cycle - 1e-9) * cycle
+
+    def _want_cycle(self, at: float) -> None:
+        self.next_cycle = min(self.next_cycle, at)
+
+    # The work model of one attempt.
+
+    def _work_done(self, job: SimJob, now: float) -> tuple[float, float, float | None]:
+        """(work done, work committed, time of the last commit in this attempt) at ``now``."""
+        elapsed = max(0.0, now - job.work_from)
+        interval = self.config.checkpoint_interval
+        if interval <= 0:
+            return min(job.duration, job.committed + elapsed), job.committed, None
+        full = int(elapsed // self.period)
+        done = job.committed + full * interval + min(elapsed - full * self.period, interval)
+        commits = min(full, job.checkpoints_planned)
+        committed = job.committed + commits * interval
+        last_commit = job.work_from + commits * self.period if commits else None
+        return min(job.duration, done), committed, last_commit
+
+    # Handling events.
+
+    def _arrive(self, job: SimJob, now: float) -> None:
+        self.ledger.job_submitted(job.team)
+        if job.state == "unfit":
+            return
+        self._make_pending(job, now, requeued=False)
+
+    def _make_pending(self, job: SimJob, now: float, *, requeued: bool) -> None:
+        job.state = "pending"
+        job.pending_since = now
+        job.workload = self._pending_workload(job)
+        self.pending[job.id] = job.workload
+        self.ledger.job_pending(job.team, job.gpus, requeued=requeued)
+        self._want_cycle(self._cycle_after(now))
+
+    def _admit(self, job: SimJob, placement: Any, now: float) -> None:
+        del self.pending[job.id]
+        self.ledger.job_admitted(job.team, job.gpus)
+        job.pending_seconds += now - job.pending_since
+        job.state = "running"
+        job.attempt += 1
+        job.admitted_at = now
+        # A resumed job restores its checkpoint before doing any work.
+        job.work_from = now + (self.config.restart_seconds if job.committed > 0 else 0.0)
+        remaining = job.duration - job.committed
+        interval = self.config.checkpoint_interval
+        job.checkpoints_planned = max(0, math.ceil(remaining / interval) - 1) if interval > 0 else 0
+        finish = job.work_from + remaining + job.checkpoints_planned * self.config.save_seconds
+        job.workload = self._placed_workload(job, "running", tuple(placement), None)
+        self.running[job.id] = job.workload
+        self._push(finish, _FINISH, job)
+        if job.checkpoints_planned:
+            self._sequence += 1
+            heapq.heappush(
+                self.checkpoints,
+                (job.work_from + self.period, self._sequence, job.index, job.attempt),
+            )
+
+    def _preempt(self, job: SimJob, grace_seconds: float, now: float) -> None:
+        done, committed, last_commit = self._work_done(job, now)
+        save = self.config.save_seconds
+        if grace_seconds >= save:
+            # The trap saves within the grace window: nothing is lost, the exit waits for the save.
+            lost = 0.0
+            job.committed = done
+            exit_at = now + save
+        else:
+            # Too little grace to save: the trap skips the save and exits at once.
+            lost = done - committed
+            job.committed = committed
+            exit_at = now
+        job.state = "terminating"
+        job.preemptions += 1
+        job.workload = self._placed_workload(
+            job, "terminating", job.workload.placement, last_commit
+        )
+        self.running[job.id] = job.workload
+        self.ledger.job_preempted(job.team, lost * job.gpus)
+        self._push(exit_at, _EXIT, job)
+
+    def _finish(self, job: SimJob, now: float) -> None:
+        del self.running[job.id]
+        job.state = "done"
+        job.workload = None
+        self.jobs_done += 1
+        self.ledger.gpus_released(job.team, job.gpus, finished=True)
+        self.ledger.job_finished(job.team, now - job.submitted_at, job.pending_seconds)
+        if self.pending:
+            self._want_cycle(self._cycle_after(now))
+
+    def _exit(self, job: SimJob, now: float) -> None:
+        del self.running[job.id]
+        self.ledger.gpus_released(job.team, job.gpus, finished=False)
+        self._make_pending(job, now, requeued=True)
+        # The exit of a victim queues an extra cycle right away, as an event does in the portal.
+        self._want_cycle(now)
+
+    def _refresh_checkpoints(self, now: float) -> None:
+        """Tell the engine about checkpoints committed since the last cycle (rule R9 uses them)."""
+        heap = self.checkpoints
+        while heap and heap[0][0] <= now:
+            at, _, index, attempt = heapq.heappop(heap)
+            job = self.jobs[index]
+            if job.state != "running" or job.attempt != attempt:
+                continue
+            job.workload = self._placed_workload(job, "running", job.workload.placement, at)
+            self.running[job.id] = job.workload
+            commits = round((at - job.work_from) / self.period)
+            if commits < job.checkpoints_planned:
+                self._sequence += 1
+                heapq.heappush(heap, (at + self.period, self._sequence, index, attempt))
+
+    # The scheduling cycle.
+
+    def _snapshot(self, now: float, pending: Sequence[Any]) -> Any:
+        return fairshare.Snapshot(
+            now=now,
+            nodes=self.nodes,
+            queues=self.queues,
+            priority_classes=self.priority_classes,
+            workloads=tuple(chain(self.running.values(), pending)),
+        )
+
+    def _call_plan(self, snapshot: Any) -> Any:
+        started = time.perf_counter()
+        result = self._plan(snapshot)
+        self.plan_seconds += time.perf_counter() - started
+        self.plan_calls += 1
+        return result
+
+    def _apply(self, result: Any, now: float) -> int:
+        for admission in result.admit:
+            self._admit(self.by_id[admission.id], admission.placement, now)
+        for preemption in result.preempt:
+            job = self.by_id[preemption.id]
+            if job.state == "running":
+                self._preempt(job, preemption.grace_seconds, now)
+        return len(result.admit) + len(result.preempt)
+
+    def _cycle(self, now: float) -> None:
+        if not self.pending:
+            return
+        if self.config.policy == "fifo":
+            self._fifo_cycle(now)
+            return
+        self._refresh_checkpoints(now)
+        result = self._call_plan(self._snapshot(now, tuple(self.pending.values())))
+        self._apply(result, now)
+        self._remember_waiting(result)
+
+    def _fifo_cycle(self, now: float) -> None:
+        # Pending jobs are kept in arrival order (dicts keep insertion order and fifo never
+        # requeues), so the first one is the head of the line.
+        while self.pending:
+            head = next(iter(self.pending.values()))
+            result = self._call_plan(self._snapshot(now, (head,)))
+            self._remember_waiting(result)
+            if not any(admission.id == head.id for admission in result.admit):
+                return
+            self._apply(result, now)
+
+    def _remember_waiting(self, result: Any) -> None:
+        for waiting in result.waiting:
+            self.stalled_reasons[waiting.id] = waiting.reason
+
+    def run(self) -> Report:
+        """Replay the whole trace and return the report."""
+        wall_started = time.perf_counter()
+        for job in self.jobs:
+            self._push(job.submitted_at, _ARRIVAL, job)
+        events = self.events
+        last_progress = 0.0
+        steps = 0
+        now = 0.0
+        while True:
+            next_event = events[0][0] if events else math.inf
+            if next_event == math.inf and self.next_cycle == math.inf:
+                break
+            if next_event <= self.next_cycle:
+                now, _, kind, index, attempt = heapq.heappop(events)
+                job = self.jobs[index]
+                self.ledger.advance(now)
+                if kind == _ARRIVAL:
+                    self._arrive(job, now)
+                elif job.attempt != attempt:
+                    continue
+                elif kind == _FINISH and job.state == "running":
+                    self._finish(job, now)
+                elif kind == _EXIT and job.state == "terminating":
+                    self._exit(job, now)
+            else:
+                now = self.next_cycle
+                self.next_cycle = math.inf
+                self.ledger.advance(now)
+                self._cycle(now)
+            steps += 1
+            if self.progress is not None and steps % 512 == 0:
+                wall = time.perf_counter()
+                if wall - last_progress >= 0.5:
+                    last_progress = wall
+                    self._report_progress(now)
+        end = max((self.ledger.now, now))
+        self.ledger.close(end)
+        if self.progress is not None:
+            self._report_progress(end)
+        unfinished = [job for job in self.jobs if job.state not in ("done", "unfit")]
+        stalled = {
+            job.id: self.stalled_reasons.get(job.id, "never admitted") for job in unfinished[:20]
+        }
+        return self.ledger.report(
+            policy=self.config.policy,
+            capacity_gpus=self.capacity,
+            nodes=len(self.config.nodes),
+            jobs=len(self.jobs),
+            jobs_completed=self.jobs_done,
+            jobs_unfinished=len(unfinished),
+            jobs_unfit=sum(1 for job in self.jobs if job.state == "unfit"),
+            unfinished_examples=stalled,
+            checkpoint_interval=self.config.checkpoint_interval,
+            save_seconds=self.config.save_seconds,
+            restart_seconds=self.config.restart_seconds,
+            cycle_seconds=self.config.cycle_seconds,
+            grace_seconds=self.config.grace_seconds,
+            seed=self.config.seed,
+            plan_calls=self.plan_calls,
+            plan_wall_seconds=round(self.plan_seconds, 3),
+            wall_seconds=round(time.perf_counter() - wall_started, 3),
+        )
+
+    def _report_progress(self, now: float) -> None:
+        assert self.progress is not None
+        self.progress(
+            Progress(
+                jobs_total=len(self.jobs),
+                jobs_done=self.jobs_done,
+                simulated_seconds=now,
+                plan_calls=self.plan_calls,
+                running=len(self.running),
+                pending=len(self.pending),
+            )
+        )
+
+
+def simulate(
+    trace: Sequence[TraceJob],
+    config: SimulationConfig,
+    progress: Callable[[Progress], None] | None = None,
+) -> Report:
+    """Replay ``trace`` under ``config`` through :func:`fairshare.plan` and report the outcome."""
+    return Simulation(trace, config, progress).run()

@@ -1,0 +1,147 @@
+"""Small traces replayed through the real fair-share engine, with outcomes computed by hand.
+
+Every scenario runs on one node of 4 GPUs with a 1-second cycle.  The expected figures are worked
+out in the comments from the rules of the simulation (see simulation/engine.py): a job runs for its
+duration plus ``save_seconds`` after each ``checkpoint_interval`` of work, a victim with enough
+grace saves and exits ``save_seconds`` later, and a resumed job first restores for
+``restart_seconds``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from simulation.engine import SimulationConfig, gang_fits, gang_shape, simulate
+from simulation.traces import ClusterNode, TraceJob
+
+ONE_NODE = (ClusterNode("node-0", 4),)
+
+
+def job(name: str, submit: float, gpus: int, duration: float, team: str = "a") -> TraceJob:
+    return TraceJob(name, submit, duration, gpus, team)
+
+
+def config(policy: str, **overrides: float) -> SimulationConfig:
+    settings: dict[str, float] = {
+        "checkpoint_interval": 1000.0,
+        "save_seconds": 5.0,
+        "restart_seconds": 20.0,
+        "cycle_seconds": 1.0,
+        "grace_seconds": 120.0,
+    }
+    settings.update(overrides)
+    return SimulationConfig(nodes=ONE_NODE, guarantees={"a": 2, "b": 2}, policy=policy, **settings)
+
+
+# Team a runs a1 (2 GPUs, 100 s) from t=0 and submits a2 (2 GPUs, 100 s) at t=1; team b submits
+# b1 (2 GPUs, 50 s) at t=10.  Guarantees: a 2, b 2; the node has 4 GPUs.
+LENDING_TRACE = [
+    job("a1", 0, 2, 100),
+    job("a2", 1, 2, 100),
+    job("b1", 10, 2, 50, team="b"),
+]
+
+
+def test_fifo_keeps_strict_head_of_line() -> None:
+    # a1 (2 GPUs) runs 0-100.  big (4 GPUs, t=1) waits for the whole node: 100-110.  small
+    # (1 GPU, t=2) would fit beside a1 at once, but may not pass the head: it runs 110-120.
+    trace = [job("a1", 0, 2, 100), job("big", 1, 4, 10), job("small", 2, 1, 10)]
+    report = simulate(trace, config("fifo")).to_dict()
+
+    assert report["run"]["jobs_completed"] == 3
+    assert report["simulated_seconds"] == 120
+    # Completion times 100, 109 and 118; time spent pending 0, 99 and 108.
+    assert report["completion_time_seconds"]["mean"] == pytest.approx(109)
+    assert report["completion_time_seconds"]["max"] == pytest.approx(118)
+    assert report["queueing_delay_seconds"]["mean"] == pytest.approx(69)
+    assert report["queueing_delay_seconds"]["p99"] == pytest.approx(108)
+    # Held GPUs: 2 for 100 s, 4 for 10 s, 1 for 10 s = 250 GPU-s of 4 x 120.
+    assert report["allocation"]["overall"] == pytest.approx(250 / 480, abs=1e-4)
+    assert report["preemptions"] == 0
+
+
+def test_static_quotas_never_lend() -> None:
+    # a2 cannot borrow b's idle guarantee: it waits for a1 and runs 100-200.  b1 runs 10-60.
+    report = simulate(LENDING_TRACE, config("static")).to_dict()
+
+    assert report["run"]["jobs_completed"] == 3
+    assert report["simulated_seconds"] == 200
+    # Completion 100, 199, 50; pending 0, 99, 0.
+    assert report["completion_time_seconds"]["mean"] == pytest.approx(349 / 3, abs=1e-3)
+    assert report["queueing_delay_seconds"]["max"] == pytest.approx(99)
+    # Held: 2 x 10 s, 4 x 50 s, 2 x 40 s, 2 x 100 s = 500 GPU-s of 4 x 200.
+    assert report["allocation"]["overall"] == pytest.approx(0.625)
+    teams = report["teams"]
+    assert teams["a"]["gpu_hours_borrowed"] == 0
+    assert teams["b"]["gpu_hours_lent"] == 0
+    assert report["preemptions"] == 0
+    # Team b is admitted in the cycle of its arrival; team a always holds its guarantee.
+    assert teams["a"]["seconds_below_guarantee_line"] == 0
+    assert teams["b"]["seconds_below_guarantee_line"] == 0
+
+
+def test_fairshare_lends_and_reclaims_with_a_graceful_save() -> None:
+    # a2 borrows b's idle guarantee at t=1.  b1 arrives at t=10: the engine reclaims a2 (it lost
+    # less work than a1: R9).  The grace (120 s) covers the save (5 s): a2 commits its 9 s of work
+    # and exits at 15, when b1 starts (15-65).  a2 restarts at 65, restores until 85 and does its
+    # remaining 91 s: it ends at 176.
+    report = simulate(LENDING_TRACE, config("fairshare")).to_dict()
+
+    assert report["run"]["jobs_completed"] == 3
+    assert report["simulated_seconds"] == 176
+    # Completion 100, 175, 55; pending 0, 50, 5.
+    assert report["completion_time_seconds"]["mean"] == pytest.approx(110)
+    assert report["completion_time_seconds"]["max"] == pytest.approx(175)
+    assert report["queueing_delay_seconds"]["mean"] == pytest.approx(55 / 3, abs=1e-3)
+    # All 4 GPUs are held 0-100 except for 0-1 (2 GPUs); then a2 alone 100-176.
+    assert report["allocation"]["overall"] == pytest.approx(550 / (4 * 176), abs=1e-4)
+    assert report["preemptions"] == 1
+    assert report["lost_gpu_hours"] == 0
+    teams = report["teams"]
+    assert teams["a"]["preemptions"] == 1
+    # a holds 4 GPUs (2 borrowed) during 1-15 and 65-100: 2 x 49 GPU-s, lent by b.
+    assert teams["a"]["gpu_hours_borrowed"] == pytest.approx(98 / 3600, abs=1e-3)
+    assert teams["b"]["gpu_hours_lent"] == pytest.approx(98 / 3600, abs=1e-3)
+    # b waits for its guarantee from 10 until a2 has exited at 15: within cycle + grace.
+    assert teams["b"]["seconds_below_guarantee_line"] == pytest.approx(5)
+    assert report["longest_below_guarantee_line_seconds"] == pytest.approx(5)
+
+
+def test_fairshare_victim_without_enough_grace_loses_work_since_its_checkpoint() -> None:
+    # Checkpoint every 3 s of work, a save takes 5 s, the grace is only 2 s.  a2 starts at 1:
+    # works 1-4, saves 4-9 (3 s committed at 9), works 9-10.  Reclaimed at 10 it cannot save:
+    # it exits at once, losing 1 s of work on 2 GPUs, and b1 starts at 10.
+    settings = {"checkpoint_interval": 3.0, "grace_seconds": 2.0}
+    report = simulate(LENDING_TRACE, config("fairshare", **settings)).to_dict()
+
+    assert report["preemptions"] == 1
+    assert report["lost_gpu_hours"] == pytest.approx(2 / 3600, abs=1e-3)
+    assert report["teams"]["a"]["lost_gpu_hours"] == pytest.approx(2 / 3600, abs=1e-3)
+    assert report["teams"]["b"]["seconds_below_guarantee_line"] == 0
+    # b1 needs 50 s of work and 16 saves (after 3, 6, ... 48 s): 130 s, so it ends at 140.
+    # a1 needs 100 s and 33 saves: 265 s, ending at 265.  a2 restarts at 140, restores until
+    # 160 and needs its remaining 97 s with 32 saves: 257 s, ending at 417.
+    assert report["run"]["jobs_completed"] == 3
+    assert report["simulated_seconds"] == pytest.approx(417)
+    assert report["completion_time_seconds"]["max"] == pytest.approx(416)
+
+
+def test_jobs_larger_than_the_cluster_are_counted_and_left_out() -> None:
+    trace = [job("fits", 0, 4, 10), job("too-big", 0, 8, 10)]
+    report = simulate(trace, config("fairshare")).to_dict()
+
+    assert report["run"]["jobs"] == 2
+    assert report["run"]["jobs_unfit"] == 1
+    assert report["run"]["jobs_completed"] == 1
+    assert report["run"]["jobs_unfinished"] == 0
+
+
+def test_gangs_split_into_whole_node_ranks() -> None:
+    assert gang_shape(4, 8) == (1, 4)
+    assert gang_shape(16, 8) == (2, 8)
+    assert gang_shape(12, 8) == (2, 6)
+    assert gang_shape(13, 8) == (13, 1)
+    nodes = [ClusterNode("x", 8), ClusterNode("y", 8)]
+    assert gang_fits(2, 8, nodes)
+    assert not gang_fits(3, 8, nodes)
+    assert gang_fits(4, 4, nodes)
