@@ -1,0 +1,705 @@
+"""A test-side kubelet for GPU nodes that exist only as API objects.
+
+The control plane for tests has no kubelet and no container runtime. This agent
+registers Node objects with ``nvidia.com/gpu`` capacity, keeps them Ready by
+renewing their Leases, and runs the pods kube-scheduler binds to them:
+
+* a pod annotated ``agent.quartermaster.dev/run: process`` runs its container's
+  command and args as a real local process (its own process group, env resolved
+  from values, Secrets and field references, output in a log file);
+* any other pod is a simulated container: it runs until it is deleted, then
+  exits ``agent.quartermaster.dev/exit-code-on-term`` (default 143, what a
+  process without a SIGTERM handler returns) after
+  ``agent.quartermaster.dev/term-seconds`` (default 0); with
+  ``agent.quartermaster.dev/run-seconds`` it exits by itself with
+  ``agent.quartermaster.dev/exit-code`` (default 0) after that long.
+
+Deletion is honoured like the kubelet does: SIGTERM at once, SIGKILL when the
+grace period ends (a later, shorter grace period moves the deadline), then the
+final container status with its exit code is written and the pod object is
+deleted with grace 0. Container logs are served on the kubelet's
+``/containerLogs`` path over TLS, so ``kubectl logs`` and the pod log API work.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import http.server
+import logging
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
+
+log = logging.getLogger("qm.node_agent")
+
+ANNOTATION_RUN = "agent.quartermaster.dev/run"
+ANNOTATION_TERM_SECONDS = "agent.quartermaster.dev/term-seconds"
+ANNOTATION_EXIT_ON_TERM = "agent.quartermaster.dev/exit-code-on-term"
+ANNOTATION_RUN_SECONDS = "agent.quartermaster.dev/run-seconds"
+ANNOTATION_EXIT_CODE = "agent.quartermaster.dev/exit-code"
+FLAVOR_LABEL = "quartermaster.dev/flavor"
+GPU_RESOURCE = "nvidia.com/gpu"
+LEASE_NAMESPACE = "kube-node-lease"
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """A GPU node the agent registers and plays the kubelet for."""
+
+    name: str
+    gpus: int
+    flavor: str = "h100"
+
+
+def _now_rfc3339(at: float | None = None) -> str:
+    moment = dt.datetime.fromtimestamp(time.time() if at is None else at, tz=dt.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _micro_time(at: float | None = None) -> str:
+    moment = dt.datetime.fromtimestamp(time.time() if at is None else at, tz=dt.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass
+class Container:
+    """One pod's single container as the agent runs it."""
+
+    namespace: str
+    pod: str
+    uid: str
+    name: str
+    image: str
+    mode: str  # "process" | "simulated"
+    node: str
+    log_path: Path
+    started_at: float
+    term_seconds: float = 0.0
+    exit_code_on_term: int = 143
+    process: subprocess.Popen[bytes] | None = None
+    exit_code: int | None = None
+    finished_at: float | None = None
+    term_sent_at: float | None = None
+    kill_deadline: float | None = None
+    reported_final: bool = False
+    deleted_object: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class NodeAgent:
+    """Plays the kubelet for a set of Node objects on one control plane."""
+
+    def __init__(
+        self,
+        api_client: client.ApiClient,
+        nodes: Iterable[NodeSpec],
+        *,
+        work_dir: Path,
+        serving_cert: tuple[Path, Path] | None = None,
+        heartbeat_seconds: float = 2.0,
+        local_rendezvous: bool = True,
+    ) -> None:
+        self.api_client = api_client
+        self.core = client.CoreV1Api(api_client)
+        self.coordination = client.CoordinationV1Api(api_client)
+        self.nodes = {spec.name: spec for spec in nodes}
+        self.work_dir = work_dir
+        self.serving_cert = serving_cert
+        self.heartbeat_seconds = heartbeat_seconds
+        # Ranks running as local processes cannot resolve pod DNS names; point
+        # their rendezvous at loopback with one free port per gang instead.
+        self.local_rendezvous = local_rendezvous
+        self._rendezvous_ports: dict[tuple[str, str], int] = {}
+        self._containers: dict[tuple[str, str], Container] = {}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._lost_nodes: set[str] = set()
+        self._threads: list[threading.Thread] = []
+        self._writer = ThreadPoolExecutor(max_workers=16, thread_name_prefix="agent-status")
+        self._log_server: http.server.ThreadingHTTPServer | None = None
+        self.log_port = 0
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self, *, timeout: float = 60.0) -> None:
+        """Register the nodes, start heartbeats, the log server and the pod watch."""
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._start_log_server()
+        for spec in self.nodes.values():
+            self._register(spec)
+        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch")):
+            thread = threading.Thread(target=target, name=f"agent-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self.wait_schedulable(timeout=timeout)
+
+    def stop(self) -> None:
+        """Kill every container, stop the threads and remove the nodes and their leases."""
+        self._stop.set()
+        with self._lock:
+            containers = list(self._containers.values())
+        for container in containers:
+            self._signal(container, signal.SIGKILL)
+        for thread in self._threads:
+            thread.join(timeout=70)
+        self._writer.shutdown(wait=True)
+        for name in self.nodes:
+            with contextlib.suppress(ApiException):
+                self.core.delete_node(name)
+            with contextlib.suppress(ApiException):
+                self.coordination.delete_namespaced_lease(name, LEASE_NAMESPACE)
+        if self._log_server is not None:
+            self._log_server.shutdown()
+            self._log_server.server_close()
+
+    def wait_schedulable(self, *, timeout: float = 60.0) -> None:
+        """Wait until every node is Ready and free of the not-ready taint."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pending = []
+            for name in self.nodes:
+                node = self.core.read_node(name)
+                taints = [t.key for t in node.spec.taints or []]
+                if taints:
+                    pending.append(f"{name} {taints}")
+            if not pending:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"nodes still tainted: {pending}")
+
+    def lose_node(self, name: str) -> None:
+        """Simulate losing a node: its containers vanish and its heartbeats stop."""
+        with self._lock:
+            self._lost_nodes.add(name)
+            lost = [c for c in self._containers.values() if c.node == name]
+        for container in lost:
+            # A lost machine reports nothing: the processes just die with it.
+            container.reported_final = True
+            self._signal(container, signal.SIGKILL)
+
+    # -- nodes and heartbeats ------------------------------------------------
+    def _register(self, spec: NodeSpec) -> None:
+        capacity = {
+            "cpu": "64",
+            "memory": "512Gi",
+            "pods": "110",
+            "ephemeral-storage": "1Ti",
+            GPU_RESOURCE: str(spec.gpus),
+        }
+        now = _now_rfc3339()
+        conditions = [
+            {
+                "type": kind,
+                "status": "False",
+                "reason": f"KubeletHas{reason}",
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
+            for kind, reason in (
+                ("MemoryPressure", "SufficientMemory"),
+                ("DiskPressure", "NoDiskPressure"),
+                ("PIDPressure", "SufficientPID"),
+            )
+        ] + [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "KubeletReady",
+                "message": "quartermaster node agent is posting ready status",
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
+        ]
+        status = {
+            "capacity": capacity,
+            "allocatable": capacity,
+            "conditions": conditions,
+            "addresses": [
+                {"type": "InternalIP", "address": "127.0.0.1"},
+                {"type": "Hostname", "address": spec.name},
+            ],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.log_port}},
+            "nodeInfo": {
+                "machineID": spec.name,
+                "systemUUID": spec.name,
+                "bootID": spec.name,
+                "kernelVersion": os.uname().release,
+                "osImage": "quartermaster node agent",
+                "containerRuntimeVersion": "qm-agent://1",
+                "kubeletVersion": "v1.34.4",
+                "kubeProxyVersion": "",
+                "operatingSystem": "linux",
+                "architecture": "amd64",
+            },
+        }
+        body = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": spec.name,
+                "labels": {
+                    "kubernetes.io/hostname": spec.name,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                    FLAVOR_LABEL: spec.flavor,
+                },
+            },
+            "status": status,
+        }
+        with contextlib.suppress(ApiException):
+            self.core.delete_node(spec.name)
+        self.core.create_node(body)
+        # Status set at creation is kept for nodes, but write it through the
+        # status subresource as well so no admission default can shadow it.
+        self.core.patch_node_status(spec.name, {"status": status})
+        self._renew_lease(spec.name)
+
+    def _renew_lease(self, name: str) -> None:
+        body = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": name, "namespace": LEASE_NAMESPACE},
+            "spec": {
+                "holderIdentity": name,
+                "leaseDurationSeconds": 40,
+                "renewTime": _micro_time(),
+            },
+        }
+        try:
+            self.coordination.replace_namespaced_lease(name, LEASE_NAMESPACE, body)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            self.coordination.create_namespaced_lease(LEASE_NAMESPACE, body)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_seconds):
+            for name in self.nodes:
+                if name in self._lost_nodes:
+                    continue
+                try:
+                    self._renew_lease(name)
+                except (ApiException, OSError) as error:
+                    log.warning("lease renewal for %s failed: %s", name, error)
+
+    # -- pod watch -----------------------------------------------------------
+    def _watch_loop(self) -> None:
+        resource_version = ""
+        while not self._stop.is_set():
+            try:
+                if not resource_version:
+                    listing = self.core.list_pod_for_all_namespaces()
+                    for pod in listing.items:
+                        self._on_pod("ADDED", pod)
+                    resource_version = listing.metadata.resource_version
+                stream = watch.Watch().stream(
+                    self.core.list_pod_for_all_namespaces,
+                    resource_version=resource_version,
+                    timeout_seconds=5,
+                    allow_watch_bookmarks=True,
+                )
+                for event in stream:
+                    if self._stop.is_set():
+                        break
+                    pod = event["object"]
+                    if event["type"] == "ERROR":
+                        resource_version = ""
+                        break
+                    resource_version = pod.metadata.resource_version
+                    if event["type"] != "BOOKMARK":
+                        self._on_pod(event["type"], pod)
+            except ApiException as error:
+                # 410 Gone: the resourceVersion fell out of the watch window.
+                resource_version = ""
+                if error.status != 410:
+                    log.warning("pod watch failed: %s", error)
+                    time.sleep(0.5)
+            except Exception:
+                log.exception("pod watch failed")
+                resource_version = ""
+                time.sleep(0.5)
+
+    def _on_pod(self, kind: str, pod: Any) -> None:
+        node = pod.spec.node_name
+        if node not in self.nodes or node in self._lost_nodes:
+            return
+        key = (pod.metadata.namespace, pod.metadata.name)
+        with self._lock:
+            container = self._containers.get(key)
+            if container is not None and container.uid != pod.metadata.uid:
+                container = None
+            if kind == "DELETED":
+                if container is not None:
+                    self._signal(container, signal.SIGKILL)
+                    self._containers.pop(key, None)
+                return
+            if container is None:
+                if pod.metadata.deletion_timestamp is not None:
+                    # Never started here (or finished before this agent
+                    # started): nothing to stop, so the object can go.
+                    self._writer.submit(
+                        self._delete_now,
+                        pod.metadata.namespace,
+                        pod.metadata.name,
+                        pod.metadata.uid,
+                    )
+                    return
+                if pod.status.phase in ("Succeeded", "Failed"):
+                    return
+                container = self._start(pod)
+                if container is None:
+                    return
+                self._containers[key] = container
+            if pod.metadata.deletion_timestamp is not None:
+                grace = pod.metadata.deletion_grace_period_seconds or 0
+                self._terminate(container, float(grace))
+                if (
+                    container.done.is_set()
+                    and container.reported_final
+                    and not container.deleted_object
+                ):
+                    container.deleted_object = True
+                    self._writer.submit(
+                        self._delete_now, container.namespace, container.pod, container.uid
+                    )
+
+    # -- containers ----------------------------------------------------------
+    def _start(self, pod: Any) -> Container | None:
+        annotations = pod.metadata.annotations or {}
+        spec = pod.spec.containers[0]
+        namespace, name = pod.metadata.namespace, pod.metadata.name
+        log_dir = self.work_dir / "logs" / namespace
+        log_dir.mkdir(parents=True, exist_ok=True)
+        container = Container(
+            namespace=namespace,
+            pod=name,
+            uid=pod.metadata.uid,
+            name=spec.name,
+            image=spec.image or "",
+            mode="process" if annotations.get(ANNOTATION_RUN) == "process" else "simulated",
+            node=pod.spec.node_name,
+            log_path=log_dir / f"{name}_{spec.name}.log",
+            started_at=time.time(),
+            term_seconds=float(annotations.get(ANNOTATION_TERM_SECONDS, "0")),
+            exit_code_on_term=int(annotations.get(ANNOTATION_EXIT_ON_TERM, "143")),
+        )
+        if container.mode == "process":
+            try:
+                env = self._resolve_env(pod, spec)
+            except ApiException as error:
+                self._writer.submit(self._report_failed_start, pod, f"env: {error.reason}")
+                return None
+            argv = list(spec.command or []) + list(spec.args or [])
+            work = self.work_dir / "pods" / namespace / name
+            work.mkdir(parents=True, exist_ok=True)
+            with open(container.log_path, "ab") as out:
+                container.process = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=spec.working_dir or str(work),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            waiter = threading.Thread(
+                target=self._wait_process, args=(container,), daemon=True, name=f"wait-{name}"
+            )
+            waiter.start()
+        else:
+            with open(container.log_path, "ab") as out:
+                out.write(
+                    f"simulated container {spec.name} started on {pod.spec.node_name}\n".encode()
+                )
+            run_seconds = annotations.get(ANNOTATION_RUN_SECONDS)
+            if run_seconds is not None:
+                code = int(annotations.get(ANNOTATION_EXIT_CODE, "0"))
+                timer = threading.Timer(float(run_seconds), self._exited, args=(container, code))
+                timer.daemon = True
+                timer.start()
+        self._writer.submit(self._report_running, pod, container)
+        return container
+
+    def _resolve_env(self, pod: Any, spec: Any) -> dict[str, str]:
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": os.environ.get("HOME", "/root"),
+            "HOSTNAME": pod.spec.hostname or pod.metadata.name,
+        }
+        for var in spec.env or []:
+            if var.value is not None:
+                env[var.name] = var.value
+            elif var.value_from is not None and var.value_from.secret_key_ref is not None:
+                ref = var.value_from.secret_key_ref
+                secret = self.core.read_namespaced_secret(ref.name, pod.metadata.namespace)
+                env[var.name] = base64.b64decode((secret.data or {})[ref.key]).decode()
+            elif var.value_from is not None and var.value_from.field_ref is not None:
+                env[var.name] = self._field(pod, var.value_from.field_ref.field_path)
+            else:
+                env[var.name] = ""
+        if self.local_rendezvous and "MASTER_ADDR" in env:
+            group = (pod.metadata.namespace, pod.spec.subdomain or env["MASTER_ADDR"])
+            with self._lock:
+                if group not in self._rendezvous_ports:
+                    self._rendezvous_ports[group] = _free_port()
+                env["MASTER_ADDR"] = "127.0.0.1"
+                env["MASTER_PORT"] = str(self._rendezvous_ports[group])
+        return env
+
+    @staticmethod
+    def _field(pod: Any, path: str) -> str:
+        if path == "metadata.name":
+            return str(pod.metadata.name)
+        if path == "metadata.namespace":
+            return str(pod.metadata.namespace)
+        if path == "spec.nodeName":
+            return str(pod.spec.node_name)
+        if path in ("status.podIP", "status.hostIP"):
+            return "127.0.0.1"
+        if path.startswith("metadata.labels['") and path.endswith("']"):
+            return str((pod.metadata.labels or {}).get(path[len("metadata.labels['") : -2], ""))
+        return ""
+
+    def _wait_process(self, container: Container) -> None:
+        assert container.process is not None
+        returncode = container.process.wait()
+        # A process killed by signal N reports -N; containers report 128+N.
+        self._exited(container, 128 - returncode if returncode < 0 else returncode)
+
+    def _terminate(self, container: Container, grace: float) -> None:
+        """Start graceful termination, or move its deadline earlier."""
+        now = time.time()
+        if container.done.is_set():
+            return
+        deadline = now + grace
+        if container.term_sent_at is None:
+            container.term_sent_at = now
+            container.kill_deadline = deadline
+            if grace <= 0:
+                self._signal(container, signal.SIGKILL)
+                return
+            self._signal(container, signal.SIGTERM)
+            timer = threading.Timer(grace, self._kill_at_deadline, args=(container,))
+            timer.daemon = True
+            timer.start()
+        elif container.kill_deadline is not None and deadline < container.kill_deadline - 0.05:
+            container.kill_deadline = deadline
+            if grace <= 0:
+                self._signal(container, signal.SIGKILL)
+                return
+            timer = threading.Timer(grace, self._kill_at_deadline, args=(container,))
+            timer.daemon = True
+            timer.start()
+
+    def _kill_at_deadline(self, container: Container) -> None:
+        if container.done.is_set() or container.kill_deadline is None:
+            return
+        if time.time() + 0.01 < container.kill_deadline:
+            return
+        self._signal(container, signal.SIGKILL)
+
+    def _signal(self, container: Container, signum: signal.Signals) -> None:
+        if container.done.is_set():
+            return
+        if container.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(container.process.pid, signum)
+            return
+        if signum == signal.SIGKILL:
+            self._exited(container, 128 + signal.SIGKILL)
+        else:
+            timer = threading.Timer(
+                container.term_seconds,
+                self._exited,
+                args=(container, container.exit_code_on_term),
+            )
+            timer.daemon = True
+            timer.start()
+
+    def _exited(self, container: Container, code: int) -> None:
+        with self._lock:
+            if container.done.is_set():
+                return
+            container.exit_code = code
+            container.finished_at = time.time()
+            container.done.set()
+        if container.process is None:
+            with open(container.log_path, "ab") as out:
+                out.write(f"simulated container exited with {code}\n".encode())
+        if container.reported_final:
+            return
+        if not self._stop.is_set():
+            self._writer.submit(self._report_exited, container)
+
+    # -- status writes -------------------------------------------------------
+    def _report_running(self, pod: Any, container: Container) -> None:
+        started = _now_rfc3339(container.started_at)
+        body = {
+            "status": {
+                "phase": "Running",
+                "hostIP": "127.0.0.1",
+                "hostIPs": [{"ip": "127.0.0.1"}],
+                "podIP": "127.0.0.1",
+                "podIPs": [{"ip": "127.0.0.1"}],
+                "startTime": started,
+                "conditions": [
+                    {"type": kind, "status": "True", "lastTransitionTime": started}
+                    for kind in (
+                        "PodReadyToStartContainers",
+                        "Initialized",
+                        "ContainersReady",
+                        "Ready",
+                    )
+                ],
+                "containerStatuses": [
+                    {
+                        "name": container.name,
+                        "image": container.image,
+                        "imageID": "",
+                        "containerID": f"qm-agent://{container.uid}",
+                        "ready": True,
+                        "started": True,
+                        "restartCount": 0,
+                        "state": {"running": {"startedAt": started}},
+                    }
+                ],
+            }
+        }
+        with self._lock:
+            if container.done.is_set():
+                return
+        try:
+            self.core.patch_namespaced_pod_status(container.pod, container.namespace, body)
+        except ApiException as error:
+            if error.status != 404:
+                log.warning("running status of %s failed: %s", container.pod, error)
+
+    def _report_failed_start(self, pod: Any, reason: str) -> None:
+        body = {
+            "status": {"phase": "Failed", "reason": "CreateContainerConfigError", "message": reason}
+        }
+        with contextlib.suppress(ApiException):
+            self.core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, body)
+
+    def _report_exited(self, container: Container) -> None:
+        code = container.exit_code
+        assert code is not None and container.finished_at is not None
+        finished = _now_rfc3339(container.finished_at)
+        body = {
+            "status": {
+                "phase": "Succeeded" if code == 0 else "Failed",
+                "conditions": [
+                    {"type": kind, "status": "False", "lastTransitionTime": finished}
+                    for kind in ("ContainersReady", "Ready")
+                ],
+                "containerStatuses": [
+                    {
+                        "name": container.name,
+                        "image": container.image,
+                        "imageID": "",
+                        "containerID": f"qm-agent://{container.uid}",
+                        "ready": False,
+                        "started": False,
+                        "restartCount": 0,
+                        "state": {
+                            "terminated": {
+                                "exitCode": code,
+                                "reason": "Completed" if code == 0 else "Error",
+                                "startedAt": _now_rfc3339(container.started_at),
+                                "finishedAt": finished,
+                                "containerID": f"qm-agent://{container.uid}",
+                            }
+                        },
+                    }
+                ],
+            }
+        }
+        try:
+            pod = self.core.patch_namespaced_pod_status(container.pod, container.namespace, body)
+        except ApiException as error:
+            if error.status != 404:
+                log.warning("final status of %s failed: %s", container.pod, error)
+            return
+        container.reported_final = True
+        if pod.metadata.deletion_timestamp is not None and not container.deleted_object:
+            container.deleted_object = True
+            self._delete_now(container.namespace, container.pod, container.uid)
+
+    def _delete_now(self, namespace: str, name: str, uid: str) -> None:
+        """Remove the pod object once its final status is written, as the kubelet does."""
+        body = client.V1DeleteOptions(
+            grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid)
+        )
+        try:
+            self.core.delete_namespaced_pod(name, namespace, body=body)
+        except ApiException as error:
+            if error.status not in (404, 409):
+                log.warning("deleting %s failed: %s", name, error)
+
+    # -- logs ------------------------------------------------------------------
+    def _start_log_server(self) -> None:
+        agent = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                parsed = urllib.parse.urlparse(self.path)
+                parts = parsed.path.strip("/").split("/")
+                if len(parts) != 4 or parts[0] != "containerLogs":
+                    self.send_error(404)
+                    return
+                _, namespace, pod, container = parts
+                path = agent.work_dir / "logs" / namespace / f"{pod}_{container}.log"
+                if not path.exists():
+                    self.send_error(404)
+                    return
+                content = path.read_bytes()
+                query = urllib.parse.parse_qs(parsed.query)
+                if "tailLines" in query:
+                    lines = content.splitlines(keepends=True)
+                    content = b"".join(lines[-int(query["tailLines"][0]) :])
+                if "limitBytes" in query:
+                    content = content[: int(query["limitBytes"][0])]
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if self.serving_cert is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(str(self.serving_cert[0]), str(self.serving_cert[1]))
+            server.socket = context.wrap_socket(server.socket, server_side=True)
+        self.log_port = int(server.server_address[1])
+        self._log_server = server
+        thread = threading.Thread(target=server.serve_forever, daemon=True, name="agent-logs")
+        thread.start()
+
+    # -- inspection for tests ----------------------------------------------------
+    def container(self, namespace: str, pod: str) -> Container | None:
+        """The agent's record of a pod's container, if it ran here."""
+        with self._lock:
+            return self._containers.get((namespace, pod))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
