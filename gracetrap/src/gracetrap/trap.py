@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -67,6 +69,14 @@ def _job_id_from_env() -> int | str | None:
     if value is None:
         return None
     return int(value) if value.isdigit() else value
+
+
+@contextlib.contextmanager
+def _single_process_quietly() -> Iterator[None]:
+    # DCP warns on every single-process save or load; for the trap that is a normal case.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def worker_init_fn(worker_id: int) -> None:
@@ -324,7 +334,8 @@ class Trap:
         self.events.emit("checkpoint_started", step=step)
         started = time.monotonic()
         writer = FileSystemWriter(path, sync_files=True, thread_count=self.save_threads)
-        dcp_save(self._dcp_state(step), storage_writer=writer, no_dist=not self._initialised())
+        with _single_process_quietly():
+            dcp_save(self._dcp_state(step), storage_writer=writer, no_dist=not self._initialised())
         nbytes = 0.0
         if leader:
             checkpoints.fsync_dir(path)
@@ -390,12 +401,13 @@ class Trap:
                 file=sys.stderr,
                 flush=True,
             )
-        dcp_load(
-            target,
-            storage_reader=reader,
-            planner=DefaultLoadPlanner(),
-            no_dist=not self._initialised(),
-        )
+        with _single_process_quietly():
+            dcp_load(
+                target,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(),
+                no_dist=not self._initialised(),
+            )
         for name, entry in self._state.items():
             entry.load_state_dict(target[_STATE_KEY][name])
         if rng_key in target:
