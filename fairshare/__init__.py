@@ -1,0 +1,73 @@
+"""The fair-share engine: a snapshot of a GPU cluster in, a plan out.
+
+Pure functions over frozen dataclasses; no Django, no I/O, no clock. See README.md in
+this folder for the JSON scenario format and the command line.
+"""
+
+from .engine import check_snapshot, plan
+from .model import (
+    FAIR_SHARE,
+    PRIORITY,
+    RECLAIM,
+    UNSET,
+    Admission,
+    Consequences,
+    FairShareMove,
+    FlavorQuota,
+    FrozenMap,
+    Node,
+    Plan,
+    Preemption,
+    PriorityClass,
+    Queue,
+    QueueStatus,
+    QuotaChange,
+    ScenarioError,
+    Snapshot,
+    Unset,
+    Waiting,
+    Workload,
+)
+from .scenario import (
+    changes_from_list,
+    changes_to_list,
+    consequences_to_dict,
+    plan_to_dict,
+    snapshot_from_dict,
+    snapshot_to_dict,
+)
+from .whatif import apply_changes, diff
+
+__all__ = [
+    "FAIR_SHARE",
+    "PRIORITY",
+    "RECLAIM",
+    "UNSET",
+    "Admission",
+    "Consequences",
+    "FairShareMove",
+    "FlavorQuota",
+    "FrozenMap",
+    "Node",
+    "Plan",
+    "Preemption",
+    "PriorityClass",
+    "Queue",
+    "QueueStatus",
+    "QuotaChange",
+    "ScenarioError",
+    "Snapshot",
+    "Unset",
+    "Waiting",
+    "Workload",
+    "apply_changes",
+    "changes_from_list",
+    "changes_to_list",
+    "check_snapshot",
+    "consequences_to_dict",
+    "diff",
+    "plan",
+    "plan_to_dict",
+    "snapshot_from_dict",
+    "snapshot_to_dict",
+]

@@ -1,0 +1,319 @@
+"""The engine's vocabulary: frozen dataclasses for the snapshot it reads and the plan it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Final, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+PREEMPT_LOWER_PRIORITY: Final = "PreemptLowerPriority"
+NEVER: Final = "Never"
+PREEMPTION_POLICIES: Final = (PREEMPT_LOWER_PRIORITY, NEVER)
+
+PENDING: Final = "pending"
+RUNNING: Final = "running"
+TERMINATING: Final = "terminating"
+WORKLOAD_STATES: Final = (PENDING, RUNNING, TERMINATING)
+
+RECLAIM: Final = "reclaim"
+PRIORITY: Final = "priority"
+FAIR_SHARE: Final = "fair-share"
+
+
+class ScenarioError(ValueError):
+    """A snapshot or scenario that cannot be planned; the message names the offending field."""
+
+
+class FrozenMap(Mapping[K, V]):
+    """An immutable, hashable mapping backed by a tuple of items.
+
+    Frozen dataclasses hold it so that a snapshot can be shared between threads and
+    compared by value, which a plain ``dict`` would not allow.
+    """
+
+    __slots__ = ("_hash", "_items", "_lookup")
+
+    def __init__(self, items: Mapping[K, V] | None = None) -> None:
+        pairs = tuple(items.items()) if items is not None else ()
+        self._items: tuple[tuple[K, V], ...] = pairs
+        self._lookup: dict[K, V] = dict(pairs)
+        self._hash: int | None = None
+
+    def __getitem__(self, key: K) -> V:
+        return self._lookup[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._lookup)
+
+    def __len__(self) -> int:
+        return len(self._lookup)
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(frozenset(self._lookup.items()))
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return dict(self._lookup) == dict(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._lookup!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A machine with ``gpus`` GPUs of one flavor (for example ``h100``)."""
+
+    name: str
+    flavor: str
+    gpus: int
+
+
+@dataclass(frozen=True, slots=True)
+class FlavorQuota:
+    """A queue's quota for one flavor.
+
+    ``guarantee`` GPUs are the queue's own; it may borrow up to ``borrow_limit`` more
+    (``None``: no limit) and lend at most ``lend_limit`` of its idle guarantee
+    (``None``: all of it).
+    """
+
+    guarantee: int = 0
+    borrow_limit: int | None = None
+    lend_limit: int | None = None
+
+
+_NO_QUOTA: Final = FlavorQuota()
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """A team in the queue tree. Only leaf queues hold workloads.
+
+    ``weight`` divides the surplus beyond guarantees between siblings; ``quotas`` maps a
+    flavor to its quota, and a flavor that is missing has the empty quota.
+    """
+
+    name: str
+    parent: str | None
+    weight: float = 1.0
+    quotas: Mapping[str, FlavorQuota] = field(default_factory=FrozenMap)
+
+    def __post_init__(self) -> None:
+        # Callers may pass a plain dict; store a frozen copy so the queue stays hashable.
+        if not isinstance(self.quotas, FrozenMap):
+            object.__setattr__(self, "quotas", FrozenMap(self.quotas))
+
+    def quota(self, flavor: str) -> FlavorQuota:
+        """The queue's quota for ``flavor``, the empty quota when none is configured."""
+        return self.quotas.get(flavor, _NO_QUOTA)
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityClass:
+    """How important a workload is and how it may be preempted.
+
+    ``preemption_policy`` ("PreemptLowerPriority" or "Never") governs only priority
+    preemption inside one queue (R7); ``preemptible`` alone decides whether a workload of
+    this class may ever be a victim. ``grace_seconds`` is the victim's time to checkpoint,
+    ``min_runtime_seconds`` protects a fresh workload from priority and fair-share
+    preemption (never from reclaim of borrowed GPUs).
+    """
+
+    name: str
+    value: int
+    preemption_policy: str
+    preemptible: bool
+    grace_seconds: float
+    min_runtime_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A gang of ``ranks`` ranks with ``gpus_per_rank`` GPUs each.
+
+    ``state`` is "pending", "running" or "terminating" (a victim in its grace window).
+    ``placement`` lists (node name, number of ranks) pairs for running and terminating
+    workloads.
+    """
+
+    id: str
+    queue: str
+    priority_class: str
+    flavor: str
+    ranks: int
+    gpus_per_rank: int
+    state: str
+    submitted_at: float
+    admitted_at: float | None = None
+    placement: tuple[tuple[str, int], ...] = ()
+    last_checkpoint_at: float | None = None
+
+    @property
+    def gpus(self) -> int:
+        """All GPUs of the gang."""
+        return self.ranks * self.gpus_per_rank
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything the engine reads: the cluster at one instant ``now`` (Unix seconds)."""
+
+    now: float
+    nodes: tuple[Node, ...]
+    queues: tuple[Queue, ...]
+    priority_classes: tuple[PriorityClass, ...]
+    workloads: tuple[Workload, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Start workload ``id`` on ``placement``; ``borrowed`` of its GPUs lie beyond its guarantee."""
+
+    id: str
+    placement: tuple[tuple[str, int], ...]
+    borrowed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """Signal every rank of running workload ``id``, giving it ``grace_seconds`` to checkpoint.
+
+    ``reason`` is "reclaim", "priority" or "fair-share"; ``preemptor`` is the pending
+    workload the GPUs are freed for.
+    """
+
+    id: str
+    reason: str
+    preemptor: str
+    grace_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """A pending workload that stays pending, with a sentence saying why."""
+
+    id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatus:
+    """One queue's standing for one flavor after the plan.
+
+    ``usage`` counts GPUs held by running, terminating and newly admitted workloads;
+    ``fair_share`` is the demand-capped share from hierarchical water-filling;
+    ``borrowed`` is usage beyond the guarantee and ``lent`` the part of the idle
+    guarantee that other queues use.
+    """
+
+    guarantee: int
+    usage: int
+    fair_share: float
+    borrowed: int
+    lent: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """All decisions of one scheduling cycle and every queue's status per flavor."""
+
+    admit: tuple[Admission, ...]
+    preempt: tuple[Preemption, ...]
+    waiting: tuple[Waiting, ...]
+    queues: Mapping[str, Mapping[str, QueueStatus]]
+
+
+class Unset:
+    """The type of ``UNSET``: a field of a ``QuotaChange`` that stays as it is."""
+
+    _instance: Unset | None = None
+
+    def __new__(cls) -> Unset:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+UNSET: Final = Unset()
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaChange:
+    """A proposed edit of one queue's quota for one flavor (and of its weight).
+
+    Fields left ``UNSET`` keep their value; ``None`` for a limit removes the limit and
+    ``None`` for the guarantee means no guarantee.
+    """
+
+    queue: str
+    flavor: str
+    guarantee: int | Unset | None = UNSET
+    borrow_limit: int | Unset | None = UNSET
+    lend_limit: int | Unset | None = UNSET
+    weight: float | Unset = UNSET
+
+
+@dataclass(frozen=True, slots=True)
+class FairShareMove:
+    """A queue's fair share for one flavor before and after a quota change."""
+
+    before: float
+    after: float
+
+
+@dataclass(frozen=True, slots=True)
+class Consequences:
+    """What a quota change would do right now.
+
+    ``reclaimed``: running workloads the new plan would preempt that the current plan
+    would not; ``released``: workloads the current plan would preempt and the new one
+    spares; ``admitted``: workloads that would newly start; ``fair_share``: every
+    queue's fair share per flavor before and after.
+    """
+
+    reclaimed: tuple[Preemption, ...]
+    released: tuple[str, ...]
+    admitted: tuple[Admission, ...]
+    fair_share: Mapping[str, Mapping[str, FairShareMove]]
+
+    def to_dict(self) -> dict[str, object]:
+        """The JSON-able form printed by ``python -m fairshare diff``."""
+        return {
+            "reclaimed": [
+                {
+                    "id": p.id,
+                    "reason": p.reason,
+                    "preemptor": p.preemptor,
+                    "grace_seconds": p.grace_seconds,
+                }
+                for p in self.reclaimed
+            ],
+            "released": list(self.released),
+            "admitted": [
+                {
+                    "id": a.id,
+                    "placement": [{"node": n, "ranks": r} for n, r in a.placement],
+                    "borrowed": a.borrowed,
+                }
+                for a in self.admitted
+            ],
+            "fair_share": {
+                queue: {
+                    flavor: {"before": move.before, "after": move.after}
+                    for flavor, move in flavors.items()
+                }
+                for queue, flavors in self.fair_share.items()
+            },
+        }
