@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -49,10 +50,42 @@ SHELL_PREFIX = "trap 'exit $?' TERM\n"
 EXIT_NOT_STARTED = 127
 
 
+# What a rank inherits from the control plane's own environment. The worker's environment
+# holds the database URL, the broker URL and the secret key, which no workload may see, so
+# only these names and prefixes pass; everything else a job needs comes from its spec.
+INHERITED_NAMES = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "TERM",
+        "TZ",
+        "LANG",
+        "LANGUAGE",
+        "TMPDIR",
+        "PYTHONPATH",
+        "VIRTUAL_ENV",
+        "LD_LIBRARY_PATH",
+    }
+)
+INHERITED_PREFIXES = ("LC_", "CUDA_", "NCCL_", "GLOO_", "TORCH_")
+
+
+def inherited_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The part of the control plane's environment a rank may see."""
+    return {
+        name: value
+        for name, value in environ.items()
+        if name in INHERITED_NAMES or name.startswith(INHERITED_PREFIXES)
+    }
+
+
 def rank_environment(gang: dict[str, Any], rank: int, rank_dir: Path) -> dict[str, str]:
-    """The environment of one rank: ours, the spec's, then the rendezvous variables."""
+    """The environment of one rank: inherited basics, the spec's, then the rendezvous."""
     placement = gang["ranks"][rank]
-    env = dict(os.environ)
+    env = inherited_environment(os.environ)
     # Put the launcher's interpreter first on PATH, so a command saying `python` gets
     # the same environment (and packages) as the control plane.
     python_bin = os.path.dirname(sys.executable)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import random
 import signal as signals
 import socket
 import subprocess
@@ -64,6 +65,9 @@ LAUNCH_TIMEOUT_SECONDS = 30.0
 LAUNCHER_TIMEOUT_SECONDS = 60.0
 
 ENDED_PHASES = ("exited", "lost")
+
+# The lowest master port the runtime picks (see LocalRuntime._choose_master_port).
+MASTER_PORT_FLOOR = 20000
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,14 +138,18 @@ class LocalRuntime:
     def signal(self, gang: GangId, grace_seconds: float) -> None:
         """Send SIGTERM to every rank's process group at once, each exactly once.
 
-        One pass over the ranks with no waiting in between. A rank whose process has not
-        started yet gets the signal from its keeper, which checks for the request right
-        after starting it (and does not start a rank asked to stop before it began).
+        The requests are recorded first, then the signals go out in one tight loop, so
+        the last rank hears it microseconds after the first rather than after the file
+        writes of every rank before it. A rank whose process has not started yet gets the
+        signal from its keeper, which checks for the request right after starting it (and
+        does not start a rank asked to stop before it began).
         """
         gang_dir = self.gang_dir(gang)
         record = read_record(gang_dir / GANG_FILE)
         if record is None:
             return
+        sent_at = time.time()
+        groups: list[int] = []
         try:
             for rank in range(len(record["ranks"])):
                 rank_dir = gang_dir / str(rank)
@@ -149,15 +157,20 @@ class LocalRuntime:
                     continue
                 requested = create_record(
                     rank_dir / SIGNAL_FILE,
-                    {"signal_sent_at": time.time(), "grace_seconds": grace_seconds},
+                    {"signal_sent_at": sent_at, "grace_seconds": grace_seconds},
                 )
                 if not requested:
                     continue
                 started = read_record(rank_dir / STARTED_FILE)
                 if started is not None and create_claim(rank_dir / TERM_SENT_FILE):
-                    _signal_group(int(started["pgid"]), signals.SIGTERM)
+                    groups.append(int(started["pgid"]))
         except OSError as error:
             raise RuntimeTemporaryError(f"cannot signal gang {gang}: {error}") from error
+        finally:
+            # Ranks already claimed must get their signal even when a later rank failed:
+            # nobody else will send it.
+            for pgid in groups:
+                _signal_group(pgid, signals.SIGTERM)
 
     def kill(self, gang: GangId) -> None:
         """SIGKILL every live rank's process group and every leftover process of the gang."""
@@ -195,7 +208,9 @@ class LocalRuntime:
             if record is None:
                 continue
             for placement in record["ranks"]:
-                observations.append(self._observe_rank(known, gang_dir, placement))
+                observations.append(
+                    self._observe_rank(known, gang_dir, placement, float(record["launched_at"]))
+                )
         return observations
 
     def nodes(self) -> list[NodeInventory]:
@@ -348,10 +363,32 @@ class LocalRuntime:
             "team": spec.team,
             "flavor": spec.flavor,
             "master_addr": self.master_addr,
-            "master_port": _free_port(self.master_addr),
+            "master_port": self._choose_master_port(),
             "workdir": str(self.workdir),
             "launched_at": time.time(),
         }
+
+    def _choose_master_port(self) -> int:
+        """A port for the gang's rendezvous, free now and promised to no other gang here.
+
+        It comes from below the kernel's ephemeral range where that leaves room, so an
+        outgoing connection cannot take it between launch and rank 0 binding it.
+        """
+        promised: set[int] = set()
+        for gang in self._known_gangs():
+            record = read_record(self.gang_dir(gang) / GANG_FILE)
+            if record is not None:
+                promised.add(int(record["master_port"]))
+        ephemeral_floor = _ephemeral_port_floor()
+        if ephemeral_floor - MASTER_PORT_FLOOR >= 1000:
+            for _ in range(100):
+                port = random.randrange(MASTER_PORT_FLOOR, ephemeral_floor)
+                if port not in promised and _port_is_free(port):
+                    return port
+        while True:
+            port = _free_port(self.master_addr)
+            if port not in promised:
+                return port
 
     def _start_keepers(self, gang_dir: Path, ranks: list[int]) -> None:
         command = [self.python, "-m", "preemption.runtimes.launcher", str(gang_dir)]
@@ -405,7 +442,7 @@ class LocalRuntime:
         return sorted(gangs, key=lambda gang: (gang.job_id, gang.attempt))
 
     def _observe_rank(
-        self, gang: GangId, gang_dir: Path, placement: dict[str, Any]
+        self, gang: GangId, gang_dir: Path, placement: dict[str, Any], launched_at: float
     ) -> RankObservation:
         rank = int(placement["rank"])
         rank_dir = gang_dir / str(rank)
@@ -414,7 +451,7 @@ class LocalRuntime:
         started = read_record(rank_dir / STARTED_FILE)
         if exit_record is None:
             stopping = signal_record is not None or (rank_dir / KILL_FILE).exists()
-            phase = self._phase_without_exit(rank_dir, started, stopping)
+            phase = self._phase_without_exit(rank_dir, started, stopping, launched_at)
             if phase == "lost":
                 # The keeper may have recorded the exit just before it went away.
                 exit_record = read_record(rank_dir / EXIT_FILE)
@@ -437,7 +474,9 @@ class LocalRuntime:
         )
 
     @staticmethod
-    def _phase_without_exit(rank_dir: Path, started: dict[str, Any] | None, stopping: bool) -> str:
+    def _phase_without_exit(
+        rank_dir: Path, started: dict[str, Any] | None, stopping: bool, launched_at: float
+    ) -> str:
         live_phase = "terminating" if stopping else "running"
         if started is not None and procfs.is_alive(int(started["pid"]), started["start_ticks"]):
             return live_phase
@@ -449,10 +488,12 @@ class LocalRuntime:
                 return "terminating" if stopping else "starting"
             return live_phase
         if keeper is None and started is None:
+            # Not started by anyone yet: a launch may be under way (the rank folder is
+            # claimed, or not even that), so only a launch this old counts as failed.
             try:
                 claimed_at = rank_dir.stat().st_mtime
             except FileNotFoundError:
-                return "lost"
+                claimed_at = launched_at
             if time.time() - claimed_at < LAUNCH_TIMEOUT_SECONDS:
                 return "terminating" if stopping else "starting"
         return "lost"
@@ -466,6 +507,15 @@ def _signal_group(pgid: int, signum: int) -> None:
         pass
     except PermissionError as error:
         raise RuntimePermanentError(f"not allowed to signal process group {pgid}") from error
+
+
+def _ephemeral_port_floor() -> int:
+    """The lowest port the kernel hands out to outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as port_range:
+            return int(port_range.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _free_port(address: str) -> int:

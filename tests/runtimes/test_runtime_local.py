@@ -76,9 +76,12 @@ def gang_spec(
     attempt: int = 1,
     env: Mapping[str, str] | None = None,
 ) -> GangSpec:
-    """A gang spreading `ranks` ranks over node-a then node-b, two per node."""
+    """A gang spreading `ranks` ranks over node-a then node-b, half on each."""
+    per_node = (ranks + 1) // 2
     placements = tuple(
-        RankPlacement(rank=rank, node="node-a" if rank < 2 else "node-b", local_rank=rank % 2)
+        RankPlacement(
+            rank=rank, node="node-a" if rank < per_node else "node-b", local_rank=rank % per_node
+        )
         for rank in range(ranks)
     )
     return GangSpec(
@@ -125,7 +128,11 @@ def runtime(tmp_path: Path) -> Iterator[LocalRuntime]:
     yield local
     for gang in {GangId(o.job_id, o.attempt) for o in local.observe()}:
         local.kill(gang)
-        wait_until(lambda gang=gang: not local.gang_processes(gang), what="teardown")
+
+        def gang_is_gone(gang: GangId = gang) -> bool:
+            return not local.gang_processes(gang)
+
+        wait_until(gang_is_gone, what="teardown")
 
 
 def test_launch_runs_every_rank_of_a_four_rank_gang(runtime: LocalRuntime) -> None:
@@ -145,7 +152,13 @@ def test_launch_runs_every_rank_of_a_four_rank_gang(runtime: LocalRuntime) -> No
     assert len({o.handle for o in observations}) == 4
 
 
-def test_every_rank_sees_rendezvous_and_trap_environment(runtime: LocalRuntime) -> None:
+def test_every_rank_sees_rendezvous_and_trap_environment(
+    runtime: LocalRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The control plane's own secrets must not reach workloads; basics and NCCL tuning do.
+    monkeypatch.setenv("DATABASE_URL", "postgres://qm:secret@db/qm")
+    monkeypatch.setenv("SECRET_KEY", "not-for-workloads")
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
     env = {"QM_JOB_ID": "2", "QM_CHECKPOINT_DIR": "/tmp/ckpt", "USER_FLAG": "on", "RANK": "99"}
     spec = gang_spec(2, "env", env=env)
     runtime.launch(spec)
@@ -169,6 +182,10 @@ def test_every_rank_sees_rendezvous_and_trap_environment(runtime: LocalRuntime) 
         assert seen["QM_CHECKPOINT_DIR"] == "/tmp/ckpt"
         assert seen["USER_FLAG"] == "on"
         assert seen["QM_RANK_DIR"] == str(runtime.gang_dir(spec.gang) / str(placement.rank))
+        assert seen["NCCL_DEBUG"] == "WARN"
+        assert seen["HOME"] == os.environ["HOME"]
+        assert seen["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
+        assert "DATABASE_URL" not in seen and "SECRET_KEY" not in seen
         master_ports.add(int(seen["MASTER_PORT"]))
     assert master_ports == {gang_record["master_port"]}
 
@@ -208,31 +225,32 @@ def test_signal_reaches_every_rank_and_the_children_in_its_process_group(
     assert runtime.find_orphans(spec.gang) == []
 
 
-def test_signal_latency_from_call_to_each_rank_handler(runtime: LocalRuntime) -> None:
-    spec = gang_spec(5, f"exec {SLEEPER} --seconds 60")
+@pytest.mark.parametrize("ranks", [4, 16])
+def test_signal_latency_from_call_to_each_rank_handler(runtime: LocalRuntime, ranks: int) -> None:
+    spec = gang_spec(5, f"exec {SLEEPER} --seconds 60", ranks=ranks)
     runtime.launch(spec)
-    wait_for_log(runtime, spec.gang, 4, b"ready")
+    wait_for_log(runtime, spec.gang, ranks, b"ready")
 
     called_at = time.time()
     runtime.signal(spec.gang, grace_seconds=10.0)
     returned_at = time.time()
-    wait_for_log(runtime, spec.gang, 4, b"sigterm_at=")
+    wait_for_log(runtime, spec.gang, ranks, b"sigterm_at=")
     observations = wait_exited(runtime, spec.gang)
 
     latencies = []
-    for rank in range(4):
+    for rank in range(ranks):
         log = runtime.read_log(spec.gang, rank).decode()
         handled_at = float(log.split("sigterm_at=")[1].split()[0])
         latencies.append(handled_at - called_at)
     print(
-        f"\nsignal() took {returned_at - called_at:.6f} s for 4 ranks; "
-        f"call -> handler per rank: {[f'{latency:.6f}' for latency in latencies]} s, "
+        f"\nsignal() took {returned_at - called_at:.6f} s for {ranks} ranks; "
+        f"call -> handler per rank: {[f'{latency:.4f}' for latency in latencies]} s, "
         f"max {max(latencies):.6f} s"
     )
     sent = [o.signal_sent_at for o in observations]
     assert all(at is not None and called_at <= at <= returned_at for at in sent)
     assert all(latency > 0 for latency in latencies)
-    assert [o.exit_code for o in observations] == [0, 0, 0, 0]
+    assert [o.exit_code for o in observations] == [0] * ranks
 
 
 def test_sigterm_ignoring_workload_survives_signal_and_dies_on_kill(
