@@ -143,8 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     start = trap.resume()
     dataset = SyntheticRegression(seed=args.seed, rank=rank, batch=args.batch)
+    # The DataLoader draws a base seed when it starts iterating; its own generator keeps
+    # that draw off the global stream, which resume() has just restored.
     loader = DataLoader(
         dataset,
+        generator=torch.Generator().manual_seed(args.seed),
         batch_size=None,
         sampler=StepSampler(start, args.steps),
         num_workers=args.workers,
