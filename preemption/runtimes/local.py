@@ -123,6 +123,15 @@ class LocalRuntime:
                 # The first launch picks the master port; a concurrent one loses the race
                 # to write the record and uses the winner's port.
                 create_record(gang_dir / GANG_FILE, self._gang_record(spec))
+            launched = read_record(gang_dir / GANG_FILE)
+            if launched is not None and not _same_gang(launched, spec):
+                # The same (job, attempt) launched with another command or placement
+                # means ids were reused over an old root: starting nothing and observing
+                # the old gang would mislead the control plane.
+                raise RuntimePermanentError(
+                    f"gang {spec.gang} was already launched under {gang_dir} "
+                    "with another command or placement"
+                )
             for placement in spec.ranks:
                 try:
                     (gang_dir / str(placement.rank)).mkdir(mode=0o700)
@@ -349,12 +358,11 @@ class LocalRuntime:
             )
 
     def _gang_record(self, spec: GangSpec) -> dict[str, Any]:
-        ranks = sorted(spec.ranks, key=lambda placement: placement.rank)
         return {
             "job_id": spec.job_id,
             "attempt": spec.attempt,
             "command": spec.command,
-            "ranks": [{"rank": p.rank, "node": p.node, "local_rank": p.local_rank} for p in ranks],
+            "ranks": _placement_records(spec),
             "gpus_per_rank": spec.gpus_per_rank,
             "grace_seconds": spec.grace_seconds,
             "priority_class": spec.priority_class,
@@ -497,6 +505,18 @@ class LocalRuntime:
             if time.time() - claimed_at < LAUNCH_TIMEOUT_SECONDS:
                 return "terminating" if stopping else "starting"
         return "lost"
+
+
+def _placement_records(spec: GangSpec) -> list[dict[str, Any]]:
+    ranks = sorted(spec.ranks, key=lambda placement: placement.rank)
+    return [{"rank": p.rank, "node": p.node, "local_rank": p.local_rank} for p in ranks]
+
+
+def _same_gang(launched: dict[str, Any], spec: GangSpec) -> bool:
+    """True when the recorded gang has the spec's command and placement."""
+    return bool(
+        launched["command"] == spec.command and launched["ranks"] == _placement_records(spec)
+    )
 
 
 def _signal_group(pgid: int, signum: int) -> None:

@@ -69,6 +69,13 @@ def write_record(path: Path, record: dict[str, Any], *, durable: bool = False) -
     """
     tmp = _write_temporary(path, record, durable=durable)
     os.replace(tmp, path)
+    if durable:
+        # The rename itself is durable only once the folder holding it is flushed.
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
 
 def create_record(path: Path, record: dict[str, Any]) -> bool:

@@ -529,3 +529,14 @@ def test_signal_and_kill_of_an_unknown_gang_do_nothing(runtime: LocalRuntime) ->
     assert runtime.observe(gang) == []
     assert runtime.released_ports(gang) == []
     assert runtime.find_orphans(gang) == []
+
+
+def test_relaunching_a_gang_id_with_another_command_is_refused(runtime: LocalRuntime) -> None:
+    first = gang_spec(20, "echo first", ranks=1)
+    runtime.launch(first)
+    wait_exited(runtime, first.gang)
+    with pytest.raises(RuntimePermanentError, match="another command"):
+        runtime.launch(gang_spec(20, "echo second", ranks=1))
+    runtime.launch(first)
+    assert runtime.read_log(first.gang, 0) == b"first\n"
+    assert [o.exit_code for o in runtime.observe(first.gang)] == [0]
