@@ -1,0 +1,38 @@
+"""The REST API's routes under /api/v1/."""
+
+from rest_framework.routers import DefaultRouter
+
+from portal.api import ApiTokenViewSet
+from preemption.api import (
+    AttemptViewSet,
+    CheckpointViewSet,
+    JobViewSet,
+    PreemptionEventViewSet,
+    RankViewSet,
+    WebhookViewSet,
+)
+from quotas.api import (
+    AuditEntryViewSet,
+    FlavorViewSet,
+    NodeViewSet,
+    PriorityClassViewSet,
+    QuotaViewSet,
+    TeamViewSet,
+)
+
+router = DefaultRouter()
+router.register("flavors", FlavorViewSet, basename="flavor")
+router.register("nodes", NodeViewSet, basename="node")
+router.register("teams", TeamViewSet, basename="team")
+router.register("quotas", QuotaViewSet, basename="quota")
+router.register("priority-classes", PriorityClassViewSet, basename="priority-class")
+router.register("jobs", JobViewSet, basename="job")
+router.register("attempts", AttemptViewSet, basename="attempt")
+router.register("ranks", RankViewSet, basename="rank")
+router.register("preemption-events", PreemptionEventViewSet, basename="preemption-event")
+router.register("checkpoints", CheckpointViewSet, basename="checkpoint")
+router.register("audit-log", AuditEntryViewSet, basename="audit-entry")
+router.register("tokens", ApiTokenViewSet, basename="api-token")
+router.register("webhooks", WebhookViewSet, basename="webhook")
+
+urlpatterns = router.urls
