@@ -136,11 +136,15 @@ def generate_pki(pki: Path) -> None:
         f"subjectAltName={server_names}\nextendedKeyUsage=serverAuth\n",
     )
     client = "extendedKeyUsage=clientAuth\n"
-    # The admin belongs to system:masters. The controller manager and the
-    # scheduler get their own identities so that the default RBAC roles
-    # (system:kube-controller-manager, system:kube-scheduler) apply to them.
+    # The admin belongs to system:masters. So does the controller manager: it
+    # runs every controller under its own identity rather than one service
+    # account per controller, and the default system:kube-controller-manager
+    # role alone does not cover what the controllers write (node taints, for
+    # one). The scheduler gets exactly the default system:kube-scheduler role.
     _issue_certificate(pki, "admin", "/O=system:masters/CN=quartermaster-admin", client)
-    _issue_certificate(pki, "controller-manager", "/CN=system:kube-controller-manager", client)
+    _issue_certificate(
+        pki, "controller-manager", "/O=system:masters/CN=system:kube-controller-manager", client
+    )
     _issue_certificate(pki, "scheduler", "/CN=system:kube-scheduler", client)
     # The apiserver's client identity towards kubelets (the node agent serves logs).
     _issue_certificate(pki, "apiserver-kubelet-client", "/O=system:masters/CN=apiserver", client)

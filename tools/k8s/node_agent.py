@@ -280,7 +280,7 @@ class NodeAgent:
             },
         }
         try:
-            self.coordination.replace_namespaced_lease(name, LEASE_NAMESPACE, body)
+            self.coordination.patch_namespaced_lease(name, LEASE_NAMESPACE, {"spec": body["spec"]})
         except ApiException as error:
             if error.status != 404:
                 raise

@@ -1,0 +1,142 @@
+"""Fixtures for tests against a real Kubernetes control plane.
+
+The control plane is session-scoped: one started with
+``python -m tools.k8s.controlplane up`` (as ``make test`` does) is reused, and
+otherwise the session builds (if needed) and starts its own and stops it at the
+end. A node agent plays the kubelet for four 8-GPU nodes. Each test gets a
+fresh namespace, deleted (with every pod in it gone) afterwards.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from kubernetes import client, config  # noqa: E402
+from kubernetes.client.exceptions import ApiException  # noqa: E402
+
+from tools.k8s.controlplane import ControlPlane  # noqa: E402
+from tools.k8s.node_agent import NodeAgent, NodeSpec  # noqa: E402
+
+GPU_NODES = tuple(NodeSpec(name=f"gpu-node-{i}", gpus=8, flavor="h100") for i in range(4))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test in this folder needs the control plane: mark it ``k8s``."""
+    here = Path(__file__).parent
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(here):
+            item.add_marker(pytest.mark.k8s)
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """A running control plane: the shared one if it is up, else one for this session."""
+    shared = ControlPlane.attach()
+    if shared is not None:
+        yield shared
+        return
+    plane = ControlPlane(run_dir=tmp_path_factory.mktemp("k8s-control-plane"))
+    plane.start()
+    try:
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture(scope="session")
+def kubeconfig(control_plane: ControlPlane) -> str:
+    """Path of the admin kubeconfig."""
+    assert control_plane.state is not None
+    return control_plane.state.kubeconfig
+
+
+@pytest.fixture(scope="session")
+def k8s_api(kubeconfig: str) -> Iterator[client.ApiClient]:
+    """An admin API client with room for many concurrent requests."""
+    configuration = client.Configuration()
+    config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    configuration.connection_pool_maxsize = 32
+    api = client.ApiClient(configuration)
+    yield api
+    api.close()
+
+
+@pytest.fixture(scope="session")
+def node_agent(
+    control_plane: ControlPlane, kubeconfig: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NodeAgent]:
+    """The kubelet stand-in for GPU_NODES, on its own API client."""
+    configuration = client.Configuration()
+    config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    configuration.connection_pool_maxsize = 32
+    api = client.ApiClient(configuration)
+    pki = control_plane.pki
+    agent = NodeAgent(
+        api,
+        GPU_NODES,
+        work_dir=tmp_path_factory.mktemp("node-agent"),
+        serving_cert=(pki / "apiserver.crt", pki / "apiserver.key"),
+    )
+    agent.start()
+    try:
+        yield agent
+    finally:
+        agent.stop()
+        api.close()
+
+
+@pytest.fixture
+def namespace(k8s_api: client.ApiClient, node_agent: NodeAgent) -> Iterator[str]:
+    """A fresh namespace with its default service account; removed after the test."""
+    core = client.CoreV1Api(k8s_api)
+    name = f"qm-test-{uuid.uuid4().hex[:8]}"
+    core.create_namespace({"metadata": {"name": name}})
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            core.read_namespaced_service_account("default", name)
+            break
+        except ApiException as error:
+            if error.status != 404 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    try:
+        yield name
+    finally:
+        delete_namespace(core, name)
+
+
+def delete_namespace(core: client.CoreV1Api, name: str, timeout: float = 60.0) -> None:
+    """Delete a namespace and wait until its pods are gone, so their GPUs are free."""
+    core.delete_namespace(name)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pods = core.list_namespaced_pod(name).items
+        if not pods:
+            break
+        for pod in pods:
+            # A test may end before forget(): release exit-code finalizers so
+            # the namespace controller can finish.
+            if pod.metadata.finalizers:
+                try:
+                    core.patch_namespaced_pod(
+                        pod.metadata.name,
+                        name,
+                        [{"op": "replace", "path": "/metadata/finalizers", "value": []}],
+                    )
+                except ApiException as error:
+                    if error.status not in (404, 409, 422):
+                        raise
+        time.sleep(0.2)
+    else:
+        raise TimeoutError(f"pods of namespace {name} were not removed")
