@@ -227,11 +227,19 @@ class LocalRuntime:
         return list(self.inventory)
 
     def read_log(self, gang: GangId, rank: int, offset: int = 0, limit: int = 1 << 20) -> bytes:
-        """Up to `limit` bytes of the rank's log from byte `offset` (b"" before it exists)."""
+        """Up to `limit` bytes of the rank's log from byte `offset`.
+
+        A rank of the gang that has not written anything yet has an empty log; a rank the
+        runtime never heard of is a permanent error.
+        """
         if offset < 0 or limit < 0:
             raise RuntimePermanentError(f"bad log range: offset {offset}, limit {limit}")
-        rank_dir = self.gang_dir(gang) / str(rank)
+        gang_dir = self.gang_dir(gang)
+        rank_dir = gang_dir / str(rank)
         if not rank_dir.is_dir():
+            record = read_record(gang_dir / GANG_FILE)
+            if record is not None and 0 <= rank < len(record["ranks"]):
+                return b""
             raise RuntimePermanentError(f"gang {gang} has no rank {rank} on this runtime")
         try:
             with open(rank_dir / RANK_LOG, "rb") as log:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -540,3 +541,19 @@ def test_relaunching_a_gang_id_with_another_command_is_refused(runtime: LocalRun
     runtime.launch(first)
     assert runtime.read_log(first.gang, 0) == b"first\n"
     assert [o.exit_code for o in runtime.observe(first.gang)] == [0]
+
+
+def test_read_log_of_a_rank_not_yet_started_is_empty(runtime: LocalRuntime) -> None:
+    spec = gang_spec(21, "echo hi", ranks=2)
+    runtime.launch(spec)
+    wait_exited(runtime, spec.gang)
+    # A rank that has not written yet, or whose folder is not even claimed yet (as in
+    # the middle of a launch), reads as an empty log.
+    (runtime.gang_dir(spec.gang) / "0" / "rank.log").unlink()
+    assert runtime.read_log(spec.gang, 0) == b""
+    shutil.rmtree(runtime.gang_dir(spec.gang) / "1")
+    assert runtime.read_log(spec.gang, 1) == b""
+    with pytest.raises(RuntimePermanentError):
+        runtime.read_log(spec.gang, 2)
+    with pytest.raises(RuntimePermanentError):
+        runtime.read_log(GangId(404, 1), 0)
