@@ -12,8 +12,9 @@ from __future__ import annotations
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,10 @@ if str(REPO_ROOT) not in sys.path:
 from kubernetes import client, config  # noqa: E402
 from kubernetes.client.exceptions import ApiException  # noqa: E402
 
+from preemption.runtimes.kubernetes import (  # noqa: E402
+    KubernetesRuntime,
+    KubernetesRuntimeConfig,
+)
 from tools.k8s.controlplane import ControlPlane  # noqa: E402
 from tools.k8s.node_agent import NodeAgent, NodeSpec  # noqa: E402
 
@@ -140,3 +145,54 @@ def delete_namespace(core: client.CoreV1Api, name: str, timeout: float = 60.0) -
         time.sleep(0.2)
     else:
         raise TimeoutError(f"pods of namespace {name} were not removed")
+
+
+LOW_PRIORITY = "qm-test-low"
+HIGH_PRIORITY = "qm-test-high"
+
+
+@pytest.fixture(scope="session")
+def test_priority_classes(k8s_api: client.ApiClient) -> Iterator[dict[str, int]]:
+    """Two PriorityClasses for gang tests, deliberately not owned by Quartermaster."""
+    scheduling = client.SchedulingV1Api(k8s_api)
+    classes = {LOW_PRIORITY: 100, HIGH_PRIORITY: 1000}
+    for name, value in classes.items():
+        try:
+            scheduling.create_priority_class(
+                {
+                    "apiVersion": "scheduling.k8s.io/v1",
+                    "kind": "PriorityClass",
+                    "metadata": {"name": name},
+                    "value": value,
+                    "preemptionPolicy": "PreemptLowerPriority",
+                }
+            )
+        except ApiException as error:
+            if error.status != 409:
+                raise
+    yield classes
+    for name in classes:
+        try:
+            scheduling.delete_priority_class(name)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+
+@pytest.fixture
+def make_runtime(
+    kubeconfig: str, namespace: str, test_priority_classes: dict[str, int]
+) -> Iterator[Callable[..., KubernetesRuntime]]:
+    """Build KubernetesRuntimes on the test namespace; closed after the test."""
+    made: list[KubernetesRuntime] = []
+
+    def make(**settings: Any) -> KubernetesRuntime:
+        settings.setdefault("namespace", namespace)
+        settings.setdefault("default_image", "registry.invalid/never-pulled:1")
+        runtime = KubernetesRuntime.from_kubeconfig(kubeconfig, KubernetesRuntimeConfig(**settings))
+        made.append(runtime)
+        return runtime
+
+    yield make
+    for runtime in made:
+        runtime.close()

@@ -3,24 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
 
 from tools.k8s.node_agent import ANNOTATION_RUN, NodeAgent
-
-
-def wait_for(check: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1) -> Any:
-    """Poll ``check`` until it returns something truthy; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(interval)
+from tools.k8s.wait import wait_for
 
 
 def process_pod(name: str, script: str, *, grace: int = 30, gpus: int = 1) -> dict[str, Any]:

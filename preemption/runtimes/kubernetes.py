@@ -1,0 +1,1051 @@
+"""The Kubernetes runtime: one bare Pod per rank, evicted as one gang.
+
+Objects of one gang (job id, attempt), all in one namespace:
+
+* a ConfigMap ``qm-<job>-<attempt>``: the gang's record and the owner of every
+  other object, so deleting it garbage-collects the gang. Its annotations keep
+  what must survive a restart of the worker: when the gang was launched and
+  when it was signalled or killed;
+* a Secret ``qm-<job>-<attempt>-events`` holding ``QM_EVENTS_TOKEN``;
+* a headless Service ``qm-<job>-<attempt>`` (``publishNotReadyAddresses``), so
+  rank 0 resolves as ``rank-0.qm-<job>-<attempt>.<namespace>.svc.<domain>``
+  before it is ready: that is ``MASTER_ADDR``;
+* a Pod per rank ``qm-<job>-<attempt>-r<rank>``: restartPolicy Never, the
+  gang's PriorityClass, terminationGracePeriodSeconds from the class's grace,
+  a required node affinity to the node the engine placed it on, and the
+  finalizer ``quartermaster.dev/exit-code``. The finalizer keeps a deleted
+  pod's object (with its final container status) until ``forget()``, so an
+  exit code is never lost between the kubelet reporting it and a worker
+  reading it, even across a worker restart. kube-scheduler stops counting a
+  pod's GPUs once its phase is terminal, finalizer or not.
+
+Signalling is the ``policy/v1`` Eviction API for every rank concurrently with
+``deleteOptions.gracePeriodSeconds``; a 429 (a PodDisruptionBudget says no) is
+retried with backoff, and a gang still blocked raises RuntimeTemporaryError
+and shows in ``eviction_blocked()``. Killing deletes every pod with grace 0.
+
+This module imports nothing from Django: the portal hands it plain values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import urllib3
+from kubernetes import client, config, watch
+from kubernetes.client.exceptions import ApiException
+
+from preemption.runtimes.base import (
+    GangId,
+    GangSpec,
+    NodeInventory,
+    RankObservation,
+    RuntimePermanentError,
+    RuntimeTemporaryError,
+)
+
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "quartermaster"
+GANG_LABEL = "quartermaster.dev/gang"
+JOB_LABEL = "quartermaster.dev/job"
+ATTEMPT_LABEL = "quartermaster.dev/attempt"
+RANK_LABEL = "quartermaster.dev/rank"
+NODE_LABEL = "quartermaster.dev/node"
+TEAM_LABEL = "quartermaster.dev/team"
+EXIT_CODE_FINALIZER = "quartermaster.dev/exit-code"
+LAUNCHED_ANNOTATION = "quartermaster.dev/launched-at"
+SIGNALLED_ANNOTATION = "quartermaster.dev/signalled-at"
+GRACE_ANNOTATION = "quartermaster.dev/grace-seconds"
+KILLED_ANNOTATION = "quartermaster.dev/killed-at"
+GPU_RESOURCE = "nvidia.com/gpu"
+EVENTS_TOKEN_KEY = "QM_EVENTS_TOKEN"
+CONTAINER_NAME = "rank"
+
+
+@dataclass(frozen=True, slots=True)
+class KubernetesRuntimeConfig:
+    """How the runtime lays gangs out in the cluster.
+
+    ``namespace`` holds every gang unless ``namespace_per_team`` is set, in which
+    case team ``t`` runs in ``<team_namespace_prefix><t>`` (created on demand).
+    ``pod_annotations`` are copied onto every rank pod. ``checkpoint_claim``
+    mounts that PersistentVolumeClaim at ``checkpoint_mount_path`` in every rank.
+    A 429 from the Eviction API is retried for ``eviction_retry_seconds`` before
+    the call gives up with RuntimeTemporaryError.
+    """
+
+    namespace: str = "quartermaster"
+    namespace_per_team: bool = False
+    team_namespace_prefix: str = "qm-team-"
+    default_image: str = "python:3.11-slim"
+    cluster_domain: str = "cluster.local"
+    master_port: int = 29500
+    flavor_label: str = "quartermaster.dev/flavor"
+    service_account: str | None = None
+    pod_annotations: Mapping[str, str] = field(default_factory=dict)
+    checkpoint_claim: str | None = None
+    checkpoint_mount_path: str = "/checkpoints"
+    eviction_retry_seconds: float = 2.0
+    api_workers: int = 32
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityClassSpec:
+    """A portal priority class as Kubernetes should have it."""
+
+    name: str
+    value: int
+    preemption_policy: str = "PreemptLowerPriority"  # or "Never"
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityClassReconcileResult:
+    """What one PriorityClass reconcile changed, by class name.
+
+    ``replaced`` classes had an immutable field (value, preemptionPolicy)
+    changed, so they were deleted and created again. ``unowned`` lists desired
+    names already taken by a class Quartermaster does not manage: those are
+    left exactly as they are.
+    """
+
+    created: tuple[str, ...] = ()
+    replaced: tuple[str, ...] = ()
+    updated: tuple[str, ...] = ()
+    deleted: tuple[str, ...] = ()
+    unowned: tuple[str, ...] = ()
+
+    @property
+    def changed(self) -> bool:
+        """Whether the cluster was written to at all."""
+        return bool(self.created or self.replaced or self.updated or self.deleted)
+
+
+def gang_name(gang: GangId) -> str:
+    """The name of a gang's ConfigMap, Secret prefix and Service."""
+    return f"qm-{gang.job_id}-{gang.attempt}"
+
+
+def pod_name(gang: GangId, rank: int) -> str:
+    """The name of one rank's pod."""
+    return f"{gang_name(gang)}-r{rank}"
+
+
+def _parse_time(value: Any) -> float | None:
+    if value is None:
+        return None
+    return float(value.timestamp())
+
+
+def _is_gone(error: ApiException) -> bool:
+    return error.status == 404
+
+
+def _temporary(error: ApiException) -> bool:
+    return error.status in (409, 429) or error.status is None or error.status >= 500
+
+
+class KubernetesRuntime:
+    """Runs gangs as pods on a Kubernetes cluster through the API server."""
+
+    name = "kubernetes"
+
+    def __init__(
+        self, api_client: client.ApiClient, settings: KubernetesRuntimeConfig | None = None
+    ) -> None:
+        self.settings = settings or KubernetesRuntimeConfig()
+        self.api_client = api_client
+        self.core = client.CoreV1Api(api_client)
+        self._pool = ThreadPoolExecutor(
+            max_workers=self.settings.api_workers, thread_name_prefix="qm-k8s"
+        )
+        self._lock = threading.Lock()
+        # Caches only: everything here can be rebuilt from the cluster.
+        self._world_sizes: dict[GangId, tuple[str, int]] = {}
+        self._signalled: dict[GangId, float] = {}
+        self._blocked: dict[GangId, dict[int, str]] = {}
+        self.relists = 0
+
+    @classmethod
+    def from_kubeconfig(
+        cls, kubeconfig: str | None = None, settings: KubernetesRuntimeConfig | None = None
+    ) -> KubernetesRuntime:
+        """Build a runtime from a kubeconfig file, or from the in-cluster service account."""
+        configuration = client.Configuration()
+        if kubeconfig:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        else:
+            config.load_incluster_config(client_configuration=configuration)
+        workers = (settings or KubernetesRuntimeConfig()).api_workers
+        # Every rank's Eviction goes out at once: give each its own connection.
+        configuration.connection_pool_maxsize = workers
+        return cls(client.ApiClient(configuration), settings)
+
+    def close(self) -> None:
+        """Release the worker threads and connections."""
+        self._pool.shutdown(wait=True)
+        self.api_client.close()
+
+    # -- naming ----------------------------------------------------------------
+    def namespace_for(self, team: str) -> str:
+        """The namespace a team's gangs run in."""
+        if self.settings.namespace_per_team and team:
+            return f"{self.settings.team_namespace_prefix}{team}".lower()
+        return self.settings.namespace
+
+    def _labels(self, gang: GangId) -> dict[str, str]:
+        return {
+            MANAGED_BY_LABEL: MANAGED_BY,
+            GANG_LABEL: gang_name(gang),
+            JOB_LABEL: str(gang.job_id),
+            ATTEMPT_LABEL: str(gang.attempt),
+        }
+
+    def _selector(self, gang: GangId | None) -> str:
+        if gang is None:
+            return f"{MANAGED_BY_LABEL}={MANAGED_BY},{GANG_LABEL}"
+        return f"{MANAGED_BY_LABEL}={MANAGED_BY},{GANG_LABEL}={gang_name(gang)}"
+
+    # -- launch ----------------------------------------------------------------
+    def launch(self, spec: GangSpec) -> None:
+        """Create the gang's ConfigMap, Secret, Service and one pod per rank.
+
+        Idempotent: objects that already exist are left alone, and a launch cut
+        short half-way is completed by the next call.
+        """
+        gang = spec.gang
+        namespace = self.namespace_for(spec.team)
+        if self.settings.namespace_per_team and spec.team:
+            self._ensure_namespace(namespace)
+        name = gang_name(gang)
+        owner = self._ensure_gang_record(spec, namespace)
+        with self._lock:
+            self._world_sizes[gang] = (namespace, spec.world_size)
+        if (owner.metadata.annotations or {}).get(LAUNCHED_ANNOTATION):
+            return
+        owner_references = [
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "name": name,
+                "uid": owner.metadata.uid,
+                "controller": True,
+            }
+        ]
+        token = spec.env.get(EVENTS_TOKEN_KEY, "")
+        self._create_ignoring_conflict(
+            self.core.create_namespaced_secret,
+            namespace,
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {
+                    "name": f"{name}-events",
+                    "labels": self._labels(gang),
+                    "ownerReferences": owner_references,
+                },
+                "type": "Opaque",
+                "stringData": {EVENTS_TOKEN_KEY: token},
+            },
+        )
+        self._create_ignoring_conflict(
+            self.core.create_namespaced_service,
+            namespace,
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {
+                    "name": name,
+                    "labels": self._labels(gang),
+                    "ownerReferences": owner_references,
+                },
+                "spec": {
+                    "clusterIP": "None",
+                    "selector": {GANG_LABEL: name},
+                    # Rank 0 must resolve before it is ready: the others wait on it.
+                    "publishNotReadyAddresses": True,
+                    "ports": [{"name": "rendezvous", "port": self.settings.master_port}],
+                },
+            },
+        )
+        existing = {
+            pod.metadata.name
+            for pod in self.core.list_namespaced_pod(
+                namespace, label_selector=self._selector(gang)
+            ).items
+        }
+        bodies = [
+            self._pod_body(spec, namespace, placement.rank, owner_references)
+            for placement in spec.ranks
+            if pod_name(gang, placement.rank) not in existing
+        ]
+        results = list(
+            self._pool.map(
+                lambda body: self._try(
+                    lambda: self._create_ignoring_conflict(
+                        self.core.create_namespaced_pod, namespace, body
+                    )
+                ),
+                bodies,
+            )
+        )
+        errors = [error for error in results if error is not None]
+        if errors:
+            raise errors[0]
+        self.core.patch_namespaced_config_map(
+            name,
+            namespace,
+            {"metadata": {"annotations": {LAUNCHED_ANNOTATION: f"{time.time():.6f}"}}},
+        )
+
+    def _ensure_namespace(self, namespace: str) -> None:
+        try:
+            self.core.create_namespace(
+                {"metadata": {"name": namespace, "labels": {MANAGED_BY_LABEL: MANAGED_BY}}}
+            )
+        except ApiException as error:
+            if error.status != 409:
+                raise self._translate(error, f"create namespace {namespace}") from error
+
+    def _ensure_gang_record(self, spec: GangSpec, namespace: str) -> Any:
+        gang = spec.gang
+        labels = self._labels(gang)
+        if spec.team:
+            labels[TEAM_LABEL] = spec.team
+        body = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": gang_name(gang), "labels": labels},
+            "data": {
+                "world_size": str(spec.world_size),
+                "placement": ",".join(f"{p.rank}={p.node}" for p in spec.ranks),
+                "priority_class": spec.priority_class,
+                "grace_seconds": f"{spec.grace_seconds:g}",
+            },
+        }
+        try:
+            return self.core.create_namespaced_config_map(namespace, body)
+        except ApiException as error:
+            if error.status != 409:
+                raise self._translate(error, f"create gang record {gang_name(gang)}") from error
+        try:
+            return self.core.read_namespaced_config_map(gang_name(gang), namespace)
+        except ApiException as error:
+            raise self._translate(error, f"read gang record {gang_name(gang)}") from error
+
+    def _pod_body(
+        self,
+        spec: GangSpec,
+        namespace: str,
+        rank: int,
+        owner_references: list[dict[str, Any]],
+    ) -> dict[str, Any]:
+        gang = spec.gang
+        placement = next(p for p in spec.ranks if p.rank == rank)
+        name = gang_name(gang)
+        master_addr = f"rank-0.{name}.{namespace}.svc.{self.settings.cluster_domain}"
+        env: list[dict[str, Any]] = [
+            {"name": key, "value": value}
+            for key, value in sorted(spec.env.items())
+            if key != EVENTS_TOKEN_KEY
+        ]
+        env += [
+            {"name": "RANK", "value": str(rank)},
+            {"name": "WORLD_SIZE", "value": str(spec.world_size)},
+            {"name": "LOCAL_RANK", "value": str(placement.local_rank)},
+            {"name": "MASTER_ADDR", "value": master_addr},
+            {"name": "MASTER_PORT", "value": str(self.settings.master_port)},
+            {"name": "OMP_NUM_THREADS", "value": "1"},
+            {
+                "name": EVENTS_TOKEN_KEY,
+                "valueFrom": {"secretKeyRef": {"name": f"{name}-events", "key": EVENTS_TOKEN_KEY}},
+            },
+        ]
+        labels = self._labels(gang) | {RANK_LABEL: str(rank), NODE_LABEL: placement.node}
+        if spec.team:
+            labels[TEAM_LABEL] = spec.team
+        container: dict[str, Any] = {
+            "name": CONTAINER_NAME,
+            "image": spec.image or self.settings.default_image,
+            "command": ["/bin/sh", "-c", spec.command],
+            "env": env,
+            "resources": {
+                "limits": {GPU_RESOURCE: str(spec.gpus_per_rank)},
+                "requests": {GPU_RESOURCE: str(spec.gpus_per_rank)},
+            },
+        }
+        pod_spec: dict[str, Any] = {
+            "restartPolicy": "Never",
+            "priorityClassName": spec.priority_class,
+            "terminationGracePeriodSeconds": max(0, math.ceil(spec.grace_seconds)),
+            "hostname": f"rank-{rank}",
+            "subdomain": name,
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchFields": [
+                                    {
+                                        "key": "metadata.name",
+                                        "operator": "In",
+                                        "values": [placement.node],
+                                    }
+                                ]
+                            }
+                        ]
+                    }
+                }
+            },
+            "containers": [container],
+        }
+        if self.settings.service_account:
+            pod_spec["serviceAccountName"] = self.settings.service_account
+        if self.settings.checkpoint_claim:
+            pod_spec["volumes"] = [
+                {
+                    "name": "checkpoints",
+                    "persistentVolumeClaim": {"claimName": self.settings.checkpoint_claim},
+                }
+            ]
+            container["volumeMounts"] = [
+                {"name": "checkpoints", "mountPath": self.settings.checkpoint_mount_path}
+            ]
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": pod_name(gang, rank),
+                "labels": labels,
+                "annotations": dict(self.settings.pod_annotations),
+                "ownerReferences": owner_references,
+                "finalizers": [EXIT_CODE_FINALIZER],
+            },
+            "spec": pod_spec,
+        }
+
+    def _create_ignoring_conflict(
+        self, create: Callable[..., Any], namespace: str, body: dict[str, Any]
+    ) -> None:
+        try:
+            create(namespace, body)
+        except ApiException as error:
+            if error.status != 409:
+                what = f"create {body['kind']} {body['metadata']['name']}"
+                raise self._translate(error, what) from error
+
+    @staticmethod
+    def _try(call: Callable[[], None]) -> Exception | None:
+        try:
+            call()
+        except Exception as error:
+            return error
+        return None
+
+    @staticmethod
+    def _translate(error: ApiException, what: str) -> Exception:
+        message = f"{what}: {error.status} {error.reason}"
+        if _temporary(error):
+            return RuntimeTemporaryError(message)
+        return RuntimePermanentError(message)
+
+    # -- gang record -------------------------------------------------------------
+    def _gang_location(self, gang: GangId) -> tuple[str, int] | None:
+        """(namespace, world size) of a gang, from the cache or the cluster."""
+        with self._lock:
+            known = self._world_sizes.get(gang)
+        if known is not None:
+            return known
+        selector = f"{MANAGED_BY_LABEL}={MANAGED_BY},{GANG_LABEL}={gang_name(gang)}"
+        try:
+            if self.settings.namespace_per_team:
+                records = self.core.list_config_map_for_all_namespaces(label_selector=selector)
+            else:
+                records = self.core.list_namespaced_config_map(
+                    self.settings.namespace, label_selector=selector
+                )
+        except ApiException as error:
+            raise self._translate(error, f"find gang {gang_name(gang)}") from error
+        if not records.items:
+            return None
+        record = records.items[0]
+        location = (record.metadata.namespace, int((record.data or {}).get("world_size", "0")))
+        with self._lock:
+            self._world_sizes[gang] = location
+        return location
+
+    def _annotate(self, gang: GangId, namespace: str, annotations: dict[str, str]) -> None:
+        with contextlib.suppress(ApiException):
+            self.core.patch_namespaced_config_map(
+                gang_name(gang), namespace, {"metadata": {"annotations": annotations}}
+            )
+
+    # -- signal and kill -------------------------------------------------------
+    def signal(self, gang: GangId, grace_seconds: float) -> None:
+        """Evict every rank at once with ``gracePeriodSeconds``; retry 429 with backoff.
+
+        Idempotent: ranks already gone count as done, and a second call only
+        re-issues evictions (the API server never lengthens a grace period).
+        Raises RuntimeTemporaryError naming the ranks a PodDisruptionBudget
+        still protects after ``eviction_retry_seconds``.
+        """
+        location = self._gang_location(gang)
+        if location is None:
+            return
+        namespace, world_size = location
+        grace = max(0, math.ceil(grace_seconds))
+        now = time.time()
+        with self._lock:
+            first_signal = gang not in self._signalled
+            self._signalled.setdefault(gang, now)
+        futures = []
+        if first_signal:
+            # Recorded in the cluster so a restarted worker still knows the
+            # gang was told to stop (and when), alongside the evictions.
+            futures.append(
+                self._pool.submit(self._annotate_signal_once, gang, namespace, now, grace_seconds)
+            )
+        deadline = time.monotonic() + self.settings.eviction_retry_seconds
+        outcomes = list(
+            self._pool.map(
+                lambda rank: (rank, self._evict(namespace, pod_name(gang, rank), grace, deadline)),
+                range(world_size),
+            )
+        )
+        for future in futures:
+            future.result()
+        blocked = {rank: message for rank, message in outcomes if message is not None}
+        with self._lock:
+            if blocked:
+                self._blocked[gang] = blocked
+            else:
+                self._blocked.pop(gang, None)
+        if blocked:
+            ranks = ", ".join(str(rank) for rank in sorted(blocked))
+            reason = next(iter(blocked.values()))
+            raise RuntimeTemporaryError(
+                f"eviction of {gang_name(gang)} ranks {ranks} blocked: {reason}"
+            )
+
+    def _annotate_signal_once(
+        self, gang: GangId, namespace: str, at: float, grace_seconds: float
+    ) -> None:
+        try:
+            record = self.core.read_namespaced_config_map(gang_name(gang), namespace)
+        except ApiException:
+            return
+        annotations = record.metadata.annotations or {}
+        if SIGNALLED_ANNOTATION in annotations:
+            with self._lock:
+                self._signalled[gang] = float(annotations[SIGNALLED_ANNOTATION])
+            return
+        self._annotate(
+            gang,
+            namespace,
+            {SIGNALLED_ANNOTATION: f"{at:.6f}", GRACE_ANNOTATION: f"{grace_seconds:g}"},
+        )
+
+    def _evict(self, namespace: str, name: str, grace: int, deadline: float) -> str | None:
+        """Evict one pod; None when done, else why it is still blocked."""
+        body = client.V1Eviction(
+            metadata=client.V1ObjectMeta(name=name, namespace=namespace),
+            delete_options=client.V1DeleteOptions(grace_period_seconds=grace),
+        )
+        pause = 0.05
+        while True:
+            try:
+                self.core.create_namespaced_pod_eviction(name, namespace, body)
+                return None
+            except ApiException as error:
+                if _is_gone(error):
+                    return None
+                if not _temporary(error):
+                    return f"{error.status} {error.reason}: {_message(error)}"
+                if time.monotonic() + pause > deadline:
+                    return f"{error.status} {error.reason}: {_message(error)}"
+            except (urllib3.exceptions.HTTPError, OSError) as error:
+                if time.monotonic() + pause > deadline:
+                    return f"API server unreachable: {error}"
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+
+    def eviction_blocked(self, gang: GangId) -> dict[int, str]:
+        """Ranks whose last eviction a PodDisruptionBudget refused, with the reason."""
+        with self._lock:
+            return dict(self._blocked.get(gang, {}))
+
+    def kill(self, gang: GangId) -> None:
+        """Delete every rank's pod with grace 0. Idempotent."""
+        location = self._gang_location(gang)
+        if location is None:
+            return
+        namespace, world_size = location
+        self._annotate(gang, namespace, {KILLED_ANNOTATION: f"{time.time():.6f}"})
+        body = client.V1DeleteOptions(grace_period_seconds=0)
+
+        def delete(rank: int) -> Exception | None:
+            try:
+                self.core.delete_namespaced_pod(pod_name(gang, rank), namespace, body=body)
+            except ApiException as error:
+                if not _is_gone(error):
+                    return self._translate(error, f"delete {pod_name(gang, rank)}")
+            return None
+
+        errors = [e for e in self._pool.map(delete, range(world_size)) if e is not None]
+        if errors:
+            raise errors[0]
+
+    # -- observe ---------------------------------------------------------------
+    def observe(self, gang: GangId | None = None) -> list[RankObservation]:
+        """Every rank's state from a fresh listing of pods, gang records and nodes."""
+        selector = self._selector(gang)
+        try:
+            if self.settings.namespace_per_team:
+                pods = self.core.list_pod_for_all_namespaces(label_selector=selector).items
+                records = self.core.list_config_map_for_all_namespaces(
+                    label_selector=selector
+                ).items
+            else:
+                namespace = self.settings.namespace
+                pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
+                records = self.core.list_namespaced_config_map(
+                    namespace, label_selector=selector
+                ).items
+            ready_nodes = self._ready_nodes()
+        except ApiException as error:
+            raise self._translate(error, "observe") from error
+        pods_by_gang: dict[GangId, dict[int, Any]] = {}
+        for pod in pods:
+            labels = pod.metadata.labels or {}
+            key = GangId(int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]))
+            pods_by_gang.setdefault(key, {})[int(labels[RANK_LABEL])] = pod
+        observations: list[RankObservation] = []
+        for record in records:
+            labels = record.metadata.labels or {}
+            key = GangId(int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]))
+            annotations = record.metadata.annotations or {}
+            signalled = annotations.get(SIGNALLED_ANNOTATION)
+            signalled_at = float(signalled) if signalled else self._signalled.get(key)
+            launched = LAUNCHED_ANNOTATION in annotations
+            placement = dict(
+                item.split("=", 1)
+                for item in (record.data or {}).get("placement", "").split(",")
+                if item
+            )
+            world_size = int((record.data or {}).get("world_size", "0"))
+            ranks = pods_by_gang.get(key, {})
+            for rank in range(world_size):
+                pod = ranks.get(rank)
+                if pod is None:
+                    observations.append(
+                        RankObservation(
+                            job_id=key.job_id,
+                            attempt=key.attempt,
+                            rank=rank,
+                            node=placement.get(str(rank), ""),
+                            # Only forget() removes the exit-code finalizer, so a
+                            # pod missing after launch was removed by force.
+                            phase="lost" if launched else "starting",
+                            exit_code=None,
+                            handle=pod_name(key, rank),
+                            started_at=None,
+                            exited_at=None,
+                            signal_sent_at=signalled_at,
+                        )
+                    )
+                else:
+                    observations.append(rank_observation(pod, signalled_at, ready_nodes))
+        observations.sort(key=lambda o: (o.job_id, o.attempt, o.rank))
+        return observations
+
+    def _ready_nodes(self) -> set[str]:
+        ready = set()
+        for node in self.core.list_node().items:
+            for condition in node.status.conditions or []:
+                if condition.type == "Ready" and condition.status == "True":
+                    ready.add(node.metadata.name)
+        return ready
+
+    def disruptions(self, gang: GangId) -> dict[int, str]:
+        """Ranks carrying a DisruptionTarget condition, with its reason.
+
+        ``PreemptionByScheduler`` means kube-scheduler took the rank's node for
+        a higher-priority pod; ``EvictionByEvictionAPI`` is an eviction (ours
+        or a drain); ``DeletionByTaintManager`` follows a lost node.
+        """
+        location = self._gang_location(gang)
+        if location is None:
+            return {}
+        pods = self.core.list_namespaced_pod(location[0], label_selector=self._selector(gang)).items
+        found = {}
+        for pod in pods:
+            condition = _disruption(pod)
+            if condition is not None:
+                found[int(pod.metadata.labels[RANK_LABEL])] = str(condition.reason)
+        return found
+
+    def watch_ranks(
+        self,
+        gang: GangId | None = None,
+        *,
+        stop: threading.Event,
+        resource_version: str | None = None,
+        timeout_seconds: int = 30,
+    ) -> Iterator[RankObservation]:
+        """Yield rank observations as pods change, until ``stop`` is set.
+
+        Starts from a listing (yielding every rank) unless ``resource_version``
+        is given; when the API server answers 410 Gone (the version fell out of
+        its window) it lists again and carries on from the new version.
+        Node readiness is taken at each listing. ``relists`` counts listings.
+        """
+        selector = self._selector(gang)
+        namespace = None if self.settings.namespace_per_team else self.settings.namespace
+        self.relists = 0
+        ready_nodes: set[str] = set()
+
+        def listing() -> tuple[list[Any], str]:
+            self.relists += 1
+            if namespace is None:
+                result = self.core.list_pod_for_all_namespaces(label_selector=selector)
+            else:
+                result = self.core.list_namespaced_pod(namespace, label_selector=selector)
+            return result.items, result.metadata.resource_version
+
+        version = resource_version
+        while not stop.is_set():
+            if version is None:
+                ready_nodes = self._ready_nodes()
+                pods, version = listing()
+                for pod in pods:
+                    yield rank_observation(pod, self._signal_time(pod), ready_nodes)
+                continue
+            if not ready_nodes:
+                ready_nodes = self._ready_nodes()
+            kwargs: dict[str, Any] = {
+                "label_selector": selector,
+                "resource_version": version,
+                "timeout_seconds": timeout_seconds,
+                "allow_watch_bookmarks": True,
+            }
+            method: Callable[..., Any]
+            if namespace is None:
+                method = self.core.list_pod_for_all_namespaces
+            else:
+                method = self.core.list_namespaced_pod
+                kwargs["namespace"] = namespace
+            try:
+                for event in watch.Watch().stream(method, **kwargs):
+                    obj = event["object"]
+                    if event["type"] == "ERROR":
+                        code = obj.get("code") if isinstance(obj, dict) else None
+                        if code == 410:
+                            version = None
+                            break
+                        raise RuntimeTemporaryError(f"pod watch error: {obj}")
+                    version = obj.metadata.resource_version
+                    if event["type"] == "BOOKMARK":
+                        continue
+                    if event["type"] == "DELETED":
+                        continue
+                    yield rank_observation(obj, self._signal_time(obj), ready_nodes)
+                    if stop.is_set():
+                        return
+            except ApiException as error:
+                if error.status == 410:
+                    version = None
+                    continue
+                raise self._translate(error, "watch pods") from error
+
+    def _signal_time(self, pod: Any) -> float | None:
+        labels = pod.metadata.labels or {}
+        key = GangId(int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]))
+        with self._lock:
+            return self._signalled.get(key)
+
+    # -- nodes, logs, ports, forget -----------------------------------------------
+    def nodes(self) -> list[NodeInventory]:
+        """Nodes with allocatable GPUs, their flavor from the flavor label."""
+        try:
+            items = self.core.list_node().items
+        except ApiException as error:
+            raise self._translate(error, "list nodes") from error
+        inventory = []
+        for node in items:
+            gpus = int((node.status.allocatable or {}).get(GPU_RESOURCE, "0"))
+            if gpus <= 0:
+                continue
+            flavor = (node.metadata.labels or {}).get(self.settings.flavor_label, "")
+            inventory.append(NodeInventory(name=node.metadata.name, flavor=flavor, gpus=gpus))
+        return sorted(inventory, key=lambda n: n.name)
+
+    def read_log(self, gang: GangId, rank: int, offset: int = 0, limit: int = 1 << 20) -> bytes:
+        """A slice of one rank's container log, through the API server."""
+        location = self._gang_location(gang)
+        if location is None:
+            return b""
+        try:
+            response = self.core.read_namespaced_pod_log(
+                pod_name(gang, rank),
+                location[0],
+                container=CONTAINER_NAME,
+                limit_bytes=offset + limit,
+                _preload_content=False,
+            )
+        except ApiException as error:
+            if error.status in (400, 404):
+                return b""
+            raise self._translate(error, f"read log of {pod_name(gang, rank)}") from error
+        content: bytes = response.data
+        return content[offset : offset + limit]
+
+    def released_ports(self, gang: GangId) -> list[int]:
+        """The rendezvous port while any rank pod still runs; empty once all have ended.
+
+        Each pod has its own network namespace, so a port cannot outlive the
+        pod that bound it.
+        """
+        for observation in self.observe(gang):
+            if observation.phase in ("starting", "running", "terminating"):
+                return [self.settings.master_port]
+        return []
+
+    def forget(self, gang: GangId) -> None:
+        """Release the pods' exit-code finalizers and delete the gang record.
+
+        Deleting the ConfigMap garbage-collects the Service, the Secret and the
+        pods through their owner references.
+        """
+        location = self._gang_location(gang)
+        if location is None:
+            return
+        namespace = location[0]
+        pods = self.core.list_namespaced_pod(namespace, label_selector=self._selector(gang)).items
+
+        def release(pod: Any) -> None:
+            if EXIT_CODE_FINALIZER not in (pod.metadata.finalizers or []):
+                return
+            remaining = [f for f in pod.metadata.finalizers if f != EXIT_CODE_FINALIZER]
+            with contextlib.suppress(ApiException):
+                self.core.patch_namespaced_pod(
+                    pod.metadata.name,
+                    namespace,
+                    [
+                        {"op": "test", "path": "/metadata/resourceVersion",
+                         "value": pod.metadata.resource_version},
+                        {"op": "replace", "path": "/metadata/finalizers", "value": remaining},
+                    ],
+                )  # fmt: skip
+
+        list(self._pool.map(release, pods))
+        with contextlib.suppress(ApiException):
+            self.core.delete_namespaced_config_map(
+                gang_name(gang),
+                namespace,
+                body=client.V1DeleteOptions(propagation_policy="Background"),
+            )
+        with self._lock:
+            self._world_sizes.pop(gang, None)
+            self._signalled.pop(gang, None)
+            self._blocked.pop(gang, None)
+
+    # -- gang guard --------------------------------------------------------------
+    def enforce_gang_guard(self, grace_seconds: Callable[[GangId], float]) -> list[GangId]:
+        """Evict the rest of every gang that lost a rank to someone else.
+
+        Returns the gangs it signalled. Level-triggered: a gang already
+        signalled is not picked again.
+        """
+        victims = gang_guard_victims(self.observe())
+        for gang in victims:
+            self.signal(gang, grace_seconds(gang))
+        return victims
+
+
+def _message(error: ApiException) -> str:
+    return str(error.body or "")[:300]
+
+
+def _disruption(pod: Any) -> Any | None:
+    for condition in pod.status.conditions or []:
+        if condition.type == "DisruptionTarget" and condition.status == "True":
+            return condition
+    return None
+
+
+def rank_observation(
+    pod: Any, signalled_at: float | None, ready_nodes: set[str] | None = None
+) -> RankObservation:
+    """Map one rank pod to a RankObservation.
+
+    Terminal phases are ``exited`` with the container's exit code; a pod on a
+    node that is not Ready is ``lost``; a pod being deleted or marked with a
+    DisruptionTarget condition is ``terminating``.
+    """
+    labels = pod.metadata.labels or {}
+    started_at = exited_at = None
+    exit_code = None
+    running = False
+    for status in pod.status.container_statuses or []:
+        if status.state is None:
+            continue
+        if status.state.running is not None:
+            running = True
+            started_at = _parse_time(status.state.running.started_at)
+        if status.state.terminated is not None:
+            exit_code = int(status.state.terminated.exit_code)
+            started_at = _parse_time(status.state.terminated.started_at)
+            exited_at = _parse_time(status.state.terminated.finished_at)
+    node = pod.spec.node_name or labels.get(NODE_LABEL, "")
+    if signalled_at is None:
+        condition = _disruption(pod)
+        if (
+            condition is not None
+            and condition.reason == "EvictionByEvictionAPI"
+            and pod.metadata.deletion_timestamp is not None
+        ):
+            grace = pod.metadata.deletion_grace_period_seconds or 0
+            signalled_at = _parse_time(pod.metadata.deletion_timestamp)
+            signalled_at = None if signalled_at is None else signalled_at - grace
+    if pod.status.phase in ("Succeeded", "Failed"):
+        phase = "exited"
+    elif ready_nodes is not None and pod.spec.node_name and pod.spec.node_name not in ready_nodes:
+        phase = "lost"
+    elif pod.metadata.deletion_timestamp is not None or _disruption(pod) is not None:
+        phase = "terminating"
+    elif running:
+        phase = "running"
+    else:
+        phase = "starting"
+    return RankObservation(
+        job_id=int(labels[JOB_LABEL]),
+        attempt=int(labels[ATTEMPT_LABEL]),
+        rank=int(labels[RANK_LABEL]),
+        node=node,
+        phase=phase,
+        exit_code=exit_code,
+        handle=pod.metadata.name,
+        started_at=started_at,
+        exited_at=exited_at,
+        signal_sent_at=signalled_at,
+    )
+
+
+def gang_guard_victims(observations: Iterable[RankObservation]) -> list[GangId]:
+    """Gangs whose remaining ranks must be stopped because one rank was taken away.
+
+    A gang qualifies when one of its ranks is lost, or is terminating or
+    exited with a non-zero code although Quartermaster never signalled it
+    (kube-scheduler preempted it, its node went away, someone deleted it), while
+    another rank is still starting or running unsignalled: that rank would
+    otherwise wait forever on a collective. A rank that finished with exit code
+    0 is a normal end and takes no one down with it.
+    """
+    by_gang: dict[GangId, list[RankObservation]] = {}
+    for observation in observations:
+        by_gang.setdefault(GangId(observation.job_id, observation.attempt), []).append(observation)
+    victims = []
+    for gang, ranks in sorted(by_gang.items(), key=lambda item: (item[0].job_id, item[0].attempt)):
+        taken = any(
+            rank.phase == "lost"
+            or (
+                rank.signal_sent_at is None
+                and (
+                    rank.phase == "terminating"
+                    or (rank.phase == "exited" and rank.exit_code not in (0, None))
+                )
+            )
+            for rank in ranks
+        )
+        waiting = any(
+            rank.phase in ("starting", "running") and rank.signal_sent_at is None for rank in ranks
+        )
+        if taken and waiting:
+            victims.append(gang)
+    return victims
+
+
+# -- PriorityClass reconcile -----------------------------------------------------
+
+
+def reconcile_priority_classes(
+    api_client: client.ApiClient, desired: Sequence[PriorityClassSpec]
+) -> PriorityClassReconcileResult:
+    """Make the cluster's Quartermaster-owned PriorityClasses match ``desired``.
+
+    Owned classes carry ``app.kubernetes.io/managed-by=quartermaster``. A missing
+    class is created; a changed value or preemptionPolicy (immutable in
+    Kubernetes) replaces the object; a changed description is patched; an owned
+    class no longer desired is deleted. A class of the same name that
+    Quartermaster does not own is never touched. Running it twice changes
+    nothing the second time; edits or deletions by others are undone.
+    """
+    scheduling = client.SchedulingV1Api(api_client)
+    existing = {item.metadata.name: item for item in scheduling.list_priority_class().items}
+    wanted = {spec.name: spec for spec in desired}
+    created: list[str] = []
+    replaced: list[str] = []
+    updated: list[str] = []
+    deleted: list[str] = []
+    unowned: list[str] = []
+
+    def body(spec: PriorityClassSpec) -> dict[str, Any]:
+        return {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {"name": spec.name, "labels": {MANAGED_BY_LABEL: MANAGED_BY}},
+            "value": spec.value,
+            "preemptionPolicy": spec.preemption_policy,
+            "globalDefault": False,
+            "description": spec.description,
+        }
+
+    for name, spec in sorted(wanted.items()):
+        current = existing.get(name)
+        if current is None:
+            scheduling.create_priority_class(body(spec))
+            created.append(name)
+            continue
+        if (current.metadata.labels or {}).get(MANAGED_BY_LABEL) != MANAGED_BY:
+            unowned.append(name)
+            continue
+        if current.value != spec.value or current.preemption_policy != spec.preemption_policy:
+            try:
+                scheduling.delete_priority_class(
+                    name,
+                    body=client.V1DeleteOptions(
+                        preconditions=client.V1Preconditions(uid=current.metadata.uid)
+                    ),
+                )
+            except ApiException as error:
+                if error.status != 404:
+                    raise
+            scheduling.create_priority_class(body(spec))
+            replaced.append(name)
+        elif (current.description or "") != spec.description or current.global_default:
+            scheduling.patch_priority_class(
+                name, {"description": spec.description, "globalDefault": False}
+            )
+            updated.append(name)
+    for name, current in sorted(existing.items()):
+        if name in wanted:
+            continue
+        if (current.metadata.labels or {}).get(MANAGED_BY_LABEL) != MANAGED_BY:
+            continue
+        with contextlib.suppress(ApiException):
+            scheduling.delete_priority_class(name)
+        deleted.append(name)
+    return PriorityClassReconcileResult(
+        created=tuple(created),
+        replaced=tuple(replaced),
+        updated=tuple(updated),
+        deleted=tuple(deleted),
+        unowned=tuple(unowned),
+    )

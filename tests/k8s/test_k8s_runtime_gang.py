@@ -1,0 +1,297 @@
+"""The Kubernetes runtime launches, evicts, kills and observes whole gangs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+from kubernetes import client
+
+from preemption.runtimes.base import GangId, GangSpec, RankPlacement, RuntimeTemporaryError
+from preemption.runtimes.kubernetes import (
+    EXIT_CODE_FINALIZER,
+    KubernetesRuntime,
+    gang_guard_victims,
+    gang_name,
+    pod_name,
+)
+from tools.k8s.node_agent import (
+    ANNOTATION_EXIT_ON_TERM,
+    ANNOTATION_RUN,
+    ANNOTATION_TERM_SECONDS,
+)
+from tools.k8s.wait import wait_for
+
+MakeRuntime = Callable[..., KubernetesRuntime]
+
+
+def gang_spec(
+    job_id: int,
+    nodes: dict[str, int],
+    *,
+    command: str = "sleep infinity",
+    grace_seconds: float = 5.0,
+    priority_class: str = "qm-test-low",
+    gpus_per_rank: int = 1,
+) -> GangSpec:
+    """A gang with ``nodes[name]`` ranks placed on each named node."""
+    ranks = []
+    for node, count in nodes.items():
+        for local_rank in range(count):
+            ranks.append(RankPlacement(rank=len(ranks), node=node, local_rank=local_rank))
+    return GangSpec(
+        job_id=job_id,
+        attempt=1,
+        command=command,
+        ranks=tuple(ranks),
+        gpus_per_rank=gpus_per_rank,
+        grace_seconds=grace_seconds,
+        priority_class=priority_class,
+        env={
+            "QM_JOB_ID": str(job_id),
+            "QM_ATTEMPT": "1",
+            "QM_GRACE_SECONDS": str(grace_seconds),
+            "QM_EVENTS_TOKEN": f"secret-token-{job_id}",
+        },
+        team="vision",
+        flavor="h100",
+    )
+
+
+def phases(runtime: KubernetesRuntime, gang: GangId) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for observation in runtime.observe(gang):
+        counts[observation.phase] = counts.get(observation.phase, 0) + 1
+    return counts
+
+
+def all_in(runtime: KubernetesRuntime, gang: GangId, phase: str, world_size: int) -> bool:
+    return phases(runtime, gang) == {phase: world_size}
+
+
+def test_sixteen_rank_gang_is_bound_to_its_nodes_and_evicted_as_one(
+    make_runtime: MakeRuntime, k8s_api: client.ApiClient, namespace: str
+):
+    runtime = make_runtime(
+        pod_annotations={ANNOTATION_TERM_SECONDS: "1.5", ANNOTATION_EXIT_ON_TERM: "0"}
+    )
+    core = client.CoreV1Api(k8s_api)
+    spec = gang_spec(101, {"gpu-node-0": 8, "gpu-node-1": 8})
+    gang = spec.gang
+    runtime.launch(spec)
+    first_uids = {p.metadata.uid for p in core.list_namespaced_pod(namespace).items}
+    runtime.launch(spec)  # a second launch changes nothing
+    assert {p.metadata.uid for p in core.list_namespaced_pod(namespace).items} == first_uids
+    assert len(first_uids) == 16
+
+    wait_for(lambda: all_in(runtime, gang, "running", 16), timeout=60, what="16 ranks running")
+    pods = {p.metadata.name: p for p in core.list_namespaced_pod(namespace).items}
+    record = core.read_namespaced_config_map(gang_name(gang), namespace)
+    for placement in spec.ranks:
+        pod = pods[pod_name(gang, placement.rank)]
+        # Bound by kube-scheduler (the runtime sets no nodeName) to the placed node.
+        assert pod.spec.node_name == placement.node
+        scheduled = [c for c in pod.status.conditions if c.type == "PodScheduled"]
+        assert scheduled[0].status == "True"
+        assert pod.spec.restart_policy == "Never"
+        assert pod.spec.priority_class_name == "qm-test-low"
+        assert pod.spec.priority == 100
+        assert pod.spec.termination_grace_period_seconds == 5
+        assert pod.metadata.labels["quartermaster.dev/rank"] == str(placement.rank)
+        assert pod.metadata.labels["app.kubernetes.io/managed-by"] == "quartermaster"
+        assert pod.metadata.owner_references[0].uid == record.metadata.uid
+        assert EXIT_CODE_FINALIZER in pod.metadata.finalizers
+        env = {e.name: e for e in pod.spec.containers[0].env}
+        assert env["RANK"].value == str(placement.rank)
+        assert env["WORLD_SIZE"].value == "16"
+        assert env["LOCAL_RANK"].value == str(placement.local_rank)
+        assert env["MASTER_ADDR"].value == f"rank-0.qm-101-1.{namespace}.svc.cluster.local"
+        assert env["QM_EVENTS_TOKEN"].value_from.secret_key_ref.name == "qm-101-1-events"
+        assert pod.spec.containers[0].resources.limits["nvidia.com/gpu"] == "1"
+    service = core.read_namespaced_service(gang_name(gang), namespace)
+    assert service.spec.cluster_ip == "None"
+    assert service.spec.publish_not_ready_addresses is True
+
+    # A pod wanting every GPU of gpu-node-0 cannot fit while the gang holds it.
+    probe = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "probe"},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": {"kubernetes.io/hostname": "gpu-node-0"},
+            "containers": [
+                {
+                    "name": "probe",
+                    "image": "none",
+                    "resources": {"limits": {"nvidia.com/gpu": "8"}},
+                }
+            ],
+        },
+    }
+    core.create_namespaced_pod(namespace, probe)
+
+    decided = time.time()
+    runtime.signal(gang, 5)
+    answered = time.time()
+    observed = runtime.observe(gang)
+    assert {o.phase for o in observed} <= {"terminating", "exited"}
+    assert all(o.signal_sent_at is not None and decided <= o.signal_sent_at <= answered
+               for o in observed)  # fmt: skip
+    runtime.signal(gang, 5)  # idempotent
+
+    # GPUs are free only when every rank on the node has ended.
+    def probe_bound() -> bool:
+        return bool(core.read_namespaced_pod("probe", namespace).spec.node_name)
+
+    assert not probe_bound()
+    wait_for(probe_bound, timeout=30, what="probe scheduled")
+    on_node_0 = [o for o in runtime.observe(gang) if o.node == "gpu-node-0"]
+    assert {o.phase for o in on_node_0} == {"exited"}
+
+    wait_for(lambda: all_in(runtime, gang, "exited", 16), timeout=30, what="16 ranks exited")
+    # The agent deleted every pod object; the finalizer kept each final status.
+    final = runtime.observe(gang)
+    assert [o.exit_code for o in final] == [0] * 16
+    assert all(o.exited_at is not None for o in final)
+    assert all(
+        p.metadata.deletion_timestamp is not None
+        for p in core.list_namespaced_pod(namespace, label_selector="quartermaster.dev/gang").items
+    )
+    assert runtime.released_ports(gang) == []
+
+    runtime.forget(gang)
+
+    def gang_objects_gone() -> bool:
+        selector = f"quartermaster.dev/gang={gang_name(gang)}"
+        return not (
+            core.list_namespaced_pod(namespace, label_selector=selector).items
+            or core.list_namespaced_service(namespace, label_selector=selector).items
+            or core.list_namespaced_secret(namespace, label_selector=selector).items
+            or core.list_namespaced_config_map(namespace, label_selector=selector).items
+        )
+
+    wait_for(gang_objects_gone, timeout=30, what="garbage collection of the gang")
+    assert runtime.observe(gang) == []
+
+
+def test_a_disruption_budget_blocks_eviction_until_it_allows(
+    make_runtime: MakeRuntime, k8s_api: client.ApiClient, namespace: str
+):
+    runtime = make_runtime(eviction_retry_seconds=0.6)
+    spec = gang_spec(102, {"gpu-node-2": 2})
+    gang = spec.gang
+    runtime.launch(spec)
+    wait_for(lambda: all_in(runtime, gang, "running", 2), timeout=30)
+    policy = client.PolicyV1Api(k8s_api)
+    policy.create_namespaced_pod_disruption_budget(
+        namespace,
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": {"name": "keep-all"},
+            "spec": {
+                "minAvailable": 2,
+                "selector": {"matchLabels": {"quartermaster.dev/gang": gang_name(gang)}},
+            },
+        },
+    )
+
+    def budget_counted() -> bool:
+        status = policy.read_namespaced_pod_disruption_budget("keep-all", namespace).status
+        return (
+            status is not None and status.observed_generation == 1 and status.current_healthy == 2
+        )
+
+    wait_for(budget_counted, timeout=30, what="disruption controller")
+    with pytest.raises(RuntimeTemporaryError, match="blocked"):
+        runtime.signal(gang, 5)
+    blocked = runtime.eviction_blocked(gang)
+    assert sorted(blocked) == [0, 1]
+    assert all("429" in reason for reason in blocked.values())
+    assert phases(runtime, gang) == {"running": 2}
+
+    policy.delete_namespaced_pod_disruption_budget("keep-all", namespace)
+    wait_for(lambda: _signal_passes(runtime, gang), timeout=30, what="eviction allowed")
+    assert runtime.eviction_blocked(gang) == {}
+    wait_for(lambda: all_in(runtime, gang, "exited", 2), timeout=30)
+    # Simulated ranks without a trap end like a shell killed by SIGTERM.
+    assert [o.exit_code for o in runtime.observe(gang)] == [143, 143]
+
+
+def _signal_passes(runtime: KubernetesRuntime, gang: GangId) -> bool:
+    try:
+        runtime.signal(gang, 5)
+    except RuntimeTemporaryError:
+        return False
+    return True
+
+
+def test_kill_deletes_with_grace_zero_past_the_deadline(make_runtime: MakeRuntime, namespace: str):
+    # Ranks that would take 60 s to wind down: only a kill ends them quickly.
+    runtime = make_runtime(pod_annotations={ANNOTATION_TERM_SECONDS: "60"})
+    spec = gang_spec(103, {"gpu-node-3": 3}, grace_seconds=30)
+    gang = spec.gang
+    runtime.launch(spec)
+    wait_for(lambda: all_in(runtime, gang, "running", 3), timeout=30)
+    runtime.signal(gang, 30)
+    wait_for(lambda: all_in(runtime, gang, "terminating", 3), timeout=10)
+    started = time.monotonic()
+    runtime.kill(gang)
+    runtime.kill(gang)  # idempotent
+    wait_for(lambda: all_in(runtime, gang, "exited", 3), timeout=15)
+    assert time.monotonic() - started < 10
+    assert [o.exit_code for o in runtime.observe(gang)] == [137, 137, 137]
+
+
+def test_ranks_run_the_command_with_rendezvous_and_trap_environment(
+    make_runtime: MakeRuntime, namespace: str
+):
+    runtime = make_runtime(pod_annotations={ANNOTATION_RUN: "process"})
+    command = (
+        'echo "rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK token=$QM_EVENTS_TOKEN '
+        'omp=$OMP_NUM_THREADS job=$QM_JOB_ID"; exit $((RANK + 4))'
+    )
+    spec = gang_spec(104, {"gpu-node-2": 1, "gpu-node-3": 1}, command=command)
+    gang = spec.gang
+    runtime.launch(spec)
+    wait_for(lambda: all_in(runtime, gang, "exited", 2), timeout=30)
+    observed = runtime.observe(gang)
+    assert [o.exit_code for o in observed] == [4, 5]
+    assert [o.node for o in observed] == ["gpu-node-2", "gpu-node-3"]
+    assert runtime.read_log(gang, 1) == (
+        b"rank=1 world=2 local=0 token=secret-token-104 omp=1 job=104\n"
+    )
+    assert runtime.read_log(gang, 0, offset=5, limit=7) == b"0 world"
+    # Both ranks failed on their own: no rank is left waiting, so the gang
+    # guard has nobody to stop.
+    assert all(o.signal_sent_at is None for o in observed)
+    assert gang_guard_victims(observed) == []
+
+
+def test_watch_relists_when_its_resource_version_expired(make_runtime: MakeRuntime, namespace: str):
+    runtime = make_runtime()
+    spec = gang_spec(105, {"gpu-node-1": 2})
+    gang = spec.gang
+    runtime.launch(spec)
+    wait_for(lambda: all_in(runtime, gang, "running", 2), timeout=30)
+    stop = threading.Event()
+    seen: dict[int, str] = {}
+
+    def consume() -> None:
+        # resourceVersion 1 is long out of the API server's watch window: 410 Gone.
+        for observation in runtime.watch_ranks(
+            gang, stop=stop, resource_version="1", timeout_seconds=5
+        ):
+            seen[observation.rank] = observation.phase
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    wait_for(lambda: seen == {0: "running", 1: "running"}, timeout=15, what="relisted ranks")
+    assert runtime.relists >= 1
+    runtime.signal(gang, 5)
+    wait_for(lambda: seen == {0: "exited", 1: "exited"}, timeout=20, what="watched exits")
+    stop.set()
+    reader.join(timeout=10)
