@@ -89,7 +89,8 @@ def webhook_create(
             }
         )
     webhook = Webhook(team=team, url=url, events=events, secret=secret)
-    webhook.full_clean()
+    # An empty list of events is valid (it means all of them); the model field calls it blank.
+    webhook.full_clean(exclude=["events"])
     webhook.save()
     AuditEntry.objects.create(
         actor=actor,
