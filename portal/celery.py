@@ -17,7 +17,19 @@ app.autodiscover_tasks()
 def _schedule(sender: Celery, **_: object) -> None:
     from django.conf import settings
 
-    sender.add_periodic_task(settings.QM_CYCLE_SECONDS, sender.signature("preemption.tasks.schedule_cycle"), name="schedule cycle")
-    sender.add_periodic_task(settings.QM_CYCLE_SECONDS, sender.signature("preemption.tasks.reconcile"), name="reconcile")
-    sender.add_periodic_task(settings.QM_SAMPLE_SECONDS, sender.signature("telemetry.tasks.sample_utilization"), name="sample utilization")
-    sender.add_periodic_task(5.0, sender.signature("preemption.tasks.deliver_webhooks"), name="deliver webhooks")
+    sender.add_periodic_task(
+        settings.QM_CYCLE_SECONDS,
+        sender.signature("preemption.tasks.schedule_cycle"),
+        name="schedule cycle",
+    )
+    sender.add_periodic_task(
+        settings.QM_CYCLE_SECONDS, sender.signature("preemption.tasks.reconcile"), name="reconcile"
+    )
+    sender.add_periodic_task(
+        settings.QM_SAMPLE_SECONDS,
+        sender.signature("telemetry.tasks.sample_utilization"),
+        name="sample utilization",
+    )
+    sender.add_periodic_task(
+        5.0, sender.signature("preemption.tasks.deliver_webhooks"), name="deliver webhooks"
+    )

@@ -32,7 +32,9 @@ class Job(models.Model):
 
     name = models.CharField(max_length=120, blank=True)
     team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="jobs")
-    submitter = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
+    submitter = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs"
+    )
     priority_class = models.ForeignKey(PriorityClass, on_delete=models.PROTECT, related_name="jobs")
     flavor = models.ForeignKey(ResourceFlavor, on_delete=models.PROTECT, related_name="jobs")
     ranks = models.PositiveIntegerField()
@@ -40,7 +42,9 @@ class Job(models.Model):
     command = models.TextField()
     image = models.CharField(max_length=300, blank=True)
     env = models.JSONField(default=dict, blank=True)
-    state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.PENDING, db_index=True)
+    state = models.CharField(
+        max_length=16, choices=JobState.choices, default=JobState.PENDING, db_index=True
+    )
     submitted_at = models.DateTimeField(auto_now_add=True, db_index=True)
     admitted_at = models.DateTimeField(null=True, blank=True)
     running_at = models.DateTimeField(null=True, blank=True)
@@ -58,10 +62,15 @@ class Job(models.Model):
 
     class Meta:
         ordering = ["-submitted_at", "-id"]
-        indexes = [models.Index(fields=["team", "state"]), models.Index(fields=["submitter", "state"])]
+        indexes = [
+            models.Index(fields=["team", "state"]),
+            models.Index(fields=["submitter", "state"]),
+        ]
         constraints = [
             models.CheckConstraint(condition=Q(ranks__gte=1), name="job_ranks_positive"),
-            models.CheckConstraint(condition=Q(gpus_per_rank__gte=1), name="job_gpus_per_rank_positive"),
+            models.CheckConstraint(
+                condition=Q(gpus_per_rank__gte=1), name="job_gpus_per_rank_positive"
+            ),
             models.CheckConstraint(
                 condition=Q(state__in=[choice.value for choice in JobState]), name="job_state_valid"
             ),
@@ -134,7 +143,9 @@ class Rank(models.Model):
 
     class Meta:
         ordering = ["attempt_id", "index"]
-        constraints = [models.UniqueConstraint(fields=["attempt", "index"], name="rank_index_unique")]
+        constraints = [
+            models.UniqueConstraint(fields=["attempt", "index"], name="rank_index_unique")
+        ]
 
     def __str__(self) -> str:
         return f"{self.attempt} rank {self.index}"
@@ -156,7 +167,9 @@ class PreemptionEvent(models.Model):
         KILLED = "killed", "Killed at the deadline"
         CHECKPOINT_SKIPPED = "checkpoint-skipped", "Checkpoint skipped"
 
-    victim_attempt = models.OneToOneField(Attempt, on_delete=models.CASCADE, related_name="preemption")
+    victim_attempt = models.OneToOneField(
+        Attempt, on_delete=models.CASCADE, related_name="preemption"
+    )
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="preemptions")
     preemptor = models.ForeignKey(
         Job, null=True, blank=True, on_delete=models.SET_NULL, related_name="preempted_others"
@@ -181,10 +194,15 @@ class PreemptionEvent(models.Model):
         ordering = ["-decided_at", "-id"]
         constraints = [
             models.CheckConstraint(
-                condition=Q(reason__in=["reclaim", "priority", "fair-share", "gang-guard", "manual"]),
+                condition=Q(
+                    reason__in=["reclaim", "priority", "fair-share", "gang-guard", "manual"]
+                ),
                 name="preemption_reason_valid",
             ),
-            models.CheckConstraint(condition=Q(deadline__gte=models.F("decided_at")), name="preemption_deadline_after_decision"),
+            models.CheckConstraint(
+                condition=Q(deadline__gte=models.F("decided_at")),
+                name="preemption_deadline_after_decision",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -195,7 +213,9 @@ class Checkpoint(models.Model):
     """A checkpoint a job's ranks committed, as reported by the trap."""
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
-    attempt = models.ForeignKey(Attempt, null=True, blank=True, on_delete=models.SET_NULL, related_name="checkpoints")
+    attempt = models.ForeignKey(
+        Attempt, null=True, blank=True, on_delete=models.SET_NULL, related_name="checkpoints"
+    )
     step = models.PositiveIntegerField()
     path = models.CharField(max_length=500, blank=True)
     bytes = models.BigIntegerField(default=0)
@@ -205,7 +225,9 @@ class Checkpoint(models.Model):
     class Meta:
         ordering = ["-committed_at", "-id"]
         constraints = [
-            models.UniqueConstraint(fields=["job", "attempt", "step"], name="checkpoint_unique_step"),
+            models.UniqueConstraint(
+                fields=["job", "attempt", "step"], name="checkpoint_unique_step"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -244,3 +266,8 @@ class WebhookDelivery(models.Model):
     class Meta:
         ordering = ["-created_at", "-id"]
         verbose_name_plural = "webhook deliveries"
+
+    def __str__(self) -> str:
+        return (
+            f"{self.event} to {self.webhook_id} ({'delivered' if self.delivered_at else 'pending'})"
+        )

@@ -17,7 +17,11 @@ def _readable(user: User) -> set[int] | None:
 
 
 def job_list(
-    *, user: User, team_id: int | None = None, state: str | None = None, submitter_id: int | None = None,
+    *,
+    user: User,
+    team_id: int | None = None,
+    state: str | None = None,
+    submitter_id: int | None = None,
 ) -> QuerySet[Job]:
     queryset = Job.objects.select_related("team", "submitter", "priority_class", "flavor")
     teams = _readable(user)

@@ -34,17 +34,28 @@ def _send_quietly(task: Any) -> None:
     # for an extra run must not fail the request that asked.
     try:
         task.apply_async(retry=False)
-    except Exception:  # noqa: BLE001
+    except Exception:
         import logging
 
-        logging.getLogger(__name__).warning("could not queue an extra scheduling cycle", exc_info=True)
+        logging.getLogger(__name__).warning(
+            "could not queue an extra scheduling cycle", exc_info=True
+        )
 
 
 @transaction.atomic
 def job_submit(
-    *, submitter: AbstractBaseUser, team: Team, flavor: ResourceFlavor, ranks: int, gpus_per_rank: int,
-    command: str, priority_class: PriorityClass | None = None, name: str = "", image: str = "",
-    env: dict[str, str] | None = None, max_attempts: int | None = None,
+    *,
+    submitter: AbstractBaseUser,
+    team: Team,
+    flavor: ResourceFlavor,
+    ranks: int,
+    gpus_per_rank: int,
+    command: str,
+    priority_class: PriorityClass | None = None,
+    name: str = "",
+    image: str = "",
+    env: dict[str, str] | None = None,
+    max_attempts: int | None = None,
 ) -> Job:
     errors: dict[str, list[str]] = {}
     if not TeamTree.load().is_leaf(team.pk):
@@ -64,7 +75,8 @@ def job_submit(
     elif len(command) > MAX_COMMAND:
         errors["command"] = [f"Must be at most {MAX_COMMAND} characters."]
     if env is not None and (
-        not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+        not isinstance(env, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
     ):
         errors["env"] = ["Must be an object of string names to string values."]
     if priority_class is None:
@@ -75,8 +87,16 @@ def job_submit(
         raise ValidationError(errors)
     assert priority_class is not None
     job = Job.objects.create(
-        name=name[:120], team=team, submitter=submitter, priority_class=priority_class, flavor=flavor,
-        ranks=ranks, gpus_per_rank=gpus_per_rank, command=command, image=image, env=env or {},
+        name=name[:120],
+        team=team,
+        submitter=submitter,
+        priority_class=priority_class,
+        flavor=flavor,
+        ranks=ranks,
+        gpus_per_rank=gpus_per_rank,
+        command=command,
+        image=image,
+        env=env or {},
         events_token=secrets.token_urlsafe(24),
         max_attempts=max_attempts or settings.QM_MAX_ATTEMPTS,
         waiting_reason="waiting for the next scheduling cycle",
@@ -101,6 +121,9 @@ def job_cancel(*, actor: AbstractBaseUser | None, job: Job) -> Job:
         job.cancel_requested_at = now
         job.waiting_reason = ""
         job.save(update_fields=["state", "finished_at", "cancel_requested_at", "waiting_reason"])
+        from preemption.webhooks import notify
+
+        notify(job_id=job.pk, event="finished", payload={"state": "cancelled"})
     elif job.cancel_requested_at is None:
         job.cancel_requested_at = now
         job.save(update_fields=["cancel_requested_at"])

@@ -1,0 +1,62 @@
+# Quartermaster: `make run` for the embedded portal, `make test` for the suite.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml gracetrap/pyproject.toml 2>/dev/null | sha1sum | cut -c1-12)
+
+TEST_DATABASE_URL ?= postgres://quartermaster:quartermaster@127.0.0.1:5432/quartermaster
+TEST_BROKER_URL ?= redis://127.0.0.1:6379/0
+TEST_ENV := DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) QM_VAR_DIR=$(CURDIR)/var/test
+
+.PHONY: run test lint bench venv services k8s wheel drill clean
+
+$(STAMP): pyproject.toml gracetrap/pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[train,dev]' -e ./gracetrap
+	@rm -f $(VENV)/.installed-*; touch $@
+
+venv: $(STAMP)
+
+## run: set everything up and serve the portal at http://127.0.0.1:8000 (Ctrl-C stops it all)
+run: venv
+	$(PY) manage.py migrate --noinput -v0
+	$(PY) manage.py seed_demo --if-empty
+	$(PY) manage.py serve_embedded
+
+services:
+	@bin/test-services
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+k8s: venv
+	@bash tools/k8s/build.sh
+
+wheel: venv
+	@mkdir -p var/wheels && $(PY) -m pip wheel -q --no-deps ./gracetrap -w var/wheels && ls var/wheels
+
+## test: set everything up (PostgreSQL, Redis, the Kubernetes control plane) and run the whole suite
+test: venv services lint k8s
+	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
+	$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider $(PYTEST_ARGS)
+
+## bench: print the benchmarks' figures
+bench: venv services
+	$(PY) bench/bench_fairshare.py
+	$(PY) bench/bench_gracetrap.py
+	$(PY) bench/bench_simulation.py
+	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) bench/bench_pages.py
+	$(PY) bench/bench_k8s.py
+
+drill: venv
+	$(PY) manage.py migrate --noinput -v0
+	$(PY) manage.py drill --ranks 16 --json var/drill.json
+
+clean:
+	rm -rf var/test var/runs var/broker

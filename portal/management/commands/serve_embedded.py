@@ -1,0 +1,117 @@
+"""Run the embedded portal: web server, Celery worker and beat together.
+
+Ctrl-C (or SIGTERM) stops all three; if one of them dies, the others are
+stopped too, so nothing is left half-running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+
+class Command(BaseCommand):
+    help = "Serve the portal with a Celery worker and beat (the embedded default)."
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--bind", default="127.0.0.1:8000")
+        parser.add_argument("--web-workers", type=int, default=3)
+
+    def handle(self, *args: Any, bind: str, web_workers: int, **options: Any) -> None:
+        python = sys.executable
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "QM_PUBLIC_URL": settings.QM_PUBLIC_URL}
+        subprocess.run(
+            [python, "manage.py", "collectstatic", "--noinput", "-v0"], check=True, env=env
+        )
+        commands = {
+            "web": [
+                python,
+                "-m",
+                "gunicorn",
+                "portal.wsgi:application",
+                "--bind",
+                bind,
+                "--workers",
+                str(web_workers),
+                "--threads",
+                "4",
+                "--timeout",
+                "120",
+                "--access-logfile",
+                "-",
+                "--graceful-timeout",
+                "5",
+            ],
+            "worker": [
+                python,
+                "-m",
+                "celery",
+                "-A",
+                "portal",
+                "worker",
+                "--loglevel",
+                "INFO",
+                "--concurrency",
+                "2",
+                "--hostname",
+                "embedded@%h",
+            ],
+            "beat": [
+                python,
+                "-m",
+                "celery",
+                "-A",
+                "portal",
+                "beat",
+                "--loglevel",
+                "INFO",
+                "--schedule",
+                str(settings.VAR_DIR / "celerybeat-schedule"),
+            ],
+        }
+        children: dict[str, subprocess.Popen[bytes]] = {}
+        stopping = False
+
+        def stop(*_: Any) -> None:
+            nonlocal stopping
+            stopping = True
+
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop)
+        for name, command in commands.items():
+            children[name] = subprocess.Popen(command, env=env, start_new_session=True)
+        self.stdout.write(
+            self.style.SUCCESS(
+                f"Quartermaster is running at http://{bind}/  (Ctrl-C stops web, worker and beat)"
+            )
+        )
+        exit_code = 0
+        try:
+            while not stopping:
+                for name, child in children.items():
+                    if child.poll() is not None:
+                        self.stderr.write(
+                            f"{name} exited with code {child.returncode}; stopping the others"
+                        )
+                        exit_code = 1
+                        stopping = True
+                        break
+                time.sleep(0.5)
+        finally:
+            for child in children.values():
+                if child.poll() is None:
+                    os.killpg(child.pid, signal.SIGTERM)
+            deadline = time.time() + 15
+            for child in children.values():
+                try:
+                    child.wait(timeout=max(0.1, deadline - time.time()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(child.pid, signal.SIGKILL)
+        sys.exit(exit_code)

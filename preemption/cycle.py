@@ -1,0 +1,167 @@
+"""The scheduling cycle: snapshot → `fairshare.plan` → one transaction that
+records every decision → runtime actions after commit.
+
+Two cycles never interleave: each takes a lock first (a PostgreSQL advisory
+lock; SQLite's IMMEDIATE transactions already serialize writers). Each write is
+also conditional on the state the plan saw, so even a stale plan cannot admit a
+job twice or pick a second victim for the same attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.db import connection, transaction
+from django.utils import timezone
+
+import fairshare
+from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
+from preemption.snapshot import build_snapshot
+
+logger = logging.getLogger(__name__)
+
+CYCLE_LOCK_KEY = 0x514D_4359  # "QMCY"
+
+
+@dataclass
+class CycleResult:
+    """What one cycle decided, by job id."""
+
+    admitted: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    waiting: int = 0
+    skipped: bool = False
+
+
+def _lock() -> bool:
+    if connection.vendor != "postgresql":
+        return True
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(%s)", [CYCLE_LOCK_KEY])
+    return True
+
+
+def explain_preemption(
+    *, reason: str, preemptor: Job | None, victim_gpus: int, victim_team: str
+) -> str:
+    """The reason in words, as the job page shows it."""
+    if preemptor is None:
+        return reason
+    team = preemptor.team.slug
+    if reason == "reclaim":
+        return f"reclaimed by {team}, {victim_gpus} GPUs under its guarantee"
+    if reason == "priority":
+        return f"preempted by higher-priority job {preemptor.pk} ({preemptor.priority_class.name}) of {team}"
+    if reason == "fair-share":
+        return f"fair-share move: {team} was further below its fair share than {victim_team}"
+    return reason
+
+
+def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleResult:
+    """Plan every pending job at once and record the decisions."""
+    result = CycleResult()
+    with transaction.atomic():
+        _lock()
+        now = now or timezone.now()
+        snapshot = build_snapshot(now=now)
+        plan = fairshare.plan(snapshot)
+        _apply(plan, now=now, result=result)
+    if act and (result.admitted or result.preempted):
+        from preemption.reconcile import reconcile_jobs
+
+        reconcile_jobs(job_ids=result.admitted + result.preempted)
+    return result
+
+
+def _apply(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
+    from preemption.webhooks import notify
+
+    admit_ids = [int(a.id) for a in plan.admit]
+    preempt_ids = [int(p.id) for p in plan.preempt]
+    jobs = Job.objects.select_related("team", "priority_class").in_bulk(
+        admit_ids
+        + preempt_ids
+        + [int(p.preemptor) for p in plan.preempt if p.preemptor and str(p.preemptor).isdigit()]
+    )
+    for admission in plan.admit:
+        job_id = int(admission.id)
+        claimed = Job.objects.filter(
+            pk=job_id, state__in=[JobState.PENDING, JobState.REQUEUED]
+        ).update(state=JobState.ADMITTED, admitted_at=now, waiting_reason="")
+        if claimed != 1:
+            continue
+        number = (
+            Attempt.objects.filter(job_id=job_id)
+            .order_by("-number")
+            .values_list("number", flat=True)
+            .first()
+            or 0
+        ) + 1
+        attempt = Attempt.objects.create(
+            job_id=job_id,
+            number=number,
+            admitted_at=now,
+            borrowed_gpus=admission.borrowed,
+            placement=[{"node": node, "ranks": count} for node, count in admission.placement],
+        )
+        ranks = []
+        index = 0
+        for node, count in admission.placement:
+            for _ in range(count):
+                ranks.append(Rank(attempt=attempt, index=index, node=node))
+                index += 1
+        Rank.objects.bulk_create(ranks)
+        result.admitted.append(job_id)
+    for preemption in plan.preempt:
+        victim_id = int(preemption.id)
+        attempt = Attempt.objects.filter(job_id=victim_id, ended_at__isnull=True).first()
+        if attempt is None or PreemptionEvent.objects.filter(victim_attempt=attempt).exists():
+            continue
+        claimed = Job.objects.filter(
+            pk=victim_id, state__in=[JobState.ADMITTED, JobState.RUNNING]
+        ).update(state=JobState.PREEMPTING, preempting_at=now)
+        if claimed != 1:
+            continue
+        victim = jobs.get(victim_id)
+        preemptor = (
+            jobs.get(int(preemption.preemptor)) if str(preemption.preemptor).isdigit() else None
+        )
+        grace = float(preemption.grace_seconds)
+        event = PreemptionEvent.objects.create(
+            victim_attempt=attempt,
+            job_id=victim_id,
+            preemptor=preemptor,
+            reason=preemption.reason,
+            cause=explain_preemption(
+                reason=preemption.reason,
+                preemptor=preemptor,
+                victim_gpus=victim.gpus if victim else 0,
+                victim_team=victim.team.slug if victim else "",
+            ),
+            decided_at=now,
+            grace_seconds=grace,
+            deadline=now + timedelta(seconds=grace),
+        )
+        notify(
+            job_id=victim_id,
+            event="preempted",
+            payload={"reason": event.reason, "cause": event.cause},
+        )
+        result.preempted.append(victim_id)
+    _store_waiting(plan)
+    result.waiting = len(plan.waiting)
+
+
+def _store_waiting(plan: fairshare.Plan) -> None:
+    """Write each waiting job's reason, only where it changed."""
+    reasons = {int(w.id): w.reason[:300] for w in plan.waiting}
+    if not reasons:
+        return
+    current = dict(Job.objects.filter(pk__in=reasons).values_list("id", "waiting_reason"))
+    changed = [job_id for job_id, reason in reasons.items() if current.get(job_id) != reason]
+    if not changed:
+        return
+    rows = [Job(pk=job_id, waiting_reason=reasons[job_id]) for job_id in changed]
+    Job.objects.bulk_update(rows, ["waiting_reason"], batch_size=500)

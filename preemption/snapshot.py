@@ -1,0 +1,195 @@
+"""Between the database and the pure engine: build a `fairshare.Snapshot` from
+the rows, and preview what a quota change would do."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime
+from typing import Any
+
+from django.db.models import Max
+from django.utils import timezone
+
+import fairshare
+from preemption.models import Attempt, Checkpoint, Job, JobState
+from quotas.models import Node, PriorityClass, Quota, Team
+from quotas.services import UNSET, quota_validate
+
+ENGINE_STATE = {
+    JobState.PENDING: "pending",
+    JobState.REQUEUED: "pending",
+    JobState.ADMITTED: "running",
+    JobState.RUNNING: "running",
+    JobState.PREEMPTING: "terminating",
+}
+
+
+def _ts(moment: datetime | None) -> float | None:
+    return moment.timestamp() if moment is not None else None
+
+
+def workload_id(job_id: int) -> str:
+    return str(job_id)
+
+
+def build_snapshot(*, now: datetime | None = None) -> fairshare.Snapshot:
+    """Everything the engine needs, in a fixed number of queries."""
+    now = now or timezone.now()
+    nodes = tuple(
+        fairshare.Node(name=name, flavor=flavor, gpus=gpus)
+        for name, flavor, gpus in Node.objects.filter(schedulable=True)
+        .order_by("name")
+        .values_list("name", "flavor__name", "gpus")
+    )
+    quotas: dict[int, dict[str, fairshare.FlavorQuota]] = defaultdict(dict)
+    for team_id, flavor, guarantee, borrow_limit, lend_limit in Quota.objects.values_list(
+        "team_id", "flavor__name", "guarantee", "borrow_limit", "lend_limit"
+    ):
+        quotas[team_id][flavor] = fairshare.FlavorQuota(
+            guarantee=guarantee, borrow_limit=borrow_limit, lend_limit=lend_limit
+        )
+    teams = list(Team.objects.values_list("id", "slug", "parent__slug", "weight"))
+    queues = tuple(
+        fairshare.Queue(name=slug, parent=parent, weight=weight, quotas=quotas.get(team_id, {}))
+        for team_id, slug, parent, weight in teams
+    )
+    classes = tuple(
+        fairshare.PriorityClass(
+            name=pc.name,
+            value=pc.value,
+            preemption_policy=pc.preemption_policy,
+            preemptible=pc.preemptible,
+            grace_seconds=float(pc.grace_seconds),
+            min_runtime_seconds=float(pc.min_runtime_seconds),
+        )
+        for pc in PriorityClass.objects.all()
+    )
+    jobs = list(
+        Job.objects.filter(state__in=list(ENGINE_STATE))
+        .exclude(state__in=[JobState.PENDING, JobState.REQUEUED], not_before__gt=now)
+        .values_list(
+            "id",
+            "team__slug",
+            "priority_class__name",
+            "flavor__name",
+            "ranks",
+            "gpus_per_rank",
+            "state",
+            "submitted_at",
+        )
+    )
+    active_ids = [job[0] for job in jobs if ENGINE_STATE[job[6]] != "pending"]
+    open_attempts = {
+        job_id: (placement, admitted_at)
+        for job_id, placement, admitted_at in Attempt.objects.filter(
+            job_id__in=active_ids, ended_at__isnull=True
+        ).values_list("job_id", "placement", "admitted_at")
+    }
+    checkpoints = dict(
+        Checkpoint.objects.filter(job_id__in=active_ids)
+        .values("job_id")
+        .annotate(last=Max("committed_at"))
+        .values_list("job_id", "last")
+    )
+    workloads = []
+    for job_id, team, pc, flavor, ranks, gpus_per_rank, state, submitted_at in jobs:
+        engine_state = ENGINE_STATE[state]
+        placement: tuple[tuple[str, int], ...] = ()
+        admitted_at = None
+        last_checkpoint_at = None
+        if engine_state != "pending":
+            attempt = open_attempts.get(job_id)
+            if attempt is None:
+                # An active job without an open attempt is being wound up by the
+                # reconciler; its GPUs are already free.
+                continue
+            placement = tuple((entry["node"], int(entry["ranks"])) for entry in attempt[0])
+            admitted_at = _ts(attempt[1])
+            checkpoint = checkpoints.get(job_id)
+            if checkpoint is not None and attempt[1] is not None and checkpoint >= attempt[1]:
+                last_checkpoint_at = _ts(checkpoint)
+        workloads.append(
+            fairshare.Workload(
+                id=workload_id(job_id),
+                queue=team,
+                priority_class=pc,
+                flavor=flavor,
+                ranks=ranks,
+                gpus_per_rank=gpus_per_rank,
+                state=engine_state,
+                submitted_at=submitted_at.timestamp(),
+                admitted_at=admitted_at,
+                placement=placement,
+                last_checkpoint_at=last_checkpoint_at,
+            )
+        )
+    return fairshare.Snapshot(
+        now=now.timestamp(),
+        nodes=nodes,
+        queues=queues,
+        priority_classes=classes,
+        workloads=tuple(workloads),
+    )
+
+
+def quota_preview(
+    *,
+    quota: Quota,
+    guarantee: Any = UNSET,
+    borrow_limit: Any = UNSET,
+    lend_limit: Any = UNSET,
+    weight: Any = UNSET,
+) -> dict[str, Any]:
+    """Validate a quota edit exactly like `quota_update`, save nothing, and say
+    what it would do: running jobs that would be reclaimed, admissions it would
+    allow, and how every fair share moves."""
+    new_guarantee = quota.guarantee if guarantee is UNSET else guarantee
+    new_borrow = quota.borrow_limit if borrow_limit is UNSET else borrow_limit
+    new_lend = quota.lend_limit if lend_limit is UNSET else lend_limit
+    quota_validate(
+        team=quota.team,
+        flavor=quota.flavor,
+        guarantee=new_guarantee,
+        borrow_limit=new_borrow,
+        lend_limit=new_lend,
+    )
+    if weight is not UNSET and (
+        not isinstance(weight, int | float) or isinstance(weight, bool) or weight <= 0
+    ):
+        from django.core.exceptions import ValidationError
+
+        raise ValidationError({"weight": [f"Must be greater than 0 (got {weight})."]})
+    change = fairshare.QuotaChange(
+        queue=quota.team.slug,
+        flavor=quota.flavor.name,
+        guarantee=new_guarantee,
+        borrow_limit=new_borrow,
+        lend_limit=new_lend,
+        **({} if weight is UNSET else {"weight": float(weight)}),
+    )
+    consequences = fairshare.diff(build_snapshot(), [change])
+    result = fairshare.consequences_to_dict(consequences)
+    # Name the jobs in the portal's words, not only by engine id.
+    ids = {
+        int(item["id"]) for item in result.get("reclaimed", []) if str(item.get("id", "")).isdigit()
+    }
+    names = {
+        job_id: (name, team, total)
+        for job_id, name, team, total in Job.objects.filter(id__in=ids).values_list(
+            "id", "name", "team__slug", "ranks"
+        )
+    }
+    for item in result.get("reclaimed", []):
+        key = int(item["id"]) if str(item.get("id", "")).isdigit() else None
+        if key in names:
+            item.setdefault("job_id", key)
+            item.setdefault("job_name", names[key][0])
+            item.setdefault("team", names[key][1])
+    result["change"] = {
+        "team": quota.team.slug,
+        "flavor": quota.flavor.name,
+        "guarantee": {"before": quota.guarantee, "after": new_guarantee},
+        "borrow_limit": {"before": quota.borrow_limit, "after": new_borrow},
+        "lend_limit": {"before": quota.lend_limit, "after": new_lend},
+    }
+    return result

@@ -1,0 +1,115 @@
+"""Shared fixtures: a small cluster and the six personas every view is tested as.
+
+The world:
+    org (root, 16 h100)          other (root, 8 h100)
+    └── ml (inner, 16)           └── ops (leaf, 8)
+        ├── vision (leaf, 8)
+        └── nlp (leaf, 8)
+Nodes: 3 × 8 h100 GPUs (24 in all), 1 × 8 a100.
+Personas: admin (staff), manager (of ml), other_manager (of other),
+researcher (of vision), other_researcher (of ops), anonymous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from rest_framework.test import APIClient
+
+from quotas.models import Membership, Node, PriorityClass, Quota, ResourceFlavor, Team
+
+PERSONAS = ("admin", "manager", "other_manager", "researcher", "other_researcher", "anonymous")
+PASSWORD = "correct-horse-battery-staple"
+
+
+@dataclass
+class World:
+    h100: ResourceFlavor
+    a100: ResourceFlavor
+    org: Team
+    ml: Team
+    vision: Team
+    nlp: Team
+    other: Team
+    ops: Team
+    critical: PriorityClass
+    batch: PriorityClass
+    users: dict[str, Any]
+
+    def quota(self, team: Team, flavor: ResourceFlavor | None = None) -> Quota:
+        return Quota.objects.get(team=team, flavor=flavor or self.h100)
+
+    def client(self, persona: str) -> APIClient:
+        client = APIClient()
+        if persona != "anonymous":
+            client.force_authenticate(self.users[persona])
+        return client
+
+
+MISSION_CLASSES = {
+    "ai-prod-critical": {
+        "value": 1_000_000,
+        "preemption_policy": "PreemptLowerPriority",
+        "preemptible": False,
+        "grace_seconds": 90,
+        "is_default": False,
+    },
+    "ai-batch-preemptible": {
+        "value": 10_000,
+        "preemption_policy": "Never",
+        "preemptible": True,
+        "grace_seconds": 60,
+        "is_default": True,
+    },
+}
+
+
+def mission_class(name: str) -> PriorityClass:
+    """The seeded classes; transactional tests flush the data migration's rows."""
+    return PriorityClass.objects.get_or_create(name=name, defaults=MISSION_CLASSES[name])[0]
+
+
+@pytest.fixture
+def world(db: Any) -> World:
+    User = get_user_model()
+    h100 = ResourceFlavor.objects.create(name="h100-80gb")
+    a100 = ResourceFlavor.objects.create(name="a100-40gb")
+    for index in range(3):
+        Node.objects.create(name=f"h100-node-{index}", flavor=h100, gpus=8)
+    Node.objects.create(name="a100-node-0", flavor=a100, gpus=8)
+    org = Team.objects.create(slug="org", name="Org")
+    ml = Team.objects.create(slug="ml", name="ML", parent=org)
+    vision = Team.objects.create(slug="vision", name="Vision", parent=ml)
+    nlp = Team.objects.create(slug="nlp", name="NLP", parent=ml)
+    other = Team.objects.create(slug="other", name="Other")
+    ops = Team.objects.create(slug="ops", name="Ops", parent=other)
+    for team, guarantee in ((org, 16), (ml, 16), (vision, 8), (nlp, 8), (other, 8), (ops, 8)):
+        Quota.objects.create(team=team, flavor=h100, guarantee=guarantee)
+    users: dict[str, Any] = {}
+    users["admin"] = User.objects.create_user(
+        "admin", "admin@example.org", PASSWORD, is_staff=True, is_superuser=True
+    )
+    for persona, team, role in (
+        ("manager", ml, "manager"),
+        ("other_manager", other, "manager"),
+        ("researcher", vision, "researcher"),
+        ("other_researcher", ops, "researcher"),
+    ):
+        users[persona] = User.objects.create_user(persona, f"{persona}@example.org", PASSWORD)
+        Membership.objects.create(user=users[persona], team=team, role=role)
+    return World(
+        h100=h100,
+        a100=a100,
+        org=org,
+        ml=ml,
+        vision=vision,
+        nlp=nlp,
+        other=other,
+        ops=ops,
+        critical=mission_class("ai-prod-critical"),
+        batch=mission_class("ai-batch-preemptible"),
+        users=users,
+    )
