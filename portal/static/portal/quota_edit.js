@@ -1,0 +1,42 @@
+// The quota editor previews its consequences as the manager types: the form is
+// posted to the preview endpoint, which validates like a save, saves nothing and
+// answers the preview panel's HTML. Without JavaScript the Preview button does
+// the same with a full page.
+(function () {
+  "use strict";
+  var form = document.getElementById("quota-form");
+  var panel = document.getElementById("preview");
+  if (!form || !panel) { return; }
+  var url = form.getAttribute("data-preview-url");
+  var timer = null;
+  var sequence = 0;
+
+  function preview() {
+    var mine = ++sequence;
+    var body = new FormData(form);
+    body.set("action", "preview");
+    panel.classList.add("loading");
+    fetch(url, { method: "POST", body: body, credentials: "same-origin",
+                 headers: { "X-Requested-With": "fetch" } })
+      .then(function (response) { return response.text(); })
+      .then(function (html) {
+        if (mine !== sequence) { return; }  // a newer preview is on its way
+        panel.innerHTML = html;
+        panel.classList.remove("loading");
+      })
+      .catch(function () {
+        panel.classList.remove("loading");
+        panel.innerHTML = '<p class="errors">The preview could not be loaded; use the Preview button.</p>';
+      });
+  }
+
+  form.addEventListener("input", function () {
+    window.clearTimeout(timer);
+    timer = window.setTimeout(preview, 300);
+  });
+  document.getElementById("preview-button").addEventListener("click", function (event) {
+    event.preventDefault();
+    window.clearTimeout(timer);
+    preview();
+  });
+})();

@@ -1,0 +1,555 @@
+"""Reads behind the dashboard, the telemetry page and /metrics, scoped to the asking user.
+
+Every function aggregates in SQL (or over a bounded, recent slice of rows) and
+returns plain dataclasses, so a page runs the same number of queries however
+many jobs the cluster has seen.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db.models import Count, F, Q, QuerySet, Sum
+
+from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Job, PreemptionEvent, Rank
+from quotas.models import Node, Quota, ResourceFlavor, Team
+from quotas.selectors import Access
+from telemetry.models import DrillRun, UtilizationSample
+
+# Charts read at most this many recent rows of a kind, so a page stays fast
+# after years of history; the figures say so in their titles.
+RECENT_ROWS = 5000
+
+
+def _team_filter(access: Access, lookup: str) -> Q:
+    """A filter on `lookup` (a team id path) that keeps only the user's readable teams."""
+    if access.is_admin:
+        return Q()
+    return Q(**{f"{lookup}__in": access.readable_teams})
+
+
+# --- now: flavors and teams ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlavorNow:
+    """One flavor across the whole cluster at this moment."""
+
+    flavor_id: int
+    name: str
+    capacity: int
+    guaranteed: int
+    used: int
+    borrowed: int
+
+    @property
+    def idle(self) -> int:
+        return max(self.capacity - self.used, 0)
+
+    def percent(self, value: int) -> float:
+        return round(100.0 * value / self.capacity, 1) if self.capacity else 0.0
+
+    @property
+    def used_percent(self) -> float:
+        return self.percent(self.used)
+
+    @property
+    def borrowed_percent(self) -> float:
+        return self.percent(self.borrowed)
+
+    @property
+    def guaranteed_percent(self) -> float:
+        return min(self.percent(self.guaranteed), 100.0)
+
+
+@dataclass
+class TeamFlavorUsage:
+    """A team's quota of one flavor next to what it uses now.
+
+    For a leaf team `borrowed` is what the engine recorded on its running
+    attempts; for an inner team it is what its subtree uses beyond its own
+    guarantee, i.e. what it borrows from outside.
+    """
+
+    flavor: str
+    guarantee: int = 0
+    borrow_limit: int | None = None
+    lend_limit: int | None = None
+    used: int = 0
+    borrowed: int = 0
+    quota_id: int | None = None
+    has_quota: bool = False
+
+    @property
+    def within_guarantee(self) -> int:
+        return max(self.used - self.borrowed, 0)
+
+    @property
+    def idle_guarantee(self) -> int:
+        return max(self.guarantee - self.within_guarantee, 0)
+
+    def bar(self, scale: int) -> dict[str, float]:
+        """Widths in percent of `scale` for the usage bar: the part of the usage
+        inside the guarantee, the borrowed part, and where the guarantee ends."""
+        if scale <= 0:
+            return {"own": 0.0, "borrowed": 0.0, "guarantee": 0.0}
+        return {
+            "own": round(100.0 * self.within_guarantee / scale, 2),
+            "borrowed": round(100.0 * self.borrowed / scale, 2),
+            "guarantee": round(100.0 * self.guarantee / scale, 2),
+        }
+
+
+@dataclass
+class TeamRow:
+    """A readable team in tree order, with its usage per flavor."""
+
+    team_id: int
+    slug: str
+    name: str
+    depth: int
+    is_leaf: bool
+    parent_slug: str | None
+    weight: float
+    flavors: dict[str, TeamFlavorUsage] = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        return any(u.guarantee or u.used for u in self.flavors.values())
+
+
+def flavor_names() -> list[str]:
+    return list(ResourceFlavor.objects.order_by("name").values_list("name", flat=True))
+
+
+def _used_by_team_flavor() -> dict[tuple[int, int], int]:
+    rows = (
+        Job.objects.filter(state__in=ACTIVE_STATES)
+        .values("team_id", "flavor_id")
+        .annotate(used=Sum(F("ranks") * F("gpus_per_rank")))
+    )
+    return {(row["team_id"], row["flavor_id"]): int(row["used"] or 0) for row in rows}
+
+
+def _borrowed_by_team_flavor() -> dict[tuple[int, int], int]:
+    rows = (
+        Attempt.objects.filter(ended_at__isnull=True, job__state__in=ACTIVE_STATES)
+        .values("job__team_id", "job__flavor_id")
+        .annotate(borrowed=Sum("borrowed_gpus"))
+    )
+    return {(row["job__team_id"], row["job__flavor_id"]): int(row["borrowed"] or 0) for row in rows}
+
+
+def flavors_now() -> list[FlavorNow]:
+    """Per flavor: schedulable GPUs, top-level guarantees, GPUs in use and borrowed.
+
+    These are cluster-wide totals without team names, shown to every signed-in user.
+    """
+    capacity = dict(
+        Node.objects.filter(schedulable=True)
+        .values_list("flavor_id")
+        .annotate(total=Sum("gpus"))
+        .values_list("flavor_id", "total")
+    )
+    guaranteed = dict(
+        Quota.objects.filter(team__parent__isnull=True)
+        .values_list("flavor_id")
+        .annotate(total=Sum("guarantee"))
+        .values_list("flavor_id", "total")
+    )
+    used: dict[int, int] = defaultdict(int)
+    for (_, flavor_id), gpus in _used_by_team_flavor().items():
+        used[flavor_id] += gpus
+    borrowed: dict[int, int] = defaultdict(int)
+    for (_, flavor_id), gpus in _borrowed_by_team_flavor().items():
+        borrowed[flavor_id] += gpus
+    return [
+        FlavorNow(
+            flavor_id=flavor_id,
+            name=name,
+            capacity=int(capacity.get(flavor_id) or 0),
+            guaranteed=int(guaranteed.get(flavor_id) or 0),
+            used=used[flavor_id],
+            borrowed=borrowed[flavor_id],
+        )
+        for flavor_id, name in ResourceFlavor.objects.order_by("name").values_list("id", "name")
+    ]
+
+
+def team_rows(*, access: Access, only_team_ids: Iterable[int] | None = None) -> list[TeamRow]:
+    """The readable part of the team tree in depth-first order, each team with
+    its quota and current usage per flavor (inner teams sum their subtree)."""
+    tree = access.tree
+    readable = set(tree.parent) if access.is_admin else access.readable_teams
+    if only_team_ids is not None:
+        readable &= set(only_team_ids)
+    teams = {
+        team["id"]: team
+        for team in Team.objects.filter(id__in=readable).values("id", "slug", "name", "weight")
+    }
+    flavors = dict(ResourceFlavor.objects.values_list("id", "name"))
+    used = _used_by_team_flavor()
+    borrowed_leaf = _borrowed_by_team_flavor()
+
+    # Roll leaf usage up the whole tree (not only the readable part), so an
+    # inner team shows its subtree's usage even where the user sees one branch.
+    rolled: dict[tuple[int, int], int] = defaultdict(int)
+    for (team_id, flavor_id), gpus in used.items():
+        rolled[(team_id, flavor_id)] += gpus
+        for ancestor in tree.ancestors(team_id):
+            rolled[(ancestor, flavor_id)] += gpus
+
+    rows: dict[int, TeamRow] = {}
+    slugs = {team_id: team["slug"] for team_id, team in teams.items()}
+    for team_id, team in teams.items():
+        parent_id = tree.parent.get(team_id)
+        rows[team_id] = TeamRow(
+            team_id=team_id,
+            slug=team["slug"],
+            name=team["name"],
+            depth=tree.depth(team_id),
+            is_leaf=tree.is_leaf(team_id),
+            parent_slug=slugs.get(parent_id) if parent_id is not None else None,
+            weight=team["weight"],
+        )
+        for flavor_name in flavors.values():
+            rows[team_id].flavors[flavor_name] = TeamFlavorUsage(flavor=flavor_name)
+    for quota in Quota.objects.filter(team_id__in=teams).values(
+        "id", "team_id", "flavor_id", "guarantee", "borrow_limit", "lend_limit"
+    ):
+        usage = rows[quota["team_id"]].flavors[flavors[quota["flavor_id"]]]
+        usage.guarantee = quota["guarantee"]
+        usage.borrow_limit = quota["borrow_limit"]
+        usage.lend_limit = quota["lend_limit"]
+        usage.quota_id = quota["id"]
+        usage.has_quota = True
+    for team_id, row in rows.items():
+        for flavor_id, flavor_name in flavors.items():
+            usage = row.flavors[flavor_name]
+            usage.used = rolled.get((team_id, flavor_id), 0)
+            if row.is_leaf:
+                usage.borrowed = borrowed_leaf.get((team_id, flavor_id), 0)
+            else:
+                usage.borrowed = max(usage.used - usage.guarantee, 0)
+
+    # Depth-first order; a readable team whose parent is not readable starts a tree.
+    ordered: list[TeamRow] = []
+    children: dict[int | None, list[int]] = defaultdict(list)
+    for team_id in rows:
+        parent_id = tree.parent.get(team_id)
+        children[parent_id if parent_id in rows else None].append(team_id)
+    for siblings in children.values():
+        siblings.sort(key=lambda team_id: rows[team_id].slug)
+    stack = list(reversed(children[None]))
+    while stack:
+        team_id = stack.pop()
+        ordered.append(rows[team_id])
+        stack.extend(reversed(children.get(team_id, [])))
+    return ordered
+
+
+# --- the queue and preemptions -----------------------------------------------
+
+
+def pending_jobs(*, jobs: QuerySet[Job], limit: int = 50) -> tuple[list[Job], int]:
+    """The oldest waiting jobs with their reasons, and how many wait in all."""
+    waiting = jobs.filter(state__in=WAITING_STATES)
+    return list(waiting.order_by("submitted_at", "id")[:limit]), waiting.count()
+
+
+# --- telemetry over time -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UtilizationPoint:
+    """One sample of one team and flavor."""
+
+    at: datetime
+    team: str
+    flavor: str
+    used: int
+    guarantee: int
+    borrowed: int
+    capacity: int
+
+
+def chart_teams(*, access: Access) -> list[int]:
+    """Which teams the utilization chart stacks: the user's top readable teams,
+    or their children when there is only one, so a manager of one team sees
+    its sub-teams side by side."""
+    tree = access.tree
+    readable = set(tree.parent) if access.is_admin else access.readable_teams
+    roots = sorted(t for t in readable if tree.parent.get(t) not in readable)
+    if len(roots) == 1 and tree.children.get(roots[0]):
+        return sorted(t for t in tree.children[roots[0]] if t in readable)
+    return roots
+
+
+def utilization_points(
+    *, access: Access, since: datetime, until: datetime, team_ids: Iterable[int]
+) -> list[UtilizationPoint]:
+    rows = (
+        UtilizationSample.objects.filter(at__gte=since, at__lte=until, team_id__in=list(team_ids))
+        .filter(_team_filter(access, "team_id"))
+        .order_by("at", "team__slug", "flavor__name")
+        .values_list(
+            "at", "team__slug", "flavor__name", "used", "guarantee", "borrowed", "capacity"
+        )
+    )
+    return [UtilizationPoint(*row) for row in rows]
+
+
+def signal_latencies(*, access: Access) -> list[float]:
+    """Seconds from each preemption decision to each rank's signal_received,
+    for the most recent ranks that were signalled."""
+    rows = (
+        Rank.objects.filter(signal_received_at__isnull=False, attempt__preemption__isnull=False)
+        .filter(_team_filter(access, "attempt__job__team_id"))
+        .order_by("-signal_received_at")
+        .values_list("signal_received_at", "attempt__preemption__decided_at")[:RECENT_ROWS]
+    )
+    return [(received - decided).total_seconds() for received, decided in rows]
+
+
+@dataclass(frozen=True)
+class CheckpointAgainstGrace:
+    """What one preemption's checkpoint took next to the grace window it had."""
+
+    job_id: int
+    decided_at: datetime
+    grace_seconds: float
+    checkpoint_seconds: float
+    outcome: str
+
+
+def checkpoints_against_grace(*, access: Access) -> list[CheckpointAgainstGrace]:
+    rows = (
+        PreemptionEvent.objects.filter(checkpoint_seconds__isnull=False)
+        .filter(_team_filter(access, "job__team_id"))
+        .order_by("-decided_at")
+        .values_list("job_id", "decided_at", "grace_seconds", "checkpoint_seconds", "outcome")[
+            :RECENT_ROWS
+        ]
+    )
+    return [CheckpointAgainstGrace(*row) for row in reversed(rows)]
+
+
+def exit_codes(*, access: Access) -> list[tuple[int, str, int]]:
+    """(exit code, how the attempt ended, number of ranks) over every ended rank."""
+    rows = (
+        Rank.objects.filter(exit_code__isnull=False)
+        .filter(_team_filter(access, "attempt__job__team_id"))
+        .values("exit_code", "attempt__end_reason")
+        .annotate(ranks=Count("id"))
+        .order_by("exit_code", "attempt__end_reason")
+    )
+    return [
+        (row["exit_code"], row["attempt__end_reason"] or "running", row["ranks"]) for row in rows
+    ]
+
+
+def recovery_seconds(*, access: Access) -> list[tuple[int, float]]:
+    """(job id, seconds from the preemption decision to the resumed attempt)."""
+    rows = (
+        PreemptionEvent.objects.filter(resumed_at__isnull=False)
+        .filter(_team_filter(access, "job__team_id"))
+        .order_by("-decided_at")
+        .values_list("job_id", "decided_at", "resumed_at")[:RECENT_ROWS]
+    )
+    return [(job_id, (resumed - decided).total_seconds()) for job_id, decided, resumed in rows]
+
+
+@dataclass(frozen=True)
+class GpuHours:
+    """GPU-hours one team ran on one flavor in a period."""
+
+    team: str
+    flavor: str
+    gpu_hours: float
+    borrowed_gpu_hours: float
+
+
+def gpu_hours(*, access: Access, since: datetime, until: datetime) -> list[GpuHours]:
+    """GPU-hours per team and flavor from the attempts that overlap the period,
+    each counted only for the part of it inside the period."""
+    rows = (
+        Attempt.objects.filter(admitted_at__lt=until)
+        .filter(Q(ended_at__isnull=True) | Q(ended_at__gt=since))
+        .filter(_team_filter(access, "job__team_id"))
+        .values_list(
+            "job__team__slug",
+            "job__flavor__name",
+            "admitted_at",
+            "ended_at",
+            "job__ranks",
+            "job__gpus_per_rank",
+            "borrowed_gpus",
+        )
+    )
+    totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for team, flavor, admitted, ended, ranks, per_rank, borrowed in rows.iterator(chunk_size=2000):
+        start = max(admitted, since)
+        end = min(ended or until, until)
+        hours = max((end - start).total_seconds(), 0.0) / 3600.0
+        totals[(team, flavor)][0] += hours * ranks * per_rank
+        totals[(team, flavor)][1] += hours * borrowed
+    return [
+        GpuHours(
+            team=team, flavor=flavor, gpu_hours=round(total, 3), borrowed_gpu_hours=round(b, 3)
+        )
+        for (team, flavor), (total, b) in sorted(totals.items())
+    ]
+
+
+# --- the mission matrix --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MissionCriterion:
+    """One row of the mission's matrix, measured over the latest drills."""
+
+    name: str
+    target: str
+    latest: str
+    over_runs: str
+    passed: bool | None
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    return None
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, list | tuple | dict):
+        return len(value)
+    number = _number(value)
+    return None if number is None else int(number)
+
+
+def _utilization(value: Any) -> float | None:
+    """A drill's utilization as a fraction: a number, or a mapping holding one."""
+    number = _number(value)
+    if number is None and isinstance(value, dict):
+        for key in ("mean", "average", "during", "value", "utilization"):
+            number = _number(value.get(key))
+            if number is not None:
+                break
+    if number is not None and number > 1.0:
+        number /= 100.0
+    return number
+
+
+def latest_drills(limit: int = 10) -> list[DrillRun]:
+    return list(DrillRun.objects.filter(finished_at__isnull=False).order_by("-started_at")[:limit])
+
+
+def mission_matrix(drills: list[DrillRun]) -> list[MissionCriterion]:
+    """The mission's criteria, filled from the `--json` figures each drill stored."""
+    if not drills:
+        return []
+    results = [drill.result or {} for drill in drills]
+    runs = len(results)
+
+    def seconds(value: float | None) -> str:
+        return "—" if value is None else f"{value:.2f} s"
+
+    propagation = [_number(r.get("signal_propagation_seconds")) for r in results]
+    known_propagation = [p for p in propagation if p is not None]
+    ckpt = [
+        (
+            _number(r.get("checkpoint_seconds")),
+            _number(r.get("grace_seconds")) or drill.grace_seconds,
+        )
+        for r, drill in zip(results, drills, strict=True)
+    ]
+    inside = [c is not None and c <= g for c, g in ckpt]
+    committed = [bool(r.get("checkpoint_committed")) for r in results]
+    codes = [list(r.get("exit_codes") or []) for r in results]
+    clean_exits = [bool(c) and all(code == 0 for code in c) for c in codes]
+    orphans = [_count(r.get("orphaned_ports")) for r in results]
+    integrity = [r.get("restart_integrity") for r in results]
+    recovery = [_number(r.get("recovery_seconds")) for r in results]
+    known_recovery = [r for r in recovery if r is not None]
+    utilization = [_utilization(r.get("utilization")) for r in results]
+    known_utilization = [u for u in utilization if u is not None]
+
+    latest_ckpt, latest_grace = ckpt[0]
+    return [
+        MissionCriterion(
+            "Signal reaches every rank",
+            "max under 1.2 s",
+            seconds(propagation[0]),
+            f"worst {max(known_propagation):.2f} s" if known_propagation else "—",
+            all(p < 1.2 for p in known_propagation) if known_propagation else None,
+        ),
+        MissionCriterion(
+            "Graceful window: checkpoint inside the grace",
+            "checkpoint seconds ≤ grace seconds",
+            f"{seconds(latest_ckpt)} of {latest_grace:.0f} s",
+            f"{sum(inside)} of {runs} runs inside",
+            all(inside),
+        ),
+        MissionCriterion(
+            "Checkpoint success rate",
+            "100 %",
+            "committed" if committed[0] else "not committed",
+            f"{100.0 * sum(committed) / runs:.0f} % of {runs} runs",
+            all(committed),
+        ),
+        MissionCriterion(
+            "Every rank exits 0",
+            "no 137",
+            ", ".join(str(c) for c in sorted(set(codes[0]))) or "—",
+            f"{sum(clean_exits)} of {runs} runs clean",
+            all(clean_exits),
+        ),
+        MissionCriterion(
+            "Orphaned sockets",
+            "0",
+            "—" if orphans[0] is None else str(orphans[0]),
+            f"{sum(o or 0 for o in orphans)} in {runs} runs",
+            all(o == 0 for o in orphans),
+        ),
+        MissionCriterion(
+            "Restart integrity",
+            "max abs diff 0.0",
+            "exact" if integrity[0] is True else ("differs" if integrity[0] is False else "—"),
+            f"{sum(1 for i in integrity if i is True)} of {runs} runs exact",
+            all(i is True for i in integrity),
+        ),
+        MissionCriterion(
+            "Utilization",
+            "GPUs kept busy",
+            "—" if utilization[0] is None else f"{100.0 * utilization[0]:.0f} %",
+            f"mean {100.0 * sum(known_utilization) / len(known_utilization):.0f} %"
+            if known_utilization
+            else "—",
+            None,
+        ),
+        MissionCriterion(
+            "Recovery time",
+            "under 90 s",
+            seconds(recovery[0]),
+            f"worst {max(known_recovery):.1f} s" if known_recovery else "—",
+            all(r < 90.0 for r in known_recovery) if known_recovery else None,
+        ),
+    ]
+
+
+def period_bounds(now: datetime, period: str) -> tuple[datetime, datetime]:
+    """The (since, until) of a named period ending now."""
+    spans = {
+        "1h": timedelta(hours=1),
+        "24h": timedelta(hours=24),
+        "7d": timedelta(days=7),
+        "30d": timedelta(days=30),
+    }
+    return now - spans.get(period, spans["24h"]), now

@@ -1,0 +1,49 @@
+"""Writes of telemetry that the system makes on its own schedule."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.db import transaction
+
+from quotas.selectors import Access, TeamTree
+from telemetry.models import UtilizationSample
+from telemetry.selectors import flavors_now, team_rows
+
+
+@transaction.atomic
+def utilization_sample(now: datetime) -> int:
+    """Record what every team uses, is guaranteed and borrows of every flavor at
+    `now`, one row per (team, flavor) that has a quota or usage.
+
+    Inner teams get rows too (their subtree's usage), so a chart can stack any
+    level of the tree. Sampling the same moment twice writes nothing new.
+    Returns the number of rows written.
+    """
+    tree = TeamTree.load()
+    everyone = Access(
+        is_admin=True, user_id=None, tree=tree, managed=frozenset(), member_of=frozenset()
+    )
+    flavors = flavors_now()
+    capacity = {flavor.name: flavor.capacity for flavor in flavors}
+    flavor_ids = {flavor.name: flavor.flavor_id for flavor in flavors}
+    samples = []
+    for row in team_rows(access=everyone):
+        for flavor, usage in row.flavors.items():
+            if not (usage.has_quota or usage.used):
+                continue
+            # Who lends to whom is the engine's knowledge, not the database's:
+            # `lent` and `fair_share` keep their defaults in these samples.
+            samples.append(
+                UtilizationSample(
+                    at=now,
+                    team_id=row.team_id,
+                    flavor_id=flavor_ids[flavor],
+                    used=usage.used,
+                    guarantee=usage.guarantee,
+                    borrowed=usage.borrowed,
+                    capacity=capacity.get(flavor, 0),
+                )
+            )
+    created = UtilizationSample.objects.bulk_create(samples, ignore_conflicts=True)
+    return len(created)
