@@ -1,0 +1,253 @@
+"""`qm` as a real subprocess against a live server: login, submit, ls, show,
+cancel, teams, logs (with --follow over a real rank process) and its errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from portal.services import api_token_create
+from preemption.models import Attempt, Job, JobState
+from preemption.runtime import use_runtime
+from preemption.runtimes.base import GangId, GangSpec, NodeInventory, RankPlacement
+from preemption.runtimes.local import LocalRuntime
+
+QM = str(Path(sys.executable).with_name("qm"))
+PASSWORD = "correct-horse-battery-staple"  # the personas' password in tests/conftest.py
+pytestmark = pytest.mark.django_db(transaction=True, serialized_rollback=True)
+
+
+@pytest.fixture(autouse=True)
+def _fast_passwords(settings: Any) -> None:
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def qm(live_server: Any, tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run `qm` with its own home folder, pointed at the live server."""
+    home = tmp_path / "home"
+    home.mkdir()
+
+    def run(
+        *args: str, stdin: str = "", env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        environment = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(home),
+            "QM_URL": live_server.url,
+            **(env or {}),
+        }
+        return subprocess.run(
+            [QM, *args], input=stdin, capture_output=True, text=True, timeout=60, env=environment
+        )
+
+    run.home = home  # type: ignore[attr-defined]
+    run.url = live_server.url  # type: ignore[attr-defined]
+    return run
+
+
+def test_login_submit_ls_show_cancel_teams(world: Any, qm: Any) -> None:
+    login = qm("login", "--username", "researcher", "--password-stdin", stdin=PASSWORD + "\n")
+    assert login.returncode == 0, login.stderr
+    config = qm.home / ".config" / "quartermaster" / "config.json"
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    stored = json.loads(config.read_text())
+    assert stored["username"] == "researcher" and stored["token"].startswith("qm_")
+
+    submitted = qm(
+        "submit",
+        "--team",
+        "vision",
+        "--flavor",
+        "h100-80gb",
+        "--ranks",
+        "2",
+        "--gpus-per-rank",
+        "2",
+        "--name",
+        "resnet",
+        "--env",
+        "SEED=7",
+        "--",
+        "python",
+        "train.py",
+        "--steps",
+        "10",
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job = Job.objects.get(name="resnet")
+    assert f"Submitted job {job.pk} to vision" in submitted.stdout
+    assert job.submitter.username == "researcher"
+    assert job.command == "python train.py --steps 10" and job.env == {"SEED": "7"}
+    assert job.ranks == 2 and job.gpus_per_rank == 2
+
+    listed = qm("ls")
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.splitlines()
+    assert header.split()[:5] == ["ID", "NAME", "TEAM", "USER", "STATE"]
+    assert rows[0].split()[:5] == [str(job.pk), "resnet", "vision", "researcher", "pending"]
+    as_json = json.loads(qm("ls", "--json", "--state", "pending").stdout)
+    assert [row["id"] for row in as_json] == [job.pk]
+    assert json.loads(qm("ls", "--json", "--state", "running").stdout) == []
+
+    shown = qm("show", str(job.pk))
+    assert shown.returncode == 0, shown.stderr
+    assert "python train.py --steps 10" in shown.stdout
+    assert "2 ranks x 2 h100-80gb = 4" in shown.stdout
+    assert json.loads(qm("show", str(job.pk), "--json").stdout)["state"] == "pending"
+
+    teams = qm("teams")
+    assert teams.returncode == 0, teams.stderr
+    assert "vision" in teams.stdout and "h100-80gb 8" in teams.stdout
+    assert "ops" not in teams.stdout  # another tree: not the researcher's to see
+
+    cancelled = qm("cancel", str(job.pk))
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert f"Cancelled job {job.pk}." in cancelled.stdout
+    job.refresh_from_db()
+    assert job.state == JobState.CANCELLED
+
+
+def test_errors_are_one_clear_line_with_an_exit_code(world: Any, qm: Any) -> None:
+    _, token = api_token_create(user=world.users["researcher"], name="ci")
+    with_token = {"QM_TOKEN": token}
+
+    not_signed_in = qm("ls")
+    assert not_signed_in.returncode == 3
+    assert "not signed in" in not_signed_in.stderr and "qm login" in not_signed_in.stderr
+
+    wrong_password = qm("login", "--username", "researcher", "--password-stdin", stdin="guess\n")
+    assert wrong_password.returncode == 3
+    assert "Wrong username or password" in wrong_password.stderr
+
+    missing = qm("show", "999999", env=with_token)
+    assert missing.returncode == 4 and "not found" in missing.stderr
+
+    other_job = Job.objects.create(
+        team=world.ops,
+        submitter=world.users["other_researcher"],
+        priority_class=world.batch,
+        flavor=world.h100,
+        ranks=1,
+        gpus_per_rank=1,
+        command="true",
+    )
+    hidden = qm("cancel", str(other_job.pk), env=with_token)
+    assert hidden.returncode == 4  # another team's job does not even exist for this user
+
+    forbidden = qm("submit", "--team", "ops", "--flavor", "h100-80gb", "--", "true", env=with_token)
+    assert forbidden.returncode == 3 and "not allowed" in forbidden.stderr
+
+    too_big = qm(
+        "submit",
+        "--team",
+        "vision",
+        "--flavor",
+        "h100-80gb",
+        "--gpus-per-rank",
+        "16",
+        "--",
+        "true",
+        env=with_token,
+    )
+    assert too_big.returncode == 1
+    assert too_big.stderr.strip() == (
+        "qm: gpus_per_rank: No node of flavor h100-80gb has 16 GPUs (the largest has 8)."
+    )
+
+    bad_usage = qm("show", "twelve", env=with_token)
+    assert bad_usage.returncode == 2
+
+    unreachable = qm("ls", env={**with_token, "QM_URL": "http://127.0.0.1:9"})
+    assert unreachable.returncode == 5 and "cannot reach" in unreachable.stderr
+    assert Job.objects.count() == 1  # none of the refused calls created anything
+
+
+@pytest.fixture
+def local_runtime(tmp_path: Path) -> Iterator[LocalRuntime]:
+    runtime = LocalRuntime(tmp_path / "runs", [NodeInventory("h100-node-0", "h100-80gb", 8)])
+    use_runtime(runtime)
+    yield runtime
+    use_runtime(None)
+    for observation in runtime.observe():
+        runtime.kill(GangId(observation.job_id, observation.attempt))
+
+
+def _all_exited(runtime: LocalRuntime, gang: GangId, *, ranks: int) -> bool:
+    observations = runtime.observe(gang)
+    return len(observations) == ranks and all(o.phase == "exited" for o in observations)
+
+
+def test_logs_prints_and_follows_a_real_rank(
+    world: Any, qm: Any, local_runtime: LocalRuntime
+) -> None:
+    now = timezone.now()
+    job = Job.objects.create(
+        team=world.vision,
+        submitter=world.users["researcher"],
+        priority_class=world.batch,
+        flavor=world.h100,
+        ranks=2,
+        gpus_per_rank=1,
+        command="echo",
+        state=JobState.RUNNING,
+    )
+    attempt = Attempt.objects.create(
+        job=job, number=1, placement=[{"node": "h100-node-0", "ranks": 2}], admitted_at=now
+    )
+    command = 'echo "rank $RANK step 1"; sleep 2; echo "rank $RANK step 2"'
+    local_runtime.launch(
+        GangSpec(
+            job_id=job.pk,
+            attempt=1,
+            command=command,
+            ranks=(RankPlacement(0, "h100-node-0", 0), RankPlacement(1, "h100-node-0", 1)),
+            gpus_per_rank=1,
+            grace_seconds=5.0,
+            priority_class="ai-batch-preemptible",
+            env={},
+        )
+    )
+    _, token = api_token_create(user=world.users["researcher"], name="ci")
+    following = subprocess.Popen(
+        [QM, "logs", str(job.pk), "--rank", "1", "--follow"],
+        env={"PATH": os.environ["PATH"], "HOME": str(qm.home), "QM_URL": qm.url, "QM_TOKEN": token},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while not _all_exited(local_runtime, GangId(job.pk, 1), ranks=2):
+        assert time.monotonic() < deadline, "the ranks did not exit"
+        time.sleep(0.1)
+    # Until the attempt ends, --follow keeps polling; ending it lets the follower finish.
+    assert following.poll() is None
+    Attempt.objects.filter(pk=attempt.pk).update(ended_at=timezone.now(), end_reason="succeeded")
+    out, err = following.communicate(timeout=30)
+    assert following.returncode == 0, err
+    assert out == "rank 1 step 1\nrank 1 step 2\n"
+
+    whole = qm("logs", str(job.pk), env={"QM_TOKEN": token})
+    assert whole.returncode == 0 and whole.stdout == "rank 0 step 1\nrank 0 step 2\n"
+    tail = qm("logs", str(job.pk), "--rank", "1", "--tail", "14", env={"QM_TOKEN": token})
+    assert tail.stdout == "rank 1 step 2\n"
+    chunks = [
+        json.loads(line)
+        for line in qm("logs", str(job.pk), "--json", env={"QM_TOKEN": token}).stdout.splitlines()
+    ]
+    assert chunks[0]["attempt"] == 1 and chunks[0]["finished"] is True
+    assert chunks[-1]["text"] == "" and chunks[-1]["next_offset"] == len(
+        b"rank 0 step 1\nrank 0 step 2\n"
+    )
+    no_rank = qm("logs", str(job.pk), "--rank", "5", env={"QM_TOKEN": token})
+    assert no_rank.returncode == 4 and "ranks 0 to 1" in no_rank.stderr
