@@ -172,6 +172,9 @@ class KubernetesRuntime:
         self._signalled: dict[GangId, float] = {}
         self._blocked: dict[GangId, dict[int, str]] = {}
         self.relists = 0
+        # time.monotonic() of the last Eviction answer of the latest signal():
+        # the end of "decision to last eviction answered".
+        self.last_eviction_answered_at = 0.0
 
     @classmethod
     def from_kubeconfig(
@@ -505,23 +508,22 @@ class KubernetesRuntime:
         with self._lock:
             first_signal = gang not in self._signalled
             self._signalled.setdefault(gang, now)
-        futures = []
-        if first_signal:
-            # Recorded in the cluster so a restarted worker still knows the
-            # gang was told to stop (and when), alongside the evictions.
-            futures.append(
-                self._pool.submit(self._annotate_signal_once, gang, namespace, now, grace_seconds)
-            )
         deadline = time.monotonic() + self.settings.eviction_retry_seconds
         outcomes = list(
             self._pool.map(
-                lambda rank: (rank, self._evict(namespace, pod_name(gang, rank), grace, deadline)),
+                lambda rank: (rank, *self._evict(namespace, pod_name(gang, rank), grace, deadline)),
                 range(world_size),
             )
         )
-        for future in futures:
-            future.result()
-        blocked = {rank: message for rank, message in outcomes if message is not None}
+        with self._lock:
+            self.last_eviction_answered_at = max(answered for _, _, answered in outcomes)
+        if first_signal:
+            # Recorded in the cluster so a restarted worker still knows when the
+            # gang was told to stop. It follows the evictions rather than
+            # delaying them: until it lands, the pods' DisruptionTarget
+            # conditions already say they are being evicted.
+            self._annotate_signal_once(gang, namespace, now, grace_seconds)
+        blocked = {rank: message for rank, message, _ in outcomes if message is not None}
         with self._lock:
             if blocked:
                 self._blocked[gang] = blocked
@@ -552,27 +554,33 @@ class KubernetesRuntime:
             {SIGNALLED_ANNOTATION: f"{at:.6f}", GRACE_ANNOTATION: f"{grace_seconds:g}"},
         )
 
-    def _evict(self, namespace: str, name: str, grace: int, deadline: float) -> str | None:
-        """Evict one pod; None when done, else why it is still blocked."""
-        body = client.V1Eviction(
-            metadata=client.V1ObjectMeta(name=name, namespace=namespace),
-            delete_options=client.V1DeleteOptions(grace_period_seconds=grace),
-        )
+    def _evict(
+        self, namespace: str, name: str, grace: int, deadline: float
+    ) -> tuple[str | None, float]:
+        """Evict one pod: (None when done, else why it is still blocked; when answered)."""
+        body = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": namespace},
+            "deleteOptions": {"gracePeriodSeconds": grace},
+        }
         pause = 0.05
         while True:
             try:
-                self.core.create_namespaced_pod_eviction(name, namespace, body)
-                return None
+                # The answer's body is not needed: skip deserializing it.
+                self.core.create_namespaced_pod_eviction(
+                    name, namespace, body, _preload_content=False
+                )
+                return None, time.monotonic()
             except ApiException as error:
                 if _is_gone(error):
-                    return None
-                if not _temporary(error):
-                    return f"{error.status} {error.reason}: {_message(error)}"
-                if time.monotonic() + pause > deadline:
-                    return f"{error.status} {error.reason}: {_message(error)}"
+                    return None, time.monotonic()
+                blocked = f"{error.status} {error.reason}: {_message(error)}"
+                if not _temporary(error) or time.monotonic() + pause > deadline:
+                    return blocked, time.monotonic()
             except (urllib3.exceptions.HTTPError, OSError) as error:
                 if time.monotonic() + pause > deadline:
-                    return f"API server unreachable: {error}"
+                    return f"API server unreachable: {error}", time.monotonic()
             time.sleep(pause)
             pause = min(pause * 2, 0.5)
 
@@ -750,9 +758,11 @@ class KubernetesRuntime:
                             version = None
                             break
                         raise RuntimeTemporaryError(f"pod watch error: {obj}")
-                    version = obj.metadata.resource_version
                     if event["type"] == "BOOKMARK":
+                        # Bookmarks arrive as plain dicts: they only move the version on.
+                        version = obj["metadata"]["resourceVersion"]
                         continue
+                    version = obj.metadata.resource_version
                     if event["type"] == "DELETED":
                         continue
                     yield rank_observation(obj, self._signal_time(obj), ready_nodes)

@@ -38,6 +38,11 @@ def process_pod(name: str, script: str, *, grace: int = 30, gpus: int = 1) -> di
     }
 
 
+def pod_log(core: client.CoreV1Api, name: str, namespace: str) -> str:
+    # An empty log comes back as None.
+    return core.read_namespaced_pod_log(name, namespace) or ""
+
+
 def terminated(core: client.CoreV1Api, name: str, namespace: str) -> Any:
     pod = core.read_namespaced_pod(name, namespace)
     for status in pod.status.container_statuses or []:
@@ -81,7 +86,7 @@ def test_graceful_deletion_sends_sigterm_then_deletes_the_object(
     script = "trap 'echo got TERM; exit 0' TERM; echo started; while true; do sleep 0.05; done"
     core.create_namespaced_pod(namespace, process_pod("traps-term", script))
     wait_for(lambda: core.read_namespaced_pod("traps-term", namespace).status.phase == "Running")
-    wait_for(lambda: "started" in core.read_namespaced_pod_log("traps-term", namespace))
+    wait_for(lambda: "started" in pod_log(core, "traps-term", namespace))
     core.delete_namespaced_pod(
         "traps-term", namespace, body=client.V1DeleteOptions(grace_period_seconds=20)
     )
@@ -102,7 +107,7 @@ def test_sigkill_at_the_grace_deadline(k8s_api: client.ApiClient, namespace: str
     # Keep the object after deletion so the final status can be read.
     pod["metadata"]["finalizers"] = ["quartermaster.dev/test-hold"]
     core.create_namespaced_pod(namespace, pod)
-    wait_for(lambda: "started" in core.read_namespaced_pod_log("ignores-term", namespace))
+    wait_for(lambda: "started" in pod_log(core, "ignores-term", namespace))
     started = time.monotonic()
     core.delete_namespaced_pod("ignores-term", namespace)
     pod = wait_for(lambda: terminated(core, "ignores-term", namespace), timeout=15)

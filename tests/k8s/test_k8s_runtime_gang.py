@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 from kubernetes import client
 
-from preemption.runtimes.base import GangId, GangSpec, RankPlacement, RuntimeTemporaryError
+from preemption.runtimes.base import GangId, RuntimeTemporaryError
 from preemption.runtimes.kubernetes import (
     EXIT_CODE_FINALIZER,
     KubernetesRuntime,
@@ -17,6 +17,7 @@ from preemption.runtimes.kubernetes import (
     gang_name,
     pod_name,
 )
+from tools.k8s.gangs import all_in, gang_spec, phases
 from tools.k8s.node_agent import (
     ANNOTATION_EXIT_ON_TERM,
     ANNOTATION_RUN,
@@ -25,50 +26,6 @@ from tools.k8s.node_agent import (
 from tools.k8s.wait import wait_for
 
 MakeRuntime = Callable[..., KubernetesRuntime]
-
-
-def gang_spec(
-    job_id: int,
-    nodes: dict[str, int],
-    *,
-    command: str = "sleep infinity",
-    grace_seconds: float = 5.0,
-    priority_class: str = "qm-test-low",
-    gpus_per_rank: int = 1,
-) -> GangSpec:
-    """A gang with ``nodes[name]`` ranks placed on each named node."""
-    ranks = []
-    for node, count in nodes.items():
-        for local_rank in range(count):
-            ranks.append(RankPlacement(rank=len(ranks), node=node, local_rank=local_rank))
-    return GangSpec(
-        job_id=job_id,
-        attempt=1,
-        command=command,
-        ranks=tuple(ranks),
-        gpus_per_rank=gpus_per_rank,
-        grace_seconds=grace_seconds,
-        priority_class=priority_class,
-        env={
-            "QM_JOB_ID": str(job_id),
-            "QM_ATTEMPT": "1",
-            "QM_GRACE_SECONDS": str(grace_seconds),
-            "QM_EVENTS_TOKEN": f"secret-token-{job_id}",
-        },
-        team="vision",
-        flavor="h100",
-    )
-
-
-def phases(runtime: KubernetesRuntime, gang: GangId) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for observation in runtime.observe(gang):
-        counts[observation.phase] = counts.get(observation.phase, 0) + 1
-    return counts
-
-
-def all_in(runtime: KubernetesRuntime, gang: GangId, phase: str, world_size: int) -> bool:
-    return phases(runtime, gang) == {phase: world_size}
 
 
 def test_sixteen_rank_gang_is_bound_to_its_nodes_and_evicted_as_one(

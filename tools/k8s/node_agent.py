@@ -319,9 +319,12 @@ class NodeAgent:
                     if event["type"] == "ERROR":
                         resource_version = ""
                         break
+                    if event["type"] == "BOOKMARK":
+                        # Bookmarks arrive as plain dicts: they only move the version on.
+                        resource_version = pod["metadata"]["resourceVersion"]
+                        continue
                     resource_version = pod.metadata.resource_version
-                    if event["type"] != "BOOKMARK":
-                        self._on_pod(event["type"], pod)
+                    self._on_pod(event["type"], pod)
             except ApiException as error:
                 # 410 Gone: the resourceVersion fell out of the watch window.
                 resource_version = ""
@@ -703,3 +706,57 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def parse_node(text: str) -> NodeSpec:
+    """Parse ``NAME:GPUS[:FLAVOR]`` as given on the command line."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not parts[1].isdigit():
+        raise ValueError(f"node must be NAME:GPUS[:FLAVOR], got {text!r}")
+    return NodeSpec(parts[0], int(parts[1]), parts[2] if len(parts) == 3 else "h100")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the agent in the foreground until SIGTERM or SIGINT.
+
+    ``python -m tools.k8s.node_agent --node gpu-node-0:8 --node gpu-node-1:8``
+    uses the control plane started by ``python -m tools.k8s.controlplane up``.
+    """
+    import argparse
+
+    from kubernetes import config as kube_config
+
+    from tools.k8s.controlplane import ControlPlane
+
+    parser = argparse.ArgumentParser(prog="python -m tools.k8s.node_agent")
+    parser.add_argument("--node", action="append", type=parse_node, required=True)
+    parser.add_argument("--kubeconfig", default=None)
+    parser.add_argument("--work-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    plane = ControlPlane.attach()
+    kubeconfig = args.kubeconfig or (plane.state.kubeconfig if plane and plane.state else None)
+    if kubeconfig is None:
+        parser.error("no --kubeconfig and no control plane is up")
+    configuration = client.Configuration()
+    kube_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    configuration.connection_pool_maxsize = 32
+    api = client.ApiClient(configuration)
+    serving = None
+    if plane is not None:
+        serving = (plane.pki / "apiserver.crt", plane.pki / "apiserver.key")
+    work_dir = args.work_dir or Path(f"/tmp/qm-node-agent-{os.getpid()}")
+    agent = NodeAgent(api, args.node, work_dir=work_dir, serving_cert=serving)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    agent.start()
+    print(f"node agent ready: {', '.join(agent.nodes)}", flush=True)
+    stop.wait()
+    agent.stop()
+    api.close()
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""Small builders for gangs used by the Kubernetes tests and the benchmark."""
+
+from __future__ import annotations
+
+from preemption.runtimes.base import GangId, GangSpec, RankPlacement
+from preemption.runtimes.kubernetes import KubernetesRuntime
+
+
+def gang_spec(
+    job_id: int,
+    nodes: dict[str, int],
+    *,
+    command: str = "sleep infinity",
+    grace_seconds: float = 5.0,
+    priority_class: str = "qm-test-low",
+    gpus_per_rank: int = 1,
+    attempt: int = 1,
+) -> GangSpec:
+    """A gang with ``nodes[name]`` ranks placed on each named node, in order."""
+    ranks = []
+    for node, count in nodes.items():
+        for local_rank in range(count):
+            ranks.append(RankPlacement(rank=len(ranks), node=node, local_rank=local_rank))
+    return GangSpec(
+        job_id=job_id,
+        attempt=attempt,
+        command=command,
+        ranks=tuple(ranks),
+        gpus_per_rank=gpus_per_rank,
+        grace_seconds=grace_seconds,
+        priority_class=priority_class,
+        env={
+            "QM_JOB_ID": str(job_id),
+            "QM_ATTEMPT": str(attempt),
+            "QM_GRACE_SECONDS": str(grace_seconds),
+            "QM_EVENTS_TOKEN": f"secret-token-{job_id}",
+        },
+        team="vision",
+        flavor="h100",
+    )
+
+
+def phases(runtime: KubernetesRuntime, gang: GangId) -> dict[str, int]:
+    """How many ranks of the gang are in each phase right now."""
+    counts: dict[str, int] = {}
+    for observation in runtime.observe(gang):
+        counts[observation.phase] = counts.get(observation.phase, 0) + 1
+    return counts
+
+
+def all_in(runtime: KubernetesRuntime, gang: GangId, phase: str, world_size: int) -> bool:
+    """Whether every one of the gang's ``world_size`` ranks is in ``phase``."""
+    return phases(runtime, gang) == {phase: world_size}
