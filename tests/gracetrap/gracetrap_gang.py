@@ -7,6 +7,7 @@ signal to a rank reaches its DataLoader workers too, exactly like a preemption.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -16,11 +17,21 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_ddp.py"
 EVENT_PREFIX = "QM_EVENT "
+
+
+def load_example() -> ModuleType:
+    """Import examples/train_ddp.py as a module, to build the same model in the test."""
+    spec = importlib.util.spec_from_file_location("train_ddp", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:
@@ -105,10 +116,12 @@ class Gang:
         raise AssertionError(f"gang still running after {timeout} s:\n{self.tail()}")
 
     def kill(self) -> None:
-        # Whole process groups: DataLoader workers of a dead rank must not linger either.
+        # Only groups whose leader is not reaped yet: once reaped, its pid (and so the
+        # group id) may belong to someone else's process on a busy machine.
         for rank in self.ranks:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(rank.process.pid, signal.SIGKILL)
+            if rank.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(rank.process.pid, signal.SIGKILL)
         for rank in self.ranks:
             rank.process.wait()
 

@@ -1,0 +1,146 @@
+"""SIGKILL at any moment of a save never leaves an unloadable newest checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gracetrap_gang import load_example, step_dirs
+
+from gracetrap import Trap
+
+train_ddp = load_example()
+
+MODEL_ARGS = ["--hidden", "1024", "--layers", "3"]
+MIN_TRIALS = 20
+MAX_TRIALS = 40
+FORKSERVER = Path(__file__).with_name("gracetrap_forkserver.py")
+
+
+class ForkServer:
+    """The trial server of gracetrap_forkserver.py, with its output read line by line."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(FORKSERVER), *MODEL_ARGS],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            text=True,
+            cwd=FORKSERVER.parent,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def start_trial(self, checkpoint_dir: Path) -> int:
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{checkpoint_dir}\n")
+        self.process.stdin.flush()
+        return int(self.expect("CHILD ", timeout=60)[0].split()[1])
+
+    def expect(self, prefix: str, timeout: float) -> tuple[str, list[str]]:
+        """Wait for the line starting with ``prefix``; return it and the lines before it."""
+        seen: list[str] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {prefix!r} line in {timeout} s: {seen}") from None
+            if line.startswith(prefix):
+                return line, seen
+            seen.append(line)
+
+    def started_event(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            line, _ = self.expect("QM_EVENT ", timeout=max(0.0, deadline - time.monotonic()))
+            event: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+            if event["event"] == "checkpoint_started":
+                return event
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+
+
+def _resume_in_this_process(checkpoint_dir: Path) -> int:
+    arguments = train_ddp.parse_args(MODEL_ARGS)
+    model = train_ddp.build_model(arguments)
+    optimizer = train_ddp.torch.optim.Adam(model.parameters(), lr=arguments.lr)
+    with Trap(checkpoint_dir, {"model": model, "optimizer": optimizer}) as trap:
+        return trap.resume()
+
+
+def _newest_complete(checkpoint_dir: Path) -> int:
+    return max([-1, *(step for step, done in step_dirs(checkpoint_dir).items() if done)])
+
+
+@pytest.mark.slow
+def test_sigkill_during_saves_always_leaves_a_complete_checkpoint(tmp_path: Path) -> None:
+    checkpoint_dir = tmp_path / "checkpoints"
+    server = ForkServer()
+    try:
+        # Two saves that are left to finish: they measure the save interval on this
+        # disk now and leave complete checkpoints for the kills to threaten.
+        durations = []
+        for _ in range(2):
+            child = server.start_trial(checkpoint_dir)
+            _, lines = server.expect("SAVED ", timeout=120)
+            committed = [json.loads(x.split(" ", 1)[1]) for x in lines if "committed" in x]
+            durations.append(committed[-1]["seconds"])
+            os.kill(child, signal.SIGKILL)
+            server.expect("EXIT ", timeout=30)
+        save_seconds = sum(durations) / len(durations)
+        print(f"\nmeasured save interval: {save_seconds:.3f} s ({durations})")
+
+        before_metadata = 0
+        trials = 0
+        while trials < MIN_TRIALS or before_metadata < MIN_TRIALS // 2:
+            assert trials < MAX_TRIALS, f"only {before_metadata} of {trials} kills came early"
+            # Offsets spread from the save's start to a little past its expected end.
+            offset = save_seconds * 1.25 * (trials % MIN_TRIALS) / MIN_TRIALS
+            expected_resume = _newest_complete(checkpoint_dir) + 1
+            child = server.start_trial(checkpoint_dir)
+            started = server.started_event(timeout=120)
+            time.sleep(max(0.0, started["at"] + offset - time.time()))
+            os.kill(child, signal.SIGKILL)
+            killed_after = time.time() - started["at"]
+            exit_line, lines = server.expect("EXIT ", timeout=30)
+            assert exit_line == f"EXIT {-signal.SIGKILL}"
+            assert not any("Traceback" in line for line in lines), lines
+            # The child resumed from the newest complete checkpoint before saving.
+            assert started["step"] == expected_resume
+
+            complete_at_kill = step_dirs(checkpoint_dir).get(started["step"], False)
+            before_metadata += not complete_at_kill
+            trials += 1
+            print(
+                f"trial {trials:2d}: SIGKILL {killed_after:.3f} s into the save of step "
+                f"{started['step']} (target {offset:.3f} s): metadata "
+                f"{'written' if complete_at_kill else 'absent'}"
+            )
+            assert _resume_in_this_process(checkpoint_dir) == _newest_complete(checkpoint_dir) + 1
+        print(f"{before_metadata} of {trials} kills came before the metadata file existed")
+    finally:
+        server.close()
