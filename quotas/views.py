@@ -131,15 +131,59 @@ def preview_context(consequences: dict[str, Any] | None) -> dict[str, Any]:
                 }
             )
     changed = [move for move in moves if abs(move["delta"]) > 1e-9]
+    reclaimed = [dict(item) for item in consequences.get("reclaimed") or []]
+    _describe_reclaimed(reclaimed)
     admitted = consequences.get("admitted") or consequences.get("admissions") or []
     return {
         "consequences": consequences,
-        "reclaimed": consequences.get("reclaimed") or [],
+        "reclaimed": reclaimed,
         "admitted": admitted,
         "moves": changed,
         "unchanged_queues": len(moves) - len(changed),
         "change": consequences.get("change") or {},
     }
+
+
+REASON_WORDS = {
+    "reclaim": "reclaimed for",
+    "priority": "preempted by a higher priority in",
+    "fair-share": "gives way, for fair share, to",
+}
+
+
+def _describe_reclaimed(reclaimed: list[dict[str, Any]]) -> None:
+    """Add each victim's GPUs and the reason in words ("reclaimed for job 18 of
+    vision") to the engine's entries, which name jobs by id only."""
+    from preemption.models import Job
+
+    ids = set()
+    for item in reclaimed:
+        for key in ("job_id", "id", "preemptor"):
+            if str(item.get(key, "")).isdigit():
+                ids.add(int(item[key]))
+    jobs = {
+        row["id"]: row
+        for row in Job.objects.filter(id__in=ids).values(
+            "id", "name", "team__slug", "ranks", "gpus_per_rank"
+        )
+    }
+    for item in reclaimed:
+        victim = jobs.get(int(item["job_id"])) if str(item.get("job_id", "")).isdigit() else None
+        if victim is None and str(item.get("id", "")).isdigit():
+            victim = jobs.get(int(item["id"]))
+        if victim is not None:
+            item.setdefault("job_id", victim["id"])
+            item.setdefault("job_name", victim["name"])
+            item.setdefault("team", victim["team__slug"])
+            item.setdefault("gpus", victim["ranks"] * victim["gpus_per_rank"])
+        preemptor = (
+            jobs.get(int(item["preemptor"])) if str(item.get("preemptor", "")).isdigit() else None
+        )
+        words = REASON_WORDS.get(str(item.get("reason", "")), str(item.get("reason", "")))
+        if preemptor is not None:
+            item["why"] = f"{words} job {preemptor['id']} of {preemptor['team__slug']}"
+        else:
+            item["why"] = words
 
 
 @login_required

@@ -34,6 +34,8 @@ GRID = "#e5e7eb"
 
 def _layout(figure: go.Figure, *, title: str, x: str, y: str, height: int = 320) -> go.Figure:
     figure.update_layout(
+        # No plotly template: the styling is set here, and the page stays small.
+        template="none",
         title={"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 14, "color": INK}},
         height=height,
         margin={"l": 56, "r": 16, "t": 48, "b": 48},

@@ -45,5 +45,6 @@ def utilization_sample(now: datetime) -> int:
                     capacity=capacity.get(flavor, 0),
                 )
             )
-    created = UtilizationSample.objects.bulk_create(samples, ignore_conflicts=True)
-    return len(created)
+    before = UtilizationSample.objects.filter(at=now).count()
+    UtilizationSample.objects.bulk_create(samples, ignore_conflicts=True)
+    return UtilizationSample.objects.filter(at=now).count() - before

@@ -26,6 +26,7 @@ from telemetry.selectors import (
     checkpoints_against_grace,
     exit_codes,
     flavor_names,
+    flavors_now,
     gpu_hours,
     latest_drills,
     mission_matrix,
@@ -41,7 +42,8 @@ def telemetry(request: HttpRequest) -> HttpResponse:
     """Utilization, borrowing, preemption latency, checkpoints, exit codes,
     recovery, the mission's matrix from the latest drills, and GPU-hours."""
     access = access_for(request.user)
-    flavors = flavor_names()
+    # The largest flavor comes first and is the one charted unless another is chosen.
+    flavors = [f.name for f in sorted(flavors_now(), key=lambda f: (-f.capacity, f.name))]
     form = PeriodForm(request.GET or None, flavors=flavors)
     period, flavor = form.chosen(flavors)
     now = timezone.now()

@@ -66,12 +66,27 @@ def test_team_tree_lists_only_readable_teams(world: Any, persona: str) -> None:
 
 # (quota's team, persona) -> status of the editor
 EDITORS = {
-    "vision": {"admin": 200, "manager": 200, "researcher": 403, "other_manager": 404,
-               "other_researcher": 404},
-    "ml": {"admin": 200, "manager": 403, "researcher": 404, "other_manager": 404,
-           "other_researcher": 404},
-    "ops": {"admin": 200, "manager": 404, "researcher": 404, "other_manager": 200,
-            "other_researcher": 403},
+    "vision": {
+        "admin": 200,
+        "manager": 200,
+        "researcher": 403,
+        "other_manager": 404,
+        "other_researcher": 404,
+    },
+    "ml": {
+        "admin": 200,
+        "manager": 403,
+        "researcher": 404,
+        "other_manager": 404,
+        "other_researcher": 404,
+    },
+    "ops": {
+        "admin": 200,
+        "manager": 404,
+        "researcher": 404,
+        "other_manager": 200,
+        "other_researcher": 403,
+    },
 }
 
 
@@ -86,7 +101,9 @@ def test_quota_editor_follows_the_api_rules(world: Any, persona: str, slug: str)
             assert response.status_code == 302
         else:
             assert response.status_code == EDITORS[slug][persona]
-    response = client.post(reverse("quota-preview", args=[quota.pk]), {"guarantee": quota.guarantee})
+    response = client.post(
+        reverse("quota-preview", args=[quota.pk]), {"guarantee": quota.guarantee}
+    )
     expected = 302 if persona == "anonymous" else EDITORS[slug][persona]
     assert response.status_code == expected
     response = client.post(
@@ -105,8 +122,11 @@ def test_quota_editor_follows_the_api_rules(world: Any, persona: str, slug: str)
 def test_job_list_and_job_pages_show_only_readable_teams(world: Any, persona: str) -> None:
     jobs = seed_jobs(world, 12)
     readable = {
-        "admin": {"vision", "nlp", "ops"}, "manager": {"vision", "nlp"},
-        "researcher": {"vision"}, "other_manager": {"ops"}, "other_researcher": {"ops"},
+        "admin": {"vision", "nlp", "ops"},
+        "manager": {"vision", "nlp"},
+        "researcher": {"vision"},
+        "other_manager": {"ops"},
+        "other_researcher": {"ops"},
         "anonymous": set(),
     }[persona]
     client = page_client(world, persona)
