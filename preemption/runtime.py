@@ -22,6 +22,7 @@ def inventory() -> list[NodeInventory]:
 
 
 _override: Runtime | None = None
+_kubernetes: Runtime | None = None
 
 
 def use_runtime(runtime: Runtime | None) -> None:
@@ -34,9 +35,24 @@ def get_runtime() -> Runtime:
     if _override is not None:
         return _override
     if settings.QM_RUNTIME == "kubernetes":
-        from preemption.runtimes.kubernetes import runtime_from_settings
-
-        return runtime_from_settings()
+        return _kubernetes_runtime()
     from preemption.runtimes.local import LocalRuntime
 
     return LocalRuntime(root=settings.QM_RUNS_DIR, inventory=inventory())
+
+
+def _kubernetes_runtime() -> Runtime:
+    """One Kubernetes runtime per process: it holds a connection pool and the
+    threads that send a gang's evictions at once."""
+    global _kubernetes
+    if _kubernetes is None:
+        from preemption.runtimes.kubernetes import KubernetesRuntime, KubernetesRuntimeConfig
+
+        _kubernetes = KubernetesRuntime.from_kubeconfig(
+            settings.QM_K8S_KUBECONFIG or None,
+            KubernetesRuntimeConfig(
+                namespace=settings.QM_K8S_NAMESPACE,
+                namespace_per_team=settings.QM_K8S_NAMESPACE_PER_TEAM,
+            ),
+        )
+    return _kubernetes

@@ -50,8 +50,13 @@ class UtilizationSample(models.Model):
     class Meta:
         ordering = ["at", "team_id"]
         constraints = [
-            models.UniqueConstraint(fields=["at", "team", "flavor"], name="one_sample_per_team_flavor_moment")
+            models.UniqueConstraint(
+                fields=["at", "team", "flavor"], name="one_sample_per_team_flavor_moment"
+            )
         ]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M} team {self.team_id}: {self.used}/{self.guarantee}"
 
 
 class DrillRun(models.Model):
@@ -71,3 +76,20 @@ class DrillRun(models.Model):
 
     def __str__(self) -> str:
         return f"drill {self.started_at:%Y-%m-%d %H:%M} {self.runtime} {self.ranks} ranks"
+
+
+class SimulationRun(models.Model):
+    """One trace replay (`manage.py simulate`): its options and its JSON report,
+    charted on the telemetry pages."""
+
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    policy = models.CharField(max_length=16)
+    trace = models.CharField(max_length=300)
+    options = models.JSONField(default=dict)
+    report = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"simulation {self.created_at:%Y-%m-%d %H:%M} {self.policy} {self.trace}"
