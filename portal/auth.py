@@ -36,7 +36,9 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
         try:
             value = header[1].decode()
         except UnicodeError:
-            raise exceptions.AuthenticationFailed("The token contains invalid characters.") from None
+            raise exceptions.AuthenticationFailed(
+                "The token contains invalid characters."
+            ) from None
         if not value.startswith(TOKEN_PREFIX):
             # Job event tokens are checked by the events endpoint itself.
             return None

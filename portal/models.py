@@ -10,7 +10,9 @@ class ApiToken(models.Model):
     """A bearer token a user created. Only a hash is kept; the token itself is
     shown once, at creation."""
 
-    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
+    )
     name = models.CharField(max_length=100)
     prefix = models.CharField(max_length=12, db_index=True)
     key_hash = models.CharField(max_length=64, unique=True)

@@ -149,12 +149,13 @@ if not CELERY_BROKER_URL.startswith(("filesystem://", "redis://", "rediss://", "
     )
 BROKER_DIR = VAR_DIR / "broker"
 if CELERY_BROKER_URL.startswith("filesystem://"):
-    for sub in ("out", "processed"):
+    for sub in ("out", "processed", "control"):
         (BROKER_DIR / sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(BROKER_DIR / "out"),
         "data_folder_out": str(BROKER_DIR / "out"),
         "processed_folder": str(BROKER_DIR / "processed"),
+        "control_folder": str(BROKER_DIR / "control"),
         "store_processed": False,
         "polling_interval": 0.2,
     }

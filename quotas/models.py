@@ -32,7 +32,9 @@ class Node(models.Model):
 
     class Meta:
         ordering = ["name"]
-        constraints = [models.CheckConstraint(condition=Q(gpus__gte=0), name="node_gpus_nonnegative")]
+        constraints = [
+            models.CheckConstraint(condition=Q(gpus__gte=0), name="node_gpus_nonnegative")
+        ]
 
     def __str__(self) -> str:
         return self.name
@@ -56,9 +58,7 @@ class Team(models.Model):
         ordering = ["slug"]
         constraints = [
             models.CheckConstraint(condition=Q(weight__gt=0), name="team_weight_positive"),
-            models.CheckConstraint(
-                condition=~Q(parent=models.F("id")), name="team_not_own_parent"
-            ),
+            models.CheckConstraint(condition=~Q(parent=models.F("id")), name="team_not_own_parent"),
         ]
 
     def __str__(self) -> str:
@@ -84,7 +84,9 @@ class Quota(models.Model):
         ordering = ["team__slug", "flavor__name"]
         constraints = [
             models.UniqueConstraint(fields=["team", "flavor"], name="quota_one_per_team_flavor"),
-            models.CheckConstraint(condition=Q(guarantee__gte=0), name="quota_guarantee_nonnegative"),
+            models.CheckConstraint(
+                condition=Q(guarantee__gte=0), name="quota_guarantee_nonnegative"
+            ),
             models.CheckConstraint(
                 condition=Q(borrow_limit__isnull=True) | Q(borrow_limit__gte=0),
                 name="quota_borrow_limit_nonnegative",
@@ -112,7 +114,9 @@ class PriorityClass(models.Model):
 
     name = models.SlugField(max_length=63, unique=True)
     value = models.IntegerField()
-    preemption_policy = models.CharField(max_length=32, choices=Policy.choices, default=Policy.NEVER)
+    preemption_policy = models.CharField(
+        max_length=32, choices=Policy.choices, default=Policy.NEVER
+    )
     preemptible = models.BooleanField(default=True)
     grace_seconds = models.PositiveIntegerField(default=60)
     min_runtime_seconds = models.PositiveIntegerField(default=0)
@@ -124,7 +128,9 @@ class PriorityClass(models.Model):
         verbose_name_plural = "priority classes"
         constraints = [
             models.UniqueConstraint(
-                fields=["is_default"], condition=Q(is_default=True), name="one_default_priority_class"
+                fields=["is_default"],
+                condition=Q(is_default=True),
+                name="one_default_priority_class",
             ),
             models.CheckConstraint(
                 condition=Q(preemption_policy__in=["PreemptLowerPriority", "Never"]),
@@ -144,7 +150,9 @@ class Membership(models.Model):
         MANAGER = "manager", "Manager"
         RESEARCHER = "researcher", "Researcher"
 
-    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
+    )
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
     role = models.CharField(max_length=16, choices=Role.choices)
 
@@ -152,7 +160,9 @@ class Membership(models.Model):
         ordering = ["team__slug", "user__username"]
         constraints = [
             models.UniqueConstraint(fields=["user", "team"], name="membership_one_per_user_team"),
-            models.CheckConstraint(condition=Q(role__in=["manager", "researcher"]), name="membership_role_valid"),
+            models.CheckConstraint(
+                condition=Q(role__in=["manager", "researcher"]), name="membership_role_valid"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -170,7 +180,9 @@ class AuditEntry(models.Model):
     object_type = models.CharField(max_length=64)
     object_id = models.CharField(max_length=64)
     object_repr = models.CharField(max_length=200)
-    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.SET_NULL, related_name="audit_entries")
+    team = models.ForeignKey(
+        Team, null=True, blank=True, on_delete=models.SET_NULL, related_name="audit_entries"
+    )
     before = models.JSONField(null=True, blank=True)
     after = models.JSONField(null=True, blank=True)
 

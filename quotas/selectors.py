@@ -163,4 +163,6 @@ def audit_list(*, user: User, team: Team | None = None) -> QuerySet[AuditEntry]:
 
 
 def cluster_gpus(*, flavor_id: int) -> int:
-    return sum(Node.objects.filter(flavor_id=flavor_id, schedulable=True).values_list("gpus", flat=True))
+    return sum(
+        Node.objects.filter(flavor_id=flavor_id, schedulable=True).values_list("gpus", flat=True)
+    )

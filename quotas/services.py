@@ -19,8 +19,13 @@ UNSET: Any = object()
 
 
 def _audit(
-    *, actor: AbstractBaseUser | None, action: str, obj: Any, team: Team | None,
-    before: dict[str, Any] | None, after: dict[str, Any] | None,
+    *,
+    actor: AbstractBaseUser | None,
+    action: str,
+    obj: Any,
+    team: Team | None,
+    before: dict[str, Any] | None,
+    after: dict[str, Any] | None,
 ) -> None:
     AuditEntry.objects.create(
         actor=actor if actor is not None and actor.is_authenticated else None,
@@ -70,20 +75,34 @@ def _check_count(field: str, value: int | None, *, allow_none: bool = False) -> 
 
 
 @transaction.atomic
-def flavor_create(*, actor: AbstractBaseUser | None, name: str, description: str = "") -> ResourceFlavor:
+def flavor_create(
+    *, actor: AbstractBaseUser | None, name: str, description: str = ""
+) -> ResourceFlavor:
     if ResourceFlavor.objects.filter(name=name).exists():
         raise ValidationError({"name": [f"A flavor named {name!r} already exists."]})
     flavor = ResourceFlavor(name=name, description=description)
     flavor.full_clean()
     flavor.save()
-    _audit(actor=actor, action="flavor.create", obj=flavor, team=None, before=None, after={"name": name})
+    _audit(
+        actor=actor,
+        action="flavor.create",
+        obj=flavor,
+        team=None,
+        before=None,
+        after={"name": name},
+    )
     return flavor
 
 
 @transaction.atomic
 def node_upsert(
-    *, actor: AbstractBaseUser | None, name: str, flavor: ResourceFlavor, gpus: int,
-    labels: dict[str, str] | None = None, schedulable: bool = True,
+    *,
+    actor: AbstractBaseUser | None,
+    name: str,
+    flavor: ResourceFlavor,
+    gpus: int,
+    labels: dict[str, str] | None = None,
+    schedulable: bool = True,
 ) -> Node:
     _check_count("gpus", gpus)
     node = Node.objects.select_for_update().filter(name=name).first()
@@ -99,7 +118,11 @@ def node_upsert(
     node.full_clean()
     node.save()
     _audit(
-        actor=actor, action="node.upsert", obj=node, team=None, before=before,
+        actor=actor,
+        action="node.upsert",
+        obj=node,
+        team=None,
+        before=before,
         after={"flavor": flavor.name, "gpus": gpus, "schedulable": schedulable},
     )
     return node
@@ -109,10 +132,19 @@ def node_upsert(
 def node_delete(*, actor: AbstractBaseUser | None, node: Node) -> None:
     from preemption.models import ACTIVE_STATES, Rank
 
-    busy = Rank.objects.filter(node=node.name, attempt__job__state__in=ACTIVE_STATES, attempt__ended_at__isnull=True)
+    busy = Rank.objects.filter(
+        node=node.name, attempt__job__state__in=ACTIVE_STATES, attempt__ended_at__isnull=True
+    )
     if busy.exists():
         raise ValidationError({"node": [f"Node {node.name} still runs ranks of active jobs."]})
-    _audit(actor=actor, action="node.delete", obj=node, team=None, before={"gpus": node.gpus}, after=None)
+    _audit(
+        actor=actor,
+        action="node.delete",
+        obj=node,
+        team=None,
+        before={"gpus": node.gpus},
+        after=None,
+    )
     node.delete()
 
 
@@ -121,7 +153,12 @@ def node_delete(*, actor: AbstractBaseUser | None, node: Node) -> None:
 
 @transaction.atomic
 def team_create(
-    *, actor: AbstractBaseUser | None, slug: str, name: str, parent: Team | None = None, weight: float = 1.0,
+    *,
+    actor: AbstractBaseUser | None,
+    slug: str,
+    name: str,
+    parent: Team | None = None,
+    weight: float = 1.0,
 ) -> Team:
     if Team.objects.filter(slug=slug).exists():
         raise ValidationError({"slug": [f"A team with slug {slug!r} already exists."]})
@@ -132,19 +169,34 @@ def team_create(
 
         if Job.objects.filter(team=parent).exists():
             raise ValidationError(
-                {"parent": [f"Team {parent.slug} has jobs of its own; only leaf teams run jobs, so it cannot get sub-teams."]}
+                {
+                    "parent": [
+                        f"Team {parent.slug} has jobs of its own; only leaf teams run jobs, so it cannot get sub-teams."
+                    ]
+                }
             )
     team = Team(slug=slug, name=name or slug, parent=parent, weight=weight)
     team.full_clean()
     team.save()
-    _audit(actor=actor, action="team.create", obj=team, team=team, before=None, after=_team_values(team))
+    _audit(
+        actor=actor,
+        action="team.create",
+        obj=team,
+        team=team,
+        before=None,
+        after=_team_values(team),
+    )
     return team
 
 
 @transaction.atomic
 def team_update(
-    *, actor: AbstractBaseUser | None, team: Team, name: str | None = None,
-    weight: float | None = None, parent: Team | None | Any = UNSET,
+    *,
+    actor: AbstractBaseUser | None,
+    team: Team,
+    name: str | None = None,
+    weight: float | None = None,
+    parent: Team | Any | None = UNSET,
 ) -> Team:
     team = Team.objects.select_for_update().get(pk=team.pk)
     before = _team_values(team)
@@ -161,7 +213,11 @@ def team_update(
         tree = TeamTree.load()
         if parent is not None and (parent.pk == team.pk or parent.pk in tree.descendants(team.pk)):
             raise ValidationError(
-                {"parent": [f"Moving {team.slug} under {parent.slug} would make a cycle in the team tree."]}
+                {
+                    "parent": [
+                        f"Moving {team.slug} under {parent.slug} would make a cycle in the team tree."
+                    ]
+                }
             )
         team.parent = parent
         fields.append("parent")
@@ -172,7 +228,14 @@ def team_update(
     if "parent" in fields:
         for quota in Quota.objects.filter(team=team).select_related("flavor"):
             _validate_quota_tree(team=team, flavor=quota.flavor, guarantee=quota.guarantee)
-    _audit(actor=actor, action="team.update", obj=team, team=team, before=before, after=_team_values(team))
+    _audit(
+        actor=actor,
+        action="team.update",
+        obj=team,
+        team=team,
+        before=before,
+        after=_team_values(team),
+    )
     return team
 
 
@@ -183,16 +246,31 @@ def team_delete(*, actor: AbstractBaseUser | None, team: Team) -> None:
     tree = TeamTree.load()
     subtree = tree.subtree([team.pk])
     unfinished = list(
-        Job.objects.filter(team_id__in=subtree).exclude(state__in=FINAL_STATES).values_list("id", flat=True)[:5]
+        Job.objects.filter(team_id__in=subtree)
+        .exclude(state__in=FINAL_STATES)
+        .values_list("id", flat=True)[:5]
     )
     if unfinished:
         names = ", ".join(f"job {job_id}" for job_id in unfinished)
-        raise ValidationError({"team": [f"Team {team.slug} has unfinished jobs ({names}); cancel them first."]})
+        raise ValidationError(
+            {"team": [f"Team {team.slug} has unfinished jobs ({names}); cancel them first."]}
+        )
     if tree.children.get(team.pk):
-        raise ValidationError({"team": [f"Team {team.slug} has sub-teams; delete or move them first."]})
+        raise ValidationError(
+            {"team": [f"Team {team.slug} has sub-teams; delete or move them first."]}
+        )
     if Job.objects.filter(team=team).exists():
-        raise ValidationError({"team": [f"Team {team.slug} has a job history; it cannot be deleted."]})
-    _audit(actor=actor, action="team.delete", obj=team, team=team.parent, before=_team_values(team), after=None)
+        raise ValidationError(
+            {"team": [f"Team {team.slug} has a job history; it cannot be deleted."]}
+        )
+    _audit(
+        actor=actor,
+        action="team.delete",
+        obj=team,
+        team=team.parent,
+        before=_team_values(team),
+        after=None,
+    )
     team.delete()
 
 
@@ -200,7 +278,12 @@ def team_delete(*, actor: AbstractBaseUser | None, team: Team) -> None:
 
 
 def _guarantee_of(team_id: int, flavor_id: int) -> int:
-    return Quota.objects.filter(team_id=team_id, flavor_id=flavor_id).values_list("guarantee", flat=True).first() or 0
+    return (
+        Quota.objects.filter(team_id=team_id, flavor_id=flavor_id)
+        .values_list("guarantee", flat=True)
+        .first()
+        or 0
+    )
 
 
 def _validate_quota_tree(*, team: Team, flavor: ResourceFlavor, guarantee: int) -> None:
@@ -209,29 +292,52 @@ def _validate_quota_tree(*, team: Team, flavor: ResourceFlavor, guarantee: int) 
 
     siblings = Quota.objects.filter(flavor=flavor).exclude(team=team)
     if team.parent_id is None:
-        others = siblings.filter(team__parent__isnull=True).aggregate(total=Sum("guarantee"))["total"] or 0
+        others = (
+            siblings.filter(team__parent__isnull=True).aggregate(total=Sum("guarantee"))["total"]
+            or 0
+        )
         capacity = cluster_gpus(flavor_id=flavor.pk)
         if others + guarantee > capacity:
-            raise ValidationError({"guarantee": [
-                f"Top-level guarantees of {flavor.name} would total {others + guarantee} GPUs, "
-                f"but the cluster has {capacity}."
-            ]})
+            raise ValidationError(
+                {
+                    "guarantee": [
+                        f"Top-level guarantees of {flavor.name} would total {others + guarantee} GPUs, "
+                        f"but the cluster has {capacity}."
+                    ]
+                }
+            )
     else:
         parent_guarantee = _guarantee_of(team.parent_id, flavor.pk)
-        others = siblings.filter(team__parent_id=team.parent_id).aggregate(total=Sum("guarantee"))["total"] or 0
+        others = (
+            siblings.filter(team__parent_id=team.parent_id).aggregate(total=Sum("guarantee"))[
+                "total"
+            ]
+            or 0
+        )
         if others + guarantee > parent_guarantee:
-            raise ValidationError({"guarantee": [
-                f"The sub-teams of {team.parent.slug} would be guaranteed {others + guarantee} GPUs of "
-                f"{flavor.name}, more than its own {parent_guarantee}."
-            ]})
+            raise ValidationError(
+                {
+                    "guarantee": [
+                        f"The sub-teams of {team.parent.slug} would be guaranteed {others + guarantee} GPUs of "
+                        f"{flavor.name}, more than its own {parent_guarantee}."
+                    ]
+                }
+            )
     children = (
-        Quota.objects.filter(flavor=flavor, team__parent=team).aggregate(total=Sum("guarantee"))["total"] or 0
+        Quota.objects.filter(flavor=flavor, team__parent=team).aggregate(total=Sum("guarantee"))[
+            "total"
+        ]
+        or 0
     )
     if guarantee < children:
-        raise ValidationError({"guarantee": [
-            f"The sub-teams of {team.slug} are guaranteed {children} GPUs of {flavor.name}; "
-            f"its own guarantee cannot go below that (got {guarantee})."
-        ]})
+        raise ValidationError(
+            {
+                "guarantee": [
+                    f"The sub-teams of {team.slug} are guaranteed {children} GPUs of {flavor.name}; "
+                    f"its own guarantee cannot go below that (got {guarantee})."
+                ]
+            }
+        )
 
 
 def _validate_non_preemptible(*, team: Team, flavor: ResourceFlavor, guarantee: int) -> None:
@@ -240,20 +346,37 @@ def _validate_non_preemptible(*, team: Team, flavor: ResourceFlavor, guarantee: 
     subtree = TeamTree.load().subtree([team.pk])
     jobs = list(
         Job.objects.filter(
-            team_id__in=subtree, flavor=flavor, state__in=ACTIVE_STATES, priority_class__preemptible=False
-        ).annotate(total=F("ranks") * F("gpus_per_rank")).order_by("id").values_list("id", "name", "total")
+            team_id__in=subtree,
+            flavor=flavor,
+            state__in=ACTIVE_STATES,
+            priority_class__preemptible=False,
+        )
+        .annotate(total=F("ranks") * F("gpus_per_rank"))
+        .order_by("id")
+        .values_list("id", "name", "total")
     )
     running = sum(total for _, _, total in jobs)
     if guarantee < running:
-        names = ", ".join(f"job {job_id}" + (f" ({name})" if name else "") for job_id, name, _ in jobs)
-        raise ValidationError({"guarantee": [
-            f"{team.slug} runs {running} GPUs of {flavor.name} in non-preemptible jobs ({names}); "
-            f"the guarantee cannot go below that (got {guarantee})."
-        ]})
+        names = ", ".join(
+            f"job {job_id}" + (f" ({name})" if name else "") for job_id, name, _ in jobs
+        )
+        raise ValidationError(
+            {
+                "guarantee": [
+                    f"{team.slug} runs {running} GPUs of {flavor.name} in non-preemptible jobs ({names}); "
+                    f"the guarantee cannot go below that (got {guarantee})."
+                ]
+            }
+        )
 
 
 def quota_validate(
-    *, team: Team, flavor: ResourceFlavor, guarantee: int, borrow_limit: int | None, lend_limit: int | None,
+    *,
+    team: Team,
+    flavor: ResourceFlavor,
+    guarantee: int,
+    borrow_limit: int | None,
+    lend_limit: int | None,
 ) -> None:
     """Every rule a quota must keep, without writing anything. Raises ValidationError."""
     _check_count("guarantee", guarantee)
@@ -265,14 +388,25 @@ def quota_validate(
 
 @transaction.atomic
 def quota_set(
-    *, actor: AbstractBaseUser | None, team: Team, flavor: ResourceFlavor, guarantee: int,
-    borrow_limit: int | None = None, lend_limit: int | None = None,
+    *,
+    actor: AbstractBaseUser | None,
+    team: Team,
+    flavor: ResourceFlavor,
+    guarantee: int,
+    borrow_limit: int | None = None,
+    lend_limit: int | None = None,
 ) -> Quota:
     """Create or replace the quota of (team, flavor)."""
     # Lock the flavor row so two edits of the same flavor's tree cannot both
     # pass the sum checks and together break them.
     ResourceFlavor.objects.select_for_update().filter(pk=flavor.pk).first()
-    quota_validate(team=team, flavor=flavor, guarantee=guarantee, borrow_limit=borrow_limit, lend_limit=lend_limit)
+    quota_validate(
+        team=team,
+        flavor=flavor,
+        guarantee=guarantee,
+        borrow_limit=borrow_limit,
+        lend_limit=lend_limit,
+    )
     quota = Quota.objects.select_for_update().filter(team=team, flavor=flavor).first()
     before = _quota_values(quota) if quota is not None else None
     if quota is None:
@@ -288,12 +422,18 @@ def quota_set(
 
 
 def quota_update(
-    *, actor: AbstractBaseUser | None, quota: Quota, guarantee: int | Any = UNSET,
-    borrow_limit: int | None | Any = UNSET, lend_limit: int | None | Any = UNSET,
+    *,
+    actor: AbstractBaseUser | None,
+    quota: Quota,
+    guarantee: int | Any = UNSET,
+    borrow_limit: int | Any | None = UNSET,
+    lend_limit: int | Any | None = UNSET,
 ) -> Quota:
     """Change some fields of an existing quota; fields left out keep their value."""
     return quota_set(
-        actor=actor, team=quota.team, flavor=quota.flavor,
+        actor=actor,
+        team=quota.team,
+        flavor=quota.flavor,
         guarantee=quota.guarantee if guarantee is UNSET else guarantee,
         borrow_limit=quota.borrow_limit if borrow_limit is UNSET else borrow_limit,
         lend_limit=quota.lend_limit if lend_limit is UNSET else lend_limit,
@@ -302,8 +442,17 @@ def quota_update(
 
 @transaction.atomic
 def quota_delete(*, actor: AbstractBaseUser | None, quota: Quota) -> None:
-    quota_validate(team=quota.team, flavor=quota.flavor, guarantee=0, borrow_limit=None, lend_limit=None)
-    _audit(actor=actor, action="quota.delete", obj=quota, team=quota.team, before=_quota_values(quota), after=None)
+    quota_validate(
+        team=quota.team, flavor=quota.flavor, guarantee=0, borrow_limit=None, lend_limit=None
+    )
+    _audit(
+        actor=actor,
+        action="quota.delete",
+        obj=quota,
+        team=quota.team,
+        before=_quota_values(quota),
+        after=None,
+    )
     quota.delete()
 
 
@@ -312,14 +461,20 @@ def quota_delete(*, actor: AbstractBaseUser | None, quota: Quota) -> None:
 
 def _priority_values(pc: PriorityClass) -> dict[str, Any]:
     return {
-        "name": pc.name, "value": pc.value, "preemption_policy": pc.preemption_policy,
-        "preemptible": pc.preemptible, "grace_seconds": pc.grace_seconds,
-        "min_runtime_seconds": pc.min_runtime_seconds, "is_default": pc.is_default,
+        "name": pc.name,
+        "value": pc.value,
+        "preemption_policy": pc.preemption_policy,
+        "preemptible": pc.preemptible,
+        "grace_seconds": pc.grace_seconds,
+        "min_runtime_seconds": pc.min_runtime_seconds,
+        "is_default": pc.is_default,
     }
 
 
 @transaction.atomic
-def priority_class_save(*, actor: AbstractBaseUser | None, priority_class: PriorityClass) -> PriorityClass:
+def priority_class_save(
+    *, actor: AbstractBaseUser | None, priority_class: PriorityClass
+) -> PriorityClass:
     """Create or update a priority class; a new default replaces the old one."""
     if priority_class.preemption_policy not in PriorityClass.Policy.values:
         raise ValidationError({"preemption_policy": ["Must be PreemptLowerPriority or Never."]})
@@ -328,19 +483,29 @@ def priority_class_save(*, actor: AbstractBaseUser | None, priority_class: Prior
         if value is None or value < 0 or value > 7 * 24 * 3600:
             raise ValidationError({field: [f"Must be between 0 and 604800 seconds (got {value})."]})
     if abs(priority_class.value) > 1_000_000_000:
-        raise ValidationError({"value": ["Must be between -1000000000 and 1000000000 (as in Kubernetes)."]})
+        raise ValidationError(
+            {"value": ["Must be between -1000000000 and 1000000000 (as in Kubernetes)."]}
+        )
     before = None
     if priority_class.pk:
         before = _priority_values(PriorityClass.objects.get(pk=priority_class.pk))
     elif PriorityClass.objects.filter(name=priority_class.name).exists():
-        raise ValidationError({"name": [f"A priority class named {priority_class.name!r} already exists."]})
+        raise ValidationError(
+            {"name": [f"A priority class named {priority_class.name!r} already exists."]}
+        )
     if priority_class.is_default:
-        PriorityClass.objects.filter(is_default=True).exclude(pk=priority_class.pk).update(is_default=False)
+        PriorityClass.objects.filter(is_default=True).exclude(pk=priority_class.pk).update(
+            is_default=False
+        )
     priority_class.full_clean(validate_unique=False, validate_constraints=False)
     priority_class.save()
     _audit(
-        actor=actor, action="priority_class.save", obj=priority_class, team=None,
-        before=before, after=_priority_values(priority_class),
+        actor=actor,
+        action="priority_class.save",
+        obj=priority_class,
+        team=None,
+        before=before,
+        after=_priority_values(priority_class),
     )
     return priority_class
 
@@ -348,21 +513,35 @@ def priority_class_save(*, actor: AbstractBaseUser | None, priority_class: Prior
 @transaction.atomic
 def priority_class_delete(*, actor: AbstractBaseUser | None, priority_class: PriorityClass) -> None:
     if priority_class.jobs.exists():
-        raise ValidationError({"priority_class": [f"{priority_class.name} is used by jobs and cannot be deleted."]})
+        raise ValidationError(
+            {"priority_class": [f"{priority_class.name} is used by jobs and cannot be deleted."]}
+        )
     _audit(
-        actor=actor, action="priority_class.delete", obj=priority_class, team=None,
-        before=_priority_values(priority_class), after=None,
+        actor=actor,
+        action="priority_class.delete",
+        obj=priority_class,
+        team=None,
+        before=_priority_values(priority_class),
+        after=None,
     )
     priority_class.delete()
 
 
 @transaction.atomic
-def membership_set(*, actor: AbstractBaseUser | None, user: AbstractBaseUser, team: Team, role: str) -> Membership:
+def membership_set(
+    *, actor: AbstractBaseUser | None, user: AbstractBaseUser, team: Team, role: str
+) -> Membership:
     if role not in Membership.Role.values:
         raise ValidationError({"role": ["Must be manager or researcher."]})
-    membership, created = Membership.objects.update_or_create(user=user, team=team, defaults={"role": role})
+    membership, _ = Membership.objects.update_or_create(
+        user=user, team=team, defaults={"role": role}
+    )
     _audit(
-        actor=actor, action="membership.set", obj=membership, team=team, before=None,
+        actor=actor,
+        action="membership.set",
+        obj=membership,
+        team=team,
+        before=None,
         after={"user": user.get_username(), "role": role},
     )
     return membership
