@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 from collections import Counter
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def test_synthetic_trace_matches_the_published_facts() -> None:
     jobs = generate(20000, 1000, teams=teams, load=1.0, seed=1)
     assert len(jobs) == 20000
     assert generate(50, 1000, teams=teams, seed=1) == generate(50, 1000, teams=teams, seed=1)
-    assert all(b.submit_time >= a.submit_time for a, b in zip(jobs, jobs[1:], strict=False))
+    assert all(b.submit_time >= a.submit_time for a, b in itertools.pairwise(jobs))
     one_gpu = sum(1 for j in jobs if j.gpus == 1) / len(jobs)
     assert one_gpu > 0.5  # most jobs use one GPU
     gpu_time = sum(j.gpus * j.duration for j in jobs)

@@ -1,0 +1,180 @@
+"""Benchmark of the trace replay: the goals of issue 8 and the speed of a 100,000-job run.
+
+    .venv/bin/python bench/bench_simulation.py                 # goals, comparison and speed
+    .venv/bin/python bench/bench_simulation.py --skip-speed    # goals only
+    .venv/bin/python bench/bench_simulation.py --profile       # cProfile of the speed run
+
+Goals (on a synthetic trace fitted to ../shared/data/README.md, policy fairshare):
+
+* GPU allocation of at least 90% whenever demand exceeds capacity: printed as the time-weighted
+  allocation over those periods and the share of that time spent below 90%.
+* No team with demand stays below min(guarantee, admissible demand) longer than one scheduling
+  cycle plus the grace window: printed as the longest stretch against that bound.
+
+Speed: wall time of 100,000 jobs on 1,000 GPUs (125 nodes of 8), with the part spent inside
+``fairshare.plan``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from simulation.cli import progress_bar
+from simulation.engine import SimulationConfig, simulate
+from simulation.report import ALLOCATION_GOAL, Report
+from simulation.synthetic import generate, make_teams
+from simulation.traces import TraceJob, derive_quotas, uniform_cluster
+
+
+def run(
+    trace: list[TraceJob], gpus: int, policy: str, args: argparse.Namespace, progress: bool
+) -> Report:
+    nodes = uniform_cluster(gpus // 8, 8)
+    config = SimulationConfig(
+        nodes=nodes,
+        guarantees=derive_quotas(trace, gpus),
+        policy=policy,
+        cycle_seconds=args.cycle_seconds,
+        grace_seconds=args.grace_seconds,
+        save_seconds=args.save_seconds,
+        checkpoint_interval=args.checkpoint_interval,
+        restart_seconds=args.restart_seconds,
+    )
+    return simulate(trace, config, progress_bar(sys.stderr) if progress else None)
+
+
+def share(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def print_report(title: str, report: Report) -> None:
+    allocation = report.allocation
+    run = report.run
+    print(f"  {title}: {run['jobs_completed']}/{run['jobs']} jobs completed")
+    print(
+        f"    allocation {share(allocation['overall'])} overall, "
+        f"{share(allocation['while_jobs_wait'])} while jobs wait, "
+        f"{share(allocation['while_demand_exceeds_capacity'])} while demand exceeds capacity "
+        f"({allocation['seconds_demand_exceeds_capacity'] or 0:.0f} s)"
+    )
+    completion = report.completion_time_seconds
+    queueing = report.queueing_delay_seconds
+    print(
+        f"    completion mean {completion['mean']:.0f} s, p99 {completion['p99']:.0f} s; "
+        f"queueing mean {queueing['mean']:.0f} s, p99 {queueing['p99']:.0f} s; "
+        f"preemptions {report.preemptions}, lost {report.lost_gpu_hours:.1f} GPU-h"
+    )
+    print(
+        f"    {run['plan_calls']} plan calls, {run['plan_wall_seconds']:.1f} s in fairshare.plan, "
+        f"{run['wall_seconds']:.1f} s wall"
+    )
+
+
+def goals(args: argparse.Namespace) -> None:
+    trace = generate(
+        args.goal_jobs, args.gpus, teams=make_teams(args.teams, args.seed), load=args.load,
+        seed=args.seed,
+    )  # fmt: skip
+    print(
+        f"Goals: {args.goal_jobs} synthetic jobs, {args.teams} teams, offered load {args.load} "
+        f"on {args.gpus} GPUs, cycle {args.cycle_seconds} s, grace {args.grace_seconds} s"
+    )
+    report = run(trace, args.gpus, "fairshare", args, args.progress)
+    print_report("fairshare", report)
+    allocation = report.allocation
+    oversubscribed = allocation["seconds_demand_exceeds_capacity"] or 0.0
+    below = allocation["seconds_demand_exceeds_capacity_below_goal"] or 0.0
+    held = allocation["while_demand_exceeds_capacity"]
+    print(
+        f"  goal 1, allocation >= {ALLOCATION_GOAL:.0%} whenever demand exceeds capacity: "
+        f"{share(held)} time-weighted; below {ALLOCATION_GOAL:.0%} during {below:.0f} s of "
+        f"{oversubscribed:.0f} s ({(below / oversubscribed if oversubscribed else 0):.2%}) -> "
+        f"{'met' if held is not None and held >= ALLOCATION_GOAL else 'NOT met'} on average"
+    )
+    bound = args.cycle_seconds + args.grace_seconds
+    longest = report.longest_below_guarantee_line_seconds
+    worst = sorted(
+        report.teams.items(),
+        key=lambda item: -float(item[1]["longest_below_guarantee_line_seconds"]),
+    )[:3]
+    print(
+        f"  goal 2, no team below min(guarantee, admissible demand) longer than cycle + grace "
+        f"= {bound:.0f} s: longest {longest:.1f} s -> {'met' if longest <= bound else 'NOT met'}"
+    )
+    for name, team in worst:
+        print(
+            f"    {name}: guarantee {team['guarantee']}, longest "
+            f"{team['longest_below_guarantee_line_seconds']:.1f} s, total "
+            f"{team['seconds_below_guarantee_line']:.0f} s below, borrowed "
+            f"{team['gpu_hours_borrowed']:.0f} GPU-h, lent {team['gpu_hours_lent']:.0f} GPU-h"
+        )
+    if args.compare:
+        for policy in ("static", "fifo"):
+            print_report(policy, run(trace, args.gpus, policy, args, args.progress))
+
+
+def speed(args: argparse.Namespace) -> None:
+    trace = generate(
+        args.speed_jobs, args.gpus, teams=make_teams(args.teams, args.seed), load=args.load,
+        seed=args.seed,
+    )  # fmt: skip
+    print(
+        f"Speed: {args.speed_jobs} synthetic jobs on {args.gpus} GPUs, policy fairshare, "
+        f"cycle {args.cycle_seconds} s"
+    )
+    profiler = cProfile.Profile() if args.profile else None
+    started = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    report = run(trace, args.gpus, "fairshare", args, args.progress)
+    if profiler is not None:
+        profiler.disable()
+    wall = time.perf_counter() - started
+    print_report("fairshare", report)
+    plan_seconds = float(report.run["plan_wall_seconds"])
+    calls = int(report.run["plan_calls"]) or 1
+    print(
+        f"  wall {wall:.1f} s ({wall / 60:.1f} min) for {args.speed_jobs} jobs: "
+        f"{args.speed_jobs / wall:.0f} jobs/s; fairshare.plan {plan_seconds:.1f} s "
+        f"({plan_seconds / wall:.0%} of wall, {1000 * plan_seconds / calls:.2f} ms per call); "
+        f"simulator itself {wall - plan_seconds:.1f} s"
+    )
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--gpus", type=int, default=1000)
+    parser.add_argument("--teams", type=int, default=12)
+    parser.add_argument("--load", type=float, default=1.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--goal-jobs", type=int, default=20000)
+    parser.add_argument("--speed-jobs", type=int, default=100000)
+    parser.add_argument("--cycle-seconds", type=float, default=10.0)
+    parser.add_argument("--grace-seconds", type=float, default=120.0)
+    parser.add_argument("--save-seconds", type=float, default=30.0)
+    parser.add_argument("--checkpoint-interval", type=float, default=1800.0)
+    parser.add_argument("--restart-seconds", type=float, default=60.0)
+    parser.add_argument("--skip-goals", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--compare", action="store_true", help="also run static and fifo")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    args = parser.parse_args()
+    if not args.skip_goals:
+        goals(args)
+    if not args.skip_speed:
+        speed(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
