@@ -90,6 +90,7 @@ class SimJob:
 
     index: int
     id: str
+    name: str
     team: str
     gpus: int
     ranks: int
@@ -153,6 +154,7 @@ class Simulation:
                 SimJob(
                     index,
                     f"{index}",
+                    job.name,
                     job.team,
                     job.gpus,
                     ranks,
@@ -190,7 +192,7 @@ class Simulation:
         self.plan_calls = 0
         self.plan_seconds = 0.0
         self.jobs_done = 0
-        self.stalled_reasons: dict[str, str] = {}
+        self.last_waiting: tuple[Any, ...] = ()
 
     # Building the engine's view.
 
@@ -426,8 +428,8 @@ class Simulation:
             self._apply(result, now)
 
     def _remember_waiting(self, result: Any) -> None:
-        for waiting in result.waiting:
-            self.stalled_reasons[waiting.id] = waiting.reason
+        # Only the latest reasons are kept: they explain why the jobs left at the end wait.
+        self.last_waiting = result.waiting
 
     def run(self) -> Report:
         """Replay the whole trace and return the report."""
@@ -470,9 +472,8 @@ class Simulation:
         if self.progress is not None:
             self._report_progress(end)
         unfinished = [job for job in self.jobs if job.state not in ("done", "unfit")]
-        stalled = {
-            job.id: self.stalled_reasons.get(job.id, "never admitted") for job in unfinished[:20]
-        }
+        reasons = {waiting.id: waiting.reason for waiting in self.last_waiting}
+        stalled = {job.name: reasons.get(job.id, "never admitted") for job in unfinished[:20]}
         return self.ledger.report(
             policy=self.config.policy,
             capacity_gpus=self.capacity,

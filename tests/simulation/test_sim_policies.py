@@ -126,6 +126,20 @@ def test_fairshare_victim_without_enough_grace_loses_work_since_its_checkpoint()
     assert report["completion_time_seconds"]["max"] == pytest.approx(416)
 
 
+def test_static_never_runs_a_gang_larger_than_its_team_guarantee() -> None:
+    # Team a is guaranteed 2 GPUs and may not borrow: its 4-GPU job waits forever on an idle
+    # node, while fifo runs it at once.
+    trace = [job("wide", 0, 4, 10)]
+    static = simulate(trace, config("static")).to_dict()
+    assert static["run"]["jobs_completed"] == 0
+    assert static["run"]["jobs_unfinished"] == 1
+    assert list(static["run"]["unfinished_examples"]) == ["wide"]
+    assert static["run"]["unfinished_examples"]["wide"]
+    fifo = simulate(trace, config("fifo")).to_dict()
+    assert fifo["run"]["jobs_completed"] == 1
+    assert fifo["completion_time_seconds"]["max"] == 10
+
+
 def test_jobs_larger_than_the_cluster_are_counted_and_left_out() -> None:
     trace = [job("fits", 0, 4, 10), job("too-big", 0, 8, 10)]
     report = simulate(trace, config("fairshare")).to_dict()
