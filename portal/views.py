@@ -22,6 +22,7 @@ from django.db import connection
 from django.db.models import Count, Q
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 
@@ -250,14 +251,19 @@ def gracetrap(request: HttpRequest) -> HttpResponse:
         wheel_name = gracetrap_wheel().name
     except (OSError, RuntimeError, KeyError, subprocess.TimeoutExpired) as problem:
         error = str(problem)
-    base = settings.QM_PUBLIC_URL.rstrip("/")
+    # The address this page was reached at is the one the reader's pip can reach.
+    wheel_url = (
+        request.build_absolute_uri(reverse("gracetrap-wheel", args=[wheel_name]))
+        if wheel_name
+        else ""
+    )
     return render(
         request,
         "portal/gracetrap.html",
         {
             "version": gracetrap_version(),
             "wheel_name": wheel_name,
-            "wheel_url": f"{base}/gracetrap/{wheel_name}" if wheel_name else "",
+            "wheel_url": wheel_url,
             "error": error,
             "nav": "gracetrap",
         },

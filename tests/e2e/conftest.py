@@ -1,0 +1,96 @@
+"""A real browser (Debian's chromium, headless, driven by Playwright) against
+pytest-django's live server. `playwright install` is never run: the browser is
+the system's."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+# Playwright's sync API runs an event loop in this thread; the ORM calls the
+# tests make between browser steps are ordinary synchronous ones.
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+# The live server listens on 127.0.0.1, so "no request leaves 127.0.0.1" is exact.
+os.environ.setdefault("DJANGO_LIVE_TEST_SERVER_ADDRESS", "127.0.0.1")
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-gpu",
+]
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "test-output" / "screenshots"
+
+
+@pytest.fixture(autouse=True)
+def fast_password_hashing(settings: Any) -> None:
+    """Fast hashing for the personas' passwords; these tests are about pages."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@dataclass
+class Session:
+    """One browser page plus everything it did that a test checks afterwards."""
+
+    page: Any
+    base_url: str
+    console_errors: list[str] = field(default_factory=list)
+    foreign_requests: list[str] = field(default_factory=list)
+
+    def go(self, path: str) -> Any:
+        response = self.page.goto(self.base_url + path)
+        self.page.wait_for_load_state("networkidle")
+        return response
+
+    def login(self, username: str, password: str) -> None:
+        self.go("/login/")
+        self.page.fill("#id_username", username)
+        self.page.fill("#id_password", password)
+        self.page.click("button[type=submit]")
+        self.page.wait_for_load_state("networkidle")
+
+    def screenshot(self, name: str) -> None:
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        self.page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+
+
+@pytest.fixture
+def browser_session(live_server: Any) -> Iterator[Session]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
+        )
+        context = browser.new_context(
+            viewport={"width": 1440, "height": 900}, accept_downloads=True
+        )
+        page = context.new_page()
+        session = Session(page=page, base_url=live_server.url)
+
+        def on_console(message: Any) -> None:
+            if message.type == "error":
+                session.console_errors.append(message.text)
+
+        def on_request(request: Any) -> None:
+            host = urlsplit(request.url).hostname
+            if request.url.startswith(("data:", "blob:", "about:")):
+                return
+            if host != "127.0.0.1":
+                session.foreign_requests.append(request.url)
+
+        page.on("console", on_console)
+        page.on("pageerror", lambda error: session.console_errors.append(str(error)))
+        page.on("request", on_request)
+        try:
+            yield session
+        finally:
+            context.close()
+            browser.close()
