@@ -9,7 +9,6 @@ background thread with a short timeout and why its failures are swallowed.
 from __future__ import annotations
 
 import json
-import queue
 import sys
 import threading
 import time
@@ -64,8 +63,7 @@ class EventReporter:
         self.posts_sent = 0
         self._rank = rank
         self._stream = stream
-        self._outbox: queue.Queue[bytes | None] = queue.Queue()
-        self._sender: threading.Thread | None = None
+        self._in_flight = 0
         self._lock = threading.Lock()
 
     def emit(self, event: str, *, at: float | None = None, **fields: Any) -> dict[str, Any]:
@@ -87,37 +85,20 @@ class EventReporter:
             # A closed or broken stdout must not take training down with it.
             pass
         if self.events_url is not None:
-            self._start_sender()
-            self._outbox.put(text.encode())
+            # One daemon thread per event: a portal that does not answer delays no
+            # other event and can never keep a finished rank alive.
+            with self._lock:
+                self._in_flight += 1
+            threading.Thread(
+                target=self._post, args=(text.encode(),), name="gracetrap-event", daemon=True
+            ).start()
         return payload
 
     def flush(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for queued POSTs to finish (or fail)."""
-        if self._sender is None:
-            return
+        """Wait up to ``timeout`` seconds for POSTs in flight to finish (or fail)."""
         deadline = time.monotonic() + max(0.0, timeout)
-        while self._outbox.unfinished_tasks and time.monotonic() < deadline:
+        while self._in_flight and time.monotonic() < deadline:
             time.sleep(0.01)
-
-    def _start_sender(self) -> None:
-        with self._lock:
-            if self._sender is None:
-                # A daemon thread: a portal that does not answer must never keep a
-                # finished rank alive.
-                self._sender = threading.Thread(
-                    target=self._send_forever, name="gracetrap-events", daemon=True
-                )
-                self._sender.start()
-
-    def _send_forever(self) -> None:
-        while True:
-            body = self._outbox.get()
-            try:
-                if body is None:
-                    return
-                self._post(body)
-            finally:
-                self._outbox.task_done()
 
     def _post(self, body: bytes) -> None:
         assert self.events_url is not None
@@ -125,10 +106,18 @@ class EventReporter:
         if self.events_token is not None:
             headers["Authorization"] = f"Bearer {self.events_token}"
         request = urllib.request.Request(self.events_url, data=body, headers=headers, method="POST")
+        sent = False
         try:
             with urllib.request.urlopen(request, timeout=POST_TIMEOUT_SECONDS) as response:
                 response.read()
-            self.posts_sent += 1
+            sent = True
         except Exception:
-            # Best effort by design: the log line above already carries the event.
-            self.posts_failed += 1
+            # Best effort by design: the log line on stdout already carries the event.
+            pass
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                if sent:
+                    self.posts_sent += 1
+                else:
+                    self.posts_failed += 1

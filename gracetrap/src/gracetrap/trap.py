@@ -17,6 +17,7 @@ from typing import Any, NoReturn, TextIO
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -372,7 +373,7 @@ class Trap:
             path = checkpoints.step_dir(self.checkpoint_dir, step)
             try:
                 self._load(path)
-            except Exception as error:
+            except (Exception, CheckpointException) as error:
                 # DCP raises on every rank alike, so all ranks fall back together.
                 print(
                     f"gracetrap: checkpoint {path} could not be loaded ({error}); "
@@ -429,7 +430,8 @@ class Trap:
         else:
             try:
                 self.save(step)
-            except Exception as error:
+            except (Exception, CheckpointException) as error:
+                # The job is being preempted either way; the previous checkpoint stands.
                 self.events.emit("checkpoint_skipped", step=step, reason=f"save failed: {error}")
         self.shutdown()
         self.events.emit("exiting", code=self.exit_code)
