@@ -61,7 +61,9 @@ def run(rounds: int) -> None:
     plane = ControlPlane.attach()
     owned = plane is None
     if plane is None:
-        plane = ControlPlane(run_dir=Path(tempfile.mkdtemp(prefix="qm-bench-k8s-")))
+        plane = ControlPlane(
+            run_dir=Path(tempfile.mkdtemp(prefix="qm-bench-k8s-")), die_with_parent=True
+        )
         started = time.monotonic()
         plane.start()
         print(f"control plane started in {time.monotonic() - started:.1f} s")

@@ -50,7 +50,7 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
     if shared is not None:
         yield shared
         return
-    plane = ControlPlane(run_dir=tmp_path_factory.mktemp("k8s-control-plane"))
+    plane = ControlPlane(run_dir=tmp_path_factory.mktemp("k8s-control-plane"), die_with_parent=True)
     plane.start()
     try:
         yield plane

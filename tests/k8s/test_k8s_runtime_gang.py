@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from kubernetes import client
@@ -228,26 +229,32 @@ def test_ranks_run_the_command_with_rendezvous_and_trap_environment(
     assert gang_guard_victims(observed) == []
 
 
-def test_watch_relists_when_its_resource_version_expired(make_runtime: MakeRuntime, namespace: str):
+def test_watch_relists_when_its_resource_version_expired(
+    make_runtime: MakeRuntime, k8s_api: client.ApiClient, namespace: str, control_plane: Any
+):
     runtime = make_runtime()
+    core = client.CoreV1Api(k8s_api)
     spec = gang_spec(105, {"gpu-node-1": 2})
     gang = spec.gang
+    # A watcher that read the gang at this version and was then away too long.
+    stale_version = core.list_namespaced_pod(namespace).metadata.resource_version
     runtime.launch(spec)
     wait_for(lambda: all_in(runtime, gang, "running", 2), timeout=30)
+    control_plane.compact_etcd()
     stop = threading.Event()
     seen: dict[int, str] = {}
 
     def consume() -> None:
-        # resourceVersion 1 is long out of the API server's watch window: 410 Gone.
         for observation in runtime.watch_ranks(
-            gang, stop=stop, resource_version="1", timeout_seconds=5
+            gang, stop=stop, resource_version=stale_version, timeout_seconds=5
         ):
             seen[observation.rank] = observation.phase
 
     reader = threading.Thread(target=consume, daemon=True)
     reader.start()
+    # The stale version answers 410 Gone; the ranks arrive from the re-list.
     wait_for(lambda: seen == {0: "running", 1: "running"}, timeout=15, what="relisted ranks")
-    assert runtime.relists >= 1
+    assert runtime.relists == 1
     runtime.signal(gang, 5)
     wait_for(lambda: seen == {0: "exited", 1: "exited"}, timeout=20, what="watched exits")
     stop.set()

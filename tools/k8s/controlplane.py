@@ -19,6 +19,7 @@ and other processes find a control plane started by ``up``.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -201,9 +202,18 @@ class ControlPlaneState:
 class ControlPlane:
     """Start, probe and stop the four control plane processes."""
 
-    def __init__(self, run_dir: Path | None = None, bin_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path | None = None,
+        bin_dir: Path | None = None,
+        *,
+        die_with_parent: bool = False,
+    ) -> None:
         self.run_dir = (run_dir or default_run_dir()).resolve()
         self.bin_dir = bin_dir
+        # A test session that owns its control plane takes it down even when
+        # the session itself is killed; `up` leaves it running on purpose.
+        self.die_with_parent = die_with_parent
         self.state: ControlPlaneState | None = None
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -331,8 +341,30 @@ class ControlPlane:
             "--authorization-mode=Node,RBAC",
             "--allow-privileged=true",
             "--profiling=false",
+            # Pods are watched straight from etcd rather than the watch cache.
+            # Then a resourceVersion expires exactly when etcd compacts past
+            # it (410 Gone), which is what re-list tests need; through the
+            # cache, expiry depends on how many events went by and how long ago.
+            "--watch-cache-sizes=pods#0",
             "--v=1",
         ]
+
+    def compact_etcd(self) -> int:
+        """Compact etcd to its current revision; returns that revision.
+
+        Every resourceVersion before it is then gone: a watch from one gets 410.
+        """
+        assert self.state is not None
+        base = f"http://127.0.0.1:{self.state.etcd_client_port}/v3/kv"
+        probe = urllib.request.Request(f"{base}/range", data=json.dumps({"key": "AA=="}).encode())
+        with urllib.request.urlopen(probe, timeout=5) as response:
+            revision = int(json.loads(response.read())["header"]["revision"])
+        body = json.dumps({"revision": revision, "physical": True}).encode()
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{base}/compaction", data=body), timeout=10
+        ):
+            pass
+        return revision
 
     def _controller_manager_args(self) -> list[str]:
         kubeconfig = self.run_dir / "controller-manager.kubeconfig"
@@ -379,6 +411,7 @@ class ControlPlane:
             # Its own session: a Ctrl-C in the terminal that ran `up` does not
             # reach it, and `down` signals exactly the pids it recorded.
             start_new_session=True,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
         log.close()
         self._processes[name] = process
@@ -448,6 +481,13 @@ class ControlPlane:
                 return
             time.sleep(0.3)
         raise ControlPlaneError("the service account controller created no default account")
+
+
+def _die_with_parent() -> None:
+    """In the child: receive SIGTERM when the process that started it exits (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _alive(pid: int) -> bool:
