@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -259,3 +261,42 @@ def test_watch_relists_when_its_resource_version_expired(
     wait_for(lambda: seen == {0: "exited", 1: "exited"}, timeout=20, what="watched exits")
     stop.set()
     reader.join(timeout=10)
+
+
+RENDEZVOUS = """
+import os, socket, sys, time
+rank = int(os.environ["RANK"])
+address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+if rank == 0:
+    server = socket.create_server(address)
+    peers = []
+    for _ in range(int(os.environ["WORLD_SIZE"]) - 1):
+        connection, _ = server.accept()
+        peers.append(connection.recv(16).decode())
+    print("rank 0 met", ",".join(sorted(peers)))
+else:
+    deadline = time.time() + 20
+    while True:
+        try:
+            with socket.create_connection(address, timeout=2) as connection:
+                connection.sendall(f"rank{rank}".encode())
+            break
+        except OSError:
+            if time.time() > deadline:
+                sys.exit(3)
+            time.sleep(0.1)
+"""
+
+
+def test_ranks_rendezvous_through_master_addr_and_port(
+    make_runtime: MakeRuntime, namespace: str, tmp_path: Path
+):
+    script = tmp_path / "rendezvous.py"
+    script.write_text(RENDEZVOUS)
+    runtime = make_runtime(pod_annotations={ANNOTATION_RUN: "process"})
+    spec = gang_spec(106, {"gpu-node-0": 2, "gpu-node-1": 1}, command=f"{sys.executable} {script}")
+    gang = spec.gang
+    runtime.launch(spec)
+    wait_for(lambda: all_in(runtime, gang, "exited", 3), timeout=60, what="rendezvous done")
+    assert [o.exit_code for o in runtime.observe(gang)] == [0, 0, 0]
+    assert runtime.read_log(gang, 0) == b"rank 0 met rank1,rank2\n"

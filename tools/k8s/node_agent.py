@@ -4,9 +4,10 @@ The control plane for tests has no kubelet and no container runtime. This agent
 registers Node objects with ``nvidia.com/gpu`` capacity, keeps them Ready by
 renewing their Leases, and runs the pods kube-scheduler binds to them:
 
-* a pod annotated ``agent.quartermaster.dev/run: process`` runs its container's
-  command and args as a real local process (its own process group, env resolved
-  from values, Secrets and field references, output in a log file);
+* a pod annotated ``agent.quartermaster.dev/run: process`` (every pod, with
+  ``run_processes``) runs its container's command and args as a real local
+  process (its own process group, env resolved from values, Secrets and field
+  references, output in a log file);
 * any other pod is a simulated container: it runs until it is deleted, then
   exits ``agent.quartermaster.dev/exit-code-on-term`` (default 143, what a
   process without a SIGTERM handler returns) after
@@ -113,6 +114,7 @@ class NodeAgent:
         serving_cert: tuple[Path, Path] | None = None,
         heartbeat_seconds: float = 2.0,
         local_rendezvous: bool = True,
+        run_processes: bool = False,
     ) -> None:
         self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
@@ -124,6 +126,8 @@ class NodeAgent:
         # Ranks running as local processes cannot resolve pod DNS names; point
         # their rendezvous at loopback with one free port per gang instead.
         self.local_rendezvous = local_rendezvous
+        # Run every pod's command as a process, annotation or not (drills).
+        self.run_processes = run_processes
         self._rendezvous_ports: dict[tuple[str, str], int] = {}
         self._containers: dict[tuple[str, str], Container] = {}
         self._lock = threading.RLock()
@@ -393,7 +397,11 @@ class NodeAgent:
             uid=pod.metadata.uid,
             name=spec.name,
             image=spec.image or "",
-            mode="process" if annotations.get(ANNOTATION_RUN) == "process" else "simulated",
+            mode=(
+                "process"
+                if self.run_processes or annotations.get(ANNOTATION_RUN) == "process"
+                else "simulated"
+            ),
             node=pod.spec.node_name,
             log_path=log_dir / f"{name}_{spec.name}.log",
             started_at=time.time(),
@@ -732,6 +740,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", action="append", type=parse_node, required=True)
     parser.add_argument("--kubeconfig", default=None)
     parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument(
+        "--run-processes",
+        action="store_true",
+        help="run every pod's command as a local process, not only annotated ones",
+    )
     args = parser.parse_args(argv)
     plane = ControlPlane.attach()
     kubeconfig = args.kubeconfig or (plane.state.kubeconfig if plane and plane.state else None)
@@ -745,7 +758,9 @@ def main(argv: list[str] | None = None) -> int:
     if plane is not None:
         serving = (plane.pki / "apiserver.crt", plane.pki / "apiserver.key")
     work_dir = args.work_dir or Path(f"/tmp/qm-node-agent-{os.getpid()}")
-    agent = NodeAgent(api, args.node, work_dir=work_dir, serving_cert=serving)
+    agent = NodeAgent(
+        api, args.node, work_dir=work_dir, serving_cert=serving, run_processes=args.run_processes
+    )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
