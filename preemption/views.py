@@ -19,6 +19,7 @@ from django.shortcuts import get_object_or_404, render
 
 from portal.forms import JobFilterForm
 from preemption.models import Attempt, Job, PreemptionEvent
+from preemption.runtimes.base import RuntimePermanentError, RuntimeTemporaryError
 from preemption.selectors import job_list as job_selector
 from quotas.selectors import access_for
 from telemetry.models import TrapEvent
@@ -312,14 +313,16 @@ def rank_log(request: HttpRequest, pk: int, attempt: int, rank: int) -> HttpResp
         offset = max(int(request.GET.get("offset", "0")), 0)
     except ValueError:
         offset = 0
+    unavailable = ""
     try:
         chunk, next_offset = read_rank_log(
             job=job, attempt=attempt, rank=rank, offset=offset, limit=LOG_CHUNK
         )
     except ValidationError as error:
         raise Http404("; ".join(error.messages)) from None
-    except OSError:
-        chunk, next_offset = b"", offset
+    except (OSError, RuntimePermanentError, RuntimeTemporaryError) as problem:
+        # A runtime that cannot read the log now is shown as such, not as a crash.
+        chunk, next_offset, unavailable = b"", offset, str(problem)
     text = chunk.decode("utf-8", errors="replace")
     if request.GET.get("raw"):
         response = HttpResponse(text, content_type="text/plain; charset=utf-8")
@@ -334,6 +337,7 @@ def rank_log(request: HttpRequest, pk: int, attempt: int, rank: int) -> HttpResp
         "next_offset": next_offset,
         "has_more": len(chunk) >= LOG_CHUNK,
         "ranks": range(job.ranks),
+        "unavailable": unavailable,
         "nav": "jobs",
     }
     return render(request, "preemption/rank_log.html", context)

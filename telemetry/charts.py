@@ -36,9 +36,17 @@ def _layout(figure: go.Figure, *, title: str, x: str, y: str, height: int = 320)
     figure.update_layout(
         # No plotly template: the styling is set here, and the page stays small.
         template="none",
-        title={"text": title, "x": 0.0, "xanchor": "left", "font": {"size": 14, "color": INK}},
+        title={
+            "text": title,
+            "x": 0.01,
+            "xanchor": "left",
+            "y": 0.98,
+            "yanchor": "top",
+            "yref": "container",
+            "font": {"size": 14, "color": INK},
+        },
         height=height,
-        margin={"l": 56, "r": 16, "t": 48, "b": 48},
+        margin={"l": 56, "r": 16, "t": 72, "b": 48},
         paper_bgcolor="#ffffff",
         plot_bgcolor="#ffffff",
         font={
@@ -46,8 +54,10 @@ def _layout(figure: go.Figure, *, title: str, x: str, y: str, height: int = 320)
             "size": 12,
             "color": INK,
         },
-        legend={"orientation": "h", "y": -0.22, "x": 0.0},
+        # The legend sits between the title and the plot, clear of the axis titles.
+        legend={"orientation": "h", "x": 0.0, "xanchor": "left", "y": 1.02, "yanchor": "bottom"},
         hovermode="x unified",
+        bargap=0.08,
     )
     figure.update_xaxes(title_text=x, gridcolor=GRID, linecolor=GRID, zeroline=False)
     figure.update_yaxes(title_text=y, gridcolor=GRID, linecolor=GRID, zeroline=False)

@@ -365,3 +365,26 @@ def test_drill_matrix_marks_a_missed_criterion(world: Any) -> None:
     assert ("Orphaned sockets", "bad") in rows
     assert ("Recovery time", "bad") in rows
     assert ("Checkpoint success rate", "ok") in rows
+
+
+def test_rank_log_page_reads_the_runtime_log_in_parts(
+    world: Any, history: Any, settings: Any, tmp_path: Any
+) -> None:
+    from preemption.runtimes.records import RANK_LOG
+
+    settings.QM_RUNS_DIR = tmp_path
+    settings.QM_RUNTIME = "local"
+    victim = history.victim
+    rank_dir = tmp_path / str(victim.pk) / "1" / "1"
+    rank_dir.mkdir(parents=True)
+    line = 'QM_EVENT {"event": "signal_received", "rank": 1}\n'
+    (rank_dir / RANK_LOG).write_text("step 119 loss 0.25\n" + line)
+    client = page_client(world, "other_researcher")
+    body = client.get(reverse("rank-log", args=[victim.pk, 1, 1])).content.decode()
+    assert "step 119 loss 0.25" in body
+    assert "QM_EVENT {&quot;event&quot;: &quot;signal_received&quot;" in body
+    raw = client.get(reverse("rank-log", args=[victim.pk, 1, 1]), {"raw": 1, "offset": 19})
+    assert raw.content.decode() == line
+    assert raw["X-Next-Offset"] == str(19 + len(line))
+    missing = client.get(reverse("rank-log", args=[victim.pk, 7, 0]))
+    assert missing.status_code == 404
