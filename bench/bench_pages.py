@@ -93,7 +93,7 @@ def seed(jobs: int, teams: int) -> dict[str, object]:
         + [Quota(team=org, flavor=a100, guarantee=4) for org in orgs[:32]]
     )
     password = make_password("bench-password")
-    admin = User.objects.create(username="bench-admin", is_staff=True, password=password)
+    User.objects.create(username="bench-admin", is_staff=True, password=password)
     manager = User.objects.create(username="bench-manager", password=password)
     researcher = User.objects.create(username="bench-researcher", password=password)
     submitters = User.objects.bulk_create(
@@ -235,7 +235,7 @@ def measure(client: object, path: str, runs: int) -> tuple[float, float, int]:
         times.append((time.perf_counter() - started) * 1000.0)
         assert response.status_code == 200
     times.sort()
-    p95 = times[min(len(times) - 1, int(round(0.95 * (len(times) - 1))))]
+    p95 = times[min(len(times) - 1, round(0.95 * (len(times) - 1)))]
     return statistics.median(times), p95, len(queries)
 
 
