@@ -455,7 +455,9 @@ class KubernetesRuntime:
     @staticmethod
     def _translate(error: ApiException, what: str) -> Exception:
         message = f"{what}: {error.status} {error.reason}"
-        if _temporary(error):
+        if _temporary(error) or (error.status == 403 and "serviceaccount" in str(error.body)):
+            # A namespace just created has no default service account for a
+            # moment; pods are refused until the controller makes it.
             return RuntimeTemporaryError(message)
         return RuntimePermanentError(message)
 
@@ -925,6 +927,10 @@ def rank_observation(
             signalled_at = _parse_time(pod.metadata.deletion_timestamp)
             signalled_at = None if signalled_at is None else signalled_at - grace
     if pod.status.phase in ("Succeeded", "Failed"):
+        phase = "exited"
+    elif pod.metadata.deletion_timestamp is not None and not pod.spec.node_name:
+        # Deleted before kube-scheduler bound it: it never ran and never will,
+        # and no kubelet will ever report on it. Only the finalizer keeps it.
         phase = "exited"
     elif ready_nodes is not None and pod.spec.node_name and pod.spec.node_name not in ready_nodes:
         phase = "lost"

@@ -206,6 +206,21 @@ def test_kill_deletes_with_grace_zero_past_the_deadline(make_runtime: MakeRuntim
     assert [o.exit_code for o in runtime.observe(gang)] == [137, 137, 137]
 
 
+def test_a_rank_never_scheduled_ends_with_the_gang(make_runtime: MakeRuntime, namespace: str):
+    runtime = make_runtime()
+    # Rank 1 is placed on a node that does not exist: it stays Pending.
+    spec = gang_spec(107, {"gpu-node-3": 1, "no-such-node": 1})
+    gang = spec.gang
+    runtime.launch(spec)
+    wait_for(lambda: phases(runtime, gang) == {"running": 1, "starting": 1}, timeout=30)
+    runtime.signal(gang, 5)
+    wait_for(lambda: all_in(runtime, gang, "exited", 2), timeout=30)
+    assert [(o.exit_code, o.started_at is None) for o in runtime.observe(gang)] == [
+        (143, False),
+        (None, True),
+    ]
+
+
 def test_ranks_run_the_command_with_rendezvous_and_trap_environment(
     make_runtime: MakeRuntime, namespace: str
 ):
@@ -300,3 +315,36 @@ def test_ranks_rendezvous_through_master_addr_and_port(
     wait_for(lambda: all_in(runtime, gang, "exited", 3), timeout=60, what="rendezvous done")
     assert [o.exit_code for o in runtime.observe(gang)] == [0, 0, 0]
     assert runtime.read_log(gang, 0) == b"rank 0 met rank1,rank2\n"
+
+
+def test_namespace_per_team_runs_the_gang_in_a_namespace_it_creates(
+    make_runtime: MakeRuntime, k8s_api: client.ApiClient, namespace: str
+):
+    runtime = make_runtime(namespace_per_team=True, team_namespace_prefix=f"{namespace}-")
+    core = client.CoreV1Api(k8s_api)
+    spec = gang_spec(108, {"gpu-node-2": 2})
+    gang = spec.gang
+    team_namespace = f"{namespace}-vision"
+    try:
+
+        def launched() -> bool:
+            try:
+                runtime.launch(spec)
+            except RuntimeTemporaryError:
+                # A fresh namespace refuses pods until its service account
+                # exists; the next launch completes the objects still missing.
+                return False
+            return True
+
+        wait_for(launched, timeout=30, what="launch in a fresh team namespace")
+        assert runtime.namespace_for("vision") == team_namespace
+        wait_for(lambda: all_in(runtime, gang, "running", 2), timeout=30)
+        assert {p.metadata.namespace for p in core.list_pod_for_all_namespaces(
+            label_selector="quartermaster.dev/gang=qm-108-1").items} == {team_namespace}  # fmt: skip
+        assert len(runtime.observe()) == 2
+        runtime.signal(gang, 5)
+        wait_for(lambda: all_in(runtime, gang, "exited", 2), timeout=30)
+        runtime.forget(gang)
+        wait_for(lambda: not core.list_namespaced_pod(team_namespace).items, timeout=30)
+    finally:
+        core.delete_namespace(team_namespace)
