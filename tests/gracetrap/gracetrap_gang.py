@@ -140,6 +140,7 @@ def launch(
     *,
     env: dict[str, str] | None = None,
     attempt: int = 1,
+    script: Path = EXAMPLE,
 ) -> Gang:
     """Start ``world_size`` ranks of the example with the runtime's environment."""
     port = free_port()
@@ -165,7 +166,7 @@ def launch(
         log = logs / f"attempt{attempt}-rank{rank}.log"
         with open(log, "wb") as output:
             process = subprocess.Popen(
-                [sys.executable, str(EXAMPLE), *args],
+                [sys.executable, str(script), *args],
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 env=rank_env,

@@ -1,0 +1,211 @@
+"""gracetrap benchmark: checkpoint throughput against the disk, and the cost of should_stop.
+
+Saves a model with about 1 GB of state (parameters plus Adam's two moments) three
+ways, each timed through fsync so that every figure is bytes on disk:
+
+* ``dd`` writing the same number of bytes sequentially (the disk's speed right now),
+* a plain ``torch.save`` of the model and optimizer state dicts, then ``fsync``,
+* ``Trap.save`` (torch.distributed.checkpoint, fsync of files, folder and pointer).
+
+Then it times ``Trap.should_stop`` per step in one process and across two gloo ranks.
+
+    .venv/bin/python bench/bench_gracetrap.py [--state-gb 1.0] [--repeats 3] [--dir DIR]
+
+Goals (issue 4): the trap's save within 80% of the disk's write speed; should_stop
+under 1 ms per step in a single process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from gracetrap import Trap
+
+WIDTH = 4096
+
+
+def build_state(state_gb: float) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    """A stack of linear layers whose parameters plus Adam moments add up to ``state_gb``."""
+    layer_bytes = (WIDTH * WIDTH + WIDTH) * 4 * 3
+    layers = max(1, round(state_gb * 1e9 / layer_bytes))
+    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(1, WIDTH)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tensors = [*model.state_dict().values()]
+    for moments in optimizer.state.values():
+        tensors += [t for t in moments.values() if isinstance(t, torch.Tensor)]
+    return model, optimizer, sum(t.numel() * t.element_size() for t in tensors)
+
+
+def best_of(repeats: int, run: Callable[[int], float]) -> list[float]:
+    """Wall seconds of each repeat (the callable gets the repeat number)."""
+    return [run(index) for index in range(repeats)]
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def time_dd(directory: Path, nbytes: int) -> float:
+    target = directory / "dd.bin"
+    block = 16 << 20
+    count = max(1, nbytes // block)
+    started = time.perf_counter()
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={target}", f"bs={block}", f"count={count}", "conv=fsync"],
+        check=True,
+        capture_output=True,
+    )
+    elapsed = time.perf_counter() - started
+    target.unlink()
+    # dd wrote count * block bytes; scale to the state's size for a like-for-like time.
+    return elapsed * nbytes / (count * block)
+
+
+def time_torch_save(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    target = directory / "plain.pt"
+    started = time.perf_counter()
+    with open(target, "wb") as handle:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    fsync_dir(directory)
+    elapsed = time.perf_counter() - started
+    target.unlink()
+    return elapsed
+
+
+def time_trap_save(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, threads: int, step: int
+) -> tuple[float, int]:
+    checkpoints = directory / f"trap-{threads}"
+    trap = Trap(
+        checkpoints,
+        {"model": model, "optimizer": optimizer},
+        keep=1,
+        save_threads=threads,
+        signals=(),
+        stream=open(os.devnull, "w"),  # noqa: SIM115 - lives as long as the trap
+    )
+    started = time.perf_counter()
+    trap.save(step)
+    elapsed = time.perf_counter() - started
+    nbytes = sum(f.stat().st_size for f in (checkpoints / f"step_{step}").iterdir())
+    trap.close()
+    return elapsed, nbytes
+
+
+def should_stop_cost(steps: int) -> float:
+    """Seconds per should_stop call in one process without a process group."""
+    trap = Trap(None, signals=(), stream=open(os.devnull, "w"))  # noqa: SIM115
+    started = time.perf_counter()
+    for step in range(steps):
+        trap.should_stop(step)
+    elapsed = time.perf_counter() - started
+    trap.close()
+    return elapsed / steps
+
+
+def _gloo_rank(
+    rank: int, world_size: int, port: int, steps: int, results: dict[int, float]
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    trap = Trap(None, signals=(), stream=open(os.devnull, "w"))  # noqa: SIM115
+    for step in range(100):
+        trap.should_stop(step)
+    dist.barrier()
+    started = time.perf_counter()
+    for step in range(steps):
+        trap.should_stop(step)
+    results[rank] = (time.perf_counter() - started) / steps
+    dist.destroy_process_group()
+
+
+def should_stop_cost_gloo(world_size: int, steps: int) -> float:
+    """Seconds per should_stop call (an all-reduce) across ``world_size`` gloo ranks."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_gloo_rank, args=(world_size, port, steps, results), nprocs=world_size)
+        return max(results.values())
+
+
+def main() -> None:
+    """Run every measurement and print figures and ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--state-gb", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--stop-steps", type=int, default=100_000)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    model, optimizer, state_bytes = build_state(args.state_gb)
+    root = Path(tempfile.mkdtemp(prefix="bench-gracetrap-", dir=args.dir))
+    print(f"state: {state_bytes / 1e9:.3f} GB (parameters + Adam moments), written to {root}")
+    try:
+        dd = best_of(args.repeats, lambda _: time_dd(root, state_bytes))
+        plain = best_of(args.repeats, lambda _: time_torch_save(root, model, optimizer))
+        trap_runs: dict[int, list[float]] = {}
+        checkpoint_bytes = 0
+        for threads in (1, 4):
+            times = []
+            for index in range(args.repeats):
+                elapsed, checkpoint_bytes = time_trap_save(root, model, optimizer, threads, index)
+                times.append(elapsed)
+            trap_runs[threads] = times
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    def rate(seconds: list[float]) -> float:
+        return state_bytes / statistics.median(seconds) / 1e6
+
+    print(
+        f"{'method (median of ' + str(args.repeats) + ', through fsync)':44s} {'s':>7s} {'MB/s':>8s}"
+    )
+    print(f"{'dd sequential write':44s} {statistics.median(dd):7.3f} {rate(dd):8.1f}")
+    print(f"{'torch.save + fsync':44s} {statistics.median(plain):7.3f} {rate(plain):8.1f}")
+    for threads, times in trap_runs.items():
+        label = f"gracetrap Trap.save ({threads} writer thread{'s' if threads > 1 else ''})"
+        print(f"{label:44s} {statistics.median(times):7.3f} {rate(times):8.1f}")
+    print(f"checkpoint on disk: {checkpoint_bytes / 1e9:.3f} GB")
+    for threads, times in trap_runs.items():
+        print(
+            f"ratio, Trap.save ({threads} thread(s)) / dd: {rate(times) / rate(dd):.0%}; "
+            f"/ torch.save: {rate(times) / rate(plain):.0%}"
+        )
+    print(f"ratio, torch.save / dd: {rate(plain) / rate(dd):.0%}")
+
+    single = should_stop_cost(args.stop_steps)
+    print(f"should_stop, one process: {single * 1e6:.2f} us/step ({single * 1e3 / 1.0:.4f} ms)")
+    gloo = should_stop_cost_gloo(2, 2_000)
+    print(f"should_stop, 2 gloo ranks (all-reduce MAX): {gloo * 1e6:.1f} us/step")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
