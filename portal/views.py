@@ -32,7 +32,7 @@ from preemption.models import ACTIVE_STATES, WAITING_STATES
 from preemption.selectors import job_list, preemption_event_list
 from preemption.views import describe_preemption
 from quotas.selectors import access_for, priority_class_list
-from telemetry.selectors import flavors_now, pending_jobs, team_rows
+from telemetry.selectors import flavors_now, overview_teams, pending_jobs, team_rows
 
 RECENT_PREEMPTIONS = 10
 PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
@@ -44,7 +44,8 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     """The cluster now: flavors, teams against their guarantees, the queue and
     the latest preemptions, all scoped to what the user may read."""
     access = access_for(request.user)
-    rows = [row for row in team_rows(access=access) if row.active]
+    shown = overview_teams(access=access)
+    rows = [row for row in team_rows(access=access, only_team_ids=shown) if row.active]
     flavors = flavors_now()
     # One scale per flavor, so every team's bar of that flavor is comparable.
     scale = {

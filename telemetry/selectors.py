@@ -277,6 +277,23 @@ class UtilizationPoint:
     capacity: int
 
 
+def overview_teams(*, access: Access, limit: int = 40) -> set[int]:
+    """The teams the dashboard shows: the user's top readable teams, then each
+    level below them as long as the total stays within `limit`, so a small tree
+    shows whole and a large one shows its upper levels (the Teams page has all)."""
+    tree = access.tree
+    readable = set(tree.parent) if access.is_admin else access.readable_teams
+    level = sorted(t for t in readable if tree.parent.get(t) not in readable)
+    shown: set[int] = set()
+    while level and len(shown) + len(level) <= limit:
+        shown.update(level)
+        level = [c for t in level for c in tree.children.get(t, ()) if c in readable]
+    if not shown:
+        # Even the top level is larger than the limit: show it anyway.
+        shown.update(level)
+    return shown
+
+
 def chart_teams(*, access: Access) -> list[int]:
     """Which teams the utilization chart stacks: the user's top readable teams,
     or their children when there is only one, so a manager of one team sees
