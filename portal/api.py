@@ -55,7 +55,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
                 ]
             }
         )
-    elif isinstance(exc, DataError):
+    elif isinstance(exc, DataError | OverflowError):
         exc = exceptions.ValidationError(
             {"non_field_errors": ["A value is out of range for the database."]}
         )
@@ -80,6 +80,20 @@ def access_of(request: Request) -> Access:
 
 def deny(message: str) -> exceptions.PermissionDenied:
     return exceptions.PermissionDenied(message)
+
+
+class NamedRelatedField(serializers.SlugRelatedField):  # type: ignore[type-arg]
+    """A related row named by its slug or name. Text no row can have (NUL bytes,
+    lone surrogates, non-text) is refused before it reaches the database, which
+    would otherwise fail on it."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if not isinstance(data, str | int) or isinstance(data, bool):
+            self.fail("invalid")
+        text = str(data)
+        if "\x00" in text or any("\ud800" <= char <= "\udfff" for char in text) or len(text) > 253:
+            self.fail("does_not_exist", slug_name=self.slug_field, value=text[:100])
+        return super().to_internal_value(text)
 
 
 class IsAdminOrReadOnly(permissions.BasePermission):

@@ -1,5 +1,8 @@
 """The REST API's routes under /api/v1/."""
 
+from django.http import HttpRequest, JsonResponse
+from django.urls import re_path
+from django.views.decorators.csrf import csrf_exempt
 from rest_framework.routers import DefaultRouter
 
 from portal.api import ApiTokenViewSet
@@ -35,4 +38,14 @@ router.register("audit-log", AuditEntryViewSet, basename="audit-entry")
 router.register("tokens", ApiTokenViewSet, basename="api-token")
 router.register("webhooks", WebhookViewSet, basename="webhook")
 
-urlpatterns = router.urls
+
+@csrf_exempt
+def api_not_found(request: HttpRequest, unmatched: str) -> JsonResponse:
+    """Any other address under /api/v1/ answers a JSON 404, like the API's own."""
+    return JsonResponse(
+        {"detail": f"/api/v1/{unmatched} is not an address of this API (ids are whole numbers)."},
+        status=404,
+    )
+
+
+urlpatterns = [*router.urls, re_path(r"^(?P<unmatched>[\s\S]*)$", api_not_found)]

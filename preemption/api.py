@@ -9,10 +9,13 @@ read answers 404 whatever the endpoint; writes go through the services.
 from __future__ import annotations
 
 import hmac
+from datetime import UTC, datetime
 from typing import Any
 
 import django_filters
+from django import forms
 from django.db.models import Prefetch
+from django_filters.fields import IsoDateTimeField
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
@@ -21,7 +24,7 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from portal.api import Pagination, access_of, deny, responses
+from portal.api import NamedRelatedField, Pagination, access_of, deny, responses
 from preemption import selectors, services
 from preemption.models import (
     FINAL_STATES,
@@ -38,6 +41,7 @@ from quotas.models import PriorityClass, ResourceFlavor, Team
 MAX_LOG_CHUNK = 1 << 20
 MAX_OFFSET = 1 << 62
 MAX_EVENTS_PER_POST = 100
+MAX_ID = 2**63 - 1
 
 # --- serializers ---------------------------------------------------------------
 
@@ -158,9 +162,9 @@ def _check_env(env: dict[str, str]) -> dict[str, str]:
 
 class JobSubmitSerializer(serializers.Serializer[Any]):
     name = serializers.CharField(max_length=120, required=False, allow_blank=True, default="")
-    team = serializers.SlugRelatedField(slug_field="slug", queryset=Team.objects.all())
-    flavor = serializers.SlugRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
-    priority_class = serializers.SlugRelatedField(
+    team = NamedRelatedField(slug_field="slug", queryset=Team.objects.all())
+    flavor = NamedRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
+    priority_class = NamedRelatedField(
         slug_field="name",
         queryset=PriorityClass.objects.all(),
         required=False,
@@ -301,7 +305,7 @@ class CheckpointSerializer(serializers.ModelSerializer[Checkpoint]):
 
 
 class WebhookSerializer(serializers.ModelSerializer[Webhook]):
-    team = serializers.SlugRelatedField(slug_field="slug", queryset=Team.objects.all())
+    team = NamedRelatedField(slug_field="slug", queryset=Team.objects.all())
     events = serializers.ListField(
         child=serializers.ChoiceField(choices=list(Webhook.EVENTS)),
         required=False,
@@ -336,15 +340,33 @@ class _Base(viewsets.GenericViewSet[Any]):
     permission_classes = [IsAuthenticated]
 
 
+class UtcDateTimeField(IsoDateTimeField):
+    """An ISO 8601 moment, converted to UTC here: PostgreSQL refuses offsets beyond
+    ±15:59, and a moment near year 1 may not exist in UTC at all."""
+
+    def to_python(self, value: Any) -> datetime | None:
+        moment = super().to_python(value)
+        if moment is None or moment.tzinfo is None:
+            return moment
+        try:
+            return moment.astimezone(UTC)
+        except OverflowError:
+            raise forms.ValidationError("This moment is out of range.", code="invalid") from None
+
+
+class UtcDateTimeFilter(django_filters.IsoDateTimeFilter):
+    field_class = UtcDateTimeField
+
+
 class JobFilter(django_filters.FilterSet):
     team = django_filters.CharFilter(field_name="team__slug", help_text="Team slug.")
     state = django_filters.ChoiceFilter(choices=JobState.choices)
     submitter = django_filters.CharFilter(field_name="submitter__username", help_text="Username.")
     flavor = django_filters.CharFilter(field_name="flavor__name", help_text="Flavor name.")
-    since = django_filters.IsoDateTimeFilter(
+    since = UtcDateTimeFilter(
         field_name="submitted_at", lookup_expr="gte", help_text="Submitted at or after (ISO 8601)."
     )
-    until = django_filters.IsoDateTimeFilter(
+    until = UtcDateTimeFilter(
         field_name="submitted_at", lookup_expr="lt", help_text="Submitted before (ISO 8601)."
     )
 
@@ -518,6 +540,11 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
             raise serializers.ValidationError(
                 {"event": [f"Send one event or a list of 1 to {MAX_EVENTS_PER_POST} events."]}
             )
+        for event in events:
+            if not _storable(event):
+                raise serializers.ValidationError(
+                    {"event": ["Text in an event must not contain NUL bytes or lone surrogates."]}
+                )
         accepted = duplicates = 0
         for event in events:
             if ingest_trap_event(job=job, event=event, source="post"):
@@ -529,8 +556,33 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
         )
 
 
+class IdFilter(django_filters.NumberFilter):
+    """A row id: a whole number in the database's range, so a huge one is a 400, not a crash."""
+
+    field_class = forms.IntegerField
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("min_value", 1)
+        kwargs.setdefault("max_value", MAX_ID)
+        super().__init__(*args, **kwargs)
+
+
+def _storable(value: Any, depth: int = 0) -> bool:
+    """Whether JSON can be stored as is: the database refuses NUL bytes and
+    lone surrogates in text, and nesting this deep is never a real event."""
+    if depth > 20:
+        return False
+    if isinstance(value, str):
+        return "\x00" not in value and not any("\ud800" <= char <= "\udfff" for char in value)
+    if isinstance(value, dict):
+        return all(_storable(k, depth + 1) and _storable(v, depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_storable(item, depth + 1) for item in value)
+    return True
+
+
 class ByJobFilter(django_filters.FilterSet):
-    job = django_filters.NumberFilter(field_name="job_id", help_text="Job id.")
+    job = IdFilter(field_name="job_id", help_text="Job id.")
 
 
 class AttemptFilter(ByJobFilter):
@@ -540,8 +592,8 @@ class AttemptFilter(ByJobFilter):
 
 
 class RankFilter(django_filters.FilterSet):
-    job = django_filters.NumberFilter(field_name="attempt__job_id", help_text="Job id.")
-    attempt = django_filters.NumberFilter(field_name="attempt_id", help_text="Attempt id.")
+    job = IdFilter(field_name="attempt__job_id", help_text="Job id.")
+    attempt = IdFilter(field_name="attempt_id", help_text="Attempt id.")
 
     class Meta:
         model = Rank

@@ -18,7 +18,7 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from portal.api import IsAdminOrReadOnly, Pagination, access_of, deny, responses
+from portal.api import IsAdminOrReadOnly, NamedRelatedField, Pagination, access_of, deny, responses
 from quotas import selectors, services
 from quotas.models import AuditEntry, Node, PriorityClass, Quota, ResourceFlavor, Team
 
@@ -37,7 +37,7 @@ class FlavorSerializer(serializers.ModelSerializer[ResourceFlavor]):
 
 
 class NodeSerializer(serializers.ModelSerializer[Node]):
-    flavor = serializers.SlugRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
+    flavor = NamedRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
     gpus = serializers.IntegerField(min_value=0, max_value=services.MAX_GPUS)
     labels = serializers.DictField(
         child=serializers.CharField(max_length=253, allow_blank=True), required=False
@@ -56,7 +56,7 @@ class NodeSerializer(serializers.ModelSerializer[Node]):
 
 
 class TeamSerializer(serializers.ModelSerializer[Team]):
-    parent = serializers.SlugRelatedField(
+    parent = NamedRelatedField(
         slug_field="slug", queryset=Team.objects.all(), allow_null=True, required=False
     )
     weight = serializers.FloatField(min_value=0.001, max_value=MAX_WEIGHT, required=False)
@@ -71,7 +71,7 @@ class TeamSerializer(serializers.ModelSerializer[Team]):
 class TeamUpdateSerializer(serializers.Serializer[Any]):
     name = serializers.CharField(max_length=120, required=False)
     weight = serializers.FloatField(min_value=0.001, max_value=MAX_WEIGHT, required=False)
-    parent = serializers.SlugRelatedField(
+    parent = NamedRelatedField(
         slug_field="slug", queryset=Team.objects.all(), allow_null=True, required=False
     )
 
@@ -96,8 +96,8 @@ class TeamNodeSerializer(serializers.Serializer[Any]):
 
 
 class QuotaSerializer(serializers.ModelSerializer[Quota]):
-    team = serializers.SlugRelatedField(slug_field="slug", queryset=Team.objects.all())
-    flavor = serializers.SlugRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
+    team = NamedRelatedField(slug_field="slug", queryset=Team.objects.all())
+    flavor = NamedRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
     # Bounds and signs are checked by the service, so the API and the pages
     # give the same messages; here only the type is checked.
     guarantee = serializers.IntegerField()
