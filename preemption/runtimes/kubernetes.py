@@ -33,7 +33,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,6 +172,9 @@ class KubernetesRuntime:
         self._signalled: dict[GangId, float] = {}
         self._blocked: dict[GangId, dict[int, str]] = {}
         self.relists = 0
+        # (job, attempt, rank) of pods carrying a DisruptionTarget condition at
+        # the latest observe(): something other than the rank itself ended it.
+        self._disrupted: set[tuple[int, int, int]] = set()
         # time.monotonic() of the last Eviction answer of the latest signal():
         # the end of "decision to last eviction answered".
         self.last_eviction_answered_at = 0.0
@@ -637,6 +640,19 @@ class KubernetesRuntime:
             key = GangId(int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]))
             pods_by_gang.setdefault(key, {})[int(labels[RANK_LABEL])] = pod
         observations: list[RankObservation] = []
+        disrupted = {
+            (int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]), int(labels[RANK_LABEL]))
+            for pod in pods
+            if _disruption(pod) is not None
+            for labels in [pod.metadata.labels or {}]
+        }
+        with self._lock:
+            if gang is None:
+                self._disrupted = disrupted
+            else:
+                self._disrupted = {
+                    key for key in self._disrupted if key[:2] != (gang.job_id, gang.attempt)
+                } | disrupted
         for record in records:
             labels = record.metadata.labels or {}
             key = GangId(int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]))
@@ -869,13 +885,25 @@ class KubernetesRuntime:
             self._blocked.pop(gang, None)
 
     # -- gang guard --------------------------------------------------------------
+    def guard_victims(self) -> list[GangId]:
+        """``gang_guard_victims`` over a fresh observation, with disruption conditions.
+
+        A rank that kube-scheduler preempted may already have exited 0 (its
+        trap checkpointed in time); its DisruptionTarget condition still says
+        it was taken away rather than finished.
+        """
+        observations = self.observe()
+        with self._lock:
+            disrupted = set(self._disrupted)
+        return gang_guard_victims(observations, disrupted=disrupted)
+
     def enforce_gang_guard(self, grace_seconds: Callable[[GangId], float]) -> list[GangId]:
         """Evict the rest of every gang that lost a rank to someone else.
 
         Returns the gangs it signalled. Level-triggered: a gang already
         signalled is not picked again.
         """
-        victims = gang_guard_victims(self.observe())
+        victims = self.guard_victims()
         for gang in victims:
             self.signal(gang, grace_seconds(gang))
         return victims
@@ -954,7 +982,11 @@ def rank_observation(
     )
 
 
-def gang_guard_victims(observations: Iterable[RankObservation]) -> list[GangId]:
+def gang_guard_victims(
+    observations: Iterable[RankObservation],
+    *,
+    disrupted: Collection[tuple[int, int, int]] = (),
+) -> list[GangId]:
     """Gangs whose remaining ranks must be stopped because one rank was taken away.
 
     A gang qualifies when one of its ranks is lost, or is terminating or
@@ -962,7 +994,9 @@ def gang_guard_victims(observations: Iterable[RankObservation]) -> list[GangId]:
     (kube-scheduler preempted it, its node went away, someone deleted it), while
     another rank is still starting or running unsignalled: that rank would
     otherwise wait forever on a collective. A rank that finished with exit code
-    0 is a normal end and takes no one down with it.
+    0 is a normal end and takes no one down with it, unless ``disrupted`` (job,
+    attempt, rank triples of pods with a DisruptionTarget condition) says it
+    was preempted and merely exited cleanly.
     """
     by_gang: dict[GangId, list[RankObservation]] = {}
     for observation in observations:
@@ -975,7 +1009,13 @@ def gang_guard_victims(observations: Iterable[RankObservation]) -> list[GangId]:
                 rank.signal_sent_at is None
                 and (
                     rank.phase == "terminating"
-                    or (rank.phase == "exited" and rank.exit_code not in (0, None))
+                    or (
+                        rank.phase == "exited"
+                        and (
+                            rank.exit_code not in (0, None)
+                            or (rank.job_id, rank.attempt, rank.rank) in disrupted
+                        )
+                    )
                 )
             )
             for rank in ranks

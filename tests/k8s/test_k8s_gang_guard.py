@@ -51,6 +51,10 @@ def test_gang_guard_rules_on_plain_observations():
     }
     for name, (observations, expected) in cases.items():
         assert gang_guard_victims(observations) == expected, name
+    # A preempted rank whose trap checkpointed in time exits 0: its disruption
+    # condition still tells it apart from a rank that finished.
+    preempted_cleanly = [rank(0, "exited", exit_code=0), rank(1, "running")]
+    assert gang_guard_victims(preempted_cleanly, disrupted={(1, 1, 0)}) == [gang]
 
 
 def test_kube_scheduler_preempting_one_rank_stops_the_whole_gang(
@@ -87,13 +91,18 @@ def test_kube_scheduler_preempting_one_rank_stops_the_whole_gang(
             },
         },
     )
-    victims = wait_for(
-        lambda: gang_guard_victims(runtime.observe(gang)), timeout=30, what="a preempted rank"
-    )
-    assert victims == [gang]
-    disrupted = runtime.disruptions(gang)
+    disrupted = wait_for(lambda: runtime.disruptions(gang), timeout=30, what="a preempted rank")
     assert list(disrupted.values()) == ["PreemptionByScheduler"]
     preempted_rank = next(iter(disrupted))
+    # Let the victim finish its (simulated) checkpoint and exit 0: the guard
+    # must still tell it was taken away rather than done.
+    wait_for(
+        lambda: runtime.observe(gang)[preempted_rank].phase == "exited",
+        timeout=30,
+        what="the preempted rank exited",
+    )
+    assert runtime.observe(gang)[preempted_rank].exit_code == 0
+    assert runtime.guard_victims() == [gang]
 
     signalled = runtime.enforce_gang_guard(lambda _: 5.0)
     assert signalled == [gang]
