@@ -143,6 +143,7 @@ def test_gracetrap_wheel_downloads_and_installs_into_a_fresh_venv(
     page = session.page
     session.login("researcher", PASSWORD)
     session.go("/gracetrap/")
+    example = page.inner_text("#usage-example")
     command = page.inner_text("#install-command").split()
     assert command[:3] == ["pip", "install", "--no-deps"]
     url = command[3]
@@ -181,6 +182,33 @@ def test_gracetrap_wheel_downloads_and_installs_into_a_fresh_venv(
         timeout=300,
     )
     assert probe.stdout.strip().startswith(str(site))
+
+    # The page's usage example runs as shown (shortened to 40 steps) on one rank,
+    # checkpoints, and a second run resumes past the end without training again.
+    script = tmp_path / "train.py"
+    script.write_text(example.replace("10_000", "40").replace("% 500", "% 10"))
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29517",
+        "OMP_NUM_THREADS": "1",
+        "QM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
+        "QM_GRACE_SECONDS": "30",
+    }
+    for _ in range(2):
+        run = subprocess.run(
+            [str(venv / "bin" / "python"), str(script)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert "step_39" in saved, saved
 
 
 def test_screenshots_of_the_main_pages(world: Any, browser_session: Session) -> None:

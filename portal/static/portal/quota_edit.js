@@ -18,7 +18,11 @@
     panel.classList.add("loading");
     fetch(url, { method: "POST", body: body, credentials: "same-origin",
                  headers: { "X-Requested-With": "fetch" } })
-      .then(function (response) { return response.text(); })
+      .then(function (response) {
+        // 400 carries the validation messages as a panel; anything else is a failure.
+        if (!response.ok && response.status !== 400) { throw new Error(String(response.status)); }
+        return response.text();
+      })
       .then(function (html) {
         if (mine !== sequence) { return; }  // a newer preview is on its way
         panel.innerHTML = html;
