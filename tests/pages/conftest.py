@@ -247,6 +247,7 @@ def seed_samples(world: Any, *, points: int = 6) -> list[UtilizationSample]:
             (world.ops, 1, 8),
             (world.ml, 6 + 2 * index, 16),
             (world.other, 1, 8),
+            (world.org, 6 + 2 * index, 16),
         ):
             samples.append(
                 UtilizationSample(
