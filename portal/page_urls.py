@@ -33,6 +33,7 @@ urlpatterns = [
         name="rank-log",
     ),
     path("telemetry/", telemetry_views.telemetry, name="telemetry"),
+    path("telemetry/simulations/", telemetry_views.simulations, name="simulations"),
     path("telemetry/gpu-hours.csv", telemetry_views.gpu_hours_csv, name="gpu-hours-csv"),
     path("priority-classes/", portal_views.priority_classes, name="priority-classes"),
     path("tokens/", portal_views.tokens, name="tokens"),

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from telemetry.selectors import CheckpointAgainstGrace, UtilizationPoint
+from telemetry.selectors import CheckpointAgainstGrace, SimulationReport, UtilizationPoint
 
 # One palette for every chart, matching the portal's CSS.
 PALETTE = (
@@ -274,4 +274,81 @@ def recovery_figure(
         annotation_text=f"target {target_seconds:g} s",
     )
     figure.update_layout(hovermode="closest", showlegend=False)
+    return figure
+
+
+def simulation_teams_figure(report: SimulationReport) -> go.Figure:
+    """GPU-hours each team used, borrowed and lent in one simulated run."""
+    figure = go.Figure()
+    _layout(
+        figure,
+        title=f"GPU-hours per team — {report.name} ({report.policy})",
+        x="team",
+        y="GPU-hours",
+        height=360,
+    )
+    teams = report.report.get("teams") or {}
+    if not teams:
+        return _empty(figure, "The report names no teams.")
+    names = sorted(teams)
+    for index, (key, label) in enumerate(
+        (
+            ("gpu_hours_used", "used"),
+            ("gpu_hours_borrowed", "borrowed"),
+            ("gpu_hours_lent", "lent"),
+        )
+    ):
+        figure.add_trace(
+            go.Bar(
+                x=names,
+                y=[teams[name].get(key, 0) for name in names],
+                name=label,
+                marker={"color": PALETTE[index]},
+            )
+        )
+    figure.update_layout(barmode="group", hovermode="closest")
+    return figure
+
+
+def simulation_comparison_figure(reports: Sequence[SimulationReport]) -> go.Figure:
+    """GPU allocation and p99 queueing delay of each stored run, side by side."""
+    figure = go.Figure()
+    _layout(
+        figure,
+        title="Runs compared: allocation and p99 queueing delay",
+        x="run",
+        y="allocation",
+        height=360,
+    )
+    if not reports:
+        return _empty(figure, "No simulation report stored yet.")
+    labels = [f"{r.name} ({r.policy})" for r in reports]
+    figure.add_trace(
+        go.Bar(
+            x=labels,
+            y=[r.allocation for r in reports],
+            name="allocation",
+            marker={"color": PALETTE[0]},
+        )
+    )
+    figure.add_trace(
+        go.Scatter(
+            x=labels,
+            y=[r.queueing.get("p99") for r in reports],
+            name="p99 queueing (s)",
+            mode="markers",
+            marker={"color": PALETTE[2], "size": 10},
+            yaxis="y2",
+        )
+    )
+    figure.update_layout(
+        hovermode="closest",
+        yaxis={"tickformat": ".0%", "range": [0, 1]},
+        yaxis2={
+            "title": {"text": "seconds"},
+            "overlaying": "y",
+            "side": "right",
+            "showgrid": False,
+        },
+    )
     return figure

@@ -570,3 +570,54 @@ def period_bounds(now: datetime, period: str) -> tuple[datetime, datetime]:
         "30d": timedelta(days=30),
     }
     return now - spans.get(period, spans["24h"]), now
+
+
+# --- simulation reports ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SimulationReport:
+    """One stored JSON report of `manage.py simulate --json` (see simulation/README.md)."""
+
+    name: str
+    modified: datetime
+    report: dict[str, Any]
+
+    @property
+    def policy(self) -> str:
+        return str(self.report.get("run", {}).get("policy", "?"))
+
+    @property
+    def allocation(self) -> float | None:
+        return _number((self.report.get("allocation") or {}).get("overall"))
+
+    @property
+    def completion(self) -> dict[str, Any]:
+        return self.report.get("completion_time_seconds") or {}
+
+    @property
+    def queueing(self) -> dict[str, Any]:
+        return self.report.get("queueing_delay_seconds") or {}
+
+
+def simulation_reports(folder: Any, limit: int = 20) -> list[SimulationReport]:
+    """The newest readable reports in `folder`; files that are not reports are skipped."""
+    import json
+    from datetime import UTC
+    from pathlib import Path
+
+    path = Path(folder)
+    if not path.is_dir():
+        return []
+    files = sorted(path.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
+    reports = []
+    for file in files[:limit]:
+        try:
+            report = json.loads(file.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(report, dict) or "allocation" not in report or "teams" not in report:
+            continue
+        modified = datetime.fromtimestamp(file.stat().st_mtime, tz=UTC)
+        reports.append(SimulationReport(name=file.stem, modified=modified, report=report))
+    return reports

@@ -7,6 +7,7 @@ and pass the figures' JSON to the template; nothing is computed here.
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 from typing import Any
 
 import plotly
@@ -33,6 +34,7 @@ from telemetry.selectors import (
     period_bounds,
     recovery_seconds,
     signal_latencies,
+    simulation_reports,
     utilization_points,
 )
 
@@ -127,3 +129,31 @@ def _unauthorized(message: str) -> HttpResponse:
     response = HttpResponse(message + "\n", status=401, content_type="text/plain")
     response["WWW-Authenticate"] = "Bearer"
     return response
+
+
+@login_required
+def simulations(request: HttpRequest) -> HttpResponse:
+    """Stored trace-replay reports (`manage.py simulate --json var/simulations/NAME.json`):
+    what fair-share lending buys against other policies. Reports are offline
+    what-if runs, not live cluster data, so every signed-in user may read them."""
+    from django.conf import settings
+
+    folder = Path(settings.VAR_DIR) / "simulations"
+    reports = simulation_reports(folder)
+    chosen = next((r for r in reports if r.name == request.GET.get("report")), None)
+    chosen = chosen or (reports[0] if reports else None)
+    figures = [("comparison", charts.simulation_comparison_figure(reports).to_json())]
+    if chosen is not None:
+        figures.append(("teams", charts.simulation_teams_figure(chosen).to_json()))
+    return render(
+        request,
+        "telemetry/simulations.html",
+        {
+            "reports": reports,
+            "chosen": chosen,
+            "figures": figures,
+            "folder": folder,
+            "plotly_version": plotly.__version__,
+            "nav": "telemetry",
+        },
+    )

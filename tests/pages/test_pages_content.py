@@ -388,3 +388,42 @@ def test_rank_log_page_reads_the_runtime_log_in_parts(
     assert raw["X-Next-Offset"] == str(19 + len(line))
     missing = client.get(reverse("rank-log", args=[victim.pk, 7, 0]))
     assert missing.status_code == 404
+
+
+def test_simulations_page_reads_stored_reports(world: Any, settings: Any, tmp_path: Any) -> None:
+    from simulation import Report
+
+    settings.VAR_DIR = tmp_path
+    folder = tmp_path / "simulations"
+    folder.mkdir()
+    summary = {"mean": 600.0, "p50": 500.0, "p99": 3600.0}
+    for name, policy, allocation in (("static", "static", 0.61), ("lending", "fairshare", 0.87)):
+        Report(
+            run={"policy": policy, "jobs": 100, "jobs_completed": 98},
+            simulated_seconds=86400.0,
+            allocation={"overall": allocation},
+            completion_time_seconds=summary,
+            queueing_delay_seconds=summary,
+            preemptions=7 if policy == "fairshare" else 0,
+            lost_gpu_hours=1.5,
+            longest_below_guarantee_line_seconds=42.0,
+            teams={
+                "vision": {
+                    "gpu_hours_used": 120.0,
+                    "gpu_hours_borrowed": 30.0,
+                    "gpu_hours_lent": 5.0,
+                }
+            },
+        ).write_json(folder / f"{name}.json")
+    (folder / "notes.json").write_text('{"not": "a report"}')
+    client = page_client(world, "researcher")
+    body = client.get(reverse("simulations")).content.decode()
+    assert 'data-report="lending"' in body and 'data-report="static"' in body
+    assert 'data-report="notes"' not in body
+    comparison = json.loads(re.search(r'id="figure-comparison">(.*?)</script>', body, re.S)[1])
+    allocations = dict(zip(comparison["data"][0]["x"], comparison["data"][0]["y"], strict=True))
+    assert allocations == {"static (static)": 0.61, "lending (fairshare)": 0.87}
+    chosen = client.get(reverse("simulations"), {"report": "lending"}).content.decode()
+    teams = json.loads(re.search(r'id="figure-teams">(.*?)</script>', chosen, re.S)[1])
+    assert [trace["y"] for trace in teams["data"]] == [[120.0], [30.0], [5.0]]
+    assert page_client(world, "anonymous").get(reverse("simulations")).status_code == 302
