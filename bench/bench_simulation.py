@@ -60,6 +60,7 @@ def print_report(title: str, report: Report) -> None:
     print(f"  {title}: {run['jobs_completed']}/{run['jobs']} jobs completed")
     print(
         f"    allocation {share(allocation['overall'])} overall, "
+        f"{share(allocation['until_last_submission'])} until the last submission, "
         f"{share(allocation['while_jobs_wait'])} while jobs wait, "
         f"{share(allocation['while_demand_exceeds_capacity'])} while demand exceeds capacity "
         f"({allocation['seconds_demand_exceeds_capacity'] or 0:.0f} s)"
@@ -73,7 +74,7 @@ def print_report(title: str, report: Report) -> None:
     )
     print(
         f"    {run['plan_calls']} plan calls, {run['plan_wall_seconds']:.1f} s in fairshare.plan, "
-        f"{run['wall_seconds']:.1f} s wall"
+        f"{run['wall_seconds']:.1f} s wall, {run['cpu_seconds']:.1f} s CPU"
     )
 
 
@@ -144,7 +145,8 @@ def speed(args: argparse.Namespace) -> None:
         f"  wall {wall:.1f} s ({wall / 60:.1f} min) for {args.speed_jobs} jobs: "
         f"{args.speed_jobs / wall:.0f} jobs/s; fairshare.plan {plan_seconds:.1f} s "
         f"({plan_seconds / wall:.0%} of wall, {1000 * plan_seconds / calls:.2f} ms per call); "
-        f"simulator itself {wall - plan_seconds:.1f} s"
+        f"simulator itself {wall - plan_seconds:.1f} s; CPU time {report.run['cpu_seconds']:.1f} s "
+        f"(wall exceeds CPU when the machine is shared)"
     )
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)

@@ -52,9 +52,20 @@ ROOT_QUEUE = "cluster"
 FIFO_QUEUE = "fifo"
 PRIORITY_CLASS = "batch"
 
+# A job preempted this many times means the plans flap (two decisions undoing each other every
+# cycle); the replay stops with an error instead of running forever in simulated time.
+MAX_PREEMPTIONS_PER_JOB = 1000
+
 _ARRIVAL = 0
 _FINISH = 1
 _EXIT = 2
+
+
+class SimulationError(ValueError):
+    """The replay cannot go on: the engine's plans undo each other (flapping).
+
+    A ValueError, so that callers treating bad input and a failed replay alike need one clause.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +350,11 @@ class Simulation:
             exit_at = now
         job.state = "terminating"
         job.preemptions += 1
+        if job.preemptions >= MAX_PREEMPTIONS_PER_JOB:
+            raise SimulationError(
+                f"job {job.name} was preempted {job.preemptions} times by t={now:.0f} s: "
+                "the engine's plans flap"
+            )
         job.workload = self._placed_workload(
             job, "terminating", job.workload.placement, last_commit
         )
@@ -434,8 +450,10 @@ class Simulation:
     def run(self) -> Report:
         """Replay the whole trace and return the report."""
         wall_started = time.perf_counter()
+        cpu_started = time.process_time()
         for job in self.jobs:
             self._push(job.submitted_at, _ARRIVAL, job)
+        arrivals_left = len(self.jobs)
         events = self.events
         last_progress = 0.0
         steps = 0
@@ -450,6 +468,9 @@ class Simulation:
                 self.ledger.advance(now)
                 if kind == _ARRIVAL:
                     self._arrive(job, now)
+                    arrivals_left -= 1
+                    if not arrivals_left:
+                        self.ledger.last_submission()
                 elif job.attempt != attempt:
                     continue
                 elif kind == _FINISH and job.state == "running":
@@ -492,6 +513,7 @@ class Simulation:
             plan_calls=self.plan_calls,
             plan_wall_seconds=round(self.plan_seconds, 3),
             wall_seconds=round(time.perf_counter() - wall_started, 3),
+            cpu_seconds=round(time.process_time() - cpu_started, 3),
         )
 
     def _report_progress(self, now: float) -> None:

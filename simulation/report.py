@@ -95,6 +95,8 @@ class Ledger:
         self.seconds_oversubscribed = 0.0
         self.gpu_seconds_held_oversubscribed = 0.0
         self.seconds_oversubscribed_below_goal = 0.0
+        self.last_submission_at: float | None = None
+        self.gpu_seconds_held_until_last_submission = 0.0
         self.preemptions = 0
         self.lost_gpu_seconds = 0.0
         self.completion_seconds: list[float] = []
@@ -145,6 +147,15 @@ class Ledger:
                 if ledger.used < ledger.guarantee:
                     idle = ledger.guarantee - ledger.used
                     ledger.gpu_seconds_lent += lent_total * idle / idle_total * elapsed
+
+    def last_submission(self) -> None:
+        """The last job of the trace has just arrived (call after :meth:`advance`).
+
+        Allocation up to this instant describes the cluster while the trace still feeds it;
+        the drain that follows (the longest jobs finishing alone) would dilute the overall figure.
+        """
+        self.last_submission_at = self.now
+        self.gpu_seconds_held_until_last_submission = self.gpu_seconds_held
 
     def _check_line(self, ledger: TeamLedger) -> None:
         below = ledger.is_below_line()
@@ -250,6 +261,10 @@ class Ledger:
             simulated_seconds=round(span, 3),
             allocation={
                 "overall": ratio(self.gpu_seconds_held, span),
+                "until_last_submission": ratio(
+                    self.gpu_seconds_held_until_last_submission,
+                    (self.last_submission_at or 0.0) - (self.started_at or 0.0),
+                ),
                 "while_jobs_wait": ratio(self.gpu_seconds_held_waiting, self.seconds_waiting),
                 "seconds_jobs_wait": round(self.seconds_waiting, 3),
                 "while_demand_exceeds_capacity": ratio(
@@ -317,6 +332,7 @@ class Report:
             f"{self.run.get('jobs')} jobs completed in {self.simulated_seconds / 3600:.1f} "
             f"simulated hours",
             f"GPU allocation {share(allocation['overall'])} overall, "
+            f"{share(allocation['until_last_submission'])} until the last submission, "
             f"{share(allocation['while_jobs_wait'])} while jobs wait, "
             f"{share(allocation['while_demand_exceeds_capacity'])} while demand exceeds capacity",
             f"completion time mean {completion['mean']:.0f} s, p99 {completion['p99']:.0f} s; "

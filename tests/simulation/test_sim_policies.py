@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import pytest
 
-from simulation.engine import SimulationConfig, gang_fits, gang_shape, simulate
+import fairshare
+from simulation.engine import (
+    MAX_PREEMPTIONS_PER_JOB,
+    Simulation,
+    SimulationConfig,
+    SimulationError,
+    gang_fits,
+    gang_shape,
+    simulate,
+)
 from simulation.traces import ClusterNode, TraceJob
 
 ONE_NODE = (ClusterNode("node-0", 4),)
@@ -57,6 +66,8 @@ def test_fifo_keeps_strict_head_of_line() -> None:
     assert report["queueing_delay_seconds"]["p99"] == pytest.approx(108)
     # Held GPUs: 2 for 100 s, 4 for 10 s, 1 for 10 s = 250 GPU-s of 4 x 120.
     assert report["allocation"]["overall"] == pytest.approx(250 / 480, abs=1e-4)
+    # Until the last submission (t=2): 2 GPUs of 4.
+    assert report["allocation"]["until_last_submission"] == pytest.approx(0.5)
     assert report["preemptions"] == 0
 
 
@@ -159,3 +170,25 @@ def test_gangs_split_into_whole_node_ranks() -> None:
     assert gang_fits(2, 8, nodes)
     assert not gang_fits(3, 8, nodes)
     assert gang_fits(4, 4, nodes)
+
+
+def test_a_flapping_engine_stops_the_replay_with_an_error() -> None:
+    # A plan that always admits the pending job and preempts the running one undoes itself every
+    # cycle; the replay must fail loudly rather than run forever in simulated time.
+    def flapping_plan(snapshot: fairshare.Snapshot) -> fairshare.Plan:
+        admit = tuple(
+            fairshare.Admission(w.id, (("node-0", 1),), 0)
+            for w in snapshot.workloads
+            if w.state == "pending"
+        )
+        preempt = tuple(
+            fairshare.Preemption(w.id, "fair-share", admit[0].id, 120.0)
+            for w in snapshot.workloads
+            if w.state == "running" and admit
+        )
+        return fairshare.Plan(admit, preempt, (), {})
+
+    trace = [job("x", 0, 4, 1000), job("y", 5, 4, 1000)]
+    replay = Simulation(trace, config("fairshare"), plan=flapping_plan)
+    with pytest.raises(SimulationError, match=f"preempted {MAX_PREEMPTIONS_PER_JOB} times"):
+        replay.run()

@@ -27,6 +27,7 @@ TOP_LEVEL = {
 }
 ALLOCATION = {
     "overall",
+    "until_last_submission",
     "while_jobs_wait",
     "seconds_jobs_wait",
     "while_demand_exceeds_capacity",
