@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,11 +53,6 @@ def build_state(state_gb: float) -> tuple[nn.Module, torch.optim.Optimizer, int]
     return model, optimizer, sum(t.numel() * t.element_size() for t in tensors)
 
 
-def best_of(repeats: int, run: Callable[[int], float]) -> list[float]:
-    """Wall seconds of each repeat (the callable gets the repeat number)."""
-    return [run(index) for index in range(repeats)]
-
-
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -83,8 +77,11 @@ def time_dd(directory: Path, nbytes: int) -> float:
     return elapsed * nbytes / (count * block)
 
 
-def time_torch_save(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+def time_torch_save(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, crc32: bool
+) -> float:
     target = directory / "plain.pt"
+    torch.serialization.set_crc32_options(crc32)
     started = time.perf_counter()
     with open(target, "wb") as handle:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, handle)
@@ -92,19 +89,26 @@ def time_torch_save(directory: Path, model: nn.Module, optimizer: torch.optim.Op
         os.fsync(handle.fileno())
     fsync_dir(directory)
     elapsed = time.perf_counter() - started
+    torch.serialization.set_crc32_options(True)
     target.unlink()
     return elapsed
 
 
 def time_trap_save(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, threads: int, step: int
+    directory: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    threads: int,
+    step: int,
+    checksums: bool,
 ) -> tuple[float, int]:
-    checkpoints = directory / f"trap-{threads}"
+    checkpoints = directory / f"trap-{threads}-{checksums}"
     trap = Trap(
         checkpoints,
         {"model": model, "optimizer": optimizer},
         keep=1,
         save_threads=threads,
+        checksums=checksums,
         signals=(),
         stream=open(os.devnull, "w"),  # noqa: SIM115 - lives as long as the trap
     )
@@ -167,38 +171,41 @@ def main() -> None:
     model, optimizer, state_bytes = build_state(args.state_gb)
     root = Path(tempfile.mkdtemp(prefix="bench-gracetrap-", dir=args.dir))
     print(f"state: {state_bytes / 1e9:.3f} GB (parameters + Adam moments), written to {root}")
+    runs: dict[str, list[float]] = {}
+    checkpoint_bytes = 0
+    trap_variants = [(1, False), (4, False), (1, True)]
     try:
-        dd = best_of(args.repeats, lambda _: time_dd(root, state_bytes))
-        plain = best_of(args.repeats, lambda _: time_torch_save(root, model, optimizer))
-        trap_runs: dict[int, list[float]] = {}
-        checkpoint_bytes = 0
-        for threads in (1, 4):
-            times = []
-            for index in range(args.repeats):
-                elapsed, checkpoint_bytes = time_trap_save(root, model, optimizer, threads, index)
-                times.append(elapsed)
-            trap_runs[threads] = times
+        # Interleaved repeats, so that a burst of other load on the disk hits all alike.
+        for index in range(args.repeats):
+            runs.setdefault("dd sequential write", []).append(time_dd(root, state_bytes))
+            for crc32 in (True, False):
+                label = f"torch.save + fsync (CRC32 {'on' if crc32 else 'off'})"
+                runs.setdefault(label, []).append(time_torch_save(root, model, optimizer, crc32))
+            for threads, checksums in trap_variants:
+                label = (
+                    f"Trap.save, {threads} writer thread{'s' if threads > 1 else ''}, "
+                    f"CRC32 {'on' if checksums else 'off'}"
+                )
+                elapsed, checkpoint_bytes = time_trap_save(
+                    root, model, optimizer, threads, index, checksums
+                )
+                runs.setdefault(label, []).append(elapsed)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     def rate(seconds: list[float]) -> float:
         return state_bytes / statistics.median(seconds) / 1e6
 
-    print(
-        f"{'method (median of ' + str(args.repeats) + ', through fsync)':44s} {'s':>7s} {'MB/s':>8s}"
-    )
-    print(f"{'dd sequential write':44s} {statistics.median(dd):7.3f} {rate(dd):8.1f}")
-    print(f"{'torch.save + fsync':44s} {statistics.median(plain):7.3f} {rate(plain):8.1f}")
-    for threads, times in trap_runs.items():
-        label = f"gracetrap Trap.save ({threads} writer thread{'s' if threads > 1 else ''})"
-        print(f"{label:44s} {statistics.median(times):7.3f} {rate(times):8.1f}")
-    print(f"checkpoint on disk: {checkpoint_bytes / 1e9:.3f} GB")
-    for threads, times in trap_runs.items():
+    disk = rate(runs["dd sequential write"])
+    plain = rate(runs["torch.save + fsync (CRC32 on)"])
+    print(f"median of {args.repeats}, all through fsync:")
+    print(f"  {'method':42s} {'s':>7s} {'MB/s':>8s} {'of dd':>6s} {'of torch.save':>14s}")
+    for label, seconds in runs.items():
         print(
-            f"ratio, Trap.save ({threads} thread(s)) / dd: {rate(times) / rate(dd):.0%}; "
-            f"/ torch.save: {rate(times) / rate(plain):.0%}"
+            f"  {label:42s} {statistics.median(seconds):7.3f} {rate(seconds):8.1f} "
+            f"{rate(seconds) / disk:6.0%} {rate(seconds) / plain:14.0%}"
         )
-    print(f"ratio, torch.save / dd: {rate(plain) / rate(dd):.0%}")
+    print(f"checkpoint on disk: {checkpoint_bytes / 1e9:.3f} GB")
 
     single = should_stop_cost(args.stop_steps)
     print(f"should_stop, one process: {single * 1e6:.2f} us/step ({single * 1e3 / 1.0:.4f} ms)")

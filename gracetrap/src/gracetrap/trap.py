@@ -80,6 +80,20 @@ def _single_process_quietly() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _crc32(enabled: bool) -> Iterator[None]:
+    # torch.save computes a CRC32 of every record by default. On a loaded machine that
+    # one-core checksum, not the disk, bounds the save (about 115 MB/s against 800 MB/s
+    # without it), and the grace window is what matters here. Completeness is decided
+    # by the metadata file written after fsync, not by checksums.
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(enabled)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
 def worker_init_fn(worker_id: int) -> None:
     """Pass as ``DataLoader(worker_init_fn=...)``: workers ignore the preemption signals.
 
@@ -128,6 +142,7 @@ class Trap:
         expected_save_seconds: float | None = None,
         port_release_timeout: float = 5.0,
         save_threads: int = 1,
+        checksums: bool = False,
         stream: TextIO | None = None,
     ) -> None:
         if keep < 1:
@@ -143,6 +158,7 @@ class Trap:
         self.expected_save_seconds = expected_save_seconds
         self.port_release_timeout = port_release_timeout
         self.save_threads = save_threads
+        self.checksums = checksums
         self.signals = tuple(signal.Signals(s) for s in signals)
         self.events = EventReporter(
             job_id=job_id if job_id is not None else _job_id_from_env(),
@@ -335,7 +351,7 @@ class Trap:
         self.events.emit("checkpoint_started", step=step)
         started = time.monotonic()
         writer = FileSystemWriter(path, sync_files=True, thread_count=self.save_threads)
-        with _single_process_quietly():
+        with _single_process_quietly(), _crc32(self.checksums):
             dcp_save(self._dcp_state(step), storage_writer=writer, no_dist=not self._initialised())
         nbytes = 0.0
         if leader:
