@@ -27,6 +27,7 @@ urlpatterns = [
     path("quotas/<int:pk>/preview/", quota_views.quota_preview, name="quota-preview"),
     path("jobs/", job_views.job_list, name="job-list"),
     path("jobs/<int:pk>/", job_views.job_detail, name="job-detail"),
+    path("jobs/<int:pk>/cancel/", job_views.job_cancel, name="job-cancel"),
     path(
         "jobs/<int:pk>/attempts/<int:attempt>/ranks/<int:rank>/log/",
         job_views.rank_log,

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.http import Http404, HttpRequest, HttpResponse
-from django.shortcuts import get_object_or_404, render
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
 
 from portal.forms import JobFilterForm
 from preemption.models import Attempt, Job, PreemptionEvent
@@ -341,3 +343,32 @@ def rank_log(request: HttpRequest, pk: int, attempt: int, rank: int) -> HttpResp
         "nav": "jobs",
     }
     return render(request, "preemption/rank_log.html", context)
+
+
+@require_POST
+@login_required
+def job_cancel(request: HttpRequest, pk: int) -> HttpResponse:
+    """Cancel a job: a waiting one at once, a running one gracefully (signal,
+    grace window, then kill). Allowed to its submitter, a manager of its team
+    and admins, as in the API."""
+    from preemption.services import job_cancel as cancel
+
+    job = get_object_or_404(job_selector(user=request.user), pk=pk)
+    if not access_for(request.user).can_cancel(team_id=job.team_id, submitter_id=job.submitter_id):
+        raise PermissionDenied(
+            "Only the submitter, a manager of the team or an admin cancels a job."
+        )
+    try:
+        job = cancel(actor=request.user, job=job)
+    except ValidationError as error:
+        messages.error(request, " ".join(error.messages))
+    else:
+        if job.state == "cancelled":
+            messages.success(request, f"Cancelled job {job.pk}.")
+        else:
+            messages.success(
+                request,
+                f"Stopping job {job.pk} gracefully: its ranks get the signal and "
+                f"{job.priority_class.grace_seconds} s to checkpoint and exit.",
+            )
+    return redirect("job-detail", pk=pk)

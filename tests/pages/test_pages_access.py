@@ -176,3 +176,35 @@ def test_rank_log_is_scoped_like_the_job(world: Any, history: Any) -> None:
     url = reverse("rank-log", args=[victim.pk, 1, 0])
     assert page_client(world, "researcher").get(url).status_code == 404
     assert page_client(world, "anonymous").get(url).status_code == 302
+
+
+def test_cancel_follows_the_api_rules(world: Any) -> None:
+    from preemption.models import Job
+
+    jobs = seed_jobs(world, 24)
+    pending = [job for job in jobs if job.state in ("pending", "requeued")]
+    vision_job = next(job for job in pending if job.team_id == world.vision.pk)
+    nlp_job = next(job for job in pending if job.team_id == world.nlp.pk)
+    ops_job = next(job for job in pending if job.team_id == world.ops.pk)
+    url = lambda job: reverse("job-cancel", args=[job.pk])  # noqa: E731
+    # Another team's researcher cannot even see the job; a teammate who did not
+    # submit it may read it but not cancel it.
+    assert page_client(world, "other_researcher").post(url(vision_job)).status_code == 404
+    assert page_client(world, "researcher").post(url(nlp_job)).status_code == 404
+    Job.objects.filter(pk=ops_job.pk).update(submitter=world.users["admin"])
+    assert page_client(world, "other_researcher").post(url(ops_job)).status_code == 403
+    assert page_client(world, "anonymous").post(url(vision_job)).status_code == 302
+    states = dict(
+        Job.objects.filter(pk__in=[vision_job.pk, nlp_job.pk, ops_job.pk]).values_list(
+            "pk", "state"
+        )
+    )
+    assert "cancelled" not in states.values()
+    # The submitter and a manager above the team may cancel.
+    response = page_client(world, "researcher").post(url(vision_job))
+    assert response.status_code == 302
+    assert page_client(world, "manager").post(url(nlp_job)).status_code == 302
+    states = dict(Job.objects.filter(pk__in=[vision_job.pk, nlp_job.pk]).values_list("pk", "state"))
+    assert set(states.values()) == {"cancelled"}
+    again = page_client(world, "researcher").post(url(vision_job), follow=True)
+    assert f"Job {vision_job.pk} is already cancelled." in again.content.decode()
