@@ -7,7 +7,7 @@ from typing import Any
 from django.contrib import admin
 from django.http import HttpRequest
 
-from telemetry.models import DrillRun, TrapEvent, UtilizationSample
+from telemetry.models import DrillRun, SimulationRun, TrapEvent, UtilizationSample
 
 
 class MeasuredAdmin(admin.ModelAdmin):
@@ -37,3 +37,9 @@ class UtilizationSampleAdmin(MeasuredAdmin):
 class DrillRunAdmin(MeasuredAdmin):
     list_display = ["started_at", "runtime", "ranks", "grace_seconds", "chaos_rounds", "passed"]
     list_filter = ["runtime", "passed"]
+
+
+@admin.register(SimulationRun)
+class SimulationRunAdmin(MeasuredAdmin):
+    list_display = ["created_at", "policy", "trace"]
+    list_filter = ["policy"]
