@@ -171,8 +171,6 @@ class Trap:
         self._state: dict[str, Stateful] = adapt_state(state or {})
         self._pid = os.getpid()
         self._signal_at: float | None = None
-        self._signal_name: str | None = None
-        self._signal_count = 0
         self._signal_reported = False
         self._stop_agreed_at: float | None = None
         self._save_seconds: list[float] = []
@@ -192,10 +190,9 @@ class Trap:
         if os.getpid() != self._pid:
             # A forked DataLoader worker inherited this handler: its parent handles it.
             return
-        self._signal_count += 1
+        del signum
         if self._signal_at is None:
             self._signal_at = time.time()
-            self._signal_name = signal.Signals(signum).name
 
     @property
     def signalled(self) -> bool:
@@ -388,7 +385,7 @@ class Trap:
         for step in chosen:
             path = checkpoints.step_dir(self.checkpoint_dir, step)
             try:
-                self._load(path)
+                self._load(path, step)
             except (Exception, CheckpointException) as error:
                 # DCP raises on every rank alike, so all ranks fall back together.
                 print(
@@ -402,7 +399,7 @@ class Trap:
             return step + 1
         return 0
 
-    def _load(self, path: Path) -> None:
+    def _load(self, path: Path, step: int) -> None:
         reader = FileSystemReader(path)
         saved_keys = set(reader.read_metadata().state_dict_metadata)
         rng_key = _rng_key(self.rank())
@@ -425,6 +422,8 @@ class Trap:
                 planner=DefaultLoadPlanner(),
                 no_dist=not self._initialised(),
             )
+        if target[_STEP_KEY] != step:
+            raise ValueError(f"{path} holds step {target[_STEP_KEY]}, not {step}")
         for name, entry in self._state.items():
             entry.load_state_dict(target[_STATE_KEY][name])
         if rng_key in target:
