@@ -14,10 +14,13 @@ from typing import Any
 
 import django_filters
 from django import forms
+from django.contrib.auth.models import AnonymousUser
 from django.db.models import Prefetch
 from django_filters.fields import IsoDateTimeField
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import mixins, permissions, serializers, status, viewsets
+from rest_framework.authentication import BaseAuthentication
 from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound
 from rest_framework.permissions import IsAuthenticated
@@ -331,6 +334,45 @@ class WebhookSerializer(serializers.ModelSerializer[Webhook]):
         return bool(webhook.secret)
 
 
+def _job_by_id(pk: Any) -> Job | None:
+    if not isinstance(pk, str) or not pk.isdigit() or int(pk) > MAX_ID:
+        return None
+    return Job.objects.filter(pk=int(pk)).first()
+
+
+class JobEventsTokenAuthentication(BaseAuthentication):
+    """The trap's credentials: `Authorization: Bearer <QM_EVENTS_TOKEN>`, a token of
+    one job, valid only on that job's events endpoint. Authenticates no user:
+    `request.auth` is the job."""
+
+    def authenticate(self, request: Request) -> tuple[AnonymousUser, Job] | None:
+        header = request.META.get("HTTP_AUTHORIZATION", "").split()
+        if len(header) != 2 or header[0].lower() != "bearer":
+            return None
+        pk = (request.parser_context or {}).get("kwargs", {}).get("pk")
+        job = _job_by_id(pk)
+        if job is None or not job.events_token:
+            return None
+        # Compare in constant time so the token cannot be guessed byte by byte.
+        if not hmac.compare_digest(header[1].encode("utf-8", "replace"), job.events_token.encode()):
+            return None
+        return AnonymousUser(), job
+
+
+class JobEventsTokenScheme(OpenApiAuthenticationExtension):  # type: ignore[no-untyped-call]
+    """Describes the trap's per-job token in the OpenAPI schema."""
+
+    target_class = "preemption.api.JobEventsTokenAuthentication"
+    name = "jobEventsToken"
+
+    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "The job's own QM_EVENTS_TOKEN, valid only on that job's events endpoint.",
+        }
+
+
 # --- viewsets ------------------------------------------------------------------
 
 
@@ -516,24 +558,19 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
         ),
         request=TrapEventSerializer,
         responses=responses(TrapEventAcceptedSerializer, 400, 403, 404, status_code=202),
-        auth=[],
+        auth=[{"jobEventsToken": []}],
     )
-    @action(detail=True, methods=["post"], authentication_classes=[])
+    @action(detail=True, methods=["post"], authentication_classes=[JobEventsTokenAuthentication])
     def events(self, request: Request, pk: str | None = None) -> Response:
         from preemption.ingest import ingest_trap_event
 
-        job = Job.objects.filter(pk=pk).first()
-        if job is None:
-            raise NotFound(f"No job {pk}.")
-        header = request.META.get("HTTP_AUTHORIZATION", "").split()
-        presented = header[1] if len(header) == 2 and header[0].lower() == "bearer" else ""
-        # Compare in constant time so the token cannot be guessed byte by byte.
-        if not job.events_token or not hmac.compare_digest(
-            presented.encode("utf-8", "replace"), job.events_token.encode()
-        ):
+        if not isinstance(request.auth, Job):
+            if _job_by_id(pk) is None:
+                raise NotFound(f"No job {pk}.")
             raise deny(
                 "This endpoint needs the job's events token (Authorization: Bearer <QM_EVENTS_TOKEN>)."
             )
+        job = request.auth
         body = request.data
         events = body if isinstance(body, list) else [body]
         if not events or len(events) > MAX_EVENTS_PER_POST:
