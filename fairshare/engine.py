@@ -12,6 +12,8 @@ or waits with a reason.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import heapq
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -129,7 +131,7 @@ def _build_tree(snapshot: Snapshot) -> _Tree:
 class _Run:
     """A running workload as a candidate victim."""
 
-    __slots__ = ("cls", "gpus", "key", "nodes", "queue", "victim", "workload")
+    __slots__ = ("cls", "gpus", "key", "nodes", "planned", "queue", "victim", "workload")
 
     def __init__(
         self,
@@ -138,8 +140,10 @@ class _Run:
         cls: PriorityClass,
         nodes: tuple[tuple[int, int], ...],
         now: float,
+        planned: bool = False,
     ) -> None:
         self.workload = workload
+        self.planned = planned
         self.queue = queue
         self.cls = cls
         self.gpus = workload.gpus
@@ -262,6 +266,7 @@ class _FlavorPlanner:
         ]
 
         self.usage = [0] * count
+        self.pinned_usage = [0] * count
         self.demand = [0] * count
         self.candidates: list[list[_Run]] = [[] for _ in range(count)]
         self.head = [0] * count
@@ -292,6 +297,8 @@ class _FlavorPlanner:
             run = _Run(w, q, cls, nodes, self.now)
             if cls.preemptible:
                 self.candidates[q].append(run)
+            else:
+                self.pinned_usage[q] += gpus
         for q in range(count):
             self.candidates[q].sort(key=lambda run: run.key)
             pending[q].sort(
@@ -339,7 +346,13 @@ class _FlavorPlanner:
         self.release_fail: dict[int, int] = {}
         self.attempt_fail: dict[tuple[int, str, int, int, bool], tuple[int, int]] = {}
         self.generation = 0
-        self.admitted: list[tuple[int, int]] = []
+        self.admitted: dict[str, tuple[int, int]] = {}
+        self.admissions: dict[str, Admission] = {}
+        self.waits: dict[str, Waiting] = {}
+        self.claimed: set[str] = set()
+        self.changed = False
+        self.preempt: list[Preemption] = []
+        self.job_by_id = {job.workload.id: job for jobs in pending for job in jobs}
 
     # Fair shares (R4, R8) -------------------------------------------------------------
 
@@ -407,12 +420,15 @@ class _FlavorPlanner:
         """Why ``gpus`` more GPUs for queue ``q`` break a quota rule, or None when they do not."""
         tree = self.tree
         usage = self.usage
-        borrowed = usage[q] + gpus - self.guarantee[q]
-        if not r5_may_use_borrowed(cls, borrowed):
+        # Borrowed GPUs are counted against the queue's preemptible work first, so a
+        # non-preemptible workload needs room beside the queue's other non-preemptible ones.
+        pinned = self.pinned_usage[q]
+        if not r5_may_use_borrowed(cls, pinned + gpus - self.guarantee[q]):
             return (
                 "non-preemptible work cannot run on borrowed GPUs: "
-                f"team {tree.names[q]} has {max(0, self.guarantee[q] - usage[q])} "
-                f"of its {self.guarantee[q]} guaranteed {self.flavor} GPUs unused"
+                f"team {tree.names[q]} has {max(0, self.guarantee[q] - pinned)} "
+                f"of its {self.guarantee[q]} guaranteed {self.flavor} GPUs free of "
+                "non-preemptible work"
             )
         for x in tree.path[q]:
             limit = self.borrow_limit[x]
@@ -545,6 +561,28 @@ class _FlavorPlanner:
             i += 1
         return i
 
+    def _shielded(self, run: _Run) -> bool:
+        """Whether taking ``run`` would only move the loss onto its own queue's lower work.
+
+        Once requeued, ``run`` would preempt a lower-priority job of its own queue by R7 in
+        the next cycle, so the plan would not be stable; that lower job is the victim to
+        take instead (it comes earlier in the order, unless a rule protects it).
+        """
+        if run.cls.preemption_policy != PREEMPT_LOWER_PRIORITY:
+            return False
+        runs = self.candidates[run.queue]
+        for i in range(self.head[run.queue], len(runs)):
+            lower = runs[i]
+            if lower.cls.value >= run.cls.value:
+                return False
+            if (
+                not lower.victim
+                and lower.gpus >= run.gpus
+                and r7_may_preempt_by_priority(run.cls, lower.cls, lower.runtime(self.now))
+            ):
+                return True
+        return False
+
     def _reclaim_candidates(self, q: int) -> Iterator[tuple[_Run, str]]:
         """R6 with R3: running work of queues above their guarantee, cheapest first.
 
@@ -587,7 +625,7 @@ class _FlavorPlanner:
             nxt = self._next_candidate(r, i + 1)
             if nxt < len(self.candidates[r]):
                 heapq.heappush(heap, (self.candidates[r][nxt].key, r, nxt))
-            if run.victim:
+            if run.victim or self._shielded(run):
                 continue
             if overshoot:
                 straddlers.append((overshoot, run.key, run))
@@ -653,6 +691,8 @@ class _FlavorPlanner:
             if run.victim or run.runtime(self.now) < run.cls.min_runtime_seconds:
                 continue
             chain, side_q, side_r = chains[r]
+            if self._shielded(run):
+                continue
             if any(usage[x] - run.gpus < fair[x] - 1e-9 for x in chain):
                 continue
             if r8_may_preempt_for_fair_share(
@@ -725,13 +765,18 @@ class _FlavorPlanner:
             for run, _ in reversed(chosen):
                 shift(run, -1)
             return None
+        # A victim on nodes the placement does not use frees nothing there; it stays only
+        # when the quotas need its GPUs back (R10).
         used = {n for n, _ in placement}
         kept: list[tuple[_Run, str]] = []
-        for run, reason in chosen:
-            if any(n in used for n, _ in run.nodes):
-                kept.append((run, reason))
-            else:
+        for run, reason in reversed(chosen):
+            if not any(n in used for n, _ in run.nodes):
                 self._add_usage(run.queue, run.gpus)
+                if self._quota_reason(q, gpus, job.cls) is None:
+                    continue
+                self._add_usage(run.queue, -run.gpus)
+            kept.append((run, reason))
+        kept.reverse()
         if self._quota_reason(q, gpus, job.cls) is not None or not kept:
             for run, _ in kept:
                 self._add_usage(run.queue, run.gpus)
@@ -740,41 +785,60 @@ class _FlavorPlanner:
 
     # The cycle -------------------------------------------------------------------------
 
-    def run(
-        self, admit: list[Admission], preempt: list[Preemption], waiting: list[Waiting]
-    ) -> None:
-        """Plan every pending workload of this flavor, appending to the three lists."""
-        heap: list[tuple[float, float, str, int]] = []
-        position = [0] * len(self.pending)
-        for q, jobs in enumerate(self.pending):
+    def run(self) -> None:
+        """Plan every pending workload of this flavor.
+
+        Decisions land in ``admissions``, ``waits`` and ``preempt``. A pass that admitted
+        work (new candidate victims) or withdrew an admission (free GPUs) changed what the
+        workloads planned before could do, so those still waiting get up to three more
+        passes.
+        """
+        self._pass(self.pending)
+        for _ in range(3):
+            if not self.changed:
+                break
+            self.changed = False
+            retry: list[list[_Job]] = [[] for _ in self.pending]
+            for workload_id in self.waits:
+                if workload_id not in self.claimed:
+                    job = self.job_by_id[workload_id]
+                    retry[job.queue].append(job)
+            for jobs in retry:
+                jobs.sort(
+                    key=lambda job: (-job.cls.value, job.workload.submitted_at, job.workload.id)
+                )
+            self._pass(retry)
+
+    def _pass(self, pending: list[list[_Job]]) -> None:
+        heap: list[tuple[bool, float, float, str, int]] = []
+        position = [0] * len(pending)
+        for q, jobs in enumerate(pending):
             if jobs:
                 heap.append(self._queue_key(q, jobs[0]))
         heapq.heapify(heap)
         while heap:
             *_, q = heapq.heappop(heap)
-            jobs = self.pending[q]
+            jobs = pending[q]
             job = jobs[position[q]]
             position[q] += 1
-            self._plan_job(job, admit, preempt, waiting)
+            self._plan_job(job, self.preempt)
             if position[q] < len(jobs):
                 heapq.heappush(heap, self._queue_key(q, jobs[position[q]]))
 
-    def _queue_key(self, q: int, head: _Job) -> tuple[float, float, str, int]:
-        # The queue furthest below its fair share goes first; ties by older submission.
+    def _queue_key(self, q: int, head: _Job) -> tuple[bool, float, float, str, int]:
+        # Work that fits inside its queue's guarantee goes before any borrowing: otherwise
+        # a borrower would take GPUs that the guarantee reclaims in the next cycle. Then
+        # the queue furthest below its fair share goes first; ties by older submission.
+        usage = self.usage[q]
         return (
-            self.usage[q] - self.fair_share[q],
+            usage + head.workload.gpus > self.guarantee[q],
+            usage - self.fair_share[q],
             head.workload.submitted_at,
             self.tree.names[q],
             q,
         )
 
-    def _plan_job(
-        self,
-        job: _Job,
-        admit: list[Admission],
-        preempt: list[Preemption],
-        waiting: list[Waiting],
-    ) -> None:
+    def _plan_job(self, job: _Job, preempt: list[Preemption]) -> None:
         w = job.workload
         q = job.queue
         gpus = w.gpus
@@ -784,21 +848,7 @@ class _FlavorPlanner:
         if quota_reason is None:
             placement = self._place_free(ranks, gpr)
             if placement is not None:
-                borrowed = max(0, self.usage[q] + gpus - self.guarantee[q]) - max(
-                    0, self.usage[q] - self.guarantee[q]
-                )
-                self._claim(placement, gpr)
-                self._add_usage(q, gpus)
-                if self.usage[q] > self.guarantee[q]:
-                    self.generation += 1
-                self.admitted.append((q, gpus))
-                admit.append(
-                    Admission(
-                        w.id,
-                        tuple((self.node_names[n], r) for n, r in placement),
-                        borrowed,
-                    )
-                )
+                self._admit(job, placement)
                 return
             if self.releasing_nodes:
                 failed = self.release_fail.get(gpr)
@@ -806,7 +856,7 @@ class _FlavorPlanner:
                     if self._hostable_ranks(gpr) >= ranks:
                         placement = self._place_on(ranks, gpr, {})
                         if placement is not None:
-                            self._wait_on(job, placement, waiting)
+                            self._wait_on(job, placement)
                             return
                     self.release_fail[gpr] = min(ranks, failed if failed is not None else ranks)
         for mode in self._modes(job):
@@ -825,17 +875,79 @@ class _FlavorPlanner:
                 self.attempt_fail[key] = (ranks, self.generation)
                 continue
             victims, placement = result
+            running_victims = False
             for run, reason in victims:
                 run.victim = True
+                if run.planned:
+                    # Admitted earlier in this same plan: it never starts, and its GPUs
+                    # are free at once rather than after a grace window.
+                    del self.admitted[run.workload.id]
+                    del self.admissions[run.workload.id]
+                    if not run.cls.preemptible:
+                        self.pinned_usage[run.queue] -= run.gpus
+                    for n, g in run.nodes:
+                        self._set_free(n, self.free[n] + g)
+                    self.free_fail.clear()
+                    self.changed = True
+                    self.waits[run.workload.id] = Waiting(
+                        run.workload.id, f"gives way to job {w.id} ({reason})"
+                    )
+                    continue
+                running_victims = True
                 preempt.append(Preemption(run.workload.id, reason, w.id, run.cls.grace_seconds))
                 for n, g in run.nodes:
                     self.releasing[n] += g
                     self.releasing_by[n].append(run.workload.id)
                     self.releasing_nodes[n] = None
             self.release_fail.clear()
-            self._wait_on(job, placement, waiting)
+            if not running_victims and all(self.free[n] >= r * gpr for n, r in placement):
+                self._admit(job, placement)
+            else:
+                self._wait_on(job, placement)
             return
-        waiting.append(Waiting(w.id, quota_reason or self._physical_reason(ranks, gpr)))
+        self.waits[w.id] = Waiting(w.id, quota_reason or self._physical_reason(ranks, gpr))
+
+    def _admit(self, job: _Job, placement: list[tuple[int, int]]) -> None:
+        """Start ``job`` on ``placement`` now; it becomes a candidate victim for later jobs.
+
+        A later job of this same plan may still take it back (R6-R8); the plan then
+        withdraws the admission instead of preempting, so the final plan is one that
+        the next cycle would not undo.
+        """
+        w = job.workload
+        q = job.queue
+        gpus = w.gpus
+        borrowed = 0
+        if job.cls.preemptible:
+            borrowed = max(0, self.usage[q] + gpus - self.guarantee[q]) - max(
+                0, self.usage[q] - self.guarantee[q]
+            )
+        else:
+            self.pinned_usage[q] += gpus
+        self._claim(placement, w.gpus_per_rank)
+        self._add_usage(q, gpus)
+        self.admitted[w.id] = (q, gpus)
+        names = tuple((self.node_names[n], r) for n, r in placement)
+        self.admissions[w.id] = Admission(w.id, names, borrowed)
+        self.waits.pop(w.id, None)
+        if job.cls.preemptible:
+            # A new candidate victim can make a failed attempt succeed: forget cached
+            # failures, and give the workloads that already wait another pass.
+            self.generation += 1
+            self.changed = True
+            started = dataclasses.replace(w, state="running", placement=names, admitted_at=self.now)
+            nodes = tuple((n, r * w.gpus_per_rank) for n, r in placement)
+            run = _Run(started, q, job.cls, nodes, self.now, planned=True)
+            runs = self.candidates[q]
+            if not runs:
+                self.candidate_queues.append(q)
+                self.min_candidate_gpus[q] = gpus
+            else:
+                self.min_candidate_gpus[q] = min(self.min_candidate_gpus[q], gpus)
+            at = bisect.bisect_left([r.key for r in runs], run.key) if runs else 0
+            runs.insert(at, run)
+            if at < self.head[q]:
+                self.head[q] = at
 
     def _modes(self, job: _Job) -> list[str]:
         """The kinds of preemption that could let ``job`` in: reclaim, priority, fair share."""
@@ -844,7 +956,7 @@ class _FlavorPlanner:
         modes: list[str] = []
         # Victims of other queues never lower this queue's own borrowing, so a
         # non-preemptible job beyond its guarantee can only gain from priority (R5).
-        within_guarantee = self.usage[q] + gpus <= self.guarantee[q]
+        within_guarantee = self.pinned_usage[q] + gpus <= self.guarantee[q]
         if r6_may_reclaim(self.usage[q], gpus, self.guarantee[q]):
             modes.append(RECLAIM)
         head = self._next_candidate(q, self.head[q])
@@ -860,17 +972,20 @@ class _FlavorPlanner:
             modes.append(FAIR_SHARE)
         return modes
 
-    def _wait_on(self, job: _Job, placement: list[tuple[int, int]], waiting: list[Waiting]) -> None:
+    def _wait_on(self, job: _Job, placement: list[tuple[int, int]]) -> None:
         w = job.workload
         from_releasing, released_by = self._claim(placement, w.gpus_per_rank)
         self._add_usage(job.queue, w.gpus)
+        if not job.cls.preemptible:
+            self.pinned_usage[job.queue] += w.gpus
         if from_releasing:
             reason = (
                 f"waiting for {from_releasing} GPUs being released by {_jobs_phrase(released_by)}"
             )
         else:
             reason = "waiting for its reserved GPUs"
-        waiting.append(Waiting(w.id, reason))
+        self.waits[w.id] = Waiting(w.id, reason)
+        self.claimed.add(w.id)
 
     def _physical_reason(self, ranks: int, gpr: int) -> str:
         flavor = self.flavor
@@ -894,7 +1009,7 @@ class _FlavorPlanner:
         for w in workloads:
             if w.state != PENDING:
                 held[tree.index[w.queue]] += w.gpus
-        for q, gpus in self.admitted:
+        for q, gpus in self.admitted.values():
             held[q] += gpus
         for q in tree.bottom_up:
             p = tree.parent[q]
@@ -983,7 +1098,10 @@ def plan(snapshot: Snapshot) -> Plan:
     for flavor in sorted(flavors):
         workloads = by_flavor.get(flavor, [])
         planner = _FlavorPlanner(snapshot, tree, classes, flavor, workloads)
-        planner.run(admit, preempt, waiting)
+        planner.run()
+        preempt.extend(planner.preempt)
+        admit.extend(planner.admissions.values())
+        waiting.extend(planner.waits.values())
         for q, queue_status in planner.statuses(workloads).items():
             status[tree.names[q]][flavor] = queue_status
     return Plan(

@@ -31,8 +31,9 @@ CLASSES = (
     PriorityClass("polite", 0, "Never", True, 30.0),
     PriorityClass("low", -1, "PreemptLowerPriority", True, 10.0),
     PriorityClass("fresh", -1, "PreemptLowerPriority", True, 10.0, min_runtime_seconds=600.0),
+    PriorityClass("pinned", -5, "PreemptLowerPriority", False, 60.0),
 )
-_CLASS_BY_VALUE = {-1: "low", 0: "normal", 100: "high", 1000: "critical"}
+_CLASS_BY_VALUE = {-5: "pinned", -1: "low", 0: "normal", 100: "high", 1000: "critical"}
 
 
 def nodes(prefix: str, count: int, gpus: int, flavor: str = FLAVOR) -> list[Node]:

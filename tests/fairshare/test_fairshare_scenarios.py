@@ -1,0 +1,131 @@
+"""The scenario table: one named case per line, covering every rule R1-R11.
+
+Each case builds a small cluster, plans it and states the exact admissions and
+preemptions (with reasons) and, for waiting workloads, words their reason must contain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from fairshare_builders import (
+    WorkloadBuilder,
+    admitted,
+    cluster,
+    nodes,
+    preempted,
+    reasons,
+    run_plan,
+    team,
+)
+from fairshare_builders import workload as w
+
+from fairshare import Node, Queue
+
+N2 = nodes("n", 2, 8)
+N3 = nodes("n", 3, 8)
+N4 = nodes("n", 4, 8)
+AB = [team("a", guarantee=8), team("b", guarantee=8)]
+AB0 = [team("a"), team("b")]
+# A three-level tree: org -> ml -> (vision, nlp) beside the top-level team ops.
+TREE = [
+    team("org", guarantee=16),
+    team("ml", "org", guarantee=16),
+    team("vision", "ml", guarantee=8),
+    team("nlp", "ml", guarantee=8),
+    team("ops", guarantee=8),
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    nodes: Sequence[Node]
+    queues: Sequence[Queue]
+    workloads: Sequence[WorkloadBuilder]
+    admit: set[str] = field(default_factory=set)
+    preempt: Mapping[str, str] = field(default_factory=dict)
+    wait: Mapping[str, str] = field(default_factory=dict)
+    fair_share: Mapping[str, float] = field(default_factory=dict)
+    placement: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    borrowed: Mapping[str, int] = field(default_factory=dict)
+
+
+CASES = [
+    Case("admit_on_free_gpus", N2, AB, [w("a1").gpus(4)], admit={"a1"}, placement={"a1": (("n0", 1),)}),
+    Case("borrow_idle_guarantee", N2, AB, [w("b1").queue("b").gpus(8).running("n0"), w("b2").queue("b").gpus(8)], admit={"b2"}, borrowed={"b2": 8}),
+    Case("lend_then_reclaim", N2, AB, [w("b1").queue("b").gpus(8).running("n0"), w("b2").queue("b").gpus(8).running("n1", since=60), w("a1").gpus(8)], preempt={"b2": "reclaim"}, wait={"a1": "waiting for 8 GPUs being released by job b2"}),
+    Case("reclaim_whatever_priority", N2, AB, [w("b1").queue("b").priority(100).gpus(8).running("n0"), w("b2").queue("b").priority(100).gpus(8).running("n1", since=60), w("a1").priority(-1).gpus(8)], preempt={"b2": "reclaim"}),
+    Case("reclaim_whatever_policy", N2, AB, [w("b1").queue("b").priority(100).gpus(8).running("n0"), w("b2").queue("b").priority(100).gpus(8).running("n1", since=60), w("a1").cls("polite").gpus(8)], preempt={"b2": "reclaim"}),
+    Case("guarantee_protects_queue_at_its_line", N2, AB + [team("c")], [w("a1").gpus(8).running("n0"), w("b1").queue("b").gpus(8).running("n1"), w("c1").queue("c").priority(100).gpus(8)], wait={"c1": "no node of flavor h100 has 8 free GPUs"}),
+    Case("no_reclaim_beyond_own_guarantee", N2, AB, [w("a1").gpus(8).running("n0"), w("b1").queue("b").gpus(8).running("n1"), w("a2").gpus(8)], wait={"a2": "free GPUs"}),
+    Case("priority_preemption_inside_queue", N2, [team("a", guarantee=16)], [w("lo").priority(-1).gpus(8).running("n0"), w("x").gpus(8).running("n1"), w("hi").priority(100).gpus(8)], preempt={"lo": "priority"}, wait={"hi": "released by job lo"}),
+    Case("priority_policy_never_does_not_preempt", N2, [team("a", guarantee=16)], [w("lo").priority(-1).gpus(8).running("n0"), w("x").gpus(8).running("n1"), w("p").cls("polite").gpus(8)], wait={"p": "free GPUs"}),
+    Case("priority_needs_strictly_lower_class", N2, [team("a", guarantee=16)], [w("x").gpus(8).running("n0"), w("y").gpus(8).running("n1"), w("z").gpus(8)], wait={"z": "free GPUs"}),
+    Case("non_preemptible_never_a_victim", N2, [team("a", guarantee=16)], [w("pin").priority(-5).gpus(8).running("n0"), w("x").priority(100).gpus(8).running("n1"), w("hi").priority(100).gpus(8)], wait={"hi": "free GPUs"}),
+    Case("non_preemptible_never_on_borrowed_gpus", N2, AB, [w("crit").queue("b").cls("critical").gpus(8).running("n0"), w("crit2").queue("b").cls("critical").gpus(8)], wait={"crit2": "non-preemptible work cannot run on borrowed GPUs"}),
+    Case("non_preemptible_within_guarantee_admitted", N2, AB, [w("crit").cls("critical").gpus(8)], admit={"crit"}, borrowed={"crit": 0}),
+    Case("borrow_limit_blocks", N3, [team("a", guarantee=8), team("b", guarantee=8, borrow_limit=4)], [w("b1").queue("b").gpus(8).running("n0"), w("b2").queue("b").gpus(8)], wait={"b2": "team b at its borrow limit of 4 h100 GPUs"}),
+    Case("borrow_limit_allows_up_to_it", N3, [team("a", guarantee=8), team("b", guarantee=8, borrow_limit=8)], [w("b1").queue("b").gpus(8).running("n0"), w("b2").queue("b").gpus(8)], admit={"b2"}, borrowed={"b2": 8}),
+    Case("lend_limit_holds_idle_guarantee_back", N2, [team("a", guarantee=8, lend_limit=0), team("b", guarantee=8)], [w("b1").queue("b").gpus(8).running("n0"), w("b2").queue("b").gpus(8)], wait={"b2": "lend limits"}),
+    Case("lend_limit_lends_part", N2, [team("a", guarantee=8, lend_limit=4), team("b", guarantee=8)], [w("b1").queue("b").gpus(8).running("n0"), w("b2").queue("b").gpus(4).submitted(50), w("b3").queue("b").gpus(4).submitted(10)], admit={"b2"}, wait={"b3": "lend limits"}),
+    Case("three_level_tree_lends_to_siblings_first", N3, TREE, [w("n1").queue("nlp").gpus(8).running("n0"), w("o1").queue("ops").gpus(8).running("n1"), w("o2").queue("ops").gpus(8).submitted(500), w("n2").queue("nlp").gpus(8)], admit={"n2"}, wait={"o2": "free GPUs"}, fair_share={"nlp": 16, "ops": 8, "vision": 0}),
+    Case("three_level_tree_reclaims_from_other_branch", N3, TREE, [w("o1").queue("ops").gpus(8).running("n0"), w("o2").queue("ops").gpus(8).running("n1", since=10), w("o3").queue("ops").gpus(8).running("n2", since=20), w("v1").queue("vision").gpus(8)], preempt={"o2": "reclaim"}),
+    Case("parent_guarantee_shared_by_weight", N2, [team("p", guarantee=16), team("x", "p", weight=3), team("y", "p", weight=1)], [w("x1").queue("x").gpus(8), w("x2").queue("x").gpus(8), w("y1").queue("y").gpus(8).submitted(500), w("y2").queue("y").gpus(8).submitted(500)], admit={"x1", "y1"}, wait={"x2": "free GPUs", "y2": "free GPUs"}, fair_share={"x": 12, "y": 4, "p": 16}),
+    Case("weighted_division_of_the_surplus", N3, [team("a", weight=2), team("b", weight=1)], [w("a1").gpus(24), w("b1").queue("b").gpus(24)], fair_share={"a": 16, "b": 8}, wait={"a1": "no node of flavor h100 has 24 GPUs"}),
+    Case("fair_share_capped_by_demand", N3, AB0, [w("a1").gpus(4), w("b1").queue("b").gpus(8), w("b2").queue("b").gpus(8), w("b3").queue("b").gpus(8)], fair_share={"a": 4, "b": 20}, admit={"a1", "b1", "b2"}, wait={"b3": "free GPUs"}),
+    Case("fair_share_preemption_between_borrowers", N2, AB0, [w("a1").gpus(8).running("n0"), w("a2").gpus(8).running("n1", since=60), w("b1").queue("b").gpus(8)], preempt={"a2": "fair-share"}, wait={"b1": "released by job a2"}),
+    Case("anti_flap_no_preemption_at_equal_shares", N2, AB0, [w("a1").gpus(8).running("n0"), w("b1").queue("b").gpus(8).running("n1"), w("b2").queue("b").gpus(8)], wait={"b2": "free GPUs"}, fair_share={"a": 8, "b": 8}),
+    Case("anti_flap_victim_must_stay_at_its_fair_share", N2, AB0, [w("cheap").gpus(8).running("n0", since=10), w("dear").gpus(4).running("n1"), w("b1").queue("b").gpus(8)], preempt={"dear": "fair-share"}),
+    Case("anti_flap_between_borrowers_unequal_costs", N3, AB0 + [team("c")], [w("a1").gpus(8).running("n0"), w("a2").gpus(8).running("n1", checkpoint=5), w("b1").queue("b").gpus(8).running("n2", checkpoint=1), w("c1").queue("c").gpus(8)], preempt={"a2": "fair-share"}),
+    Case("node_aware_frees_one_whole_node", N3, [team("a", guarantee=24), team("b")], [w("b_n0a").queue("b").gpus(4).running("n0", since=50), w("b_n0b").queue("b").gpus(4).running("n0", since=50), w("spread").queue("b").gang(2, 4).running("n1", "n2", since=100), w("b_n1").queue("b").gpus(4).running("n1", since=10), w("b_n2").queue("b").gpus(4).running("n2", since=10), w("a1").gpus(8)], preempt={"b_n0a": "reclaim", "b_n0b": "reclaim"}),
+    Case("node_aware_drops_useless_cheap_victim", N2, [team("a", guarantee=16), team("b")], [w("cheap").queue("b").gpus(4).running("n1", since=50), w("pin").queue("b").gpus(4).running("n1", since=5000), w("whole").queue("b").gpus(8).running("n0", since=100), w("a1").gpus(8)], preempt={"whole": "reclaim"}),
+    Case("terminating_victims_counted_first", N2, AB, [w("b1").queue("b").gpus(8).terminating("n0"), w("b2").queue("b").gpus(8).running("n1"), w("a1").gpus(8)], wait={"a1": "waiting for 8 GPUs being released by job b1"}),
+    Case("releasing_gpus_never_promised_twice", N3, [team("a", guarantee=16), team("b", guarantee=8)], [w("b1").queue("b").gpus(8).terminating("n0"), w("b2").queue("b").gpus(8).running("n1"), w("b3").queue("b").gpus(8).running("n2", since=60), w("a1").gpus(8).submitted(50), w("a2").gpus(8).submitted(40)], preempt={"b3": "reclaim"}, wait={"a1": "released by job b1", "a2": "released by job b3"}),
+    Case("gang_admitted_whole_or_not_at_all", N2, AB0, [w("x").gpus(4).running("n1"), w("g").gang(3, 4)], admit={"g"}, placement={"g": (("n0", 2), ("n1", 1))}),
+    Case("gang_waits_whole_when_one_rank_misses", N2, AB0, [w("x").gpus(6).running("n1"), w("g").gang(3, 4)], wait={"g": "3 ranks of 4 GPUs do not fit"}),
+    Case("gang_preempted_whole", N2, [team("a", guarantee=8), team("b")], [w("bg").queue("b").gang(2, 4).running("n0", "n1"), w("b2").queue("b").gpus(4).running("n0", since=7200), w("b3").queue("b").gpus(4).running("n1", since=7200), w("a1").gpus(4)], preempt={"bg": "reclaim"}, wait={"a1": "released by job bg"}),
+    Case("gang_straddling_guarantee_line_goes_whole", N2, [team("a", guarantee=12), team("b", guarantee=4)], [w("a0").gpus(4).running("n1"), w("bg").queue("b").gpus(8).running("n0"), w("a1").gpus(8)], preempt={"bg": "reclaim"}),
+    Case("straddlers_last_smallest_overshoot_first", N2, [team("a", guarantee=8), team("b", guarantee=8)], [w("a0").gpus(4).running("n1"), w("b1").queue("b").gpus(8).running("n0", since=10), w("b2").queue("b").gpus(4).running("n1"), w("a1").gpus(4)], preempt={"b2": "reclaim"}),
+    Case("min_runtime_protects_from_priority", N2, [team("a", guarantee=16)], [w("f").cls("fresh").gpus(8).running("n0", since=60), w("x").priority(100).gpus(8).running("n1"), w("hi").priority(100).gpus(8)], wait={"hi": "free GPUs"}),
+    Case("min_runtime_expired_allows_priority", N2, [team("a", guarantee=16)], [w("f").cls("fresh").gpus(8).running("n0", since=3600), w("x").gpus(8).running("n1"), w("hi").priority(100).gpus(8)], preempt={"f": "priority"}),
+    Case("min_runtime_never_protects_borrowed_gpus", N2, AB, [w("b1").queue("b").gpus(8).running("n0"), w("f").queue("b").cls("fresh").gpus(8).running("n1", since=60), w("a1").gpus(8)], preempt={"f": "reclaim"}),
+    Case("min_runtime_protects_from_fair_share", N2, AB0, [w("f0").cls("fresh").gpus(8).running("n0", since=60), w("f1").cls("fresh").gpus(8).running("n1", since=60), w("b1").queue("b").gpus(8)], wait={"b1": "free GPUs"}),
+    Case("blocked_job_does_not_block_others", N2, AB, [w("big").gpus(16).submitted(500), w("small").gpus(4)], admit={"small"}, wait={"big": "no node of flavor h100 has 16 GPUs"}),
+    Case("no_node_has_enough_free_gpus", [Node("m0", "h100", 16)], [team("a", guarantee=16)], [w("x").gpus(4).running("m0"), w("big").gpus(16)], wait={"big": "no node of flavor h100 has 16 free GPUs"}),
+    Case("queue_furthest_below_fair_share_first", N3, [team("a", guarantee=16), team("b")], [w("a0").gpus(8).running("n0"), w("b0").queue("b").gpus(8).running("n1"), w("b1").queue("b").gpus(8).submitted(900), w("a1").gpus(8).submitted(10)], admit={"a1"}, wait={"b1": "free GPUs"}),
+    Case("ties_go_to_older_submission", N3, AB0, [w("a0").gpus(8).running("n0"), w("b0").queue("b").gpus(8).running("n1"), w("a1").gpus(8).submitted(10), w("b1").queue("b").gpus(8).submitted(900)], admit={"b1"}, wait={"a1": "free GPUs"}),
+    Case("inside_queue_priority_then_age", N2, AB, [w("x").gpus(8).running("n0"), w("old").gpus(8).submitted(900), w("hi").priority(100).gpus(8).submitted(5)], admit={"hi"}, wait={"old": "free GPUs"}),
+    Case("cheapest_victim_lower_priority_first", N3, AB, [w("b0").queue("b").gpus(8).running("n0"), w("b_low").queue("b").priority(-1).gpus(8).running("n1", since=7200), w("b_norm").queue("b").gpus(8).running("n2", since=60), w("a1").gpus(8)], preempt={"b_low": "reclaim"}),
+    Case("cheapest_victim_least_lost_work", N3, AB, [w("b0").queue("b").gpus(8).running("n0"), w("b_old").queue("b").gpus(8).running("n1", since=7200, checkpoint=30), w("b_new").queue("b").gpus(8).running("n2", since=600), w("a1").gpus(8)], preempt={"b_old": "reclaim"}),
+    Case("unknown_flavor_waits_with_reason", N2, AB, [w("x").flavor("a100").gpus(1)], wait={"x": "no node of flavor a100 exists"}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_scenario(case: Case) -> None:
+    p = run_plan(cluster(case.nodes, case.queues, case.workloads))
+    assert admitted(p) == case.admit
+    assert preempted(p) == dict(case.preempt)
+    waiting = reasons(p)
+    for workload_id, words in case.wait.items():
+        assert words in waiting[workload_id], waiting
+    for queue, share in case.fair_share.items():
+        assert p.queues[queue]["h100"].fair_share == pytest.approx(share)
+    placements = {a.id: a.placement for a in p.admit}
+    for workload_id, placement in case.placement.items():
+        assert placements[workload_id] == placement
+    borrowed = {a.id: a.borrowed for a in p.admit}
+    for workload_id, gpus in case.borrowed.items():
+        assert borrowed[workload_id] == gpus
+    # Every pending workload gets exactly one decision: admitted or waiting.
+    pending = {x.build().id for x in case.workloads if x.build().state == "pending"}
+    assert admitted(p) | set(waiting) == pending
+    assert not admitted(p) & set(waiting)
+
+
+def test_the_table_is_large_enough() -> None:
+    assert len(CASES) >= 30
+    assert len({c.name for c in CASES}) == len(CASES)
