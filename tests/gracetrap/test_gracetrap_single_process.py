@@ -211,3 +211,33 @@ def test_events_are_json_lines_with_the_protocol_fields() -> None:
         "code",
     }
     assert trap.resume() == 0
+
+
+class _SignalsWhileSaved:
+    """A registered object that delivers a real SIGUSR1 while the trap is saving it."""
+
+    def __init__(self) -> None:
+        self.saves = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        self.saves += 1
+        if self.saves == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return {"saves": torch.tensor(self.saves)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.saves = int(state_dict["saves"])
+
+
+def test_a_signal_during_a_save_is_remembered(tmp_path: Path) -> None:
+    sender = _SignalsWhileSaved()
+    stream = io.StringIO()
+    with Trap(tmp_path, {"sender": sender}, signals=(signal.SIGUSR1,), stream=stream) as trap:
+        trap.save(0)
+        assert not trap.should_stop(1)
+        trap.save(1)
+        assert sender.saves == 2
+        assert trap.should_stop(2)
+    names = [e["event"] for e in _events(stream)]
+    assert names.count("checkpoint_committed") == 2 and "signal_received" in names
+    assert [info.step for info in complete_checkpoints(tmp_path)] == [1, 0]
