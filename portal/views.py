@@ -32,7 +32,7 @@ from preemption.models import ACTIVE_STATES, WAITING_STATES
 from preemption.selectors import job_list, preemption_event_list
 from preemption.views import describe_preemption
 from quotas.selectors import access_for, priority_class_list
-from telemetry.selectors import flavors_now, overview_teams, pending_jobs, team_rows
+from telemetry.selectors import UsageNow, flavors_now, overview_teams, pending_jobs, team_rows
 
 RECENT_PREEMPTIONS = 10
 PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
@@ -45,8 +45,9 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     the latest preemptions, all scoped to what the user may read."""
     access = access_for(request.user)
     shown = overview_teams(access=access)
-    rows = [row for row in team_rows(access=access, only_team_ids=shown) if row.active]
-    flavors = flavors_now()
+    usage = UsageNow.load()
+    rows = [row for row in team_rows(access=access, only_team_ids=shown, usage=usage) if row.active]
+    flavors = flavors_now(usage)
     # One scale per flavor, so every team's bar of that flavor is comparable.
     scale = {
         flavor.name: max(

@@ -144,7 +144,25 @@ def _borrowed_by_team_flavor() -> dict[tuple[int, int], int]:
     return {(row["job__team_id"], row["job__flavor_id"]): int(row["borrowed"] or 0) for row in rows}
 
 
-def flavors_now() -> list[FlavorNow]:
+@dataclass(frozen=True)
+class UsageNow:
+    """GPUs in use and borrowed per (team id, flavor id), and the flavors by id,
+    read once so a page that shows both flavors and teams queries them once."""
+
+    used: dict[tuple[int, int], int]
+    borrowed: dict[tuple[int, int], int]
+    flavors: dict[int, str]
+
+    @classmethod
+    def load(cls) -> UsageNow:
+        return cls(
+            used=_used_by_team_flavor(),
+            borrowed=_borrowed_by_team_flavor(),
+            flavors=dict(ResourceFlavor.objects.order_by("name").values_list("id", "name")),
+        )
+
+
+def flavors_now(usage: UsageNow | None = None) -> list[FlavorNow]:
     """Per flavor: schedulable GPUs, top-level guarantees, GPUs in use and borrowed.
 
     These are cluster-wide totals without team names, shown to every signed-in user.
@@ -161,11 +179,12 @@ def flavors_now() -> list[FlavorNow]:
         .annotate(total=Sum("guarantee"))
         .values_list("flavor_id", "total")
     )
+    usage = usage or UsageNow.load()
     used: dict[int, int] = defaultdict(int)
-    for (_, flavor_id), gpus in _used_by_team_flavor().items():
+    for (_, flavor_id), gpus in usage.used.items():
         used[flavor_id] += gpus
     borrowed: dict[int, int] = defaultdict(int)
-    for (_, flavor_id), gpus in _borrowed_by_team_flavor().items():
+    for (_, flavor_id), gpus in usage.borrowed.items():
         borrowed[flavor_id] += gpus
     return [
         FlavorNow(
@@ -176,11 +195,13 @@ def flavors_now() -> list[FlavorNow]:
             used=used[flavor_id],
             borrowed=borrowed[flavor_id],
         )
-        for flavor_id, name in ResourceFlavor.objects.order_by("name").values_list("id", "name")
+        for flavor_id, name in usage.flavors.items()
     ]
 
 
-def team_rows(*, access: Access, only_team_ids: Iterable[int] | None = None) -> list[TeamRow]:
+def team_rows(
+    *, access: Access, only_team_ids: Iterable[int] | None = None, usage: UsageNow | None = None
+) -> list[TeamRow]:
     """The readable part of the team tree in depth-first order, each team with
     its quota and current usage per flavor (inner teams sum their subtree)."""
     tree = access.tree
@@ -191,9 +212,10 @@ def team_rows(*, access: Access, only_team_ids: Iterable[int] | None = None) -> 
         team["id"]: team
         for team in Team.objects.filter(id__in=readable).values("id", "slug", "name", "weight")
     }
-    flavors = dict(ResourceFlavor.objects.values_list("id", "name"))
-    used = _used_by_team_flavor()
-    borrowed_leaf = _borrowed_by_team_flavor()
+    usage = usage or UsageNow.load()
+    flavors = usage.flavors
+    used = usage.used
+    borrowed_leaf = usage.borrowed
 
     # Roll leaf usage up the whole tree (not only the readable part), so an
     # inner team shows its subtree's usage even where the user sees one branch.

@@ -8,7 +8,7 @@ from django.db import transaction
 
 from quotas.selectors import Access, TeamTree
 from telemetry.models import UtilizationSample
-from telemetry.selectors import flavors_now, team_rows
+from telemetry.selectors import UsageNow, flavors_now, team_rows
 
 
 @transaction.atomic
@@ -24,11 +24,12 @@ def utilization_sample(now: datetime) -> int:
     everyone = Access(
         is_admin=True, user_id=None, tree=tree, managed=frozenset(), member_of=frozenset()
     )
-    flavors = flavors_now()
+    usage = UsageNow.load()
+    flavors = flavors_now(usage)
     capacity = {flavor.name: flavor.capacity for flavor in flavors}
     flavor_ids = {flavor.name: flavor.flavor_id for flavor in flavors}
     samples = []
-    for row in team_rows(access=everyone):
+    for row in team_rows(access=everyone, usage=usage):
         for flavor, usage in row.flavors.items():
             if not (usage.has_quota or usage.used):
                 continue
