@@ -189,7 +189,7 @@ def progress_bar(stream: TextIO, width: int = 30) -> Callable[[Progress], None]:
             f"{progress.running} running, {progress.pending} pending, "
             f"{progress.plan_calls} cycles, {time.monotonic() - started:.0f} s"
         )
-        if progress.jobs_done >= progress.jobs_total:
+        if progress.finished:
             stream.write("\n")
         stream.flush()
 

@@ -93,6 +93,7 @@ class Progress:
     plan_calls: int
     running: int
     pending: int
+    finished: bool = False
 
 
 @dataclass(slots=True)
@@ -491,7 +492,7 @@ class Simulation:
         end = max((self.ledger.now, now))
         self.ledger.close(end)
         if self.progress is not None:
-            self._report_progress(end)
+            self._report_progress(end, finished=True)
         unfinished = [job for job in self.jobs if job.state not in ("done", "unfit")]
         reasons = {waiting.id: waiting.reason for waiting in self.last_waiting}
         stalled = {job.name: reasons.get(job.id, "never admitted") for job in unfinished[:20]}
@@ -516,7 +517,7 @@ class Simulation:
             cpu_seconds=round(time.process_time() - cpu_started, 3),
         )
 
-    def _report_progress(self, now: float) -> None:
+    def _report_progress(self, now: float, *, finished: bool = False) -> None:
         assert self.progress is not None
         self.progress(
             Progress(
@@ -526,6 +527,7 @@ class Simulation:
                 plan_calls=self.plan_calls,
                 running=len(self.running),
                 pending=len(self.pending),
+                finished=finished,
             )
         )
 
