@@ -227,11 +227,15 @@ def main() -> None:
     disk = max(rate(runs["dd sequential write"]), rate(runs["Python sequential write"]))
     plain = rate(runs["torch.save + fsync (CRC32 on)"])
     print(f"median of {args.repeats}, all through fsync:")
-    print(f"  {'method':42s} {'s':>7s} {'MB/s':>8s} {'of disk':>8s} {'of torch.save':>14s}")
+    print(
+        f"  {'method':42s} {'s':>7s} {'MB/s':>8s} {'of disk':>8s} {'of torch.save':>14s}"
+        f" {'best MB/s':>10s}"
+    )
     for label, seconds in runs.items():
         print(
             f"  {label:42s} {statistics.median(seconds):7.3f} {rate(seconds):8.1f} "
             f"{rate(seconds) / disk:8.0%} {rate(seconds) / plain:14.0%}"
+            f" {state_bytes / min(seconds) / 1e6:10.1f}"
         )
     print(f"disk speed (the better plain write): {disk:.1f} MB/s")
     print(f"checkpoint on disk: {checkpoint_bytes / 1e9:.3f} GB")
