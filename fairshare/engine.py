@@ -55,7 +55,7 @@ from .rules import (
 _INF = float("inf")
 # A failed preemption attempt examines at most this many candidate victims. It bounds a
 # plan's time on a saturated cluster; a workload that needs more victims than that waits.
-_MAX_CANDIDATES_PER_ATTEMPT = 4096
+_MAX_CANDIDATES_PER_ATTEMPT = 512
 
 
 @dataclass(slots=True)
@@ -70,6 +70,7 @@ class _Tree:
     path: list[tuple[int, ...]]
     top: list[int]
     bottom_up: list[int]
+    lca_cache: dict[tuple[int, int], tuple[tuple[int, ...], int, int]]
 
     def lca_chains(self, q: int, r: int) -> tuple[tuple[int, ...], int, int]:
         """Queues on ``r``'s path strictly below the lowest common ancestor with ``q``.
@@ -77,6 +78,14 @@ class _Tree:
         Also returns the two children of that ancestor (or the two top-level queues) on
         which ``q`` and ``r`` lie, where R8 compares shares.
         """
+        cached = self.lca_cache.get((q, r))
+        if cached is not None:
+            return cached
+        found = self._lca_chains(q, r)
+        self.lca_cache[(q, r)] = found
+        return found
+
+    def _lca_chains(self, q: int, r: int) -> tuple[tuple[int, ...], int, int]:
         q_path = self.path[q]
         on_q = set(q_path)
         chain: list[int] = []
@@ -125,6 +134,7 @@ def _build_tree(snapshot: Snapshot) -> _Tree:
         path=path,
         top=[i for i in range(count) if parent[i] == -1],
         bottom_up=bottom_up,
+        lca_cache={},
     )
 
 
@@ -351,6 +361,8 @@ class _FlavorPlanner:
         self.waits: dict[str, Waiting] = {}
         self.claimed: set[str] = set()
         self.changed = False
+        self.freed = False
+        self.tried: set[str] = set()
         self.preempt: list[Preemption] = []
         self.job_by_id = {job.workload.id: job for jobs in pending for job in jobs}
 
@@ -799,8 +811,10 @@ class _FlavorPlanner:
                 break
             self.changed = False
             retry: list[list[_Job]] = [[] for _ in self.pending]
+            everyone = self.freed
+            self.freed = False
             for workload_id in self.waits:
-                if workload_id not in self.claimed:
+                if workload_id not in self.claimed and (everyone or workload_id in self.tried):
                     job = self.job_by_id[workload_id]
                     retry[job.queue].append(job)
             for jobs in retry:
@@ -859,7 +873,10 @@ class _FlavorPlanner:
                             self._wait_on(job, placement)
                             return
                     self.release_fail[gpr] = min(ranks, failed if failed is not None else ranks)
-        for mode in self._modes(job):
+        modes = self._modes(job)
+        if modes:
+            self.tried.add(w.id)
+        for mode in modes:
             key = (q, mode, gpr, job.cls.value, job.cls.preemptible)
             cached = self.attempt_fail.get(key)
             if cached is not None and cached[1] == self.generation and ranks >= cached[0]:
@@ -889,6 +906,7 @@ class _FlavorPlanner:
                         self._set_free(n, self.free[n] + g)
                     self.free_fail.clear()
                     self.changed = True
+                    self.freed = True
                     self.waits[run.workload.id] = Waiting(
                         run.workload.id, f"gives way to job {w.id} ({reason})"
                     )
@@ -933,7 +951,8 @@ class _FlavorPlanner:
         if job.cls.preemptible:
             # A new candidate victim can make a failed attempt succeed: forget cached
             # failures, and give the workloads that already wait another pass.
-            self.generation += 1
+            if self.usage[q] > min(self.guarantee[q], self.fair_share[q]):
+                self.generation += 1
             self.changed = True
             started = dataclasses.replace(w, state="running", placement=names, admitted_at=self.now)
             nodes = tuple((n, r * w.gpus_per_rank) for n, r in placement)

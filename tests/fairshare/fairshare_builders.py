@@ -1,7 +1,7 @@
 """Small builders for fair-share scenarios, so that each test case reads as one line.
 
-    cluster(nodes("n", 2, 8), queues=[team("a", guarantee=8), team("b", guarantee=8)],
-            workloads=[workload("x").queue("b").gpus(8).running("n0")])
+cluster(nodes("n", 2, 8), queues=[team("a", guarantee=8), team("b", guarantee=8)],
+        workloads=[workload("x").queue("b").gpus(8).running("n0")])
 """
 
 from __future__ import annotations
@@ -95,7 +95,9 @@ class WorkloadBuilder:
     def flavor(self, name: str) -> WorkloadBuilder:
         return self._with(flavor=name)
 
-    def running(self, *nodes_: str, since: float = 3600.0, checkpoint: float | None = None) -> WorkloadBuilder:
+    def running(
+        self, *nodes_: str, since: float = 3600.0, checkpoint: float | None = None
+    ) -> WorkloadBuilder:
         """Running on ``nodes_`` (ranks spread evenly), admitted ``since`` seconds ago."""
         ranks = self._w.ranks
         share, extra = divmod(ranks, len(nodes_))

@@ -136,7 +136,9 @@ def apply_plan(snapshot: Snapshot, p: Plan, now: float) -> Snapshot:
 
 def admit_only(snapshot: Snapshot, p: Plan) -> Snapshot:
     """Start what fits now, ignoring the plan's preemptions."""
-    return apply_plan(dataclasses.replace(snapshot), dataclasses.replace(p, preempt=()), snapshot.now)
+    return apply_plan(
+        dataclasses.replace(snapshot), dataclasses.replace(p, preempt=()), snapshot.now
+    )
 
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

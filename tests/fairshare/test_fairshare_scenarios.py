@@ -53,13 +53,15 @@ class Case:
     borrowed: Mapping[str, int] = field(default_factory=dict)
 
 
+# One line per case, as in a table.
+# fmt: off
 CASES = [
     Case("admit_on_free_gpus", N2, AB, [w("a1").gpus(4)], admit={"a1"}, placement={"a1": (("n0", 1),)}),
     Case("borrow_idle_guarantee", N2, AB, [w("b1").queue("b").gpus(8).running("n0"), w("b2").queue("b").gpus(8)], admit={"b2"}, borrowed={"b2": 8}),
     Case("lend_then_reclaim", N2, AB, [w("b1").queue("b").gpus(8).running("n0"), w("b2").queue("b").gpus(8).running("n1", since=60), w("a1").gpus(8)], preempt={"b2": "reclaim"}, wait={"a1": "waiting for 8 GPUs being released by job b2"}),
     Case("reclaim_whatever_priority", N2, AB, [w("b1").queue("b").priority(100).gpus(8).running("n0"), w("b2").queue("b").priority(100).gpus(8).running("n1", since=60), w("a1").priority(-1).gpus(8)], preempt={"b2": "reclaim"}),
     Case("reclaim_whatever_policy", N2, AB, [w("b1").queue("b").priority(100).gpus(8).running("n0"), w("b2").queue("b").priority(100).gpus(8).running("n1", since=60), w("a1").cls("polite").gpus(8)], preempt={"b2": "reclaim"}),
-    Case("guarantee_protects_queue_at_its_line", N2, AB + [team("c")], [w("a1").gpus(8).running("n0"), w("b1").queue("b").gpus(8).running("n1"), w("c1").queue("c").priority(100).gpus(8)], wait={"c1": "no node of flavor h100 has 8 free GPUs"}),
+    Case("guarantee_protects_queue_at_its_line", N2, [*AB, team("c")], [w("a1").gpus(8).running("n0"), w("b1").queue("b").gpus(8).running("n1"), w("c1").queue("c").priority(100).gpus(8)], wait={"c1": "no node of flavor h100 has 8 free GPUs"}),
     Case("no_reclaim_beyond_own_guarantee", N2, AB, [w("a1").gpus(8).running("n0"), w("b1").queue("b").gpus(8).running("n1"), w("a2").gpus(8)], wait={"a2": "free GPUs"}),
     Case("priority_preemption_inside_queue", N2, [team("a", guarantee=16)], [w("lo").priority(-1).gpus(8).running("n0"), w("x").gpus(8).running("n1"), w("hi").priority(100).gpus(8)], preempt={"lo": "priority"}, wait={"hi": "released by job lo"}),
     Case("priority_policy_never_does_not_preempt", N2, [team("a", guarantee=16)], [w("lo").priority(-1).gpus(8).running("n0"), w("x").gpus(8).running("n1"), w("p").cls("polite").gpus(8)], wait={"p": "free GPUs"}),
@@ -79,7 +81,7 @@ CASES = [
     Case("fair_share_preemption_between_borrowers", N2, AB0, [w("a1").gpus(8).running("n0"), w("a2").gpus(8).running("n1", since=60), w("b1").queue("b").gpus(8)], preempt={"a2": "fair-share"}, wait={"b1": "released by job a2"}),
     Case("anti_flap_no_preemption_at_equal_shares", N2, AB0, [w("a1").gpus(8).running("n0"), w("b1").queue("b").gpus(8).running("n1"), w("b2").queue("b").gpus(8)], wait={"b2": "free GPUs"}, fair_share={"a": 8, "b": 8}),
     Case("anti_flap_victim_must_stay_at_its_fair_share", N2, AB0, [w("cheap").gpus(8).running("n0", since=10), w("dear").gpus(4).running("n1"), w("b1").queue("b").gpus(8)], preempt={"dear": "fair-share"}),
-    Case("anti_flap_between_borrowers_unequal_costs", N3, AB0 + [team("c")], [w("a1").gpus(8).running("n0"), w("a2").gpus(8).running("n1", checkpoint=5), w("b1").queue("b").gpus(8).running("n2", checkpoint=1), w("c1").queue("c").gpus(8)], preempt={"a2": "fair-share"}),
+    Case("anti_flap_between_borrowers_unequal_costs", N3, [*AB0, team("c")], [w("a1").gpus(8).running("n0"), w("a2").gpus(8).running("n1", checkpoint=5), w("b1").queue("b").gpus(8).running("n2", checkpoint=1), w("c1").queue("c").gpus(8)], preempt={"a2": "fair-share"}),
     Case("node_aware_frees_one_whole_node", N3, [team("a", guarantee=24), team("b")], [w("b_n0a").queue("b").gpus(4).running("n0", since=50), w("b_n0b").queue("b").gpus(4).running("n0", since=50), w("spread").queue("b").gang(2, 4).running("n1", "n2", since=100), w("b_n1").queue("b").gpus(4).running("n1", since=10), w("b_n2").queue("b").gpus(4).running("n2", since=10), w("a1").gpus(8)], preempt={"b_n0a": "reclaim", "b_n0b": "reclaim"}),
     Case("node_aware_drops_useless_cheap_victim", N2, [team("a", guarantee=16), team("b")], [w("cheap").queue("b").gpus(4).running("n1", since=50), w("pin").queue("b").gpus(4).running("n1", since=5000), w("whole").queue("b").gpus(8).running("n0", since=100), w("a1").gpus(8)], preempt={"whole": "reclaim"}),
     Case("terminating_victims_counted_first", N2, AB, [w("b1").queue("b").gpus(8).terminating("n0"), w("b2").queue("b").gpus(8).running("n1"), w("a1").gpus(8)], wait={"a1": "waiting for 8 GPUs being released by job b1"}),
@@ -102,6 +104,7 @@ CASES = [
     Case("cheapest_victim_least_lost_work", N3, AB, [w("b0").queue("b").gpus(8).running("n0"), w("b_old").queue("b").gpus(8).running("n1", since=7200, checkpoint=30), w("b_new").queue("b").gpus(8).running("n2", since=600), w("a1").gpus(8)], preempt={"b_old": "reclaim"}),
     Case("unknown_flavor_waits_with_reason", N2, AB, [w("x").flavor("a100").gpus(1)], wait={"x": "no node of flavor a100 exists"}),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -1,0 +1,274 @@
+"""Benchmark of the fair-share engine: one full plan on a large, nearly full cluster.
+
+Run: ``.venv/bin/python bench/bench_fairshare.py`` (``--quick`` for a short run).
+
+Prints, for the issue's cluster (1,250 nodes x 8 GPUs, 500 queues in a three-level
+tree, at least 95% of the GPUs allocated, at least 10% of the pending GPU work in queues
+under their guarantee): admissions, preemptions, median and max wall time of plan()
+over several runs, peak memory (tracemalloc), and how the time grows from 1,000 to
+100,000 workloads.
+
+Workload sizes follow a realistic mix: most jobs take 1 GPU, some 2-8, a few are gangs of
+16-128 GPUs (2-16 ranks of 8). With such sizes 10,000 GPUs hold about 2,500 running
+jobs, not 20,000; the issue's 20,000 running + 50,000 pending workloads are therefore also
+planned on a cluster large enough to run 20,000 of them (see "running-heavy" below).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fairshare import (
+    FlavorQuota,
+    Node,
+    PriorityClass,
+    Queue,
+    Snapshot,
+    Workload,
+    plan,
+)
+
+FLAVOR = "h100"
+NOW = 1_000_000.0
+CLASSES = (
+    PriorityClass("critical", 1000, "PreemptLowerPriority", False, 120.0),
+    PriorityClass("high", 100, "PreemptLowerPriority", True, 60.0),
+    PriorityClass("normal", 0, "PreemptLowerPriority", True, 30.0),
+    PriorityClass("low", -1, "Never", True, 30.0, min_runtime_seconds=600.0),
+)
+CLASS_WEIGHTS = (0.05, 0.15, 0.6, 0.2)
+
+
+def job_shape(rng: random.Random) -> tuple[int, int]:
+    """(ranks, gpus_per_rank): mostly 1 GPU, some 2-8, a few gangs of 16-128 GPUs."""
+    roll = rng.random()
+    if roll < 0.70:
+        return 1, 1
+    if roll < 0.80:
+        return 1, 2
+    if roll < 0.88:
+        return 1, 4
+    if roll < 0.96:
+        return 1, 8
+    return rng.choice((2, 4, 8, 16)), 8
+
+
+def build(
+    nodes: int,
+    leaves_per_mid: int,
+    mids_per_top: int,
+    tops: int,
+    running: int | None,
+    pending: int,
+    seed: int = 7,
+) -> Snapshot:
+    """A cluster of ``nodes`` x 8 GPUs, a three-level queue tree, running and pending work.
+
+    ``running=None`` fills the cluster to at least 95%; otherwise exactly that many
+    workloads run (the cluster must be large enough).
+    """
+    rng = random.Random(seed)
+    node_list = tuple(Node(f"node{i:05d}", FLAVOR, 8) for i in range(nodes))
+    capacity = nodes * 8
+    queues: list[Queue] = []
+    leaves: list[str] = []
+    leaf_count = tops * mids_per_top * leaves_per_mid
+    # Guarantees cover 80% of the cluster, unevenly.
+    raw = [rng.uniform(0.2, 1.8) for _ in range(leaf_count)]
+    scale = 0.8 * capacity / sum(raw)
+    leaf_guarantee = [int(r * scale) for r in raw]
+    k = 0
+    for t in range(tops):
+        top = f"org{t}"
+        mids: list[Queue] = []
+        top_guarantee = 0
+        for m in range(mids_per_top):
+            mid = f"{top}-dept{m}"
+            mid_guarantee = 0
+            for leaf_index in range(leaves_per_mid):
+                leaf = f"{mid}-team{leaf_index}"
+                g = leaf_guarantee[k]
+                k += 1
+                mid_guarantee += g
+                borrow = None if rng.random() < 0.8 else rng.choice((8, 32, 128))
+                queues.append(
+                    Queue(leaf, mid, rng.choice((1.0, 1.0, 2.0)), {FLAVOR: FlavorQuota(g, borrow)})
+                )
+                leaves.append(leaf)
+            top_guarantee += mid_guarantee
+            mids.append(Queue(mid, top, 1.0, {FLAVOR: FlavorQuota(mid_guarantee)}))
+        queues.extend(mids)
+        queues.append(Queue(top, None, 1.0, {FLAVOR: FlavorQuota(top_guarantee)}))
+
+    # Busy teams (70%) run beyond their guarantee; quiet teams (30%) run below it, and
+    # their pending work is what reclaim serves.
+    busy = [leaf for leaf in leaves if rng.random() < 0.7]
+    quiet = [leaf for leaf in leaves if leaf not in set(busy)]
+    workloads: list[Workload] = []
+    free = [8] * nodes
+    cursor = 0
+
+    def place(ranks: int, gpr: int) -> tuple[tuple[str, int], ...] | None:
+        nonlocal cursor
+        placement: list[tuple[str, int]] = []
+        left = ranks
+        start = cursor
+        tried = 0
+        while left and tried < nodes:
+            n = (start + tried) % nodes
+            fit = min(left, free[n] // gpr)
+            if fit:
+                placement.append((n, fit))  # type: ignore[arg-type]
+                left -= fit
+            tried += 1
+        if left:
+            return None
+        for n, r in placement:
+            free[n] -= r * gpr  # type: ignore[index]
+        cursor = (start + tried - 1) % nodes
+        return tuple((node_list[n].name, r) for n, r in placement)  # type: ignore[index]
+
+    serial = 0
+
+    def new_workload(
+        queue: str, state: str, placement: tuple[tuple[str, int], ...], ranks: int, gpr: int
+    ) -> Workload:
+        nonlocal serial
+        serial += 1
+        cls = rng.choices(CLASSES, CLASS_WEIGHTS)[0].name
+        submitted = NOW - rng.uniform(0, 86_400)
+        admitted = None
+        checkpoint = None
+        if state == "running":
+            admitted = rng.uniform(submitted, NOW)
+            if rng.random() < 0.6:
+                checkpoint = rng.uniform(admitted, NOW)
+        return Workload(
+            f"job{serial}",
+            queue,
+            cls,
+            FLAVOR,
+            ranks,
+            gpr,
+            state,
+            submitted,
+            admitted,
+            placement,
+            checkpoint,
+        )
+
+    allocated = 0
+    target = 0.96 * capacity
+    misses = 0
+    while (running is None and allocated < target) or (running is not None and serial < running):
+        ranks, gpr = job_shape(rng)
+        queue = rng.choice(busy) if rng.random() < 0.85 else rng.choice(quiet)
+        placement = place(ranks, gpr)
+        if placement is None:
+            misses += 1
+            if misses > 2000:
+                break
+            continue
+        workloads.append(new_workload(queue, "running", placement, ranks, gpr))
+        allocated += ranks * gpr
+    for i in range(pending):
+        ranks, gpr = job_shape(rng)
+        queue = rng.choice(quiet) if i % 10 < 3 else rng.choice(busy)
+        workloads.append(new_workload(queue, "pending", (), ranks, gpr))
+    return Snapshot(NOW, node_list, tuple(queues), CLASSES, tuple(workloads))
+
+
+def describe(snapshot: Snapshot) -> str:
+    capacity = sum(n.gpus for n in snapshot.nodes)
+    running = [w for w in snapshot.workloads if w.state == "running"]
+    pending = [w for w in snapshot.workloads if w.state == "pending"]
+    allocated = sum(w.gpus for w in running)
+    guarantee = {q.name: q.quota(FLAVOR).guarantee for q in snapshot.queues}
+    usage: dict[str, int] = {}
+    for w in running:
+        usage[w.queue] = usage.get(w.queue, 0) + w.gpus
+    under = sum(w.gpus for w in pending if usage.get(w.queue, 0) < guarantee[w.queue])
+    total_pending = sum(w.gpus for w in pending)
+    return (
+        f"{len(snapshot.nodes)} nodes, {capacity} GPUs, {len(snapshot.queues)} queues, "
+        f"{len(running)} running + {len(pending)} pending workloads; "
+        f"{100 * allocated / capacity:.1f}% allocated; "
+        f"{100 * under / max(1, total_pending):.1f}% of pending GPU work in queues under guarantee"
+    )
+
+
+def timed(snapshot: Snapshot, runs: int) -> tuple[list[float], object]:
+    times = []
+    result = None
+    for _ in range(runs):
+        gc.collect()
+        start = time.perf_counter()
+        result = plan(snapshot)
+        times.append(time.perf_counter() - start)
+    return times, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer runs and sizes")
+    args = parser.parse_args()
+    runs = 3 if args.quick else 5
+
+    print("== The issue's cluster: 1,250 nodes x 8 GPUs, 500 queues, >= 95% allocated ==")
+    snapshot = build(1250, 10, 9, 5, None, 50_000)
+    print(describe(snapshot))
+    times, result = timed(snapshot, runs)
+    p = result  # type: ignore[assignment]
+    print(
+        f"plan: {len(p.admit)} admissions, {len(p.preempt)} preemptions, "  # type: ignore[attr-defined]
+        f"{len(p.waiting)} waiting"  # type: ignore[attr-defined]
+    )
+    print(
+        f"wall time over {runs} runs: median {statistics.median(times):.3f} s, max {max(times):.3f} s"
+    )
+    tracemalloc.start()
+    plan(snapshot)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    print(f"peak memory during plan() (tracemalloc): {peak / 2**20:.1f} MiB")
+
+    print()
+    print("== Running-heavy: 20,000 running + 50,000 pending on a cluster large enough ==")
+    heavy = build(10_000, 10, 9, 5, 20_000, 50_000)
+    print(describe(heavy))
+    times, result = timed(heavy, max(2, runs - 2))
+    p = result  # type: ignore[assignment]
+    print(
+        f"plan: {len(p.admit)} admissions, {len(p.preempt)} preemptions; "  # type: ignore[attr-defined]
+        f"median {statistics.median(times):.3f} s, max {max(times):.3f} s"
+    )
+
+    print()
+    print("== Scaling: workloads (2/7 running, 5/7 pending), cluster scaled along ==")
+    sizes = (1_000, 10_000, 100_000) if args.quick else (1_000, 3_000, 10_000, 30_000, 100_000)
+    base: float | None = None
+    print(f"{'workloads':>10} {'nodes':>6} {'median s':>9} {'s per n log n (rel.)':>21}")
+    for n in sizes:
+        pending = n * 5 // 7
+        nodes = max(16, n // 56)
+        snapshot = build(nodes, 10, 9, 5, None, pending)
+        count = len(snapshot.workloads)
+        times, _ = timed(snapshot, 3 if n < 100_000 else 2)
+        median = statistics.median(times)
+        per = median / (count * math.log(count))
+        base = base or per
+        print(f"{count:>10} {nodes:>6} {median:>9.3f} {per / base:>21.2f}")
+
+
+if __name__ == "__main__":
+    main()

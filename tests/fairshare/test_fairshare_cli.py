@@ -1,0 +1,133 @@
+"""The JSON scenario format and the command line, run as real processes."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fairshare import ScenarioError, plan, plan_to_dict, snapshot_from_dict, snapshot_to_dict
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "fairshare" / "examples"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fairshare", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "fairshare" / "README.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", text, flags=re.S)
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_readme_commands_run_as_written() -> None:
+    commands = readme_commands()
+    assert len(commands) == 2
+    for command in commands:
+        assert command.startswith(".venv/bin/python -m fairshare ")
+        done = subprocess.run(
+            command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        json.loads(done.stdout)
+
+
+def test_plan_command_prints_the_plan() -> None:
+    done = run_cli("plan", str(EXAMPLES / "two-teams.json"))
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["preempt"] == [
+        {"id": "train-2", "reason": "reclaim", "preemptor": "serve-1", "grace_seconds": 30.0}
+    ]
+    assert out["waiting"] == [
+        {"id": "serve-1", "reason": "waiting for 8 GPUs being released by job train-2"}
+    ]
+    assert out["admit"] == []
+    assert out["queues"]["product"]["h100"] == {
+        "guarantee": 8,
+        "usage": 0,
+        "fair_share": 8.0,
+        "borrowed": 0,
+        "lent": 8,
+    }
+
+
+def test_diff_command_prints_the_consequences() -> None:
+    done = run_cli("diff", str(EXAMPLES / "two-teams.json"), str(EXAMPLES / "lower-guarantee.json"))
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["released"] == ["train-2"]
+    assert out["reclaimed"] == []
+    assert out["fair_share"]["product"]["h100"]["before"] == 8.0
+    assert out["fair_share"]["product"]["h100"]["after"] < 8.0
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda d: d.pop("now"), "now"),
+        (lambda d: d["nodes"][0].pop("gpus"), "nodes[0].gpus"),
+        (lambda d: d["workloads"][0].update(queue="research"), "workloads[0].queue"),
+        (lambda d: d["workloads"][0]["placement"][0].update(node="n9"), "workloads[0].placement"),
+        (lambda d: d["workloads"][2].update(ranks="two"), "workloads[2].ranks"),
+        (
+            lambda d: d["priority_classes"][0].update(preemption_policy="Sometimes"),
+            "priority_classes[0].preemption_policy",
+        ),
+        (lambda d: d["queues"][1].update(parent="nowhere"), "queues[1].parent"),
+    ],
+)
+def test_malformed_scenario_exits_non_zero_naming_the_field(
+    tmp_path: Path, mutate: object, field: str
+) -> None:
+    document = json.loads((EXAMPLES / "two-teams.json").read_text())
+    mutate(document)  # type: ignore[operator]
+    path = tmp_path / "scenario.json"
+    path.write_text(json.dumps(document))
+    done = run_cli("plan", str(path))
+    assert done.returncode == 2
+    assert field in done.stderr
+    assert done.stdout == ""
+
+
+def test_unknown_fields_ignored_and_defaults_applied() -> None:
+    document = json.loads((EXAMPLES / "two-teams.json").read_text())
+    document["colour"] = "blue"
+    document["workloads"][2]["note"] = "ignored"
+    snapshot = snapshot_from_dict(document)
+    research = next(q for q in snapshot.queues if q.name == "research")
+    assert research.weight == 1.0
+    assert research.quota("h100").borrow_limit is None
+    classes = {c.name: c for c in snapshot.priority_classes}
+    assert classes["batch"].min_runtime_seconds == 0.0
+    assert snapshot.workloads[0].last_checkpoint_at is None
+
+
+def test_scenario_round_trip_gives_the_same_plan() -> None:
+    document = json.loads((EXAMPLES / "two-teams.json").read_text())
+    snapshot = snapshot_from_dict(document)
+    again = snapshot_from_dict(json.loads(json.dumps(snapshot_to_dict(snapshot))))
+    assert again == snapshot
+    assert plan_to_dict(plan(again)) == plan_to_dict(plan(snapshot))
+
+
+def test_integral_floats_accepted_fractions_refused() -> None:
+    document = json.loads((EXAMPLES / "two-teams.json").read_text())
+    document["nodes"][0]["gpus"] = 8.0
+    assert snapshot_from_dict(document).nodes[0].gpus == 8
+    document["nodes"][0]["gpus"] = 7.5
+    with pytest.raises(ScenarioError, match=r"nodes\[0\]\.gpus"):
+        snapshot_from_dict(document)

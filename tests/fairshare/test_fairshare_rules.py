@@ -1,0 +1,154 @@
+"""Each rule R1-R11 as a small function, tested by its name; and the what-if diff."""
+
+from __future__ import annotations
+
+import pytest
+from fairshare_builders import CLASSES, cluster, nodes, run_plan, team
+from fairshare_builders import workload as w
+
+from fairshare import QuotaChange, consequences_to_dict, diff
+from fairshare.rules import (
+    r1_capacity_free_gpus,
+    r2_gang_hostable_ranks,
+    r3_guarantee_line,
+    r3_guarantee_overshoot,
+    r4_lendable_idle,
+    r4_within_borrow_limit,
+    r5_may_use_borrowed,
+    r6_may_reclaim,
+    r7_may_preempt_by_priority,
+    r8_may_preempt_for_fair_share,
+    r8_share,
+    r8_water_fill,
+    r9_lost_gpu_seconds,
+    r9_victim_order,
+    r10_place,
+    r11_releasing_first,
+)
+
+CLS = {c.name: c for c in CLASSES}
+
+
+def test_r1_capacity_counts_victims_until_they_exit() -> None:
+    assert r1_capacity_free_gpus(8, 3) == 5
+    assert r1_capacity_free_gpus(8, 8) == 0
+    assert r1_capacity_free_gpus(8, 10) == 0  # an over-full snapshot never goes negative
+
+
+def test_r2_gang_counts_whole_ranks_only() -> None:
+    assert r2_gang_hostable_ranks([8, 7, 3], 4) == 3
+    assert r2_gang_hostable_ranks([3, 3, 3], 4) == 0  # nine free GPUs, no whole rank
+
+
+def test_r3_guarantee_line_and_straddling_overshoot() -> None:
+    assert r3_guarantee_line(8, 20) == 8
+    assert r3_guarantee_line(8, 3) == 3
+    assert r3_guarantee_overshoot(12, 8, 4) == 0  # lands on the line
+    assert r3_guarantee_overshoot(12, 8, 8) == 4  # straddles: goes whole, overshoots 4
+    assert r3_guarantee_overshoot(8, 8, 1) is None  # at the line: never reclaimed
+
+
+def test_r4_lending_and_borrow_limits() -> None:
+    assert r4_lendable_idle(8, 2, None) == 6
+    assert r4_lendable_idle(8, 2, 4) == 4
+    assert r4_lendable_idle(8, 10, None) == 0
+    assert r4_within_borrow_limit(8, 8, 4, 4)
+    assert not r4_within_borrow_limit(8, 8, 4, 5)
+    assert r4_within_borrow_limit(100, 8, None, 100)
+
+
+def test_r5_only_preemptible_work_borrows() -> None:
+    assert r5_may_use_borrowed(CLS["normal"], 8)
+    assert not r5_may_use_borrowed(CLS["critical"], 1)
+    assert r5_may_use_borrowed(CLS["critical"], 0)
+
+
+def test_r6_reclaim_needs_room_in_the_guarantee() -> None:
+    assert r6_may_reclaim(0, 8, 8)
+    assert not r6_may_reclaim(4, 8, 8)
+
+
+def test_r7_priority_strictly_lower_preemptible_and_past_min_runtime() -> None:
+    assert r7_may_preempt_by_priority(CLS["high"], CLS["low"], 0.0)
+    assert not r7_may_preempt_by_priority(CLS["normal"], CLS["polite"], 1e6)  # equal value
+    assert not r7_may_preempt_by_priority(CLS["polite"], CLS["low"], 1e6)  # policy Never
+    assert not r7_may_preempt_by_priority(CLS["critical"], CLS["pinned"], 1e6)  # not preemptible
+    assert not r7_may_preempt_by_priority(CLS["high"], CLS["fresh"], 599.0)
+    assert r7_may_preempt_by_priority(CLS["high"], CLS["fresh"], 600.0)
+
+
+def test_r8_share_and_the_anti_flap_test() -> None:
+    assert r8_share(4, 8) == 0.5
+    assert r8_share(1, 0) == float("inf")
+    # Preemptor 0 -> 8 of fair share 8; victim 16 -> 8 of fair share 8: equal, allowed.
+    assert r8_may_preempt_for_fair_share(0, 8, 8, 16, 8, 8)
+    # The victim would drop below its own fair share.
+    assert not r8_may_preempt_for_fair_share(0, 8, 8, 12, 8, 8)
+    # The preemptor would end with a larger share than the victim.
+    assert not r8_may_preempt_for_fair_share(4, 8, 8, 12, 8, 4)
+
+
+def test_r8_water_fill_guarantees_then_weights_capped_by_demand() -> None:
+    assert r8_water_fill(24, [0, 0], [24, 24], [0, 0], [2, 1]) == [16, 8]
+    assert r8_water_fill(24, [0, 0], [4, 24], [0, 0], [1, 1]) == [4, 20]
+    assert r8_water_fill(16, [8, 0], [2, 16], [0, 0], [1, 1]) == [2, 14]
+    # A lend limit holds 6 of an idle guarantee of 8 back from the pool.
+    assert r8_water_fill(16, [8, 0], [0, 16], [6, 0], [1, 1]) == [0, 10]
+    # Guarantees beyond capacity shrink proportionally.
+    assert r8_water_fill(8, [8, 8], [8, 8], [0, 0], [1, 1]) == [4, 4]
+
+
+def test_r9_lost_work_and_victim_order() -> None:
+    assert r9_lost_gpu_seconds(8, 1000.0, 100.0, None) == 8 * 900.0
+    assert r9_lost_gpu_seconds(8, 1000.0, 100.0, 990.0) == 80.0
+    assert r9_lost_gpu_seconds(8, 1000.0, None, None) == 0.0
+    keys = sorted(
+        [
+            r9_victim_order(0, 10.0, 50.0, "a"),
+            r9_victim_order(-1, 99.0, 50.0, "b"),
+            r9_victim_order(0, 10.0, 60.0, "c"),
+            r9_victim_order(0, 5.0, 10.0, "d"),
+        ]
+    )
+    assert [k[3] for k in keys] == ["b", "d", "c", "a"]
+
+
+def test_r10_place_best_fit_and_packing() -> None:
+    assert r10_place(1, 4, {"a": 8, "b": 4, "c": 6}) == (("b", 1),)
+    assert r10_place(3, 4, {"a": 8, "b": 4, "c": 2}) == (("a", 2), ("b", 1))
+    assert r10_place(2, 8, {"a": 8, "b": 7}) is None
+
+
+def test_r11_releasing_gpus_counted_first() -> None:
+    assert r11_releasing_first(8, 4) == 4
+    assert r11_releasing_first(3, 4) == 3
+    assert r11_releasing_first(0, 4) == 0
+
+
+def test_diff_lowering_a_guarantee_shows_reclaimed_jobs_and_fair_shares() -> None:
+    snapshot = cluster(
+        nodes("n", 2, 8),
+        [team("a", guarantee=16), team("b")],
+        [
+            w("a1").gpus(8).running("n0"),
+            w("a2").gpus(8).running("n1", since=60),
+            w("b1").queue("b").gpus(8),
+        ],
+    )
+    assert run_plan(snapshot).preempt == ()
+    consequences = diff(snapshot, [QuotaChange("a", "h100", guarantee=0)])
+    assert [(p.id, p.reason, p.preemptor) for p in consequences.reclaimed] == [
+        ("a2", "fair-share", "b1")
+    ]
+    assert consequences.fair_share["a"]["h100"].before == 16
+    assert consequences.fair_share["a"]["h100"].after == 8
+    assert consequences.fair_share["b"]["h100"].after == 8
+    document = consequences_to_dict(consequences)
+    assert document["reclaimed"][0]["id"] == "a2"
+    assert document["fair_share"]["b"]["h100"] == {"before": 0.0, "after": 8.0}
+
+
+def test_diff_unknown_queue_is_named() -> None:
+    snapshot = cluster(nodes("n", 1, 8), [team("a")], [])
+    with pytest.raises(ValueError, match=r"changes\[0\]\.queue"):
+        diff(snapshot, [QuotaChange("zz", "h100", guarantee=1)])
