@@ -55,7 +55,7 @@ from .rules import (
 _INF = float("inf")
 # A failed preemption attempt examines at most this many candidate victims. It bounds a
 # plan's time on a saturated cluster; a workload that needs more victims than that waits.
-_MAX_CANDIDATES_PER_ATTEMPT = 512
+_MAX_CANDIDATES_PER_ATTEMPT = 128
 
 
 @dataclass(slots=True)
@@ -351,6 +351,13 @@ class _FlavorPlanner:
         self.total_occupancy = sum(self.occupancy[t] for t in tree.top)
 
         self.fair_share = self._fair_shares()
+        leaves = [q for q in range(count) if not tree.children[q]]
+        self.over_guarantee: dict[int, None] = {
+            q: None for q in leaves if self.usage[q] > self.guarantee[q]
+        }
+        self.over_fair_share: dict[int, None] = {
+            q: None for q in leaves if self.usage[q] > self.fair_share[q]
+        }
 
         self.free_fail: dict[int, int] = {}
         self.release_fail: dict[int, int] = {}
@@ -412,6 +419,16 @@ class _FlavorPlanner:
 
     def _add_usage(self, q: int, delta: int) -> None:
         tree = self.tree
+        after = self.usage[q] + delta
+        # Keep the indexes of leaf queues that could lose GPUs to others current.
+        if after > self.guarantee[q]:
+            self.over_guarantee[q] = None
+        else:
+            self.over_guarantee.pop(q, None)
+        if after > self.fair_share[q]:
+            self.over_fair_share[q] = None
+        else:
+            self.over_fair_share.pop(q, None)
         if not self.has_reserve:
             for x in tree.path[q]:
                 self.usage[x] += delta
@@ -607,8 +624,8 @@ class _FlavorPlanner:
         guarantee = self.guarantee
         heap: list[tuple[tuple[int, float, float, str], int, int]] = []
         chains: dict[int, tuple[int, ...]] = {}
-        for r in self._leaf_queues_with_candidates():
-            if r == q or usage[r] <= guarantee[r]:
+        for r in list(self.over_guarantee):
+            if r == q or not self.candidates[r] or usage[r] <= guarantee[r]:
                 continue
             chain = tree.lca_chains(q, r)[0]
             if any(usage[x] <= guarantee[x] for x in chain):
@@ -682,11 +699,20 @@ class _FlavorPlanner:
         gpus = job.workload.gpus
         heap: list[tuple[tuple[int, float, float, str], int, int]] = []
         chains: dict[int, tuple[tuple[int, ...], int, int]] = {}
-        for r in self._leaf_queues_with_candidates():
-            if r == q or usage[r] - self.min_candidate_gpus[r] < fair[r]:
+        for r in list(self.over_fair_share):
+            if r == q or not self.candidates[r] or usage[r] - self.min_candidate_gpus[r] < fair[r]:
                 continue
             chain, side_q, side_r = tree.lca_chains(q, r)
             if side_q == side_r:
+                continue
+            # Both tests of R8 only get harder for a larger victim: when the queue's
+            # smallest candidate fails them, every candidate of the queue does.
+            smallest = self.min_candidate_gpus[r]
+            if any(usage[x] - smallest < fair[x] - 1e-9 for x in chain):
+                continue
+            if not r8_may_preempt_for_fair_share(
+                usage[side_q], fair[side_q], gpus, usage[side_r], fair[side_r], smallest
+            ):
                 continue
             chains[r] = (chain, side_q, side_r)
             i = self._next_candidate(r, self.head[r])
@@ -877,7 +903,9 @@ class _FlavorPlanner:
         if modes:
             self.tried.add(w.id)
         for mode in modes:
-            key = (q, mode, gpr, job.cls.value, job.cls.preemptible)
+            # Reclaim and fair-share moves do not depend on the preemptor's priority.
+            value = job.cls.value if mode == PRIORITY else 0
+            key = (q, mode, gpr, value, job.cls.preemptible)
             cached = self.attempt_fail.get(key)
             if cached is not None and cached[1] == self.generation and ranks >= cached[0]:
                 continue
@@ -953,7 +981,7 @@ class _FlavorPlanner:
             # failures, and give the workloads that already wait another pass.
             if self.usage[q] > min(self.guarantee[q], self.fair_share[q]):
                 self.generation += 1
-            self.changed = True
+                self.changed = True
             started = dataclasses.replace(w, state="running", placement=names, admitted_at=self.now)
             nodes = tuple((n, r * w.gpus_per_rank) for n, r in placement)
             run = _Run(started, q, job.cls, nodes, self.now, planned=True)
