@@ -322,7 +322,7 @@ def simulation_comparison_figure(reports: Sequence[SimulationReport]) -> go.Figu
     )
     if not reports:
         return _empty(figure, "No simulation report stored yet.")
-    labels = [f"{r.name} ({r.policy})" for r in reports]
+    labels = [f"#{r.run_id} {r.policy}" for r in reports]
     figure.add_trace(
         go.Bar(
             x=labels,
@@ -345,10 +345,12 @@ def simulation_comparison_figure(reports: Sequence[SimulationReport]) -> go.Figu
         hovermode="closest",
         yaxis={"tickformat": ".0%", "range": [0, 1]},
         yaxis2={
-            "title": {"text": "seconds"},
+            "title": {"text": "p99 queueing (s)", "standoff": 8},
             "overlaying": "y",
             "side": "right",
             "showgrid": False,
+            "rangemode": "tozero",
         },
+        margin={"r": 72},
     )
     return figure

@@ -599,8 +599,9 @@ def period_bounds(now: datetime, period: str) -> tuple[datetime, datetime]:
 
 @dataclass(frozen=True)
 class SimulationReport:
-    """One stored JSON report of `manage.py simulate --json` (see simulation/README.md)."""
+    """One stored trace replay of `manage.py simulate` (a SimulationRun row)."""
 
+    run_id: int
     name: str
     modified: datetime
     report: dict[str, Any]
@@ -622,24 +623,21 @@ class SimulationReport:
         return self.report.get("queueing_delay_seconds") or {}
 
 
-def simulation_reports(folder: Any, limit: int = 20) -> list[SimulationReport]:
-    """The newest readable reports in `folder`; files that are not reports are skipped."""
-    import json
-    from datetime import UTC
-    from pathlib import Path
+def simulation_reports(limit: int = 20) -> list[SimulationReport]:
+    """The newest stored simulation runs whose report has the documented shape."""
+    from pathlib import PurePath
 
-    path = Path(folder)
-    if not path.is_dir():
-        return []
-    files = sorted(path.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
+    from telemetry.models import SimulationRun
+
     reports = []
-    for file in files[:limit]:
-        try:
-            report = json.loads(file.read_text())
-        except (OSError, ValueError):
-            continue
+    rows = SimulationRun.objects.order_by("-created_at", "-id").values_list(
+        "id", "trace", "created_at", "report"
+    )[:limit]
+    for run_id, trace, created_at, report in rows:
         if not isinstance(report, dict) or "allocation" not in report or "teams" not in report:
             continue
-        modified = datetime.fromtimestamp(file.stat().st_mtime, tz=UTC)
-        reports.append(SimulationReport(name=file.stem, modified=modified, report=report))
+        name = f"#{run_id} {PurePath(trace).name}" if trace else f"#{run_id}"
+        reports.append(
+            SimulationReport(run_id=run_id, name=name, modified=created_at, report=report)
+        )
     return reports

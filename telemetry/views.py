@@ -7,7 +7,6 @@ and pass the figures' JSON to the template; nothing is computed here.
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 from typing import Any
 
 import plotly
@@ -133,14 +132,12 @@ def _unauthorized(message: str) -> HttpResponse:
 
 @login_required
 def simulations(request: HttpRequest) -> HttpResponse:
-    """Stored trace-replay reports (`manage.py simulate --json var/simulations/NAME.json`):
-    what fair-share lending buys against other policies. Reports are offline
-    what-if runs, not live cluster data, so every signed-in user may read them."""
-    from django.conf import settings
-
-    folder = Path(settings.VAR_DIR) / "simulations"
-    reports = simulation_reports(folder)
-    chosen = next((r for r in reports if r.name == request.GET.get("report")), None)
+    """Stored trace replays (`manage.py simulate`): what fair-share lending buys
+    against other policies. They are offline what-if runs, not live cluster
+    data, so every signed-in user may read them."""
+    reports = simulation_reports()
+    wanted = request.GET.get("run", "")
+    chosen = next((r for r in reports if str(r.run_id) == wanted), None)
     chosen = chosen or (reports[0] if reports else None)
     figures = [("comparison", charts.simulation_comparison_figure(reports).to_json())]
     if chosen is not None:
@@ -152,7 +149,6 @@ def simulations(request: HttpRequest) -> HttpResponse:
             "reports": reports,
             "chosen": chosen,
             "figures": figures,
-            "folder": folder,
             "plotly_version": plotly.__version__,
             "nav": "telemetry",
         },

@@ -211,11 +211,47 @@ def test_gracetrap_wheel_downloads_and_installs_into_a_fresh_venv(
     assert "step_39" in saved, saved
 
 
+def _store_simulations() -> None:
+    """Two stored trace replays, as `manage.py simulate` leaves them."""
+    from simulation import Report
+    from telemetry.models import SimulationRun
+
+    for policy, allocation, wait in (("static", 0.58, 5400.0), ("fairshare", 0.86, 1800.0)):
+        summary = {"mean": wait / 3, "p50": wait / 4, "p99": wait}
+        teams = {
+            team: {
+                "gpu_hours_used": used * allocation,
+                "gpu_hours_borrowed": borrowed,
+                "gpu_hours_lent": lent,
+            }
+            for team, used, borrowed, lent in (
+                ("vision", 900.0, 120.0, 40.0),
+                ("nlp", 700.0, 60.0, 90.0),
+                ("ops", 400.0, 10.0, 150.0),
+            )
+        }
+        report = Report(
+            run={"policy": policy, "jobs": 1200, "jobs_completed": 1180},
+            simulated_seconds=7 * 86400.0,
+            allocation={"overall": allocation},
+            completion_time_seconds=summary,
+            queueing_delay_seconds=summary,
+            preemptions=0 if policy == "static" else 31,
+            lost_gpu_hours=0.0 if policy == "static" else 12.5,
+            longest_below_guarantee_line_seconds=0.0 if policy == "static" else 48.0,
+            teams=teams,
+        )
+        SimulationRun.objects.create(
+            policy=policy, trace="openb_pod_list_default.csv", report=report.to_dict()
+        )
+
+
 def test_screenshots_of_the_main_pages(world: Any, browser_session: Session) -> None:
     seed_jobs(world, 40)
     story = seed_preemption(world)
     seed_samples(world, points=30)
     seed_drill()
+    _store_simulations()
     session = browser_session
     page = session.page
     session.login("admin", PASSWORD)
@@ -229,11 +265,12 @@ def test_screenshots_of_the_main_pages(world: Any, browser_session: Session) -> 
         ("priority-classes", "/priority-classes/"),
         ("tokens", "/tokens/"),
         ("gracetrap", "/gracetrap/"),
+        ("simulations", "/telemetry/simulations/"),
     ):
         response = session.go(path)
         assert response.status == 200, path
-        if name == "telemetry":
-            page.wait_for_selector("#chart-utilization .main-svg")
+        if name in ("telemetry", "simulations"):
+            page.wait_for_selector(".plot .main-svg")
         session.screenshot(name)
     page.click("form[action='/logout/'] button")
     page.wait_for_url("**/login/")

@@ -390,15 +390,14 @@ def test_rank_log_page_reads_the_runtime_log_in_parts(
     assert missing.status_code == 404
 
 
-def test_simulations_page_reads_stored_reports(world: Any, settings: Any, tmp_path: Any) -> None:
+def test_simulations_page_compares_stored_runs(world: Any) -> None:
     from simulation import Report
+    from telemetry.models import SimulationRun
 
-    settings.VAR_DIR = tmp_path
-    folder = tmp_path / "simulations"
-    folder.mkdir()
     summary = {"mean": 600.0, "p50": 500.0, "p99": 3600.0}
-    for name, policy, allocation in (("static", "static", 0.61), ("lending", "fairshare", 0.87)):
-        Report(
+    runs = {}
+    for policy, allocation in (("static", 0.61), ("fairshare", 0.87)):
+        report = Report(
             run={"policy": policy, "jobs": 100, "jobs_completed": 98},
             simulated_seconds=86400.0,
             allocation={"overall": allocation},
@@ -409,21 +408,29 @@ def test_simulations_page_reads_stored_reports(world: Any, settings: Any, tmp_pa
             longest_below_guarantee_line_seconds=42.0,
             teams={
                 "vision": {
-                    "gpu_hours_used": 120.0,
+                    "gpu_hours_used": 120.0 if policy == "fairshare" else 80.0,
                     "gpu_hours_borrowed": 30.0,
                     "gpu_hours_lent": 5.0,
                 }
             },
-        ).write_json(folder / f"{name}.json")
-    (folder / "notes.json").write_text('{"not": "a report"}')
+        )
+        runs[policy] = SimulationRun.objects.create(
+            policy=policy, trace="/data/openb_pod_list_default.csv", report=report.to_dict()
+        )
+    broken = SimulationRun.objects.create(policy="x", trace="", report={"not": "a report"})
     client = page_client(world, "researcher")
     body = client.get(reverse("simulations")).content.decode()
-    assert 'data-report="lending"' in body and 'data-report="static"' in body
-    assert 'data-report="notes"' not in body
+    for run in runs.values():
+        assert f'data-run="{run.pk}"' in body
+    assert f'data-run="{broken.pk}"' not in body
     comparison = json.loads(re.search(r'id="figure-comparison">(.*?)</script>', body, re.S)[1])
     allocations = dict(zip(comparison["data"][0]["x"], comparison["data"][0]["y"], strict=True))
-    assert allocations == {"static (static)": 0.61, "lending (fairshare)": 0.87}
-    chosen = client.get(reverse("simulations"), {"report": "lending"}).content.decode()
+    assert allocations == {
+        f"#{runs['fairshare'].pk} fairshare": 0.87,
+        f"#{runs['static'].pk} static": 0.61,
+    }
+    assert "openb_pod_list_default.csv" in body
+    chosen = client.get(reverse("simulations"), {"run": runs["static"].pk}).content.decode()
     teams = json.loads(re.search(r'id="figure-teams">(.*?)</script>', chosen, re.S)[1])
-    assert [trace["y"] for trace in teams["data"]] == [[120.0], [30.0], [5.0]]
+    assert [trace["y"] for trace in teams["data"]] == [[80.0], [30.0], [5.0]]
     assert page_client(world, "anonymous").get(reverse("simulations")).status_code == 302
