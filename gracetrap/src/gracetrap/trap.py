@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -177,6 +178,7 @@ class Trap:
         self._collective: torch.Tensor | None = None
         self._previous_handlers: dict[signal.Signals, Any] = {}
         self._closed = False
+        self._pruner: threading.Thread | None = None
         for signum in self.signals:
             self._previous_handlers[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_signal)
@@ -332,6 +334,7 @@ class Trap:
         leader = self.rank() == 0
         already = 0.0
         if leader:
+            self._wait_for_pruning()
             root.mkdir(parents=True, exist_ok=True)
             if checkpoints.is_complete(path):
                 already = 1.0
@@ -360,12 +363,25 @@ class Trap:
             checkpoints.write_pointer(
                 root, step=step, seconds=seconds, nbytes=int(nbytes), world_size=self.world_size()
             )
-            checkpoints.prune(root, self.keep)
         self._save_seconds.append(seconds)
         self.events.emit(
             "checkpoint_committed", step=step, bytes=int(nbytes), seconds=round(seconds, 6)
         )
+        if leader:
+            # Deleting old checkpoints is slow on big files and never needed for safety,
+            # so it runs beside training instead of inside the save (or the grace window).
+            # A kill in the middle leaves only renamed remnants that the next prune removes.
+            self._pruner = threading.Thread(
+                target=checkpoints.prune, args=(root, self.keep), name="gracetrap-prune"
+            )
+            self._pruner.daemon = True
+            self._pruner.start()
         return checkpoints.CheckpointInfo(step, path, True)
+
+    def _wait_for_pruning(self) -> None:
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
 
     def resume(self) -> int:
         """Load the newest complete checkpoint; return the first step not yet done (0 if none).
@@ -494,10 +510,12 @@ class Trap:
                 self.save(step)
 
     def close(self) -> None:
-        """Restore the previous signal handlers and give queued events time to go out."""
+        """Finish deleting old checkpoints, restore the previous signal handlers and give
+        events in flight time to go out."""
         if self._closed:
             return
         self._closed = True
+        self._wait_for_pruning()
         self.restore_signal_handlers()
         self.events.flush(POST_TIMEOUT_SECONDS)
 
