@@ -369,7 +369,8 @@ class _FlavorPlanner:
         self.claimed: set[str] = set()
         self.changed = False
         self.freed = False
-        self.tried: set[str] = set()
+        # Workloads that tried to preempt, with the generation of candidates they saw.
+        self.tried: dict[str, int] = {}
         self.preempt: list[Preemption] = []
         self.job_by_id = {job.workload.id: job for jobs in pending for job in jobs}
 
@@ -840,7 +841,10 @@ class _FlavorPlanner:
             everyone = self.freed
             self.freed = False
             for workload_id in self.waits:
-                if workload_id not in self.claimed and (everyone or workload_id in self.tried):
+                tried_at = self.tried.get(workload_id)
+                if workload_id not in self.claimed and (
+                    everyone or (tried_at is not None and tried_at != self.generation)
+                ):
                     job = self.job_by_id[workload_id]
                     retry[job.queue].append(job)
             for jobs in retry:
@@ -901,7 +905,7 @@ class _FlavorPlanner:
                     self.release_fail[gpr] = min(ranks, failed if failed is not None else ranks)
         modes = self._modes(job)
         if modes:
-            self.tried.add(w.id)
+            self.tried[w.id] = self.generation
         for mode in modes:
             # Reclaim and fair-share moves do not depend on the preemptor's priority.
             value = job.cls.value if mode == PRIORITY else 0
