@@ -953,7 +953,7 @@ class _FlavorPlanner:
             if not running_victims and all(self.free[n] >= r * gpr for n, r in placement):
                 self._admit(job, placement)
             else:
-                self._wait_on(job, placement)
+                self._wait_on(job, placement, tuple(run.workload.id for run, _ in victims))
             return
         self.waits[w.id] = Waiting(w.id, quota_reason or self._physical_reason(ranks, gpr))
 
@@ -1023,7 +1023,9 @@ class _FlavorPlanner:
             modes.append(FAIR_SHARE)
         return modes
 
-    def _wait_on(self, job: _Job, placement: list[tuple[int, int]]) -> None:
+    def _wait_on(
+        self, job: _Job, placement: list[tuple[int, int]], victims: tuple[str, ...] = ()
+    ) -> None:
         w = job.workload
         from_releasing, released_by = self._claim(placement, w.gpus_per_rank)
         self._add_usage(job.queue, w.gpus)
@@ -1033,6 +1035,9 @@ class _FlavorPlanner:
             reason = (
                 f"waiting for {from_releasing} GPUs being released by {_jobs_phrase(released_by)}"
             )
+        elif victims:
+            # The victims free quota rather than GPUs on the chosen nodes.
+            reason = f"waiting for {_jobs_phrase(list(victims))} to exit and return quota"
         else:
             reason = "waiting for its reserved GPUs"
         self.waits[w.id] = Waiting(w.id, reason)

@@ -102,6 +102,7 @@ CASES = [
     Case("inside_queue_priority_then_age", N2, AB, [w("x").gpus(8).running("n0"), w("old").gpus(8).submitted(900), w("hi").priority(100).gpus(8).submitted(5)], admit={"hi"}, wait={"old": "free GPUs"}),
     Case("cheapest_victim_lower_priority_first", N3, AB, [w("b0").queue("b").gpus(8).running("n0"), w("b_low").queue("b").priority(-1).gpus(8).running("n1", since=7200), w("b_norm").queue("b").gpus(8).running("n2", since=60), w("a1").gpus(8)], preempt={"b_low": "reclaim"}),
     Case("cheapest_victim_least_lost_work", N3, AB, [w("b0").queue("b").gpus(8).running("n0"), w("b_old").queue("b").gpus(8).running("n1", since=7200, checkpoint=30), w("b_new").queue("b").gpus(8).running("n2", since=600), w("a1").gpus(8)], preempt={"b_old": "reclaim"}),
+    Case("priority_victim_returns_quota_held_by_lend_limit", [Node("big", "h100", 16), Node("small", "h100", 8)], [team("a"), team("lender", guarantee=16, lend_limit=0)], [w("lo").priority(-1).gpus(8).running("big"), w("hi").priority(100).gpus(8)], preempt={"lo": "priority"}, wait={"hi": "waiting for job lo to exit and return quota"}),
     Case("unknown_flavor_waits_with_reason", N2, AB, [w("x").flavor("a100").gpus(1)], wait={"x": "no node of flavor a100 exists"}),
 ]
 # fmt: on
