@@ -114,7 +114,9 @@ USE_TZ = True
 
 STATIC_URL = "/static/"
 STATIC_ROOT = Path(env_str("STATIC_ROOT", str(VAR_DIR / "static")) or VAR_DIR / "static")
-STATIC_ROOT.mkdir(parents=True, exist_ok=True)
+if not PRODUCTION:
+    # WhiteNoise warns on every start when the folder is missing.
+    STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 STATICFILES_DIRS = [BASE_DIR / "portal" / "static"]
 # Plotly's bundled JavaScript is served from the installed package, never a CDN.
 WHITENOISE_USE_FINDERS = True
