@@ -28,13 +28,18 @@ def utilization_sample(now: datetime) -> int:
     flavors = flavors_now(usage)
     capacity = {flavor.name: flavor.capacity for flavor in flavors}
     flavor_ids = {flavor.name: flavor.flavor_id for flavor in flavors}
+    # Who lends to whom, and each team's fair share, are the engine's view:
+    # ask it once for the whole cluster.
+    import fairshare
+    from preemption.snapshot import build_snapshot
+
+    engine = fairshare.plan(build_snapshot(now=now)).queues
     samples = []
     for row in team_rows(access=everyone, usage=usage):
         for flavor, usage in row.flavors.items():
             if not (usage.has_quota or usage.used):
                 continue
-            # Who lends to whom is the engine's knowledge, not the database's:
-            # `lent` and `fair_share` keep their defaults in these samples.
+            status = engine.get(row.slug, {}).get(flavor)
             samples.append(
                 UtilizationSample(
                     at=now,
@@ -44,6 +49,8 @@ def utilization_sample(now: datetime) -> int:
                     guarantee=usage.guarantee,
                     borrowed=usage.borrowed,
                     capacity=capacity.get(flavor, 0),
+                    lent=status.lent if status is not None else 0,
+                    fair_share=status.fair_share if status is not None else 0.0,
                 )
             )
     before = UtilizationSample.objects.filter(at=now).count()
