@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fairshare import (
     FlavorQuota,
     Node,
+    Plan,
     PriorityClass,
     Queue,
     Snapshot,
@@ -120,7 +121,7 @@ def build(
 
     def place(ranks: int, gpr: int) -> tuple[tuple[str, int], ...] | None:
         nonlocal cursor
-        placement: list[tuple[str, int]] = []
+        placement: list[tuple[int, int]] = []
         left = ranks
         start = cursor
         tried = 0
@@ -128,15 +129,15 @@ def build(
             n = (start + tried) % nodes
             fit = min(left, free[n] // gpr)
             if fit:
-                placement.append((n, fit))  # type: ignore[arg-type]
+                placement.append((n, fit))
                 left -= fit
             tried += 1
         if left:
             return None
         for n, r in placement:
-            free[n] -= r * gpr  # type: ignore[index]
+            free[n] -= r * gpr
         cursor = (start + tried - 1) % nodes
-        return tuple((node_list[n].name, r) for n, r in placement)  # type: ignore[index]
+        return tuple((node_list[n].name, r) for n, r in placement)
 
     serial = 0
 
@@ -207,9 +208,9 @@ def describe(snapshot: Snapshot) -> str:
     )
 
 
-def timed(snapshot: Snapshot, runs: int) -> tuple[list[float], object]:
+def timed(snapshot: Snapshot, runs: int) -> tuple[list[float], Plan]:
     times = []
-    result = None
+    result = plan(snapshot)
     for _ in range(runs):
         gc.collect()
         start = time.perf_counter()
@@ -227,11 +228,9 @@ def main() -> None:
     print("== The issue's cluster: 1,250 nodes x 8 GPUs, 500 queues, >= 95% allocated ==")
     snapshot = build(1250, 10, 9, 5, None, 50_000)
     print(describe(snapshot))
-    times, result = timed(snapshot, runs)
-    p = result  # type: ignore[assignment]
+    times, p = timed(snapshot, runs)
     print(
-        f"plan: {len(p.admit)} admissions, {len(p.preempt)} preemptions, "  # type: ignore[attr-defined]
-        f"{len(p.waiting)} waiting"  # type: ignore[attr-defined]
+        f"plan: {len(p.admit)} admissions, {len(p.preempt)} preemptions, {len(p.waiting)} waiting"
     )
     print(
         f"wall time over {runs} runs: median {statistics.median(times):.3f} s, max {max(times):.3f} s"
@@ -246,10 +245,9 @@ def main() -> None:
     print("== Running-heavy: 20,000 running + 50,000 pending on a cluster large enough ==")
     heavy = build(10_000, 10, 9, 5, 20_000, 50_000)
     print(describe(heavy))
-    times, result = timed(heavy, max(2, runs - 2))
-    p = result  # type: ignore[assignment]
+    times, p = timed(heavy, max(2, runs - 2))
     print(
-        f"plan: {len(p.admit)} admissions, {len(p.preempt)} preemptions; "  # type: ignore[attr-defined]
+        f"plan: {len(p.admit)} admissions, {len(p.preempt)} preemptions; "
         f"median {statistics.median(times):.3f} s, max {max(times):.3f} s"
     )
 

@@ -315,7 +315,6 @@ class _FlavorPlanner:
                 key=lambda job: (-job.cls.value, job.workload.submitted_at, job.workload.id)
             )
         self.pending = pending
-        self.candidate_queues = [q for q, runs in enumerate(self.candidates) if runs]
         self.min_candidate_gpus = [
             min((run.gpus for run in runs), default=0) for runs in self.candidates
         ]
@@ -739,9 +738,6 @@ class _FlavorPlanner:
             ):
                 yield run, FAIR_SHARE
 
-    def _leaf_queues_with_candidates(self) -> list[int]:
-        return self.candidate_queues
-
     # Preemption (R9, R10) --------------------------------------------------------------
 
     def _preempt_for(
@@ -991,7 +987,6 @@ class _FlavorPlanner:
             run = _Run(started, q, job.cls, nodes, self.now, planned=True)
             runs = self.candidates[q]
             if not runs:
-                self.candidate_queues.append(q)
                 self.min_candidate_gpus[q] = gpus
             else:
                 self.min_candidate_gpus[q] = min(self.min_candidate_gpus[q], gpus)
