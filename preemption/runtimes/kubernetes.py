@@ -30,6 +30,7 @@ This module imports nothing from Django: the portal hands it plain values.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import threading
 import time
@@ -67,6 +68,26 @@ KILLED_ANNOTATION = "quartermaster.dev/killed-at"
 GPU_RESOURCE = "nvidia.com/gpu"
 EVENTS_TOKEN_KEY = "QM_EVENTS_TOKEN"
 CONTAINER_NAME = "rank"
+
+# The container's main process. The kubelet signals only PID 1, and a shell as
+# PID 1 neither passes SIGTERM on nor dies of it, so the workload would only
+# meet SIGKILL at the deadline. This wrapper runs the command in a child shell,
+# and on SIGTERM ignores further ones and sends SIGTERM to its whole process
+# group: every process of the rank gets it at once. The child shell, like the
+# local runtime's, waits for its foreground command on SIGTERM and exits with
+# its status, so a workload that checkpoints and exits 0 records 0. `wait` is
+# repeated while the child lives because a trapped signal interrupts it.
+RANK_ENTRYPOINT = r"""trap 'trap "" TERM; kill -TERM 0' TERM
+/bin/sh -c "trap 'exit \$?' TERM
+$1" &
+child=$!
+while :; do
+    wait "$child"
+    status=$?
+    kill -0 "$child" 2>/dev/null || break
+done
+exit "$status"
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,7 +401,7 @@ class KubernetesRuntime:
         container: dict[str, Any] = {
             "name": CONTAINER_NAME,
             "image": spec.image or self.settings.default_image,
-            "command": ["/bin/sh", "-c", spec.command],
+            "command": ["/bin/sh", "-c", RANK_ENTRYPOINT, "qm-rank", spec.command],
             "env": env,
             "resources": {
                 "limits": {GPU_RESOURCE: str(spec.gpus_per_rank)},
@@ -457,10 +478,14 @@ class KubernetesRuntime:
 
     @staticmethod
     def _translate(error: ApiException, what: str) -> Exception:
-        message = f"{what}: {error.status} {error.reason}"
-        if _temporary(error) or (error.status == 403 and "serviceaccount" in str(error.body)):
-            # A namespace just created has no default service account for a
-            # moment; pods are refused until the controller makes it.
+        message = f"{what}: {error.status} {error.reason}: {_status_message(error)}"
+        body = str(error.body)
+        if _temporary(error) or (
+            error.status == 403 and ("serviceaccount" in body or "PriorityClass" in body)
+        ):
+            # Refusals that pass by themselves: a namespace just created has
+            # no default service account for a moment, and a PriorityClass
+            # missing now is created by the next PriorityClass reconcile.
             return RuntimeTemporaryError(message)
         return RuntimePermanentError(message)
 
@@ -911,6 +936,14 @@ class KubernetesRuntime:
 
 def _message(error: ApiException) -> str:
     return str(error.body or "")[:300]
+
+
+def _status_message(error: ApiException) -> str:
+    """The API server's own explanation from a Status body, else the raw body."""
+    try:
+        return str(json.loads(error.body or "")["message"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return _message(error)
 
 
 def _disruption(pod: Any) -> Any | None:

@@ -348,3 +348,37 @@ def test_namespace_per_team_runs_the_gang_in_a_namespace_it_creates(
         wait_for(lambda: not core.list_namespaced_pod(team_namespace).items, timeout=30)
     finally:
         core.delete_namespace(team_namespace)
+
+
+CHECKPOINTING_RANK = """
+import signal, sys, time
+def stop(*_):
+    time.sleep(0.3)  # a checkpoint being written
+    print("checkpointed", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("training", flush=True)
+time.sleep(60)
+"""
+
+
+def test_sigterm_reaches_the_workload_behind_a_compound_command(
+    make_runtime: MakeRuntime, namespace: str, tmp_path: Path
+):
+    script = tmp_path / "rank.py"
+    script.write_text(CHECKPOINTING_RANK)
+    runtime = make_runtime(pod_annotations={ANNOTATION_RUN: "process"})
+    # The shell runs the workload as a child: only the entrypoint's forwarding
+    # gets SIGTERM to it, and the shell reports the workload's own exit code.
+    command = f"echo setting up; {sys.executable} {script}; echo must not run"
+    spec = gang_spec(109, {"gpu-node-1": 2}, command=command, grace_seconds=20)
+    gang = spec.gang
+    runtime.launch(spec)
+    wait_for(lambda: all(b"training" in runtime.read_log(gang, r) for r in range(2)), timeout=30)
+    started = time.monotonic()
+    runtime.signal(gang, 20)
+    wait_for(lambda: all_in(runtime, gang, "exited", 2), timeout=30)
+    assert time.monotonic() - started < 10  # well before the 20 s deadline
+    assert [o.exit_code for o in runtime.observe(gang)] == [0, 0]
+    for rank in range(2):
+        assert runtime.read_log(gang, rank) == b"setting up\ntraining\ncheckpointed\n"

@@ -15,7 +15,8 @@ renewing their Leases, and runs the pods kube-scheduler binds to them:
   ``agent.quartermaster.dev/run-seconds`` it exits by itself with
   ``agent.quartermaster.dev/exit-code`` (default 0) after that long.
 
-Deletion is honoured like the kubelet does: SIGTERM at once, SIGKILL when the
+Deletion is honoured like the kubelet does: SIGTERM at once (to the main
+process only, as a container runtime does), SIGKILL to all its processes when the
 grace period ends (a later, shorter grace period moves the deadline), then the
 final container status with its exit code is written and the pod object is
 deleted with grace 0. Container logs are served on the kubelet's
@@ -528,7 +529,12 @@ class NodeAgent:
             return
         if container.process is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(container.process.pid, signum)
+                if signum == signal.SIGKILL:
+                    # Killing a container kills every process in it.
+                    os.killpg(container.process.pid, signum)
+                else:
+                    # A container runtime signals the main process only.
+                    os.kill(container.process.pid, signum)
             return
         if signum == signal.SIGKILL:
             self._exited(container, 128 + signal.SIGKILL)
