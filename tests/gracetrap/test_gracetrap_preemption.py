@@ -173,6 +173,8 @@ def test_events_are_posted_workers_survive_and_a_second_signal_is_harmless(
     assert names == ["signal_received", "checkpoint_started", "checkpoint_committed", "exiting"]
     assert "Traceback" not in gang.ranks[0].text()
     assert all(step_dirs(checkpoint_dir).values()) and len(step_dirs(checkpoint_dir)) == 1
-    # Every logged event was POSTed with the bearer token, byte for byte the same object.
+    # Every logged event was POSTed with the bearer token, the very same object. POSTs
+    # run concurrently, so they may arrive in any order; `at` orders them.
     assert [auth for auth, _ in _EventSink.received] == ["Bearer s3cret"] * len(events)
-    assert [body for _, body in _EventSink.received] == events
+    posted = sorted((body for _, body in _EventSink.received), key=lambda e: e["at"])
+    assert posted == sorted(events, key=lambda e: e["at"])
