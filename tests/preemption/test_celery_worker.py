@@ -35,25 +35,53 @@ def test_a_real_worker_admits_runs_and_finishes_a_job(world: Any, tmp_path: Path
         "QM_CHECKPOINTS_DIR": str(tmp_path / "checkpoints"),
     }
     worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "portal", "worker", "--pool", "solo", "-Q", queue,
-         "--hostname", f"{queue}@%h", "--loglevel", "INFO"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "portal",
+            "worker",
+            "--pool",
+            "solo",
+            "-Q",
+            queue,
+            "--hostname",
+            f"{queue}@%h",
+            "--loglevel",
+            "INFO",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         job = job_submit(
-            submitter=world.users["researcher"], team=world.vision, flavor=world.h100, ranks=2,
-            gpus_per_rank=2, command=sleeper_command(1), priority_class=world.batch, name="via-worker",
+            submitter=world.users["researcher"],
+            team=world.vision,
+            flavor=world.h100,
+            ranks=2,
+            gpus_per_rank=2,
+            command=sleeper_command(1),
+            priority_class=world.batch,
+            name="via-worker",
         )
         schedule_cycle.apply_async(queue=queue)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not Attempt.objects.filter(job=job).exists():
             time.sleep(0.2)
         assert Attempt.objects.filter(job=job).exists(), "the worker's cycle admitted the job"
-        while time.monotonic() < deadline and Job.objects.get(pk=job.pk).state != JobState.SUCCEEDED:
+        while (
+            time.monotonic() < deadline and Job.objects.get(pk=job.pk).state != JobState.SUCCEEDED
+        ):
             reconcile.apply_async(queue=queue)
             time.sleep(0.5)
         assert Job.objects.get(pk=job.pk).state == JobState.SUCCEEDED
-        assert sorted(Attempt.objects.get(job=job).rank_set.values_list("exit_code", flat=True)) == [0, 0]
+        assert sorted(
+            Attempt.objects.get(job=job).rank_set.values_list("exit_code", flat=True)
+        ) == [0, 0]
     finally:
         worker.terminate()
         output = worker.communicate(timeout=30)[0].decode(errors="replace")

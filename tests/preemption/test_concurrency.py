@@ -28,11 +28,15 @@ def _advance_world(rng: random.Random, world_ids: dict[str, Any]) -> None:
     start, some jobs finish and new ones arrive."""
     now = timezone.now()
     for job in Job.objects.filter(state=JobState.PREEMPTING):
-        Attempt.objects.filter(job=job, ended_at__isnull=True).update(ended_at=now, end_reason="preempted")
+        Attempt.objects.filter(job=job, ended_at__isnull=True).update(
+            ended_at=now, end_reason="preempted"
+        )
         Job.objects.filter(pk=job.pk).update(state=JobState.REQUEUED, requeued_at=now)
     Job.objects.filter(state=JobState.ADMITTED).update(state=JobState.RUNNING, running_at=now)
     for job in Job.objects.filter(state=JobState.RUNNING).order_by("?")[: rng.randint(0, 2)]:
-        Attempt.objects.filter(job=job, ended_at__isnull=True).update(ended_at=now, end_reason="succeeded")
+        Attempt.objects.filter(job=job, ended_at__isnull=True).update(
+            ended_at=now, end_reason="succeeded"
+        )
         Job.objects.filter(pk=job.pk).update(state=JobState.SUCCEEDED, finished_at=now)
     from django.contrib.auth import get_user_model
 
@@ -41,9 +45,12 @@ def _advance_world(rng: random.Random, world_ids: dict[str, Any]) -> None:
     user = get_user_model().objects.get(pk=world_ids["user"])
     for _ in range(rng.randint(0, 3)):
         job_submit(
-            submitter=user, team=Team.objects.get(pk=rng.choice(world_ids["teams"])),
-            flavor=ResourceFlavor.objects.get(pk=world_ids["flavor"]), ranks=rng.choice([1, 1, 2, 3]),
-            gpus_per_rank=rng.choice([1, 2, 4, 8]), command="true",
+            submitter=user,
+            team=Team.objects.get(pk=rng.choice(world_ids["teams"])),
+            flavor=ResourceFlavor.objects.get(pk=world_ids["flavor"]),
+            ranks=rng.choice([1, 1, 2, 3]),
+            gpus_per_rank=rng.choice([1, 2, 4, 8]),
+            command="true",
             priority_class=PriorityClass.objects.get(pk=rng.choice(world_ids["classes"])),
         )
 
@@ -60,7 +67,7 @@ def _cycler(index: int, barrier: Any, errors: Any, world_ids: dict[str, Any]) ->
                 _advance_world(rng, world_ids)
     except IntegrityError:
         errors.put(f"process {index}: {traceback.format_exc()}")
-    except Exception:  # noqa: BLE001 - any failure is reported to the test
+    except Exception:
         errors.put(f"process {index}: {traceback.format_exc()}")
         barrier.abort()
     finally:
@@ -71,8 +78,12 @@ def test_two_cycles_at_once_never_double_admit_or_double_preempt(world: Any) -> 
     assert connection.vendor == "postgresql", "this test proves the PostgreSQL lock"
     for index in range(12):
         job_submit(
-            submitter=world.users["researcher"], team=[world.vision, world.nlp, world.ops][index % 3],
-            flavor=world.h100, ranks=1 + index % 2, gpus_per_rank=[2, 4, 8][index % 3], command="true",
+            submitter=world.users["researcher"],
+            team=[world.vision, world.nlp, world.ops][index % 3],
+            flavor=world.h100,
+            ranks=1 + index % 2,
+            gpus_per_rank=[2, 4, 8][index % 3],
+            command="true",
             priority_class=world.batch if index % 4 else world.critical,
         )
     world_ids = {
@@ -85,7 +96,9 @@ def test_two_cycles_at_once_never_double_admit_or_double_preempt(world: Any) -> 
     context = multiprocessing.get_context("fork")
     barrier = context.Barrier(2)
     errors = context.Queue()
-    processes = [context.Process(target=_cycler, args=(i, barrier, errors, world_ids)) for i in range(2)]
+    processes = [
+        context.Process(target=_cycler, args=(i, barrier, errors, world_ids)) for i in range(2)
+    ]
     for process in processes:
         process.start()
     for process in processes:
@@ -98,13 +111,21 @@ def test_two_cycles_at_once_never_double_admit_or_double_preempt(world: Any) -> 
 
     assert Attempt.objects.count() > 20, "the rounds admitted work"
     assert PreemptionEvent.objects.exists(), "the rounds preempted work"
-    duplicated_ranks = Rank.objects.values("attempt_id", "index").annotate(n=Count("id")).filter(n__gt=1)
+    duplicated_ranks = (
+        Rank.objects.values("attempt_id", "index").annotate(n=Count("id")).filter(n__gt=1)
+    )
     assert not duplicated_ranks.exists()
-    per_attempt = PreemptionEvent.objects.values("victim_attempt_id").annotate(n=Count("id")).filter(n__gt=1)
+    per_attempt = (
+        PreemptionEvent.objects.values("victim_attempt_id").annotate(n=Count("id")).filter(n__gt=1)
+    )
     assert not per_attempt.exists()
-    open_attempts = Attempt.objects.filter(ended_at__isnull=True).values("job_id").annotate(n=Count("id"))
+    open_attempts = (
+        Attempt.objects.filter(ended_at__isnull=True).values("job_id").annotate(n=Count("id"))
+    )
     assert all(row["n"] == 1 for row in open_attempts)
     # Every attempt's ranks match its job's gang: admitted whole, once.
     for attempt in Attempt.objects.select_related("job"):
         assert attempt.rank_set.count() == attempt.job.ranks
-    assert timezone.now() - Attempt.objects.latest("admitted_at").admitted_at < timedelta(minutes=10)
+    assert timezone.now() - Attempt.objects.latest("admitted_at").admitted_at < timedelta(
+        minutes=10
+    )
