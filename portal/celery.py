@@ -6,6 +6,8 @@ import os
 
 from celery import Celery
 
+import portal.broker  # noqa: F401 - registers the embedded default's disk broker
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
 app = Celery("quartermaster")

@@ -150,13 +150,15 @@ SPECTACULAR_SETTINGS = {
 }
 
 # Celery: Redis in production and tests, a broker on local disk by default.
-CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://") or "filesystem://"
-if not CELERY_BROKER_URL.startswith(("filesystem://", "redis://", "rediss://", "memory://")):
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "qmdisk://") or "qmdisk://"
+if not CELERY_BROKER_URL.startswith(
+    ("qmdisk://", "filesystem://", "redis://", "rediss://", "memory://")
+):
     raise ImproperlyConfigured(
-        f"CELERY_BROKER_URL must start with filesystem://, redis:// or rediss://, got {CELERY_BROKER_URL!r}"
+        f"CELERY_BROKER_URL must start with qmdisk:// (on local disk), redis:// or rediss://, got {CELERY_BROKER_URL!r}"
     )
 BROKER_DIR = VAR_DIR / "broker"
-if CELERY_BROKER_URL.startswith("filesystem://"):
+if CELERY_BROKER_URL.startswith(("qmdisk://", "filesystem://")):
     for sub in ("out", "processed", "control"):
         (BROKER_DIR / sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
