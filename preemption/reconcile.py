@@ -134,9 +134,23 @@ def reconcile_jobs(*, job_ids: list[int] | None = None, runtime: Runtime | None 
     except RuntimeTemporaryError:
         logger.warning("runtime observation failed; retrying next cycle", exc_info=True)
         return 0
+    # Runtimes that can tell a rank was taken away (kube-scheduler preemption,
+    # node loss) even when it exited 0 name those gangs themselves.
+    taken: set[tuple[int, int]] = set()
+    guard = getattr(runtime, "guard_victims", None)
+    if guard is not None:
+        try:
+            taken = {(gang.job_id, gang.attempt) for gang in guard()}
+        except RuntimeTemporaryError:
+            logger.warning("gang-guard observation failed; retrying next cycle", exc_info=True)
     for attempt in attempts:
         try:
-            reconcile_attempt(attempt, observed.get((attempt.job_id, attempt.number), []), runtime)
+            reconcile_attempt(
+                attempt,
+                observed.get((attempt.job_id, attempt.number), []),
+                runtime,
+                taken=(attempt.job_id, attempt.number) in taken,
+            )
         except RuntimeTemporaryError:
             logger.warning(
                 "temporary runtime error on %s; retrying next cycle", attempt, exc_info=True
@@ -145,7 +159,7 @@ def reconcile_jobs(*, job_ids: list[int] | None = None, runtime: Runtime | None 
 
 
 def reconcile_attempt(
-    attempt: Attempt, observations: list[RankObservation], runtime: Runtime
+    attempt: Attempt, observations: list[RankObservation], runtime: Runtime, *, taken: bool = False
 ) -> None:
     job = attempt.job
     gang = GangId(job.pk, attempt.number)
@@ -209,13 +223,14 @@ def reconcile_attempt(
                 for r in ranks.values()
                 if r.state == "lost" or (r.state == "exited" and r.exit_code not in (0, None))
             ]
-            if broken and alive:
-                first = broken[0]
-                cause = (
-                    f"rank {first.index} was lost"
-                    if first.state == "lost"
-                    else f"rank {first.index} exited with code {first.exit_code}"
-                )
+            if (broken or taken) and alive:
+                first = broken[0] if broken else None
+                if first is None:
+                    cause = "a rank was taken away by the cluster"
+                elif first.state == "lost":
+                    cause = f"rank {first.index} was lost"
+                else:
+                    cause = f"rank {first.index} exited with code {first.exit_code}"
                 event = request_stop(job=job, reason="gang-guard", cause=f"gang guard: {cause}")
                 if event is not None:
                     notify(

@@ -55,4 +55,14 @@ def _kubernetes_runtime() -> Runtime:
                 namespace_per_team=settings.QM_K8S_NAMESPACE_PER_TEAM,
             ),
         )
+        # Pods name their priority class: make sure the classes exist before
+        # the first launch rather than waiting for the periodic sync.
+        from preemption.k8s_sync import priority_classes_sync
+
+        try:
+            priority_classes_sync()
+        except Exception:
+            import logging
+
+            logging.getLogger(__name__).warning("first PriorityClass sync failed", exc_info=True)
     return _kubernetes

@@ -32,3 +32,10 @@ def deliver_webhooks() -> int:
     from preemption.webhooks import deliver_due
 
     return deliver_due()
+
+
+@shared_task(name="preemption.tasks.sync_priority_classes", expires=60, **COMMON)
+def sync_priority_classes() -> int:
+    from preemption.k8s_sync import priority_classes_sync
+
+    return priority_classes_sync()
