@@ -128,7 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     # Same initial weights on every rank; DDP would broadcast rank 0's anyway.
     torch.manual_seed(args.seed)
     model = build_model(args)
-    ddp_model: nn.Module = DistributedDataParallel(model) if world_size > 1 else model
+    # DDP regroups its gradient buckets after a process's first step; a resumed
+    # process would then reduce one step in a different layout (and so a
+    # different summation order) than the uninterrupted run. With
+    # find_unused_parameters the layout never changes, and resume is bit-exact.
+    ddp_model: nn.Module = (
+        DistributedDataParallel(model, find_unused_parameters=True) if world_size > 1 else model
+    )
     optimizer = torch.optim.Adam(ddp_model.parameters(), lr=args.lr)
     # From here on each rank draws its own random numbers (dropout, input noise).
     torch.manual_seed(args.seed + 1_000 + rank)
