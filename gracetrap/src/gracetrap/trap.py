@@ -492,7 +492,13 @@ class Trap:
         dist.destroy_process_group()
         port = _env_int("MASTER_PORT")
         if leader and port is not None:
-            release_rendezvous_port(port, self.port_release_timeout)
+            # Waiting for the other ranks to hang up must not run into the kill at the
+            # deadline, which would turn a clean exit into exit code 137.
+            timeout = self.port_release_timeout
+            left = self.grace_left()
+            if left is not None:
+                timeout = max(0.0, min(timeout, left - 0.5))
+            release_rendezvous_port(port, timeout)
 
     # ------------------------------------------------------------- loop forms
 
