@@ -70,7 +70,19 @@ class _Tree:
     path: list[tuple[int, ...]]
     top: list[int]
     bottom_up: list[int]
-    lca_cache: dict[tuple[int, int], tuple[tuple[int, ...], int, int]]
+    lca_rows: dict[int, list[tuple[tuple[int, ...], int, int] | None]]
+
+    def lca_row(self, q: int) -> list[tuple[tuple[int, ...], int, int] | None]:
+        """The memo of ``lca_chains(q, r)`` for every ``r``, indexed by ``r``; None until asked.
+
+        The victim scans look up one entry per queue for every preemption attempt, so a
+        plain list per preemptor's queue keeps the lookup cheap.
+        """
+        row = self.lca_rows.get(q)
+        if row is None:
+            row = [None] * len(self.names)
+            self.lca_rows[q] = row
+        return row
 
     def lca_chains(self, q: int, r: int) -> tuple[tuple[int, ...], int, int]:
         """Queues on ``r``'s path strictly below the lowest common ancestor with ``q``.
@@ -78,11 +90,11 @@ class _Tree:
         Also returns the two children of that ancestor (or the two top-level queues) on
         which ``q`` and ``r`` lie, where R8 compares shares.
         """
-        cached = self.lca_cache.get((q, r))
-        if cached is not None:
-            return cached
-        found = self._lca_chains(q, r)
-        self.lca_cache[(q, r)] = found
+        row = self.lca_row(q)
+        found = row[r]
+        if found is None:
+            found = self._lca_chains(q, r)
+            row[r] = found
         return found
 
     def _lca_chains(self, q: int, r: int) -> tuple[tuple[int, ...], int, int]:
@@ -134,7 +146,7 @@ def _build_tree(snapshot: Snapshot) -> _Tree:
         path=path,
         top=[i for i in range(count) if parent[i] == -1],
         bottom_up=bottom_up,
-        lca_cache={},
+        lca_rows={},
     )
 
 
@@ -622,19 +634,32 @@ class _FlavorPlanner:
         tree = self.tree
         usage = self.usage
         guarantee = self.guarantee
+        candidates = self.candidates
+        head = self.head
+        row = tree.lca_row(q)
         heap: list[tuple[tuple[int, float, float, str], int, int]] = []
         chains: dict[int, tuple[int, ...]] = {}
         for r in list(self.over_guarantee):
-            if r == q or not self.candidates[r] or usage[r] <= guarantee[r]:
+            runs = candidates[r]
+            if r == q or not runs or usage[r] <= guarantee[r]:
                 continue
-            chain = tree.lca_chains(q, r)[0]
-            if any(usage[x] <= guarantee[x] for x in chain):
-                continue
-            chains[r] = chain
-            i = self._next_candidate(r, self.head[r])
-            self.head[r] = i
-            if i < len(self.candidates[r]):
-                heap.append((self.candidates[r][i].key, r, i))
+            found = row[r]
+            if found is None:
+                found = tree.lca_chains(q, r)
+            chain = found[0]
+            for x in chain:
+                if usage[x] <= guarantee[x]:
+                    break
+            else:
+                chains[r] = chain
+                # Skip candidates already taken as victims, as _next_candidate does.
+                i = head[r]
+                end = len(runs)
+                while i < end and runs[i].victim:
+                    i += 1
+                head[r] = i
+                if i < end:
+                    heap.append((runs[i].key, r, i))
         heapq.heapify(heap)
         straddlers: list[tuple[int, tuple[int, float, float, str], _Run]] = []
         while heap:
@@ -697,28 +722,42 @@ class _FlavorPlanner:
         usage = self.usage
         fair = self.fair_share
         gpus = job.workload.gpus
+        candidates = self.candidates
+        head = self.head
+        min_candidate_gpus = self.min_candidate_gpus
+        row = tree.lca_row(q)
         heap: list[tuple[tuple[int, float, float, str], int, int]] = []
         chains: dict[int, tuple[tuple[int, ...], int, int]] = {}
         for r in list(self.over_fair_share):
-            if r == q or not self.candidates[r] or usage[r] - self.min_candidate_gpus[r] < fair[r]:
+            runs = candidates[r]
+            smallest = min_candidate_gpus[r]
+            if r == q or not runs or usage[r] - smallest < fair[r]:
                 continue
-            chain, side_q, side_r = tree.lca_chains(q, r)
+            found = row[r]
+            if found is None:
+                found = tree.lca_chains(q, r)
+            chain, side_q, side_r = found
             if side_q == side_r:
                 continue
             # Both tests of R8 only get harder for a larger victim: when the queue's
             # smallest candidate fails them, every candidate of the queue does.
-            smallest = self.min_candidate_gpus[r]
-            if any(usage[x] - smallest < fair[x] - 1e-9 for x in chain):
-                continue
-            if not r8_may_preempt_for_fair_share(
-                usage[side_q], fair[side_q], gpus, usage[side_r], fair[side_r], smallest
-            ):
-                continue
-            chains[r] = (chain, side_q, side_r)
-            i = self._next_candidate(r, self.head[r])
-            self.head[r] = i
-            if i < len(self.candidates[r]):
-                heap.append((self.candidates[r][i].key, r, i))
+            for x in chain:
+                if usage[x] - smallest < fair[x] - 1e-9:
+                    break
+            else:
+                if not r8_may_preempt_for_fair_share(
+                    usage[side_q], fair[side_q], gpus, usage[side_r], fair[side_r], smallest
+                ):
+                    continue
+                chains[r] = found
+                # Skip candidates already taken as victims, as _next_candidate does.
+                i = head[r]
+                end = len(runs)
+                while i < end and runs[i].victim:
+                    i += 1
+                head[r] = i
+                if i < end:
+                    heap.append((runs[i].key, r, i))
         heapq.heapify(heap)
         while heap:
             _, r, i = heapq.heappop(heap)
