@@ -183,6 +183,8 @@ class Drill:
         self.train = settings.BASE_DIR / "examples" / "train_ddp.py"
         self.sleeper = settings.BASE_DIR / "examples" / "sleeper.py"
         self.started = time.monotonic()
+        # Set when the web server starts: the trap's events go there.
+        self.public_url = ""
 
     # -- set-up ----------------------------------------------------------------
 
@@ -263,6 +265,7 @@ class Drill:
             "QM_RETRY_BACKOFF_SECONDS": "1",
             "QM_CYCLE_SECONDS": "1",
         }
+        self.public_url = env["QM_PUBLIC_URL"]
         services = Services(env=env, port=port, log_dir=self.work)
         for name in ("web", "worker", "beat"):
             services.start(name)
@@ -542,7 +545,9 @@ class Drill:
             .first()
         )
         orphaned = sorted(
-            set(event.victim_attempt.orphaned_ports) | set(self._bound_ports(master_port))
+            set(event.victim_attempt.orphaned_ports)
+            | set(self._bound_ports(master_port))
+            | set(self._leftover_ports(event.victim_attempt))
         )
         diff, same_rng, same_loss = self._compare(dump)
         window_start = (
@@ -595,13 +600,59 @@ class Drill:
                 return [port]
         return []
 
+    def _ours(self, pid: int) -> bool:
+        """Whether a process was started for a job of this drill: it reports its
+        events to this drill's web server (job ids repeat across installations
+        sharing a machine)."""
+        from preemption.runtimes import procfs
+
+        url = procfs.read_environ_value(pid, "QM_EVENTS_URL") or ""
+        return url.startswith(f"{self.public_url}/")
+
+    def _gang_pids(self, attempt: Attempt) -> list[int]:
+        """Live processes on this machine started for one attempt of a drill job."""
+        from preemption.runtimes import procfs
+
+        pids = []
+        for pid in procfs.iter_pids():
+            if procfs.read_environ_value(pid, "QM_JOB_ID") != str(attempt.job_id):
+                continue
+            if procfs.read_environ_value(pid, "QM_ATTEMPT") != str(attempt.number):
+                continue
+            if self._ours(pid) and procfs.is_alive(pid, None):
+                pids.append(pid)
+        return pids
+
+    def _leftover_ports(self, attempt: Attempt) -> list[int]:
+        """Independent of the runtime: TCP ports still listened on by any process
+        of the gang left on this machine (a /proc scan)."""
+        from preemption.runtimes import procfs
+
+        listening = procfs.listening_tcp_ports()
+        ports: set[int] = set()
+        for pid in self._gang_pids(attempt):
+            ports |= {listening[i] for i in procfs.socket_inodes(pid) if i in listening}
+        return sorted(ports)
+
     def _master_port(self, attempt: Attempt) -> int | None:
-        """The port the gang rendezvoused on, read from the local runtime's record
-        while the gang runs (None on other runtimes)."""
+        """The port the gang rendezvoused on, read while the gang runs.
+
+        The local runtime records it; ranks of other runtimes that run on this
+        machine (the test cluster's node agent runs pods as local processes)
+        carry it in their environment. None when neither says.
+        """
         path = Path(settings.QM_RUNS_DIR) / str(attempt.job_id) / str(attempt.number) / "gang.json"
         if path.exists():
             port = json.loads(path.read_text()).get("master_port")
             return int(port) if port else None
+        from preemption.runtimes import procfs
+
+        for pid in self._gang_pids(attempt):
+            address = procfs.read_environ_value(pid, "MASTER_ADDR")
+            port = procfs.read_environ_value(pid, "MASTER_PORT")
+            # A port in another network namespace (a real pod) cannot be probed here.
+            if address in ("127.0.0.1", "localhost") and port and port.isdigit():
+                return int(port)
         return attempt.master_port
 
     def _compare(self, dump: Path) -> tuple[float | None, bool, bool]:
@@ -649,6 +700,8 @@ class Drill:
             try:
                 environ = (pid_dir / "environ").read_bytes().split(b"\0")
             except OSError:
+                continue
+            if not self._ours(int(pid_dir.name)):
                 continue
             for item in environ:
                 if item.startswith(b"QM_JOB_ID=") and item[10:].decode() in wanted:

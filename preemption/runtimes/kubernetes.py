@@ -644,18 +644,22 @@ class KubernetesRuntime:
     def observe(self, gang: GangId | None = None) -> list[RankObservation]:
         """Every rank's state from a fresh listing of pods, gang records and nodes."""
         selector = self._selector(gang)
+        # Gang records first, pods second: launch() marks a record launched only
+        # after every pod exists, so a launched record is never paired with a
+        # pod listing taken before its pods were created (which would read as
+        # every rank lost).
         try:
             if self.settings.namespace_per_team:
-                pods = self.core.list_pod_for_all_namespaces(label_selector=selector).items
                 records = self.core.list_config_map_for_all_namespaces(
                     label_selector=selector
                 ).items
+                pods = self.core.list_pod_for_all_namespaces(label_selector=selector).items
             else:
                 namespace = self.settings.namespace
-                pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
                 records = self.core.list_namespaced_config_map(
                     namespace, label_selector=selector
                 ).items
+                pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
             ready_nodes = self._ready_nodes()
         except ApiException as error:
             raise self._translate(error, "observe") from error
@@ -1096,11 +1100,24 @@ def reconcile_priority_classes(
             "description": spec.description,
         }
 
+    def create(spec: PriorityClassSpec) -> bool:
+        """Create a class; False when another reconciler (a second worker) was first.
+
+        The class it created is checked on the next run like any other.
+        """
+        try:
+            scheduling.create_priority_class(body(spec))
+        except ApiException as error:
+            if error.status != 409:
+                raise
+            return False
+        return True
+
     for name, spec in sorted(wanted.items()):
         current = existing.get(name)
         if current is None:
-            scheduling.create_priority_class(body(spec))
-            created.append(name)
+            if create(spec):
+                created.append(name)
             continue
         if (current.metadata.labels or {}).get(MANAGED_BY_LABEL) != MANAGED_BY:
             unowned.append(name)
@@ -1116,8 +1133,8 @@ def reconcile_priority_classes(
             except ApiException as error:
                 if error.status != 404:
                     raise
-            scheduling.create_priority_class(body(spec))
-            replaced.append(name)
+            if create(spec):
+                replaced.append(name)
         elif (current.description or "") != spec.description or current.global_default:
             scheduling.patch_priority_class(
                 name, {"description": spec.description, "globalDefault": False}
