@@ -101,24 +101,30 @@ def test_sigkill_during_saves_always_leaves_a_complete_checkpoint(tmp_path: Path
     checkpoint_dir = tmp_path / "checkpoints"
     server = ForkServer()
     try:
-        # Two saves that are left to finish: they measure the save interval on this
-        # disk now and leave complete checkpoints for the kills to threaten.
+        # Two saves that are left to finish: they measure how long a save takes on this
+        # disk now, from its start until its metadata file exists (the moment it
+        # commits), and leave complete checkpoints for the kills to threaten.
         durations = []
         for _ in range(2):
             child = server.start_trial(checkpoint_dir)
-            _, lines = server.expect("SAVED ", timeout=120)
-            committed = [json.loads(x.split(" ", 1)[1]) for x in lines if "committed" in x]
-            durations.append(committed[-1]["seconds"])
+            started = server.started_event(timeout=120)
+            metadata = checkpoint_dir / f"step_{started['step']}" / ".metadata"
+            deadline = time.monotonic() + 120
+            while not metadata.exists():
+                assert time.monotonic() < deadline, "the calibration save never committed"
+                time.sleep(0.001)
+            durations.append(time.time() - started["at"])
+            server.expect("SAVED ", timeout=120)
             os.kill(child, signal.SIGKILL)
             server.expect("EXIT ", timeout=30)
         save_seconds = sum(durations) / len(durations)
-        print(f"\nmeasured save interval: {save_seconds:.3f} s ({durations})")
+        print(f"\nmeasured save interval (start to metadata): {save_seconds:.3f} s {durations}")
 
         before_metadata = 0
         trials = 0
         while trials < MIN_TRIALS or before_metadata < MIN_TRIALS // 2:
             assert trials < MAX_TRIALS, f"only {before_metadata} of {trials} kills came early"
-            # Offsets spread from the save's start to a little past its expected end.
+            # Offsets spread from the save's start to a little past its expected commit.
             offset = save_seconds * 1.25 * (trials % MIN_TRIALS) / MIN_TRIALS
             expected_resume = _newest_complete(checkpoint_dir) + 1
             child = server.start_trial(checkpoint_dir)
