@@ -71,6 +71,8 @@ class _Tree:
     top: list[int]
     bottom_up: list[int]
     lca_rows: dict[int, list[tuple[tuple[int, ...], int, int] | None]]
+    # Per queue: each queue on its path (itself first) -> position on that path.
+    depth_on_path: list[dict[int, int]]
 
     def lca_row(self, q: int) -> list[tuple[tuple[int, ...], int, int] | None]:
         """The memo of ``lca_chains(q, r)`` for every ``r``, indexed by ``r``; None until asked.
@@ -99,14 +101,13 @@ class _Tree:
 
     def _lca_chains(self, q: int, r: int) -> tuple[tuple[int, ...], int, int]:
         q_path = self.path[q]
-        on_q = set(q_path)
-        chain: list[int] = []
-        for x in self.path[r]:
-            if x in on_q:
-                pos = q_path.index(x)
-                return tuple(chain), q_path[pos - 1], chain[-1]
-            chain.append(x)
-        return tuple(chain), q_path[-1], chain[-1]
+        on_q = self.depth_on_path[q]
+        r_path = self.path[r]
+        for j, x in enumerate(r_path):
+            pos = on_q.get(x)
+            if pos is not None:
+                return r_path[:j], q_path[pos - 1], r_path[j - 1]
+        return r_path, q_path[-1], r_path[-1]
 
 
 def _build_tree(snapshot: Snapshot) -> _Tree:
@@ -147,6 +148,7 @@ def _build_tree(snapshot: Snapshot) -> _Tree:
         top=[i for i in range(count) if parent[i] == -1],
         bottom_up=bottom_up,
         lca_rows={},
+        depth_on_path=[{x: pos for pos, x in enumerate(chain)} for chain in path],
     )
 
 
@@ -188,6 +190,7 @@ class _Job:
     workload: Workload
     queue: int
     cls: PriorityClass
+    gpus: int
 
 
 def _validate_workloads(
@@ -301,7 +304,7 @@ class _FlavorPlanner:
             gpus = w.gpus
             self.demand[q] += gpus
             if w.state == PENDING:
-                pending[q].append(_Job(w, q, cls))
+                pending[q].append(_Job(w, q, cls, gpus))
                 continue
             nodes = tuple(
                 (node_index[node], ranks * w.gpus_per_rank) for node, ranks in w.placement
@@ -384,6 +387,7 @@ class _FlavorPlanner:
         self.tried: dict[str, int] = {}
         self.preempt: list[Preemption] = []
         self.job_by_id = {job.workload.id: job for jobs in pending for job in jobs}
+        self.physical_reasons: dict[tuple[int, int], str] = {}
 
     # Fair shares (R4, R8) -------------------------------------------------------------
 
@@ -595,13 +599,6 @@ class _FlavorPlanner:
 
     # Candidate victims ----------------------------------------------------------------
 
-    def _next_candidate(self, q: int, start: int) -> int:
-        runs = self.candidates[q]
-        i = start
-        while i < len(runs) and runs[i].victim:
-            i += 1
-        return i
-
     def _shielded(self, run: _Run) -> bool:
         """Whether taking ``run`` would only move the loss onto its own queue's lower work.
 
@@ -652,7 +649,7 @@ class _FlavorPlanner:
                     break
             else:
                 chains[r] = chain
-                # Skip candidates already taken as victims, as _next_candidate does.
+                # Skip the queue's candidates already taken as victims.
                 i = head[r]
                 end = len(runs)
                 while i < end and runs[i].victim:
@@ -664,7 +661,8 @@ class _FlavorPlanner:
         straddlers: list[tuple[int, tuple[int, float, float, str], _Run]] = []
         while heap:
             _, r, i = heapq.heappop(heap)
-            run = self.candidates[r][i]
+            runs = candidates[r]
+            run = runs[i]
             chain = chains[r]
             overshoot = 0
             eligible = True
@@ -676,9 +674,12 @@ class _FlavorPlanner:
                 overshoot = max(overshoot, over)
             if not eligible:
                 continue
-            nxt = self._next_candidate(r, i + 1)
-            if nxt < len(self.candidates[r]):
-                heapq.heappush(heap, (self.candidates[r][nxt].key, r, nxt))
+            nxt = i + 1
+            end = len(runs)
+            while nxt < end and runs[nxt].victim:
+                nxt += 1
+            if nxt < end:
+                heapq.heappush(heap, (runs[nxt].key, r, nxt))
             if run.victim or self._shielded(run):
                 continue
             if overshoot:
@@ -712,7 +713,7 @@ class _FlavorPlanner:
             ):
                 continue
             yield run, PRIORITY
-        if r6_may_reclaim(self.usage[q], job.workload.gpus, self.guarantee[q]):
+        if r6_may_reclaim(self.usage[q], job.gpus, self.guarantee[q]):
             yield from self._reclaim_candidates(q)
 
     def _fair_share_candidates(self, job: _Job) -> Iterator[tuple[_Run, str]]:
@@ -721,7 +722,7 @@ class _FlavorPlanner:
         tree = self.tree
         usage = self.usage
         fair = self.fair_share
-        gpus = job.workload.gpus
+        gpus = job.gpus
         candidates = self.candidates
         head = self.head
         min_candidate_gpus = self.min_candidate_gpus
@@ -750,7 +751,7 @@ class _FlavorPlanner:
                 ):
                     continue
                 chains[r] = found
-                # Skip candidates already taken as victims, as _next_candidate does.
+                # Skip the queue's candidates already taken as victims.
                 i = head[r]
                 end = len(runs)
                 while i < end and runs[i].victim:
@@ -761,10 +762,14 @@ class _FlavorPlanner:
         heapq.heapify(heap)
         while heap:
             _, r, i = heapq.heappop(heap)
-            run = self.candidates[r][i]
-            nxt = self._next_candidate(r, i + 1)
-            if nxt < len(self.candidates[r]):
-                heapq.heappush(heap, (self.candidates[r][nxt].key, r, nxt))
+            runs = candidates[r]
+            run = runs[i]
+            nxt = i + 1
+            end = len(runs)
+            while nxt < end and runs[nxt].victim:
+                nxt += 1
+            if nxt < end:
+                heapq.heappush(heap, (runs[nxt].key, r, nxt))
             if run.victim or run.runtime(self.now) < run.cls.min_runtime_seconds:
                 continue
             chain, side_q, side_r = chains[r]
@@ -895,14 +900,35 @@ class _FlavorPlanner:
             if jobs:
                 heap.append(self._queue_key(q, jobs[0]))
         heapq.heapify(heap)
+        heappop = heapq.heappop
+        heappush = heapq.heappush
+        usage = self.usage
+        guarantee = self.guarantee
+        fair_share = self.fair_share
+        names = self.tree.names
+        plan_job = self._plan_job
+        preempt = self.preempt
         while heap:
-            *_, q = heapq.heappop(heap)
+            q = heappop(heap)[4]
             jobs = pending[q]
-            job = jobs[position[q]]
-            position[q] += 1
-            self._plan_job(job, self.preempt)
-            if position[q] < len(jobs):
-                heapq.heappush(heap, self._queue_key(q, jobs[position[q]]))
+            at = position[q]
+            plan_job(jobs[at], preempt)
+            at += 1
+            position[q] = at
+            if at < len(jobs):
+                # The key of _queue_key, spelled out: this loop runs once per workload.
+                head = jobs[at]
+                used = usage[q]
+                heappush(
+                    heap,
+                    (
+                        used + head.gpus > guarantee[q],
+                        used - fair_share[q],
+                        head.workload.submitted_at,
+                        names[q],
+                        q,
+                    ),
+                )
 
     def _queue_key(self, q: int, head: _Job) -> tuple[bool, float, float, str, int]:
         # Work that fits inside its queue's guarantee goes before any borrowing: otherwise
@@ -910,7 +936,7 @@ class _FlavorPlanner:
         # the queue furthest below its fair share goes first; ties by older submission.
         usage = self.usage[q]
         return (
-            usage + head.workload.gpus > self.guarantee[q],
+            usage + head.gpus > self.guarantee[q],
             usage - self.fair_share[q],
             head.workload.submitted_at,
             self.tree.names[q],
@@ -920,15 +946,23 @@ class _FlavorPlanner:
     def _plan_job(self, job: _Job, preempt: list[Preemption]) -> None:
         w = job.workload
         q = job.queue
-        gpus = w.gpus
+        gpus = job.gpus
         gpr = w.gpus_per_rank
         ranks = w.ranks
-        quota_reason = self._quota_reason(q, gpus, job.cls)
+        cls = job.cls
+        quota_reason = self._quota_reason(q, gpus, cls)
         if quota_reason is None:
-            placement = self._place_free(ranks, gpr)
-            if placement is not None:
-                self._admit(job, placement)
-                return
+            # The cheap tests of _place_free first: on a full cluster most jobs stop here.
+            failed = self.free_fail.get(gpr)
+            if (
+                gpus <= self.free_total
+                and gpr <= self.max_node_gpus
+                and (failed is None or ranks < failed)
+            ):
+                placement = self._place_free(ranks, gpr)
+                if placement is not None:
+                    self._admit(job, placement)
+                    return
             if self.releasing_nodes:
                 failed = self.release_fail.get(gpr)
                 if failed is None or ranks < failed:
@@ -941,11 +975,12 @@ class _FlavorPlanner:
         modes = self._modes(job)
         if modes:
             self.tried[w.id] = self.generation
+        attempt_fail = self.attempt_fail
         for mode in modes:
             # Reclaim and fair-share moves do not depend on the preemptor's priority.
-            value = job.cls.value if mode == PRIORITY else 0
-            key = (q, mode, gpr, value, job.cls.preemptible)
-            cached = self.attempt_fail.get(key)
+            value = cls.value if mode == PRIORITY else 0
+            key = (q, mode, gpr, value, cls.preemptible)
+            cached = attempt_fail.get(key)
             if cached is not None and cached[1] == self.generation and ranks >= cached[0]:
                 continue
             if mode == RECLAIM:
@@ -990,7 +1025,17 @@ class _FlavorPlanner:
             else:
                 self._wait_on(job, placement, tuple(run.workload.id for run, _ in victims))
             return
-        self.waits[w.id] = Waiting(w.id, quota_reason or self._physical_reason(ranks, gpr))
+        if quota_reason is None:
+            # The sentence depends on the gang's shape only; many jobs share a shape.
+            shape = (ranks, gpr)
+            quota_reason = self.physical_reasons.get(shape)
+            if quota_reason is None:
+                quota_reason = self._physical_reason(ranks, gpr)
+                self.physical_reasons[shape] = quota_reason
+        waits = self.waits
+        known = waits.get(w.id)
+        if known is None or known.reason != quota_reason:
+            waits[w.id] = Waiting(w.id, quota_reason)
 
     def _admit(self, job: _Job, placement: list[tuple[int, int]]) -> None:
         """Start ``job`` on ``placement`` now; it becomes a candidate victim for later jobs.
@@ -1037,16 +1082,19 @@ class _FlavorPlanner:
     def _modes(self, job: _Job) -> list[str]:
         """The kinds of preemption that could let ``job`` in: reclaim, priority, fair share."""
         q = job.queue
-        gpus = job.workload.gpus
+        gpus = job.gpus
         modes: list[str] = []
         # Victims of other queues never lower this queue's own borrowing, so a
         # non-preemptible job beyond its guarantee can only gain from priority (R5).
         within_guarantee = self.pinned_usage[q] + gpus <= self.guarantee[q]
         if r6_may_reclaim(self.usage[q], gpus, self.guarantee[q]):
             modes.append(RECLAIM)
-        head = self._next_candidate(q, self.head[q])
-        self.head[q] = head
         runs = self.candidates[q]
+        head = self.head[q]
+        end = len(runs)
+        while head < end and runs[head].victim:
+            head += 1
+        self.head[q] = head
         if (
             job.cls.preemption_policy == PREEMPT_LOWER_PRIORITY
             and head < len(runs)
