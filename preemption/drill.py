@@ -435,6 +435,11 @@ class Drill:
                 timeout=300,
             )
         master_port = self._master_port(Attempt.objects.get(job=borrower, ended_at__isnull=True))
+        self.log(
+            f"the gang rendezvoused on port {master_port}"
+            if master_port
+            else "the gang's rendezvous port is not visible from this machine"
+        )
         critical = self.submit_critical(name=f"{label}-critical")
         self.log(
             f"submitted critical job {critical.pk}: {self.nodes} × 8 GPUs under ai-prod-critical"
