@@ -39,7 +39,7 @@ k8s: venv
 	@bash tools/k8s/build.sh
 
 wheel: venv
-	@mkdir -p var/wheels && $(PY) -m pip wheel -q --no-deps ./gracetrap -w var/wheels && ls var/wheels
+	@mkdir -p var/wheels && $(PY) -m pip wheel -q --no-deps --no-build-isolation ./gracetrap -w var/wheels && ls var/wheels
 
 ## test: set everything up (PostgreSQL, Redis, the Kubernetes control plane) and run the whole suite
 test: venv services lint k8s
@@ -47,7 +47,7 @@ test: venv services lint k8s
 	$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider $(PYTEST_ARGS)
 
 ## bench: print the benchmarks' figures
-bench: venv services
+bench: venv services k8s
 	$(PY) bench/bench_fairshare.py
 	$(PY) bench/bench_gracetrap.py
 	$(PY) bench/bench_simulation.py
