@@ -179,7 +179,20 @@ def reconcile_attempt(
                 # Stopped before it ever started: nothing to signal.
                 _finish_attempt(job, attempt, list(ranks.values()), event, runtime, now)
                 return
-            if attempt.launched_at is not None and event is None:
+            if attempt.launched_at is None:
+                try:
+                    runtime.launch(gang_spec(job, attempt, ranks.values()))
+                except RuntimePermanentError as exc:
+                    _fail_launch(job, attempt, str(exc), now)
+                    return
+                Attempt.objects.filter(pk=attempt.pk, launched_at__isnull=True).update(
+                    launched_at=now
+                )
+                return
+            # The observation may predate a launch another worker just made:
+            # look again before calling the gang lost.
+            observations = runtime.observe(gang)
+            if not observations:
                 # The runtime forgot a gang it launched: its ranks are lost.
                 observations = [
                     RankObservation(
@@ -196,16 +209,6 @@ def reconcile_attempt(
                     )
                     for r in ranks.values()
                 ]
-            elif event is None:
-                try:
-                    runtime.launch(gang_spec(job, attempt, ranks.values()))
-                except RuntimePermanentError as exc:
-                    _fail_launch(job, attempt, str(exc), now)
-                    return
-                Attempt.objects.filter(pk=attempt.pk, launched_at__isnull=True).update(
-                    launched_at=now
-                )
-                return
         _record_observations(ranks, observations)
         phases = {index: rank.state for index, rank in ranks.items()}
         alive = [i for i, phase in phases.items() if phase not in TERMINAL_PHASES]
