@@ -155,7 +155,19 @@ def _build_tree(snapshot: Snapshot) -> _Tree:
 class _Run:
     """A running workload as a candidate victim."""
 
-    __slots__ = ("cls", "gpus", "key", "nodes", "planned", "queue", "victim", "workload")
+    __slots__ = (
+        "cls",
+        "gpus",
+        "key",
+        "nodes",
+        "planned",
+        "queue",
+        "runtime",
+        "shield_epoch",
+        "shielded",
+        "victim",
+        "workload",
+    )
 
     def __init__(
         self,
@@ -177,10 +189,12 @@ class _Run:
             self.gpus, now, workload.admitted_at, workload.last_checkpoint_at
         )
         self.key = r9_victim_order(cls.value, lost, workload.admitted_at, workload.id)
-
-    def runtime(self, now: float) -> float:
-        admitted = self.workload.admitted_at
-        return _INF if admitted is None else now - admitted
+        # Seconds since admission; the snapshot's clock does not move during a plan.
+        admitted = workload.admitted_at
+        self.runtime = _INF if admitted is None else now - admitted
+        # The answer of _FlavorPlanner._shielded and the queue's shield epoch it holds for.
+        self.shield_epoch = -1
+        self.shielded = False
 
 
 @dataclass(slots=True)
@@ -284,6 +298,10 @@ class _FlavorPlanner:
                     self.guarantee[q], sum(self.guarantee[c] for c in tree.children[q])
                 )
         self.borrow_limit = [quota.borrow_limit for quota in quotas]
+        # The queues on each path that have a borrow limit, bottom up: most have none.
+        self.limited_path = [
+            tuple(x for x in chain if self.borrow_limit[x] is not None) for chain in tree.path
+        ]
         self.lend_limit = [quota.lend_limit for quota in quotas]
         self.reserve = [
             0 if lend is None else max(0, self.guarantee[q] - lend)
@@ -295,6 +313,8 @@ class _FlavorPlanner:
         self.demand = [0] * count
         self.candidates: list[list[_Run]] = [[] for _ in range(count)]
         self.head = [0] * count
+        # Bumped whenever a queue gains a candidate or one of them becomes a victim.
+        self.shield_epoch = [0] * count
         pending: list[list[_Job]] = [[] for _ in range(count)]
         self.held_running: list[list[_Run]] = []
         self.terminating: list[Workload] = []
@@ -475,7 +495,7 @@ class _FlavorPlanner:
                 f"of its {self.guarantee[q]} guaranteed {self.flavor} GPUs free of "
                 "non-preemptible work"
             )
-        for x in tree.path[q]:
+        for x in self.limited_path[q]:
             limit = self.borrow_limit[x]
             if limit is not None and usage[x] + gpus - self.guarantee[x] > limit:
                 return f"team {tree.names[x]} at its borrow limit of {limit} {self.flavor} GPUs"
@@ -608,6 +628,16 @@ class _FlavorPlanner:
         """
         if run.cls.preemption_policy != PREEMPT_LOWER_PRIORITY:
             return False
+        # The answer depends on the queue's candidates and which of them are victims; it
+        # holds until either changes (the queue's shield epoch moves on).
+        epoch = self.shield_epoch[run.queue]
+        if run.shield_epoch == epoch:
+            return run.shielded
+        run.shield_epoch = epoch
+        run.shielded = self._lower_work_to_take(run)
+        return run.shielded
+
+    def _lower_work_to_take(self, run: _Run) -> bool:
         runs = self.candidates[run.queue]
         for i in range(self.head[run.queue], len(runs)):
             lower = runs[i]
@@ -616,7 +646,7 @@ class _FlavorPlanner:
             if (
                 not lower.victim
                 and lower.gpus >= run.gpus
-                and r7_may_preempt_by_priority(run.cls, lower.cls, lower.runtime(self.now))
+                and r7_may_preempt_by_priority(run.cls, lower.cls, lower.runtime)
             ):
                 return True
         return False
@@ -708,9 +738,7 @@ class _FlavorPlanner:
             run = runs[i]
             if run.cls.value >= job.cls.value:
                 break
-            if run.victim or not r7_may_preempt_by_priority(
-                job.cls, run.cls, run.runtime(self.now)
-            ):
+            if run.victim or not r7_may_preempt_by_priority(job.cls, run.cls, run.runtime):
                 continue
             yield run, PRIORITY
         if r6_may_reclaim(self.usage[q], job.gpus, self.guarantee[q]):
@@ -770,7 +798,7 @@ class _FlavorPlanner:
                 nxt += 1
             if nxt < end:
                 heapq.heappush(heap, (runs[nxt].key, r, nxt))
-            if run.victim or run.runtime(self.now) < run.cls.min_runtime_seconds:
+            if run.victim or run.runtime < run.cls.min_runtime_seconds:
                 continue
             chain, side_q, side_r = chains[r]
             if self._shielded(run):
@@ -828,8 +856,10 @@ class _FlavorPlanner:
                 fits = True
                 break
         if not fits:
+            # The node tallies in ``potential`` die with this attempt; only the quota
+            # usage has to be given back.
             for run, _ in reversed(chosen):
-                shift(run, -1)
+                self._add_usage(run.queue, run.gpus)
             return None
         for i in range(len(chosen) - 1, -1, -1):
             run = chosen[i][0]
@@ -842,7 +872,7 @@ class _FlavorPlanner:
         placement = self._place_on(ranks, gpr, potential)
         if placement is None:
             for run, _ in reversed(chosen):
-                shift(run, -1)
+                self._add_usage(run.queue, run.gpus)
             return None
         # A victim on nodes the placement does not use frees nothing there; it stays only
         # when the quotas need its GPUs back (R10).
@@ -997,6 +1027,7 @@ class _FlavorPlanner:
             running_victims = False
             for run, reason in victims:
                 run.victim = True
+                self.shield_epoch[run.queue] += 1
                 if run.planned:
                     # Admitted earlier in this same plan: it never starts, and its GPUs
                     # are free at once rather than after a grace window.
@@ -1076,6 +1107,7 @@ class _FlavorPlanner:
                 self.min_candidate_gpus[q] = min(self.min_candidate_gpus[q], gpus)
             at = bisect.bisect_left([r.key for r in runs], run.key) if runs else 0
             runs.insert(at, run)
+            self.shield_epoch[q] += 1
             if at < self.head[q]:
                 self.head[q] = at
 
