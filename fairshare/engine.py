@@ -696,8 +696,9 @@ class _FlavorPlanner:
             chain = chains[r]
             overshoot = 0
             eligible = True
+            victim_gpus = run.gpus
             for x in chain:
-                over = r3_guarantee_overshoot(usage[x], guarantee[x], run.gpus)
+                over = r3_guarantee_overshoot(usage[x], guarantee[x], victim_gpus)
                 if over is None:
                     eligible = False
                     break
@@ -803,12 +804,15 @@ class _FlavorPlanner:
             chain, side_q, side_r = chains[r]
             if self._shielded(run):
                 continue
-            if any(usage[x] - run.gpus < fair[x] - 1e-9 for x in chain):
-                continue
-            if r8_may_preempt_for_fair_share(
-                usage[side_q], fair[side_q], gpus, usage[side_r], fair[side_r], run.gpus
-            ):
-                yield run, FAIR_SHARE
+            victim_gpus = run.gpus
+            for x in chain:
+                if usage[x] - victim_gpus < fair[x] - 1e-9:
+                    break
+            else:
+                if r8_may_preempt_for_fair_share(
+                    usage[side_q], fair[side_q], gpus, usage[side_r], fair[side_r], victim_gpus
+                ):
+                    yield run, FAIR_SHARE
 
     # Preemption (R9, R10) --------------------------------------------------------------
 
