@@ -836,18 +836,21 @@ class _FlavorPlanner:
         potential: dict[int, int] = {}
         chosen: list[tuple[_Run, str]] = []
 
-        def room(n: int) -> int:
-            got = potential.get(n)
-            return self.free[n] + self.releasing[n] if got is None else got
+        free = self.free
+        releasing = self.releasing
+        add_usage = self._add_usage
 
         def shift(run: _Run, sign: int) -> int:
+            # A node's room: what an earlier shift left there, else free plus releasing.
             change = 0
             for n, g in run.nodes:
-                old = room(n)
+                old = potential.get(n)
+                if old is None:
+                    old = free[n] + releasing[n]
                 new = old + sign * g
                 potential[n] = new
                 change += new // gpr - old // gpr
-            self._add_usage(run.queue, -sign * run.gpus)
+            add_usage(run.queue, -sign * run.gpus)
             return change
 
         fits = False
