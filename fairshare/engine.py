@@ -309,6 +309,9 @@ class _FlavorPlanner:
         ]
 
         self.usage = [0] * count
+        # GPUs that jobs only waiting on reservations add to ``usage``: a queue
+        # must not look above its guarantee line because of its own waiting work.
+        self.waiting_usage = [0] * count
         self.pinned_usage = [0] * count
         self.demand = [0] * count
         self.candidates: list[list[_Run]] = [[] for _ in range(count)]
@@ -666,16 +669,17 @@ class _FlavorPlanner:
         row = tree.lca_row(q)
         heap: list[tuple[tuple[int, float, float, str], int, int]] = []
         chains: dict[int, tuple[int, ...]] = {}
+        waiting = self.waiting_usage
         for r in list(self.over_guarantee):
             runs = candidates[r]
-            if r == q or not runs or usage[r] <= guarantee[r]:
+            if r == q or not runs or usage[r] - waiting[r] <= guarantee[r]:
                 continue
             found = row[r]
             if found is None:
                 found = tree.lca_chains(q, r)
             chain = found[0]
             for x in chain:
-                if usage[x] <= guarantee[x]:
+                if usage[x] - waiting[x] <= guarantee[x]:
                     break
             else:
                 chains[r] = chain
@@ -698,7 +702,7 @@ class _FlavorPlanner:
             eligible = True
             victim_gpus = run.gpus
             for x in chain:
-                over = r3_guarantee_overshoot(usage[x], guarantee[x], victim_gpus)
+                over = r3_guarantee_overshoot(usage[x] - waiting[x], guarantee[x], victim_gpus)
                 if over is None:
                     eligible = False
                     break
@@ -1150,6 +1154,8 @@ class _FlavorPlanner:
         w = job.workload
         from_releasing, released_by = self._claim(placement, w.gpus_per_rank)
         self._add_usage(job.queue, w.gpus)
+        for x in self.tree.path[job.queue]:
+            self.waiting_usage[x] += w.gpus
         if not job.cls.preemptible:
             self.pinned_usage[job.queue] += w.gpus
         if from_releasing:
