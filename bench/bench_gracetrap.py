@@ -8,7 +8,8 @@ ways, each timed through fsync so that every figure is bytes on disk:
 * a plain ``torch.save`` of the model and optimizer state dicts, then ``fsync``, with
   and without torch's per-record CRC32,
 * ``Trap.save`` (torch.distributed.checkpoint, fsync of files, folder and pointer),
-  with its default (no CRC32) and with ``checksums=True``.
+  with its default (no CRC32) and with ``checksums=True``, and once more right after
+  a previous save, while that save's deletion of the older checkpoint runs.
 
 The repeats are interleaved so that a burst of other load on a shared disk hits every
 method alike; medians are printed.
@@ -146,6 +147,30 @@ def time_trap_save(
     return elapsed, nbytes
 
 
+def time_trap_save_after_save(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int
+) -> float:
+    """A save right after another one, as when a preemption follows a regular save.
+
+    With ``keep=1`` the first save starts deleting the checkpoint before it (1 GB
+    from the previous repeat) in the background; the timed save runs while it does.
+    """
+    checkpoints = directory / "trap-back-to-back"
+    trap = Trap(
+        checkpoints,
+        {"model": model, "optimizer": optimizer},
+        keep=1,
+        signals=(),
+        stream=open(os.devnull, "w"),  # noqa: SIM115 - lives as long as the trap
+    )
+    trap.save(2 * step)
+    started = time.perf_counter()
+    trap.save(2 * step + 1)
+    elapsed = time.perf_counter() - started
+    trap.close()
+    return elapsed
+
+
 def should_stop_cost(steps: int) -> float:
     """Seconds per should_stop call in one process without a process group."""
     trap = Trap(None, signals=(), stream=open(os.devnull, "w"))  # noqa: SIM115
@@ -217,6 +242,9 @@ def main() -> None:
                     root, model, optimizer, threads, index, checksums
                 )
                 runs.setdefault(label, []).append(elapsed)
+            runs.setdefault("Trap.save right after a save", []).append(
+                time_trap_save_after_save(root, model, optimizer, index)
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -95,6 +95,13 @@ def _crc32(enabled: bool) -> Iterator[None]:
         torch.serialization.set_crc32_options(previous)
 
 
+def _prune_after(previous: threading.Thread | None, root: Path, keep: int) -> None:
+    # Runs in the pruning thread: wait for the previous pruning, then prune.
+    if previous is not None:
+        previous.join()
+    checkpoints.prune(root, keep)
+
+
 def worker_init_fn(worker_id: int) -> None:
     """Pass as ``DataLoader(worker_init_fn=...)``: workers ignore the preemption signals.
 
@@ -334,8 +341,15 @@ class Trap:
         leader = self.rank() == 0
         already = 0.0
         if leader:
-            self._wait_for_pruning()
             root.mkdir(parents=True, exist_ok=True)
+            newest = checkpoints.complete_checkpoints(root)
+            if not newest or step <= newest[0].step:
+                # Pruning drops incomplete folders older than the newest complete one,
+                # which this save's folder would be until it commits: let it finish.
+                # A save of a newer step is never touched by it, so the deletion of
+                # old checkpoints (slow on big files, above all where the file system
+                # discards freed blocks at once) runs on beside the save.
+                self._wait_for_pruning()
             if checkpoints.is_complete(path):
                 already = 1.0
             elif path.exists():
@@ -371,8 +385,11 @@ class Trap:
             # Deleting old checkpoints is slow on big files and never needed for safety,
             # so it runs beside training instead of inside the save (or the grace window).
             # A kill in the middle leaves only renamed remnants that the next prune removes.
+            # One deletion at a time: the new one starts once the previous one ended.
             self._pruner = threading.Thread(
-                target=checkpoints.prune, args=(root, self.keep), name="gracetrap-prune"
+                target=_prune_after,
+                args=(self._pruner, root, self.keep),
+                name="gracetrap-prune",
             )
             self._pruner.daemon = True
             self._pruner.start()
