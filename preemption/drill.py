@@ -44,6 +44,7 @@ from django.contrib.auth import get_user_model
 from django.db import close_old_connections
 from django.utils import timezone
 
+from portal.processes import beat_command, web_command, worker_command
 from preemption.models import FINAL_STATES, Attempt, Job, JobState, PreemptionEvent, Rank
 from preemption.services import job_cancel, job_submit
 from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team
@@ -72,48 +73,10 @@ class Services:
     log_dir: Path = Path()
 
     def start(self, name: str) -> None:
-        python = sys.executable
         commands = {
-            "web": [
-                python,
-                "-m",
-                "gunicorn",
-                "portal.wsgi:application",
-                "--bind",
-                f"127.0.0.1:{self.port}",
-                "--workers",
-                "2",
-                "--threads",
-                "8",
-                "--timeout",
-                "60",
-            ],
-            "worker": [
-                python,
-                "-m",
-                "celery",
-                "-A",
-                "portal",
-                "worker",
-                "--loglevel",
-                "INFO",
-                "--concurrency",
-                "2",
-                "--hostname",
-                f"drill-{os.getpid()}-{time.time_ns()}@%h",
-            ],
-            "beat": [
-                python,
-                "-m",
-                "celery",
-                "-A",
-                "portal",
-                "beat",
-                "--loglevel",
-                "INFO",
-                "--schedule",
-                str(self.log_dir / "celerybeat-schedule"),
-            ],
+            "web": web_command(bind=f"127.0.0.1:{self.port}", workers=2, threads=8, timeout=60),
+            "worker": worker_command(hostname=f"drill-{os.getpid()}-{time.time_ns()}@%h"),
+            "beat": beat_command(schedule=self.log_dir / "celerybeat-schedule"),
         }
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         self.processes[name] = subprocess.Popen(

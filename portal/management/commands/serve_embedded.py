@@ -16,6 +16,8 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
+from portal.processes import beat_command, web_command, worker_command
+
 
 class Command(BaseCommand):
     help = "Serve the portal with a Celery worker and beat (the embedded default)."
@@ -31,50 +33,9 @@ class Command(BaseCommand):
             [python, "manage.py", "collectstatic", "--noinput", "-v0"], check=True, env=env
         )
         commands = {
-            "web": [
-                python,
-                "-m",
-                "gunicorn",
-                "portal.wsgi:application",
-                "--bind",
-                bind,
-                "--workers",
-                str(web_workers),
-                "--threads",
-                "4",
-                "--timeout",
-                "120",
-                "--access-logfile",
-                "-",
-                "--graceful-timeout",
-                "5",
-            ],
-            "worker": [
-                python,
-                "-m",
-                "celery",
-                "-A",
-                "portal",
-                "worker",
-                "--loglevel",
-                "INFO",
-                "--concurrency",
-                "2",
-                "--hostname",
-                "embedded@%h",
-            ],
-            "beat": [
-                python,
-                "-m",
-                "celery",
-                "-A",
-                "portal",
-                "beat",
-                "--loglevel",
-                "INFO",
-                "--schedule",
-                str(settings.VAR_DIR / "celerybeat-schedule"),
-            ],
+            "web": web_command(bind=bind, workers=web_workers),
+            "worker": worker_command(hostname="embedded@%h"),
+            "beat": beat_command(schedule=settings.VAR_DIR / "celerybeat-schedule"),
         }
         children: dict[str, subprocess.Popen[bytes]] = {}
         stopping = False
