@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -56,6 +57,10 @@ _INF = float("inf")
 # A failed preemption attempt examines at most this many candidate victims. It bounds a
 # plan's time on a saturated cluster; a workload that needs more victims than that waits.
 _MAX_CANDIDATES_PER_ATTEMPT = 128
+# Node-by-node reclaim searches (see _reclaim_on_few_nodes): how many a plan may
+# run, and how many nodes each tries.
+_NODE_SEARCHES_PER_PLAN = 8
+_NODES_PER_SEARCH = 4
 
 
 @dataclass(slots=True)
@@ -309,6 +314,7 @@ class _FlavorPlanner:
         ]
 
         self.usage = [0] * count
+        self.node_searches_left = _NODE_SEARCHES_PER_PLAN
         # GPUs that jobs only waiting on reservations add to ``usage``: a queue
         # must not look above its guarantee line because of its own waiting work.
         self.waiting_usage = [0] * count
@@ -903,6 +909,35 @@ class _FlavorPlanner:
             return None
         return kept, placement
 
+    def _reclaim_on_few_nodes(
+        self, job: _Job
+    ) -> tuple[list[tuple[_Run, str]], list[tuple[int, int]]] | None:
+        """R6 with R10 when the cheapest victims are scattered: the same search,
+        restricted to one node at a time, on the nodes where queues above their
+        guarantee hold the most GPUs."""
+        q = job.queue
+        gpr = job.workload.gpus_per_rank
+        held: dict[int, int] = defaultdict(int)
+        for r in self.over_guarantee:
+            if r == q:
+                continue
+            for run in self.candidates[r]:
+                if not run.victim:
+                    for n, g in run.nodes:
+                        held[n] += g
+        room = {n: self.free[n] + self.releasing[n] + g for n, g in held.items()}
+        nodes = sorted((n for n in room if room[n] >= gpr), key=lambda n: (-room[n], n))
+        for n in nodes[:_NODES_PER_SEARCH]:
+            candidates = (
+                (run, reason)
+                for run, reason in self._reclaim_candidates(q)
+                if any(m == n for m, _ in run.nodes)
+            )
+            result = self._preempt_for(job, candidates)
+            if result is not None:
+                return result
+        return None
+
     # The cycle -------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -1031,6 +1066,13 @@ class _FlavorPlanner:
             else:
                 candidates = self._fair_share_candidates(job)
             result = self._preempt_for(job, candidates)
+            if result is None and mode == RECLAIM and self.node_searches_left > 0:
+                # Cheap victims scattered over many nodes can use up the donors'
+                # budget above their guarantee lines before any node frees enough;
+                # searching node by node finds the victims that do free one. It
+                # costs a pass over the running work, so a plan does it a few times.
+                self.node_searches_left -= 1
+                result = self._reclaim_on_few_nodes(job)
             if result is None:
                 self.attempt_fail[key] = (ranks, self.generation)
                 continue
