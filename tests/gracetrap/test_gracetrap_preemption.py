@@ -178,3 +178,30 @@ def test_events_are_posted_workers_survive_and_a_second_signal_is_harmless(
     assert [auth for auth, _ in _EventSink.received] == ["Bearer s3cret"] * len(events)
     posted = sorted((body for _, body in _EventSink.received), key=lambda e: e["at"])
     assert posted == sorted(events, key=lambda e: e["at"])
+
+
+def test_a_signal_that_arrives_during_the_final_save_is_still_reported(tmp_path: Path) -> None:
+    gang = launch(
+        2,
+        tmp_path / "checkpoints",
+        tmp_path / "logs",
+        [],
+        script=Path(__file__).with_name("gracetrap_late_signal.py"),
+    )
+    try:
+        codes = gang.wait(timeout=120)
+    finally:
+        gang.kill()
+
+    assert codes == [0, 0], gang.tail()
+    late = gang.ranks[1].events()
+    names = [event["event"] for event in late]
+    assert names == [
+        "checkpoint_started",
+        "checkpoint_committed",
+        "signal_received",
+        "exiting",
+    ], names
+    started, committed = late[0]["at"], late[1]["at"]
+    assert started <= late[2]["at"] <= committed
+    assert gang.ranks[0].events()[0]["event"] == "signal_received"

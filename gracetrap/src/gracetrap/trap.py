@@ -482,6 +482,9 @@ class Trap:
                 # The job is being preempted either way; the previous checkpoint stands.
                 self.events.emit("checkpoint_skipped", step=step, reason=f"save failed: {error}")
         self.shutdown()
+        # A rank that stopped on another rank's signal may receive its own during the
+        # save or the shutdown: it is still news to whoever measures signal delivery.
+        self._report_signal()
         self.events.emit("exiting", code=self.exit_code)
         left = self.grace_left()
         self.events.flush(POST_TIMEOUT_SECONDS if left is None else min(POST_TIMEOUT_SECONDS, left))
@@ -540,6 +543,7 @@ class Trap:
         self._closed = True
         self._wait_for_pruning()
         self.restore_signal_handlers()
+        self._report_signal()
         self.events.flush(POST_TIMEOUT_SECONDS)
 
     def __enter__(self) -> Trap:
