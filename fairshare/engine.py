@@ -57,10 +57,9 @@ _INF = float("inf")
 # A failed preemption attempt examines at most this many candidate victims. It bounds a
 # plan's time on a saturated cluster; a workload that needs more victims than that waits.
 _MAX_CANDIDATES_PER_ATTEMPT = 128
-# Node-by-node reclaim searches (see _reclaim_on_few_nodes): how many a plan may
-# run, and how many nodes each tries.
+# Node-clearing reclaim searches (see _reclaim_by_node) a plan may run: each is a
+# pass over the running work of the queues above their guarantee.
 _NODE_SEARCHES_PER_PLAN = 8
-_NODES_PER_SEARCH = 4
 
 
 @dataclass(slots=True)
@@ -909,33 +908,98 @@ class _FlavorPlanner:
             return None
         return kept, placement
 
-    def _reclaim_on_few_nodes(
+    def _reclaim_by_node(
         self, job: _Job
     ) -> tuple[list[tuple[_Run, str]], list[tuple[int, int]]] | None:
-        """R6 with R10 when the cheapest victims are scattered: the same search,
-        restricted to one node at a time, on the nodes where queues above their
-        guarantee hold the most GPUs."""
+        """R6 with R10 when the cheapest victims are scattered: clear nodes, not GPUs.
+
+        Cheap victims spread over many nodes can use up the donors' GPUs above their
+        guarantee lines before any node has room for a rank. Here each node offers the
+        cheapest reclaimable work on it that makes room for ranks of the gang; nodes
+        are taken cheapest per rank first, each only while its victims keep their
+        queues on or above the line as R3 asks, until the gang fits. The victims then
+        go through the trimming and placement of every other search.
+        """
         q = job.queue
         gpr = job.workload.gpus_per_rank
-        held: dict[int, int] = defaultdict(int)
+        ranks = job.workload.ranks
+        tree = self.tree
+        usage = self.usage
+        waiting = self.waiting_usage
+        guarantee = self.guarantee
+        row = tree.lca_row(q)
+        chains: dict[int, tuple[int, ...]] = {}
+        on_node: dict[int, list[_Run]] = defaultdict(list)
         for r in self.over_guarantee:
-            if r == q:
+            if r == q or usage[r] - waiting[r] <= guarantee[r]:
                 continue
-            for run in self.candidates[r]:
+            found = row[r]
+            chain = (found if found is not None else tree.lca_chains(q, r))[0]
+            if any(usage[x] - waiting[x] <= guarantee[x] for x in chain):
+                continue
+            chains[r] = chain
+            runs = self.candidates[r]
+            for i in range(self.head[r], len(runs)):
+                run = runs[i]
                 if not run.victim:
-                    for n, g in run.nodes:
-                        held[n] += g
-        room = {n: self.free[n] + self.releasing[n] + g for n, g in held.items()}
-        nodes = sorted((n for n in room if room[n] >= gpr), key=lambda n: (-room[n], n))
-        for n in nodes[:_NODES_PER_SEARCH]:
-            candidates = (
-                (run, reason)
-                for run, reason in self._reclaim_candidates(q)
-                if any(m == n for m, _ in run.nodes)
+                    for n, _ in run.nodes:
+                        on_node[n].append(run)
+
+        free = self.free
+        releasing = self.releasing
+        offers: list[tuple[tuple[float, float, float, int], list[_Run], int]] = []
+        for n, runs in on_node.items():
+            room = free[n] + releasing[n]
+            before = room // gpr
+            most = min(ranks, self.node_gpus[n] // gpr)
+            if before >= most:
+                continue
+            runs.sort(key=lambda run: run.key)
+            taken: list[_Run] = []
+            for run in runs:
+                if self._shielded(run):
+                    continue
+                taken.append(run)
+                room += sum(g for m, g in run.nodes if m == n)
+                if room // gpr >= most:
+                    break
+            gained = room // gpr - before
+            if gained <= 0:
+                continue
+            cost = (
+                float(max(run.key[0] for run in taken)),
+                sum(run.key[1] for run in taken) / gained,
+                sum(run.gpus for run in taken) / gained,
+                n,
             )
-            result = self._preempt_for(job, candidates)
-            if result is not None:
-                return result
+            offers.append((cost, taken, gained))
+        offers.sort(key=lambda offer: offer[0])
+
+        hostable = self._hostable_ranks(gpr)
+        taken_from: dict[int, int] = defaultdict(int)
+        chosen: dict[int, _Run] = {}
+        for _, runs, gained in offers:
+            new = [run for run in runs if id(run) not in chosen]
+            extra: dict[int, int] = defaultdict(int)
+            eligible = True
+            for run in new:
+                for x in chains[run.queue]:
+                    left = usage[x] - waiting[x] - taken_from[x] - extra[x]
+                    if r3_guarantee_overshoot(left, guarantee[x], run.gpus) is None:
+                        eligible = False
+                        break
+                    extra[x] += run.gpus
+                if not eligible:
+                    break
+            if not eligible:
+                continue
+            for x, g in extra.items():
+                taken_from[x] += g
+            for run in new:
+                chosen[id(run)] = run
+            hostable += gained
+            if hostable >= ranks:
+                return self._preempt_for(job, ((run, RECLAIM) for run in chosen.values()))
         return None
 
     # The cycle -------------------------------------------------------------------------
@@ -1069,10 +1133,10 @@ class _FlavorPlanner:
             if result is None and mode == RECLAIM and self.node_searches_left > 0:
                 # Cheap victims scattered over many nodes can use up the donors'
                 # budget above their guarantee lines before any node frees enough;
-                # searching node by node finds the victims that do free one. It
+                # clearing whole nodes finds the victims that do make room. It
                 # costs a pass over the running work, so a plan does it a few times.
                 self.node_searches_left -= 1
-                result = self._reclaim_on_few_nodes(job)
+                result = self._reclaim_by_node(job)
             if result is None:
                 self.attempt_fail[key] = (ranks, self.generation)
                 continue
