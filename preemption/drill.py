@@ -656,8 +656,9 @@ class Drill:
     def chaos_checks(self, jobs: list[int]) -> dict[str, int]:
         """Orphaned ranks (a /proc scan), double preemptions and lost events
         (log lines against database rows)."""
+        from preemption.ingest import fingerprint
         from preemption.runtime import get_runtime
-        from preemption.runtimes import iter_trap_events
+        from preemption.runtimes import iter_trap_events, read_whole_log
         from preemption.runtimes.base import GangId
 
         orphans = 0
@@ -689,19 +690,8 @@ class Drill:
         lost = 0
         for attempt in Attempt.objects.filter(job_id__in=jobs):
             for rank in range(attempt.job.ranks):
-                chunks = []
-                offset = 0
-                while True:
-                    chunk = runtime.read_log(
-                        GangId(attempt.job_id, attempt.number), rank, offset, 1 << 20
-                    )
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-                    offset += len(chunk)
-                from preemption.ingest import fingerprint
-
-                for event in iter_trap_events(b"".join(chunks)):
+                log = read_whole_log(runtime, GangId(attempt.job_id, attempt.number), rank)
+                for event in iter_trap_events(log):
                     if not TrapEvent.objects.filter(fingerprint=fingerprint(event)).exists():
                         lost += 1
         return {"orphaned_ranks": orphans, "double_preemptions": double, "lost_events": lost}

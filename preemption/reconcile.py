@@ -297,13 +297,13 @@ def _record_observations(ranks: dict[int, Rank], observations: list[RankObservat
 def ingest_logs(job: Job, attempt: Attempt, ranks: Iterable[Rank], runtime: Runtime) -> int:
     """Read every rank's QM_EVENT lines so no event is lost when its POST was."""
     from preemption.ingest import ingest_trap_event
-    from preemption.runtimes import iter_trap_events
+    from preemption.runtimes import iter_trap_events, read_whole_log
 
     added = 0
     gang = GangId(job.pk, attempt.number)
     for rank in ranks:
         try:
-            log = _read_all(runtime, gang, rank.index)
+            log = read_whole_log(runtime, gang, rank.index)
         except (RuntimeTemporaryError, RuntimePermanentError, OSError):
             logger.warning("could not read the log of %s", rank, exc_info=True)
             continue
@@ -313,18 +313,6 @@ def ingest_logs(job: Job, attempt: Attempt, ranks: Iterable[Rank], runtime: Runt
             except Exception:
                 logger.warning("ignoring a malformed trap event in %s: %r", rank, event)
     return added
-
-
-def _read_all(runtime: Runtime, gang: GangId, rank: int) -> bytes:
-    chunks = []
-    offset = 0
-    while True:
-        chunk = runtime.read_log(gang, rank, offset, 1 << 20)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
 
 
 def _fail_launch(job: Job, attempt: Attempt, message: str, now: datetime) -> None:

@@ -12,6 +12,7 @@ from preemption.runtimes.base import (
     Runtime,
     RuntimePermanentError,
     RuntimeTemporaryError,
+    read_whole_log,
 )
 from preemption.runtimes.inventory import parse_inventory
 from preemption.runtimes.local import GangProcess, LocalRuntime
@@ -30,4 +31,5 @@ __all__ = [
     "RuntimeTemporaryError",
     "iter_trap_events",
     "parse_inventory",
+    "read_whole_log",
 ]

@@ -135,3 +135,15 @@ class Runtime(Protocol):
     def forget(self, gang: GangId) -> None:
         """Drop the bookkeeping of a finished gang; its logs stay readable."""
         ...
+
+
+def read_whole_log(runtime: Runtime, gang: GangId, rank: int, chunk: int = 1 << 20) -> bytes:
+    """One rank's whole log, read ``chunk`` bytes at a time."""
+    parts = []
+    offset = 0
+    while True:
+        part = runtime.read_log(gang, rank, offset, chunk)
+        if not part:
+            return b"".join(parts)
+        parts.append(part)
+        offset += len(part)
