@@ -6,6 +6,7 @@ this folder for the JSON scenario format and the command line.
 
 from .engine import check_snapshot, plan
 from .model import (
+    CONSOLIDATE,
     FAIR_SHARE,
     PRIORITY,
     RECLAIM,
@@ -39,6 +40,7 @@ from .scenario import (
 from .whatif import apply_changes, diff
 
 __all__ = [
+    "CONSOLIDATE",
     "FAIR_SHARE",
     "PRIORITY",
     "RECLAIM",

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from .model import (
+    CONSOLIDATE,
     FAIR_SHARE,
     PENDING,
     PREEMPT_LOWER_PRIORITY,
@@ -60,6 +61,15 @@ _MAX_CANDIDATES_PER_ATTEMPT = 128
 # Node-clearing reclaim searches (see _reclaim_by_node) a plan may run: each is a
 # pass over the running work of the queues above their guarantee.
 _NODE_SEARCHES_PER_PLAN = 8
+# Consolidation (see _consolidate): how many searches a plan may run (each a pass over
+# the running work), and how long a job must have run before it may be moved, so that a
+# job is never moved twice in quick succession.
+_CONSOLIDATIONS_PER_PLAN = 8
+# A fair-share move (R8) never takes a job that started less than this long ago: GPUs
+# that came back were handed out by queue order a moment earlier, and taking them back
+# at once would turn one cycle's admission into the next cycle's preemption.
+_FAIR_SHARE_MIN_RUNTIME_SECONDS = 60.0
+_CONSOLIDATE_MIN_RUNTIME_SECONDS = 600.0
 
 
 @dataclass(slots=True)
@@ -314,6 +324,7 @@ class _FlavorPlanner:
 
         self.usage = [0] * count
         self.node_searches_left = _NODE_SEARCHES_PER_PLAN
+        self.consolidations_left = _CONSOLIDATIONS_PER_PLAN
         # GPUs that jobs only waiting on reservations add to ``usage``: a queue
         # must not look above its guarantee line because of its own waiting work.
         self.waiting_usage = [0] * count
@@ -808,7 +819,9 @@ class _FlavorPlanner:
                 nxt += 1
             if nxt < end:
                 heapq.heappush(heap, (runs[nxt].key, r, nxt))
-            if run.victim or run.runtime < run.cls.min_runtime_seconds:
+            if run.victim or run.runtime < max(
+                run.cls.min_runtime_seconds, _FAIR_SHARE_MIN_RUNTIME_SECONDS
+            ):
                 continue
             chain, side_q, side_r = chains[r]
             if self._shielded(run):
@@ -1002,6 +1015,109 @@ class _FlavorPlanner:
                 return self._preempt_for(job, ((run, RECLAIM) for run in chosen.values()))
         return None
 
+    def _consolidate(
+        self, job: _Job
+    ) -> tuple[list[tuple[_Run, str]], list[tuple[int, int]], list[tuple[int, int]]] | None:
+        """R10 when free GPUs are scattered: move small jobs so that ``job`` fits.
+
+        Only for a gang inside its queue's guarantee, and only while enough GPUs are
+        free in total. A job may move when it is preemptible, sits on one node, is
+        smaller than one rank of the gang and has run long enough; it is requeued and
+        restarts at once on GPUs free elsewhere (its "hole", kept for it in this plan),
+        so its queue loses only the restart. Nodes are cleared fewest moved GPUs per
+        rank first. Returns the victims, the gang's placement and the holes, or None.
+        """
+        w = job.workload
+        gpr = w.gpus_per_rank
+        ranks = w.ranks
+        free = self.free
+        releasing = self.releasing
+        movable: dict[int, list[_Run]] = defaultdict(list)
+        for runs in self.candidates:
+            for run in runs:
+                if (
+                    run.victim
+                    or run.planned
+                    or len(run.nodes) != 1
+                    or run.gpus >= gpr
+                    or run.runtime
+                    < max(_CONSOLIDATE_MIN_RUNTIME_SECONDS, run.cls.min_runtime_seconds)
+                ):
+                    continue
+                movable[run.nodes[0][0]].append(run)
+        offers: list[tuple[tuple[float, float, int], list[_Run], int, int]] = []
+        for n, runs in movable.items():
+            room = free[n] + releasing[n]
+            before = room // gpr
+            most = min(ranks, self.node_gpus[n] // gpr)
+            if before >= most:
+                continue
+            runs.sort(key=lambda run: run.key)
+            taken: list[_Run] = []
+            for run in runs:
+                taken.append(run)
+                room += run.gpus
+                if room // gpr >= most:
+                    break
+            gained = room // gpr - before
+            if gained <= 0:
+                continue
+            moved = sum(run.gpus for run in taken)
+            offers.append(
+                ((moved / gained, sum(run.key[1] for run in taken) / gained, n), taken, gained, n)
+            )
+        if not offers:
+            return None
+        offers.sort(key=lambda offer: offer[0])
+
+        # The free GPUs the moved jobs may restart on: nodes with free GPUs, by node.
+        spare = {n: g for n, g in enumerate(free) if g > 0}
+        hostable = self._hostable_ranks(gpr)
+        cleared: set[int] = set()
+        victims: list[_Run] = []
+        hole_of: dict[int, tuple[int, int]] = {}
+        for _, runs, gained, n in offers:
+            if any(m == n for m, _ in hole_of.values()):
+                # Moved jobs restart there: it cannot be cleared as well.
+                continue
+            trial = {m: g for m, g in spare.items() if m != n and m not in cleared}
+            found: dict[int, tuple[int, int]] = {}
+            for run in sorted(runs, key=lambda run: -run.gpus):
+                best = min(
+                    (m for m, g in trial.items() if g >= run.gpus),
+                    key=lambda m: (trial[m], m),
+                    default=None,
+                )
+                if best is None:
+                    break
+                trial[best] -= run.gpus
+                found[id(run)] = (best, run.gpus)
+            if len(found) < len(runs):
+                continue
+            spare = trial
+            cleared.add(n)
+            victims.extend(runs)
+            hole_of.update(found)
+            hostable += gained
+            if hostable >= ranks:
+                break
+        if hostable < ranks:
+            return None
+        potential = {
+            n: free[n] + releasing[n] + sum(run.gpus for run in victims if run.nodes[0][0] == n)
+            for n in cleared
+        }
+        placement = self._place_on(ranks, gpr, potential)
+        if placement is None:
+            return None
+        used = {n for n, _ in placement}
+        # Jobs on a cleared node the placement does not use stay where they are.
+        kept = [run for run in victims if run.nodes[0][0] in used]
+        if not kept:
+            return None
+        holes = [hole_of[id(run)] for run in kept]
+        return [(run, CONSOLIDATE) for run in kept], placement, holes
+
     # The cycle -------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -1141,38 +1257,26 @@ class _FlavorPlanner:
                 self.attempt_fail[key] = (ranks, self.generation)
                 continue
             victims, placement = result
-            running_victims = False
-            for run, reason in victims:
-                run.victim = True
-                self.shield_epoch[run.queue] += 1
-                if run.planned:
-                    # Admitted earlier in this same plan: it never starts, and its GPUs
-                    # are free at once rather than after a grace window.
-                    del self.admitted[run.workload.id]
-                    del self.admissions[run.workload.id]
-                    if not run.cls.preemptible:
-                        self.pinned_usage[run.queue] -= run.gpus
-                    for n, g in run.nodes:
-                        self._set_free(n, self.free[n] + g)
-                    self.free_fail.clear()
-                    self.changed = True
-                    self.freed = True
-                    self.waits[run.workload.id] = Waiting(
-                        run.workload.id, f"gives way to job {w.id} ({reason})"
-                    )
-                    continue
-                running_victims = True
-                preempt.append(Preemption(run.workload.id, reason, w.id, run.cls.grace_seconds))
-                for n, g in run.nodes:
-                    self.releasing[n] += g
-                    self.releasing_by[n].append(run.workload.id)
-                    self.releasing_nodes[n] = None
-            self.release_fail.clear()
-            if not running_victims and all(self.free[n] >= r * gpr for n, r in placement):
-                self._admit(job, placement)
-            else:
-                self._wait_on(job, placement, tuple(run.workload.id for run, _ in victims))
+            self._take(job, victims, placement, preempt)
             return
+        if (
+            quota_reason is None
+            and self.consolidations_left > 0
+            and gpus <= self.free_total
+            and all(self.usage[x] + gpus <= self.guarantee[x] for x in self.tree.path[q])
+        ):
+            # Enough GPUs are free, just not together, and the gang fits inside its
+            # guarantee: move small jobs off a few nodes to the free GPUs elsewhere.
+            self.consolidations_left -= 1
+            moved = self._consolidate(job)
+            if moved is not None:
+                victims, placement, holes = moved
+                for n, g in holes:
+                    # Kept for the moved jobs: nothing else in this plan takes them.
+                    self._set_free(n, self.free[n] - g)
+                self.free_fail.clear()
+                self._take(job, victims, placement, preempt)
+                return
         if quota_reason is None:
             # The sentence depends on the gang's shape only; many jobs share a shape.
             shape = (ranks, gpr)
@@ -1184,6 +1288,48 @@ class _FlavorPlanner:
         known = waits.get(w.id)
         if known is None or known.reason != quota_reason:
             waits[w.id] = Waiting(w.id, quota_reason)
+
+    def _take(
+        self,
+        job: _Job,
+        victims: list[tuple[_Run, str]],
+        placement: list[tuple[int, int]],
+        preempt: list[Preemption],
+    ) -> None:
+        """Make ``victims`` give way to ``job``, which starts or waits on ``placement``."""
+        w = job.workload
+        gpr = w.gpus_per_rank
+        running_victims = False
+        for run, reason in victims:
+            run.victim = True
+            self.shield_epoch[run.queue] += 1
+            if run.planned:
+                # Admitted earlier in this same plan: it never starts, and its GPUs
+                # are free at once rather than after a grace window.
+                del self.admitted[run.workload.id]
+                del self.admissions[run.workload.id]
+                if not run.cls.preemptible:
+                    self.pinned_usage[run.queue] -= run.gpus
+                for n, g in run.nodes:
+                    self._set_free(n, self.free[n] + g)
+                self.free_fail.clear()
+                self.changed = True
+                self.freed = True
+                self.waits[run.workload.id] = Waiting(
+                    run.workload.id, f"gives way to job {w.id} ({reason})"
+                )
+                continue
+            running_victims = True
+            preempt.append(Preemption(run.workload.id, reason, w.id, run.cls.grace_seconds))
+            for n, g in run.nodes:
+                self.releasing[n] += g
+                self.releasing_by[n].append(run.workload.id)
+                self.releasing_nodes[n] = None
+        self.release_fail.clear()
+        if not running_victims and all(self.free[n] >= r * gpr for n, r in placement):
+            self._admit(job, placement)
+        else:
+            self._wait_on(job, placement, tuple(run.workload.id for run, _ in victims))
 
     def _admit(self, job: _Job, placement: list[tuple[int, int]]) -> None:
         """Start ``job`` on ``placement`` now; it becomes a candidate victim for later jobs.

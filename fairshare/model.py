@@ -21,6 +21,7 @@ WORKLOAD_STATES: Final = (PENDING, RUNNING, TERMINATING)
 RECLAIM: Final = "reclaim"
 PRIORITY: Final = "priority"
 FAIR_SHARE: Final = "fair-share"
+CONSOLIDATE: Final = "consolidate"
 
 
 class ScenarioError(ValueError):
@@ -184,8 +185,9 @@ class Admission:
 class Preemption:
     """Signal every rank of running workload ``id``, giving it ``grace_seconds`` to checkpoint.
 
-    ``reason`` is "reclaim", "priority" or "fair-share"; ``preemptor`` is the pending
-    workload the GPUs are freed for.
+    ``reason`` is "reclaim", "priority", "fair-share" or "consolidate" (a small job moved
+    off a node so that a gang within its guarantee fits; it restarts at once elsewhere);
+    ``preemptor`` is the pending workload the GPUs are freed for.
     """
 
     id: str

@@ -56,6 +56,11 @@ def explain_preemption(
         return f"preempted by higher-priority job {preemptor.pk} ({preemptor.priority_class.name}) of {team}"
     if reason == "fair-share":
         return f"fair-share move: {team} was further below its fair share than {victim_team}"
+    if reason == "consolidate":
+        return (
+            f"moved to GPUs free on other nodes, so that job {preemptor.pk} of {team} fits "
+            "inside its guarantee on this one"
+        )
     return reason
 
 

@@ -159,6 +159,7 @@ class PreemptionEvent(models.Model):
         RECLAIM = "reclaim", "Reclaim"
         PRIORITY = "priority", "Priority"
         FAIR_SHARE = "fair-share", "Fair share"
+        CONSOLIDATE = "consolidate", "Consolidation"
         GANG_GUARD = "gang-guard", "Gang guard"
         MANUAL = "manual", "Manual"
 
@@ -195,7 +196,14 @@ class PreemptionEvent(models.Model):
         constraints = [
             models.CheckConstraint(
                 condition=Q(
-                    reason__in=["reclaim", "priority", "fair-share", "gang-guard", "manual"]
+                    reason__in=[
+                        "reclaim",
+                        "priority",
+                        "fair-share",
+                        "consolidate",
+                        "gang-guard",
+                        "manual",
+                    ]
                 ),
                 name="preemption_reason_valid",
             ),

@@ -52,6 +52,13 @@ def describe_preemption(event: PreemptionEvent) -> str:
                 "which was below its fair share of the surplus"
             )
         return "gave its GPUs back to a team below its fair share of the surplus"
+    if event.reason == PreemptionEvent.Reason.CONSOLIDATE:
+        if preemptor is not None:
+            return (
+                f"moved so that job {preemptor.pk} of {preemptor.team.slug} ({preemptor.gpus} GPUs) "
+                "fits on one node inside its guarantee; it restarts at once on GPUs free elsewhere"
+            )
+        return "moved to GPUs free elsewhere, so that a larger job fits inside its guarantee"
     if event.reason == PreemptionEvent.Reason.GANG_GUARD:
         return event.cause or "a rank of the gang died, so the others were stopped gracefully"
     if event.reason == PreemptionEvent.Reason.MANUAL:

@@ -148,6 +148,7 @@ REASON_WORDS = {
     "reclaim": "reclaimed for",
     "priority": "preempted by a higher priority in",
     "fair-share": "gives way, for fair share, to",
+    "consolidate": "moves to other GPUs to make room for",
 }
 
 

@@ -241,3 +241,87 @@ def test_no_flapping(snapshot: Snapshot) -> None:
     assert new == [], (first, second, third)
     started = {a.id for a in first.admit} | {a.id for a in second.admit}
     assert not started & {e.id for e in third.preempt}, (first, second, third)
+
+
+@st.composite
+def fragmented(draw: st.DrawFn) -> Snapshot:
+    """8-GPU nodes each left with a few free GPUs by small one-node jobs, guarantees that
+    add up to the cluster, and one pending gang of 8-GPU ranks in team t0, which holds
+    little: the case consolidation is for."""
+    count = draw(st.integers(3, 6))
+    node_list = [Node(f"n{i}", "h100", 8) for i in range(count)]
+    capacity = 8 * count
+    teams = draw(st.integers(2, 3))
+    ranks = draw(st.integers(1, 2))
+    own = draw(st.integers(8 * ranks, capacity))
+    rest = capacity - own
+    cut = draw(st.integers(0, rest))
+    guarantees = [own, cut, rest - cut][:teams]
+    guarantees[-1] += capacity - sum(guarantees)
+    queues = [
+        Queue(f"t{t}", None, 1.0, {"h100": FlavorQuota(guarantee)})
+        for t, guarantee in enumerate(guarantees)
+    ]
+    workloads: list[Workload] = []
+    for node in node_list:
+        room = 8 - draw(st.integers(1, 5))
+        while room > 0:
+            gpus = min(room, draw(st.sampled_from((1, 1, 2, 2, 4))))
+            room -= gpus
+            admitted = NOW - draw(st.integers(0, 4000))
+            workloads.append(
+                Workload(
+                    id=f"r{len(workloads)}",
+                    queue=f"t{draw(st.sampled_from([1, 1, 1, 0][: teams + 1]))}",
+                    priority_class=draw(
+                        st.sampled_from(("normal", "normal", "low", "high", "pinned"))
+                    ),
+                    flavor="h100",
+                    ranks=1,
+                    gpus_per_rank=gpus,
+                    state="running",
+                    submitted_at=admitted - 10,
+                    admitted_at=admitted,
+                    placement=((node.name, 1),),
+                )
+            )
+    workloads.append(
+        Workload(
+            id="gang",
+            queue="t0",
+            priority_class="normal",
+            flavor="h100",
+            ranks=ranks,
+            gpus_per_rank=8,
+            state="pending",
+            submitted_at=NOW - 5,
+        )
+    )
+    return Snapshot(NOW, tuple(node_list), tuple(queues), CLASSES, tuple(workloads))
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fragmented())
+def test_a_job_moved_for_a_gang_restarts_in_the_next_cycle(snapshot: Snapshot) -> None:
+    """Consolidation moves only small, preemptible jobs that ran long enough, for a gang
+    inside its guarantee; once they exit, the next plan starts the gang and every moved
+    job at once, and preempts nothing."""
+    first = plan(snapshot)
+    moved = [e for e in first.preempt if e.reason == "consolidate"]
+    if not moved:
+        return
+    by_id = {w.id: w for w in snapshot.workloads}
+    gang = by_id["gang"]
+    guarantee = next(q for q in snapshot.queues if q.name == gang.queue).quota("h100").guarantee
+    used = sum(w.gpus for w in snapshot.workloads if w.queue == gang.queue and w.state == "running")
+    assert used + gang.gpus <= guarantee
+    for e in moved:
+        victim = by_id[e.id]
+        assert e.preemptor == "gang"
+        assert CLASS_BY_NAME[victim.priority_class].preemptible
+        assert victim.gpus < gang.gpus_per_rank
+        assert victim.admitted_at is not None and NOW - victim.admitted_at >= 600
+    second = plan(apply_plan(snapshot, first, NOW + 1))
+    assert second.preempt == ()
+    started = {a.id for a in second.admit}
+    assert {"gang", *(e.id for e in moved)} <= started, (first, second)
