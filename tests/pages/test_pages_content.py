@@ -39,7 +39,8 @@ def _running(world: Any, team: Any, gpus: int, borrowed: int = 0, node: str = "h
     Attempt.objects.create(
         job=job,
         number=1,
-        admitted_at=timezone.now(),
+        # Running for an hour: past the minute in which fair-share moves spare a job.
+        admitted_at=timezone.now() - timedelta(hours=1),
         borrowed_gpus=borrowed,
         placement=[{"node": node, "ranks": 1}],
     )
