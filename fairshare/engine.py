@@ -16,7 +16,7 @@ import bisect
 import dataclasses
 import heapq
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from .model import (
@@ -921,6 +921,29 @@ class _FlavorPlanner:
             return None
         return kept, placement
 
+    def _room_on(
+        self, n: int, runs: list[_Run], gpr: int, ranks: int, usable: Callable[[_Run], bool]
+    ) -> tuple[list[_Run], int] | None:
+        """The cheapest of ``runs`` (all on node ``n``) whose exit gives ``n`` room for as
+        many ranks of ``gpr`` GPUs as it can hold (``ranks`` at most), and the ranks that
+        adds; None when the node has that room already or cannot gain any."""
+        room = self.free[n] + self.releasing[n]
+        before = room // gpr
+        most = min(ranks, self.node_gpus[n] // gpr)
+        if before >= most:
+            return None
+        runs.sort(key=lambda run: run.key)
+        taken: list[_Run] = []
+        for run in runs:
+            if not usable(run):
+                continue
+            taken.append(run)
+            room += sum(g for m, g in run.nodes if m == n)
+            if room // gpr >= most:
+                break
+        gained = room // gpr - before
+        return (taken, gained) if gained > 0 else None
+
     def _reclaim_by_node(
         self, job: _Job
     ) -> tuple[list[tuple[_Run, str]], list[tuple[int, int]]] | None:
@@ -958,27 +981,12 @@ class _FlavorPlanner:
                     for n, _ in run.nodes:
                         on_node[n].append(run)
 
-        free = self.free
-        releasing = self.releasing
         offers: list[tuple[tuple[float, float, float, int], list[_Run], int]] = []
         for n, runs in on_node.items():
-            room = free[n] + releasing[n]
-            before = room // gpr
-            most = min(ranks, self.node_gpus[n] // gpr)
-            if before >= most:
+            offer = self._room_on(n, runs, gpr, ranks, lambda run: not self._shielded(run))
+            if offer is None:
                 continue
-            runs.sort(key=lambda run: run.key)
-            taken: list[_Run] = []
-            for run in runs:
-                if self._shielded(run):
-                    continue
-                taken.append(run)
-                room += sum(g for m, g in run.nodes if m == n)
-                if room // gpr >= most:
-                    break
-            gained = room // gpr - before
-            if gained <= 0:
-                continue
+            taken, gained = offer
             cost = (
                 float(max(run.key[0] for run in taken)),
                 sum(run.key[1] for run in taken) / gained,
@@ -1047,21 +1055,10 @@ class _FlavorPlanner:
                 movable[run.nodes[0][0]].append(run)
         offers: list[tuple[tuple[float, float, int], list[_Run], int, int]] = []
         for n, runs in movable.items():
-            room = free[n] + releasing[n]
-            before = room // gpr
-            most = min(ranks, self.node_gpus[n] // gpr)
-            if before >= most:
+            offer = self._room_on(n, runs, gpr, ranks, lambda run: True)
+            if offer is None:
                 continue
-            runs.sort(key=lambda run: run.key)
-            taken: list[_Run] = []
-            for run in runs:
-                taken.append(run)
-                room += run.gpus
-                if room // gpr >= most:
-                    break
-            gained = room // gpr - before
-            if gained <= 0:
-                continue
+            taken, gained = offer
             moved = sum(run.gpus for run in taken)
             offers.append(
                 ((moved / gained, sum(run.key[1] for run in taken) / gained, n), taken, gained, n)
