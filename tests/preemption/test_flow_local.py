@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import threading
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from preemption.logs import read_rank_log
 from preemption.models import (
@@ -346,3 +348,54 @@ def test_webhook_receives_preempted_requeued_and_finished_with_retries(
         assert WebhookDelivery.objects.filter(delivered_at__isnull=True).count() == 0
     finally:
         server.shutdown()
+
+
+def test_consolidation_moves_a_small_job_which_resumes_on_another_node(
+    world: Any, drive: Any
+) -> None:
+    # Fill the nodes one job at a time (best fit): node 0 holds ops 6 + ops 2, node 1
+    # nlp 4 + nlp 4, node 2 ops 4 (borrowed while ops holds 8).
+    layout = [
+        ("ops-6", world.ops, 6, sleeper_command(600)),
+        ("nlp-4a", world.nlp, 4, sleeper_command(600)),
+        ("nlp-4b", world.nlp, 4, sleeper_command(600)),
+        ("ops-2", world.ops, 2, train_command(1200, step_sleep=0.05)),
+        ("ops-4", world.ops, 4, sleeper_command(600)),
+    ]
+    jobs = {}
+    for name, team, gpus, command in layout:
+        jobs[name] = submit(
+            world, team, ranks=1, gpus=gpus, command=command, pc=world.batch, name=name
+        )
+        drive(lambda job=jobs[name]: state_of(job) == JobState.RUNNING, what=f"{name} to run")
+    nodes = {name: Rank.objects.get(attempt__job=job).node for name, job in jobs.items()}
+    assert nodes["ops-2"] == nodes["ops-6"] != nodes["ops-4"]
+    small = jobs["ops-2"]
+    drive(lambda: steps_logged(small, 1) >= 5, what="training steps of the small job")
+    # Every job has run for an hour; the 6-GPU job ends, leaving 6 free on its node
+    # and 4 on the last one: 10 GPUs free, never 8 together, nobody above its guarantee.
+    Attempt.objects.update(admitted_at=timezone.now() - timedelta(hours=1))
+    job_cancel(actor=world.users["admin"], job=jobs["ops-6"])
+    drive(lambda: state_of(jobs["ops-6"]) == JobState.CANCELLED, what="the cancel")
+
+    gang = submit(
+        world, world.vision, ranks=1, gpus=8, command=sleeper_command(1), pc=world.batch,
+        name="gang",
+    )  # fmt: skip
+    drive(lambda: PreemptionEvent.objects.filter(job=small).exists(), what="the move")
+    event = PreemptionEvent.objects.get(job=small)
+    assert event.reason == "consolidate" and event.preemptor_id == gang.pk
+    drive(lambda: state_of(gang) == JobState.SUCCEEDED, what="the gang to run and finish")
+    assert Rank.objects.get(attempt__job=gang).node == nodes["ops-6"]
+
+    # Its events come in from its log once it ends (no portal receives POSTs here).
+    drive(lambda: state_of(small) == JobState.SUCCEEDED, timeout=180, what="the moved job")
+    event.refresh_from_db()
+    assert event.outcome == "graceful" and event.lost_gpu_seconds == 0.0
+    assert Rank.objects.get(attempt__job=small, attempt__number=1).exit_code == 0
+    moved_to = Rank.objects.get(attempt__job=small, attempt__number=2).node
+    assert moved_to == nodes["ops-4"]
+    resumed = TrapEvent.objects.get(job=small, event="resumed", attempt=2)
+    assert resumed.step == event.checkpoint_step + 1
+    # Only the small job moved.
+    assert PreemptionEvent.objects.exclude(job=jobs["ops-6"]).count() == 1
