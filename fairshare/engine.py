@@ -638,6 +638,20 @@ class _FlavorPlanner:
 
     # Candidate victims ----------------------------------------------------------------
 
+    @staticmethod
+    def _next_candidate(runs: list[_Run], i: int) -> int:
+        """The index of the first of ``runs`` from ``i`` on that is not a victim yet."""
+        end = len(runs)
+        while i < end and runs[i].victim:
+            i += 1
+        return i
+
+    def _first_candidate(self, q: int) -> int:
+        """Move queue ``q``'s head past the candidates already taken as victims."""
+        head = self._next_candidate(self.candidates[q], self.head[q])
+        self.head[q] = head
+        return head
+
     def _shielded(self, run: _Run) -> bool:
         """Whether taking ``run`` would only move the loss onto its own queue's lower work.
 
@@ -681,7 +695,6 @@ class _FlavorPlanner:
         usage = self.usage
         guarantee = self.guarantee
         candidates = self.candidates
-        head = self.head
         row = tree.lca_row(q)
         heap: list[tuple[tuple[int, float, float, str], int, int]] = []
         chains: dict[int, tuple[int, ...]] = {}
@@ -699,13 +712,8 @@ class _FlavorPlanner:
                     break
             else:
                 chains[r] = chain
-                # Skip the queue's candidates already taken as victims.
-                i = head[r]
-                end = len(runs)
-                while i < end and runs[i].victim:
-                    i += 1
-                head[r] = i
-                if i < end:
+                i = self._first_candidate(r)
+                if i < len(runs):
                     heap.append((runs[i].key, r, i))
         heapq.heapify(heap)
         straddlers: list[tuple[int, tuple[int, float, float, str], _Run]] = []
@@ -725,11 +733,8 @@ class _FlavorPlanner:
                 overshoot = max(overshoot, over)
             if not eligible:
                 continue
-            nxt = i + 1
-            end = len(runs)
-            while nxt < end and runs[nxt].victim:
-                nxt += 1
-            if nxt < end:
+            nxt = self._next_candidate(runs, i + 1)
+            if nxt < len(runs):
                 heapq.heappush(heap, (runs[nxt].key, r, nxt))
             if run.victim or self._shielded(run):
                 continue
@@ -773,7 +778,6 @@ class _FlavorPlanner:
         fair = self.fair_share
         gpus = job.gpus
         candidates = self.candidates
-        head = self.head
         min_candidate_gpus = self.min_candidate_gpus
         row = tree.lca_row(q)
         heap: list[tuple[tuple[int, float, float, str], int, int]] = []
@@ -800,24 +804,16 @@ class _FlavorPlanner:
                 ):
                     continue
                 chains[r] = found
-                # Skip the queue's candidates already taken as victims.
-                i = head[r]
-                end = len(runs)
-                while i < end and runs[i].victim:
-                    i += 1
-                head[r] = i
-                if i < end:
+                i = self._first_candidate(r)
+                if i < len(runs):
                     heap.append((runs[i].key, r, i))
         heapq.heapify(heap)
         while heap:
             _, r, i = heapq.heappop(heap)
             runs = candidates[r]
             run = runs[i]
-            nxt = i + 1
-            end = len(runs)
-            while nxt < end and runs[nxt].victim:
-                nxt += 1
-            if nxt < end:
+            nxt = self._next_candidate(runs, i + 1)
+            if nxt < len(runs):
                 heapq.heappush(heap, (runs[nxt].key, r, nxt))
             if run.victim or run.runtime < max(
                 run.cls.min_runtime_seconds, _FAIR_SHARE_MIN_RUNTIME_SECONDS
@@ -1073,25 +1069,29 @@ class _FlavorPlanner:
         cleared: set[int] = set()
         victims: list[_Run] = []
         hole_of: dict[int, tuple[int, int]] = {}
+        hosting: set[int] = set()
         for _, runs, gained, n in offers:
-            if any(m == n for m, _ in hole_of.values()):
+            if n in hosting:
                 # Moved jobs restart there: it cannot be cleared as well.
                 continue
-            trial = {m: g for m, g in spare.items() if m != n and m not in cleared}
+            filled: dict[int, int] = {}
             found: dict[int, tuple[int, int]] = {}
             for run in sorted(runs, key=lambda run: -run.gpus):
                 best = min(
-                    (m for m, g in trial.items() if g >= run.gpus),
-                    key=lambda m: (trial[m], m),
+                    (m for m, g in spare.items() if m != n and g - filled.get(m, 0) >= run.gpus),
+                    key=lambda m: (spare[m] - filled.get(m, 0), m),
                     default=None,
                 )
                 if best is None:
                     break
-                trial[best] -= run.gpus
+                filled[best] = filled.get(best, 0) + run.gpus
                 found[id(run)] = (best, run.gpus)
             if len(found) < len(runs):
                 continue
-            spare = trial
+            for m, g in filled.items():
+                spare[m] -= g
+            spare.pop(n, None)
+            hosting.update(filled)
             cleared.add(n)
             victims.extend(runs)
             hole_of.update(found)
@@ -1382,11 +1382,7 @@ class _FlavorPlanner:
         if r6_may_reclaim(self.usage[q], gpus, self.guarantee[q]):
             modes.append(RECLAIM)
         runs = self.candidates[q]
-        head = self.head[q]
-        end = len(runs)
-        while head < end and runs[head].victim:
-            head += 1
-        self.head[q] = head
+        head = self._first_candidate(q)
         if (
             job.cls.preemption_policy == PREEMPT_LOWER_PRIORITY
             and head < len(runs)
