@@ -29,33 +29,13 @@ def web_command(*, bind: str, workers: int = 2, threads: int = 4, timeout: int =
     ]
 
 
+def _celery(*args: str) -> list[str]:
+    return [sys.executable, "-m", "celery", "-A", "portal", *args, "--loglevel", "INFO"]
+
+
 def worker_command(*, hostname: str, concurrency: int = 2) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "portal",
-        "worker",
-        "--loglevel",
-        "INFO",
-        "--concurrency",
-        str(concurrency),
-        "--hostname",
-        hostname,
-    ]
+    return _celery("worker", "--concurrency", str(concurrency), "--hostname", hostname)
 
 
 def beat_command(*, schedule: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "portal",
-        "beat",
-        "--loglevel",
-        "INFO",
-        "--schedule",
-        str(schedule),
-    ]
+    return _celery("beat", "--schedule", str(schedule))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
+from portal.processes import worker_command
 from preemption.models import Attempt, Job, JobState
 from preemption.services import job_submit
 from preemption.tasks import reconcile, schedule_cycle
@@ -35,22 +35,8 @@ def test_a_real_worker_admits_runs_and_finishes_a_job(world: Any, tmp_path: Path
         "QM_CHECKPOINTS_DIR": str(tmp_path / "checkpoints"),
     }
     worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "portal",
-            "worker",
-            "--pool",
-            "solo",
-            "-Q",
-            queue,
-            "--hostname",
-            f"{queue}@%h",
-            "--loglevel",
-            "INFO",
-        ],
+        # The portal's own worker command line, on a queue of its own with one process.
+        [*worker_command(hostname=f"{queue}@%h", concurrency=1), "--pool", "solo", "-Q", queue],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
