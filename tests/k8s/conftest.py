@@ -12,7 +12,8 @@ from __future__ import annotations
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -76,21 +77,28 @@ def k8s_api(kubeconfig: str) -> Iterator[client.ApiClient]:
     api.close()
 
 
-@pytest.fixture(scope="session")
-def node_agent(
-    control_plane: ControlPlane, kubeconfig: str, tmp_path_factory: pytest.TempPathFactory
+@contextmanager
+def running_agent(
+    control_plane: ControlPlane,
+    kubeconfig: str,
+    nodes: Sequence[NodeSpec],
+    work_dir: Path,
+    *,
+    pool_size: int,
+    run_processes: bool = False,
 ) -> Iterator[NodeAgent]:
-    """The kubelet stand-in for GPU_NODES, on its own API client."""
+    """A started node agent for ``nodes`` on its own API client, stopped afterwards."""
     configuration = client.Configuration()
     config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    configuration.connection_pool_maxsize = 32
+    configuration.connection_pool_maxsize = pool_size
     api = client.ApiClient(configuration)
     pki = control_plane.pki
     agent = NodeAgent(
         api,
-        GPU_NODES,
-        work_dir=tmp_path_factory.mktemp("node-agent"),
+        nodes,
+        work_dir=work_dir,
         serving_cert=(pki / "apiserver.crt", pki / "apiserver.key"),
+        run_processes=run_processes,
     )
     agent.start()
     try:
@@ -98,6 +106,17 @@ def node_agent(
     finally:
         agent.stop()
         api.close()
+
+
+@pytest.fixture(scope="session")
+def node_agent(
+    control_plane: ControlPlane, kubeconfig: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NodeAgent]:
+    """The kubelet stand-in for GPU_NODES."""
+    with running_agent(
+        control_plane, kubeconfig, GPU_NODES, tmp_path_factory.mktemp("node-agent"), pool_size=32
+    ) as agent:
+        yield agent
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kubernetes import client, config
 
+from tests.k8s.conftest import running_agent
 from tools.k8s.controlplane import ControlPlane
 from tools.k8s.node_agent import NodeAgent, NodeSpec
 
@@ -38,23 +38,15 @@ def drill_agent(
     control_plane: ControlPlane, kubeconfig: str, tmp_path: Path
 ) -> Iterator[NodeAgent]:
     """A node agent for the drill's node that runs every pod as a local process."""
-    configuration = client.Configuration()
-    config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    configuration.connection_pool_maxsize = 16
-    api = client.ApiClient(configuration)
-    agent = NodeAgent(
-        api,
+    with running_agent(
+        control_plane,
+        kubeconfig,
         DRILL_NODES,
-        work_dir=tmp_path / "node-agent",
-        serving_cert=(control_plane.pki / "apiserver.crt", control_plane.pki / "apiserver.key"),
+        tmp_path / "node-agent",
+        pool_size=16,
         run_processes=True,
-    )
-    agent.start()
-    try:
+    ) as agent:
         yield agent
-    finally:
-        agent.stop()
-        api.close()
 
 
 def test_drill_on_kubernetes(
