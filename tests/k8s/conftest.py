@@ -141,14 +141,18 @@ def namespace(k8s_api: client.ApiClient, node_agent: NodeAgent) -> Iterator[str]
 
 
 def delete_namespace(core: client.CoreV1Api, name: str, timeout: float = 60.0) -> None:
-    """Delete a namespace and wait until its pods are gone, so their GPUs are free."""
+    """Delete a namespace and wait until it is gone, pods and gang records with it, so
+    their GPUs are free and no later listing across namespaces still sees them."""
     core.delete_namespace(name)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pods = core.list_namespaced_pod(name).items
-        if not pods:
-            break
-        for pod in pods:
+        try:
+            core.read_namespace(name)
+        except ApiException as error:
+            if error.status == 404:
+                return
+            raise
+        for pod in core.list_namespaced_pod(name).items:
             # A test may end before forget(): release exit-code finalizers so
             # the namespace controller can finish.
             if pod.metadata.finalizers:
@@ -162,8 +166,7 @@ def delete_namespace(core: client.CoreV1Api, name: str, timeout: float = 60.0) -
                     if error.status not in (404, 409, 422):
                         raise
         time.sleep(0.2)
-    else:
-        raise TimeoutError(f"pods of namespace {name} were not removed")
+    raise TimeoutError(f"namespace {name} was not removed")
 
 
 LOW_PRIORITY = "qm-test-low"

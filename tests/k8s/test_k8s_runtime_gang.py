@@ -20,6 +20,7 @@ from preemption.runtimes.kubernetes import (
     gang_name,
     pod_name,
 )
+from tests.k8s.conftest import delete_namespace
 from tools.k8s.gangs import all_in, gang_spec, phases
 from tools.k8s.node_agent import (
     ANNOTATION_EXIT_ON_TERM,
@@ -347,7 +348,7 @@ def test_namespace_per_team_runs_the_gang_in_a_namespace_it_creates(
         runtime.forget(gang)
         wait_for(lambda: not core.list_namespaced_pod(team_namespace).items, timeout=30)
     finally:
-        core.delete_namespace(team_namespace)
+        delete_namespace(core, team_namespace)
 
 
 CHECKPOINTING_RANK = """
