@@ -445,8 +445,8 @@ def _close_event(event: PreemptionEvent, attempt: Attempt, job: Job, exited_at: 
         base = last or attempt.launched_at or attempt.admitted_at
         lost = max(0.0, (exited_at - base).total_seconds()) * job.gpus
     requeue = (
-        event.reason in ("reclaim", "priority", "fair-share", "consolidate", "gang-guard")
-        and job.cancel_requested_at is None
+        # Every stop but a person's own brings the job back.
+        event.reason != PreemptionEvent.Reason.MANUAL and job.cancel_requested_at is None
     )
     PreemptionEvent.objects.filter(pk=event.pk).update(
         outcome=outcome,
