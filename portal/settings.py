@@ -18,6 +18,7 @@ from portal.env import (
     env_float,
     env_int,
     env_list,
+    env_mapping,
     env_str,
     parse_database_url,
     read_or_create_secret,
@@ -193,6 +194,33 @@ QM_LOCAL_NODES = env_str("QM_LOCAL_NODES", "") or ""
 QM_K8S_NAMESPACE = env_str("QM_K8S_NAMESPACE", "quartermaster") or "quartermaster"
 QM_K8S_NAMESPACE_PER_TEAM = env_bool("QM_K8S_NAMESPACE_PER_TEAM", False)
 QM_K8S_KUBECONFIG = env_str("QM_K8S_KUBECONFIG", "") or ""
+# The ReadWriteMany PersistentVolumeClaim (one of this name in the jobs
+# namespace, or in each team's namespace) that every rank mounts for its
+# checkpoints. Required in production: without it checkpoints die with pods.
+QM_K8S_CHECKPOINT_CLAIM = env_str("QM_K8S_CHECKPOINT_CLAIM", "") or ""
+QM_K8S_CHECKPOINT_MOUNT_PATH = env_str("QM_K8S_CHECKPOINT_MOUNT_PATH", "/checkpoints") or ""
+if not QM_K8S_CHECKPOINT_MOUNT_PATH.startswith("/") or QM_K8S_CHECKPOINT_MOUNT_PATH == "/":
+    raise ImproperlyConfigured(
+        f"QM_K8S_CHECKPOINT_MOUNT_PATH must be an absolute path below /, "
+        f"got {QM_K8S_CHECKPOINT_MOUNT_PATH!r}"
+    )
+QM_K8S_RUN_AS_USER = env_int("QM_K8S_RUN_AS_USER", 1000, minimum=1)
+# CPU and memory each rank requests (and is limited to) per GPU it holds:
+# "flavor=quantity" pairs, and a default for flavors not named.
+QM_K8S_CPU_PER_GPU = env_mapping("QM_K8S_CPU_PER_GPU", {})
+QM_K8S_MEMORY_PER_GPU = env_mapping("QM_K8S_MEMORY_PER_GPU", {})
+QM_K8S_DEFAULT_CPU_PER_GPU = env_str("QM_K8S_DEFAULT_CPU_PER_GPU", "4") or "4"
+QM_K8S_DEFAULT_MEMORY_PER_GPU = env_str("QM_K8S_DEFAULT_MEMORY_PER_GPU", "16Gi") or "16Gi"
+# Per-team image allow-list, "team=prefix|prefix,team2=prefix": a team named
+# here may run only images starting with one of its prefixes.
+QM_K8S_IMAGE_ALLOWLIST = {
+    team: tuple(prefix for prefix in prefixes.split("|") if prefix)
+    for team, prefixes in env_mapping("QM_K8S_IMAGE_ALLOWLIST", {}).items()
+}
+# Where ranks reach the portal's events URL (CIDRs and port), the only egress
+# the jobs namespace's NetworkPolicy allows beyond the gang itself and DNS.
+QM_K8S_EVENTS_CIDRS = env_list("QM_K8S_EVENTS_CIDRS", [])
+QM_K8S_EVENTS_PORT = env_int("QM_K8S_EVENTS_PORT", 443, minimum=1)
 QM_PUBLIC_URL = env_str("QM_PUBLIC_URL", "http://127.0.0.1:8000") or "http://127.0.0.1:8000"
 QM_MAX_ATTEMPTS = env_int("QM_MAX_ATTEMPTS", 5, minimum=1)
 QM_RETRY_BACKOFF_SECONDS = env_float("QM_RETRY_BACKOFF_SECONDS", 10.0, minimum=0.0)

@@ -29,6 +29,7 @@ from django.views.decorators.http import require_GET, require_POST
 from portal.forms import ApiTokenForm
 from portal.models import ApiToken
 from preemption.models import ACTIVE_STATES, WAITING_STATES
+from preemption.runtime import runtime_problems
 from preemption.selectors import job_list, preemption_event_list
 from preemption.views import describe_preemption
 from quotas.selectors import access_for, priority_class_list
@@ -294,7 +295,12 @@ def gracetrap_download(request: HttpRequest, filename: str) -> FileResponse:
 @never_cache
 @require_GET
 def healthz(request: HttpRequest) -> HttpResponse:
-    """200 "ok" once the database answers; 503 otherwise."""
+    """200 "ok" once the database answers and, in production, the runtime is
+    safe to run jobs on (a checkpoint volume on Kubernetes); 503 with the reason
+    otherwise, so a deployment without one never becomes ready."""
+    problems = runtime_problems()
+    if problems and settings.PRODUCTION:
+        return HttpResponse("\n".join(problems) + "\n", status=503, content_type="text/plain")
     try:
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")

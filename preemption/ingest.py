@@ -14,6 +14,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Max
 
 from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank
+from preemption.runtime import checkpoint_is_durable
 from telemetry.models import TrapEvent
 
 EVENT_NAMES = frozenset(
@@ -105,6 +106,16 @@ def ingest_trap_event(*, job: Job, event: Any, source: str) -> bool:
     return True
 
 
+def _checkpoint_path(job: Job, payload: dict[str, Any], step: int) -> str:
+    """The committed checkpoint's folder as the rank saw it.
+
+    The trap reports the step folder's name relative to QM_CHECKPOINT_DIR (the
+    job's checkpoint_dir); an absolute path is taken as it is.
+    """
+    reported = str(payload.get("path") or f"step_{step}")
+    return reported if reported.startswith("/") else f"{job.checkpoint_dir}/{reported}"
+
+
 def _apply(job: Job, stored: TrapEvent) -> None:
     attempt = Attempt.objects.filter(job=job, number=stored.attempt).first()
     at = _when(stored.at)
@@ -114,12 +125,17 @@ def _apply(job: Job, stored: TrapEvent) -> None:
             attempt=attempt, index=stored.rank, signal_received_at__isnull=True
         ).update(signal_received_at=at)
     elif stored.event == "checkpoint_committed" and stored.step is not None:
+        path = _checkpoint_path(job, payload, stored.step)
+        if not checkpoint_is_durable(path):
+            # Written where the next attempt cannot find it (a pod's own
+            # filesystem): kept as a trap event, never offered for resume.
+            return
         Checkpoint.objects.get_or_create(
             job=job,
             attempt=attempt,
             step=stored.step,
             defaults={
-                "path": str(payload.get("path") or f"{job.checkpoint_dir}/step_{stored.step}"),
+                "path": path,
                 "bytes": int(payload.get("bytes") or 0),
                 "seconds": float(payload.get("seconds") or 0.0),
                 "committed_at": at,

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from django.conf import settings
 
 from preemption.runtimes.base import NodeInventory, Runtime
+
+if TYPE_CHECKING:
+    from preemption.runtimes.kubernetes import KubernetesRuntimeConfig
 
 
 def inventory() -> list[NodeInventory]:
@@ -31,6 +37,64 @@ def use_runtime(runtime: Runtime | None) -> None:
     _override = runtime
 
 
+def kubernetes_config() -> KubernetesRuntimeConfig:
+    """The Kubernetes runtime's settings; in production a checkpoint volume is required."""
+    from preemption.runtimes.kubernetes import KubernetesRuntimeConfig
+
+    return KubernetesRuntimeConfig(
+        namespace=settings.QM_K8S_NAMESPACE,
+        namespace_per_team=settings.QM_K8S_NAMESPACE_PER_TEAM,
+        checkpoint_claim=settings.QM_K8S_CHECKPOINT_CLAIM or None,
+        checkpoint_mount_path=settings.QM_K8S_CHECKPOINT_MOUNT_PATH,
+        require_checkpoint_claim=settings.PRODUCTION,
+        run_as_user=settings.QM_K8S_RUN_AS_USER,
+        cpu_per_gpu=settings.QM_K8S_CPU_PER_GPU,
+        memory_per_gpu=settings.QM_K8S_MEMORY_PER_GPU,
+        default_cpu_per_gpu=settings.QM_K8S_DEFAULT_CPU_PER_GPU,
+        default_memory_per_gpu=settings.QM_K8S_DEFAULT_MEMORY_PER_GPU,
+        image_allowlist=settings.QM_K8S_IMAGE_ALLOWLIST,
+        events_cidrs=tuple(settings.QM_K8S_EVENTS_CIDRS),
+        events_port=settings.QM_K8S_EVENTS_PORT,
+    )
+
+
+def runtime_problems() -> list[str]:
+    """Why the configured runtime cannot run jobs safely; empty when it can.
+
+    Shown on the health check and by ``manage.py check``, so a deployment
+    that would lose every checkpoint says so before the first job.
+    """
+    if settings.QM_RUNTIME == "kubernetes" and not settings.QM_K8S_CHECKPOINT_CLAIM:
+        from preemption.runtimes.kubernetes import NO_CHECKPOINT_VOLUME
+
+        severity = "refusing to start" if settings.PRODUCTION else "development only"
+        return [f"Kubernetes runtime {severity}: {NO_CHECKPOINT_VOLUME}"]
+    return []
+
+
+def checkpoint_dir_for(job_id: int) -> str:
+    """Where a job's ranks write checkpoints, as the ranks see it.
+
+    On Kubernetes that is the checkpoint volume's mount path; locally, the
+    shared checkpoints folder.
+    """
+    if settings.QM_RUNTIME == "kubernetes":
+        return f"{settings.QM_K8S_CHECKPOINT_MOUNT_PATH.rstrip('/')}/job-{job_id}"
+    return str(Path(settings.QM_CHECKPOINTS_DIR) / f"job-{job_id}")
+
+
+def checkpoint_is_durable(path: str) -> bool:
+    """Whether a committed checkpoint at ``path`` can be offered for resume.
+
+    A runtime that can tell (Kubernetes: the path lies on the checkpoint
+    volume) decides; a runtime whose ranks share the host's disk always can.
+    """
+    if _override is None and settings.QM_RUNTIME != "kubernetes":
+        return True
+    check = getattr(get_runtime(), "checkpoint_is_durable", None)
+    return True if check is None else bool(check(path))
+
+
 def get_runtime() -> Runtime:
     if _override is not None:
         return _override
@@ -46,14 +110,10 @@ def _kubernetes_runtime() -> Runtime:
     threads that send a gang's evictions at once."""
     global _kubernetes
     if _kubernetes is None:
-        from preemption.runtimes.kubernetes import KubernetesRuntime, KubernetesRuntimeConfig
+        from preemption.runtimes.kubernetes import KubernetesRuntime
 
         _kubernetes = KubernetesRuntime.from_kubeconfig(
-            settings.QM_K8S_KUBECONFIG or None,
-            KubernetesRuntimeConfig(
-                namespace=settings.QM_K8S_NAMESPACE,
-                namespace_per_team=settings.QM_K8S_NAMESPACE_PER_TEAM,
-            ),
+            settings.QM_K8S_KUBECONFIG or None, kubernetes_config()
         )
         # Pods name their priority class: make sure the classes exist before
         # the first launch rather than waiting for the periodic sync.

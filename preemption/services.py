@@ -4,7 +4,6 @@ reconcilers, which act for the system, live in cycle.py and reconcile.py."""
 from __future__ import annotations
 
 import secrets
-from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -15,6 +14,7 @@ from django.db.models import Max
 from django.utils import timezone
 
 from preemption.models import FINAL_STATES, WAITING_STATES, Job, JobState
+from preemption.runtime import checkpoint_dir_for
 from quotas.models import Node, PriorityClass, ResourceFlavor, Team
 from quotas.selectors import TeamTree
 
@@ -101,7 +101,7 @@ def job_submit(
         max_attempts=max_attempts or settings.QM_MAX_ATTEMPTS,
         waiting_reason="waiting for the next scheduling cycle",
     )
-    job.checkpoint_dir = str(Path(settings.QM_CHECKPOINTS_DIR) / f"job-{job.pk}")
+    job.checkpoint_dir = checkpoint_dir_for(job.pk)
     job.save(update_fields=["checkpoint_dir"])
     queue_cycle()
     return job

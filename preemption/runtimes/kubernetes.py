@@ -7,13 +7,19 @@ Objects of one gang (job id, attempt), all in one namespace:
   what must survive a restart of the worker: when the gang was launched and
   when it was signalled or killed;
 * a Secret ``qm-<job>-<attempt>-events`` holding ``QM_EVENTS_TOKEN``;
+* a NetworkPolicy ``qm-<job>-<attempt>`` letting the gang's ranks reach each
+  other; the namespace's default-deny policy (``network_policy``) shuts out
+  everything else but DNS and the portal's events URL;
 * a headless Service ``qm-<job>-<attempt>`` (``publishNotReadyAddresses``), so
   rank 0 resolves as ``rank-0.qm-<job>-<attempt>.<namespace>.svc.<domain>``
   before it is ready: that is ``MASTER_ADDR``;
 * a Pod per rank ``qm-<job>-<attempt>-r<rank>``: restartPolicy Never, the
   gang's PriorityClass, terminationGracePeriodSeconds from the class's grace,
   a required node affinity to the node the engine placed it on, and the
-  finalizer ``quartermaster.dev/exit-code``. The finalizer keeps a deleted
+  finalizer ``quartermaster.dev/exit-code``. Pods meet the "restricted" Pod
+  Security Standard (non-root, no privilege escalation, no capabilities,
+  seccomp RuntimeDefault, no service-account token), request and limit CPU
+  and memory by flavor, and mount the checkpoint volume at its mount path. The finalizer keeps a deleted
   pod's object (with its final container status) until ``forget()``, so an
   exit code is never lost between the kubelet reporting it and a worker
   reading it, even across a worker restart. kube-scheduler stops counting a
@@ -30,8 +36,11 @@ This module imports nothing from Django: the portal hands it plain values.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
+import posixpath
+import re
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -97,7 +106,17 @@ class KubernetesRuntimeConfig:
     ``namespace`` holds every gang unless ``namespace_per_team`` is set, in which
     case team ``t`` runs in ``<team_namespace_prefix><t>`` (created on demand).
     ``pod_annotations`` are copied onto every rank pod. ``checkpoint_claim``
-    mounts that PersistentVolumeClaim at ``checkpoint_mount_path`` in every rank.
+    mounts that PersistentVolumeClaim (ReadWriteMany, one of that name in each
+    namespace gangs run in) at ``checkpoint_mount_path`` in every rank; with
+    ``require_checkpoint_claim`` (production) the runtime refuses to start
+    without one, since checkpoints in a container's own filesystem vanish
+    with its pod. Ranks run as ``run_as_user`` under the "restricted" Pod
+    Security Standard, with ``cpu_per_gpu``/``memory_per_gpu`` (by flavor,
+    else the defaults) times the rank's GPUs as requests and limits.
+    ``image_allowlist`` maps a team to the image prefixes it may run; a team
+    not named may run any image. ``events_cidrs``/``events_port`` are where
+    the portal's events URL is reached: the only egress the jobs namespace's
+    NetworkPolicy allows besides the gang itself and DNS.
     A 429 from the Eviction API is retried for ``eviction_retry_seconds`` before
     the call gives up with RuntimeTemporaryError.
     """
@@ -113,6 +132,15 @@ class KubernetesRuntimeConfig:
     pod_annotations: Mapping[str, str] = field(default_factory=dict)
     checkpoint_claim: str | None = None
     checkpoint_mount_path: str = "/checkpoints"
+    require_checkpoint_claim: bool = False
+    run_as_user: int = 1000
+    cpu_per_gpu: Mapping[str, str] = field(default_factory=dict)
+    memory_per_gpu: Mapping[str, str] = field(default_factory=dict)
+    default_cpu_per_gpu: str = "4"
+    default_memory_per_gpu: str = "16Gi"
+    image_allowlist: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    events_cidrs: tuple[str, ...] = ()
+    events_port: int = 443
     eviction_retry_seconds: float = 2.0
     api_workers: int = 32
 
@@ -159,6 +187,34 @@ def pod_name(gang: GangId, rank: int) -> str:
     return f"{gang_name(gang)}-r{rank}"
 
 
+NO_CHECKPOINT_VOLUME = (
+    "no checkpoint volume is configured (QM_K8S_CHECKPOINT_CLAIM): ranks would write "
+    "checkpoints into their pods' own filesystems, which vanish with the pods, so no "
+    "preempted job could resume; create a ReadWriteMany PersistentVolumeClaim "
+    "(deploy/checkpoints.yaml) and name it in QM_K8S_CHECKPOINT_CLAIM"
+)
+DNS_LABEL_MAX = 63
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def team_namespace(prefix: str, team: str) -> str:
+    """The namespace of a team's gangs: a valid DNS-1123 label, distinct per slug.
+
+    A slug that already makes a valid label with the prefix is used as it is.
+    Any other (upper case, ``_``, too long) is lowered, its other characters
+    become ``-``, and a hash of the exact slug is appended, so ``Team_A`` and
+    ``team_a`` land in different namespaces and neither takes ``team-a``'s.
+    """
+    plain = f"{prefix}{team}"
+    if team and len(plain) <= DNS_LABEL_MAX and _DNS_LABEL.match(plain):
+        return plain
+    digest = hashlib.sha256(team.encode()).hexdigest()[:8]
+    cleaned = re.sub(r"[^a-z0-9]+", "-", f"{prefix}{team}".lower()).strip("-")
+    room = DNS_LABEL_MAX - len(digest) - 1
+    cleaned = cleaned[:room].rstrip("-") or "qm"
+    return f"{cleaned}-{digest}"
+
+
 def _parse_time(value: Any) -> float | None:
     if value is None:
         return None
@@ -182,6 +238,8 @@ class KubernetesRuntime:
         self, api_client: client.ApiClient, settings: KubernetesRuntimeConfig | None = None
     ) -> None:
         self.settings = settings or KubernetesRuntimeConfig()
+        if self.settings.require_checkpoint_claim and not self.settings.checkpoint_claim:
+            raise RuntimePermanentError(NO_CHECKPOINT_VOLUME)
         self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
         self._pool = ThreadPoolExecutor(
@@ -224,8 +282,19 @@ class KubernetesRuntime:
     def namespace_for(self, team: str) -> str:
         """The namespace a team's gangs run in."""
         if self.settings.namespace_per_team and team:
-            return f"{self.settings.team_namespace_prefix}{team}".lower()
+            return team_namespace(self.settings.team_namespace_prefix, team)
         return self.settings.namespace
+
+    def checkpoint_is_durable(self, path: str) -> bool:
+        """Whether a checkpoint at ``path`` (as a rank sees it) is on the shared volume.
+
+        Only a path under the checkpoint volume's mount survives the pod and is
+        visible from the node the next attempt lands on.
+        """
+        if not self.settings.checkpoint_claim or not posixpath.isabs(path):
+            return False
+        mount = posixpath.normpath(self.settings.checkpoint_mount_path)
+        return posixpath.normpath(path).startswith(mount.rstrip("/") + "/")
 
     def _labels(self, gang: GangId) -> dict[str, str]:
         return {
@@ -248,9 +317,11 @@ class KubernetesRuntime:
         short half-way is completed by the next call.
         """
         gang = spec.gang
+        self._check_image(spec)
         namespace = self.namespace_for(spec.team)
         if self.settings.namespace_per_team and spec.team:
             self._ensure_namespace(namespace)
+            self.ensure_network_policy(namespace)
         name = gang_name(gang)
         owner = self._ensure_gang_record(spec, namespace)
         with self._lock:
@@ -302,6 +373,11 @@ class KubernetesRuntime:
                 },
             },
         )
+        self._create_ignoring_conflict(
+            client.NetworkingV1Api(self.api_client).create_namespaced_network_policy,
+            namespace,
+            gang_network_policy(gang, owner_references),
+        )
         existing = {
             pod.metadata.name
             for pod in self.core.list_namespaced_pod(
@@ -332,14 +408,33 @@ class KubernetesRuntime:
             {"metadata": {"annotations": {LAUNCHED_ANNOTATION: f"{time.time():.6f}"}}},
         )
 
+    def _check_image(self, spec: GangSpec) -> None:
+        allowed = self.settings.image_allowlist.get(spec.team)
+        image = spec.image or self.settings.default_image
+        if allowed is not None and not any(image.startswith(prefix) for prefix in allowed):
+            raise RuntimePermanentError(
+                f"image {image} is not allowed for team {spec.team}: "
+                f"allowed are {', '.join(allowed) or 'none'}"
+            )
+
     def _ensure_namespace(self, namespace: str) -> None:
         try:
             self.core.create_namespace(
-                {"metadata": {"name": namespace, "labels": {MANAGED_BY_LABEL: MANAGED_BY}}}
+                {"metadata": {"name": namespace, "labels": namespace_labels()}}
             )
         except ApiException as error:
             if error.status != 409:
                 raise self._translate(error, f"create namespace {namespace}") from error
+
+    def ensure_network_policy(self, namespace: str) -> None:
+        """Create the jobs namespace's default-deny NetworkPolicy if it is missing."""
+        networking = client.NetworkingV1Api(self.api_client)
+        body = network_policy(self.settings)
+        try:
+            networking.create_namespaced_network_policy(namespace, body)
+        except ApiException as error:
+            if error.status != 409:
+                raise self._translate(error, f"create network policy in {namespace}") from error
 
     def _ensure_gang_record(self, spec: GangSpec, namespace: str) -> Any:
         gang = spec.gang
@@ -398,18 +493,33 @@ class KubernetesRuntime:
         labels = self._labels(gang) | {RANK_LABEL: str(rank), NODE_LABEL: placement.node}
         if spec.team:
             labels[TEAM_LABEL] = spec.team
+        resources = self.rank_resources(spec)
         container: dict[str, Any] = {
             "name": CONTAINER_NAME,
             "image": spec.image or self.settings.default_image,
             "command": ["/bin/sh", "-c", RANK_ENTRYPOINT, "qm-rank", spec.command],
             "env": env,
-            "resources": {
-                "limits": {GPU_RESOURCE: str(spec.gpus_per_rank)},
-                "requests": {GPU_RESOURCE: str(spec.gpus_per_rank)},
+            "resources": {"limits": resources, "requests": resources},
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "capabilities": {"drop": ["ALL"]},
+                "runAsNonRoot": True,
+                "seccompProfile": {"type": "RuntimeDefault"},
             },
         }
         pod_spec: dict[str, Any] = {
             "restartPolicy": "Never",
+            # The Pod Security Standard "restricted": no root, no escalation, no
+            # capabilities, the runtime's seccomp profile; and no API token, since
+            # a rank has no business with the API server.
+            "automountServiceAccountToken": False,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": self.settings.run_as_user,
+                "runAsGroup": self.settings.run_as_user,
+                "fsGroup": self.settings.run_as_user,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
             "priorityClassName": spec.priority_class,
             "terminationGracePeriodSeconds": max(0, math.ceil(spec.grace_seconds)),
             "hostname": f"rank-{rank}",
@@ -456,6 +566,17 @@ class KubernetesRuntime:
                 "finalizers": [EXIT_CODE_FINALIZER],
             },
             "spec": pod_spec,
+        }
+
+    def rank_resources(self, spec: GangSpec) -> dict[str, str]:
+        """One rank's requests and limits: its GPUs and the flavor's CPU and memory per GPU."""
+        gpus = spec.gpus_per_rank
+        cpu = self.settings.cpu_per_gpu.get(spec.flavor, self.settings.default_cpu_per_gpu)
+        memory = self.settings.memory_per_gpu.get(spec.flavor, self.settings.default_memory_per_gpu)
+        return {
+            GPU_RESOURCE: str(gpus),
+            "cpu": _scaled(cpu, gpus),
+            "memory": _scaled(memory, gpus),
         }
 
     def _create_ignoring_conflict(
@@ -936,6 +1057,89 @@ class KubernetesRuntime:
         for gang in victims:
             self.signal(gang, grace_seconds(gang))
         return victims
+
+
+def _scaled(quantity: str, times: int) -> str:
+    """``quantity`` (a Kubernetes quantity such as ``4``, ``500m`` or ``16Gi``) times ``times``."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", quantity.strip())
+    if match is None:
+        raise ValueError(f"not a Kubernetes quantity: {quantity!r}")
+    number = float(match.group(1)) * times
+    text = f"{number:.3f}".rstrip("0").rstrip(".")
+    return f"{text}{match.group(2)}"
+
+
+def namespace_labels() -> dict[str, str]:
+    """Labels of a jobs namespace: managed by Quartermaster, Pod Security "restricted".
+
+    The API server's PodSecurity admission then refuses any pod there that
+    is not hardened, whoever creates it.
+    """
+    return {
+        MANAGED_BY_LABEL: MANAGED_BY,
+        "pod-security.kubernetes.io/enforce": "restricted",
+        "pod-security.kubernetes.io/enforce-version": "latest",
+    }
+
+
+NETWORK_POLICY_NAME = "quartermaster-ranks"
+
+
+def network_policy(settings: KubernetesRuntimeConfig) -> dict[str, Any]:
+    """The default-deny NetworkPolicy of a jobs namespace.
+
+    It selects every rank pod and allows no ingress, and egress only to DNS
+    (so rank 0's name resolves) and to the portal's events URL
+    (``events_cidrs``). NetworkPolicies add up, and a policy cannot say "pods
+    with the same label value as mine", so each gang gets its own policy from
+    ``gang_network_policy`` that lets its ranks, and only them, reach each other.
+    """
+    egress: list[dict[str, Any]] = [
+        {
+            "to": [
+                {"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+            ],
+            "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+        }
+    ]
+    if settings.events_cidrs:
+        egress.append(
+            {
+                "to": [{"ipBlock": {"cidr": cidr}} for cidr in settings.events_cidrs],
+                "ports": [{"protocol": "TCP", "port": settings.events_port}],
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": NETWORK_POLICY_NAME, "labels": {MANAGED_BY_LABEL: MANAGED_BY}},
+        "spec": {
+            "podSelector": {"matchLabels": {MANAGED_BY_LABEL: MANAGED_BY}},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [],
+            "egress": egress,
+        },
+    }
+
+
+def gang_network_policy(gang: GangId, owner_references: list[dict[str, Any]]) -> dict[str, Any]:
+    """The NetworkPolicy that lets one gang's ranks reach each other (and no one else them)."""
+    same_gang = [{"podSelector": {"matchLabels": {GANG_LABEL: gang_name(gang)}}}]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": gang_name(gang),
+            "labels": {MANAGED_BY_LABEL: MANAGED_BY, GANG_LABEL: gang_name(gang)},
+            "ownerReferences": owner_references,
+        },
+        "spec": {
+            "podSelector": {"matchLabels": {GANG_LABEL: gang_name(gang)}},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": same_gang}],
+            "egress": [{"to": same_gang}],
+        },
+    }
 
 
 def _message(error: ApiException) -> str:
