@@ -167,6 +167,7 @@ class PreemptionEvent(models.Model):
         GRACEFUL = "graceful", "Graceful"
         KILLED = "killed", "Killed at the deadline"
         CHECKPOINT_SKIPPED = "checkpoint-skipped", "Checkpoint skipped"
+        FORCED = "forced-past-budget", "Forced past a disruption budget"
 
     victim_attempt = models.OneToOneField(
         Attempt, on_delete=models.CASCADE, related_name="preemption"

@@ -245,7 +245,12 @@ def reconcile_attempt(
         if event is not None and alive:
             if event.signal_sent_at is None:
                 remaining = max(0.0, (event.deadline - now).total_seconds())
-                runtime.signal(gang, remaining)
+                try:
+                    runtime.signal(gang, remaining)
+                except RuntimeTemporaryError:
+                    if now < event.deadline or not _eviction_blocked(runtime, gang):
+                        raise
+                    _force_past_budget(event, runtime, gang, now)
                 sent = timezone.now()
                 PreemptionEvent.objects.filter(pk=event.pk, signal_sent_at__isnull=True).update(
                     signal_sent_at=sent
@@ -262,6 +267,23 @@ def reconcile_attempt(
             return
         if not alive:
             _finish_attempt(job, attempt, list(ranks.values()), event, runtime, now)
+
+
+def _eviction_blocked(runtime: Runtime, gang: GangId) -> dict[int, str]:
+    blocked = getattr(runtime, "eviction_blocked", None)
+    return {} if blocked is None else dict(blocked(gang))
+
+
+def _force_past_budget(
+    event: PreemptionEvent, runtime: Runtime, gang: GangId, now: datetime
+) -> None:
+    """A PodDisruptionBudget still refuses the eviction at the deadline: the
+    deadline wins, as it does for a rank that ignores SIGTERM. The ranks are
+    deleted with grace 0 and the preemption says it was forced."""
+    runtime.kill(gang)
+    PreemptionEvent.objects.filter(pk=event.pk, killed_at__isnull=True).update(
+        killed_at=now, outcome=PreemptionEvent.Outcome.FORCED
+    )
 
 
 def _record_observations(ranks: dict[int, Rank], observations: list[RankObservation]) -> None:
@@ -427,7 +449,9 @@ def _close_event(event: PreemptionEvent, attempt: Attempt, job: Job, exited_at: 
     skipped = TrapEvent.objects.filter(
         job=job, attempt=attempt.number, event="checkpoint_skipped"
     ).exists()
-    if event.killed_at is not None:
+    if event.outcome == PreemptionEvent.Outcome.FORCED:
+        outcome = PreemptionEvent.Outcome.FORCED
+    elif event.killed_at is not None:
         outcome = PreemptionEvent.Outcome.KILLED
     elif skipped:
         outcome = PreemptionEvent.Outcome.CHECKPOINT_SKIPPED

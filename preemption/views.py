@@ -185,7 +185,16 @@ def build_timeline(
             TimelineStep(_moment(skipped[0].at), "Checkpoint skipped", str(reason), "warn")
         )
     exits = [r.exited_at for r in ranks if r.exited_at is not None]
-    if event.killed_at:
+    if event.killed_at and event.outcome == "forced-past-budget":
+        steps.append(
+            TimelineStep(
+                event.killed_at,
+                "Deadline passed: forced past a disruption budget",
+                "a PodDisruptionBudget still refused the eviction, so every rank was deleted",
+                "bad",
+            )
+        )
+    elif event.killed_at:
         steps.append(
             TimelineStep(event.killed_at, "Deadline passed: remaining ranks killed", "", "bad")
         )
@@ -198,7 +207,9 @@ def build_timeline(
                 "Every rank exited",
                 f"exit codes {', '.join(str(c) for c in codes) or 'unknown'}"
                 + (f"; outcome {event.get_outcome_display().lower()}" if event.outcome else ""),
-                "good" if clean and event.outcome != "killed" else "bad",
+                "good"
+                if clean and event.outcome not in ("killed", "forced-past-budget")
+                else "bad",
             )
         )
     if event.requeued_at:

@@ -28,7 +28,9 @@ Objects of one gang (job id, attempt), all in one namespace:
 Signalling is the ``policy/v1`` Eviction API for every rank concurrently with
 ``deleteOptions.gracePeriodSeconds``; a 429 (a PodDisruptionBudget says no) is
 retried with backoff, and a gang still blocked raises RuntimeTemporaryError
-and shows in ``eviction_blocked()``. Killing deletes every pod with grace 0.
+and shows in ``eviction_blocked()``; the reconciler retries each cycle and,
+once the grace deadline has passed, kills the gang (the preemption is then
+"forced past a disruption budget"). Killing deletes every pod with grace 0.
 
 This module imports nothing from Django: the portal hands it plain values.
 """

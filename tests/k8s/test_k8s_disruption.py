@@ -1,0 +1,108 @@
+"""A preemption that a PodDisruptionBudget blocks is forced at its deadline.
+
+Real PodDisruptionBudget, real disruption controller and Eviction API on the
+test control plane; the reconciler and the job page run against the database.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from django.test import Client
+from django.utils import timezone
+from kubernetes import client
+
+from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
+from preemption.reconcile import reconcile_jobs, request_stop
+from preemption.runtimes.base import GangId
+from preemption.runtimes.kubernetes import GANG_LABEL, KubernetesRuntime, gang_name
+from preemption.services import job_submit
+from quotas.models import PriorityClass
+from tests.conftest import PASSWORD
+from tools.k8s.gangs import all_in
+from tools.k8s.wait import wait_for
+
+MakeRuntime = Callable[..., KubernetesRuntime]
+
+
+def _admitted_job(world: Any, nodes: list[str]) -> tuple[Job, Attempt]:
+    """A job admitted onto the test cluster's nodes, as the scheduling cycle would leave it."""
+    low = PriorityClass.objects.create(
+        name="qm-test-low", value=100, preemption_policy="Never", grace_seconds=3
+    )
+    job = job_submit(
+        submitter=world.users["researcher"],
+        team=world.vision,
+        flavor=world.h100,
+        ranks=len(nodes),
+        gpus_per_rank=1,
+        command="sleep infinity",
+        priority_class=low,
+        name="budgeted",
+    )
+    attempt = Attempt.objects.create(job=job, number=1, admitted_at=timezone.now())
+    Rank.objects.bulk_create(
+        Rank(attempt=attempt, index=index, node=node) for index, node in enumerate(nodes)
+    )
+    Job.objects.filter(pk=job.pk).update(state=JobState.ADMITTED)
+    return job, attempt
+
+
+def test_eviction_blocked_by_a_budget_is_forced_at_the_deadline(
+    world: Any, make_runtime: MakeRuntime, k8s_api: client.ApiClient, namespace: str
+) -> None:
+    runtime = make_runtime(eviction_retry_seconds=0.3)
+    job, attempt = _admitted_job(world, ["gpu-node-0", "gpu-node-0"])
+    reconcile_jobs(runtime=runtime)  # launches
+    gang = GangId(job.pk, 1)
+    wait_for(lambda: all_in(runtime, gang, "running", 2), timeout=60, what="ranks running")
+
+    # A budget that allows no disruption of the gang at all.
+    policy = client.PolicyV1Api(k8s_api)
+    policy.create_namespaced_pod_disruption_budget(
+        namespace,
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": {"name": "keep-all"},
+            "spec": {"minAvailable": 2, "selector": {"matchLabels": {GANG_LABEL: gang_name(gang)}}},
+        },
+    )
+    wait_for(
+        lambda: (
+            policy.read_namespaced_pod_disruption_budget(
+                "keep-all", namespace
+            ).status.current_healthy
+            == 2
+        ),
+        timeout=30,
+        what="the disruption controller to count the gang",
+    )
+
+    event = request_stop(job=job, reason="priority", cause="a critical job needs the node")
+    assert event is not None and event.grace_seconds == 3
+    reconcile_jobs(runtime=runtime)
+    # Refused: still running, the preemption waits and says why.
+    assert runtime.eviction_blocked(gang)
+    assert all_in(runtime, gang, "running", 2)
+    event.refresh_from_db()
+    assert event.signal_sent_at is None and event.killed_at is None
+
+    deadline = time.monotonic() + 60
+    while Attempt.objects.get(pk=attempt.pk).ended_at is None:
+        assert time.monotonic() < deadline, "the blocked preemption never ended"
+        reconcile_jobs(runtime=runtime)
+        time.sleep(0.3)
+    event.refresh_from_db()
+    assert event.outcome == PreemptionEvent.Outcome.FORCED
+    assert event.killed_at is not None and event.killed_at >= event.deadline
+    job.refresh_from_db()
+    assert job.state == JobState.REQUEUED
+    assert Attempt.objects.get(pk=attempt.pk).end_reason == Attempt.EndReason.PREEMPTED
+
+    browser = Client()
+    assert browser.login(username="researcher", password=PASSWORD)
+    page = browser.get(f"/jobs/{job.pk}/").content.decode()
+    assert "forced past a disruption budget" in page
