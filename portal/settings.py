@@ -222,6 +222,9 @@ QM_K8S_IMAGE_ALLOWLIST = {
 QM_K8S_EVENTS_CIDRS = env_list("QM_K8S_EVENTS_CIDRS", [])
 QM_K8S_EVENTS_PORT = env_int("QM_K8S_EVENTS_PORT", 443, minimum=1)
 QM_PUBLIC_URL = env_str("QM_PUBLIC_URL", "http://127.0.0.1:8000") or "http://127.0.0.1:8000"
+# A rank still waiting this long after launch on something that will not come
+# (an image it cannot pull, a node that cannot take it) fails the attempt.
+QM_START_TIMEOUT_SECONDS = env_float("QM_START_TIMEOUT_SECONDS", 300.0, minimum=1.0)
 QM_MAX_ATTEMPTS = env_int("QM_MAX_ATTEMPTS", 5, minimum=1)
 QM_RETRY_BACKOFF_SECONDS = env_float("QM_RETRY_BACKOFF_SECONDS", 10.0, minimum=0.0)
 

@@ -31,6 +31,7 @@ from preemption.models import (
 )
 from preemption.runtime import get_runtime
 from preemption.runtimes.base import (
+    STUCK_REASONS,
     GangId,
     GangSpec,
     RankObservation,
@@ -220,6 +221,17 @@ def reconcile_attempt(
                 state=JobState.RUNNING, running_at=now
             )
 
+        if event is None and alive:
+            stuck = _stuck_at_start(attempt, observations, now)
+            if stuck:
+                event = request_stop(job=job, reason="gang-guard", cause=stuck, grace_seconds=0)
+                if event is not None:
+                    notify(
+                        job_id=job.pk,
+                        event="preempted",
+                        payload={"reason": "gang-guard", "cause": event.cause},
+                    )
+
         if event is None:
             broken = [
                 r
@@ -267,6 +279,25 @@ def reconcile_attempt(
             return
         if not alive:
             _finish_attempt(job, attempt, list(ranks.values()), event, runtime, now)
+
+
+def _stuck_at_start(
+    attempt: Attempt, observations: list[RankObservation], now: datetime
+) -> str:
+    """Why the attempt must fail: a rank waiting on something that will not come
+    (an image it cannot pull, a node that cannot take it) past the start timeout."""
+    if attempt.launched_at is None:
+        return ""
+    waited = (now - attempt.launched_at).total_seconds()
+    if waited < settings.QM_START_TIMEOUT_SECONDS:
+        return ""
+    for obs in sorted(observations, key=lambda o: o.rank):
+        if obs.phase == "starting" and obs.waiting_reason in STUCK_REASONS:
+            return (
+                f"rank {obs.rank} could not start: {obs.waiting_reason} for over "
+                f"{settings.QM_START_TIMEOUT_SECONDS:g} s"
+            )
+    return ""
 
 
 def _eviction_blocked(runtime: Runtime, gang: GangId) -> dict[int, str]:

@@ -1212,6 +1212,7 @@ def rank_observation(
     else:
         phase = "starting"
     return RankObservation(
+        waiting_reason=_waiting_reason(pod) if phase == "starting" else "",
         job_id=int(labels[JOB_LABEL]),
         attempt=int(labels[ATTEMPT_LABEL]),
         rank=int(labels[RANK_LABEL]),
@@ -1223,6 +1224,17 @@ def rank_observation(
         exited_at=exited_at,
         signal_sent_at=signalled_at,
     )
+
+
+def _waiting_reason(pod: Any) -> str:
+    """Why a pod that has not started is waiting: its container's reason, else unschedulable."""
+    for status in pod.status.container_statuses or []:
+        if status.state is not None and status.state.waiting is not None:
+            return str(status.state.waiting.reason or "")
+    for condition in pod.status.conditions or []:
+        if condition.type == "PodScheduled" and condition.status == "False":
+            return str(condition.reason or "Unschedulable")
+    return ""
 
 
 def gang_guard_victims(

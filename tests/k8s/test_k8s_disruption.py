@@ -1,4 +1,5 @@
-"""A preemption that a PodDisruptionBudget blocks is forced at its deadline.
+"""No stuck jobs: a preemption a PodDisruptionBudget blocks is forced at its
+deadline, and a rank that cannot start fails its attempt after the start timeout.
 
 Real PodDisruptionBudget, real disruption controller and Eviction API on the
 test control plane; the reconciler and the job page run against the database.
@@ -22,12 +23,13 @@ from preemption.services import job_submit
 from quotas.models import PriorityClass
 from tests.conftest import PASSWORD
 from tools.k8s.gangs import all_in
+from tools.k8s.node_agent import NodeAgent
 from tools.k8s.wait import wait_for
 
 MakeRuntime = Callable[..., KubernetesRuntime]
 
 
-def _admitted_job(world: Any, nodes: list[str]) -> tuple[Job, Attempt]:
+def _admitted_job(world: Any, nodes: list[str], *, image: str = "") -> tuple[Job, Attempt]:
     """A job admitted onto the test cluster's nodes, as the scheduling cycle would leave it."""
     low = PriorityClass.objects.create(
         name="qm-test-low", value=100, preemption_policy="Never", grace_seconds=3
@@ -41,6 +43,7 @@ def _admitted_job(world: Any, nodes: list[str]) -> tuple[Job, Attempt]:
         command="sleep infinity",
         priority_class=low,
         name="budgeted",
+        image=image,
     )
     attempt = Attempt.objects.create(job=job, number=1, admitted_at=timezone.now())
     Rank.objects.bulk_create(
@@ -106,3 +109,45 @@ def test_eviction_blocked_by_a_budget_is_forced_at_the_deadline(
     assert browser.login(username="researcher", password=PASSWORD)
     page = browser.get(f"/jobs/{job.pk}/").content.decode()
     assert "forced past a disruption budget" in page
+
+
+def test_a_rank_that_cannot_pull_its_image_fails_the_attempt_after_the_start_timeout(
+    world: Any,
+    make_runtime: MakeRuntime,
+    k8s_api: client.ApiClient,
+    namespace: str,
+    node_agent: NodeAgent,
+    settings: Any,
+) -> None:
+    settings.QM_START_TIMEOUT_SECONDS = 3
+    runtime = make_runtime()
+    job, attempt = _admitted_job(
+        world, ["gpu-node-1", "gpu-node-1"], image="registry.example.org/vision/missing:1"
+    )
+    # The agent, like a kubelet, pulls only from the registry it can reach.
+    node_agent.pullable_images = ("registry.invalid/",)
+    try:
+        reconcile_jobs(runtime=runtime)
+        gang = GangId(job.pk, 1)
+        wait_for(
+            lambda: {o.waiting_reason for o in runtime.observe(gang)} == {"ImagePullBackOff"},
+            timeout=30,
+            what="ranks waiting on their image",
+        )
+        reconcile_jobs(runtime=runtime)
+        assert Attempt.objects.get(pk=attempt.pk).ended_at is None  # not yet timed out
+        deadline = time.monotonic() + 60
+        while Attempt.objects.get(pk=attempt.pk).ended_at is None:
+            assert time.monotonic() < deadline, "the stuck attempt never ended"
+            reconcile_jobs(runtime=runtime)
+            time.sleep(0.3)
+    finally:
+        node_agent.pullable_images = None
+    attempt.refresh_from_db()
+    assert attempt.end_reason == Attempt.EndReason.GANG_GUARD
+    job.refresh_from_db()
+    assert job.state == JobState.REQUEUED
+    assert "rank 0 could not start: ImagePullBackOff for over 3 s" in job.waiting_reason
+    # Its GPUs are free: no pod of the gang is left on the node.
+    pods = client.CoreV1Api(k8s_api).list_namespaced_pod(namespace).items
+    assert [p for p in pods if p.status.phase not in ("Succeeded", "Failed")] == []
