@@ -281,9 +281,7 @@ def reconcile_attempt(
             _finish_attempt(job, attempt, list(ranks.values()), event, runtime, now)
 
 
-def _stuck_at_start(
-    attempt: Attempt, observations: list[RankObservation], now: datetime
-) -> str:
+def _stuck_at_start(attempt: Attempt, observations: list[RankObservation], now: datetime) -> str:
     """Why the attempt must fail: a rank waiting on something that will not come
     (an image it cannot pull, a node that cannot take it) past the start timeout."""
     if attempt.launched_at is None:
