@@ -225,6 +225,12 @@ QM_PUBLIC_URL = env_str("QM_PUBLIC_URL", "http://127.0.0.1:8000") or "http://127
 # A rank still waiting this long after launch on something that will not come
 # (an image it cannot pull, a node that cannot take it) fails the attempt.
 QM_START_TIMEOUT_SECONDS = env_float("QM_START_TIMEOUT_SECONDS", 300.0, minimum=1.0)
+# How much of the end of each rank's log is kept once its attempt ends, for
+# runtimes that forget logs with their pods (Kubernetes).
+QM_LOG_TAIL_BYTES = env_int("QM_LOG_TAIL_BYTES", 4 << 20, minimum=0)
+# How far into a live Kubernetes log a read may reach (the pod log API has no
+# offset, so a read streams from the start).
+QM_K8S_LOG_SCAN_BYTES = env_int("QM_K8S_LOG_SCAN_BYTES", 64 << 20, minimum=1 << 20)
 QM_MAX_ATTEMPTS = env_int("QM_MAX_ATTEMPTS", 5, minimum=1)
 QM_RETRY_BACKOFF_SECONDS = env_float("QM_RETRY_BACKOFF_SECONDS", 10.0, minimum=0.0)
 

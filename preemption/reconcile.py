@@ -462,6 +462,9 @@ def _finish_attempt(
             notice = ("requeued", {"reason": why, "resume_step": resume_step})
     Job.objects.filter(pk=job.pk).update(**update)
     notify(job_id=job.pk, event=notice[0], payload=notice[1])
+    from preemption.logs import save_log_tails
+
+    save_log_tails(attempt, ranks, runtime)
     try:
         runtime.forget(gang)
     except (RuntimeTemporaryError, OSError):

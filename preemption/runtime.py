@@ -55,6 +55,7 @@ def kubernetes_config() -> KubernetesRuntimeConfig:
         image_allowlist=settings.QM_K8S_IMAGE_ALLOWLIST,
         events_cidrs=tuple(settings.QM_K8S_EVENTS_CIDRS),
         events_port=settings.QM_K8S_EVENTS_PORT,
+        log_scan_bytes=settings.QM_K8S_LOG_SCAN_BYTES,
     )
 
 

@@ -807,8 +807,26 @@ class NodeAgent:
                 if not path.exists():
                     self.send_error(404)
                     return
-                content = path.read_bytes()
                 query = urllib.parse.parse_qs(parsed.query)
+                if "tailLines" not in query:
+                    # Streamed from the file, as a kubelet does: a reader of the
+                    # first bytes of a big log never makes the agent hold it all.
+                    size = path.stat().st_size
+                    if "limitBytes" in query:
+                        size = min(size, int(query["limitBytes"][0]))
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(size))
+                    self.end_headers()
+                    with open(path, "rb") as log:
+                        while size > 0:
+                            chunk = log.read(min(size, 64 * 1024))
+                            if not chunk:
+                                break
+                            self.wfile.write(chunk)
+                            size -= len(chunk)
+                    return
+                content = path.read_bytes()
                 if "tailLines" in query:
                     lines = content.splitlines(keepends=True)
                     content = b"".join(lines[-int(query["tailLines"][0]) :])
