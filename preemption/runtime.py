@@ -117,13 +117,17 @@ def _kubernetes_runtime() -> Runtime:
             settings.QM_K8S_KUBECONFIG or None, kubernetes_config()
         )
         # Pods name their priority class: make sure the classes exist before
-        # the first launch rather than waiting for the periodic sync.
-        from preemption.k8s_sync import priority_classes_sync
+        # the first launch rather than waiting for the periodic sync. Queued,
+        # not called: only the worker may write PriorityClasses (deploy/rbac.yaml),
+        # and the web process builds a runtime too, to read logs.
+        from preemption.tasks import sync_priority_classes
 
         try:
-            priority_classes_sync()
+            sync_priority_classes.delay()
         except Exception:
             import logging
 
-            logging.getLogger(__name__).warning("first PriorityClass sync failed", exc_info=True)
+            logging.getLogger(__name__).warning(
+                "could not queue the first PriorityClass sync", exc_info=True
+            )
     return _kubernetes
