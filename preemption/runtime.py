@@ -89,11 +89,19 @@ def checkpoint_is_durable(path: str) -> bool:
 
     A runtime that can tell (Kubernetes: the path lies on the checkpoint
     volume) decides; a runtime whose ranks share the host's disk always can.
+    Decided from settings, without building a runtime, since the web process
+    ingests events.
     """
-    if _override is None and settings.QM_RUNTIME != "kubernetes":
-        return True
-    check = getattr(get_runtime(), "checkpoint_is_durable", None)
-    return True if check is None else bool(check(path))
+    if _override is not None:
+        check = getattr(_override, "checkpoint_is_durable", None)
+        return True if check is None else bool(check(path))
+    if settings.QM_RUNTIME == "kubernetes":
+        from preemption.runtimes.kubernetes import on_checkpoint_volume
+
+        return on_checkpoint_volume(
+            path, settings.QM_K8S_CHECKPOINT_CLAIM, settings.QM_K8S_CHECKPOINT_MOUNT_PATH
+        )
+    return True
 
 
 def get_runtime() -> Runtime:

@@ -219,6 +219,18 @@ def team_namespace(prefix: str, team: str) -> str:
     return f"{cleaned}-{digest}"
 
 
+def on_checkpoint_volume(path: str, claim: str | None, mount_path: str) -> bool:
+    """Whether ``path`` lies on the checkpoint volume ``claim`` mounted at ``mount_path``.
+
+    Only such a path survives the pod and is visible from the node the next
+    attempt lands on. ``..`` is resolved first, so it cannot climb out.
+    """
+    if not claim or not posixpath.isabs(path):
+        return False
+    mount = posixpath.normpath(mount_path).rstrip("/")
+    return posixpath.normpath(path).startswith(mount + "/")
+
+
 def _parse_time(value: Any) -> float | None:
     if value is None:
         return None
@@ -290,15 +302,10 @@ class KubernetesRuntime:
         return self.settings.namespace
 
     def checkpoint_is_durable(self, path: str) -> bool:
-        """Whether a checkpoint at ``path`` (as a rank sees it) is on the shared volume.
-
-        Only a path under the checkpoint volume's mount survives the pod and is
-        visible from the node the next attempt lands on.
-        """
-        if not self.settings.checkpoint_claim or not posixpath.isabs(path):
-            return False
-        mount = posixpath.normpath(self.settings.checkpoint_mount_path)
-        return posixpath.normpath(path).startswith(mount.rstrip("/") + "/")
+        """Whether a checkpoint at ``path`` (as a rank sees it) is on the shared volume."""
+        return on_checkpoint_volume(
+            path, self.settings.checkpoint_claim, self.settings.checkpoint_mount_path
+        )
 
     def _labels(self, gang: GangId) -> dict[str, str]:
         return {

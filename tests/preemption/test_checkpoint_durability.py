@@ -96,6 +96,19 @@ def test_a_job_submitted_outside_the_volume_resumes_from_nothing(
     assert not Checkpoint.objects.filter(job=job).exists()
 
 
+def test_durability_follows_settings_without_a_runtime(world: Any, settings: Any) -> None:
+    """The web process ingests events: it decides from settings alone."""
+    settings.QM_RUNTIME = "kubernetes"
+    settings.QM_K8S_CHECKPOINT_MOUNT_PATH = "/checkpoints"
+    settings.QM_K8S_CHECKPOINT_CLAIM = ""
+    job = _job(world)
+    ingest_trap_event(job=job, event=_committed(job, 4), source="post")
+    assert not Checkpoint.objects.filter(job=job).exists()
+    settings.QM_K8S_CHECKPOINT_CLAIM = "qm-checkpoints"
+    ingest_trap_event(job=job, event=_committed(job, 5), source="post")
+    assert list(Checkpoint.objects.filter(job=job).values_list("step", flat=True)) == [5]
+
+
 def test_without_a_volume_the_portal_says_why(settings: Any) -> None:
     settings.QM_RUNTIME = "kubernetes"
     settings.QM_K8S_CHECKPOINT_CLAIM = ""
