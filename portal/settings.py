@@ -204,6 +204,9 @@ if not QM_K8S_CHECKPOINT_MOUNT_PATH.startswith("/") or QM_K8S_CHECKPOINT_MOUNT_P
         f"QM_K8S_CHECKPOINT_MOUNT_PATH must be an absolute path below /, "
         f"got {QM_K8S_CHECKPOINT_MOUNT_PATH!r}"
     )
+# Observe gang pods through a watch (one listing, then changes; re-listed on
+# 410 Gone) instead of listing every pod on every reconcile cycle.
+QM_K8S_WATCH_PODS = env_bool("QM_K8S_WATCH_PODS", True)
 QM_K8S_RUN_AS_USER = env_int("QM_K8S_RUN_AS_USER", 1000, minimum=1)
 # CPU and memory each rank requests (and is limited to) per GPU it holds:
 # "flavor=quantity" pairs, and a default for flavors not named.

@@ -56,6 +56,7 @@ def kubernetes_config() -> KubernetesRuntimeConfig:
         events_cidrs=tuple(settings.QM_K8S_EVENTS_CIDRS),
         events_port=settings.QM_K8S_EVENTS_PORT,
         log_scan_bytes=settings.QM_K8S_LOG_SCAN_BYTES,
+        watch_pods=settings.QM_K8S_WATCH_PODS,
     )
 
 

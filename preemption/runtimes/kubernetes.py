@@ -120,6 +120,9 @@ class KubernetesRuntimeConfig:
     not named may run any image. ``events_cidrs``/``events_port`` are where
     the portal's events URL is reached: the only egress the jobs namespace's
     NetworkPolicy allows besides the gang itself and DNS.
+    With ``watch_pods`` observe() reads gang pods from a cache a watch keeps
+    (one listing, then changes, listed again on 410 Gone) instead of listing
+    them on every call.
     A 429 from the Eviction API is retried for ``eviction_retry_seconds`` before
     the call gives up with RuntimeTemporaryError.
     """
@@ -147,6 +150,7 @@ class KubernetesRuntimeConfig:
     eviction_retry_seconds: float = 2.0
     api_workers: int = 32
     log_scan_bytes: int = 64 << 20
+    watch_pods: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +271,12 @@ class KubernetesRuntime:
         self._signalled: dict[GangId, float] = {}
         self._blocked: dict[GangId, dict[int, str]] = {}
         self.relists = 0
+        # The pod watch (watch_pods): a cache of every gang pod, kept by one
+        # thread, so a reconcile cycle lists gang records and nodes but no pods.
+        self._pod_cache: dict[str, Any] = {}
+        self._pod_cache_ready = threading.Event()
+        self._pod_watch: threading.Thread | None = None
+        self._closing = threading.Event()
         # (job, attempt, rank) of pods carrying a DisruptionTarget condition at
         # the latest observe(): something other than the rank itself ended it.
         self._disrupted: set[tuple[int, int, int]] = set()
@@ -291,6 +301,7 @@ class KubernetesRuntime:
 
     def close(self) -> None:
         """Release the worker threads and connections."""
+        self._closing.set()
         self._pool.shutdown(wait=True)
         self.api_client.close()
 
@@ -785,13 +796,11 @@ class KubernetesRuntime:
                 records = self.core.list_config_map_for_all_namespaces(
                     label_selector=selector
                 ).items
-                pods = self.core.list_pod_for_all_namespaces(label_selector=selector).items
             else:
-                namespace = self.settings.namespace
                 records = self.core.list_namespaced_config_map(
-                    namespace, label_selector=selector
+                    self.settings.namespace, label_selector=selector
                 ).items
-                pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
+            pods = self._pods_for(records, gang)
             ready_nodes = self._ready_nodes()
         except ApiException as error:
             raise self._translate(error, "observe") from error
@@ -851,6 +860,110 @@ class KubernetesRuntime:
                     observations.append(rank_observation(pod, signalled_at, ready_nodes))
         observations.sort(key=lambda o: (o.job_id, o.attempt, o.rank))
         return observations
+
+    def _list_pods(self, selector: str) -> list[Any]:
+        if self.settings.namespace_per_team:
+            return list(self.core.list_pod_for_all_namespaces(label_selector=selector).items)
+        return list(
+            self.core.list_namespaced_pod(self.settings.namespace, label_selector=selector).items
+        )
+
+    def _pods_for(self, records: list[Any], gang: GangId | None) -> list[Any]:
+        """The gangs' pods: from the watch cache when it is in sync, else a listing.
+
+        The cache may lag the records just listed: a launched gang whose pods
+        are not all in it yet is listed afresh, so a lag never reads as lost
+        ranks.
+        """
+        if not self.settings.watch_pods:
+            return self._list_pods(self._selector(gang))
+        self._start_pod_watch()
+        if not self._pod_cache_ready.is_set():
+            return self._list_pods(self._selector(gang))
+        with self._lock:
+            cached = [
+                pod
+                for pod in self._pod_cache.values()
+                if gang is None or (pod.metadata.labels or {}).get(GANG_LABEL) == gang_name(gang)
+            ]
+        present: dict[str, int] = {}
+        for pod in cached:
+            name = (pod.metadata.labels or {}).get(GANG_LABEL, "")
+            present[name] = present.get(name, 0) + 1
+        pods = cached
+        for record in records:
+            annotations = record.metadata.annotations or {}
+            world_size = int((record.data or {}).get("world_size", "0"))
+            name = record.metadata.name
+            if LAUNCHED_ANNOTATION in annotations and present.get(name, 0) < world_size:
+                fresh = self._list_pods(f"{MANAGED_BY_LABEL}={MANAGED_BY},{GANG_LABEL}={name}")
+                pods = [p for p in pods if p.metadata.labels.get(GANG_LABEL) != name] + fresh
+        return pods
+
+    def pod_watch_in_sync(self) -> bool:
+        """Whether observe() reads pods from the watch cache right now."""
+        return self._pod_cache_ready.is_set()
+
+    def _start_pod_watch(self) -> None:
+        with self._lock:
+            if self._pod_watch is not None:
+                return
+            self._pod_watch = threading.Thread(
+                target=self._pod_watch_loop, name="qm-k8s-pod-watch", daemon=True
+            )
+        self._pod_watch.start()
+
+    def _pod_watch_loop(self) -> None:
+        """Keep ``_pod_cache`` in line with the cluster: list, then watch from
+        the listing's version; list again on 410 Gone or any error."""
+        selector = f"{MANAGED_BY_LABEL}={MANAGED_BY},{GANG_LABEL}"
+        namespace = None if self.settings.namespace_per_team else self.settings.namespace
+        method: Callable[..., Any]
+        kwargs: dict[str, Any] = {"label_selector": selector}
+        if namespace is None:
+            method = self.core.list_pod_for_all_namespaces
+        else:
+            method = self.core.list_namespaced_pod
+            kwargs["namespace"] = namespace
+        version: str | None = None
+        while not self._closing.is_set():
+            try:
+                if version is None:
+                    self._pod_cache_ready.clear()
+                    listing = method(**kwargs)
+                    with self._lock:
+                        self.relists += 1
+                        self._pod_cache = {_pod_key(p): p for p in listing.items}
+                    version = listing.metadata.resource_version
+                    self._pod_cache_ready.set()
+                for event in watch.Watch().stream(
+                    method,
+                    resource_version=version,
+                    timeout_seconds=30,
+                    allow_watch_bookmarks=True,
+                    **kwargs,
+                ):
+                    obj = event["object"]
+                    if event["type"] == "ERROR":
+                        version = None
+                        break
+                    if event["type"] == "BOOKMARK":
+                        version = obj["metadata"]["resourceVersion"]
+                        continue
+                    version = obj.metadata.resource_version
+                    with self._lock:
+                        if event["type"] == "DELETED":
+                            self._pod_cache.pop(_pod_key(obj), None)
+                        else:
+                            self._pod_cache[_pod_key(obj)] = obj
+                    if self._closing.is_set():
+                        return
+            except Exception:
+                # 410 Gone or a broken connection: start over from a listing,
+                # and meanwhile let observe() list for itself.
+                version = None
+                self._pod_cache_ready.clear()
+                self._closing.wait(0.5)
 
     def _ready_nodes(self) -> set[str]:
         ready = set()
@@ -1198,6 +1311,10 @@ def gang_network_policy(gang: GangId, owner_references: list[dict[str, Any]]) ->
             "egress": [{"to": same_gang}],
         },
     }
+
+
+def _pod_key(pod: Any) -> str:
+    return f"{pod.metadata.namespace}/{pod.metadata.name}"
 
 
 def _message(error: ApiException) -> str:

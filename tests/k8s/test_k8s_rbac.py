@@ -9,8 +9,6 @@ deployed service accounts: the web's cannot create or delete pods.
 
 from __future__ import annotations
 
-import threading
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -27,57 +25,10 @@ from tests.k8s.conftest import delete_namespace
 from tests.k8s.test_k8s_deploy_manifests import installed  # noqa: F401 - a fixture
 from tools.k8s.gangs import all_in, gang_spec
 from tools.k8s.node_agent import NodeAgent
+from tools.k8s.requests import Grant, Recorder, grant_of
 from tools.k8s.wait import wait_for
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-Grant = tuple[str, str, str]  # (API group, resource[/subresource], verb)
-
-
-def _verb(method: str, name: str | None, query: dict[str, list[str]]) -> str:
-    if method == "GET":
-        if name is None:
-            return "watch" if query.get("watch") == ["true"] else "list"
-        return "get"
-    if method == "DELETE":
-        return "delete" if name else "deletecollection"
-    return {"POST": "create", "PATCH": "patch", "PUT": "update"}[method]
-
-
-def grant_of(method: str, url: str) -> Grant:
-    """The RBAC (group, resource, verb) an API request needs."""
-    parsed = urllib.parse.urlparse(url)
-    parts = parsed.path.strip("/").split("/")
-    if parts[0] == "api":
-        group, rest = "", parts[2:]
-    else:
-        group, rest = parts[1], parts[3:]
-    if rest[0] == "namespaces" and len(rest) >= 3:
-        rest = rest[2:]
-    resource = rest[0]
-    name = rest[1] if len(rest) > 1 else None
-    if len(rest) > 2:
-        resource = f"{resource}/{rest[2]}"
-        # A subresource is created (eviction) or read (log), never listed.
-        return group, resource, "create" if method == "POST" else "get"
-    if method == "POST":
-        name = None
-    return group, resource, _verb(method, name, urllib.parse.parse_qs(parsed.query))
-
-
-class Recorder:
-    """Records every request an ApiClient sends."""
-
-    def __init__(self, api: client.ApiClient) -> None:
-        self.grants: set[Grant] = set()
-        self._lock = threading.Lock()
-        send = api.rest_client.request
-
-        def request(method: str, url: str, *args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                self.grants.add(grant_of(method, url))
-            return send(method, url, *args, **kwargs)
-
-        api.rest_client.request = request
 
 
 def granted(*names: tuple[str, str]) -> set[Grant]:
@@ -140,7 +91,9 @@ def test_worker_and_web_rules_match_the_calls(
     node_agent: NodeAgent,
     test_priority_classes: Any,
 ) -> None:
-    worker, worker_calls = _recording_runtime(kubeconfig, namespace=namespace, default_image="none")
+    worker, worker_calls = _recording_runtime(
+        kubeconfig, namespace=namespace, default_image="none", watch_pods=True
+    )
     web, web_calls = _recording_runtime(kubeconfig, namespace=namespace)
     try:
         spec = gang_spec(701, {"gpu-node-0": 1})
@@ -179,7 +132,11 @@ def test_namespace_per_team_rules_match_the_calls(
 ) -> None:
     prefix = "qm-rbac-"
     worker, calls = _recording_runtime(
-        kubeconfig, namespace_per_team=True, team_namespace_prefix=prefix, default_image="none"
+        kubeconfig,
+        namespace_per_team=True,
+        team_namespace_prefix=prefix,
+        default_image="none",
+        watch_pods=True,
     )
     web, web_calls = _recording_runtime(
         kubeconfig, namespace_per_team=True, team_namespace_prefix=prefix
