@@ -210,6 +210,16 @@ def reconcile_attempt(
                     )
                     for r in ranks.values()
                 ]
+        elif attempt.launched_at is None and event is None:
+            # A launch cut short by a temporary error (a PriorityClass not
+            # synced yet) left some objects behind: launch is idempotent, so
+            # finish it rather than wait for ranks that were never created.
+            try:
+                runtime.launch(gang_spec(job, attempt, ranks.values()))
+            except RuntimePermanentError as exc:
+                _fail_launch(job, attempt, str(exc), now)
+                return
+            Attempt.objects.filter(pk=attempt.pk, launched_at__isnull=True).update(launched_at=now)
         _record_observations(ranks, observations)
         phases = {index: rank.state for index, rank in ranks.items()}
         alive = [i for i, phase in phases.items() if phase not in TERMINAL_PHASES]

@@ -151,3 +151,27 @@ def test_a_rank_that_cannot_pull_its_image_fails_the_attempt_after_the_start_tim
     # Its GPUs are free: no pod of the gang is left on the node.
     pods = client.CoreV1Api(k8s_api).list_namespaced_pod(namespace).items
     assert [p for p in pods if p.status.phase not in ("Succeeded", "Failed")] == []
+
+
+def test_a_launch_cut_short_by_a_missing_priority_class_is_finished_later(
+    world: Any, make_runtime: MakeRuntime, k8s_api: client.ApiClient, namespace: str
+) -> None:
+    runtime = make_runtime()
+    job, attempt = _admitted_job(world, ["gpu-node-3"])
+    PriorityClass.objects.filter(pk=job.priority_class_id).update(name="qm-test-not-yet")
+    reconcile_jobs(runtime=runtime)  # the API server refuses the pod: no such class
+    gang = GangId(job.pk, 1)
+    assert Attempt.objects.get(pk=attempt.pk).launched_at is None
+    assert [o.phase for o in runtime.observe(gang)] == ["starting"]  # the record is there
+    scheduling = client.SchedulingV1Api(k8s_api)
+    scheduling.create_priority_class(
+        {"metadata": {"name": "qm-test-not-yet"}, "value": 100, "preemptionPolicy": "Never"}
+    )
+    try:
+        reconcile_jobs(runtime=runtime)
+        assert Attempt.objects.get(pk=attempt.pk).launched_at is not None
+        wait_for(lambda: all_in(runtime, gang, "running", 1), timeout=60, what="rank running")
+        runtime.kill(gang)
+        wait_for(lambda: all_in(runtime, gang, "exited", 1), timeout=30, what="rank exited")
+    finally:
+        scheduling.delete_priority_class("qm-test-not-yet")
