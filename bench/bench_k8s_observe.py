@@ -73,7 +73,13 @@ def run(gangs: int, ranks: int, cycles: int) -> None:
         serving_cert=(pki / "apiserver.crt", pki / "apiserver.key"),
     )
     agent.start()
-    settings = {"namespace": namespace, "default_image": "none"}
+    # Small CPU and memory requests: the simulated nodes have 64 CPUs each.
+    settings = {
+        "namespace": namespace,
+        "default_image": "none",
+        "default_cpu_per_gpu": "10m",
+        "default_memory_per_gpu": "10Mi",
+    }
     launcher = KubernetesRuntime.from_kubeconfig(kubeconfig, KubernetesRuntimeConfig(**settings))
     try:
         while True:
