@@ -196,6 +196,11 @@ QM_K8S_KUBECONFIG = env_str("QM_K8S_KUBECONFIG", "") or ""
 QM_PUBLIC_URL = env_str("QM_PUBLIC_URL", "http://127.0.0.1:8000") or "http://127.0.0.1:8000"
 QM_MAX_ATTEMPTS = env_int("QM_MAX_ATTEMPTS", 5, minimum=1)
 QM_RETRY_BACKOFF_SECONDS = env_float("QM_RETRY_BACKOFF_SECONDS", 10.0, minimum=0.0)
+# A runtime call that failed for a reason that may pass (a launcher that did
+# not start, an API server that answered 503) is tried again after this many
+# seconds, doubling each time, and a launch gives up after QM_RUNTIME_TRIES.
+QM_RUNTIME_RETRY_SECONDS = env_float("QM_RUNTIME_RETRY_SECONDS", 2.0, minimum=0.0)
+QM_RUNTIME_TRIES = env_int("QM_RUNTIME_TRIES", 8, minimum=1)
 
 LOGGING = {
     "version": 1,

@@ -9,15 +9,18 @@ is finished once, and a job is requeued once.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Max
+from django.db.models import Max, Q, QuerySet
 from django.utils import timezone
 
 from preemption.models import (
@@ -110,10 +113,42 @@ def request_stop(
     )
 
 
+@dataclass
+class Step:
+    """What the decide step found an attempt needs from the runtime next.
+
+    `action` is one of Attempt.Action's values, or FINISH: every rank has exited and
+    the attempt is to be closed (which reads the ranks' logs first)."""
+
+    action: str
+    attempt: Attempt
+    event: PreemptionEvent | None = None
+    spec: GangSpec | None = None
+    alive: list[int] = field(default_factory=list)
+
+    @property
+    def gang(self) -> GangId:
+        return GangId(self.attempt.job_id, self.attempt.number)
+
+
+FINISH = "finish"
+# A claim older than this belonged to a worker that died while acting: longer than
+# any single runtime call may take (the local launcher's timeout, the Celery task's
+# hard time limit).
+ACTION_LEASE = timedelta(seconds=180)
+# Launches of one pass go out side by side: each local launch waits for a
+# launcher process to start, each Kubernetes launch for the API server.
+PARALLEL_ACTIONS = 8
+MAX_RETRY_SECONDS = 60.0
+
+
 def reconcile_jobs(*, job_ids: list[int] | None = None, runtime: Runtime | None = None) -> int:
     """Reconcile every open attempt of active jobs (or only those of `job_ids`).
-    Returns how many attempts were looked at."""
+    Returns how many attempts were looked at.
+
+    Runtime calls happen only between the short transactions, never inside one."""
     runtime = runtime or get_runtime()
+    _forget_finished(job_ids, runtime)
     attempts = Attempt.objects.filter(
         ended_at__isnull=True, job__state__in=ACTIVE_STATES
     ).select_related("job", "job__team", "job__priority_class", "job__flavor")
@@ -131,137 +166,339 @@ def reconcile_jobs(*, job_ids: list[int] | None = None, runtime: Runtime | None 
         else:
             for obs in runtime.observe(None):
                 observed[(obs.job_id, obs.attempt)].append(obs)
-    except RuntimeTemporaryError:
+    except (RuntimeTemporaryError, RuntimePermanentError):
         logger.warning("runtime observation failed; retrying next cycle", exc_info=True)
         return 0
     # Runtimes that can tell a rank was taken away (kube-scheduler preemption,
     # node loss) even when it exited 0 name those gangs themselves.
     taken: set[tuple[int, int]] = set()
-    guard = getattr(runtime, "guard_victims", None)
+    guard = runtime.gang_guard
     if guard is not None:
         try:
-            taken = {(gang.job_id, gang.attempt) for gang in guard()}
-        except RuntimeTemporaryError:
+            taken = {(gang.job_id, gang.attempt) for gang in guard.guard_victims()}
+        except (RuntimeTemporaryError, RuntimePermanentError):
             logger.warning("gang-guard observation failed; retrying next cycle", exc_info=True)
+    steps: list[Step] = []
     for attempt in attempts:
-        try:
-            reconcile_attempt(
-                attempt,
-                observed.get((attempt.job_id, attempt.number), []),
-                runtime,
-                taken=(attempt.job_id, attempt.number) in taken,
-            )
-        except RuntimeTemporaryError:
-            logger.warning(
-                "temporary runtime error on %s; retrying next cycle", attempt, exc_info=True
-            )
+        key = (attempt.job_id, attempt.number)
+        step = _guarded(
+            attempt,
+            functools.partial(decide, attempt, observed.get(key, []), runtime, taken=key in taken),
+        )
+        if step is not None:
+            steps.append(step)
+    act(steps, runtime)
     return len(attempts)
 
 
 def reconcile_attempt(
     attempt: Attempt, observations: list[RankObservation], runtime: Runtime, *, taken: bool = False
 ) -> None:
+    """Decide what one attempt needs, then carry it out."""
+    step = decide(attempt, observations, runtime, taken=taken)
+    if step is not None:
+        act([step], runtime)
+
+
+def _guarded(attempt: Attempt, work: Callable[[], Step | None]) -> Step | None:
+    """One attempt's trouble is logged and never stops the pass for the others."""
+    try:
+        return work()
+    except (RuntimeTemporaryError, RuntimePermanentError):
+        logger.warning("runtime error on %s; retrying next cycle", attempt, exc_info=True)
+    except Exception:
+        logger.exception("reconciling %s failed; retrying next cycle", attempt)
+    return None
+
+
+# --- decide -----------------------------------------------------------------------
+
+
+def decide(
+    attempt: Attempt, observations: list[RankObservation], runtime: Runtime, *, taken: bool = False
+) -> Step | None:
+    """Record what the runtime observed, move the job on, and record the runtime
+    action the attempt needs next, all in one short transaction.
+
+    `attempt` is as it was read before the runtime was observed. An attempt the
+    runtime shows nothing of although it was launched is observed once more
+    first, outside the transaction: the observation may predate the launch."""
+    gang = GangId(attempt.job_id, attempt.number)
+    launched_at = attempt.launched_at
+    if not observations and launched_at is not None:
+        observations = runtime.observe(gang)
+    with transaction.atomic():
+        return _decide(attempt, observations, launched_at=launched_at, taken=taken)
+
+
+def _decide(
+    attempt: Attempt,
+    observations: list[RankObservation],
+    *,
+    launched_at: datetime | None,
+    taken: bool,
+) -> Step | None:
     job = attempt.job
-    gang = GangId(job.pk, attempt.number)
+    now = timezone.now()
+    ranks = {rank.index: rank for rank in Rank.objects.select_for_update().filter(attempt=attempt)}
+    attempt.refresh_from_db(
+        fields=["launched_at", "ended_at", "action", "action_claimed_at", "action_tries"]
+    )
+    if attempt.ended_at is not None:
+        return None
+    if attempt.action_claimed_at is not None and attempt.action_claimed_at > now - ACTION_LEASE:
+        # Another worker is carrying out this attempt's action right now.
+        return None
+    job.refresh_from_db(fields=["state", "cancel_requested_at", "env"])
+    event = PreemptionEvent.objects.filter(victim_attempt=attempt).first()
+
+    if not observations:
+        if event is not None and attempt.launched_at is None:
+            # Stopped before it ever started: nothing to signal.
+            return Step(FINISH, attempt, event)
+        if attempt.launched_at is None:
+            spec = gang_spec(job, attempt, ranks.values())
+            return _intend(Step(Attempt.Action.LAUNCH, attempt, spec=spec))
+        if attempt.launched_at != launched_at:
+            # Launched by another worker after this pass observed the runtime.
+            return None
+        # The runtime forgot a gang it launched: its ranks are lost.
+        observations = [
+            RankObservation(
+                job.pk,
+                attempt.number,
+                r.index,
+                r.node,
+                "lost",
+                None,
+                "",
+                None,
+                now.timestamp(),
+                None,
+            )
+            for r in ranks.values()
+        ]
+    _record_observations(ranks, observations)
+    phases = {index: rank.state for index, rank in ranks.items()}
+    alive = [i for i, phase in phases.items() if phase not in TERMINAL_PHASES]
+
+    if (job.state == JobState.ADMITTED and not alive) or (
+        job.state == JobState.ADMITTED and all(p != "starting" for p in phases.values())
+    ):
+        Job.objects.filter(pk=job.pk, state=JobState.ADMITTED).update(
+            state=JobState.RUNNING, running_at=now
+        )
+
+    if event is None:
+        broken = [
+            r
+            for r in ranks.values()
+            if r.state == "lost" or (r.state == "exited" and r.exit_code not in (0, None))
+        ]
+        if (broken or taken) and alive:
+            first = broken[0] if broken else None
+            if first is None:
+                cause = "a rank was taken away by the cluster"
+            elif first.state == "lost":
+                cause = f"rank {first.index} was lost"
+            else:
+                cause = f"rank {first.index} exited with code {first.exit_code}"
+            event = request_stop(job=job, reason="gang-guard", cause=f"gang guard: {cause}")
+            if event is not None:
+                notify(
+                    job_id=job.pk,
+                    event="preempted",
+                    payload={"reason": "gang-guard", "cause": event.cause},
+                )
+
+    if event is not None and alive:
+        if event.signal_sent_at is None:
+            return _intend(Step(Attempt.Action.SIGNAL, attempt, event, alive=alive))
+        if now >= event.deadline:
+            return _intend(Step(Attempt.Action.KILL, attempt, event, alive=alive))
+        return None
+    if not alive:
+        return Step(FINISH, attempt, event)
+    return None
+
+
+def _intend(step: Step) -> Step:
+    """Record the action on the attempt; a new action starts its tries afresh."""
+    if step.attempt.action != step.action:
+        Attempt.objects.filter(pk=step.attempt.pk, ended_at__isnull=True).update(
+            action=step.action,
+            action_claimed_at=None,
+            action_tries=0,
+            action_error="",
+            action_not_before=None,
+        )
+        step.attempt.action, step.attempt.action_tries = step.action, 0
+    return step
+
+
+# --- act --------------------------------------------------------------------------
+
+
+def act(steps: list[Step], runtime: Runtime) -> None:
+    """Carry out what the decide step recorded, with no transaction open.
+
+    Each action is claimed first, so a second worker with the same decision does
+    nothing; the runtime calls of one pass go out side by side."""
+    claimed: list[tuple[Step, datetime]] = []
+    for step in steps:
+        claim = _claim(step) if step.action != FINISH else None
+        if claim is not None:
+            claimed.append((step, claim))
+    calls = [functools.partial(_call, step, runtime) for step, _ in claimed]
+    if len(calls) > 1:
+        with ThreadPoolExecutor(max_workers=min(PARALLEL_ACTIONS, len(calls))) as pool:
+            errors = list(pool.map(lambda call: call(), calls))
+    else:
+        errors = [call() for call in calls]
+    for (step, claim), error in zip(claimed, errors, strict=True):
+        _guarded(step.attempt, functools.partial(_record_outcome, step, claim, error))
+    for step in steps:
+        if step.action == FINISH:
+            _guarded(step.attempt, functools.partial(_finish, step, runtime))
+
+
+def _claim(step: Step) -> datetime | None:
+    now = timezone.now()
+    claimable = Attempt.objects.filter(pk=step.attempt.pk, action=step.action).filter(
+        Q(action_claimed_at__isnull=True) | Q(action_claimed_at__lt=now - ACTION_LEASE),
+        Q(action_not_before__isnull=True) | Q(action_not_before__lte=now),
+    )
+    if step.action == Attempt.Action.LAUNCH:
+        claimable = claimable.filter(launched_at__isnull=True, ended_at__isnull=True)
+    return now if claimable.update(action_claimed_at=now) == 1 else None
+
+
+def _call(step: Step, runtime: Runtime) -> Exception | None:
+    """Make the runtime call; returns its error, translated, or None.
+
+    Runs in a pool thread: it touches the runtime only, never the database."""
+    try:
+        if step.action == Attempt.Action.LAUNCH:
+            assert step.spec is not None
+            runtime.launch(step.spec)
+        elif step.action == Attempt.Action.SIGNAL:
+            assert step.event is not None
+            remaining = max(0.0, (step.event.deadline - timezone.now()).total_seconds())
+            runtime.signal(step.gang, remaining)
+        elif step.action == Attempt.Action.KILL:
+            runtime.kill(step.gang)
+        elif step.action == Attempt.Action.FORGET:
+            runtime.forget(step.gang)
+    except (RuntimeTemporaryError, RuntimePermanentError) as error:
+        return error
+    except Exception as error:
+        # A runtime that let a library's exception through: treat it as one that
+        # may pass, so it is retried and counted rather than lost.
+        logger.exception("%s of %s raised an untranslated error", step.action, step.gang)
+        return RuntimeTemporaryError(f"{type(error).__name__}: {error}")
+    return None
+
+
+def _record_outcome(step: Step, claim: datetime, error: Exception | None) -> None:
+    """Record what the runtime call did, in one short transaction."""
+    mine = Attempt.objects.filter(pk=step.attempt.pk, action_claimed_at=claim)
+    done = {
+        "action": Attempt.Action.NONE,
+        "action_claimed_at": None,
+        "action_tries": 0,
+        "action_error": "",
+        "action_not_before": None,
+    }
     now = timezone.now()
     with transaction.atomic():
-        ranks = {
-            rank.index: rank for rank in Rank.objects.select_for_update().filter(attempt=attempt)
-        }
-        attempt.refresh_from_db(fields=["launched_at", "ended_at"])
-        if attempt.ended_at is not None:
-            return
-        job.refresh_from_db(fields=["state", "cancel_requested_at", "env"])
-        event = PreemptionEvent.objects.filter(victim_attempt=attempt).first()
-
-        if not observations:
-            if event is not None and attempt.launched_at is None:
-                # Stopped before it ever started: nothing to signal.
-                _finish_attempt(job, attempt, list(ranks.values()), event, runtime, now)
-                return
-            if attempt.launched_at is None:
-                try:
-                    runtime.launch(gang_spec(job, attempt, ranks.values()))
-                except RuntimePermanentError as exc:
-                    _fail_launch(job, attempt, str(exc), now)
-                    return
-                Attempt.objects.filter(pk=attempt.pk, launched_at__isnull=True).update(
-                    launched_at=now
-                )
-                return
-            # The observation may predate a launch another worker just made:
-            # look again before calling the gang lost.
-            observations = runtime.observe(gang)
-            if not observations:
-                # The runtime forgot a gang it launched: its ranks are lost.
-                observations = [
-                    RankObservation(
-                        job.pk,
-                        attempt.number,
-                        r.index,
-                        r.node,
-                        "lost",
-                        None,
-                        "",
-                        None,
-                        now.timestamp(),
-                        None,
+        if isinstance(error, RuntimeTemporaryError):
+            tries = step.attempt.action_tries + 1
+            message = str(error)[:300]
+            if step.action == Attempt.Action.LAUNCH and tries >= settings.QM_RUNTIME_TRIES:
+                if mine.update(**done) == 1:
+                    _fail_launch(
+                        step.attempt.job,
+                        step.attempt,
+                        f"launch gave up after {tries} tries: {message}",
+                        now,
                     )
-                    for r in ranks.values()
-                ]
-        _record_observations(ranks, observations)
-        phases = {index: rank.state for index, rank in ranks.items()}
-        alive = [i for i, phase in phases.items() if phase not in TERMINAL_PHASES]
-
-        if (job.state == JobState.ADMITTED and not alive) or (
-            job.state == JobState.ADMITTED and all(p != "starting" for p in phases.values())
-        ):
-            Job.objects.filter(pk=job.pk, state=JobState.ADMITTED).update(
-                state=JobState.RUNNING, running_at=now
+                return
+            backoff = min(settings.QM_RUNTIME_RETRY_SECONDS * 2 ** (tries - 1), MAX_RETRY_SECONDS)
+            logger.warning(
+                "%s of %s failed (try %d), retrying in %.0f s: %s",
+                step.action,
+                step.gang,
+                tries,
+                backoff,
+                message,
+            )
+            mine.update(
+                action_claimed_at=None,
+                action_tries=tries,
+                action_error=message,
+                action_not_before=now + timedelta(seconds=backoff),
+            )
+            return
+        if isinstance(error, RuntimePermanentError):
+            _permanent(step, mine, done, str(error), now)
+            return
+        if mine.update(**done) != 1:
+            return
+        if step.action == Attempt.Action.LAUNCH:
+            Attempt.objects.filter(pk=step.attempt.pk, launched_at__isnull=True).update(
+                launched_at=now
+            )
+        elif step.action == Attempt.Action.SIGNAL:
+            assert step.event is not None
+            _signal_sent(step, now)
+        elif step.action == Attempt.Action.KILL:
+            assert step.event is not None
+            PreemptionEvent.objects.filter(pk=step.event.pk, killed_at__isnull=True).update(
+                killed_at=now
             )
 
-        if event is None:
-            broken = [
-                r
-                for r in ranks.values()
-                if r.state == "lost" or (r.state == "exited" and r.exit_code not in (0, None))
-            ]
-            if (broken or taken) and alive:
-                first = broken[0] if broken else None
-                if first is None:
-                    cause = "a rank was taken away by the cluster"
-                elif first.state == "lost":
-                    cause = f"rank {first.index} was lost"
-                else:
-                    cause = f"rank {first.index} exited with code {first.exit_code}"
-                event = request_stop(job=job, reason="gang-guard", cause=f"gang guard: {cause}")
-                if event is not None:
-                    notify(
-                        job_id=job.pk,
-                        event="preempted",
-                        payload={"reason": "gang-guard", "cause": event.cause},
-                    )
 
-        if event is not None and alive:
-            if event.signal_sent_at is None:
-                remaining = max(0.0, (event.deadline - now).total_seconds())
-                runtime.signal(gang, remaining)
-                sent = timezone.now()
-                PreemptionEvent.objects.filter(pk=event.pk, signal_sent_at__isnull=True).update(
-                    signal_sent_at=sent
-                )
-                Rank.objects.filter(
-                    attempt=attempt, signal_sent_at__isnull=True, index__in=alive
-                ).update(signal_sent_at=sent)
-            elif now >= event.deadline:
-                runtime.kill(gang)
-                if event.killed_at is None:
-                    PreemptionEvent.objects.filter(pk=event.pk, killed_at__isnull=True).update(
-                        killed_at=now
-                    )
-            return
-        if not alive:
-            _finish_attempt(job, attempt, list(ranks.values()), event, runtime, now)
+def _signal_sent(step: Step, sent: datetime) -> None:
+    assert step.event is not None
+    PreemptionEvent.objects.filter(pk=step.event.pk, signal_sent_at__isnull=True).update(
+        signal_sent_at=sent
+    )
+    Rank.objects.filter(
+        attempt=step.attempt, signal_sent_at__isnull=True, index__in=step.alive
+    ).update(signal_sent_at=sent)
+
+
+def _permanent(
+    step: Step, mine: QuerySet[Attempt], done: dict[str, Any], message: str, now: datetime
+) -> None:
+    """A call that can never succeed as asked fails that attempt with its reason,
+    except a signal, which the deadline's kill follows as for a rank that ignores
+    it, and a forget, whose gang has already ended."""
+    logger.warning("%s of %s failed for good: %s", step.action, step.gang, message)
+    if step.action == Attempt.Action.SIGNAL:
+        if mine.update(**{**done, "action_error": f"signal failed: {message}"[:300]}) == 1:
+            _signal_sent(step, now)
+        return
+    if step.action == Attempt.Action.FORGET:
+        mine.update(**{**done, "action_error": f"forget failed: {message}"[:300]})
+        return
+    if mine.update(**done) != 1:
+        return
+    if step.action != Attempt.Action.LAUNCH:
+        message = f"stopping the gang failed: {message}"
+    _fail_launch(step.attempt.job, step.attempt, message, now)
+
+
+def _forget_finished(job_ids: list[int] | None, runtime: Runtime) -> None:
+    """Forget the gangs of finished attempts whose forget failed for a while."""
+    attempts = Attempt.objects.filter(
+        ended_at__isnull=False, action=Attempt.Action.FORGET
+    ).select_related("job")
+    if job_ids is not None:
+        attempts = attempts.filter(job_id__in=job_ids)
+    steps = [Step(Attempt.Action.FORGET, attempt) for attempt in attempts[:100]]
+    if steps:
+        act(steps, runtime)
 
 
 def _record_observations(ranks: dict[int, Rank], observations: list[RankObservation]) -> None:
@@ -325,21 +562,35 @@ def _fail_launch(job: Job, attempt: Attempt, message: str, now: datetime) -> Non
     notify(job_id=job.pk, event="failed", payload={"reason": message[:300]})
 
 
+def _finish(step: Step, runtime: Runtime) -> None:
+    """Every rank has exited, or the attempt was stopped before it started: read
+    the ranks' logs and the ports the gang left behind with no transaction open,
+    close the attempt in one short transaction, then forget the gang."""
+    attempt = step.attempt
+    job = attempt.job
+    ranks = list(Rank.objects.filter(attempt=attempt).order_by("index"))
+    ingest_logs(job, attempt, ranks, runtime)
+    try:
+        orphaned = runtime.released_ports(step.gang) if attempt.launched_at is not None else []
+    except (RuntimeTemporaryError, RuntimePermanentError):
+        orphaned = []
+    with transaction.atomic():
+        closed = _finish_attempt(job, attempt, ranks, step.event, orphaned, timezone.now())
+    if closed:
+        attempt.action, attempt.action_tries = Attempt.Action.FORGET, 0
+        act([Step(Attempt.Action.FORGET, attempt)], runtime)
+
+
 def _finish_attempt(
     job: Job,
     attempt: Attempt,
     ranks: list[Rank],
     event: PreemptionEvent | None,
-    runtime: Runtime,
+    orphaned: list[int],
     now: datetime,
-) -> None:
-    """Every rank has exited: free the GPUs and decide what becomes of the job."""
-    gang = GangId(job.pk, attempt.number)
-    ingest_logs(job, attempt, ranks, runtime)
-    try:
-        orphaned = runtime.released_ports(gang) if attempt.launched_at is not None else []
-    except (RuntimeTemporaryError, OSError):
-        orphaned = []
+) -> bool:
+    """Free the GPUs and decide what becomes of the job; the gang is to be
+    forgotten next. False when another worker closed the attempt first."""
     codes = [rank.exit_code for rank in ranks]
     exited_at = max((rank.exited_at for rank in ranks if rank.exited_at), default=now)
     failed = any(rank.state == "lost" or (rank.exit_code not in (0, None)) for rank in ranks)
@@ -361,10 +612,17 @@ def _finish_attempt(
         end_reason = Attempt.EndReason.SUCCEEDED
 
     claimed = Attempt.objects.filter(pk=attempt.pk, ended_at__isnull=True).update(
-        ended_at=now, end_reason=end_reason, orphaned_ports=orphaned
+        ended_at=now,
+        end_reason=end_reason,
+        orphaned_ports=orphaned,
+        action=Attempt.Action.FORGET,
+        action_claimed_at=None,
+        action_tries=0,
+        action_error="",
+        action_not_before=None,
     )
     if claimed != 1:
-        return
+        return False
     if event is not None:
         _close_event(event, attempt, job, exited_at)
 
@@ -411,13 +669,10 @@ def _finish_attempt(
             notice = ("requeued", {"reason": why, "resume_step": resume_step})
     Job.objects.filter(pk=job.pk).update(**update)
     notify(job_id=job.pk, event=notice[0], payload=notice[1])
-    try:
-        runtime.forget(gang)
-    except (RuntimeTemporaryError, OSError):
-        logger.warning("could not forget %s", gang, exc_info=True)
     from preemption.services import queue_cycle
 
     queue_cycle()
+    return True
 
 
 def _close_event(event: PreemptionEvent, attempt: Attempt, job: Job, exited_at: datetime) -> None:
