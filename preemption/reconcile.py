@@ -252,13 +252,15 @@ def _decide(
     job.refresh_from_db(fields=["state", "cancel_requested_at", "env"])
     event = PreemptionEvent.objects.filter(victim_attempt=attempt).first()
 
+    if attempt.launched_at is None and event is None:
+        # Not launched yet, or a launch that failed half-way and left some of its
+        # ranks behind for the runtime to show: the next launch completes it.
+        spec = gang_spec(job, attempt, ranks.values())
+        return _intend(Step(Attempt.Action.LAUNCH, attempt, spec=spec))
     if not observations:
-        if event is not None and attempt.launched_at is None:
+        if attempt.launched_at is None:
             # Stopped before it ever started: nothing to signal.
             return Step(FINISH, attempt, event)
-        if attempt.launched_at is None:
-            spec = gang_spec(job, attempt, ranks.values())
-            return _intend(Step(Attempt.Action.LAUNCH, attempt, spec=spec))
         if attempt.launched_at != launched_at:
             # Launched by another worker after this pass observed the runtime.
             return None
