@@ -1,18 +1,28 @@
 """The scheduling cycle: snapshot → `fairshare.plan` → one transaction that
 records every decision → runtime actions after commit.
 
-Two cycles never interleave: each takes a lock first (a PostgreSQL advisory
-lock; SQLite's IMMEDIATE transactions already serialize writers). Each write is
-also conditional on the state the plan saw, so even a stale plan cannot admit a
-job twice or pick a second victim for the same attempt.
+Two cycles never interleave: each takes a lock first. On PostgreSQL it is an
+advisory lock held by the cycle's one transaction, which blocks no other
+writer. On SQLite a transaction holds the database's only write lock from its
+start, so there the lock is a file lock next to the database, the snapshot and
+the plan are made outside any write transaction, and only the recording of
+the decisions takes the write lock: job submissions no longer wait for a whole
+plan. Each write is also conditional on the state the plan saw, so even a
+stale plan cannot admit a job twice or pick a second victim for the same
+attempt.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import Path
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
@@ -43,6 +53,36 @@ def _lock() -> bool:
     return True
 
 
+@contextmanager
+def _file_lock() -> Iterator[None]:
+    """Serialize the cycles of every process using this installation's SQLite database."""
+    path = Path(settings.VAR_DIR) / "cycle.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _read_transaction() -> Iterator[None]:
+    """One consistent view for the snapshot's queries on SQLite: a deferred
+    transaction that only reads takes no write lock, and in WAL mode no writer
+    waits for it. Inside a caller's transaction the view is that one's."""
+    if connection.in_atomic_block:
+        yield
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("BEGIN DEFERRED")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("COMMIT")
+
+
 def explain_preemption(
     *, reason: str, preemptor: Job | None, victim_gpus: int, victim_team: str
 ) -> str:
@@ -67,12 +107,20 @@ def explain_preemption(
 def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleResult:
     """Plan every pending job at once and record the decisions."""
     result = CycleResult()
-    with transaction.atomic():
-        _lock()
-        now = now or timezone.now()
-        snapshot = build_snapshot(now=now)
-        plan = fairshare.plan(snapshot)
-        _apply(plan, now=now, result=result)
+    if connection.vendor == "postgresql":
+        with transaction.atomic():
+            _lock()
+            now = now or timezone.now()
+            plan = fairshare.plan(build_snapshot(now=now))
+            _apply(plan, now=now, result=result)
+    else:
+        with _file_lock():
+            now = now or timezone.now()
+            with _read_transaction():
+                snapshot = build_snapshot(now=now)
+            plan = fairshare.plan(snapshot)
+            with transaction.atomic():
+                _apply(plan, now=now, result=result)
     if act and (result.admitted or result.preempted):
         from preemption.reconcile import reconcile_jobs
 
