@@ -54,16 +54,33 @@ def _lock() -> bool:
 
 
 @contextmanager
-def _file_lock() -> Iterator[None]:
-    """Serialize the cycles of every process using this installation's SQLite database."""
-    path = Path(settings.VAR_DIR) / "cycle.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+def _file_lock() -> Iterator[bool]:
+    """Serialize the cycles of every process using this installation's SQLite database.
+
+    Yields False, holding nothing, when another cycle already waits for the lock:
+    that one starts after the running one ends, so it sees everything committed
+    before this call, and a second waiter would only plan the same state again.
+    Every submission asks for a cycle; in a burst they would otherwise queue up
+    behind each other in the worker pool."""
+    folder = Path(settings.VAR_DIR)
+    folder.mkdir(parents=True, exist_ok=True)
+    with (
+        open(folder / "cycle.wait.lock", "a") as waiting,
+        open(folder / "cycle.lock", "a") as cycle,
+    ):
         try:
-            yield
+            fcntl.flock(waiting, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            fcntl.flock(cycle, fcntl.LOCK_EX)
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.flock(waiting, fcntl.LOCK_UN)
+        try:
+            yield True
+        finally:
+            fcntl.flock(cycle, fcntl.LOCK_UN)
 
 
 @contextmanager
@@ -114,7 +131,10 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
             plan = fairshare.plan(build_snapshot(now=now))
             _apply(plan, now=now, result=result)
     else:
-        with _file_lock():
+        with _file_lock() as mine:
+            if not mine:
+                result.skipped = True
+                return result
             now = now or timezone.now()
             with _read_transaction():
                 snapshot = build_snapshot(now=now)

@@ -149,9 +149,11 @@ def reconcile_jobs(*, job_ids: list[int] | None = None, runtime: Runtime | None 
     Runtime calls happen only between the short transactions, never inside one."""
     runtime = runtime or get_runtime()
     _forget_finished(job_ids, runtime)
-    attempts = Attempt.objects.filter(
-        ended_at__isnull=True, job__state__in=ACTIVE_STATES
-    ).select_related("job", "job__team", "job__priority_class", "job__flavor")
+    attempts = (
+        Attempt.objects.filter(ended_at__isnull=True, job__state__in=ACTIVE_STATES)
+        .select_related("job", "job__team", "job__priority_class", "job__flavor", "preemption")
+        .prefetch_related("rank_set")
+    )
     if job_ids is not None:
         attempts = attempts.filter(job_id__in=job_ids)
     attempts = list(attempts.order_by("id"))
@@ -181,6 +183,8 @@ def reconcile_jobs(*, job_ids: list[int] | None = None, runtime: Runtime | None 
     steps: list[Step] = []
     for attempt in attempts:
         key = (attempt.job_id, attempt.number)
+        if _steady(attempt, observed.get(key, []), key in taken):
+            continue
         step = _guarded(
             attempt,
             functools.partial(decide, attempt, observed.get(key, []), runtime, taken=key in taken),
@@ -509,28 +513,53 @@ def _record_observations(ranks: dict[int, Rank], observations: list[RankObservat
         rank = ranks.get(obs.rank)
         if rank is None:
             continue
-        changes: dict[str, Any] = {}
-        state = obs.phase if obs.phase in Rank.State.values else "lost"
-        if rank.state != state and rank.state not in TERMINAL_PHASES:
-            changes["state"] = state
-        if obs.exit_code is not None and rank.exit_code != obs.exit_code:
-            changes["exit_code"] = obs.exit_code
-        if obs.handle:
-            if obs.handle.isdigit():
-                if rank.pid != int(obs.handle):
-                    changes["pid"] = int(obs.handle)
-            elif rank.pod_name != obs.handle:
-                changes["pod_name"] = obs.handle
-        if obs.started_at is not None and rank.started_at is None:
-            changes["started_at"] = _when(obs.started_at)
-        if obs.exited_at is not None and rank.exited_at is None:
-            changes["exited_at"] = _when(obs.exited_at)
-        if obs.signal_sent_at is not None and rank.signal_sent_at is None:
-            changes["signal_sent_at"] = _when(obs.signal_sent_at)
+        changes = _rank_changes(rank, obs)
         if changes:
             for name, value in changes.items():
                 setattr(rank, name, value)
             rank.save(update_fields=list(changes))
+
+
+def _rank_changes(rank: Rank, obs: RankObservation) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
+    state = obs.phase if obs.phase in Rank.State.values else "lost"
+    if rank.state != state and rank.state not in TERMINAL_PHASES:
+        changes["state"] = state
+    if obs.exit_code is not None and rank.exit_code != obs.exit_code:
+        changes["exit_code"] = obs.exit_code
+    if obs.handle:
+        if obs.handle.isdigit():
+            if rank.pid != int(obs.handle):
+                changes["pid"] = int(obs.handle)
+        elif rank.pod_name != obs.handle:
+            changes["pod_name"] = obs.handle
+    if obs.started_at is not None and rank.started_at is None:
+        changes["started_at"] = _when(obs.started_at)
+    if obs.exited_at is not None and rank.exited_at is None:
+        changes["exited_at"] = _when(obs.exited_at)
+    if obs.signal_sent_at is not None and rank.signal_sent_at is None:
+        changes["signal_sent_at"] = _when(obs.signal_sent_at)
+    return changes
+
+
+def _steady(attempt: Attempt, observations: list[RankObservation], taken: bool) -> bool:
+    """True when the decide step would change nothing: a launched gang of a
+    running job, no stop asked, every rank running as last recorded. Most open
+    attempts are so on most passes, and on SQLite each decide transaction
+    takes the database's write lock, so these skip it."""
+    if (
+        taken
+        or attempt.launched_at is None
+        or attempt.action
+        or attempt.job.state != JobState.RUNNING
+        or hasattr(attempt, "preemption")
+    ):
+        return False
+    ranks = {rank.index: rank for rank in attempt.rank_set.all()}
+    return len(observations) == len(ranks) and all(
+        obs.phase == "running" and obs.rank in ranks and not _rank_changes(ranks[obs.rank], obs)
+        for obs in observations
+    )
 
 
 def ingest_logs(job: Job, attempt: Attempt, ranks: Iterable[Rank], runtime: Runtime) -> int:
