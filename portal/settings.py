@@ -179,6 +179,11 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 CELERY_TIMEZONE = "UTC"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 QM_CYCLE_SECONDS = env_float("QM_CYCLE_SECONDS", 1.0, minimum=0.1)
+# How often the reconciler looks at the runtime. A finished rank is noticed at the
+# next pass, and its GPUs go to the next job only then: with jobs of seconds, a
+# pass a second would leave GPUs idle for a quarter of the time. A pass over
+# gangs that changed nothing writes nothing.
+QM_RECONCILE_SECONDS = env_float("QM_RECONCILE_SECONDS", 0.25, minimum=0.05)
 QM_SAMPLE_SECONDS = env_float("QM_SAMPLE_SECONDS", 15.0, minimum=1.0)
 
 # Runtimes.
