@@ -1,10 +1,32 @@
 """Level-triggered reconcilers: compare what the database wants with what the
 runtime observes right now, and move ranks and jobs forward.
 
+Each pass over an attempt has two steps, and no runtime call (a process
+launch, a signal, a Kubernetes request, a log read) is made while a
+transaction is open or a row is locked:
+
+- *decide*, in one short transaction: record what the runtime observed, move
+  the job's state on, and record the runtime action the attempt needs next on
+  the attempt row (launch attempt N, signal its ranks, kill them at the
+  deadline, forget the finished gang);
+- *act*, after that commits: claim the action with a conditional update, make
+  the runtime call, and record its outcome in another short transaction.
+
+A runtime call can take seconds. On the embedded SQLite a transaction holds
+the database's only write lock from its start, so a call made inside one
+would keep every other writer waiting, job submissions included.
+
 Every step is idempotent and claims its row with a conditional update, so a
 second reconcile of the same state, or two workers at once, change nothing
-more: signals are sent once per preemption (a repeat is harmless), an attempt
-is finished once, and a job is requeued once.
+more: an action is carried out by the one worker that claimed it (a claim
+left by a worker that died expires after ACTION_LEASE), signals are sent once
+per preemption (a repeat is harmless), an attempt is finished once, and a job
+is requeued once.
+
+A temporary runtime error leaves the action in place with its count, its
+message and the time of the next try (exponential backoff, shown on the job
+page); a launch gives up after QM_RUNTIME_TRIES. A permanent error fails that
+attempt with its reason. Neither stops the pass for the other attempts.
 """
 
 from __future__ import annotations
@@ -193,15 +215,6 @@ def reconcile_jobs(*, job_ids: list[int] | None = None, runtime: Runtime | None 
             steps.append(step)
     act(steps, runtime)
     return len(attempts)
-
-
-def reconcile_attempt(
-    attempt: Attempt, observations: list[RankObservation], runtime: Runtime, *, taken: bool = False
-) -> None:
-    """Decide what one attempt needs, then carry it out."""
-    step = decide(attempt, observations, runtime, taken=taken)
-    if step is not None:
-        act([step], runtime)
 
 
 def _guarded(attempt: Attempt, work: Callable[[], Step | None]) -> Step | None:
