@@ -14,8 +14,11 @@ attempt.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
+import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,6 +36,7 @@ from preemption.snapshot import build_snapshot
 logger = logging.getLogger(__name__)
 
 CYCLE_LOCK_KEY = 0x514D_4359  # "QMCY"
+REQUEST_OVERDUE_SECONDS = 2.0
 
 
 @dataclass
@@ -100,6 +104,43 @@ def _read_transaction() -> Iterator[None]:
             cursor.execute("COMMIT")
 
 
+def _request_marker() -> Path:
+    return Path(settings.VAR_DIR) / "cycle.requested"
+
+
+def claim_cycle_request() -> bool:
+    """True when the caller should queue an extra cycle: no other request is
+    waiting for a cycle to start, or the one waiting is overdue (its message lost
+    or expired). A cycle takes the request when it starts, before its snapshot,
+    so a request that finds one waiting is covered by that cycle.
+
+    Every submission asks for a cycle; a message each would flood the broker and
+    the worker pool in a burst, delaying the reconciler's passes behind them. The
+    marker lives in QM_VAR_DIR, shared by the web server and the worker of one
+    machine; where they run on separate machines a request waits at most
+    REQUEST_OVERDUE_SECONDS, and the periodic cycle runs meanwhile."""
+    marker = _request_marker()
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        return True
+    except FileExistsError:
+        pass
+    except OSError:
+        return True
+    try:
+        if time.time() - marker.stat().st_mtime <= REQUEST_OVERDUE_SECONDS:
+            return False
+        os.utime(marker)
+    except OSError:
+        pass
+    return True
+
+
+def _take_request() -> None:
+    with contextlib.suppress(OSError):
+        _request_marker().unlink(missing_ok=True)
+
+
 def explain_preemption(
     *, reason: str, preemptor: Job | None, victim_gpus: int, victim_team: str
 ) -> str:
@@ -127,6 +168,7 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
     if connection.vendor == "postgresql":
         with transaction.atomic():
             _lock()
+            _take_request()
             now = now or timezone.now()
             plan = fairshare.plan(build_snapshot(now=now))
             _apply(plan, now=now, result=result)
@@ -135,6 +177,7 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
             if not mine:
                 result.skipped = True
                 return result
+            _take_request()
             now = now or timezone.now()
             with _read_transaction():
                 snapshot = build_snapshot(now=now)

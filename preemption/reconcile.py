@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import transaction
@@ -153,6 +153,7 @@ class Step:
         return GangId(self.attempt.job_id, self.attempt.number)
 
 
+T = TypeVar("T")
 FINISH = "finish"
 # A claim older than this belonged to a worker that died while acting: longer than
 # any single runtime call may take (the local launcher's timeout, the Celery task's
@@ -202,24 +203,50 @@ def reconcile_jobs(*, job_ids: list[int] | None = None, runtime: Runtime | None 
             taken = {(gang.job_id, gang.attempt) for gang in guard.guard_victims()}
         except (RuntimeTemporaryError, RuntimePermanentError):
             logger.warning("gang-guard observation failed; retrying next cycle", exc_info=True)
-    steps: list[Step] = []
+    # Gangs the runtime shows nothing of although they were launched are observed
+    # once more first: the pass's observation may predate their launch.
+    pending: list[tuple[Attempt, list[RankObservation], bool]] = []
     for attempt in attempts:
         key = (attempt.job_id, attempt.number)
-        if _steady(attempt, observed.get(key, []), key in taken):
+        observations = observed.get(key, [])
+        if _steady(attempt, observations, key in taken):
             continue
-        step = _guarded(
-            attempt,
-            functools.partial(decide, attempt, observed.get(key, []), runtime, taken=key in taken),
-        )
-        if step is not None:
-            steps.append(step)
+        if not observations and attempt.launched_at is not None:
+            try:
+                observations = runtime.observe(GangId(*key))
+            except (RuntimeTemporaryError, RuntimePermanentError):
+                logger.warning("observing %s failed; retrying next cycle", attempt, exc_info=True)
+                continue
+        pending.append((attempt, observations, key in taken))
+    # One short transaction decides for every attempt, each in a savepoint of its
+    # own: on SQLite each transaction waits its turn for the write lock.
+    steps: list[Step] = []
+    with transaction.atomic():
+        for attempt, observations, was_taken in pending:
+            step = _guarded(
+                attempt,
+                functools.partial(
+                    _decide,
+                    attempt,
+                    observations,
+                    launched_at=attempt.launched_at,
+                    taken=was_taken,
+                ),
+                savepoint=True,
+            )
+            if step is not None:
+                steps.append(step)
     act(steps, runtime)
     return len(attempts)
 
 
-def _guarded(attempt: Attempt, work: Callable[[], Step | None]) -> Step | None:
-    """One attempt's trouble is logged and never stops the pass for the others."""
+def _guarded(attempt: Attempt, work: Callable[[], T], *, savepoint: bool = False) -> T | None:
+    """One attempt's trouble is logged and never stops the pass for the others;
+    with `savepoint`, its writes so far are undone and the others' kept."""
     try:
+        if savepoint:
+            with transaction.atomic():
+                return work()
         return work()
     except (RuntimeTemporaryError, RuntimePermanentError):
         logger.warning("runtime error on %s; retrying next cycle", attempt, exc_info=True)
@@ -231,23 +258,6 @@ def _guarded(attempt: Attempt, work: Callable[[], Step | None]) -> Step | None:
 # --- decide -----------------------------------------------------------------------
 
 
-def decide(
-    attempt: Attempt, observations: list[RankObservation], runtime: Runtime, *, taken: bool = False
-) -> Step | None:
-    """Record what the runtime observed, move the job on, and record the runtime
-    action the attempt needs next, all in one short transaction.
-
-    `attempt` is as it was read before the runtime was observed. An attempt the
-    runtime shows nothing of although it was launched is observed once more
-    first, outside the transaction: the observation may predate the launch."""
-    gang = GangId(attempt.job_id, attempt.number)
-    launched_at = attempt.launched_at
-    if not observations and launched_at is not None:
-        observations = runtime.observe(gang)
-    with transaction.atomic():
-        return _decide(attempt, observations, launched_at=launched_at, taken=taken)
-
-
 def _decide(
     attempt: Attempt,
     observations: list[RankObservation],
@@ -255,6 +265,10 @@ def _decide(
     launched_at: datetime | None,
     taken: bool,
 ) -> Step | None:
+    """Record what the runtime observed, move the job on, and record the runtime
+    action the attempt needs next. Runs inside the pass's decide transaction.
+
+    `launched_at` is the attempt's as read before the runtime was observed."""
     job = attempt.job
     now = timezone.now()
     ranks = {rank.index: rank for rank in Rank.objects.select_for_update().filter(attempt=attempt)}
@@ -362,23 +376,36 @@ def act(steps: list[Step], runtime: Runtime) -> None:
     """Carry out what the decide step recorded, with no transaction open.
 
     Each action is claimed first, so a second worker with the same decision does
-    nothing; the runtime calls of one pass go out side by side."""
+    nothing; the runtime calls of one pass go out side by side, and their
+    outcomes are recorded together in one short transaction."""
+    _carry_out([step for step in steps if step.action != FINISH], runtime)
+    finishing = [step for step in steps if step.action == FINISH]
+    if finishing:
+        _finish(finishing, runtime)
+
+
+def _carry_out(steps: list[Step], runtime: Runtime) -> None:
+    if not steps:
+        return
     claimed: list[tuple[Step, datetime]] = []
-    for step in steps:
-        claim = _claim(step) if step.action != FINISH else None
-        if claim is not None:
-            claimed.append((step, claim))
+    with transaction.atomic():
+        for step in steps:
+            claim = _claim(step)
+            if claim is not None:
+                claimed.append((step, claim))
     calls = [functools.partial(_call, step, runtime) for step, _ in claimed]
     if len(calls) > 1:
         with ThreadPoolExecutor(max_workers=min(PARALLEL_ACTIONS, len(calls))) as pool:
             errors = list(pool.map(lambda call: call(), calls))
     else:
         errors = [call() for call in calls]
-    for (step, claim), error in zip(claimed, errors, strict=True):
-        _guarded(step.attempt, functools.partial(_record_outcome, step, claim, error))
-    for step in steps:
-        if step.action == FINISH:
-            _guarded(step.attempt, functools.partial(_finish, step, runtime))
+    with transaction.atomic():
+        for (step, claim), error in zip(claimed, errors, strict=True):
+            _guarded(
+                step.attempt,
+                functools.partial(_record_outcome, step, claim, error),
+                savepoint=True,
+            )
 
 
 def _claim(step: Step) -> datetime | None:
@@ -606,23 +633,39 @@ def _fail_launch(job: Job, attempt: Attempt, message: str, now: datetime) -> Non
     notify(job_id=job.pk, event="failed", payload={"reason": message[:300]})
 
 
-def _finish(step: Step, runtime: Runtime) -> None:
+def _finish(steps: list[Step], runtime: Runtime) -> None:
     """Every rank has exited, or the attempt was stopped before it started: read
-    the ranks' logs and the ports the gang left behind with no transaction open,
-    close the attempt in one short transaction, then forget the gang."""
+    the ranks' logs and the ports each gang left behind with no transaction
+    open, close the attempts in one short transaction, then forget the gangs."""
+    closing: list[tuple[Step, list[Rank], list[int]]] = []
+    for step in steps:
+        read = _guarded(step.attempt, functools.partial(_read_ends, step, runtime))
+        if read is not None:
+            closing.append((step, *read))
+    closed: list[Step] = []
+    with transaction.atomic():
+        for step, ranks, orphaned in closing:
+            attempt = step.attempt
+            close = functools.partial(
+                _finish_attempt, attempt.job, attempt, ranks, step.event, orphaned, timezone.now()
+            )
+            if _guarded(attempt, close, savepoint=True):
+                attempt.action, attempt.action_tries = Attempt.Action.FORGET, 0
+                closed.append(Step(Attempt.Action.FORGET, attempt))
+    _carry_out(closed, runtime)
+
+
+def _read_ends(step: Step, runtime: Runtime) -> tuple[list[Rank], list[int]]:
+    """The ranks as last recorded, after ingesting the trap events in their logs,
+    and the ports the gang still holds."""
     attempt = step.attempt
-    job = attempt.job
     ranks = list(Rank.objects.filter(attempt=attempt).order_by("index"))
-    ingest_logs(job, attempt, ranks, runtime)
+    ingest_logs(attempt.job, attempt, ranks, runtime)
     try:
         orphaned = runtime.released_ports(step.gang) if attempt.launched_at is not None else []
     except (RuntimeTemporaryError, RuntimePermanentError):
         orphaned = []
-    with transaction.atomic():
-        closed = _finish_attempt(job, attempt, ranks, step.event, orphaned, timezone.now())
-    if closed:
-        attempt.action, attempt.action_tries = Attempt.Action.FORGET, 0
-        act([Step(Attempt.Action.FORGET, attempt)], runtime)
+    return ranks, orphaned
 
 
 def _finish_attempt(

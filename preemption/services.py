@@ -23,10 +23,17 @@ MAX_COMMAND = 20_000
 
 
 def queue_cycle() -> None:
-    """Ask for an extra scheduling cycle once the current transaction commits."""
+    """Ask for an extra scheduling cycle once the current transaction commits,
+    unless one asked for already has not started yet: that one will see this
+    commit too (see cycle.claim_cycle_request)."""
+    from preemption.cycle import claim_cycle_request
     from preemption.tasks import schedule_cycle
 
-    transaction.on_commit(lambda: _send_quietly(schedule_cycle))
+    def send() -> None:
+        if claim_cycle_request():
+            _send_quietly(schedule_cycle)
+
+    transaction.on_commit(send)
 
 
 def _send_quietly(task: Any) -> None:
@@ -42,7 +49,6 @@ def _send_quietly(task: Any) -> None:
         )
 
 
-@transaction.atomic
 def job_submit(
     *,
     submitter: AbstractBaseUser,
@@ -86,24 +92,27 @@ def job_submit(
     if errors:
         raise ValidationError(errors)
     assert priority_class is not None
-    job = Job.objects.create(
-        name=name[:120],
-        team=team,
-        submitter=submitter,
-        priority_class=priority_class,
-        flavor=flavor,
-        ranks=ranks,
-        gpus_per_rank=gpus_per_rank,
-        command=command,
-        image=image,
-        env=env or {},
-        events_token=secrets.token_urlsafe(24),
-        max_attempts=max_attempts or settings.QM_MAX_ATTEMPTS,
-        waiting_reason="waiting for the next scheduling cycle",
-    )
-    job.checkpoint_dir = str(Path(settings.QM_CHECKPOINTS_DIR) / f"job-{job.pk}")
-    job.save(update_fields=["checkpoint_dir"])
-    queue_cycle()
+    # Only the writes share a transaction: on SQLite it holds the database's one
+    # write lock from its start, and the checks above only read.
+    with transaction.atomic():
+        job = Job.objects.create(
+            name=name[:120],
+            team=team,
+            submitter=submitter,
+            priority_class=priority_class,
+            flavor=flavor,
+            ranks=ranks,
+            gpus_per_rank=gpus_per_rank,
+            command=command,
+            image=image,
+            env=env or {},
+            events_token=secrets.token_urlsafe(24),
+            max_attempts=max_attempts or settings.QM_MAX_ATTEMPTS,
+            waiting_reason="waiting for the next scheduling cycle",
+        )
+        job.checkpoint_dir = str(Path(settings.QM_CHECKPOINTS_DIR) / f"job-{job.pk}")
+        job.save(update_fields=["checkpoint_dir"])
+        queue_cycle()
     return job
 
 
