@@ -133,6 +133,10 @@ class Attempt(models.Model):
                 fields=["job"], condition=Q(ended_at__isnull=True), name="attempt_one_open_per_job"
             ),
         ]
+        # Every reconcile pass looks for ended attempts with a forget still to do.
+        indexes = [
+            models.Index(fields=["action"], condition=~Q(action=""), name="attempt_action_pending")
+        ]
 
     def __str__(self) -> str:
         return f"job {self.job_id} attempt {self.number}"

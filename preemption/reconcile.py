@@ -31,13 +31,16 @@ attempt with its reason. Neither stops the pass for the other attempts.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 from django.conf import settings
@@ -169,8 +172,32 @@ def reconcile_jobs(*, job_ids: list[int] | None = None, runtime: Runtime | None 
     """Reconcile every open attempt of active jobs (or only those of `job_ids`).
     Returns how many attempts were looked at.
 
-    Runtime calls happen only between the short transactions, never inside one."""
-    runtime = runtime or get_runtime()
+    Runtime calls happen only between the short transactions, never inside one.
+    A pass over every attempt while another such pass of this installation is
+    still running does nothing: the next one starts a moment later anyway."""
+    if job_ids is None:
+        with _only_pass() as mine:
+            return _reconcile(None, runtime or get_runtime()) if mine else 0
+    return _reconcile(job_ids, runtime or get_runtime())
+
+
+@contextmanager
+def _only_pass() -> Iterator[bool]:
+    folder = Path(settings.VAR_DIR)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "reconcile.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
     _forget_finished(job_ids, runtime)
     attempts = (
         Attempt.objects.filter(ended_at__isnull=True, job__state__in=ACTIVE_STATES)
@@ -469,6 +496,10 @@ def _record_outcome(step: Step, claim: datetime, error: Exception | None) -> Non
                         now,
                     )
                 return
+            if step.action == Attempt.Action.FORGET and tries >= settings.QM_RUNTIME_TRIES:
+                # The attempt has ended; only the runtime's bookkeeping stays behind.
+                mine.update(**{**done, "action_error": f"forget gave up: {message}"[:300]})
+                return
             backoff = min(settings.QM_RUNTIME_RETRY_SECONDS * 2 ** (tries - 1), MAX_RETRY_SECONDS)
             logger.warning(
                 "%s of %s failed (try %d), retrying in %.0f s: %s",
@@ -537,8 +568,12 @@ def _permanent(
 
 def _forget_finished(job_ids: list[int] | None, runtime: Runtime) -> None:
     """Forget the gangs of finished attempts whose forget failed for a while."""
+    now = timezone.now()
     attempts = Attempt.objects.filter(
-        ended_at__isnull=False, action=Attempt.Action.FORGET
+        Q(action_claimed_at__isnull=True) | Q(action_claimed_at__lt=now - ACTION_LEASE),
+        Q(action_not_before__isnull=True) | Q(action_not_before__lte=now),
+        ended_at__isnull=False,
+        action=Attempt.Action.FORGET,
     ).select_related("job")
     if job_ids is not None:
         attempts = attempts.filter(job_id__in=job_ids)
