@@ -14,6 +14,7 @@ from django.db import transaction
 from django.db.models import Max
 from django.utils import timezone
 
+from preemption.cycle import claim_cycle_request
 from preemption.models import FINAL_STATES, WAITING_STATES, Job, JobState
 from quotas.models import Node, PriorityClass, ResourceFlavor, Team
 from quotas.selectors import TeamTree
@@ -26,7 +27,6 @@ def queue_cycle() -> None:
     """Ask for an extra scheduling cycle once the current transaction commits,
     unless one asked for already has not started yet: that one will see this
     commit too (see cycle.claim_cycle_request)."""
-    from preemption.cycle import claim_cycle_request
     from preemption.tasks import schedule_cycle
 
     def send() -> None:
