@@ -257,6 +257,8 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO") or "INFO"},
     "loggers": {
         "django.db.backends": {"level": "WARNING"},
+        # Lockouts and repeated failures are warnings; every sign-in is not news.
+        "axes": {"level": "WARNING"},
         # Django's own console handler (on with DEBUG) would print every record a
         # second time; the root handler above prints them once.
         "django": {"handlers": [], "level": "INFO", "propagate": True},
