@@ -229,6 +229,10 @@ AXES_FAILURE_LIMIT = env_int("QM_LOGIN_FAILURE_LIMIT", 10, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env_int("QM_LOGIN_LOCKOUT_MINUTES", 15, minimum=1))
 AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
 AXES_LOCKOUT_CALLABLE = "portal.throttling.lockout_response"
+# How many reverse proxies (an ingress, a load balancer) stand in front of the
+# web server; each appends the address it saw to X-Forwarded-For.
+QM_PROXY_COUNT = env_int("QM_PROXY_COUNT", 0, minimum=0)
+AXES_CLIENT_IP_CALLABLE = "portal.throttling.client_address"
 # Failures are what is counted; a row per successful sign-in would only grow.
 AXES_DISABLE_ACCESS_LOG = True
 AXES_VERBOSE = False

@@ -11,10 +11,11 @@ each gunicorn worker its own allowance). The limits come from settings:
 reaches it first) lock both out for `AXES_COOLOFF_TIME`, and a try during the
 lockout starts the wait again.
 
-This module holds the two pieces axes leaves to the project: the backend that
-lets in-process callers without a request through, and the answer a locked-out
-request gets (JSON with `Retry-After` for the API, the sign-in page with the
-reason for a browser).
+This module holds the pieces axes leaves to the project: the backend that lets
+in-process callers without a request through, the client's address behind
+`QM_PROXY_COUNT` reverse proxies, and the answer a locked-out request gets
+(JSON with `Retry-After` for the API, the sign-in page with the reason for a
+browser).
 """
 
 from __future__ import annotations
@@ -48,6 +49,29 @@ class LoginThrottleBackend(AxesStandaloneBackend):
         if request is not None:
             super().authenticate(request, username=username, password=password, **kwargs)
         return None
+
+
+def client_address(request: HttpRequest) -> str | None:
+    """The address a login is counted against.
+
+    Behind an ingress every request comes from the proxy's address, and one
+    person's typos would lock everyone out. Each of the QM_PROXY_COUNT trusted
+    proxies appends the address it saw to X-Forwarded-For, so the client is that
+    many entries from the right; entries further left were sent by the client
+    itself and prove nothing. With no proxies configured (the embedded default),
+    the header is ignored.
+    """
+    hops = settings.QM_PROXY_COUNT
+    if hops:
+        forwarded = [
+            entry.strip()
+            for entry in request.META.get("HTTP_X_FORWARDED_FOR", "").split(",")
+            if entry.strip()
+        ]
+        if len(forwarded) >= hops:
+            return forwarded[-hops]
+    address = request.META.get("REMOTE_ADDR")
+    return str(address) if address else None
 
 
 def lockout_seconds() -> int:

@@ -57,18 +57,20 @@ class LoginPath:
     url: str
     api: bool
 
-    def attempt(self, username: str, password: str, address: str) -> Any:
+    def attempt(self, username: str, password: str, address: str, **headers: str) -> Any:
         if self.api:
             return APIClient().post(
                 self.url,
                 {"username": username, "password": password},
                 format="json",
                 REMOTE_ADDR=address,
+                **headers,
             )
         return Client().post(
             self.url,
             {"username": username, "password": password, "next": "/admin/"},
             REMOTE_ADDR=address,
+            **headers,
         )
 
     def accepted(self, response: Any) -> bool:
@@ -275,6 +277,22 @@ def test_an_address_lockout_leaves_the_account_free_from_other_addresses(
     victim = "admin" if name == "admin" else "researcher"
     assert _wrong_then_right(path, per="address", victim=victim).status_code == 429
     assert path.accepted(path.attempt(victim, PASSWORD, "10.3.0.1"))
+
+
+def test_behind_a_proxy_logins_count_per_client_and_a_forged_header_does_not_help(
+    world: Any, settings: Any
+) -> None:
+    settings.QM_PROXY_COUNT = 1
+    path, ingress = LOGIN_PATHS["portal"], "10.9.9.9"
+    for index in range(WRONG_TRIES):
+        # The client forges an address of its own in front; the ingress appends the real one.
+        forged = f"192.0.2.{index + 1}, 10.6.0.1"
+        path.attempt(f"nobody-{index}", "guess", ingress, HTTP_X_FORWARDED_FOR=forged)
+    locked = path.attempt("researcher", PASSWORD, ingress, HTTP_X_FORWARDED_FOR="10.6.0.1")
+    assert locked.status_code == 429
+    # Another client behind the same ingress is not locked out with it.
+    other = path.attempt("researcher", PASSWORD, ingress, HTTP_X_FORWARDED_FOR="10.6.0.2")
+    assert path.accepted(other)
 
 
 def test_the_portal_lockout_page_says_why_and_signs_nobody_in(world: Any) -> None:
