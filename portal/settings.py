@@ -224,7 +224,8 @@ QM_MAX_ATTEMPTS = env_int("QM_MAX_ATTEMPTS", 5, minimum=1)
 QM_RETRY_BACKOFF_SECONDS = env_float("QM_RETRY_BACKOFF_SECONDS", 10.0, minimum=0.0)
 
 # Login throttling (portal/throttling.py): this many wrong passwords for one
-# account, or from one address, lock both out for the lockout time.
+# account lock that account out (from every address), and this many from one
+# address lock that address out (for every account), for the lockout time.
 AXES_FAILURE_LIMIT = env_int("QM_LOGIN_FAILURE_LIMIT", 10, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env_int("QM_LOGIN_LOCKOUT_MINUTES", 15, minimum=1))
 AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
@@ -235,6 +236,8 @@ QM_PROXY_COUNT = env_int("QM_PROXY_COUNT", 0, minimum=0)
 AXES_CLIENT_IP_CALLABLE = "portal.throttling.client_address"
 # Failures are what is counted; a row per successful sign-in would only grow.
 AXES_DISABLE_ACCESS_LOG = True
+# axes keeps a failed login's form data (the password masked); the CSRF token is masked too.
+AXES_SENSITIVE_PARAMETERS = ["username", "ip_address", "csrfmiddlewaretoken"]
 AXES_VERBOSE = False
 
 # API tokens expire: a new one lasts QM_TOKEN_DEFAULT_DAYS unless its creator

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from axes.models import AccessAttempt
 from django.conf import settings
 from django.test import Client
 from django.urls import reverse
@@ -300,7 +301,7 @@ def test_the_portal_lockout_page_says_why_and_signs_nobody_in(world: Any) -> Non
     for index in range(WRONG_TRIES):
         client.post(
             "/login/",
-            {"username": "researcher", "password": f"guess-{index}"},
+            {"username": "researcher", "password": f"guess-{index}", "csrfmiddlewaretoken": "t"},
             REMOTE_ADDR="10.4.0.1",
         )
     response = client.post(
@@ -311,11 +312,13 @@ def test_the_portal_lockout_page_says_why_and_signs_nobody_in(world: Any) -> Non
     assert 'id="lockout"' in body and "even with the right password" in body
     assert '<form method="post" action="/login/"' in body  # the portal's own layout and form
     assert "_auth_user_id" not in client.session
+    # What axes keeps of the failed tries holds neither the passwords nor CSRF tokens.
+    kept = " ".join(AccessAttempt.objects.values_list("post_data", flat=True))
+    assert "guess-" not in kept and PASSWORD not in kept
+    assert "csrfmiddlewaretoken=*" in kept and "csrfmiddlewaretoken=t" not in kept
 
 
 def test_a_lockout_ends_after_the_lockout_time(world: Any, settings: Any) -> None:
-    from axes.models import AccessAttempt
-
     path = LOGIN_PATHS["api"]
     assert _wrong_then_right(path, per="account", victim="researcher").status_code == 429
     # The cool-off counts from the last try; move every try past it.
