@@ -9,16 +9,22 @@ of a page.
 
 A refusal is a normal outcome, not a fault: Django logs it with the exception's
 traceback, which `OneLineRefusals` folds into one line with the reason.
+
+Where Django's debug page is on (QM_DEBUG=1, never in production) or an error
+report is mailed, `SettingsReporterFilter` also hides the database and broker
+URLs, whose passwords Django's own filter does not recognise by name.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.urls import Resolver404
+from django.views.debug import SafeExceptionReporterFilter
 from django.views.decorators.csrf import requires_csrf_token
 
 log = logging.getLogger(__name__)
@@ -82,3 +88,12 @@ class OneLineRefusals(logging.Filter):
             record.exc_info = None
             record.exc_text = None
         return True
+
+
+class SettingsReporterFilter(SafeExceptionReporterFilter):
+    """Django's filter of error reports, also hiding every *_URL setting and
+    environment variable (DATABASE_URL, CELERY_BROKER_URL carry passwords)."""
+
+    hidden_settings = re.compile(
+        SafeExceptionReporterFilter.hidden_settings.pattern + "|URL", flags=re.IGNORECASE
+    )

@@ -91,6 +91,7 @@ MIDDLEWARE = [
 ]
 
 ROOT_URLCONF = "portal.urls"
+DEFAULT_EXCEPTION_REPORTER_FILTER = "portal.errors.SettingsReporterFilter"
 WSGI_APPLICATION = "portal.wsgi.application"
 
 TEMPLATES = [

@@ -31,7 +31,7 @@ from tests.pages.conftest import page_client
 
 
 def _boom(request: HttpRequest) -> HttpResponse:
-    raise RuntimeError(f"the database at {settings.DATABASE_URL} went away")
+    raise RuntimeError("the work queue went away")
 
 
 urlpatterns = [path("boom/", _boom), path("", include("portal.urls"))]
@@ -123,6 +123,18 @@ def test_a_server_error_is_a_portal_page_that_shows_no_settings(world: Any) -> N
         reason="Something went wrong on the server. It has been logged; please try again.",
         signed_in_as="researcher",
     )
+
+
+@pytest.mark.urls(__name__)
+def test_even_the_debug_page_hides_the_database_and_broker_urls(world: Any, settings: Any) -> None:
+    settings.DEBUG = True  # as with QM_DEBUG=1, which production refuses
+    client = page_client(world, "researcher")
+    client.raise_request_exception = False
+    body = client.get("/boom/").content.decode()
+    assert "the work queue went away" in body  # Django's debug page, as asked for
+    assert "DATABASE_URL" in body and "CELERY_BROKER_URL" in body  # named, but hidden:
+    assert settings.DATABASE_URL not in body and settings.CELERY_BROKER_URL not in body
+    assert settings.SECRET_KEY not in body
 
 
 @pytest.fixture
