@@ -384,3 +384,47 @@ def test_outside_production_ranks_run_as_the_control_plane_with_one_warning(
     work = first.gang_dir(spec.gang) / "0" / "work"
     assert first.read_log(spec.gang, 0) == f"uid={os.geteuid()} home={work}\n".encode()
     assert first.observe(spec.gang)[0].exit_code == 0
+
+
+# ------------------------------------------------------------ the runner user
+
+RUNNER_USER_SCRIPT = PROJECT_ROOT / "bin" / "runner-user"
+
+
+def run_runner_user(*prefix: str, user: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*prefix, str(RUNNER_USER_SCRIPT), sys.executable],
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "QM_RUNNER_USER": user},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_runner_user_script_creates_the_user_once_and_says_so() -> None:
+    name = "qm-test-runner"
+    subprocess.run(["userdel", name], capture_output=True, check=False)
+    try:
+        created = run_runner_user(user=name)
+        assert created.returncode == 0, created.stderr
+        assert f"created the system user {name}" in created.stdout
+        lookup = find_runner(name)
+        assert lookup.account is not None, lookup.reason
+        assert lookup.account.uid < 1000  # a system user
+
+        again = run_runner_user(user=name)
+        assert again.returncode == 0, again.stderr
+        assert again.stdout == ""
+    finally:
+        subprocess.run(["userdel", name], capture_output=True, check=False)
+
+
+def test_runner_user_script_run_by_another_user_only_says_what_ranks_run_as(
+    runner_account: RunnerAccount,
+) -> None:
+    result = run_runner_user("runuser", "-u", runner_account.name, "--", user="qm-test-nobody")
+    assert result.returncode == 0, result.stderr
+    assert f"not root: ranks of the local runtime will run as {runner_account.name}" in (
+        result.stdout
+    )
+    assert find_runner("qm-test-nobody").account is None
