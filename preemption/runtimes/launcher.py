@@ -9,13 +9,15 @@ on it and records its pid, start time and exit code in the rank's folder (see re
 
 The keeper runs as the control plane's user (root when ranks run as the runner user), so
 it can write the records and signal the rank. Only the rank drops privileges: it starts
-in its private work folder as the runner user with the job's group as its only group and
-umask 077 (gang.json's `run_as`; see local.py for why).
+in its private work folder as the runner user with the job's group as its only group,
+umask 077 and no way to gain privileges back through setuid programs (gang.json's
+`run_as`; see local.py for why).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import pwd
 import signal
@@ -68,6 +70,9 @@ INHERITED_PREFIXES = ("LC_", "CUDA_", "NCCL_", "GLOO_", "TORCH_")
 
 # Files and folders a rank creates are its own alone unless it says otherwise.
 RANK_UMASK = 0o077
+
+# prctl(2): once set, execve never grants privileges (setuid bits, file capabilities).
+PR_SET_NO_NEW_PRIVS = 38
 
 
 def inherited_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -125,11 +130,25 @@ def work_folder(rank_dir: Path, run_as: dict[str, Any] | None) -> Path:
     return work_dir
 
 
+def _no_new_privileges() -> None:
+    """In the rank's child before exec: no setuid or file-capability program it runs may
+    raise its privileges again. The keeper is single-threaded, so this is safe to run
+    between fork and exec."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+
+
 def rank_identity(run_as: dict[str, Any] | None) -> dict[str, Any]:
     """Popen's arguments that start the rank as the runner user in the job's group only."""
     if run_as is None:
         return {}
-    return {"user": int(run_as["uid"]), "group": int(run_as["gid"]), "extra_groups": []}
+    return {
+        "user": int(run_as["uid"]),
+        "group": int(run_as["gid"]),
+        "extra_groups": [],
+        "preexec_fn": _no_new_privileges,
+    }
 
 
 def _record_exit(rank_dir: Path, exit_code: int, *, started: bool) -> None:

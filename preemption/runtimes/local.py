@@ -12,8 +12,9 @@ secret key, database or processes, nor another job's files. Given a runner accou
 runner.py: one unprivileged user, plus a group id of the job's own), the keeper stays
 root, so it can record and signal as before, and drops privileges only for the rank:
 the rank runs as the runner user with the job's group as its only group, umask 077,
-`HOME`, `TMPDIR` and working folder set to its private folder, and an environment built
-from scratch (launcher.rank_environment). The folders, all made by this runtime:
+no way back to privileges through setuid programs (PR_SET_NO_NEW_PRIVS), `HOME`,
+`TMPDIR` and working folder set to its private folder, and an environment built from
+scratch (launcher.rank_environment). The folders, all made by this runtime:
 
     <root>/                           control plane, 0711: nobody else may list the jobs
     <root>/<job>/                     control plane, group = the job's, 0710: the job's
@@ -42,7 +43,9 @@ all, the Kubernetes runtime puts every rank in a container of its own.
 
 Running ranks as another user needs root: the keeper switches uid and gid, folders are
 handed to a job's group, and the control plane signals and inspects processes of
-another uid. Without a runner account the ranks run as the control plane's user, in the
+another uid. (The capabilities that adds up to, CAP_SETUID, CAP_SETGID, CAP_CHOWN,
+CAP_FOWNER, CAP_KILL, CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE, are most of root anyway,
+so root is the one setup supported and tested; runner.find_runner checks for it.) Without a runner account the ranks run as the control plane's user, in the
 same folders and with the same clean environment; `preemption.runtime` refuses that in
 production and warns once elsewhere. The runner user must be able to reach the Python
 interpreter and the code the commands name; `bin/runner-user` checks and grants that.

@@ -287,7 +287,9 @@ def test_the_control_plane_keeps_its_var_folder_to_itself(scene: Scene) -> None:
     assert not wal.exists() or stat.S_IMODE(wal.stat().st_mode) == 0o600
 
 
-def test_the_victim_rank_runs_as_the_runner_in_its_job_group(scene: Scene) -> None:
+def test_the_victim_rank_runs_as_the_runner_in_its_job_group_without_new_privileges(
+    scene: Scene,
+) -> None:
     status = Path(f"/proc/{scene.victim_pid}/status").read_text().splitlines()
     fields = dict(line.split(":", 1) for line in status if ":" in line)
     runner = scene.runtime.runner
@@ -296,6 +298,8 @@ def test_the_victim_rank_runs_as_the_runner_in_its_job_group(scene: Scene) -> No
     assert fields["Uid"].split() == [str(runner.uid)] * 4
     assert fields["Gid"].split() == [str(gid)] * 4
     assert fields["Groups"].split() == []
+    # No setuid program (su, sudo, newgrp) can hand privileges back.
+    assert fields["NoNewPrivs"].strip() == "1"
 
 
 # -------------------------------------------------- without a runner user
