@@ -22,6 +22,7 @@ venv: $(STAMP)
 
 ## run: set everything up and serve the portal at http://127.0.0.1:8000 (Ctrl-C stops it all)
 run: venv
+	@bin/runner-user $(PY)
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py seed_demo --if-empty
 	$(PY) manage.py serve_embedded

@@ -157,6 +157,17 @@ class Drill:
         self.nodes = max(1, math.ceil(ranks / 8))
         self.capacity = self.nodes * 8
         self.work = Path(tempfile.mkdtemp(prefix="qm-drill-", dir=settings.VAR_DIR))
+        self.dumps = self.work / "dumps"
+        self.dumps.mkdir(mode=0o700)
+        if runtime == "local":
+            from preemption.runtime import local_runner
+
+            runner = local_runner()
+            if runner is not None:
+                # The borrower's ranks run as the runner user and write their final state
+                # here: they may pass through the drill's folder and write in this one.
+                self.work.chmod(0o711)
+                os.chown(self.dumps, runner.uid, -1)
         self.train = settings.BASE_DIR / "examples" / "train_ddp.py"
         self.sleeper = settings.BASE_DIR / "examples" / "sleeper.py"
         self.started = time.monotonic()
@@ -432,7 +443,7 @@ class Drill:
 
     def round(self, *, services: Services, label: str, disturbance: str | None) -> RoundFigures:
         """Borrower runs, critical job reclaims, borrower resumes and finishes."""
-        dump = self.work / f"{label}-{{rank}}.pt"
+        dump = self.dumps / f"{label}-{{rank}}.pt"
         priority = self.short_grace if disturbance == "short-grace" else self.batch
         if self.grace is not None and disturbance != "short-grace":
             priority = self._priority_class(
