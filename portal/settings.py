@@ -25,7 +25,10 @@ from portal.env import (
     env_list,
     env_str,
     parse_database_url,
+    private_file,
+    private_folder,
     read_or_create_secret,
+    var_folder,
 )
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -39,6 +42,8 @@ if PRODUCTION and DEBUG:
         "DEBUG is on while QM_PRODUCTION is on: debug pages would show settings, "
         "database and broker URLs to anyone. Unset QM_DEBUG (and DEBUG)."
     )
+if not PRODUCTION or VAR_DIR.exists():
+    var_folder(VAR_DIR)
 
 _secret = env_str("SECRET_KEY")
 if _secret is None:
@@ -113,7 +118,17 @@ TEMPLATES = [
 DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'quartermaster.sqlite3'}") or ""
 DATABASES = {"default": parse_database_url("DATABASE_URL", DATABASE_URL)}
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
-    Path(DATABASES["default"]["NAME"]).parent.mkdir(parents=True, exist_ok=True)
+    _sqlite = Path(DATABASES["default"]["NAME"])
+    _sqlite.parent.mkdir(parents=True, exist_ok=True)
+    # SQLite gives its -wal and -shm files the database file's mode, so a database
+    # created 0600 here stays unreadable to everyone else, ranks included.
+    for _path in (
+        _sqlite,
+        _sqlite.with_name(_sqlite.name + "-wal"),
+        _sqlite.with_name(_sqlite.name + "-shm"),
+    ):
+        if _path == _sqlite or _path.exists():
+            private_file(_path)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -186,6 +201,8 @@ if not CELERY_BROKER_URL.startswith(
     )
 BROKER_DIR = VAR_DIR / "broker"
 if CELERY_BROKER_URL.startswith(("qmdisk://", "filesystem://")):
+    # Task messages are the control plane's alone.
+    private_folder(BROKER_DIR)
     for sub in ("out", "processed", "control"):
         (BROKER_DIR / sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
@@ -214,6 +231,13 @@ QM_RUNS_DIR = Path(env_str("QM_RUNS_DIR", str(VAR_DIR / "runs")) or VAR_DIR / "r
 QM_CHECKPOINTS_DIR = Path(
     env_str("QM_CHECKPOINTS_DIR", str(VAR_DIR / "checkpoints")) or VAR_DIR / "checkpoints"
 )
+# The unprivileged user the local runtime runs ranks as (bin/runner-user creates it), and
+# the first of the group ids that keep one job's ranks out of another's folders and
+# processes (job N runs with group QM_RUNNER_GID_BASE + N; see preemption/runtimes/runner.py).
+# Production refuses the local runtime without this user; elsewhere ranks then run as the
+# control plane's user, with a warning.
+QM_RUNNER_USER = env_str("QM_RUNNER_USER", "qm-runner") or ""
+QM_RUNNER_GID_BASE = env_int("QM_RUNNER_GID_BASE", 2**31, minimum=65536)
 # The local runtime's virtual nodes: name:flavor:gpus, comma-separated. Empty
 # means "the nodes in the database".
 QM_LOCAL_NODES = env_str("QM_LOCAL_NODES", "") or ""

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
 from preemption.runtimes.base import NodeInventory, Runtime
+from preemption.runtimes.runner import RunnerAccount, RunnerLookup, find_runner
+
+logger = logging.getLogger(__name__)
 
 
 def inventory() -> list[NodeInventory]:
@@ -23,6 +29,37 @@ def inventory() -> list[NodeInventory]:
 
 _override: Runtime | None = None
 _kubernetes: Runtime | None = None
+_warned_without_runner = False
+
+
+def runner_lookup() -> RunnerLookup:
+    """The account the local runtime runs ranks as, or why there is none."""
+    return find_runner(settings.QM_RUNNER_USER, gid_base=settings.QM_RUNNER_GID_BASE)
+
+
+def local_runner() -> RunnerAccount | None:
+    """The runner account for the local runtime.
+
+    Without one, production refuses to run researchers' commands at all; elsewhere they
+    run as the control plane's own user, after a warning (once per process) that says why.
+    """
+    global _warned_without_runner
+    lookup = runner_lookup()
+    if lookup.account is not None:
+        return lookup.account
+    if settings.PRODUCTION:
+        raise ImproperlyConfigured(
+            f"the local runtime will not run ranks as the control plane's user in "
+            f"production: {lookup.reason}"
+        )
+    if not _warned_without_runner:
+        _warned_without_runner = True
+        logger.warning(
+            "ranks of the local runtime run as the control plane's own user and can read "
+            "its secret key and database: %s",
+            lookup.reason,
+        )
+    return None
 
 
 def use_runtime(runtime: Runtime | None) -> None:
@@ -38,7 +75,7 @@ def get_runtime() -> Runtime:
         return _kubernetes_runtime()
     from preemption.runtimes.local import LocalRuntime
 
-    return LocalRuntime(root=settings.QM_RUNS_DIR, inventory=inventory())
+    return LocalRuntime(root=settings.QM_RUNS_DIR, inventory=inventory(), runner=local_runner())
 
 
 def _kubernetes_runtime() -> Runtime:

@@ -12,13 +12,21 @@ researcher (of vision), other_researcher (of ops), anonymous.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
 
+from preemption.runtimes.runner import RunnerAccount, find_runner
 from quotas.models import Membership, Node, PriorityClass, Quota, ResourceFlavor, Team
 
 PERSONAS = ("admin", "manager", "other_manager", "researcher", "other_researcher", "anonymous")
@@ -113,3 +121,35 @@ def world(db: Any) -> World:
         batch=mission_class("ai-batch-preemptible"),
         users=users,
     )
+
+
+@pytest.fixture(scope="session")
+def runner_account() -> RunnerAccount:
+    """The real second OS user the local runtime runs ranks as.
+
+    bin/runner-user creates it with `useradd --system` when it is missing and lets it
+    reach this interpreter; the tests run as root, as CI does.
+    """
+    script = Path(__file__).resolve().parents[1] / "bin" / "runner-user"
+    result = subprocess.run(
+        [str(script), sys.executable],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "QM_RUNNER_USER": settings.QM_RUNNER_USER},
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lookup = find_runner(settings.QM_RUNNER_USER, gid_base=settings.QM_RUNNER_GID_BASE)
+    assert lookup.account is not None, lookup.reason
+    return lookup.account
+
+
+@pytest.fixture
+def runner_tmp_path() -> Iterator[Path]:
+    """A temporary folder the runner user may pass through (pytest's own are 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="qm-test-"))
+    path.chmod(0o711)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

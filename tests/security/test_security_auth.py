@@ -439,8 +439,10 @@ def _manage(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 STRONG_KEY = "k3J9-vQ_x2Lm8pR7tY1wZ4nB6cD0eF5gH3jK8lM2nP9qR4sT7uV1wX6yZ0aB5cD8eF"
+# deploy/config.yaml's settings (the Kubernetes runtime), with a strong key.
 PRODUCTION = {
     "QM_PRODUCTION": "1",
+    "QM_RUNTIME": "kubernetes",
     "SECRET_KEY": STRONG_KEY,
     "ALLOWED_HOSTS": "qm.example.org",
     "CSRF_TRUSTED_ORIGINS": "https://qm.example.org",
