@@ -139,6 +139,45 @@ def read_or_create_secret(path: Path) -> str:
     return secret
 
 
+# A production key must be long and varied. Django's own deploy check asks for
+# 50 characters and 5 distinct ones; ten distinct characters is still well
+# below what any generator produces (a hex key uses 16), but it refuses keys
+# typed by hand such as a repeated word.
+SECRET_KEY_MIN_DISTINCT = 10
+
+
+def check_secret_key(name: str, value: str) -> str:
+    """Refuse a secret key that would let anyone forge sessions and CSRF tokens.
+
+    The rule is Django's `security.W009` (length, distinct characters, the
+    `django-insecure-` prefix of a generated development key) made stricter on
+    distinct characters, and raised at start-up instead of printed as a warning.
+    """
+    from django.core.checks.security.base import (
+        SECRET_KEY_INSECURE_PREFIX,
+        SECRET_KEY_MIN_LENGTH,
+    )
+
+    if value.startswith(SECRET_KEY_INSECURE_PREFIX):
+        raise ImproperlyConfigured(
+            f"{name} starts with {SECRET_KEY_INSECURE_PREFIX!r}: it is a development key. "
+            "Generate one with: python -c 'import secrets; print(secrets.token_urlsafe(50))'"
+        )
+    if len(value) < SECRET_KEY_MIN_LENGTH:
+        raise ImproperlyConfigured(
+            f"{name} is {len(value)} characters long; production needs at least "
+            f"{SECRET_KEY_MIN_LENGTH}. Generate one with: "
+            "python -c 'import secrets; print(secrets.token_urlsafe(50))'"
+        )
+    if len(set(value)) < SECRET_KEY_MIN_DISTINCT:
+        raise ImproperlyConfigured(
+            f"{name} uses only {len(set(value))} distinct characters; production needs at least "
+            f"{SECRET_KEY_MIN_DISTINCT}. Generate one with: "
+            "python -c 'import secrets; print(secrets.token_urlsafe(50))'"
+        )
+    return value
+
+
 # The local runtime's ranks run as another user (preemption/runtimes/runner.py) and reach
 # their folders under var/runs and var/checkpoints, so they may pass through var/; they
 # must not list it, nor read or write anything the control plane keeps there.

@@ -1,18 +1,23 @@
 """Quartermaster's one settings module, read from the environment.
 
 With no environment at all it runs the embedded default: SQLite under var/,
-a Celery broker on local disk, the local runtime and a generated secret key.
-Set QM_PRODUCTION=1 for a deployment: then SECRET_KEY is required and the
-security settings that `manage.py check --deploy` asks for are on.
+a Celery broker on local disk, the local runtime and a generated secret key,
+with DEBUG off (QM_DEBUG=1 turns Django's debug pages on, for development only:
+they show settings and URL patterns to whoever hits an error).
+Set QM_PRODUCTION=1 for a deployment: then a strong SECRET_KEY is required,
+DEBUG must stay off, and the security settings that `manage.py check --deploy`
+asks for are on.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
 from portal.env import (
+    check_secret_key,
     env_bool,
     env_choice,
     env_float,
@@ -30,7 +35,13 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("QM_VAR_DIR", str(BASE_DIR / "var")) or BASE_DIR / "var")
 
 PRODUCTION = env_bool("QM_PRODUCTION", False)
-DEBUG = env_bool("DEBUG", not PRODUCTION)
+# QM_DEBUG is the switch; the plain DEBUG variable is still read for older setups.
+DEBUG = env_bool("QM_DEBUG", env_bool("DEBUG", False))
+if PRODUCTION and DEBUG:
+    raise ImproperlyConfigured(
+        "DEBUG is on while QM_PRODUCTION is on: debug pages would show settings, "
+        "database and broker URLs to anyone. Unset QM_DEBUG (and DEBUG)."
+    )
 if not PRODUCTION or VAR_DIR.exists():
     var_folder(VAR_DIR)
 
@@ -39,6 +50,8 @@ if _secret is None:
     if PRODUCTION:
         raise ImproperlyConfigured("SECRET_KEY must be set when QM_PRODUCTION is on")
     _secret = read_or_create_secret(VAR_DIR / "secret_key")
+elif PRODUCTION:
+    check_secret_key("SECRET_KEY", _secret)
 SECRET_KEY = _secret
 
 ALLOWED_HOSTS = env_list(
@@ -62,6 +75,7 @@ INSTALLED_APPS = [
     "django_filters",
     "drf_spectacular",
     "drf_spectacular_sidecar",
+    "axes",
     "portal",
     "quotas",
     "preemption",
@@ -77,9 +91,12 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, so that it turns a login that django-axes refused into the lockout answer.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "portal.urls"
+DEFAULT_EXCEPTION_REPORTER_FILTER = "portal.errors.SettingsReporterFilter"
 WSGI_APPLICATION = "portal.wsgi.application"
 
 TEMPLATES = [
@@ -117,6 +134,11 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+AUTHENTICATION_BACKENDS = [
+    # Refuses every login of a locked-out account or address, the right password included.
+    "portal.throttling.LoginThrottleBackend",
+    "django.contrib.auth.backends.ModelBackend",
 ]
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard"
@@ -158,6 +180,11 @@ SPECTACULAR_SETTINGS = {
     "SCHEMA_PATH_PREFIX": "/api/v1",
     "ENUM_NAME_OVERRIDES": {},
     "DISABLE_ERRORS_AND_WARNINGS": True,
+    # `check --deploy` would generate the schema, which runs the selectors and so
+    # needs a migrated database; without one every view reads as a schema
+    # warning. The test suite generates and walks the schema instead
+    # (tests/api/test_api_permissions.py, tests/api/test_api_schemathesis.py).
+    "ENABLE_DJANGO_DEPLOY_CHECK": False,
     # The interactive docs are served from the installed sidecar, never a CDN.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
@@ -221,13 +248,53 @@ QM_PUBLIC_URL = env_str("QM_PUBLIC_URL", "http://127.0.0.1:8000") or "http://127
 QM_MAX_ATTEMPTS = env_int("QM_MAX_ATTEMPTS", 5, minimum=1)
 QM_RETRY_BACKOFF_SECONDS = env_float("QM_RETRY_BACKOFF_SECONDS", 10.0, minimum=0.0)
 
+# Login throttling (portal/throttling.py): this many wrong passwords for one
+# account lock that account out (from every address), and this many from one
+# address lock that address out (for every account), for the lockout time.
+AXES_FAILURE_LIMIT = env_int("QM_LOGIN_FAILURE_LIMIT", 10, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("QM_LOGIN_LOCKOUT_MINUTES", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
+AXES_LOCKOUT_CALLABLE = "portal.throttling.lockout_response"
+# How many reverse proxies (an ingress, a load balancer) stand in front of the
+# web server; each appends the address it saw to X-Forwarded-For.
+QM_PROXY_COUNT = env_int("QM_PROXY_COUNT", 0, minimum=0)
+AXES_CLIENT_IP_CALLABLE = "portal.throttling.client_address"
+# Failures are what is counted; a row per successful sign-in would only grow.
+AXES_DISABLE_ACCESS_LOG = True
+# axes keeps a failed login's form data (the password masked); the CSRF token is masked too.
+AXES_SENSITIVE_PARAMETERS = ["username", "ip_address", "csrfmiddlewaretoken"]
+AXES_VERBOSE = False
+
+# API tokens expire: a new one lasts QM_TOKEN_DEFAULT_DAYS unless its creator
+# asks for another lifetime, which may not exceed QM_TOKEN_MAX_DAYS.
+QM_TOKEN_DEFAULT_DAYS = env_int("QM_TOKEN_DEFAULT_DAYS", 30, minimum=1)
+QM_TOKEN_MAX_DAYS = env_int("QM_TOKEN_MAX_DAYS", 365, minimum=1)
+if QM_TOKEN_DEFAULT_DAYS > QM_TOKEN_MAX_DAYS:
+    raise ImproperlyConfigured(
+        f"QM_TOKEN_DEFAULT_DAYS ({QM_TOKEN_DEFAULT_DAYS}) exceeds QM_TOKEN_MAX_DAYS ({QM_TOKEN_MAX_DAYS})"
+    )
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {"one_line_refusals": {"()": "portal.errors.OneLineRefusals"}},
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "filters": ["one_line_refusals"],
+        }
+    },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO") or "INFO"},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        # Lockouts and repeated failures are warnings; every sign-in is not news.
+        "axes": {"level": "WARNING"},
+        # Django's own console handler (on with DEBUG) would print every record a
+        # second time; the root handler above prints them once.
+        "django": {"handlers": [], "level": "INFO", "propagate": True},
+    },
 }
 
 if PRODUCTION:

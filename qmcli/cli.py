@@ -225,15 +225,15 @@ def cmd_login(args: argparse.Namespace) -> int:
     else:
         password = getpass.getpass("Password: ")
     client = Client(url, None)
-    created = client.call(
-        "POST",
-        "tokens/login/",
-        json={
-            "username": username,
-            "password": password,
-            "name": f"qm on {socket.gethostname()}"[:100],
-        },
-    )
+    request: dict[str, Any] = {
+        "username": username,
+        "password": password,
+        "name": f"qm on {socket.gethostname()}"[:100],
+        "scope": "read" if args.read_only else "full",
+    }
+    if args.days is not None:
+        request["days"] = args.days
+    created = client.call("POST", "tokens/login/", json=request)
     path = save_config({"url": client.url, "username": username, "token": created["token"]})
     if args.json:
         print_json(
@@ -241,12 +241,15 @@ def cmd_login(args: argparse.Namespace) -> int:
                 "url": client.url,
                 "username": username,
                 "token_id": created["id"],
+                "scope": created["scope"],
+                "expires_at": created["expires_at"],
                 "config": str(path),
             }
         )
     else:
         print(
-            f"Signed in to {client.url} as {username}; token {created['prefix']}… saved in {path}"
+            f"Signed in to {client.url} as {username}; token {created['prefix']}… "
+            f"({created['scope']}, expires {created['expires_at']}) saved in {path}"
         )
     return EXIT_OK
 
@@ -529,6 +532,10 @@ def build_parser() -> argparse.ArgumentParser:
     login.add_argument("--url", help=f"server URL (default: QM_URL or {DEFAULT_URL})")
     login.add_argument("--username")
     login.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
+    login.add_argument("--days", type=int, help="how many days the token lasts (server default)")
+    login.add_argument(
+        "--read-only", action="store_true", help="a token that may only read (GET requests)"
+    )
     login.set_defaults(handler=cmd_login)
 
     submit = commands.add_parser("submit", parents=[common], help="submit a job")
