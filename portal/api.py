@@ -112,6 +112,7 @@ ERROR_RESPONSES = {
     401: OpenApiResponse(description="Not signed in."),
     403: OpenApiResponse(description="Not allowed."),
     404: OpenApiResponse(description="No such object (or not visible to you)."),
+    429: OpenApiResponse(description="Over a limit: `{field: [reasons]}`."),
 }
 
 

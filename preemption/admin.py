@@ -71,7 +71,6 @@ class JobAdmin(admin.ModelAdmin):
         "failure_reason",
         "resume_step",
         "checkpoint_dir",
-        "events_token",
     ]
     inlines = [AttemptInline]
 

@@ -22,6 +22,7 @@ from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
 from portal.services import api_token_create, webhook_create
+from preemption.event_tokens import attempt_events_token
 from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank
 from quotas import services as quota_services
 from quotas.models import AuditEntry, Node, PriorityClass, Quota, Team
@@ -78,7 +79,6 @@ def _running_job(world: Any, team: Team, submitter: Any, node: str) -> tuple[Job
         state=JobState.RUNNING,
         admitted_at=now,
         running_at=now,
-        events_token=f"events-{team.slug}",
     )
     attempt = Attempt.objects.create(
         job=job, number=1, placement=[{"node": node, "ranks": 1}], admitted_at=now, launched_at=now
@@ -119,7 +119,6 @@ def objects(world: Any) -> Objects:
             ranks=1,
             gpus_per_rank=1,
             command="true",
-            events_token="x" * 20,
         )
         for key, who in (("pending", "researcher"), ("by-manager", "manager"))
     }
@@ -435,7 +434,7 @@ case(
         lambda w, o: f"{V1}/jobs/{o.job_v.pk}/events/",
         {p: 202 for p in PERSONAS},
         body=lambda w, o: _event(o),
-        headers=lambda w, o: {"HTTP_AUTHORIZATION": f"Bearer {o.job_v.events_token}"},
+        headers=lambda w, o: {"HTTP_AUTHORIZATION": f"Bearer {attempt_events_token(o.attempt_v)}"},
         session=True,
     ),
     Case(
@@ -444,7 +443,9 @@ case(
         lambda w, o: f"{V1}/jobs/{o.job_v.pk}/events/",
         {p: 403 for p in PERSONAS},
         body=lambda w, o: _event(o),
-        headers=lambda w, o: {"HTTP_AUTHORIZATION": f"Bearer {o.job_ops.events_token}"},
+        headers=lambda w, o: {
+            "HTTP_AUTHORIZATION": f"Bearer {attempt_events_token(o.attempt_ops)}"
+        },
         session=True,
     ),
     Case(
