@@ -321,7 +321,10 @@ class WebhookSerializer(serializers.ModelSerializer[Webhook]):
         allow_blank=True,
         default="",
         write_only=True,
-        help_text="Signs each body (HMAC-SHA256 in the X-Quartermaster-Signature header).",
+        help_text=(
+            "Signs each post: X-Quartermaster-Signature: t=<unix time>,v1=<hex HMAC-SHA256 of "
+            '"<t>.<body>">; refuse posts whose t is over 5 minutes from your clock.'
+        ),
     )
     has_secret = serializers.SerializerMethodField()
 

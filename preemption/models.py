@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import models
@@ -264,7 +265,17 @@ class Webhook(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
-        return f"{self.team.slug} -> {self.url}"
+        return f"{self.team.slug} -> {self.origin}"
+
+    @property
+    def origin(self) -> str:
+        """Scheme and host, the most of the URL that logs and labels show: a
+        webhook URL may carry a credential in its path."""
+        try:
+            parts = urlsplit(self.url)
+        except ValueError:
+            return "(malformed URL)"
+        return f"{parts.scheme}://{parts.hostname or '?'}"
 
 
 class WebhookDelivery(models.Model):

@@ -102,6 +102,13 @@ def _preemption(job: Job, attempt: Attempt) -> PreemptionEvent:
     )
 
 
+@pytest.fixture(autouse=True)
+def _webhook_test_network(settings: Any) -> None:
+    # Webhooks may reach only public addresses; the documentation network
+    # (192.0.2.0/24, never routed) stands in for one, opened by the allow-list.
+    settings.QM_WEBHOOK_ALLOW_NETS = ["192.0.2.0/24"]
+
+
 @pytest.fixture
 def objects(world: Any) -> Objects:
     users = world.users
@@ -133,8 +140,8 @@ def objects(world: Any) -> Objects:
     # Audit rows in both trees, written the way people write them.
     quota_services.quota_update(actor=admin, quota=world.quota(world.vision), borrow_limit=4)
     quota_services.quota_update(actor=admin, quota=world.quota(world.ops), borrow_limit=4)
-    webhook_v = webhook_create(actor=admin, team=world.vision, url="http://127.0.0.1:9/vision")
-    webhook_ops = webhook_create(actor=admin, team=world.ops, url="http://127.0.0.1:9/ops")
+    webhook_v = webhook_create(actor=admin, team=world.vision, url="http://192.0.2.9/vision")
+    webhook_ops = webhook_create(actor=admin, team=world.ops, url="http://192.0.2.9/ops")
     tokens = {
         persona: api_token_create(user=users[persona], name="laptop")[0]
         for persona in PERSONAS[:-1]
@@ -766,7 +773,7 @@ case(
         _expect(201, 201, 403, 403, 403),
         body=lambda w, o: {
             "team": "vision",
-            "url": "https://hooks.example.org/qm",
+            "url": "https://192.0.2.10/qm",
             "events": ["preempted"],
         },
     ),
