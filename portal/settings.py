@@ -209,6 +209,9 @@ for _net in QM_WEBHOOK_ALLOW_NETS:
             f"QM_WEBHOOK_ALLOW_NETS: {_net!r} is not an IP network such as 10.1.2.0/24"
         ) from None
 QM_WEBHOOK_DEADLINE_SECONDS = env_float("QM_WEBHOOK_DEADLINE_SECONDS", 5.0, minimum=0.1)
+if QM_WEBHOOK_DEADLINE_SECONDS > 15:
+    # A delivery run has 20 s (inside the task's 30 s limit); a longer deadline would fit none.
+    raise ImproperlyConfigured("QM_WEBHOOK_DEADLINE_SECONDS must be at most 15")
 # The trap's events: how many one rank of an attempt may store, and how fast a
 # reported checkpoint step may run ahead of the job's last one.
 QM_TRAP_EVENTS_PER_RANK = env_int("QM_TRAP_EVENTS_PER_RANK", 10_000, minimum=1)

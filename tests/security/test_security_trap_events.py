@@ -363,3 +363,41 @@ def test_the_admin_never_shows_an_events_token(jobs: Jobs, world: Any) -> None:
         assert page.status_code == 200, url
         assert token.encode() not in page.content, url
         assert jobs.second.events_key.encode() not in page.content, url
+
+
+def test_the_trap_posts_with_its_attempts_token_and_is_refused_once_the_attempt_ends(
+    jobs: Jobs, live_server: Any
+) -> None:
+    """The trap's own reporter, over real HTTP, against the running portal: its
+    protocol is unchanged, only the token it is given is the attempt's."""
+    import io
+
+    from gracetrap.events import EventReporter
+
+    def reporter() -> EventReporter:
+        return EventReporter(
+            job_id=jobs.train.pk,
+            attempt=2,
+            rank=lambda: 1,
+            events_url=f"{live_server.url}/api/v1/jobs/{jobs.train.pk}/events/",
+            events_token=attempt_events_token(jobs.second),
+            stream=io.StringIO(),
+        )
+
+    trap = reporter()
+    trap.emit("signal_received")
+    trap.emit("checkpoint_committed", step=130, bytes=2048, seconds=0.5)
+    trap.flush(10)
+    assert (trap.posts_sent, trap.posts_failed) == (2, 0)
+    assert TrapEvent.objects.filter(job=jobs.train, attempt=2, rank=1, source="post").count() == 2
+    assert Job.objects.get(pk=jobs.train.pk).resume_step == 131
+
+    Attempt.objects.filter(pk=jobs.second.pk).update(
+        ended_at=timezone.now(), end_reason="preempted"
+    )
+    before = snapshot()
+    late = reporter()
+    late.emit("exiting", code=0)
+    late.flush(10)
+    assert (late.posts_sent, late.posts_failed) == (0, 1)
+    assert snapshot() == before

@@ -302,3 +302,24 @@ def test_signatures_carry_a_timestamp_and_expire(world: Any, receivers: list[Rec
     assert not verify_signature("other", header, hit.body, now=time.time())
     assert json.loads(hit.body)["event"] == "finished"
     assert signature("s3cret", hit.body, at=sent_at) == header
+
+
+def test_the_admin_form_refuses_what_the_api_refuses(world: Any, settings: Any) -> None:
+    from django.test import Client
+    from django.urls import reverse
+
+    settings.QM_WEBHOOK_ALLOW_NETS = []
+    browser = Client()
+    browser.force_login(world.users["admin"])
+    before = snapshot()
+    page = browser.post(
+        reverse("admin:preemption_webhook_add"),
+        {
+            "team": world.vision.pk,
+            "url": "http://169.254.169.254/latest/",
+            "events": "[]",
+            "active": "on",
+        },
+    )
+    assert page.status_code == 200 and b"link-local" in page.content
+    assert snapshot() == before
