@@ -210,7 +210,7 @@ def test_a_dripping_receiver_is_cut_at_the_deadline_and_delays_no_other_team(
 
     assert delivered == 1
     assert took < 2.0 + 1.5, f"the run took {took:.1f} s; the deadline is 2 s"
-    assert len(fast.hits) == 1 and fast.hits[0].at - started < 1.0, "the fast team waited"
+    assert len(fast.hits) == 1 and fast.hits[0].at - started < 1.5, "the fast team waited"
     fast_notice.refresh_from_db()
     slow_notice.refresh_from_db()
     assert fast_notice.delivered_at is not None
