@@ -323,3 +323,55 @@ def test_the_admin_form_refuses_what_the_api_refuses(world: Any, settings: Any) 
     )
     assert page.status_code == 200 and b"link-local" in page.content
     assert snapshot() == before
+
+
+def test_https_checks_the_certificate_against_the_urls_host_on_the_pinned_address(
+    receivers: list[Receiver], tmp_path: Any, monkeypatch: Any
+) -> None:
+    """Connecting to the checked address must not weaken TLS: the certificate
+    is verified against the URL's host name, whatever address was dialled."""
+    import ssl
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=receiver.test",
+            "-addext",
+            "subjectAltName=DNS:receiver.test",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    receiver = _serve(receivers, ok)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    receiver.server.socket = tls.wrap_socket(receiver.server.socket, server_side=True)
+    port = receiver.server.server_port
+
+    def to(host: str) -> Destination:
+        return Destination("https", host, port, "/hook", "127.0.0.1")
+
+    # Not trusted yet: refused, though the address is the right one.
+    with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED"):
+        post(to("receiver.test"), b"{}", {}, deadline=2.0)
+    # Trusted, and named as in the certificate: delivered to the pinned address.
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    assert post(to("receiver.test"), b"{}", {}, deadline=2.0) == 204
+    # Trusted, but the URL names another host: the certificate does not match.
+    with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED"):
+        post(to("other.test"), b"{}", {}, deadline=2.0)
+    assert len(receiver.hits) == 1
