@@ -375,3 +375,22 @@ def test_https_checks_the_certificate_against_the_urls_host_on_the_pinned_addres
     with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED"):
         post(to("other.test"), b"{}", {}, deadline=2.0)
     assert len(receiver.hits) == 1
+
+
+def test_a_failing_receiver_keeps_its_other_notices_without_spending_their_tries(
+    world: Any, receivers: list[Receiver]
+) -> None:
+    def broken(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(500)
+        handler.end_headers()
+
+    receiver = _serve(receivers, broken)
+    hook = webhook_create(actor=world.users["admin"], team=world.vision, url=receiver.url())
+    job = _job(world, world.vision)
+    first, second = _queue(hook, job, "preempted"), _queue(hook, job, "requeued")
+    assert deliver_due() == 0
+    first.refresh_from_db()
+    second.refresh_from_db()
+    assert (first.tries, first.last_error) == (1, "HTTP 500")
+    assert (second.tries, second.last_error) == (0, "") and second.next_try_at <= timezone.now()
+    assert len(receiver.hits) == 1
