@@ -113,7 +113,7 @@ ERROR_RESPONSES = {
     403: OpenApiResponse(description="Not allowed."),
     404: OpenApiResponse(description="No such object (or not visible to you)."),
     429: OpenApiResponse(
-        description="Too many failed sign-ins for the account or address; `Retry-After` says how many seconds to wait."
+        description="Over a limit (too many failed sign-ins, or too many trap events); the body says which, and `Retry-After` how long to wait where it applies."
     ),
 }
 

@@ -103,6 +103,7 @@ def webhook_create(
     """Register a URL that receives the team's job notices (all of them when
     `events` is empty)."""
     from preemption.models import Webhook
+    from preemption.webhooks import destination_refusal
 
     events = list(events or [])
     unknown = sorted(set(events) - set(Webhook.EVENTS))
@@ -117,6 +118,9 @@ def webhook_create(
     webhook = Webhook(team=team, url=url, events=events, secret=secret)
     # An empty list of events is valid (it means all of them); the model field calls it blank.
     webhook.full_clean(exclude=["events"])
+    refusal = destination_refusal(url)
+    if refusal is not None:
+        raise ValidationError({"url": [refusal]})
     webhook.save()
     AuditEntry.objects.create(
         actor=actor,

@@ -11,6 +11,7 @@ asks for are on.
 
 from __future__ import annotations
 
+import ipaddress
 from datetime import timedelta
 from pathlib import Path
 
@@ -247,6 +248,25 @@ QM_K8S_KUBECONFIG = env_str("QM_K8S_KUBECONFIG", "") or ""
 QM_PUBLIC_URL = env_str("QM_PUBLIC_URL", "http://127.0.0.1:8000") or "http://127.0.0.1:8000"
 QM_MAX_ATTEMPTS = env_int("QM_MAX_ATTEMPTS", 5, minimum=1)
 QM_RETRY_BACKOFF_SECONDS = env_float("QM_RETRY_BACKOFF_SECONDS", 10.0, minimum=0.0)
+# Webhooks: networks an admin opens to them (comma-separated CIDRs; everything
+# that is not public is closed otherwise), and the time one delivery may take
+# in all, from connecting to the answer's head.
+QM_WEBHOOK_ALLOW_NETS = env_list("QM_WEBHOOK_ALLOW_NETS", [])
+for _net in QM_WEBHOOK_ALLOW_NETS:
+    try:
+        ipaddress.ip_network(_net, strict=False)
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"QM_WEBHOOK_ALLOW_NETS: {_net!r} is not an IP network such as 10.1.2.0/24"
+        ) from None
+QM_WEBHOOK_DEADLINE_SECONDS = env_float("QM_WEBHOOK_DEADLINE_SECONDS", 5.0, minimum=0.1)
+if QM_WEBHOOK_DEADLINE_SECONDS > 15:
+    # A delivery run has 20 s (inside the task's 30 s limit); a longer deadline would fit none.
+    raise ImproperlyConfigured("QM_WEBHOOK_DEADLINE_SECONDS must be at most 15")
+# The trap's events: how many one rank of an attempt may store, and how fast a
+# reported checkpoint step may run ahead of the job's last one.
+QM_TRAP_EVENTS_PER_RANK = env_int("QM_TRAP_EVENTS_PER_RANK", 10_000, minimum=1)
+QM_TRAP_MAX_STEPS_PER_SECOND = env_float("QM_TRAP_MAX_STEPS_PER_SECOND", 1000.0, minimum=1.0)
 
 # Login throttling (portal/throttling.py): this many wrong passwords for one
 # account lock that account out (from every address), and this many from one

@@ -3,7 +3,6 @@ reconcilers, which act for the system, live in cycle.py and reconcile.py."""
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +96,6 @@ def job_submit(
         command=command,
         image=image,
         env=env or {},
-        events_token=secrets.token_urlsafe(24),
         max_attempts=max_attempts or settings.QM_MAX_ATTEMPTS,
         waiting_reason="waiting for the next scheduling cycle",
     )

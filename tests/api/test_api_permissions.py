@@ -22,6 +22,7 @@ from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
 from portal.services import api_token_create, webhook_create
+from preemption.event_tokens import attempt_events_token
 from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank
 from quotas import services as quota_services
 from quotas.models import AuditEntry, Node, PriorityClass, Quota, Team
@@ -78,7 +79,6 @@ def _running_job(world: Any, team: Team, submitter: Any, node: str) -> tuple[Job
         state=JobState.RUNNING,
         admitted_at=now,
         running_at=now,
-        events_token=f"events-{team.slug}",
     )
     attempt = Attempt.objects.create(
         job=job, number=1, placement=[{"node": node, "ranks": 1}], admitted_at=now, launched_at=now
@@ -102,6 +102,13 @@ def _preemption(job: Job, attempt: Attempt) -> PreemptionEvent:
     )
 
 
+@pytest.fixture(autouse=True)
+def _webhook_test_network(settings: Any) -> None:
+    # Webhooks may reach only public addresses; the documentation network
+    # (192.0.2.0/24, never routed) stands in for one, opened by the allow-list.
+    settings.QM_WEBHOOK_ALLOW_NETS = ["192.0.2.0/24"]
+
+
 @pytest.fixture
 def objects(world: Any) -> Objects:
     users = world.users
@@ -119,7 +126,6 @@ def objects(world: Any) -> Objects:
             ranks=1,
             gpus_per_rank=1,
             command="true",
-            events_token="x" * 20,
         )
         for key, who in (("pending", "researcher"), ("by-manager", "manager"))
     }
@@ -134,8 +140,8 @@ def objects(world: Any) -> Objects:
     # Audit rows in both trees, written the way people write them.
     quota_services.quota_update(actor=admin, quota=world.quota(world.vision), borrow_limit=4)
     quota_services.quota_update(actor=admin, quota=world.quota(world.ops), borrow_limit=4)
-    webhook_v = webhook_create(actor=admin, team=world.vision, url="http://127.0.0.1:9/vision")
-    webhook_ops = webhook_create(actor=admin, team=world.ops, url="http://127.0.0.1:9/ops")
+    webhook_v = webhook_create(actor=admin, team=world.vision, url="http://192.0.2.9/vision")
+    webhook_ops = webhook_create(actor=admin, team=world.ops, url="http://192.0.2.9/ops")
     tokens = {
         persona: api_token_create(user=users[persona], name="laptop")[0]
         for persona in PERSONAS[:-1]
@@ -435,7 +441,7 @@ case(
         lambda w, o: f"{V1}/jobs/{o.job_v.pk}/events/",
         {p: 202 for p in PERSONAS},
         body=lambda w, o: _event(o),
-        headers=lambda w, o: {"HTTP_AUTHORIZATION": f"Bearer {o.job_v.events_token}"},
+        headers=lambda w, o: {"HTTP_AUTHORIZATION": f"Bearer {attempt_events_token(o.attempt_v)}"},
         session=True,
     ),
     Case(
@@ -444,7 +450,9 @@ case(
         lambda w, o: f"{V1}/jobs/{o.job_v.pk}/events/",
         {p: 403 for p in PERSONAS},
         body=lambda w, o: _event(o),
-        headers=lambda w, o: {"HTTP_AUTHORIZATION": f"Bearer {o.job_ops.events_token}"},
+        headers=lambda w, o: {
+            "HTTP_AUTHORIZATION": f"Bearer {attempt_events_token(o.attempt_ops)}"
+        },
         session=True,
     ),
     Case(
@@ -765,7 +773,7 @@ case(
         _expect(201, 201, 403, 403, 403),
         body=lambda w, o: {
             "team": "vision",
-            "url": "https://hooks.example.org/qm",
+            "url": "https://192.0.2.10/qm",
             "events": ["preempted"],
         },
     ),

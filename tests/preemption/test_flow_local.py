@@ -282,7 +282,7 @@ def test_cancel_stops_gracefully_and_logs_are_readable(world: Any, drive: Any) -
 
 
 def test_webhook_receives_preempted_requeued_and_finished_with_retries(
-    world: Any, drive: Any
+    world: Any, drive: Any, settings: Any
 ) -> None:
     import os
     import signal
@@ -307,6 +307,8 @@ def test_webhook_receives_preempted_requeued_and_finished_with_retries(
         def log_message(self, *args: Any) -> None:
             return
 
+    # The receiver is on loopback, which webhooks reach only where an admin opens it.
+    settings.QM_WEBHOOK_ALLOW_NETS = ["127.0.0.1/32"]
     server = HTTPServer(("127.0.0.1", 0), Receiver)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
