@@ -75,3 +75,53 @@ def test_a_quota_edit_in_the_admin_obeys_the_rules_and_is_audited(world: Any) ->
     assert (
         entry is not None and entry.actor == world.users["admin"] and entry.after["guarantee"] == 6
     )
+
+
+def test_a_teams_priority_classes_edited_in_the_admin_obey_the_tree_and_are_audited(
+    world: Any,
+) -> None:
+    browser = Client()
+    browser.force_login(world.users["admin"])
+    world.ml.priority_classes.set([world.batch])
+    url = reverse("admin:quotas_team_change", args=[world.vision.pk])
+    form = {
+        "slug": "vision",
+        "name": "Vision",
+        "parent": world.ml.pk,
+        "weight": 1.0,
+        "priority_classes": [world.critical.pk],
+        "default_priority_class": "",
+        **{
+            f"{prefix}-{key}": value
+            for prefix in ("quotas", "memberships")
+            for key, value in (
+                ("TOTAL_FORMS", 0),
+                ("INITIAL_FORMS", 0),
+                ("MIN_NUM_FORMS", 0),
+                ("MAX_NUM_FORMS", 1000),
+            )
+        },
+    }
+    refused = browser.post(url, form)
+    assert refused.status_code == 200
+    assert (
+        "A sub-team can only narrow its parent&#x27;s classes: ml may use ai-batch-preemptible, "
+        "not ai-prod-critical." in refused.content.decode()
+    )
+    assert not world.vision.priority_classes.exists()
+    assert not AuditEntry.objects.filter(action="team.priority_classes").exists()
+    saved = browser.post(
+        url,
+        {**form, "priority_classes": [world.batch.pk], "default_priority_class": world.batch.pk},
+    )
+    assert saved.status_code == 302, saved.content.decode()[:2000]
+    assert list(world.vision.priority_classes.all()) == [world.batch]
+    entry = AuditEntry.objects.get(action="team.priority_classes")
+    assert entry.actor == world.users["admin"] and entry.team == world.vision
+    assert entry.before["priority_classes"] is None
+    assert entry.after == {
+        "priority_classes": ["ai-batch-preemptible"],
+        "default_priority_class": "ai-batch-preemptible",
+        "allowed": ["ai-batch-preemptible"],
+        "default": "ai-batch-preemptible",
+    }

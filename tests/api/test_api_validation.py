@@ -196,9 +196,7 @@ def test_a_job_cannot_ask_more_gpus_per_rank_than_any_node_has(world: Any) -> No
         "command": "python train.py",
     }
     body = refused(world.client("researcher"), "post", "/api/v1/jobs/", job)
-    assert body == {
-        "gpus_per_rank": ["No node of flavor h100-80gb has 16 GPUs (the largest has 8)."]
-    }
+    assert body == {"gpus_per_rank": ["Each rank needs 16 GPUs; the largest h100-80gb node has 8."]}
 
 
 @pytest.mark.parametrize(

@@ -162,7 +162,7 @@ def test_errors_are_one_clear_line_with_an_exit_code(world: Any, qm: Any) -> Non
     )
     assert too_big.returncode == 1
     assert too_big.stderr.strip() == (
-        "qm: gpus_per_rank: No node of flavor h100-80gb has 16 GPUs (the largest has 8)."
+        "qm: gpus_per_rank: Each rank needs 16 GPUs; the largest h100-80gb node has 8."
     )
 
     bad_usage = qm("show", "twelve", env=with_token)
