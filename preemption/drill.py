@@ -48,6 +48,7 @@ from portal.processes import beat_command, web_command, worker_command
 from preemption.models import FINAL_STATES, Attempt, Job, JobState, PreemptionEvent, Rank
 from preemption.services import job_cancel, job_submit
 from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team
+from quotas.services import team_priority_classes_set
 from telemetry.models import DrillRun, TrapEvent
 
 SCHEMA_VERSION = 1
@@ -197,6 +198,16 @@ class Drill:
                 "description": "Drill only: a grace shorter than a checkpoint save.",
             },
         )
+        # The owner runs the critical job, the borrower the preemptible ones; the
+        # root must hold every class its sub-teams narrow to, so it is set first.
+        for team, classes in (
+            (root, [self.critical, self.batch, self.short_grace]),
+            (owner, [self.critical]),
+            (borrower, [self.batch, self.short_grace]),
+        ):
+            team_priority_classes_set(
+                actor=None, team=team, priority_classes=classes, may_widen=True
+            )
         user_model = get_user_model()
         self.user = user_model.objects.filter(
             username="drill-bot"

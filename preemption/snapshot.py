@@ -7,12 +7,14 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
+from django.db import models
 from django.db.models import Max
 from django.utils import timezone
 
 import fairshare
-from preemption.models import Attempt, Checkpoint, Job, JobState
-from quotas.models import Node, PriorityClass, Quota, Team
+from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Checkpoint, Job, JobState
+from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team
+from quotas.selectors import TeamTree
 from quotas.services import UNSET, quota_validate
 
 ENGINE_STATE = {
@@ -132,6 +134,56 @@ def build_snapshot(*, now: datetime | None = None) -> fairshare.Snapshot:
     )
 
 
+def non_preemptible_work(*, team: Team, flavor: ResourceFlavor, guarantee: int) -> dict[str, Any]:
+    """The jobs of a class that is never preempted, which a guarantee of
+    (team, flavor) must make room for.
+
+    R5 lets such jobs run only inside their team's guarantee and no rule may
+    take them back, so the running ones are a floor under the guarantee of
+    their team and of every team above it (`quota_validate` refuses a cut
+    below it). A waiting one larger than its own team's guarantee would never
+    start: the preview lists those as stranded by the change.
+    """
+    subtree = TeamTree.load().subtree([team.pk])
+    rows = list(
+        Job.objects.filter(
+            team_id__in=subtree,
+            flavor=flavor,
+            priority_class__preemptible=False,
+            state__in=[*ACTIVE_STATES, *WAITING_STATES],
+        )
+        .order_by("id")
+        .values("id", "name", "team_id", "team__slug", "ranks", "gpus_per_rank", "state")
+        .annotate(priority_class_name=models.F("priority_class__name"))
+    )
+
+    def describe(row: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "job_id": row["id"],
+            "job_name": row["name"],
+            "team": row["team__slug"],
+            "gpus": row["ranks"] * row["gpus_per_rank"],
+            "priority_class": row["priority_class_name"],
+        }
+
+    running = [describe(row) for row in rows if row["state"] in ACTIVE_STATES]
+    stranded = []
+    for row in rows:
+        job = describe(row)
+        if row["state"] in WAITING_STATES and row["team_id"] == team.pk and job["gpus"] > guarantee:
+            job["why"] = (
+                f"{job['priority_class']} is never preempted, so it runs only inside "
+                f"{team.slug}'s guarantee: it needs {job['gpus']} GPUs of {flavor.name}, "
+                f"the guarantee would be {guarantee}."
+            )
+            stranded.append(job)
+    return {
+        "running": running,
+        "floor": sum(job["gpus"] for job in running),
+        "stranded": stranded,
+    }
+
+
 def quota_preview(
     *,
     quota: Quota,
@@ -185,6 +237,9 @@ def quota_preview(
             item.setdefault("job_id", key)
             item.setdefault("job_name", names[key][0])
             item.setdefault("team", names[key][1])
+    result["non_preemptible"] = non_preemptible_work(
+        team=quota.team, flavor=quota.flavor, guarantee=new_guarantee
+    )
     result["change"] = {
         "team": quota.team.slug,
         "flavor": quota.flavor.name,

@@ -246,6 +246,13 @@ class QuotaPreviewResultSerializer(serializers.Serializer[Any]):
     fair_share = serializers.DictField(
         help_text="Per team and flavor: the fair share before and after."
     )
+    non_preemptible = serializers.DictField(
+        help_text=(
+            "Jobs of never-preempted classes in the team's subtree: `running` (their GPUs, "
+            "`floor`, are the lowest guarantee allowed) and `stranded` (waiting jobs larger "
+            "than the new guarantee, which could then never start)."
+        )
+    )
 
 
 # --- viewsets ------------------------------------------------------------------

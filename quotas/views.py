@@ -141,6 +141,7 @@ def preview_context(consequences: dict[str, Any] | None) -> dict[str, Any]:
         "moves": changed,
         "unchanged_queues": len(moves) - len(changed),
         "change": consequences.get("change") or {},
+        "non_preemptible": consequences.get("non_preemptible") or {},
     }
 
 

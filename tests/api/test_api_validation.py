@@ -7,23 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from django.apps import apps
 from django.utils import timezone
 
 from preemption.models import Attempt, Job, JobState
+from tests.conftest import database_state
 
 
 @pytest.fixture(autouse=True)
 def _fast_passwords(settings: Any) -> None:
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
-def database_state() -> dict[str, list[dict[str, Any]]]:
-    return {
-        model._meta.label: list(model.objects.order_by("pk").values())
-        for label in ("portal", "quotas", "preemption", "telemetry")
-        for model in apps.get_app_config(label).get_models()
-    }
 
 
 def refused(
