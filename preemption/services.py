@@ -146,7 +146,8 @@ def _capacity_errors(
             if nodes
             else (f"the cluster has no {flavor.name} node")
         )
-        return {"gpus_per_rank": [f"Each rank needs {gpus_per_rank} GPUs; {where}."]}
+        plural = "s" if gpus_per_rank != 1 else ""
+        return {"gpus_per_rank": [f"Each rank needs {gpus_per_rank} GPU{plural}; {where}."]}
     if not ranks:
         return {}
     total, capacity = ranks * gpus_per_rank, sum(nodes)
