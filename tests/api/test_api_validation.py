@@ -160,6 +160,58 @@ def test_a_guarantee_cannot_go_below_running_non_preemptible_gpus(world: Any) ->
     assert response.status_code == 200 and response.json()["guarantee"] == 6
 
 
+def test_the_preview_shows_the_floor_and_the_waiting_work_a_cut_would_strand(world: Any) -> None:
+    serve = running_job(world, world.vision, critical=True, ranks=2, gpus_per_rank=3, name="serve")
+    running_job(world, world.vision, critical=False, ranks=1, gpus_per_rank=2, name="batch")
+    waiting = Job.objects.create(
+        name="big-serve",
+        team=world.vision,
+        submitter=world.users["researcher"],
+        priority_class=world.critical,
+        flavor=world.h100,
+        ranks=1,
+        gpus_per_rank=8,
+        command="sleep 60",
+    )
+    url = f"/api/v1/quotas/{world.quota(world.vision).pk}/preview/"
+    before = database_state()
+    cut = world.client("manager").post(url, {"guarantee": 6}, format="json")
+    assert cut.status_code == 200, cut.json()
+    assert cut.json()["non_preemptible"] == {
+        "running": [
+            {
+                "job_id": serve.pk,
+                "job_name": "serve",
+                "team": "vision",
+                "gpus": 6,
+                "priority_class": "ai-prod-critical",
+            }
+        ],
+        "floor": 6,
+        "stranded": [
+            {
+                "job_id": waiting.pk,
+                "job_name": "big-serve",
+                "team": "vision",
+                "gpus": 8,
+                "priority_class": "ai-prod-critical",
+                "why": "ai-prod-critical is never preempted, so it runs only inside vision's "
+                "guarantee: it needs 8 GPUs of h100-80gb, the guarantee would be 6.",
+            }
+        ],
+    }
+    # The same work seen from the parent: running jobs below it count, and the
+    # waiting one is vision's to strand, not ml's.
+    above = world.client("admin").post(
+        f"/api/v1/quotas/{world.quota(world.ml).pk}/preview/", {"guarantee": 16}, format="json"
+    )
+    assert above.json()["non_preemptible"]["floor"] == 6
+    assert above.json()["non_preemptible"]["stranded"] == []
+    keep = world.client("manager").post(url, {"guarantee": 8}, format="json")
+    assert keep.json()["non_preemptible"]["stranded"] == []
+    assert database_state() == before
+
+
 def test_a_team_cannot_move_under_its_own_subtree(world: Any) -> None:
     body = refused(
         world.client("admin"), "patch", f"/api/v1/teams/{world.ml.pk}/", {"parent": "vision"}

@@ -97,6 +97,45 @@ def test_quota_preview_shows_consequences_and_saves_nothing(world: Any) -> None:
     assert AuditEntry.objects.count() == before
 
 
+def test_quota_preview_says_what_never_preempted_work_needs(world: Any) -> None:
+    now = timezone.now()
+    serve = Job.objects.create(
+        name="serve",
+        team=world.vision,
+        submitter=world.users["researcher"],
+        priority_class=world.critical,
+        flavor=world.h100,
+        ranks=1,
+        gpus_per_rank=2,
+        command="sleep 60",
+        state=JobState.RUNNING,
+        admitted_at=now,
+        running_at=now,
+    )
+    Attempt.objects.create(
+        job=serve, number=1, placement=[{"node": "h100-node-0", "ranks": 1}], admitted_at=now
+    )
+    Job.objects.create(
+        name="big-serve",
+        team=world.vision,
+        submitter=world.users["researcher"],
+        priority_class=world.critical,
+        flavor=world.h100,
+        ranks=1,
+        gpus_per_rank=6,
+        command="sleep 60",
+    )
+    client = page_client(world, "manager")
+    quota = world.quota(world.vision)
+    body = client.post(reverse("quota-preview", args=[quota.pk]), {"guarantee": 4}).content.decode()
+    assert "Never-preempted jobs hold 2 GPUs here" in body
+    assert "the guarantee cannot go below 2." in body
+    assert "1 waiting never-preempted job could never start" in body
+    assert "it needs 6 GPUs of h100-80gb, the guarantee would be 4." in body
+    blocked = client.post(reverse("quota-preview", args=[quota.pk]), {"guarantee": 1})
+    assert "the guarantee cannot go below that (got 1)" in blocked.content.decode()
+
+
 def test_quota_preview_names_running_jobs_that_would_be_reclaimed(world: Any) -> None:
     # 8 of the 24 GPUs are nobody's guarantee; ops borrows them while vision,
     # guaranteed nothing, waits. Raising org's guarantee to 16 flows down to
