@@ -97,6 +97,14 @@ def test_quota_preview_shows_consequences_and_saves_nothing(world: Any) -> None:
     assert AuditEntry.objects.count() == before
 
 
+def test_team_page_names_the_priority_classes_its_jobs_may_use(world: Any) -> None:
+    world.ml.priority_classes.set([world.batch])
+    body = page_client(world, "researcher").get(reverse("team-detail", args=["vision"]))
+    text = body.content.decode()
+    assert "Jobs may use <strong>ai-batch-preemptible</strong> (default) · as ml allows." in text
+    assert "ai-prod-critical</strong>" not in text
+
+
 def test_quota_preview_says_what_never_preempted_work_needs(world: Any) -> None:
     now = timezone.now()
     serve = Job.objects.create(
