@@ -11,7 +11,8 @@ from django.contrib import admin
 from django.test import Client
 from django.urls import reverse
 
-from quotas.models import AuditEntry, Quota
+from quotas.models import AuditEntry, Quota, Team
+from quotas.selectors import priority_allowance
 
 APPS = ("portal", "quotas", "preemption", "telemetry")
 
@@ -125,3 +126,28 @@ def test_a_teams_priority_classes_edited_in_the_admin_obey_the_tree_and_are_audi
         "allowed": ["ai-batch-preemptible"],
         "default": "ai-batch-preemptible",
     }
+
+
+def test_a_team_added_in_the_admin_starts_with_its_parents_classes(world: Any) -> None:
+    browser = Client()
+    browser.force_login(world.users["admin"])
+    url = reverse("admin:quotas_team_add")
+    page = browser.get(url).content.decode()
+    assert 'name="slug"' in page and 'name="priority_classes"' not in page
+    inline = {
+        f"{prefix}-{key}": value
+        for prefix in ("quotas", "memberships")
+        for key, value in (
+            ("TOTAL_FORMS", 0),
+            ("INITIAL_FORMS", 0),
+            ("MIN_NUM_FORMS", 0),
+            ("MAX_NUM_FORMS", 1000),
+        )
+    }
+    added = browser.post(
+        url, {"slug": "speech", "name": "Speech", "parent": world.ml.pk, "weight": 1.0, **inline}
+    )
+    assert added.status_code == 302, added.content.decode()[:2000]
+    speech = Team.objects.get(slug="speech")
+    assert not speech.priority_classes.exists() and speech.default_priority_class is None
+    assert priority_allowance(team=speech).names == ["ai-prod-critical", "ai-batch-preemptible"]
