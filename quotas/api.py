@@ -173,7 +173,10 @@ class QuotaUpdateSerializer(serializers.Serializer[Any]):
 
 class QuotaPreviewSerializer(QuotaUpdateSerializer):
     weight = serializers.FloatField(
-        required=False, help_text="The team's weight, which divides the surplus among siblings."
+        min_value=0.001,
+        max_value=MAX_WEIGHT,
+        required=False,
+        help_text="The team's weight, which divides the surplus among siblings.",
     )
 
 

@@ -395,6 +395,10 @@ def test_weights_and_priority_classes_are_bounded(world: Any) -> None:
     assert refused(admin, "patch", f"/api/v1/teams/{world.vision.pk}/", {"weight": 1e300}) == {
         "weight": ["Ensure this value is less than or equal to 1000000.0."]
     }
+    preview = f"/api/v1/quotas/{world.quota(world.vision).pk}/preview/"
+    assert refused(admin, "post", preview, {"weight": 1e300}) == {
+        "weight": ["Ensure this value is less than or equal to 1000000.0."]
+    }
     body = refused(admin, "post", "/api/v1/priority-classes/", {"name": "huge", "value": 10**10})
     assert body == {"value": ["Ensure this value is less than or equal to 1000000000."]}
     body = refused(
