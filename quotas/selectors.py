@@ -191,40 +191,63 @@ def priority_allowance(*, team: Team, tree: TeamTree | None = None) -> PriorityA
     allowed here, the installation's default class if allowed here, and else the
     allowed class of the lowest value (the least a job can ask for).
     """
+    return priority_allowances(team_ids=[team.pk], tree=tree)[team.pk]
+
+
+def priority_allowances(
+    *, team_ids: Iterable[int], tree: TeamTree | None = None
+) -> dict[int, PriorityAllowance]:
+    """`priority_allowance` of many teams, in a fixed number of queries."""
     tree = tree or TeamTree.load()
-    chain = [team.pk, *tree.ancestors(team.pk)]
+    chains = {team_id: [team_id, *tree.ancestors(team_id)] for team_id in team_ids}
+    involved = {member for chain in chains.values() for member in chain}
     own: dict[int, set[int]] = defaultdict(set)
     for team_id, class_id in Team.priority_classes.through.objects.filter(
-        team_id__in=chain
+        team_id__in=involved
     ).values_list("team_id", "priorityclass_id"):
         own[team_id].add(class_id)
-    defaults = dict(
-        Team.objects.filter(id__in=chain, default_priority_class__isnull=False).values_list(
-            "id", "default_priority_class_id"
-        )
-    )
+    slugs: dict[int, str] = {}
+    defaults: dict[int, int] = {}
+    for team_id, slug, default_id in Team.objects.filter(id__in=involved).values_list(
+        "id", "slug", "default_priority_class_id"
+    ):
+        slugs[team_id] = slug
+        if default_id is not None:
+            defaults[team_id] = default_id
     classes = {pc.pk: pc for pc in PriorityClass.objects.all()}
     installation_default = next((pc for pc in classes.values() if pc.is_default), None)
-    allowed: set[int] | None = None
-    source: int | None = None
-    for team_id in reversed(chain):
-        if team_id in own:
-            allowed = own[team_id] if allowed is None else allowed & own[team_id]
-            source = team_id
-    if allowed is None:
-        allowed = {installation_default.pk} if installation_default is not None else set()
-    ordered = tuple(sorted((classes[pk] for pk in allowed), key=lambda pc: (-pc.value, pc.name)))
-    default = next(
-        (classes[defaults[t]] for t in chain if t in defaults and defaults[t] in allowed), None
-    )
-    if default is None and installation_default is not None and installation_default.pk in allowed:
-        default = installation_default
-    if default is None and ordered:
-        default = ordered[-1]
-    slugs = dict(Team.objects.filter(id=source).values_list("id", "slug")) if source else {}
-    return PriorityAllowance(
-        team=team.slug, allowed=ordered, default=default, source=slugs.get(source or 0)
-    )
+    answers: dict[int, PriorityAllowance] = {}
+    for team_id, chain in chains.items():
+        allowed: set[int] | None = None
+        source: int | None = None
+        for member in reversed(chain):
+            if member in own:
+                allowed = set(own[member]) if allowed is None else allowed & own[member]
+                source = member
+        if allowed is None:
+            allowed = {installation_default.pk} if installation_default is not None else set()
+        ordered = tuple(
+            sorted((classes[pk] for pk in allowed), key=lambda pc: (-pc.value, pc.name))
+        )
+        default = next(
+            (classes[defaults[m]] for m in chain if m in defaults and defaults[m] in allowed),
+            None,
+        )
+        if (
+            default is None
+            and installation_default is not None
+            and installation_default.pk in allowed
+        ):
+            default = installation_default
+        if default is None and ordered:
+            default = ordered[-1]
+        answers[team_id] = PriorityAllowance(
+            team=slugs.get(team_id, ""),
+            allowed=ordered,
+            default=default,
+            source=slugs.get(source) if source is not None else None,
+        )
+    return answers
 
 
 def audit_list(*, user: User, team: Team | None = None) -> QuerySet[AuditEntry]:

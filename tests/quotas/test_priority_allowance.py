@@ -11,6 +11,8 @@ import pytest
 from django.apps import apps
 from django.core.exceptions import PermissionDenied, ValidationError
 
+from preemption.cycle import schedule_cycle
+from preemption.models import JobState
 from preemption.services import job_submit
 from quotas.models import AuditEntry, PriorityClass, Quota, Team
 from quotas.selectors import priority_allowance
@@ -172,3 +174,34 @@ def test_the_migration_lets_existing_top_level_teams_keep_every_class(
     assert allowed(world.org)[0] == every and allowed(world.other)[0] == every
     assert allowed(world.vision) == (every, "ai-batch-preemptible", "org")
     assert not world.vision.priority_classes.exists()
+
+
+def test_a_waiting_job_whose_class_was_taken_away_is_held_and_says_why(world: Any) -> None:
+    def submit(priority_class: PriorityClass, name: str) -> Any:
+        return job_submit(
+            submitter=world.users["researcher"],
+            team=world.vision,
+            flavor=world.h100,
+            ranks=1,
+            gpus_per_rank=4,
+            command="true",
+            priority_class=priority_class,
+            name=name,
+        )
+
+    serve, train = submit(world.critical, "serve"), submit(world.batch, "train")
+    narrow(world, world.vision, world.batch)
+    result = schedule_cycle(act=False)
+    serve.refresh_from_db()
+    train.refresh_from_db()
+    assert train.state == JobState.ADMITTED
+    assert serve.state == JobState.PENDING and result.waiting == 1
+    assert serve.waiting_reason == (
+        "held: team vision may no longer use ai-prod-critical (it may use "
+        "ai-batch-preemptible); cancel and resubmit in one of those"
+    )
+    # Given the class back, it is planned like any other job.
+    narrow(world, world.vision, world.critical, world.batch)
+    schedule_cycle(act=False)
+    serve.refresh_from_db()
+    assert serve.state == JobState.ADMITTED
