@@ -17,6 +17,7 @@ from django.utils import timezone
 from portal.models import ApiToken
 from preemption.models import Attempt, Job, JobState
 from quotas.models import AuditEntry, Quota
+from quotas.services import team_priority_classes_set
 from telemetry.models import UtilizationSample
 from telemetry.services import utilization_sample
 from tests.pages.conftest import page_client, seed_drill, seed_jobs
@@ -98,11 +99,16 @@ def test_quota_preview_shows_consequences_and_saves_nothing(world: Any) -> None:
 
 
 def test_team_page_names_the_priority_classes_its_jobs_may_use(world: Any) -> None:
-    world.ml.priority_classes.set([world.batch])
+    team_priority_classes_set(
+        actor=world.users["admin"], team=world.ml, priority_classes=[world.batch], may_widen=True
+    )
     body = page_client(world, "researcher").get(reverse("team-detail", args=["vision"]))
     text = body.content.decode()
     assert "Jobs may use <strong>ai-batch-preemptible</strong> (default) · as ml allows." in text
     assert "ai-prod-critical</strong>" not in text
+    # The manager of ml reads the change in the audit history of the team's page.
+    managed = page_client(world, "manager").get(reverse("team-detail", args=["ml"]))
+    assert managed.status_code == 200 and "team.priority_classes" in managed.content.decode()
 
 
 def test_quota_preview_says_what_never_preempted_work_needs(world: Any) -> None:
