@@ -61,7 +61,14 @@ from preemption.runtimes import iter_trap_events, procfs, read_whole_log
 from preemption.runtimes.base import GangId
 from preemption.services import job_cancel, job_submit
 from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team
-from quotas.services import flavor_create, node_upsert, priority_class_save, quota_set, team_create
+from quotas.services import (
+    flavor_create,
+    node_upsert,
+    priority_class_save,
+    quota_set,
+    team_create,
+    team_priority_classes_set,
+)
 from telemetry.models import TrapEvent
 from telemetry.services import drill_run_record
 
@@ -231,6 +238,17 @@ class Drill:
             grace_seconds=1,
             description="Drill only: a grace shorter than a checkpoint save.",
         )
+        # The owner runs the critical job, the borrower the preemptible ones; the
+        # root must hold every class its sub-teams narrow to, so it is set first.
+        for team, classes in (
+            (root, [self.critical, self.batch, self.short_grace]),
+            (owner, [self.critical]),
+            (borrower, [self.batch, self.short_grace]),
+        ):
+            if set(team.priority_classes.all()) != set(classes):
+                team_priority_classes_set(
+                    actor=actor, team=team, priority_classes=classes, may_widen=True
+                )
 
     def _set_quotas(
         self,

@@ -156,15 +156,8 @@ class JobDetailSerializer(JobSerializer):
         read_only_fields = fields
 
 
-def _check_env(env: dict[str, str]) -> dict[str, str]:
-    name_field = serializers.CharField(max_length=200)
-    for name in env:
-        name_field.run_validation(name)
-    return env
-
-
 class JobSubmitSerializer(serializers.Serializer[Any]):
-    name = serializers.CharField(max_length=120, required=False, allow_blank=True, default="")
+    name = serializers.CharField(required=False, allow_blank=True, default="")
     team = NamedRelatedField(slug_field="slug", queryset=Team.objects.all())
     flavor = NamedRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
     priority_class = NamedRelatedField(
@@ -172,26 +165,33 @@ class JobSubmitSerializer(serializers.Serializer[Any]):
         queryset=PriorityClass.objects.all(),
         required=False,
         allow_null=True,
-        help_text="Left out: the default class.",
+        help_text=(
+            "One of the classes the team may use (GET /teams/{id}/priority-classes/); "
+            "left out: the team's default class."
+        ),
     )
-    # Ranges are the service's rules, with its messages; only types are checked here.
+    # Ranges, sizes and formats are the service's rules, with its messages (the
+    # drill and the demo seed submit through it too); only types are checked here.
     ranks = serializers.IntegerField()
     gpus_per_rank = serializers.IntegerField()
     command = serializers.CharField(
         trim_whitespace=False, help_text="Run by /bin/sh -c on every rank."
     )
-    image = serializers.CharField(max_length=300, required=False, allow_blank=True, default="")
+    image = serializers.CharField(
+        required=False,
+        allow_blank=True,
+        default="",
+        help_text="An OCI image reference, e.g. registry.example.org/team/trainer:1.4.",
+    )
     env = serializers.DictField(
-        child=serializers.CharField(allow_blank=True, max_length=10_000, trim_whitespace=False),
+        child=serializers.CharField(allow_blank=True, trim_whitespace=False),
         required=False,
         default=dict,
+        help_text="Portable names ([A-Za-z_][A-Za-z0-9_]*); QM_* and the rendezvous names are the runtime's.",
     )
     max_attempts = serializers.IntegerField(
-        min_value=1, max_value=100, required=False, allow_null=True
+        min_value=1, max_value=services.MAX_ATTEMPTS, required=False, allow_null=True
     )
-
-    def validate_env(self, env: dict[str, str]) -> dict[str, str]:
-        return _check_env(env)
 
 
 class JobLogSerializer(serializers.Serializer[Any]):

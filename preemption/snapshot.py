@@ -7,12 +7,14 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
+from django.db import models
 from django.db.models import Max
 from django.utils import timezone
 
 import fairshare
-from preemption.models import Attempt, Checkpoint, Job, JobState
-from quotas.models import Node, PriorityClass, Quota, Team
+from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Checkpoint, Job, JobState
+from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team
+from quotas.selectors import TeamTree, priority_allowances
 from quotas.services import UNSET, quota_validate
 
 ENGINE_STATE = {
@@ -32,9 +34,39 @@ def workload_id(job_id: int) -> str:
     return str(job_id)
 
 
-def build_snapshot(*, now: datetime | None = None) -> fairshare.Snapshot:
-    """Everything the engine needs, in a fixed number of queries."""
+def held_jobs() -> dict[int, str]:
+    """Waiting jobs of a class their team may no longer use, with the reason.
+
+    A team's classes may be narrowed after a job was submitted. Like a Slurm job
+    whose QOS was taken away (InvalidQOS), such a job stays queued but never
+    starts, and says why; a running one is left to finish.
+    """
+    waiting = list(
+        Job.objects.filter(state__in=WAITING_STATES).values_list(
+            "id", "team_id", "priority_class_id", "priority_class__name"
+        )
+    )
+    if not waiting:
+        return {}
+    allowances = priority_allowances(team_ids={team_id for _, team_id, _, _ in waiting})
+    held: dict[int, str] = {}
+    for job_id, team_id, class_id, class_name in waiting:
+        allowance = allowances[team_id]
+        if not any(pc.pk == class_id for pc in allowance.allowed):
+            held[job_id] = (
+                f"held: team {allowance.team} may no longer use {class_name} "
+                f"(it may use {allowance.describe()}); cancel and resubmit in one of those"
+            )
+    return held
+
+
+def build_snapshot(
+    *, now: datetime | None = None, held: dict[int, str] | None = None
+) -> fairshare.Snapshot:
+    """Everything the engine needs, in a fixed number of queries. Held jobs
+    (`held_jobs`, computed here unless given) are left out: they cannot start."""
     now = now or timezone.now()
+    held = held_jobs() if held is None else held
     nodes = tuple(
         fairshare.Node(name=name, flavor=flavor, gpus=gpus)
         for name, flavor, gpus in Node.objects.filter(schedulable=True)
@@ -93,6 +125,8 @@ def build_snapshot(*, now: datetime | None = None) -> fairshare.Snapshot:
     )
     workloads = []
     for job_id, team, pc, flavor, ranks, gpus_per_rank, state, submitted_at in jobs:
+        if job_id in held:
+            continue
         engine_state = ENGINE_STATE[state]
         placement: tuple[tuple[str, int], ...] = ()
         admitted_at = None
@@ -130,6 +164,56 @@ def build_snapshot(*, now: datetime | None = None) -> fairshare.Snapshot:
         priority_classes=classes,
         workloads=tuple(workloads),
     )
+
+
+def non_preemptible_work(*, team: Team, flavor: ResourceFlavor, guarantee: int) -> dict[str, Any]:
+    """The jobs of a class that is never preempted, which a guarantee of
+    (team, flavor) must make room for.
+
+    R5 lets such jobs run only inside their team's guarantee and no rule may
+    take them back, so the running ones are a floor under the guarantee of
+    their team and of every team above it (`quota_validate` refuses a cut
+    below it). A waiting one larger than its own team's guarantee would never
+    start: the preview lists those as stranded by the change.
+    """
+    subtree = TeamTree.load().subtree([team.pk])
+    rows = list(
+        Job.objects.filter(
+            team_id__in=subtree,
+            flavor=flavor,
+            priority_class__preemptible=False,
+            state__in=[*ACTIVE_STATES, *WAITING_STATES],
+        )
+        .order_by("id")
+        .values("id", "name", "team_id", "team__slug", "ranks", "gpus_per_rank", "state")
+        .annotate(priority_class_name=models.F("priority_class__name"))
+    )
+
+    def describe(row: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "job_id": row["id"],
+            "job_name": row["name"],
+            "team": row["team__slug"],
+            "gpus": row["ranks"] * row["gpus_per_rank"],
+            "priority_class": row["priority_class_name"],
+        }
+
+    running = [describe(row) for row in rows if row["state"] in ACTIVE_STATES]
+    stranded = []
+    for row in rows:
+        job = describe(row)
+        if row["state"] in WAITING_STATES and row["team_id"] == team.pk and job["gpus"] > guarantee:
+            job["why"] = (
+                f"{job['priority_class']} is never preempted, so it runs only inside "
+                f"{team.slug}'s guarantee: it needs {job['gpus']} GPUs of {flavor.name}, "
+                f"the guarantee would be {guarantee}."
+            )
+            stranded.append(job)
+    return {
+        "running": running,
+        "floor": sum(job["gpus"] for job in running),
+        "stranded": stranded,
+    }
 
 
 def quota_preview(
@@ -185,6 +269,9 @@ def quota_preview(
             item.setdefault("job_id", key)
             item.setdefault("job_name", names[key][0])
             item.setdefault("team", names[key][1])
+    result["non_preemptible"] = non_preemptible_work(
+        team=quota.team, flavor=quota.flavor, guarantee=new_guarantee
+    )
     result["change"] = {
         "team": quota.team.slug,
         "flavor": quota.flavor.name,

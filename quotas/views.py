@@ -19,7 +19,7 @@ from django.views.decorators.http import require_POST
 from preemption.selectors import job_list
 from quotas.forms import QuotaForm
 from quotas.models import Membership, Quota
-from quotas.selectors import access_for, audit_list, quota_list
+from quotas.selectors import access_for, audit_list, priority_allowance, quota_list
 from quotas.selectors import team_list as team_selector
 from telemetry.selectors import flavor_names, team_rows
 
@@ -76,6 +76,7 @@ def team_detail(request: HttpRequest, slug: str) -> HttpResponse:
             "members": members,
             "jobs": jobs,
             "breadcrumbs": [ancestor_slugs[a] for a in ancestors if a in ancestor_slugs],
+            "allowance": priority_allowance(team=team, tree=access.tree),
             "nav": "teams",
         },
     )
@@ -141,6 +142,7 @@ def preview_context(consequences: dict[str, Any] | None) -> dict[str, Any]:
         "moves": changed,
         "unchanged_queues": len(moves) - len(changed),
         "change": consequences.get("change") or {},
+        "non_preemptible": consequences.get("non_preemptible") or {},
     }
 
 

@@ -8,6 +8,8 @@ The world:
 Nodes: 3 × 8 h100 GPUs (24 in all), 1 × 8 a100.
 Personas: admin (staff), manager (of ml), other_manager (of other),
 researcher (of vision), other_researcher (of ops), anonymous.
+Both root teams may use both mission classes, as the migration leaves an
+installation that existed before teams had priority classes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.apps import apps
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
@@ -96,6 +99,9 @@ def world(db: Any) -> World:
     ops = Team.objects.create(slug="ops", name="Ops", parent=other)
     for team, guarantee in ((org, 16), (ml, 16), (vision, 8), (nlp, 8), (other, 8), (ops, 8)):
         Quota.objects.create(team=team, flavor=h100, guarantee=guarantee)
+    critical, batch = mission_class("ai-prod-critical"), mission_class("ai-batch-preemptible")
+    for root in (org, other):
+        root.priority_classes.set([critical, batch])
     users: dict[str, Any] = {}
     users["admin"] = User.objects.create_user(
         "admin", "admin@example.org", PASSWORD, is_staff=True, is_superuser=True
@@ -117,8 +123,8 @@ def world(db: Any) -> World:
         nlp=nlp,
         other=other,
         ops=ops,
-        critical=mission_class("ai-prod-critical"),
-        batch=mission_class("ai-batch-preemptible"),
+        critical=critical,
+        batch=batch,
         users=users,
     )
 
@@ -153,3 +159,14 @@ def runner_tmp_path() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def database_state() -> dict[str, list[dict[str, Any]]]:
+    """Every row of the project's apps and of auth, to show a refusal changed nothing."""
+    state: dict[str, list[dict[str, Any]]] = {}
+    for label in ("portal", "quotas", "preemption", "telemetry", "auth"):
+        # Auto-created models are the many-to-many tables, such as the
+        # priority classes each team may use.
+        for model in apps.get_app_config(label).get_models(include_auto_created=True):
+            state[model._meta.label] = list(model.objects.order_by("pk").values())
+    return state

@@ -171,7 +171,27 @@ def test_errors_are_one_clear_line_with_an_exit_code(world: Any, qm: Any) -> Non
     )
     assert too_big.returncode == 1
     assert too_big.stderr.strip() == (
-        "qm: gpus_per_rank: No node of flavor h100-80gb has 16 GPUs (the largest has 8)."
+        "qm: gpus_per_rank: Each rank needs 16 GPUs; the largest h100-80gb node has 8."
+    )
+
+    # A class the team may not use: the API's reason, naming the classes it may.
+    world.vision.priority_classes.set([world.batch])
+    critical = qm(
+        "submit",
+        "--team",
+        "vision",
+        "--flavor",
+        "h100-80gb",
+        "--priority-class",
+        "ai-prod-critical",
+        "--",
+        "true",
+        env=with_token,
+    )
+    assert critical.returncode == 1
+    assert critical.stderr.strip() == (
+        "qm: priority_class: Team vision may not use ai-prod-critical; "
+        "it may use: ai-batch-preemptible."
     )
 
     bad_usage = qm("show", "twelve", env=with_token)

@@ -173,6 +173,7 @@ def test_priority_preemption_inside_one_team(world: Any, drive: Any) -> None:
 
 def test_deadline_kills_a_workload_that_ignores_sigterm(world: Any, drive: Any) -> None:
     quick = PriorityClass.objects.create(name="quick", value=10, preemptible=True, grace_seconds=1)
+    world.org.priority_classes.add(quick)  # a new class is nobody's until a team is given it
     stubborn = submit(
         world,
         world.vision,
