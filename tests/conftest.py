@@ -36,6 +36,49 @@ PERSONAS = ("admin", "manager", "other_manager", "researcher", "other_researcher
 PASSWORD = "correct-horse-battery-staple"
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the transactional tests that restore the migrated rows
+    (`serialized_rollback=True`) before the other transactional tests.
+
+    pytest-django already runs rollback tests first and transactional ones after.
+    A transactional test without serialized rollback flushes the database at its
+    end and Django re-creates the content types under new ids; a serialized test
+    after it then restores the old ids and collides with them. Serialized tests
+    leave an empty database behind, which every other transactional test accepts.
+    """
+
+    def serialized_transactional(item: pytest.Item) -> bool:
+        marker = item.get_closest_marker("django_db")
+        return bool(
+            marker
+            and marker.kwargs.get("serialized_rollback")
+            and (
+                marker.kwargs.get("transaction")
+                or "live_server" in getattr(item, "fixturenames", [])
+            )
+        )
+
+    first_transactional = next(
+        (
+            index
+            for index, item in enumerate(items)
+            if "transactional_db" in getattr(item, "fixturenames", [])
+            or "live_server" in getattr(item, "fixturenames", [])
+            or (
+                (marker := item.get_closest_marker("django_db")) is not None
+                and marker.kwargs.get("transaction")
+            )
+        ),
+        None,
+    )
+    if first_transactional is None:
+        return
+    rest = items[first_transactional:]
+    rest.sort(key=lambda item: not serialized_transactional(item))
+    items[first_transactional:] = rest
+
+
 @dataclass
 class World:
     h100: ResourceFlavor
