@@ -200,6 +200,36 @@ def test_missing_required_values_are_refused_with_the_reason(
     assert message in result.stderr
 
 
+def test_notes_say_what_to_do_next(helm: Helm, kubeconfig: str):
+    """NOTES.txt, as ``helm install`` prints it (a client-side dry run: nothing is created)."""
+
+    def notes(*values: str) -> str:
+        args = ["install", "qm", str(CHART), "-n", "portal", "--dry-run=client"]
+        args += ["--kubeconfig", kubeconfig]
+        for value in values:
+            args += ["--set", value]
+        result = helm.run(*args)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.split("NOTES:", 1)[1]
+
+    plain = notes()
+    assert "kubectl -n portal rollout status deploy/qm-quartermaster-web" in plain
+    assert "manage.py createsuperuser" in plain
+    assert "quartermaster-secrets/DATABASE_URL" in plain
+    assert "create it\n   yourself" in plain
+    # Ranks that cannot reach the events URL are a broken install: say so.
+    assert "WARNING: runtime.events.cidrs is empty" in plain
+    ready = notes(
+        f"runtime.events.cidrs={{{EVENTS_CIDR}}}",
+        "runtime.checkpoints.create=true",
+        "runtime.checkpoints.storageClassName=nfs-rwx",
+        "ingress.enabled=true",
+        "ingress.tlsSecretName=tls",
+    )
+    assert "WARNING" not in ready and "create it" not in ready
+    assert "https://quartermaster.example.org/" in ready
+
+
 # -- the Containerfile against the chart ----------------------------------------------
 
 
