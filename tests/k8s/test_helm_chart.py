@@ -183,15 +183,21 @@ def test_settings_come_from_values(helm: Helm):
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        (["secrets.databaseUrl.name="], "secrets.databaseUrl.name"),
+        (["secrets.databaseUrl.name="], "at '/secrets/databaseUrl/name'"),
         (["runtime.checkpoints.claimName="], "runtime.checkpoints.claimName"),
         # The cluster's default class is usually a block volume: never assumed.
         (["runtime.checkpoints.create=true"], "ReadWriteMany StorageClass"),
+        # A secret's value has no place in values, only its Secret's name.
+        (["secrets.databaseUrl.value=postgres://u:p@db/qm"], "'value' not allowed"),
+        # Two beats would start every schedule cycle twice.
+        (["beat.replicas=2"], "at '/beat': additional properties 'replicas' not allowed"),
+        (["web.replicas=-1"], "at '/web/replicas'"),
+        (["podSecurityContext.runAsNonRoot=false"], "at '/podSecurityContext/runAsNonRoot'"),
+        (["runtime.jobsNamespace=Team_A"], "at '/runtime/jobsNamespace'"),
+        (["runtime.events.cidrs={10.0.0.0}"], "at '/runtime/events/cidrs/0'"),
     ],
 )
-def test_missing_required_values_are_refused_with_the_reason(
-    helm: Helm, values: list[str], message: str
-):
+def test_bad_values_are_refused_with_the_reason(helm: Helm, values: list[str], message: str):
     args = ["template", "qm", str(CHART)]
     for value in values:
         args += ["--set", value]
@@ -320,6 +326,9 @@ def test_containerfile_runs_what_the_chart_runs(helm: Helm):
     assert any(
         ins == "RUN" and "pip wheel" in args and "./gracetrap" in args for ins, args in instructions
     )
+    wheels = "/opt/quartermaster/wheels"
+    assert any(ins == "RUN" and f"-w {wheels}" in args for ins, args in instructions)
+    assert ("COPY", f"--from=build {wheels} {wheels}") in runtime_stage
 
 
 def pyproject() -> str:
