@@ -189,6 +189,10 @@ class PreemptionEvent(models.Model):
     outcome = models.CharField(max_length=20, choices=Outcome.choices, blank=True)
     lost_gpu_seconds = models.FloatField(null=True, blank=True)
     requeued_at = models.DateTimeField(null=True, blank=True)
+    # The step the job was to resume from when this preemption requeued it. The
+    # job's own resume_step moves on with every later checkpoint, so the story
+    # of an old preemption must not read it.
+    resume_step = models.PositiveIntegerField(null=True, blank=True)
     resumed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

@@ -245,8 +245,10 @@ def reconcile_attempt(
         if event is not None and alive:
             if event.signal_sent_at is None:
                 remaining = max(0.0, (event.deadline - now).total_seconds())
-                runtime.signal(gang, remaining)
+                # Stamped before the call: ranks receive the signal while it
+                # runs, and the record must not say it was sent after that.
                 sent = timezone.now()
+                runtime.signal(gang, remaining)
                 PreemptionEvent.objects.filter(pk=event.pk, signal_sent_at__isnull=True).update(
                     signal_sent_at=sent
                 )
@@ -366,7 +368,7 @@ def _finish_attempt(
     if claimed != 1:
         return
     if event is not None:
-        _close_event(event, attempt, job, exited_at)
+        _close_event(event, attempt, job, exited_at, resume_step)
 
     update: dict[str, Any] = {"resume_step": resume_step}
     if end_reason == Attempt.EndReason.SUCCEEDED:
@@ -420,7 +422,13 @@ def _finish_attempt(
     queue_cycle()
 
 
-def _close_event(event: PreemptionEvent, attempt: Attempt, job: Job, exited_at: datetime) -> None:
+def _close_event(
+    event: PreemptionEvent,
+    attempt: Attempt,
+    job: Job,
+    exited_at: datetime,
+    resume_step: int | None,
+) -> None:
     from telemetry.models import TrapEvent
 
     event.refresh_from_db()
@@ -453,4 +461,5 @@ def _close_event(event: PreemptionEvent, attempt: Attempt, job: Job, exited_at: 
         all_exited_at=exited_at,
         lost_gpu_seconds=lost,
         requeued_at=timezone.now() if requeue else None,
+        resume_step=resume_step if requeue else None,
     )
