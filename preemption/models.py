@@ -151,9 +151,27 @@ class Rank(models.Model):
         return f"{self.attempt} rank {self.index}"
 
 
+class StopQuerySet(models.QuerySet["PreemptionEvent"]):
+    """Graceful stops split into preemptions and cancels.
+
+    A person's cancel of a running job goes through the same graceful stop as
+    a preemption (signal, grace window, kill at the deadline), so it is stored
+    as the same kind of row with reason `manual`. It is not a preemption: every
+    count, chart and list of preemptions reads `preemptions()`.
+    """
+
+    def preemptions(self) -> StopQuerySet:
+        return self.exclude(reason=PreemptionEvent.Reason.MANUAL)
+
+    def cancels(self) -> StopQuerySet:
+        return self.filter(reason=PreemptionEvent.Reason.MANUAL)
+
+
 class PreemptionEvent(models.Model):
     """The graceful stop of one attempt: why, by whom, when it was decided, the
-    deadline, what the ranks managed to checkpoint, and how it ended."""
+    deadline, what the ranks managed to checkpoint, and how it ended. A stop
+    with reason `manual` is a person's cancel, not a preemption (see
+    `StopQuerySet`)."""
 
     class Reason(models.TextChoices):
         RECLAIM = "reclaim", "Reclaim"
@@ -195,6 +213,8 @@ class PreemptionEvent(models.Model):
     resume_step = models.PositiveIntegerField(null=True, blank=True)
     resumed_at = models.DateTimeField(null=True, blank=True)
 
+    objects = StopQuerySet.as_manager()
+
     class Meta:
         ordering = ["-decided_at", "-id"]
         constraints = [
@@ -219,6 +239,10 @@ class PreemptionEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.reason} of {self.victim_attempt}"
+
+    @property
+    def is_cancel(self) -> bool:
+        return self.reason == PreemptionEvent.Reason.MANUAL
 
 
 class Checkpoint(models.Model):

@@ -105,6 +105,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
     )
     events = list(TrapEvent.objects.filter(job=job).order_by("at", "id")[:5000])
     timelines: list[Timeline] = []
+    cancels: list[Timeline] = []
     for index, attempt in enumerate(attempts):
         event: PreemptionEvent | None = getattr(attempt, "preemption", None)
         if event is None:
@@ -112,7 +113,8 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         # The event's job is this job; reuse the loaded object, saving a query.
         event.job = job
         following = attempts[index + 1] if index + 1 < len(attempts) else None
-        timelines.append(
+        # A cancel is told as its own story and never counted as a preemption.
+        (cancels if event.is_cancel else timelines).append(
             build_timeline(
                 event=event,
                 attempt=attempt,
@@ -130,6 +132,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "job": job,
             "attempts": list(reversed(attempts)),
             "timelines": list(reversed(timelines)),
+            "cancels": cancels,
             "checkpoints": checkpoints,
             "can_cancel": access.can_cancel(team_id=job.team_id, submitter_id=job.submitter_id),
             "nav": "jobs",

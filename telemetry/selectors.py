@@ -377,6 +377,7 @@ def signal_latencies(*, access: Access) -> list[float]:
     for the most recent ranks that were signalled."""
     rows = (
         Rank.objects.filter(signal_received_at__isnull=False, attempt__preemption__isnull=False)
+        .exclude(attempt__preemption__reason=PreemptionEvent.Reason.MANUAL)
         .filter(_team_filter(access, "attempt__job__team_id"))
         .order_by("-signal_received_at")
         .values_list("signal_received_at", "attempt__preemption__decided_at")[:RECENT_ROWS]
@@ -397,7 +398,8 @@ class CheckpointAgainstGrace:
 
 def checkpoints_against_grace(*, access: Access) -> list[CheckpointAgainstGrace]:
     rows = (
-        PreemptionEvent.objects.filter(checkpoint_seconds__isnull=False)
+        PreemptionEvent.objects.preemptions()
+        .filter(checkpoint_seconds__isnull=False)
         .filter(_team_filter(access, "job__team_id"))
         .order_by("-decided_at")
         .values_list("job_id", "decided_at", "grace_seconds", "checkpoint_seconds", "outcome")[
@@ -424,7 +426,8 @@ def exit_codes(*, access: Access) -> list[tuple[int, str, int]]:
 def recovery_seconds(*, access: Access) -> list[tuple[int, float]]:
     """(job id, seconds from the preemption decision to the resumed attempt)."""
     rows = (
-        PreemptionEvent.objects.filter(resumed_at__isnull=False)
+        PreemptionEvent.objects.preemptions()
+        .filter(resumed_at__isnull=False)
         .filter(_team_filter(access, "job__team_id"))
         .order_by("-decided_at")
         .values_list("job_id", "decided_at", "resumed_at")[:RECENT_ROWS]

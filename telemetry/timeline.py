@@ -7,6 +7,11 @@ attempt's trap events at or after `decided_at`, the resume step the
 preemption recorded when it requeued the job (never the job's current one),
 and the resume reported by the next attempt. Offsets are seconds after the
 decision, so none is negative.
+
+A person's cancel of a running job goes through the same graceful stop, and is
+told with the same steps but as what it is: "Cancel requested", the exit codes
+without a preemption outcome (a workload without the trap exits 143 on
+SIGTERM, which is the expected end of a cancel), and never a requeue.
 """
 
 from __future__ import annotations
@@ -80,18 +85,19 @@ def build_timeline(
     events: list[TrapEvent],
     words: str,
 ) -> Timeline:
-    """Order everything known about one preemption into steps: decision →
-    signal → checkpoint → exit → requeue → resume. `events` may hold every
-    trap event of the job; `words` says why it was preempted."""
+    """Order everything known about one preemption (or cancel) into steps:
+    decision → signal → checkpoint → exit → requeue → resume. `events` may
+    hold every trap event of the job; `words` says why it was stopped."""
     origin = event.decided_at
+    cancel = event.is_cancel
     timeline = Timeline(event=event, words=words)
     steps = timeline.steps
     steps.append(
         TimelineStep(
             origin,
-            "Preemption decided",
+            "Cancel requested" if cancel else "Preemption decided",
             f"{words}. Grace window {event.grace_seconds:g} s, deadline {event.deadline:%H:%M:%S}.",
-            "warn",
+            "info" if cancel else "warn",
         )
     )
     ranks = list(attempt.rank_set.all())
@@ -166,17 +172,17 @@ def build_timeline(
     exits = [r.exited_at for r in ranks if r.exited_at is not None]
     if exits or event.all_exited_at:
         codes = sorted({r.exit_code for r in ranks if r.exit_code is not None})
-        clean = codes == [0]
+        detail = f"exit codes {', '.join(str(c) for c in codes) or 'unknown'}"
+        if cancel:
+            kind = "warn" if event.killed_at else "info"
+        else:
+            if event.outcome:
+                detail += f"; outcome {event.get_outcome_display().lower()}"
+            kind = "good" if codes == [0] and event.outcome != "killed" else "bad"
         steps.append(
-            TimelineStep(
-                event.all_exited_at or max(exits),
-                "Every rank exited",
-                f"exit codes {', '.join(str(c) for c in codes) or 'unknown'}"
-                + (f"; outcome {event.get_outcome_display().lower()}" if event.outcome else ""),
-                "good" if clean and event.outcome != "killed" else "bad",
-            )
+            TimelineStep(event.all_exited_at or max(exits), "Every rank exited", detail, kind)
         )
-    if event.requeued_at:
+    if event.requeued_at and not cancel:
         steps.append(
             TimelineStep(
                 event.requeued_at,
@@ -186,7 +192,7 @@ def build_timeline(
                 else "no checkpoint: starts over",
             )
         )
-    if event.resumed_at or next_attempt is not None:
+    if not cancel and (event.resumed_at or next_attempt is not None):
         resumed = [
             e
             for e in events
