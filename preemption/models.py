@@ -180,6 +180,9 @@ class PreemptionEvent(models.Model):
         CONSOLIDATE = "consolidate", "Consolidation"
         GANG_GUARD = "gang-guard", "Gang guard"
         MANUAL = "manual", "Manual"
+        # The embedded portal was stopped and stopped its local ranks with it;
+        # the job is requeued and resumes from its checkpoint at the next start.
+        SHUTDOWN = "shutdown", "Portal stopped"
 
     class Outcome(models.TextChoices):
         GRACEFUL = "graceful", "Graceful"
@@ -227,6 +230,7 @@ class PreemptionEvent(models.Model):
                         "consolidate",
                         "gang-guard",
                         "manual",
+                        "shutdown",
                     ]
                 ),
                 name="preemption_reason_valid",

@@ -1,7 +1,11 @@
 """Run the embedded portal: web server, Celery worker and beat together.
 
 Ctrl-C (or SIGTERM) stops all three; if one of them dies, the others are
-stopped too, so nothing is left half-running.
+stopped too, so nothing is left half-running. Then, with the local runtime,
+the ranks of running jobs are stopped as well (SIGTERM, a grace window to
+checkpoint, SIGKILL), and their jobs resume from their checkpoints at the next
+start; `--keep-jobs` leaves them running instead. Either way the command says
+which it did.
 """
 
 from __future__ import annotations
@@ -25,8 +29,27 @@ class Command(BaseCommand):
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--bind", default="127.0.0.1:8000")
         parser.add_argument("--web-workers", type=int, default=3)
+        parser.add_argument(
+            "--keep-jobs",
+            action="store_true",
+            help="leave the local runtime's ranks running when the portal stops",
+        )
+        parser.add_argument(
+            "--stop-grace",
+            type=float,
+            default=15.0,
+            help="seconds the ranks get to checkpoint and exit before SIGKILL (default 15)",
+        )
 
-    def handle(self, *args: Any, bind: str, web_workers: int, **options: Any) -> None:
+    def handle(
+        self,
+        *args: Any,
+        bind: str,
+        web_workers: int,
+        keep_jobs: bool,
+        stop_grace: float,
+        **options: Any,
+    ) -> None:
         python = sys.executable
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "QM_PUBLIC_URL": settings.QM_PUBLIC_URL}
         subprocess.run(
@@ -50,7 +73,8 @@ class Command(BaseCommand):
             children[name] = subprocess.Popen(command, env=env, start_new_session=True)
         self.stdout.write(
             self.style.SUCCESS(
-                f"Quartermaster is running at http://{bind}/  (Ctrl-C stops web, worker and beat)"
+                f"Quartermaster is running at http://{bind}/  (Ctrl-C stops web, worker, beat"
+                + (" and leaves the jobs' ranks running)" if keep_jobs else " and the jobs' ranks)")
             )
         )
         exit_code = 0
@@ -75,4 +99,36 @@ class Command(BaseCommand):
                     child.wait(timeout=max(0.1, deadline - time.time()))
                 except subprocess.TimeoutExpired:
                     os.killpg(child.pid, signal.SIGKILL)
+            self._stop_ranks(keep_jobs=keep_jobs, grace_seconds=stop_grace)
         sys.exit(exit_code)
+
+    def _stop_ranks(self, *, keep_jobs: bool, grace_seconds: float) -> None:
+        """Stop the local runtime's ranks with the portal, or say they were kept.
+
+        Kubernetes pods belong to the cluster, not to this process, and are left alone.
+        """
+        if settings.QM_RUNTIME != "local":
+            return
+        from preemption.reconcile import live_rank_count, runtime_shutdown
+
+        if keep_jobs:
+            jobs, ranks = live_rank_count()
+            if ranks:
+                self.stdout.write(
+                    f"Left {ranks} rank processes of {jobs} jobs running (--keep-jobs); "
+                    "the next start picks them up."
+                )
+            return
+        jobs, ranks = live_rank_count()
+        if ranks:
+            self.stdout.write(
+                f"Stopping {ranks} rank processes of {jobs} jobs: SIGTERM, up to "
+                f"{grace_seconds:g} s to checkpoint, then SIGKILL ..."
+            )
+        report = runtime_shutdown(grace_seconds=grace_seconds)
+        if report.ranks:
+            self.stdout.write(
+                f"Stopped {report.ranks} rank processes of {report.jobs} jobs"
+                + (f" ({report.killed} killed at the end of the grace)" if report.killed else "")
+                + "; they resume from their checkpoints at the next start."
+            )
