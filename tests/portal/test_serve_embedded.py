@@ -132,6 +132,11 @@ def test_ctrl_c_stops_the_ranks_of_running_jobs(
         assert left == [], f"rank processes left behind: {left}\n{output}"
         assert "Stopped 2 rank processes of 1 jobs" in output, output
         assert code == 0, output
+        # Quiet by default: the scheduling cycle ran every second meanwhile,
+        # but neither it nor the web server logged a line per task or request.
+        assert "Sending due task" not in output and " succeeded in " not in output, output
+        assert "GET /" not in output and "[INFO]" not in output, output
+        assert len(output.splitlines()) < 30, output
         # The stop is recorded, so the next start requeues the job instead of
         # taking its ranks' exit for the end of the job.
         stops = _manage(
@@ -158,3 +163,17 @@ def test_keep_jobs_leaves_the_ranks_running_and_says_so(
     finally:
         for pid in _ranks(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.django_db
+def test_seed_demo_says_it_starts_real_training_processes() -> None:
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    call_command("seed_demo", stdout=out)
+    text = out.getvalue()
+    assert "admin  / admin-demo-pass" in text
+    assert "Submitted 3 demo jobs: 5 real training processes" in text
+    assert "stopping the portal stops them" in text

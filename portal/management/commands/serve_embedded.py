@@ -30,6 +30,11 @@ class Command(BaseCommand):
         parser.add_argument("--bind", default="127.0.0.1:8000")
         parser.add_argument("--web-workers", type=int, default=3)
         parser.add_argument(
+            "--verbose",
+            action="store_true",
+            help="log every request and task, not only warnings",
+        )
+        parser.add_argument(
             "--keep-jobs",
             action="store_true",
             help="leave the local runtime's ranks running when the portal stops",
@@ -48,17 +53,21 @@ class Command(BaseCommand):
         web_workers: int,
         keep_jobs: bool,
         stop_grace: float,
+        verbose: bool,
         **options: Any,
     ) -> None:
         python = sys.executable
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "QM_PUBLIC_URL": settings.QM_PUBLIC_URL}
+        quiet = not verbose
+        if quiet:
+            env.setdefault("LOG_LEVEL", "WARNING")
         subprocess.run(
             [python, "manage.py", "collectstatic", "--noinput", "-v0"], check=True, env=env
         )
         commands = {
-            "web": web_command(bind=bind, workers=web_workers),
-            "worker": worker_command(hostname="embedded@%h"),
-            "beat": beat_command(schedule=settings.VAR_DIR / "celerybeat-schedule"),
+            "web": web_command(bind=bind, workers=web_workers, quiet=quiet),
+            "worker": worker_command(hostname="embedded@%h", quiet=quiet),
+            "beat": beat_command(schedule=settings.VAR_DIR / "celerybeat-schedule", quiet=quiet),
         }
         children: dict[str, subprocess.Popen[bytes]] = {}
         stopping = False
@@ -77,6 +86,8 @@ class Command(BaseCommand):
                 + (" and leaves the jobs' ranks running)" if keep_jobs else " and the jobs' ranks)")
             )
         )
+        if quiet:
+            self.stdout.write("Logging warnings only; --verbose logs every request and task.")
         exit_code = 0
         try:
             while not stopping:
@@ -92,7 +103,10 @@ class Command(BaseCommand):
         finally:
             for child in children.values():
                 if child.poll() is None:
-                    os.killpg(child.pid, signal.SIGTERM)
+                    # The leader only: gunicorn and Celery stop their own workers
+                    # in order; a signal to the whole group makes those workers
+                    # die mid-task and their parents log each as an error.
+                    child.terminate()
             deadline = time.time() + 15
             for child in children.values():
                 try:
