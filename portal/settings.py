@@ -193,7 +193,8 @@ SPECTACULAR_SETTINGS = {
 }
 
 # Celery: Redis in production and tests, a broker on local disk by default.
-CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "qmdisk://") or "qmdisk://"
+# The disk broker ignores the host; naming one spares kombu's warning about it.
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "qmdisk://localhost//") or "qmdisk://localhost//"
 if not CELERY_BROKER_URL.startswith(
     ("qmdisk://", "filesystem://", "redis://", "rediss://", "memory://")
 ):

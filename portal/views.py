@@ -46,7 +46,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     the latest preemptions, all scoped to what the user may read."""
     access = access_for(request.user)
     shown = overview_teams(access=access)
-    usage = UsageNow.load()
+    usage = UsageNow.load(access.tree)
     rows = [row for row in team_rows(access=access, only_team_ids=shown, usage=usage) if row.active]
     flavors = flavors_now(usage)
     # One scale per flavor, so every team's bar of that flavor is comparable.

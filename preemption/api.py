@@ -277,6 +277,7 @@ class PreemptionEventSerializer(serializers.ModelSerializer[PreemptionEvent]):
             "outcome",
             "lost_gpu_seconds",
             "requeued_at",
+            "resume_step",
             "resumed_at",
         ]
         read_only_fields = fields

@@ -161,9 +161,27 @@ class Rank(models.Model):
         return f"{self.attempt} rank {self.index}"
 
 
+class StopQuerySet(models.QuerySet["PreemptionEvent"]):
+    """Graceful stops split into preemptions and cancels.
+
+    A person's cancel of a running job goes through the same graceful stop as
+    a preemption (signal, grace window, kill at the deadline), so it is stored
+    as the same kind of row with reason `manual`. It is not a preemption: every
+    count, chart and list of preemptions reads `preemptions()`.
+    """
+
+    def preemptions(self) -> StopQuerySet:
+        return self.exclude(reason=PreemptionEvent.Reason.MANUAL)
+
+    def cancels(self) -> StopQuerySet:
+        return self.filter(reason=PreemptionEvent.Reason.MANUAL)
+
+
 class PreemptionEvent(models.Model):
     """The graceful stop of one attempt: why, by whom, when it was decided, the
-    deadline, what the ranks managed to checkpoint, and how it ended."""
+    deadline, what the ranks managed to checkpoint, and how it ended. A stop
+    with reason `manual` is a person's cancel, not a preemption (see
+    `StopQuerySet`)."""
 
     class Reason(models.TextChoices):
         RECLAIM = "reclaim", "Reclaim"
@@ -172,6 +190,9 @@ class PreemptionEvent(models.Model):
         CONSOLIDATE = "consolidate", "Consolidation"
         GANG_GUARD = "gang-guard", "Gang guard"
         MANUAL = "manual", "Manual"
+        # The embedded portal was stopped and stopped its local ranks with it;
+        # the job is requeued and resumes from its checkpoint at the next start.
+        SHUTDOWN = "shutdown", "Portal stopped"
 
     class Outcome(models.TextChoices):
         GRACEFUL = "graceful", "Graceful"
@@ -199,7 +220,13 @@ class PreemptionEvent(models.Model):
     outcome = models.CharField(max_length=20, choices=Outcome.choices, blank=True)
     lost_gpu_seconds = models.FloatField(null=True, blank=True)
     requeued_at = models.DateTimeField(null=True, blank=True)
+    # The step the job was to resume from when this preemption requeued it. The
+    # job's own resume_step moves on with every later checkpoint, so the story
+    # of an old preemption must not read it.
+    resume_step = models.PositiveIntegerField(null=True, blank=True)
     resumed_at = models.DateTimeField(null=True, blank=True)
+
+    objects = StopQuerySet.as_manager()
 
     class Meta:
         ordering = ["-decided_at", "-id"]
@@ -213,6 +240,7 @@ class PreemptionEvent(models.Model):
                         "consolidate",
                         "gang-guard",
                         "manual",
+                        "shutdown",
                     ]
                 ),
                 name="preemption_reason_valid",
@@ -225,6 +253,10 @@ class PreemptionEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.reason} of {self.victim_attempt}"
+
+    @property
+    def is_cancel(self) -> bool:
+        return self.reason == PreemptionEvent.Reason.MANUAL
 
 
 class Checkpoint(models.Model):

@@ -10,8 +10,10 @@ is finished once, and a job is requeued once.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -247,8 +249,10 @@ def reconcile_attempt(
         if event is not None and alive:
             if event.signal_sent_at is None:
                 remaining = max(0.0, (event.deadline - now).total_seconds())
-                runtime.signal(gang, remaining)
+                # Stamped before the call: ranks receive the signal while it
+                # runs, and the record must not say it was sent after that.
                 sent = timezone.now()
+                runtime.signal(gang, remaining)
                 PreemptionEvent.objects.filter(pk=event.pk, signal_sent_at__isnull=True).update(
                     signal_sent_at=sent
                 )
@@ -368,7 +372,7 @@ def _finish_attempt(
     if claimed != 1:
         return
     if event is not None:
-        _close_event(event, attempt, job, exited_at)
+        _close_event(event, attempt, job, exited_at, resume_step)
 
     update: dict[str, Any] = {"resume_step": resume_step}
     if end_reason == Attempt.EndReason.SUCCEEDED:
@@ -422,7 +426,13 @@ def _finish_attempt(
     queue_cycle()
 
 
-def _close_event(event: PreemptionEvent, attempt: Attempt, job: Job, exited_at: datetime) -> None:
+def _close_event(
+    event: PreemptionEvent,
+    attempt: Attempt,
+    job: Job,
+    exited_at: datetime,
+    resume_step: int | None,
+) -> None:
     from telemetry.models import TrapEvent
 
     event.refresh_from_db()
@@ -455,4 +465,85 @@ def _close_event(event: PreemptionEvent, attempt: Attempt, job: Job, exited_at: 
         all_exited_at=exited_at,
         lost_gpu_seconds=lost,
         requeued_at=timezone.now() if requeue else None,
+        resume_step=resume_step if requeue else None,
+    )
+
+
+@dataclass(frozen=True)
+class ShutdownReport:
+    """What stopping the runtime's ranks with the portal did."""
+
+    jobs: int
+    ranks: int
+    killed: int
+
+
+def _live_ranks(runtime: Runtime) -> dict[GangId, list[RankObservation]]:
+    live: dict[GangId, list[RankObservation]] = defaultdict(list)
+    for obs in runtime.observe(None):
+        if obs.phase not in TERMINAL_PHASES:
+            live[GangId(obs.job_id, obs.attempt)].append(obs)
+    return dict(live)
+
+
+def live_rank_count(*, runtime: Runtime | None = None) -> tuple[int, int]:
+    """(jobs, ranks) the runtime runs now."""
+    live = _live_ranks(runtime or get_runtime())
+    return len(live), sum(len(ranks) for ranks in live.values())
+
+
+def runtime_shutdown(
+    *, grace_seconds: float, runtime: Runtime | None = None, poll_seconds: float = 0.25
+) -> ShutdownReport:
+    """Stop every rank the runtime runs because the portal that owns them stops:
+    record a `shutdown` stop on each open attempt (so the next start requeues
+    the job to resume from its checkpoint instead of taking the ranks' clean
+    exit for success), send every gang the signal at once, wait up to
+    `grace_seconds` for the ranks to exit, then kill what is left.
+
+    Called after the worker and beat have stopped, so nothing launches or
+    finishes an attempt meanwhile; the next reconcile finishes the attempts.
+    """
+    runtime = runtime or get_runtime()
+    live = _live_ranks(runtime)
+    if not live:
+        return ShutdownReport(jobs=0, ranks=0, killed=0)
+    now = timezone.now()
+    for gang in live:
+        attempt = Attempt.objects.filter(
+            job_id=gang.job_id, number=gang.attempt, ended_at__isnull=True
+        ).first()
+        if attempt is None:
+            continue
+        job = Job.objects.select_related("priority_class").get(pk=gang.job_id)
+        request_stop(
+            job=job,
+            reason=PreemptionEvent.Reason.SHUTDOWN,
+            cause="the portal was stopped; the job resumes from its checkpoint at the next start",
+            grace_seconds=grace_seconds,
+        )
+        PreemptionEvent.objects.filter(victim_attempt=attempt, signal_sent_at__isnull=True).update(
+            signal_sent_at=now
+        )
+        Rank.objects.filter(attempt=attempt, signal_sent_at__isnull=True).update(signal_sent_at=now)
+    for gang in live:
+        runtime.signal(gang, grace_seconds)
+    deadline = time.monotonic() + grace_seconds
+    remaining = live
+    while remaining and time.monotonic() < deadline:
+        time.sleep(poll_seconds)
+        remaining = _live_ranks(runtime)
+    killed = 0
+    if remaining:
+        killed_at = timezone.now()
+        for gang, ranks in remaining.items():
+            runtime.kill(gang)
+            killed += len(ranks)
+            PreemptionEvent.objects.filter(
+                victim_attempt__job_id=gang.job_id,
+                victim_attempt__number=gang.attempt,
+                killed_at__isnull=True,
+            ).update(killed_at=killed_at)
+    return ShutdownReport(
+        jobs=len(live), ranks=sum(len(ranks) for ranks in live.values()), killed=killed
     )

@@ -49,7 +49,8 @@ def rank_list(*, user: User) -> QuerySet[Rank]:
 
 
 def preemption_event_list(*, user: User) -> QuerySet[PreemptionEvent]:
-    queryset = PreemptionEvent.objects.select_related(
+    """Preemptions the user may read; a person's cancel is not one of them."""
+    queryset = PreemptionEvent.objects.preemptions().select_related(
         "job", "job__team", "preemptor", "preemptor__team", "victim_attempt"
     )
     teams = _readable(user)

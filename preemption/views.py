@@ -7,8 +7,6 @@ query to the asking user exactly as the API does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from django.contrib import messages
@@ -20,11 +18,12 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from portal.forms import JobFilterForm
-from preemption.models import Attempt, Job, PreemptionEvent
+from preemption.models import Job, PreemptionEvent
 from preemption.runtimes.base import RuntimePermanentError, RuntimeTemporaryError
 from preemption.selectors import job_list as job_selector
 from quotas.selectors import access_for
 from telemetry.models import TrapEvent
+from telemetry.timeline import Timeline, build_timeline
 
 JOBS_PER_PAGE = 50
 LOG_CHUNK = 65536
@@ -64,188 +63,6 @@ def describe_preemption(event: PreemptionEvent) -> str:
     if event.reason == PreemptionEvent.Reason.MANUAL:
         return event.cause or "stopped by a person"
     return event.cause or event.reason
-
-
-@dataclass
-class TimelineStep:
-    """One moment of a preemption, with its offset from the decision."""
-
-    at: datetime | None
-    title: str
-    detail: str = ""
-    kind: str = "info"  # info | good | warn | bad
-    offset: float | None = None
-
-
-@dataclass
-class RankStory:
-    """What one rank did during a preemption."""
-
-    index: int
-    node: str
-    signal_sent: float | None
-    signal_received: float | None
-    exited: float | None
-    exit_code: int | None
-
-
-@dataclass
-class Timeline:
-    """A preemption told from the decision to the resume."""
-
-    event: PreemptionEvent
-    words: str
-    steps: list[TimelineStep] = field(default_factory=list)
-    ranks: list[RankStory] = field(default_factory=list)
-
-
-def _seconds_after(moment: datetime | None, origin: datetime) -> float | None:
-    return None if moment is None else (moment - origin).total_seconds()
-
-
-def _moment(unix: float) -> datetime:
-    from datetime import UTC
-
-    return datetime.fromtimestamp(unix, tz=UTC)
-
-
-def build_timeline(
-    event: PreemptionEvent,
-    attempt: Attempt,
-    next_attempt: Attempt | None,
-    events: list[TrapEvent],
-) -> Timeline:
-    """Order everything known about one preemption into steps: decision →
-    signal per rank → checkpoint → exit → requeue → resume."""
-    origin = event.decided_at
-    timeline = Timeline(event=event, words=describe_preemption(event))
-    steps = timeline.steps
-    steps.append(
-        TimelineStep(
-            origin,
-            "Preemption decided",
-            f"{timeline.words}. Grace window {event.grace_seconds:g} s, "
-            f"deadline {event.deadline:%H:%M:%S}.",
-            "warn",
-        )
-    )
-    ranks = list(attempt.rank_set.all())
-    if event.signal_sent_at:
-        steps.append(TimelineStep(event.signal_sent_at, f"Signal sent to all {len(ranks)} ranks"))
-    mine = [e for e in events if e.attempt == attempt.number]
-    received_by_rank = {e.rank: e.at for e in mine if e.event == "signal_received"}
-    received = [r.signal_received_at for r in ranks if r.signal_received_at is not None] or [
-        _moment(at) for at in received_by_rank.values()
-    ]
-    if received:
-        first, last = min(received), max(received)
-        spread = (last - first).total_seconds()
-        steps.append(
-            TimelineStep(
-                last,
-                f"Every rank received the signal ({len(received)} of {len(ranks)})"
-                if len(received) == len(ranks)
-                else f"{len(received)} of {len(ranks)} ranks received the signal",
-                f"first after {(first - origin).total_seconds():.2f} s, spread {spread:.2f} s",
-                "good" if len(received) == len(ranks) else "warn",
-            )
-        )
-    started = [e for e in mine if e.event == "checkpoint_started"]
-    if started:
-        steps.append(
-            TimelineStep(
-                _moment(min(e.at for e in started)),
-                "Checkpoint started",
-                f"step {started[0].step}" if started[0].step is not None else "",
-            )
-        )
-    committed = [e for e in mine if e.event == "checkpoint_committed"]
-    skipped = [e for e in mine if e.event == "checkpoint_skipped"]
-    if committed:
-        payload = committed[0].payload or {}
-        size = payload.get("bytes")
-        detail = f"step {committed[0].step}"
-        if size:
-            detail += f", {int(size) / 1e6:.1f} MB"
-        if payload.get("seconds") is not None:
-            detail += f" in {float(payload['seconds']):.2f} s"
-        steps.append(
-            TimelineStep(
-                _moment(max(e.at for e in committed)), "Checkpoint committed", detail, "good"
-            )
-        )
-    elif event.checkpoint_step is not None:
-        detail = f"step {event.checkpoint_step}"
-        if event.checkpoint_seconds is not None:
-            detail += f" in {event.checkpoint_seconds:.2f} s"
-        steps.append(TimelineStep(None, "Checkpoint committed", detail, "good"))
-    if skipped:
-        reason = (skipped[0].payload or {}).get("reason", "not enough time left in the grace")
-        steps.append(
-            TimelineStep(_moment(skipped[0].at), "Checkpoint skipped", str(reason), "warn")
-        )
-    exits = [r.exited_at for r in ranks if r.exited_at is not None]
-    if event.killed_at:
-        steps.append(
-            TimelineStep(event.killed_at, "Deadline passed: remaining ranks killed", "", "bad")
-        )
-    if exits or event.all_exited_at:
-        codes = sorted({r.exit_code for r in ranks if r.exit_code is not None})
-        clean = codes == [0]
-        steps.append(
-            TimelineStep(
-                event.all_exited_at or max(exits),
-                "Every rank exited",
-                f"exit codes {', '.join(str(c) for c in codes) or 'unknown'}"
-                + (f"; outcome {event.get_outcome_display().lower()}" if event.outcome else ""),
-                "good" if clean and event.outcome != "killed" else "bad",
-            )
-        )
-    if event.requeued_at:
-        steps.append(
-            TimelineStep(
-                event.requeued_at,
-                "Requeued",
-                f"resumes from step {event.job.resume_step}"
-                if event.job.resume_step is not None
-                else "no checkpoint: starts over",
-                "info",
-            )
-        )
-    if event.resumed_at or next_attempt is not None:
-        resumed = [
-            e
-            for e in events
-            if next_attempt is not None
-            and e.attempt == next_attempt.number
-            and e.event == "resumed"
-        ]
-        detail = f"attempt {next_attempt.number}" if next_attempt is not None else ""
-        if resumed and resumed[0].step is not None:
-            detail += f", from step {resumed[0].step}"
-        at = event.resumed_at or (next_attempt.admitted_at if next_attempt is not None else None)
-        steps.append(TimelineStep(at, "Resumed", detail, "good"))
-    for step in steps:
-        step.offset = _seconds_after(step.at, origin)
-    steps.sort(key=lambda step: (step.offset is None, step.offset or 0.0))
-    for rank in ranks:
-        timeline.ranks.append(
-            RankStory(
-                index=rank.index,
-                node=rank.node,
-                signal_sent=_seconds_after(rank.signal_sent_at, origin),
-                signal_received=_seconds_after(rank.signal_received_at, origin)
-                if rank.signal_received_at is not None
-                else (
-                    None
-                    if rank.index not in received_by_rank
-                    else _seconds_after(_moment(received_by_rank[rank.index]), origin)
-                ),
-                exited=_seconds_after(rank.exited_at, origin),
-                exit_code=rank.exit_code,
-            )
-        )
-    return timeline
 
 
 @login_required
@@ -288,6 +105,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
     )
     events = list(TrapEvent.objects.filter(job=job).order_by("at", "id")[:5000])
     timelines: list[Timeline] = []
+    cancels: list[Timeline] = []
     for index, attempt in enumerate(attempts):
         event: PreemptionEvent | None = getattr(attempt, "preemption", None)
         if event is None:
@@ -295,7 +113,16 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         # The event's job is this job; reuse the loaded object, saving a query.
         event.job = job
         following = attempts[index + 1] if index + 1 < len(attempts) else None
-        timelines.append(build_timeline(event, attempt, following, events))
+        # A cancel is told as its own story and never counted as a preemption.
+        (cancels if event.is_cancel else timelines).append(
+            build_timeline(
+                event=event,
+                attempt=attempt,
+                next_attempt=following,
+                events=events,
+                words=describe_preemption(event),
+            )
+        )
     checkpoints = list(job.checkpoints.select_related("attempt").order_by("-committed_at")[:100])
     access = access_for(request.user)
     return render(
@@ -305,6 +132,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "job": job,
             "attempts": list(reversed(attempts)),
             "timelines": list(reversed(timelines)),
+            "cancels": cancels,
             "checkpoints": checkpoints,
             "can_cancel": access.can_cancel(team_id=job.team_id, submitter_id=job.submitter_id),
             "nav": "jobs",

@@ -26,7 +26,7 @@ def utilization_sample(now: datetime) -> int:
     everyone = Access(
         is_admin=True, user_id=None, tree=tree, managed=frozenset(), member_of=frozenset()
     )
-    usage = UsageNow.load()
+    usage = UsageNow.load(tree)
     flavors = flavors_now(usage)
     capacity = {flavor.name: flavor.capacity for flavor in flavors}
     flavor_ids = {flavor.name: flavor.flavor_id for flavor in flavors}

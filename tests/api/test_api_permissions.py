@@ -364,6 +364,8 @@ case(
     ),
 )
 case("GET", "/api/v1/flavors/", Case("list", "GET", lambda w, o: f"{V1}/flavors/", EVERYONE))
+# Which teams each persona sees here is checked in tests/pages/test_pages_borrowed.py.
+case("GET", "/api/v1/usage/", Case("now", "GET", lambda w, o: f"{V1}/usage/", EVERYONE))
 case(
     "POST",
     "/api/v1/flavors/",

@@ -97,8 +97,14 @@ def test_lending_then_reclaim_checkpoints_requeues_and_resumes(world: Any, drive
     ranks = list(Rank.objects.filter(attempt=attempt))
     assert [r.exit_code for r in ranks] == [0, 0, 0]
     assert all(r.signal_received_at is not None for r in ranks)
+    # The signal is recorded as sent before any rank received it.
+    assert event.signal_sent_at is not None
+    assert event.signal_sent_at <= min(r.signal_received_at for r in ranks)
+    assert all(r.signal_sent_at <= r.signal_received_at for r in ranks)
     assert event.outcome == "graceful"
     assert event.checkpoint_step is not None
+    # The requeue recorded where this preemption's job resumes.
+    assert event.resume_step == event.checkpoint_step + 1
     assert event.lost_gpu_seconds == 0.0
     assert Attempt.objects.get(pk=attempt.pk).end_reason == "preempted"
     assert Attempt.objects.get(pk=attempt.pk).orphaned_ports == []

@@ -10,6 +10,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from drills.harness import DrillError, run_drill
+from portal.database import require_migrated_database
 
 
 class Command(BaseCommand):
@@ -45,6 +46,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        require_migrated_database(command="drill")
         try:
             result = run_drill(
                 ranks=options["ranks"],

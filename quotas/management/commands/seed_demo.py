@@ -13,6 +13,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 from django.db import transaction
 
+from preemption.models import Job
 from preemption.services import job_submit
 from quotas.models import Node, PriorityClass, ResourceFlavor, Team
 from quotas.services import membership_set, quota_set, team_priority_classes_set
@@ -44,16 +45,23 @@ class Command(BaseCommand):
             self.stdout.write("Demo data already present.")
             return
         with transaction.atomic():
-            users = self._seed(with_jobs=not no_jobs)
+            jobs = self._seed(with_jobs=not no_jobs)
         self.stdout.write(
             self.style.SUCCESS("Demo cluster seeded. Sign in at http://127.0.0.1:8000/ as:")
         )
         for username, password, team, role in DEMO_USERS:
             what = f"{role} of {team}" if team else "platform admin"
             self.stdout.write(f"  {username:<6} / {password:<22} {what}")
-        del users
+        if jobs:
+            ranks = sum(job.ranks for job in jobs)
+            self.stdout.write(
+                f"Submitted {len(jobs)} demo jobs: {ranks} real training processes "
+                "(examples/train_ddp.py, PyTorch on the CPU) start on this machine and "
+                "checkpoint under var/; stopping the portal stops them. "
+                "`manage.py seed_demo --no-jobs` seeds without them."
+            )
 
-    def _seed(self, *, with_jobs: bool) -> dict[str, Any]:
+    def _seed(self, *, with_jobs: bool) -> list[Job]:
         h100, _ = ResourceFlavor.objects.get_or_create(
             name="h100-80gb", defaults={"description": "NVIDIA H100 80 GB"}
         )
@@ -101,13 +109,11 @@ class Command(BaseCommand):
             else:
                 membership_set(actor=None, user=user, team=teams[team], role=role)
             users[username] = user
-        if with_jobs:
-            self._submit_jobs(users, teams, h100)
-        return users
+        return self._submit_jobs(users, teams, h100) if with_jobs else []
 
     def _submit_jobs(
         self, users: dict[str, Any], teams: dict[str, Team], h100: ResourceFlavor
-    ) -> None:
+    ) -> list[Job]:
         batch = PriorityClass.objects.get(name="ai-batch-preemptible")
         train = settings.BASE_DIR / "examples" / "train_ddp.py"
         python = shlex.quote(sys.executable)
@@ -115,34 +121,42 @@ class Command(BaseCommand):
         def command(steps: int) -> str:
             return f"{python} {shlex.quote(str(train))} --steps {steps} --step-sleep 0.5 --save-every 20"
 
+        submitted: list[Job] = []
         # Vision runs inside its guarantee; language borrows production's idle GPUs.
-        job_submit(
-            submitter=users["ravi"],
-            team=teams["vision"],
-            flavor=h100,
-            ranks=2,
-            gpus_per_rank=4,
-            command=command(600),
-            priority_class=batch,
-            name="resnet-sweep",
+        submitted.append(
+            job_submit(
+                submitter=users["ravi"],
+                team=teams["vision"],
+                flavor=h100,
+                ranks=2,
+                gpus_per_rank=4,
+                command=command(600),
+                priority_class=batch,
+                name="resnet-sweep",
+            )
         )
-        job_submit(
-            submitter=users["lena"],
-            team=teams["language"],
-            flavor=h100,
-            ranks=2,
-            gpus_per_rank=8,
-            command=command(1200),
-            priority_class=batch,
-            name="llm-pretrain",
+        submitted.append(
+            job_submit(
+                submitter=users["lena"],
+                team=teams["language"],
+                flavor=h100,
+                ranks=2,
+                gpus_per_rank=8,
+                command=command(1200),
+                priority_class=batch,
+                name="llm-pretrain",
+            )
         )
-        job_submit(
-            submitter=users["lena"],
-            team=teams["language"],
-            flavor=h100,
-            ranks=1,
-            gpus_per_rank=8,
-            command=command(900),
-            priority_class=batch,
-            name="llm-finetune",
+        submitted.append(
+            job_submit(
+                submitter=users["lena"],
+                team=teams["language"],
+                flavor=h100,
+                ranks=1,
+                gpus_per_rank=8,
+                command=command(900),
+                priority_class=batch,
+                name="llm-finetune",
+            )
         )
+        return submitted

@@ -9,6 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from portal.database import require_migrated_database
 from simulation import add_arguments, run_simulation
 from simulation.traces import TraceError
 from telemetry.models import SimulationRun
@@ -25,6 +26,12 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         store = not options.pop("no_store")
+        if store:
+            # Asked before the replay, which may take minutes, rather than
+            # failing on the missing table once it is done.
+            require_migrated_database(
+                command="simulate", instead=" (or add --no-store to keep no report)"
+            )
         wanted = {
             k: v
             for k, v in options.items()
