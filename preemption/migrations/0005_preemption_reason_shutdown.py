@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('preemption', '0003_preemption_resume_step'),
+        ('preemption', '0004_preemption_resume_step'),
     ]
 
     operations = [

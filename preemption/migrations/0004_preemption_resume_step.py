@@ -25,7 +25,7 @@ def backfill(apps: Any, schema_editor: Any) -> None:
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("preemption", "0002_preemption_reason_consolidate"),
+        ("preemption", "0003_trap_tokens_per_attempt"),
     ]
 
     operations = [
