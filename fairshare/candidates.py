@@ -187,6 +187,20 @@ class VictimCandidates:
                 return True
         return False
 
+    def _above_line_before_plan(self, chain: tuple[int, ...]) -> bool:
+        """Whether every queue of ``chain`` runs above its guarantee line without the work
+        this plan admitted or reserved for it (the guarantee line, R3).
+
+        A queue at or under its line never gives running work to reclaim or fair share,
+        even when this plan's own admissions for it (or the GPUs it waits for) make it
+        look above: it would lose work it runs within its guarantee to make room for its
+        new work, or to a queue that only this plan's reservations put ahead of it. Work
+        admitted in this same plan may still be withdrawn, as before.
+        """
+        running_view = self.ledger.running_view
+        line = self.ledger.line
+        return all(running_view(x) > line[x] for x in chain)
+
     def reclaim(self, queue: int) -> Iterator[tuple[RunningWork, str]]:
         """R6 with R3: running work of queues above their guarantee line, cheapest first.
 
@@ -242,6 +256,8 @@ class VictimCandidates:
                 heapq.heappush(heap, (runs[following].order, donor, following))
             if run.victim or self.shielded(run):
                 continue
+            if not run.planned and not self._above_line_before_plan(chain):
+                continue
             if overshoot:
                 straddlers.append((overshoot, run.order, run))
                 continue
@@ -250,10 +266,10 @@ class VictimCandidates:
         for _, _, run in straddlers:
             if run.victim:
                 continue
-            if all(
-                r3_guarantee_overshoot(usage[x], line[x], run.gpus) is not None
-                for x in chains[run.queue]
-            ):
+            chain = chains[run.queue]
+            if not run.planned and not self._above_line_before_plan(chain):
+                continue
+            if all(r3_guarantee_overshoot(usage[x], line[x], run.gpus) is not None for x in chain):
                 yield run, RECLAIM
 
     def priority(self, job: PendingJob) -> Iterator[tuple[RunningWork, str]]:
@@ -334,6 +350,8 @@ class VictimCandidates:
                 continue
             chain, side_of_queue, side_of_donor = chains[donor]
             if self.shielded(run):
+                continue
+            if not run.planned and not self._above_line_before_plan(chain):
                 continue
             victim_gpus = run.gpus
             for x in chain:

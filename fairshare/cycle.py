@@ -342,6 +342,7 @@ class FlavorPlanner:
                 del self.admissions[victim_id]
                 if not run.priority_class.preemptible:
                     self.ledger.pinned_usage[run.queue] -= run.gpus
+                self.ledger.plan_usage(run.queue, -run.gpus)
                 for node, gpus in run.nodes:
                     nodes.set_free(node, nodes.free[node] + gpus)
                 nodes.unplaceable_on_free.clear()
@@ -385,6 +386,7 @@ class FlavorPlanner:
             ledger.pinned_usage[queue] += gpus
         self.nodes.claim(placement, workload.gpus_per_rank)
         ledger.add_usage(queue, gpus)
+        ledger.plan_usage(queue, gpus)
         self.admitted[workload.id] = (queue, gpus)
         on_nodes = tuple((self.nodes.names[node], ranks) for node, ranks in placement)
         self.admissions[workload.id] = Admission(workload.id, on_nodes, borrowed)

@@ -71,6 +71,10 @@ class QuotaLedger:
         # GPUs that jobs only waiting on reservations add to ``usage``: a queue must not
         # look above its guarantee line because of its own waiting work.
         self.waiting_usage = [0] * count
+        # GPUs that jobs admitted in this plan add to ``usage``. A queue that ran at or
+        # under its guarantee line must not give running work to others because of its
+        # own new work: what ran before the plan is ``running_view``.
+        self.planned_usage = [0] * count
         self.pinned_usage = list(pinned_usage)
 
         # Lend limits withhold part of an idle guarantee; track it as occupancy.
@@ -97,6 +101,17 @@ class QuotaLedger:
         self.over_fair_share: dict[int, None] = {
             queue: None for queue in leaves if self.usage[queue] > self.fair_share[queue]
         }
+
+    def running_view(self, queue: int) -> int:
+        """``queue``'s usage without the work this plan admitted or reserved for it: what
+        it runs from before the plan, less the victims this plan has taken."""
+        return self.usage[queue] - self.waiting_usage[queue] - self.planned_usage[queue]
+
+    def plan_usage(self, queue: int, delta: int) -> None:
+        """Count ``delta`` GPUs of work admitted in this plan for leaf ``queue`` and its
+        ancestors (negative when an admission is withdrawn)."""
+        for x in self.tree.path[queue]:
+            self.planned_usage[x] += delta
 
     def add_usage(self, queue: int, delta: int) -> None:
         """Count ``delta`` more GPUs (fewer when negative) for leaf ``queue`` and its ancestors."""

@@ -164,6 +164,7 @@ def reclaim_by_node(
     usage = ledger.usage
     waiting = ledger.waiting_usage
     line = ledger.line
+    planned = ledger.planned_usage
     lca_row = tree.lca_row(queue)
     chains: dict[int, tuple[int, ...]] = {}
     on_node: dict[int, list[RunningWork]] = defaultdict(list)
@@ -210,6 +211,11 @@ def reclaim_by_node(
             for x in chains[run.queue]:
                 left = usage[x] - waiting[x] - taken_from[x] - extra[x]
                 if r3_guarantee_overshoot(left, line[x], run.gpus) is None:
+                    eligible = False
+                    break
+                # Running work leaves only a queue that runs above its line without
+                # this plan's own admissions (see VictimCandidates.reclaim).
+                if not run.planned and left - planned[x] <= line[x]:
                     eligible = False
                     break
                 extra[x] += run.gpus
