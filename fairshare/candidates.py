@@ -197,9 +197,12 @@ class VictimCandidates:
         new work, or to a queue that only this plan's reservations put ahead of it. Work
         admitted in this same plan may still be withdrawn, as before.
         """
-        running_view = self.ledger.running_view
-        line = self.ledger.line
-        return all(running_view(x) > line[x] for x in chain)
+        ledger = self.ledger
+        usage = ledger.usage
+        waiting = ledger.waiting_usage
+        planned = ledger.planned_usage
+        line = ledger.line
+        return all(usage[x] - waiting[x] - planned[x] > line[x] for x in chain)
 
     def reclaim(self, queue: int) -> Iterator[tuple[RunningWork, str]]:
         """R6 with R3: running work of queues above their guarantee line, cheapest first.
@@ -213,6 +216,7 @@ class VictimCandidates:
         usage = ledger.usage
         line = ledger.line
         waiting = ledger.waiting_usage
+        planned = ledger.planned_usage
         by_queue = self.by_queue
         lca_row = tree.lca_row(queue)
         heap: list[tuple[VictimOrder, int, int]] = []
@@ -225,8 +229,11 @@ class VictimCandidates:
             if found is None:
                 found = tree.lca_chains(queue, donor)
             chain = found[0]
+            # Without work admitted in this plan the donor has only running work to give.
+            only_running = not planned[donor]
             for x in chain:
-                if usage[x] - waiting[x] <= line[x]:
+                held = usage[x] - waiting[x]
+                if held <= line[x] or (only_running and held - planned[x] <= line[x]):
                     break
             else:
                 chains[donor] = chain
@@ -240,6 +247,10 @@ class VictimCandidates:
             runs = by_queue[donor]
             run = runs[at]
             chain = chains[donor]
+            exposed = run.planned or self._above_line_before_plan(chain)
+            if not exposed and not planned[donor]:
+                # Victims only lower the donor's usage: none of its work can go now.
+                continue
             overshoot = 0
             eligible = True
             victim_gpus = run.gpus
@@ -254,9 +265,7 @@ class VictimCandidates:
             following = next_live(runs, at + 1)
             if following < len(runs):
                 heapq.heappush(heap, (runs[following].order, donor, following))
-            if run.victim or self.shielded(run):
-                continue
-            if not run.planned and not self._above_line_before_plan(chain):
+            if run.victim or not exposed or self.shielded(run):
                 continue
             if overshoot:
                 straddlers.append((overshoot, run.order, run))
@@ -304,6 +313,7 @@ class VictimCandidates:
         gpus = job.gpus
         by_queue = self.by_queue
         smallest_gpus = self.smallest_gpus
+        planned = ledger.planned_usage
         min_runtime = self.fair_share_min_runtime
         lca_row = tree.lca_row(queue)
         heap: list[tuple[VictimOrder, int, int]] = []
@@ -318,6 +328,10 @@ class VictimCandidates:
                 found = tree.lca_chains(queue, donor)
             chain, side_of_queue, side_of_donor = found
             if side_of_queue == side_of_donor:
+                continue
+            if not planned[donor] and not self._above_line_before_plan(chain):
+                # Without work admitted in this plan the donor has only running work to
+                # give, and it runs at or under its guarantee line.
                 continue
             # Both tests of R8 only get harder for a larger victim: when the queue's
             # smallest candidate fails them, every candidate of the queue does.
@@ -343,15 +357,21 @@ class VictimCandidates:
             _, donor, at = heapq.heappop(heap)
             runs = by_queue[donor]
             run = runs[at]
+            chain, side_of_queue, side_of_donor = chains[donor]
+            exposed = run.planned or self._above_line_before_plan(chain)
+            if not exposed and not planned[donor]:
+                # Victims only lower the donor's usage: none of its work can go now.
+                continue
             following = next_live(runs, at + 1)
             if following < len(runs):
                 heapq.heappush(heap, (runs[following].order, donor, following))
-            if run.victim or run.runtime < max(run.priority_class.min_runtime_seconds, min_runtime):
+            if (
+                not exposed
+                or run.victim
+                or run.runtime < max(run.priority_class.min_runtime_seconds, min_runtime)
+            ):
                 continue
-            chain, side_of_queue, side_of_donor = chains[donor]
             if self.shielded(run):
-                continue
-            if not run.planned and not self._above_line_before_plan(chain):
                 continue
             victim_gpus = run.gpus
             for x in chain:
