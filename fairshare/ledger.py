@@ -73,7 +73,8 @@ class QuotaLedger:
         self.waiting_usage = [0] * count
         # GPUs that jobs admitted in this plan add to ``usage``. A queue that ran at or
         # under its guarantee line must not give running work to others because of its
-        # own new work: what ran before the plan is ``running_view``.
+        # own new work: usage less waiting and planned usage is what it ran before the
+        # plan, less the victims taken since.
         self.planned_usage = [0] * count
         self.pinned_usage = list(pinned_usage)
 
@@ -101,11 +102,6 @@ class QuotaLedger:
         self.over_fair_share: dict[int, None] = {
             queue: None for queue in leaves if self.usage[queue] > self.fair_share[queue]
         }
-
-    def running_view(self, queue: int) -> int:
-        """``queue``'s usage without the work this plan admitted or reserved for it: what
-        it runs from before the plan, less the victims this plan has taken."""
-        return self.usage[queue] - self.waiting_usage[queue] - self.planned_usage[queue]
 
     def plan_usage(self, queue: int, delta: int) -> None:
         """Count ``delta`` GPUs of work admitted in this plan for leaf ``queue`` and its
