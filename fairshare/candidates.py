@@ -246,12 +246,19 @@ class VictimCandidates:
                     heap.append((runs[first].order, donor, first))
         heapq.heapify(heap)
         straddlers: list[tuple[int, VictimOrder, RunningWork]] = []
+        # Per donor: whether it runs above its line without this plan's work. Usage only
+        # changes when the caller takes a victim, so the answers hold until the next yield.
+        exposed_donors: dict[int, bool] = {}
         while heap:
             _, donor, at = heapq.heappop(heap)
             runs = by_queue[donor]
             run = runs[at]
             chain = chains[donor]
-            exposed = run.planned or self._above_line_before_plan(chain)
+            donor_exposed = exposed_donors.get(donor)
+            if donor_exposed is None:
+                donor_exposed = self._above_line_before_plan(chain)
+                exposed_donors[donor] = donor_exposed
+            exposed = run.planned or donor_exposed
             if not exposed and not planned[donor]:
                 # Victims only lower the donor's usage: none of its work can go now.
                 continue
@@ -275,6 +282,7 @@ class VictimCandidates:
                 straddlers.append((overshoot, run.order, run))
                 continue
             yield run, RECLAIM
+            exposed_donors.clear()
         straddlers.sort(key=lambda item: (item[0], item[1]))
         for _, _, run in straddlers:
             if run.victim:
@@ -357,12 +365,18 @@ class VictimCandidates:
                 if first < len(runs):
                     heap.append((runs[first].order, donor, first))
         heapq.heapify(heap)
+        # Per donor, as in ``reclaim``: valid until the next yield.
+        exposed_donors: dict[int, bool] = {}
         while heap:
             _, donor, at = heapq.heappop(heap)
             runs = by_queue[donor]
             run = runs[at]
             chain, side_of_queue, side_of_donor = chains[donor]
-            exposed = run.planned or self._above_line_before_plan(chain)
+            donor_exposed = exposed_donors.get(donor)
+            if donor_exposed is None:
+                donor_exposed = self._above_line_before_plan(chain)
+                exposed_donors[donor] = donor_exposed
+            exposed = run.planned or donor_exposed
             if not exposed and not planned[donor]:
                 # Victims only lower the donor's usage: none of its work can go now.
                 continue
@@ -391,3 +405,4 @@ class VictimCandidates:
                     victim_gpus,
                 ):
                     yield run, FAIR_SHARE
+                    exposed_donors.clear()
