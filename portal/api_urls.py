@@ -5,8 +5,7 @@ from django.urls import re_path
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.routers import DefaultRouter
 
-from portal.api import ApiTokenViewSet
-from preemption.api import (
+from portal.rest.preemption import (
     AttemptViewSet,
     CheckpointViewSet,
     JobViewSet,
@@ -14,7 +13,7 @@ from preemption.api import (
     RankViewSet,
     WebhookViewSet,
 )
-from quotas.api import (
+from portal.rest.quotas import (
     AuditEntryViewSet,
     FlavorViewSet,
     NodeViewSet,
@@ -22,6 +21,7 @@ from quotas.api import (
     QuotaViewSet,
     TeamViewSet,
 )
+from portal.rest.tokens import ApiTokenViewSet
 
 router = DefaultRouter()
 router.register("flavors", FlavorViewSet, basename="flavor")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from portal.env import (
+from core.env import (
     env_bool,
     env_choice,
     env_float,
@@ -131,7 +131,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "portal.api.exception_handler",
+    "EXCEPTION_HANDLER": "core.api.exception_handler",
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
 }
 SPECTACULAR_SETTINGS = {

@@ -45,10 +45,23 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from portal.processes import beat_command, web_command, worker_command
-from preemption.models import FINAL_STATES, Attempt, Job, JobState, PreemptionEvent, Rank
+from preemption.ingest import fingerprint
+from preemption.logs import read_rank_log
+from preemption.models import (
+    FINAL_STATES,
+    Attempt,
+    Job,
+    JobState,
+    PreemptionEvent,
+    Rank,
+    TrapEvent,
+)
+from preemption.runtime import get_runtime
+from preemption.runtimes import iter_trap_events, procfs, read_whole_log
+from preemption.runtimes.base import GangId
 from preemption.services import job_cancel, job_submit
 from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team
-from telemetry.models import DrillRun, TrapEvent
+from telemetry.models import DrillRun
 
 SCHEMA_VERSION = 1
 FLAVOR = "drill-gpu"
@@ -339,8 +352,6 @@ class Drill:
         return Job.objects.values_list("state", flat=True).get(pk=job.pk)
 
     def _rank0_step(self, job: Job) -> int:
-        from preemption.logs import read_rank_log
-
         attempt = Attempt.objects.filter(job=job).order_by("-number").first()
         if attempt is None:
             return -1
@@ -572,15 +583,11 @@ class Drill:
         """Whether a process was started for a job of this drill: it reports its
         events to this drill's web server (job ids repeat across installations
         sharing a machine)."""
-        from preemption.runtimes import procfs
-
         url = procfs.read_environ_value(pid, "QM_EVENTS_URL") or ""
         return url.startswith(f"{self.public_url}/")
 
     def _gang_pids(self, attempt: Attempt) -> list[int]:
         """Live processes on this machine started for one attempt of a drill job."""
-        from preemption.runtimes import procfs
-
         pids = []
         for pid in procfs.iter_pids():
             if procfs.read_environ_value(pid, "QM_JOB_ID") != str(attempt.job_id):
@@ -594,8 +601,6 @@ class Drill:
     def _leftover_ports(self, attempt: Attempt) -> list[int]:
         """Independent of the runtime: TCP ports still listened on by any process
         of the gang left on this machine (a /proc scan)."""
-        from preemption.runtimes import procfs
-
         listening = procfs.listening_tcp_ports()
         ports: set[int] = set()
         for pid in self._gang_pids(attempt):
@@ -613,8 +618,6 @@ class Drill:
         if path.exists():
             port = json.loads(path.read_text()).get("master_port")
             return int(port) if port else None
-        from preemption.runtimes import procfs
-
         for pid in self._gang_pids(attempt):
             address = procfs.read_environ_value(pid, "MASTER_ADDR")
             port = procfs.read_environ_value(pid, "MASTER_PORT")
@@ -656,10 +659,6 @@ class Drill:
     def chaos_checks(self, jobs: list[int]) -> dict[str, int]:
         """Orphaned ranks (a /proc scan), double preemptions and lost events
         (log lines against database rows)."""
-        from preemption.ingest import fingerprint
-        from preemption.runtime import get_runtime
-        from preemption.runtimes import iter_trap_events, read_whole_log
-        from preemption.runtimes.base import GangId
 
         orphans = 0
         wanted = {str(j) for j in jobs}

@@ -13,8 +13,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.db.models import Max
 
-from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank
-from telemetry.models import TrapEvent
+from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, TrapEvent
 
 EVENT_NAMES = frozenset(
     {

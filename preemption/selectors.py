@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from django.db.models import QuerySet
 
+from core.access import User
 from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, Webhook
-from quotas.selectors import User, access_for
+from quotas.selectors import access_for
 
 
 def _readable(user: User) -> set[int] | None:

@@ -5,41 +5,22 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
-from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import Max
 from django.utils import timezone
 
 from preemption.models import FINAL_STATES, WAITING_STATES, Job, JobState
+from preemption.reconcile import request_stop
+from preemption.wakeup import queue_cycle
+from preemption.webhooks import notify
 from quotas.models import Node, PriorityClass, ResourceFlavor, Team
-from quotas.selectors import TeamTree
+from quotas.selectors import team_tree
 
 MAX_RANKS = 4096
 MAX_COMMAND = 20_000
-
-
-def queue_cycle() -> None:
-    """Ask for an extra scheduling cycle once the current transaction commits."""
-    from preemption.tasks import schedule_cycle
-
-    transaction.on_commit(lambda: _send_quietly(schedule_cycle))
-
-
-def _send_quietly(task: Any) -> None:
-    # The beat runs the cycle every second anyway: a broker hiccup while asking
-    # for an extra run must not fail the request that asked.
-    try:
-        task.apply_async(retry=False)
-    except Exception:
-        import logging
-
-        logging.getLogger(__name__).warning(
-            "could not queue an extra scheduling cycle", exc_info=True
-        )
 
 
 @transaction.atomic
@@ -58,7 +39,7 @@ def job_submit(
     max_attempts: int | None = None,
 ) -> Job:
     errors: dict[str, list[str]] = {}
-    if not TeamTree.load().is_leaf(team.pk):
+    if not team_tree().is_leaf(team.pk):
         errors["team"] = [f"Team {team.slug} has sub-teams; jobs are submitted to leaf teams."]
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
         errors["ranks"] = [f"Must be a whole number from 1 to {MAX_RANKS} (got {ranks})."]
@@ -121,18 +102,10 @@ def job_cancel(*, actor: AbstractBaseUser | None, job: Job) -> Job:
         job.cancel_requested_at = now
         job.waiting_reason = ""
         job.save(update_fields=["state", "finished_at", "cancel_requested_at", "waiting_reason"])
-        from preemption.webhooks import notify
-
         notify(job_id=job.pk, event="finished", payload={"state": "cancelled"})
     elif job.cancel_requested_at is None:
         job.cancel_requested_at = now
         job.save(update_fields=["cancel_requested_at"])
-        from preemption.reconcile import request_stop
-
         request_stop(job=job, reason="manual", cause=f"cancelled by {actor or 'the system'}")
     queue_cycle()
     return job
-
-
-def next_attempt_number(job: Job) -> int:
-    return (job.attempts.aggregate(n=Max("number"))["n"] or 0) + 1

@@ -1,11 +1,10 @@
 """Between the database and the pure engine: build a `fairshare.Snapshot` from
-the rows, and preview what a quota change would do."""
+the rows."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from datetime import datetime
-from typing import Any
 
 from django.db.models import Max
 from django.utils import timezone
@@ -13,7 +12,6 @@ from django.utils import timezone
 import fairshare
 from preemption.models import Attempt, Checkpoint, Job, JobState
 from quotas.models import Node, PriorityClass, Quota, Team
-from quotas.services import UNSET, quota_validate
 
 ENGINE_STATE = {
     JobState.PENDING: "pending",
@@ -130,66 +128,3 @@ def build_snapshot(*, now: datetime | None = None) -> fairshare.Snapshot:
         priority_classes=classes,
         workloads=tuple(workloads),
     )
-
-
-def quota_preview(
-    *,
-    quota: Quota,
-    guarantee: Any = UNSET,
-    borrow_limit: Any = UNSET,
-    lend_limit: Any = UNSET,
-    weight: Any = UNSET,
-) -> dict[str, Any]:
-    """Validate a quota edit exactly like `quota_update`, save nothing, and say
-    what it would do: running jobs that would be reclaimed, admissions it would
-    allow, and how every fair share moves."""
-    new_guarantee = quota.guarantee if guarantee is UNSET else guarantee
-    new_borrow = quota.borrow_limit if borrow_limit is UNSET else borrow_limit
-    new_lend = quota.lend_limit if lend_limit is UNSET else lend_limit
-    quota_validate(
-        team=quota.team,
-        flavor=quota.flavor,
-        guarantee=new_guarantee,
-        borrow_limit=new_borrow,
-        lend_limit=new_lend,
-    )
-    if weight is not UNSET and (
-        not isinstance(weight, int | float) or isinstance(weight, bool) or weight <= 0
-    ):
-        from django.core.exceptions import ValidationError
-
-        raise ValidationError({"weight": [f"Must be greater than 0 (got {weight})."]})
-    change = fairshare.QuotaChange(
-        queue=quota.team.slug,
-        flavor=quota.flavor.name,
-        guarantee=new_guarantee,
-        borrow_limit=new_borrow,
-        lend_limit=new_lend,
-        **({} if weight is UNSET else {"weight": float(weight)}),
-    )
-    consequences = fairshare.diff(build_snapshot(), [change])
-    result = fairshare.consequences_to_dict(consequences)
-    # Name the jobs in the portal's words, not only by engine id.
-    ids = {
-        int(item["id"]) for item in result.get("reclaimed", []) if str(item.get("id", "")).isdigit()
-    }
-    names = {
-        job_id: (name, team, total)
-        for job_id, name, team, total in Job.objects.filter(id__in=ids).values_list(
-            "id", "name", "team__slug", "ranks"
-        )
-    }
-    for item in result.get("reclaimed", []):
-        key = int(item["id"]) if str(item.get("id", "")).isdigit() else None
-        if key in names:
-            item.setdefault("job_id", key)
-            item.setdefault("job_name", names[key][0])
-            item.setdefault("team", names[key][1])
-    result["change"] = {
-        "team": quota.team.slug,
-        "flavor": quota.flavor.name,
-        "guarantee": {"before": quota.guarantee, "after": new_guarantee},
-        "borrow_limit": {"before": quota.borrow_limit, "after": new_borrow},
-        "lend_limit": {"before": quota.lend_limit, "after": new_lend},
-    }
-    return result

@@ -12,8 +12,8 @@ from datetime import timedelta
 
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 
+from core.access import Access
 from preemption.models import WAITING_STATES, Checkpoint, Job, PreemptionEvent, Rank
-from quotas.selectors import Access
 from telemetry.selectors import team_rows
 
 SIGNAL_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.2, 2.0, 5.0, 10.0)

@@ -14,9 +14,8 @@ from django.utils import timezone
 from portal.auth import hash_token
 from portal.models import ApiToken
 from portal.services import api_token_create
-from preemption.models import Attempt, Checkpoint, Job, JobState, Rank, Webhook
+from preemption.models import Attempt, Checkpoint, Job, JobState, Rank, TrapEvent, Webhook
 from quotas.models import AuditEntry, Quota
-from telemetry.models import TrapEvent
 
 
 @pytest.fixture(autouse=True)

@@ -21,8 +21,9 @@ from django.utils import timezone
 from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
-from portal.services import api_token_create, webhook_create
+from portal.services import api_token_create
 from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank
+from preemption.webhooks import webhook_create
 from quotas import services as quota_services
 from quotas.models import AuditEntry, Node, PriorityClass, Quota, Team
 

@@ -13,9 +13,9 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank
+from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank, TrapEvent
 from quotas.models import Team
-from telemetry.models import DrillRun, TrapEvent, UtilizationSample
+from telemetry.models import DrillRun, UtilizationSample
 
 STATES = [
     JobState.PENDING,

@@ -12,8 +12,8 @@ from django.utils import timezone
 
 from preemption.cycle import schedule_cycle
 from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
+from preemption.reasons import describe_preemption
 from preemption.services import job_submit
-from preemption.views import describe_preemption
 
 pytestmark = pytest.mark.django_db
 

@@ -14,6 +14,7 @@ from preemption.models import (
     Job,
     PreemptionEvent,
     Rank,
+    TrapEvent,
     Webhook,
     WebhookDelivery,
 )
@@ -149,3 +150,9 @@ class WebhookDeliveryAdmin(ReadOnlyAdmin):
         "last_error",
     ]
     list_filter = ["event"]
+
+
+@admin.register(TrapEvent)
+class TrapEventAdmin(ReadOnlyAdmin):
+    list_display = ["job", "attempt", "rank", "event", "step", "at", "source", "received_at"]
+    list_filter = ["event", "source"]

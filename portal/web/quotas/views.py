@@ -16,11 +16,13 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
+from portal.web.quotas.forms import QuotaForm
+from preemption.quota_preview import quota_preview as preview_change
 from preemption.selectors import job_list
-from quotas.forms import QuotaForm
 from quotas.models import Membership, Quota
 from quotas.selectors import access_for, audit_list, quota_list
 from quotas.selectors import team_list as team_selector
+from quotas.services import quota_update
 from telemetry.selectors import flavor_names, team_rows
 
 
@@ -101,10 +103,8 @@ def _editable_quota(request: HttpRequest, pk: int) -> Quota:
 
 def _preview(quota: Quota, form: QuotaForm) -> dict[str, Any] | None:
     """The consequences of the edit, or None with the services' messages on the form."""
-    from preemption.snapshot import quota_preview
-
     try:
-        return quota_preview(quota=quota, **form.values())
+        return preview_change(quota=quota, **form.values())
     except ValidationError as error:
         form.add_service_errors(error)
         return None
@@ -132,7 +132,6 @@ def preview_context(consequences: dict[str, Any] | None) -> dict[str, Any]:
             )
     changed = [move for move in moves if abs(move["delta"]) > 1e-9]
     reclaimed = [dict(item) for item in consequences.get("reclaimed") or []]
-    _describe_reclaimed(reclaimed)
     admitted = consequences.get("admitted") or consequences.get("admissions") or []
     return {
         "consequences": consequences,
@@ -142,49 +141,6 @@ def preview_context(consequences: dict[str, Any] | None) -> dict[str, Any]:
         "unchanged_queues": len(moves) - len(changed),
         "change": consequences.get("change") or {},
     }
-
-
-REASON_WORDS = {
-    "reclaim": "reclaimed for",
-    "priority": "preempted by a higher priority in",
-    "fair-share": "gives way, for fair share, to",
-    "consolidate": "moves to other GPUs to make room for",
-}
-
-
-def _describe_reclaimed(reclaimed: list[dict[str, Any]]) -> None:
-    """Add each victim's GPUs and the reason in words ("reclaimed for job 18 of
-    vision") to the engine's entries, which name jobs by id only."""
-    from preemption.models import Job
-
-    ids = set()
-    for item in reclaimed:
-        for key in ("job_id", "id", "preemptor"):
-            if str(item.get(key, "")).isdigit():
-                ids.add(int(item[key]))
-    jobs = {
-        row["id"]: row
-        for row in Job.objects.filter(id__in=ids).values(
-            "id", "name", "team__slug", "ranks", "gpus_per_rank"
-        )
-    }
-    for item in reclaimed:
-        victim = jobs.get(int(item["job_id"])) if str(item.get("job_id", "")).isdigit() else None
-        if victim is None and str(item.get("id", "")).isdigit():
-            victim = jobs.get(int(item["id"]))
-        if victim is not None:
-            item.setdefault("job_id", victim["id"])
-            item.setdefault("job_name", victim["name"])
-            item.setdefault("team", victim["team__slug"])
-            item.setdefault("gpus", victim["ranks"] * victim["gpus_per_rank"])
-        preemptor = (
-            jobs.get(int(item["preemptor"])) if str(item.get("preemptor", "")).isdigit() else None
-        )
-        words = REASON_WORDS.get(str(item.get("reason", "")), str(item.get("reason", "")))
-        if preemptor is not None:
-            item["why"] = f"{words} job {preemptor['id']} of {preemptor['team__slug']}"
-        else:
-            item["why"] = words
 
 
 @login_required
@@ -197,8 +153,6 @@ def quota_edit(request: HttpRequest, pk: int) -> HttpResponse:
         action = request.POST.get("action", "preview")
         if form.is_valid():
             if action == "save":
-                from quotas.services import quota_update
-
                 try:
                     quota_update(actor=request.user, quota=quota, **form.values())
                 except ValidationError as error:

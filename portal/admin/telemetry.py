@@ -7,7 +7,7 @@ from typing import Any
 from django.contrib import admin
 from django.http import HttpRequest
 
-from telemetry.models import DrillRun, SimulationRun, TrapEvent, UtilizationSample
+from telemetry.models import DrillRun, SimulationRun, UtilizationSample
 
 
 class MeasuredAdmin(admin.ModelAdmin):
@@ -18,12 +18,6 @@ class MeasuredAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
-
-
-@admin.register(TrapEvent)
-class TrapEventAdmin(MeasuredAdmin):
-    list_display = ["job", "attempt", "rank", "event", "step", "at", "source", "received_at"]
-    list_filter = ["event", "source"]
 
 
 @admin.register(UtilizationSample)

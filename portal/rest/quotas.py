@@ -18,7 +18,9 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from portal.api import IsAdminOrReadOnly, NamedRelatedField, Pagination, access_of, deny, responses
+from core.api import IsAdminOrReadOnly, NamedRelatedField, Pagination, deny, responses
+from portal.rest.access import access_of
+from preemption.quota_preview import quota_preview
 from quotas import selectors, services
 from quotas.models import AuditEntry, Node, PriorityClass, Quota, ResourceFlavor, Team
 
@@ -491,8 +493,6 @@ class QuotaViewSet(
     )
     @action(detail=True, methods=["post"])
     def preview(self, request: Request, pk: str | None = None) -> Response:
-        from preemption.snapshot import quota_preview
-
         quota = self.get_object()
         self._check_editable(quota.team)
         incoming = QuotaPreviewSerializer(data=request.data)

@@ -13,6 +13,7 @@ from typing import Any
 from django import forms
 from django.core.exceptions import ValidationError
 
+from core.forms import add_service_errors
 from quotas.models import Quota
 
 
@@ -57,10 +58,4 @@ class QuotaForm(forms.Form):
 
     def add_service_errors(self, error: ValidationError) -> None:
         """Show a service's ValidationError on the fields it names."""
-        if hasattr(error, "error_dict"):
-            for field, messages in error.message_dict.items():
-                for message in messages:
-                    self.add_error(field if field in self.fields else None, message)
-        else:
-            for message in error.messages:
-                self.add_error(None, message)
+        add_service_errors(self, error)

@@ -27,8 +27,11 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from portal.api import NamedRelatedField, Pagination, access_of, deny, responses
+from core.api import NamedRelatedField, Pagination, deny, responses
+from portal.rest.access import access_of
 from preemption import selectors, services
+from preemption.ingest import ingest_trap_event
+from preemption.logs import read_rank_log
 from preemption.models import (
     FINAL_STATES,
     Attempt,
@@ -39,6 +42,8 @@ from preemption.models import (
     Rank,
     Webhook,
 )
+from preemption.runtimes.base import RuntimePermanentError
+from preemption.webhooks import webhook_create, webhook_delete
 from quotas.models import PriorityClass, ResourceFlavor, Team
 
 MAX_LOG_CHUNK = 1 << 20
@@ -362,7 +367,7 @@ class JobEventsTokenAuthentication(BaseAuthentication):
 class JobEventsTokenScheme(OpenApiAuthenticationExtension):  # type: ignore[no-untyped-call]
     """Describes the trap's per-job token in the OpenAPI schema."""
 
-    target_class = "preemption.api.JobEventsTokenAuthentication"
+    target_class = "portal.rest.preemption.JobEventsTokenAuthentication"
     name = "jobEventsToken"
 
     def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
@@ -486,8 +491,6 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
     )
     @action(detail=True, methods=["get"], filter_backends=[], pagination_class=None)
     def logs(self, request: Request, pk: str | None = None) -> Response:
-        from preemption.logs import read_rank_log
-        from preemption.runtimes.base import RuntimePermanentError
 
         job = self.get_object()
         query = JobLogQuerySerializer(data=request.query_params)
@@ -536,7 +539,6 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
     @staticmethod
     def _tail(job: Job, attempt: int, rank: int, size: int) -> tuple[bytes, int, int]:
         """The last `size` bytes of the log: read to its end, keeping only the tail."""
-        from preemption.logs import read_rank_log
 
         offset, kept, kept_from = 0, b"", 0
         while True:
@@ -562,8 +564,6 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
     )
     @action(detail=True, methods=["post"], authentication_classes=[JobEventsTokenAuthentication])
     def events(self, request: Request, pk: str | None = None) -> Response:
-        from preemption.ingest import ingest_trap_event
-
         if not isinstance(request.auth, Job):
             if _job_by_id(pk) is None:
                 raise NotFound(f"No job {pk}.")
@@ -726,8 +726,6 @@ class WebhookViewSet(
         return selectors.webhook_list(user=self.request.user)
 
     def perform_create(self, serializer: Any) -> None:
-        from portal.services import webhook_create
-
         values = serializer.validated_data
         team: Team = values["team"]
         if not access_of(self.request).can_manage_team(team.pk):
@@ -743,6 +741,4 @@ class WebhookViewSet(
         )
 
     def perform_destroy(self, instance: Webhook) -> None:
-        from portal.services import webhook_delete
-
         webhook_delete(actor=self.request.user, webhook=instance)

@@ -17,7 +17,8 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET
 from rest_framework.exceptions import AuthenticationFailed
 
-from portal.forms import PeriodForm
+from portal.auth import BearerTokenAuthentication
+from portal.web.telemetry.forms import PeriodForm
 from quotas.selectors import access_for
 from telemetry import charts
 from telemetry.metrics import render_metrics
@@ -109,8 +110,6 @@ def metrics(request: HttpRequest) -> HttpResponse:
     """Prometheus text format. A scraper authenticates with an API token
     (`Authorization: Bearer qm_...`); a signed-in browser session works too.
     What it sees is scoped like the API: an admin's token sees every team."""
-    from portal.auth import BearerTokenAuthentication
-
     user = request.user
     try:
         authenticated = BearerTokenAuthentication().authenticate(request)

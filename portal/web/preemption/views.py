@@ -8,7 +8,7 @@ query to the asking user exactly as the API does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from django.contrib import messages
@@ -19,51 +19,17 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from portal.forms import JobFilterForm
-from preemption.models import Attempt, Job, PreemptionEvent
+from portal.web.preemption.forms import JobFilterForm
+from preemption.logs import read_rank_log
+from preemption.models import Attempt, Job, PreemptionEvent, TrapEvent
+from preemption.reasons import describe_preemption
 from preemption.runtimes.base import RuntimePermanentError, RuntimeTemporaryError
 from preemption.selectors import job_list as job_selector
+from preemption.services import job_cancel as cancel_job
 from quotas.selectors import access_for
-from telemetry.models import TrapEvent
 
 JOBS_PER_PAGE = 50
 LOG_CHUNK = 65536
-
-
-def describe_preemption(event: PreemptionEvent) -> str:
-    """Why a job was preempted, in words a researcher understands."""
-    victim_gpus = event.job.gpus if event.job_id else 0
-    preemptor = event.preemptor
-    if event.reason == PreemptionEvent.Reason.RECLAIM:
-        if preemptor is not None:
-            return f"reclaimed by {preemptor.team.slug}, {preemptor.gpus} GPUs under its guarantee"
-        return f"reclaimed: {event.cause}" if event.cause else "reclaimed by its lender"
-    if event.reason == PreemptionEvent.Reason.PRIORITY:
-        if preemptor is not None:
-            return (
-                f"preempted by job {preemptor.pk} of {preemptor.team.slug} "
-                f"({preemptor.priority_class.name}, a higher priority), {preemptor.gpus} GPUs"
-            )
-        return "preempted by a higher-priority job"
-    if event.reason == PreemptionEvent.Reason.FAIR_SHARE:
-        if preemptor is not None:
-            return (
-                f"gave {victim_gpus} GPUs back to {preemptor.team.slug}, "
-                "which was below its fair share of the surplus"
-            )
-        return "gave its GPUs back to a team below its fair share of the surplus"
-    if event.reason == PreemptionEvent.Reason.CONSOLIDATE:
-        if preemptor is not None:
-            return (
-                f"moved so that job {preemptor.pk} of {preemptor.team.slug} ({preemptor.gpus} GPUs) "
-                "fits on one node inside its guarantee; it restarts at once on GPUs free elsewhere"
-            )
-        return "moved to GPUs free elsewhere, so that a larger job fits inside its guarantee"
-    if event.reason == PreemptionEvent.Reason.GANG_GUARD:
-        return event.cause or "a rank of the gang died, so the others were stopped gracefully"
-    if event.reason == PreemptionEvent.Reason.MANUAL:
-        return event.cause or "stopped by a person"
-    return event.cause or event.reason
 
 
 @dataclass
@@ -104,8 +70,6 @@ def _seconds_after(moment: datetime | None, origin: datetime) -> float | None:
 
 
 def _moment(unix: float) -> datetime:
-    from datetime import UTC
-
     return datetime.fromtimestamp(unix, tz=UTC)
 
 
@@ -315,8 +279,6 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
 @login_required
 def rank_log(request: HttpRequest, pk: int, attempt: int, rank: int) -> HttpResponse:
     """A chunk of one rank's log; `?raw=1` answers plain text for scripts."""
-    from preemption.logs import read_rank_log
-
     job: Job = get_object_or_404(job_selector(user=request.user), pk=pk)
     try:
         offset = max(int(request.GET.get("offset", "0")), 0)
@@ -358,15 +320,13 @@ def job_cancel(request: HttpRequest, pk: int) -> HttpResponse:
     """Cancel a job: a waiting one at once, a running one gracefully (signal,
     grace window, then kill). Allowed to its submitter, a manager of its team
     and admins, as in the API."""
-    from preemption.services import job_cancel as cancel
-
     job = get_object_or_404(job_selector(user=request.user), pk=pk)
     if not access_for(request.user).can_cancel(team_id=job.team_id, submitter_id=job.submitter_id):
         raise PermissionDenied(
             "Only the submitter, a manager of the team or an admin cancels a job."
         )
     try:
-        job = cancel(actor=request.user, job=job)
+        job = cancel_job(actor=request.user, job=job)
     except ValidationError as error:
         messages.error(request, " ".join(error.messages))
     else:
