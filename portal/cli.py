@@ -364,6 +364,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(
             f"Attempt {attempt['number']}: admitted {short_time(attempt['admitted_at'])}, {ended}, borrowed {attempt['borrowed_gpus']} GPUs"
         )
+        if attempt.get("preempted_because"):
+            print(f"Preempted: {attempt['preempted_because']}.")
         rows = [
             (r["index"], r["node"], r["state"], r["exit_code"], short_time(r["exited_at"]))
             for r in attempt["ranks"]

@@ -12,19 +12,10 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.db.models import Max
+from gracetrap_protocol import EVENT_NAMES
 
 from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, TrapEvent
 
-EVENT_NAMES = frozenset(
-    {
-        "signal_received",
-        "checkpoint_started",
-        "checkpoint_committed",
-        "checkpoint_skipped",
-        "exiting",
-        "resumed",
-    }
-)
 MAX_EVENT_BYTES = 8192
 
 

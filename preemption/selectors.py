@@ -51,7 +51,12 @@ def rank_list(*, user: User) -> QuerySet[Rank]:
 
 def preemption_event_list(*, user: User) -> QuerySet[PreemptionEvent]:
     queryset = PreemptionEvent.objects.select_related(
-        "job", "job__team", "preemptor", "preemptor__team", "victim_attempt"
+        "job",
+        "job__team",
+        "preemptor",
+        "preemptor__team",
+        "preemptor__priority_class",
+        "victim_attempt",
     )
     teams = _readable(user)
     return queryset if teams is None else queryset.filter(job__team_id__in=teams)

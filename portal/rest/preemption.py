@@ -19,6 +19,7 @@ from django.db.models import Prefetch
 from django_filters.fields import IsoDateTimeField
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema, extend_schema_view
+from gracetrap_protocol import EVENT_NAMES
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.decorators import action
@@ -42,6 +43,7 @@ from preemption.models import (
     Rank,
     Webhook,
 )
+from preemption.reasons import describe_preemption
 from preemption.runtimes.base import RuntimePermanentError
 from preemption.webhooks import webhook_create, webhook_delete
 from quotas.models import PriorityClass, ResourceFlavor, Team
@@ -107,10 +109,17 @@ class AttemptSerializer(serializers.ModelSerializer[Attempt]):
 
 class AttemptWithRanksSerializer(AttemptSerializer):
     ranks = RankSerializer(many=True, read_only=True, source="rank_set")
+    preempted_because = serializers.SerializerMethodField(
+        help_text="Why this attempt was preempted, in the job page's words; null if it was not."
+    )
 
     class Meta(AttemptSerializer.Meta):
-        fields = [*AttemptSerializer.Meta.fields, "ranks"]
+        fields = [*AttemptSerializer.Meta.fields, "ranks", "preempted_because"]
         read_only_fields = fields
+
+    def get_preempted_because(self, attempt: Attempt) -> str | None:
+        event = getattr(attempt, "preemption", None)
+        return describe_preemption(event) if event is not None else None
 
 
 class JobSerializer(serializers.ModelSerializer[Job]):
@@ -227,16 +236,7 @@ class JobLogQuerySerializer(serializers.Serializer[Any]):
 class TrapEventSerializer(serializers.Serializer[Any]):
     """The trap's event, as documented in ARCHITECTURE.md (extra keys are kept)."""
 
-    event = serializers.ChoiceField(
-        choices=[
-            "signal_received",
-            "checkpoint_started",
-            "checkpoint_committed",
-            "checkpoint_skipped",
-            "exiting",
-            "resumed",
-        ]
-    )
+    event = serializers.ChoiceField(choices=list(EVENT_NAMES))
     job_id = serializers.IntegerField(required=False)
     attempt = serializers.IntegerField(min_value=0)
     rank = serializers.IntegerField(min_value=0)
@@ -257,6 +257,9 @@ class PreemptionEventSerializer(serializers.ModelSerializer[PreemptionEvent]):
     attempt_number = serializers.IntegerField(source="victim_attempt.number", read_only=True)
     team = serializers.CharField(source="job.team.slug", read_only=True)
     preemptor_team = serializers.SerializerMethodField()
+    why = serializers.SerializerMethodField(
+        help_text="Why the job was preempted, in the job page's words."
+    )
 
     class Meta:
         model = PreemptionEvent
@@ -270,6 +273,7 @@ class PreemptionEventSerializer(serializers.ModelSerializer[PreemptionEvent]):
             "preemptor_team",
             "cause",
             "reason",
+            "why",
             "decided_at",
             "grace_seconds",
             "deadline",
@@ -288,6 +292,9 @@ class PreemptionEventSerializer(serializers.ModelSerializer[PreemptionEvent]):
 
     def get_preemptor_team(self, event: PreemptionEvent) -> str | None:
         return event.preemptor.team.slug if event.preemptor is not None else None
+
+    def get_why(self, event: PreemptionEvent) -> str:
+        return describe_preemption(event)
 
 
 class CheckpointSerializer(serializers.ModelSerializer[Checkpoint]):
@@ -438,7 +445,14 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
         queryset = selectors.job_list(user=self.request.user)
         if self.action == "retrieve":
             queryset = queryset.prefetch_related(
-                Prefetch("attempts", queryset=Attempt.objects.prefetch_related("rank_set"))
+                Prefetch(
+                    "attempts",
+                    queryset=Attempt.objects.select_related(
+                        "preemption__job",
+                        "preemption__preemptor__team",
+                        "preemption__preemptor__priority_class",
+                    ).prefetch_related("rank_set"),
+                )
             )
         return queryset
 

@@ -14,8 +14,9 @@ from django.utils import timezone
 from portal.auth import hash_token
 from portal.models import ApiToken
 from portal.services import api_token_create
-from preemption.models import Attempt, Checkpoint, Job, JobState, Rank, TrapEvent, Webhook
+from preemption.models import Checkpoint, Job, JobState, Rank, TrapEvent, Webhook
 from quotas.models import AuditEntry, Quota
+from tests import builders
 
 
 @pytest.fixture(autouse=True)
@@ -80,18 +81,10 @@ def test_job_list_filters(world: Any) -> None:
 def test_job_detail_holds_attempts_and_ranks(world: Any) -> None:
     job_id = submit(world.client("researcher")).json()["id"]
     now = timezone.now()
-    attempt = Attempt.objects.create(
-        job_id=job_id,
-        number=1,
-        placement=[{"node": "h100-node-0", "ranks": 2}],
-        admitted_at=now,
-        ended_at=now,
-        end_reason="preempted",
+    attempt = builders.attempt(
+        Job.objects.get(pk=job_id), admitted_at=now, ended_at=now, end_reason="preempted"
     )
-    for index in range(2):
-        Rank.objects.create(
-            attempt=attempt, index=index, node="h100-node-0", state="exited", exit_code=0
-        )
+    builders.ranks(attempt, state="exited", exit_code=0)
     detail = world.client("researcher").get(f"/api/v1/jobs/{job_id}/").json()
     assert [a["number"] for a in detail["attempts"]] == [1]
     assert [(r["index"], r["exit_code"]) for r in detail["attempts"][0]["ranks"]] == [
@@ -116,25 +109,15 @@ def test_cancel_a_pending_job_and_cancel_twice(world: Any) -> None:
 
 @pytest.fixture
 def running(world: Any) -> Job:
-    now = timezone.now()
-    job = Job.objects.create(
-        team=world.vision,
-        submitter=world.users["researcher"],
-        priority_class=world.batch,
-        flavor=world.h100,
+    return builders.running_job(
+        world,
+        world.vision,
         ranks=2,
-        gpus_per_rank=1,
         command="python train.py",
-        state=JobState.RUNNING,
         events_token="s3cret-token",
         checkpoint_dir="/tmp/ckpt",
+        rank_fields={},
     )
-    attempt = Attempt.objects.create(
-        job=job, number=1, placement=[{"node": "h100-node-0", "ranks": 2}], admitted_at=now
-    )
-    for index in range(2):
-        Rank.objects.create(attempt=attempt, index=index, node="h100-node-0", state="running")
-    return job
 
 
 def post_event(client: Any, job: Job, event: Any, token: str | None = "s3cret-token") -> Any:

@@ -22,10 +22,11 @@ from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
 from portal.services import api_token_create
-from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank
+from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank
 from preemption.webhooks import webhook_create
 from quotas import services as quota_services
 from quotas.models import AuditEntry, Node, PriorityClass, Quota, Team
+from tests import builders
 
 # The personas and password of tests/conftest.py's `world`.
 PERSONAS = ("admin", "manager", "other_manager", "researcher", "other_researcher", "anonymous")
@@ -67,27 +68,22 @@ class Objects:
 
 def _running_job(world: Any, team: Team, submitter: Any, node: str) -> tuple[Job, Attempt, Rank]:
     now = timezone.now()
-    job = Job.objects.create(
+    job = builders.running_job(
+        world,
+        team,
         name=f"train-{team.slug}",
-        team=team,
         submitter=submitter,
-        priority_class=world.batch,
-        flavor=world.h100,
-        ranks=1,
         gpus_per_rank=4,
         command="sleep 1",
-        state=JobState.RUNNING,
         admitted_at=now,
         running_at=now,
         events_token=f"events-{team.slug}",
+        node=node,
+        attempt_fields={"launched_at": now},
+        rank_fields={"started_at": now},
     )
-    attempt = Attempt.objects.create(
-        job=job, number=1, placement=[{"node": node, "ranks": 1}], admitted_at=now, launched_at=now
-    )
-    rank = Rank.objects.create(
-        attempt=attempt, index=0, node=node, state=Rank.State.RUNNING, started_at=now
-    )
-    return job, attempt, rank
+    attempt = job.attempts.get()
+    return job, attempt, attempt.rank_set.get()
 
 
 def _preemption(job: Job, attempt: Attempt) -> PreemptionEvent:

@@ -10,7 +10,8 @@ import pytest
 from django.apps import apps
 from django.utils import timezone
 
-from preemption.models import Attempt, Job, JobState
+from preemption.models import Job
+from tests import builders
 
 
 @pytest.fixture(autouse=True)
@@ -41,23 +42,16 @@ def running_job(
     world: Any, team: Any, *, critical: bool, ranks: int, gpus_per_rank: int, name: str
 ) -> Job:
     now = timezone.now()
-    job = Job.objects.create(
+    return builders.running_job(
+        world,
+        team,
         name=name,
-        team=team,
-        submitter=world.users["researcher"],
         priority_class=world.critical if critical else world.batch,
-        flavor=world.h100,
         ranks=ranks,
         gpus_per_rank=gpus_per_rank,
-        command="sleep 60",
-        state=JobState.RUNNING,
         admitted_at=now,
         running_at=now,
     )
-    Attempt.objects.create(
-        job=job, number=1, placement=[{"node": "h100-node-0", "ranks": ranks}], admitted_at=now
-    )
-    return job
 
 
 # --- the quota rules, each with its message ------------------------------------------

@@ -21,6 +21,7 @@ from preemption.models import Attempt, Job, JobState
 from preemption.runtime import use_runtime
 from preemption.runtimes.base import GangId, GangSpec, NodeInventory, RankPlacement
 from preemption.runtimes.local import LocalRuntime
+from tests import builders
 
 QM = str(Path(sys.executable).with_name("qm"))
 PASSWORD = "correct-horse-battery-staple"  # the personas' password in tests/conftest.py
@@ -192,19 +193,8 @@ def test_logs_prints_and_follows_a_real_rank(
     world: Any, qm: Any, local_runtime: LocalRuntime
 ) -> None:
     now = timezone.now()
-    job = Job.objects.create(
-        team=world.vision,
-        submitter=world.users["researcher"],
-        priority_class=world.batch,
-        flavor=world.h100,
-        ranks=2,
-        gpus_per_rank=1,
-        command="echo",
-        state=JobState.RUNNING,
-    )
-    attempt = Attempt.objects.create(
-        job=job, number=1, placement=[{"node": "h100-node-0", "ranks": 2}], admitted_at=now
-    )
+    job = builders.running_job(world, world.vision, ranks=2, command="echo", admitted_at=now)
+    attempt = job.attempts.get()
     command = 'echo "rank $RANK step 1"; sleep 2; echo "rank $RANK step 2"'
     local_runtime.launch(
         GangSpec(

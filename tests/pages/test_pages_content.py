@@ -19,32 +19,25 @@ from preemption.models import Attempt, Job, JobState
 from quotas.models import AuditEntry, Quota
 from telemetry.models import UtilizationSample
 from telemetry.services import utilization_sample
+from tests import builders
 from tests.pages.conftest import page_client, seed_drill, seed_jobs
 
 pytestmark = pytest.mark.django_db
 
 
 def _running(world: Any, team: Any, gpus: int, borrowed: int = 0, node: str = "h100-node-0") -> Job:
-    job = Job.objects.create(
+    return builders.running_job(
+        world,
+        team,
         name=f"{team.slug}-run",
-        team=team,
         submitter=world.users["admin"],
-        priority_class=world.batch,
-        flavor=world.h100,
-        ranks=1,
         gpus_per_rank=gpus,
         command="python train.py",
-        state=JobState.RUNNING,
-    )
-    Attempt.objects.create(
-        job=job,
-        number=1,
+        node=node,
+        borrowed=borrowed,
         # Running for an hour: past the minute in which fair-share moves spare a job.
         admitted_at=timezone.now() - timedelta(hours=1),
-        borrowed_gpus=borrowed,
-        placement=[{"node": node, "ranks": 1}],
     )
-    return job
 
 
 def test_dashboard_shows_flavor_figures_team_bars_queue_and_preemptions(
