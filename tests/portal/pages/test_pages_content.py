@@ -20,7 +20,7 @@ from quotas.models import AuditEntry, Quota
 from telemetry.models import UtilizationSample
 from telemetry.services import utilization_sample
 from tests import builders
-from tests.pages.conftest import page_client, seed_drill, seed_jobs
+from tests.portal.pages.conftest import page_client, seed_drill, seed_jobs
 
 pytestmark = pytest.mark.django_db
 

@@ -9,7 +9,7 @@ import pytest
 from django.urls import reverse
 
 from tests.conftest import PERSONAS
-from tests.pages.conftest import page_client, seed_jobs
+from tests.portal.pages.conftest import page_client, seed_jobs
 
 pytestmark = pytest.mark.django_db
 

@@ -11,7 +11,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from tests.pages.conftest import page_client, seed_jobs
+from tests.portal.pages.conftest import page_client, seed_jobs
 
 pytestmark = pytest.mark.django_db
 
