@@ -134,13 +134,11 @@ def test_errors_are_one_clear_line_with_an_exit_code(world: Any, qm: Any) -> Non
     missing = qm("show", "999999", env=with_token)
     assert missing.returncode == 4 and "not found" in missing.stderr
 
-    other_job = Job.objects.create(
-        team=world.ops,
+    other_job = builders.job(
+        world,
+        world.ops,
+        state=JobState.PENDING,
         submitter=world.users["other_researcher"],
-        priority_class=world.batch,
-        flavor=world.h100,
-        ranks=1,
-        gpus_per_rank=1,
         command="true",
     )
     hidden = qm("cancel", str(other_job.pk), env=with_token)

@@ -22,7 +22,7 @@ from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
 from portal.services import api_token_create
-from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank
+from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank
 from preemption.webhooks import webhook_create
 from quotas import services as quota_services
 from quotas.models import AuditEntry, Node, PriorityClass, Quota, Team
@@ -107,14 +107,12 @@ def objects(world: Any) -> Objects:
         world, world.ops, users["other_researcher"], "h100-node-1"
     )
     pending = {
-        key: Job.objects.create(
+        key: builders.job(
+            world,
+            world.vision,
+            state=JobState.PENDING,
             name=key,
-            team=world.vision,
             submitter=users[who],
-            priority_class=world.batch,
-            flavor=world.h100,
-            ranks=1,
-            gpus_per_rank=1,
             command="true",
             events_token="x" * 20,
         )
@@ -154,7 +152,7 @@ def objects(world: Any) -> Objects:
         webhook_ops=webhook_ops,
         spare_node=Node.objects.create(name="spare-node", flavor=world.a100, gpus=8),
         spare_class=PriorityClass.objects.create(name="spare", value=5),
-        spare_team=Team.objects.create(slug="spare", name="Spare", parent=world.ml),
+        spare_team=builders.team("spare", name="Spare", parent=world.ml),
         tokens=tokens,
     )
 
