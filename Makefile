@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml gracetrap/pyproject.toml
 
 venv: $(STAMP)
 
-## run: set everything up and serve the portal at http://127.0.0.1:8000 (Ctrl-C stops it all)
+## run: set everything up and serve the portal at http://127.0.0.1:8000 (Ctrl-C stops it all);
+## DEBUG stays off (WhiteNoise serves the static files); QM_DEBUG=1 make run turns Django's debug pages on
 run: venv
+	@bin/runner-user $(PY)
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py seed_demo --if-empty
 	$(PY) manage.py serve_embedded

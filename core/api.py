@@ -100,6 +100,9 @@ ERROR_RESPONSES = {
     401: OpenApiResponse(description="Not signed in."),
     403: OpenApiResponse(description="Not allowed."),
     404: OpenApiResponse(description="No such object (or not visible to you)."),
+    429: OpenApiResponse(
+        description="Over a limit (too many failed sign-ins, or too many trap events); the body says which, and `Retry-After` how long to wait where it applies."
+    ),
 }
 
 

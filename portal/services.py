@@ -2,24 +2,49 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
 
 from portal.auth import TOKEN_PREFIX, hash_token, new_token_value
-from portal.models import ApiToken
+from portal.models import ApiToken, TokenScope
 
 MAX_ACTIVE_TOKENS = 50
 
 
 @transaction.atomic
-def api_token_create(*, user: AbstractBaseUser, name: str) -> tuple[ApiToken, str]:
-    """A new token for `user`. Returns the row and the token itself, which is
-    never stored and so can be shown only this once."""
+def api_token_create(
+    *,
+    user: AbstractBaseUser,
+    name: str,
+    days: int | None = None,
+    scope: str = TokenScope.FULL,
+) -> tuple[ApiToken, str]:
+    """A new token for `user`, valid for `days` (settings.QM_TOKEN_DEFAULT_DAYS
+    when not given, settings.QM_TOKEN_MAX_DAYS at most) with the given scope.
+    Returns the row and the token itself, which is never stored and so can be
+    shown only this once."""
     name = (name or "").strip()
     if not name:
         raise ValidationError({"name": ["A token needs a name, e.g. the machine it is for."]})
+    if days is None:
+        days = settings.QM_TOKEN_DEFAULT_DAYS
+    if (
+        isinstance(days, bool)
+        or not isinstance(days, int)
+        or not 1 <= days <= settings.QM_TOKEN_MAX_DAYS
+    ):
+        raise ValidationError(
+            {"days": [f"A token lasts from 1 to {settings.QM_TOKEN_MAX_DAYS} days; got {days!r}."]}
+        )
+    if scope not in TokenScope.values:
+        raise ValidationError(
+            {"scope": [f"Unknown scope {scope!r}; choose from {', '.join(TokenScope.values)}."]}
+        )
     active = ApiToken.objects.filter(user_id=user.pk, revoked_at__isnull=True).count()
     if active >= MAX_ACTIVE_TOKENS:
         raise ValidationError(
@@ -35,6 +60,8 @@ def api_token_create(*, user: AbstractBaseUser, name: str) -> tuple[ApiToken, st
         name=name[:100],
         prefix=value[: len(TOKEN_PREFIX) + 6],
         key_hash=hash_token(value),
+        expires_at=timezone.now() + timedelta(days=days),
+        scope=scope,
     )
     return token, value
 

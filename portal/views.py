@@ -23,12 +23,13 @@ from django.db.models import Count, Q
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
+from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 
 from core.forms import add_service_errors
 from portal.forms import ApiTokenForm
-from portal.models import ApiToken
+from portal.models import ApiToken, TokenScope
 from portal.services import api_token_create, api_token_revoke
 from preemption.models import ACTIVE_STATES, WAITING_STATES
 from preemption.reasons import describe_preemption
@@ -127,7 +128,12 @@ def tokens(request: HttpRequest) -> HttpResponse:
     form = ApiTokenForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
         try:
-            created = api_token_create(user=request.user, name=form.cleaned_data["name"])
+            created = api_token_create(
+                user=request.user,
+                name=form.cleaned_data["name"],
+                days=form.cleaned_data["days"],
+                scope=TokenScope.READ if form.cleaned_data["read_only"] else TokenScope.FULL,
+            )
         except ValidationError as error:
             add_service_errors(form, error)
         else:
@@ -142,6 +148,8 @@ def tokens(request: HttpRequest) -> HttpResponse:
             "created": created,
             "nav": "tokens",
             "public_url": settings.QM_PUBLIC_URL,
+            "now": timezone.now(),
+            "max_days": settings.QM_TOKEN_MAX_DAYS,
         },
         status=400 if form.errors else 200,
     )

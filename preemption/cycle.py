@@ -27,7 +27,7 @@ from preemption.models import (
 )
 from preemption.reasons import Preemptor, preemption_words
 from preemption.reconcile import reconcile_jobs
-from preemption.snapshot import build_snapshot
+from preemption.snapshot import build_snapshot, held_jobs
 from preemption.webhooks import notify
 
 logger = logging.getLogger(__name__)
@@ -59,15 +59,18 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
     with transaction.atomic():
         _lock()
         now = now or timezone.now()
-        snapshot = build_snapshot(now=now)
+        held = held_jobs()
+        snapshot = build_snapshot(now=now, held=held)
         plan = fairshare.plan(snapshot)
-        _apply(plan, now=now, result=result)
+        _apply(plan, now=now, result=result, held=held)
     if act and (result.admitted or result.preempted):
         reconcile_jobs(job_ids=result.admitted + result.preempted)
     return result
 
 
-def _apply(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
+def _apply(
+    plan: fairshare.Plan, *, now: datetime, result: CycleResult, held: dict[int, str]
+) -> None:
     admit_ids = [int(a.id) for a in plan.admit]
     preempt_ids = [int(p.id) for p in plan.preempt]
     jobs = Job.objects.select_related("team", "priority_class").in_bulk(
@@ -132,13 +135,14 @@ def _apply(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
             payload={"reason": event.reason, "cause": event.cause},
         )
         result.preempted.append(victim_id)
-    _store_waiting(plan)
-    result.waiting = len(plan.waiting)
+    _store_waiting(plan, held)
+    result.waiting = len(plan.waiting) + len(held)
 
 
-def _store_waiting(plan: fairshare.Plan) -> None:
+def _store_waiting(plan: fairshare.Plan, held: dict[int, str]) -> None:
     """Write each waiting job's reason, only where it changed."""
     reasons = {int(w.id): w.reason[:300] for w in plan.waiting}
+    reasons.update({job_id: reason[:300] for job_id, reason in held.items()})
     if not reasons:
         return
     current = dict(Job.objects.filter(pk__in=reasons).values_list("id", "waiting_reason"))

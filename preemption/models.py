@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import secrets
+from urllib.parse import urlsplit
+
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
@@ -56,7 +59,6 @@ class Job(models.Model):
     failure_reason = models.CharField(max_length=300, blank=True)
     resume_step = models.PositiveIntegerField(null=True, blank=True)
     checkpoint_dir = models.CharField(max_length=500, blank=True)
-    events_token = models.CharField(max_length=64, blank=True)
     max_attempts = models.PositiveIntegerField(default=5)
     not_before = models.DateTimeField(null=True, blank=True)
 
@@ -84,6 +86,11 @@ class Job(models.Model):
         return self.ranks * self.gpus_per_rank
 
 
+def new_events_key() -> str:
+    """The random part of an attempt's trap events token, drawn when the attempt is created."""
+    return secrets.token_hex(16)
+
+
 class Attempt(models.Model):
     """One admission of a job: where its ranks were placed, how many of its GPUs
     were borrowed, and why it ended."""
@@ -105,6 +112,9 @@ class Attempt(models.Model):
     ended_at = models.DateTimeField(null=True, blank=True)
     end_reason = models.CharField(max_length=16, choices=EndReason.choices, blank=True)
     orphaned_ports = models.JSONField(default=list, blank=True)
+    # The random part of the attempt's trap events token (see preemption.event_tokens);
+    # the token itself is never stored.
+    events_key = models.CharField(max_length=64, default=new_events_key, editable=False)
 
     class Meta:
         ordering = ["job_id", "number"]
@@ -267,7 +277,17 @@ class Webhook(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
-        return f"{self.team.slug} -> {self.url}"
+        return f"{self.team.slug} -> {self.origin}"
+
+    @property
+    def origin(self) -> str:
+        """Scheme and host, the most of the URL that logs and labels show: a
+        webhook URL may carry a credential in its path."""
+        try:
+            parts = urlsplit(self.url)
+        except ValueError:
+            return "(malformed URL)"
+        return f"{parts.scheme}://{parts.hostname or '?'}"
 
 
 class WebhookDelivery(models.Model):

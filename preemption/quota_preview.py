@@ -8,13 +8,65 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import ValidationError
+from django.db import models
 
 import fairshare
-from preemption.models import Job
+from preemption.models import ACTIVE_STATES, WAITING_STATES, Job
 from preemption.reasons import Preemptor, preemption_words
 from preemption.snapshot import build_snapshot
-from quotas.models import Quota
+from quotas.models import Quota, ResourceFlavor, Team
+from quotas.selectors import team_tree
 from quotas.services import UNSET, quota_validate
+
+
+def non_preemptible_work(*, team: Team, flavor: ResourceFlavor, guarantee: int) -> dict[str, Any]:
+    """The jobs of a class that is never preempted, which a guarantee of
+    (team, flavor) must make room for.
+
+    R5 lets such jobs run only inside their team's guarantee and no rule may
+    take them back, so the running ones are a floor under the guarantee of
+    their team and of every team above it (`quota_validate` refuses a cut
+    below it). A waiting one larger than its own team's guarantee would never
+    start: the preview lists those as stranded by the change.
+    """
+    subtree = team_tree().subtree([team.pk])
+    rows = list(
+        Job.objects.filter(
+            team_id__in=subtree,
+            flavor=flavor,
+            priority_class__preemptible=False,
+            state__in=[*ACTIVE_STATES, *WAITING_STATES],
+        )
+        .order_by("id")
+        .values("id", "name", "team_id", "team__slug", "ranks", "gpus_per_rank", "state")
+        .annotate(priority_class_name=models.F("priority_class__name"))
+    )
+
+    def describe(row: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "job_id": row["id"],
+            "job_name": row["name"],
+            "team": row["team__slug"],
+            "gpus": row["ranks"] * row["gpus_per_rank"],
+            "priority_class": row["priority_class_name"],
+        }
+
+    running = [describe(row) for row in rows if row["state"] in ACTIVE_STATES]
+    stranded = []
+    for row in rows:
+        job = describe(row)
+        if row["state"] in WAITING_STATES and row["team_id"] == team.pk and job["gpus"] > guarantee:
+            job["why"] = (
+                f"{job['priority_class']} is never preempted, so it runs only inside "
+                f"{team.slug}'s guarantee: it needs {job['gpus']} GPUs of {flavor.name}, "
+                f"the guarantee would be {guarantee}."
+            )
+            stranded.append(job)
+    return {
+        "running": running,
+        "floor": sum(job["gpus"] for job in running),
+        "stranded": stranded,
+    }
 
 
 def quota_preview(
@@ -53,6 +105,9 @@ def quota_preview(
     consequences = fairshare.diff(build_snapshot(), [change])
     result = fairshare.consequences_to_dict(consequences)
     _describe_reclaimed(result.get("reclaimed", []))
+    result["non_preemptible"] = non_preemptible_work(
+        team=quota.team, flavor=quota.flavor, guarantee=new_guarantee
+    )
     result["change"] = {
         "team": quota.team.slug,
         "flavor": quota.flavor.name,

@@ -20,6 +20,7 @@ from django.db import transaction
 from django.db.models import Max
 from django.utils import timezone
 
+from preemption.event_tokens import attempt_events_token
 from preemption.ingest import ingest_trap_event
 from preemption.models import (
     ACTIVE_STATES,
@@ -73,7 +74,8 @@ def gang_spec(job: Job, attempt: Attempt, ranks: Iterable[Rank]) -> GangSpec:
         "QM_GRACE_SECONDS": str(job.priority_class.grace_seconds),
         "QM_CHECKPOINT_DIR": job.checkpoint_dir,
         "QM_EVENTS_URL": events_url(job.pk),
-        "QM_EVENTS_TOKEN": job.events_token,
+        # The attempt's own token: it expires when the attempt ends.
+        "QM_EVENTS_TOKEN": attempt_events_token(attempt),
     }
     return GangSpec(
         job_id=job.pk,
@@ -311,9 +313,9 @@ def ingest_logs(job: Job, attempt: Attempt, ranks: Iterable[Rank], runtime: Runt
             continue
         for event in iter_trap_events(log):
             try:
-                added += ingest_trap_event(job=job, event=event, source="log")
-            except Exception:
-                logger.warning("ignoring a malformed trap event in %s: %r", rank, event)
+                added += ingest_trap_event(attempt=attempt, event=event, source="log")
+            except Exception as exc:
+                logger.warning("ignoring a refused trap event in %s: %s", rank, exc)
     return added
 
 

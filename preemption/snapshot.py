@@ -10,8 +10,9 @@ from django.db.models import Max
 from django.utils import timezone
 
 import fairshare
-from preemption.models import Attempt, Checkpoint, Job, JobState
+from preemption.models import WAITING_STATES, Attempt, Checkpoint, Job, JobState
 from quotas.models import Node, PriorityClass, Quota, Team
+from quotas.selectors import priority_allowances
 
 ENGINE_STATE = {
     JobState.PENDING: "pending",
@@ -30,9 +31,39 @@ def workload_id(job_id: int) -> str:
     return str(job_id)
 
 
-def build_snapshot(*, now: datetime | None = None) -> fairshare.Snapshot:
-    """Everything the engine needs, in a fixed number of queries."""
+def held_jobs() -> dict[int, str]:
+    """Waiting jobs of a class their team may no longer use, with the reason.
+
+    A team's classes may be narrowed after a job was submitted. Like a Slurm job
+    whose QOS was taken away (InvalidQOS), such a job stays queued but never
+    starts, and says why; a running one is left to finish.
+    """
+    waiting = list(
+        Job.objects.filter(state__in=WAITING_STATES).values_list(
+            "id", "team_id", "priority_class_id", "priority_class__name"
+        )
+    )
+    if not waiting:
+        return {}
+    allowances = priority_allowances(team_ids={team_id for _, team_id, _, _ in waiting})
+    held: dict[int, str] = {}
+    for job_id, team_id, class_id, class_name in waiting:
+        allowance = allowances[team_id]
+        if not any(pc.pk == class_id for pc in allowance.allowed):
+            held[job_id] = (
+                f"held: team {allowance.team} may no longer use {class_name} "
+                f"(it may use {allowance.describe()}); cancel and resubmit in one of those"
+            )
+    return held
+
+
+def build_snapshot(
+    *, now: datetime | None = None, held: dict[int, str] | None = None
+) -> fairshare.Snapshot:
+    """Everything the engine needs, in a fixed number of queries. Held jobs
+    (`held_jobs`, computed here unless given) are left out: they cannot start."""
     now = now or timezone.now()
+    held = held_jobs() if held is None else held
     nodes = tuple(
         fairshare.Node(name=name, flavor=flavor, gpus=gpus)
         for name, flavor, gpus in Node.objects.filter(schedulable=True)
@@ -91,6 +122,8 @@ def build_snapshot(*, now: datetime | None = None) -> fairshare.Snapshot:
     )
     workloads = []
     for job_id, team, pc, flavor, ranks, gpus_per_rank, state, submitted_at in jobs:
+        if job_id in held:
+            continue
         engine_state = ENGINE_STATE[state]
         placement: tuple[tuple[str, int], ...] = ()
         admitted_at = None

@@ -14,9 +14,21 @@ from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 
 from core.access import Access
 from preemption.models import WAITING_STATES, Checkpoint, Job, PreemptionEvent, Rank
+from telemetry.mission import MISSION
 from telemetry.selectors import team_rows
 
-SIGNAL_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.2, 2.0, 5.0, 10.0)
+# One bucket edge sits on the mission's target, so a query can count the ranks over it.
+SIGNAL_LATENCY_BUCKETS = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    MISSION.signal_propagation_seconds,
+    2.0,
+    5.0,
+    10.0,
+)
 CHECKPOINT_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 90.0, 120.0)
 
 

@@ -19,6 +19,7 @@ from django.db.models import Count, F, Q, QuerySet, Sum
 from core.access import Access
 from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Job, PreemptionEvent, Rank
 from quotas.models import Node, Quota, ResourceFlavor, Team
+from telemetry.mission import MISSION
 from telemetry.models import DrillRun, SimulationRun, UtilizationSample
 
 # Charts read at most this many recent rows of a kind, so a page stays fast
@@ -510,7 +511,7 @@ def mission_matrix(drills: list[DrillRun]) -> list[MissionCriterion]:
         )
         for r, drill in zip(results, drills, strict=True)
     ]
-    inside = [c is not None and c <= g for c, g in ckpt]
+    inside = [c is not None and MISSION.checkpoint_met(c, g) for c, g in ckpt]
     committed = [bool(r.get("checkpoint_committed")) for r in results]
     codes = [list(r.get("exit_codes") or []) for r in results]
     clean_exits = [bool(c) and all(code == 0 for code in c) for c in codes]
@@ -525,14 +526,14 @@ def mission_matrix(drills: list[DrillRun]) -> list[MissionCriterion]:
     return [
         MissionCriterion(
             "Signal reaches every rank",
-            "max under 1.2 s",
+            MISSION.signal_text,
             seconds(propagation[0]),
             f"worst {max(known_propagation):.2f} s" if known_propagation else "—",
-            all(p < 1.2 for p in known_propagation) if known_propagation else None,
+            all(MISSION.signal_met(p) for p in known_propagation) if known_propagation else None,
         ),
         MissionCriterion(
             "Graceful window: checkpoint inside the grace",
-            "checkpoint seconds ≤ grace seconds",
+            MISSION.checkpoint_text,
             f"{seconds(latest_ckpt)} of {latest_grace:.0f} s",
             f"{sum(inside)} of {runs} runs inside",
             all(inside),
@@ -576,10 +577,10 @@ def mission_matrix(drills: list[DrillRun]) -> list[MissionCriterion]:
         ),
         MissionCriterion(
             "Recovery time",
-            "under 90 s",
+            MISSION.recovery_text,
             seconds(recovery[0]),
             f"worst {max(known_recovery):.1f} s" if known_recovery else "—",
-            all(r < 90.0 for r in known_recovery) if known_recovery else None,
+            all(MISSION.recovery_met(r) for r in known_recovery) if known_recovery else None,
         ),
     ]
 

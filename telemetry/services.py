@@ -1,8 +1,10 @@
-"""Writes of telemetry that the system makes on its own schedule."""
+"""Writes of telemetry that the system makes on its own schedule, and the
+record of each drill."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from django.db import transaction
 
@@ -10,7 +12,7 @@ import fairshare
 from core.access import Access
 from preemption.snapshot import build_snapshot
 from quotas.selectors import team_tree
-from telemetry.models import UtilizationSample
+from telemetry.models import DrillRun, UtilizationSample
 from telemetry.selectors import UsageNow, flavors_now, team_rows
 
 
@@ -56,3 +58,27 @@ def utilization_sample(now: datetime) -> int:
     before = UtilizationSample.objects.filter(at=now).count()
     UtilizationSample.objects.bulk_create(samples, ignore_conflicts=True)
     return UtilizationSample.objects.filter(at=now).count() - before
+
+
+def drill_run_record(
+    *,
+    started_at: datetime,
+    finished_at: datetime,
+    runtime: str,
+    ranks: int,
+    grace_seconds: float,
+    chaos_rounds: int,
+    passed: bool,
+    result: dict[str, Any],
+) -> DrillRun:
+    """Store a finished drill with every figure it measured (its `--json` document)."""
+    return DrillRun.objects.create(
+        started_at=started_at,
+        finished_at=finished_at,
+        runtime=runtime,
+        ranks=ranks,
+        grace_seconds=grace_seconds,
+        chaos_rounds=chaos_rounds,
+        passed=passed,
+        result=result,
+    )

@@ -8,17 +8,28 @@ The world:
 Nodes: 3 × 8 h100 GPUs (24 in all), 1 × 8 a100.
 Personas: admin (staff), manager (of ml), other_manager (of other),
 researcher (of vision), other_researcher (of ops), anonymous.
+Both root teams may use both mission classes, as the migration leaves an
+installation that existed before teams had priority classes.
 """
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+from django.apps import apps
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
 
+from preemption.runtimes.runner import RunnerAccount, find_runner
 from quotas.models import Membership, Node, PriorityClass, Quota, ResourceFlavor, Team
 from tests import builders
 
@@ -87,6 +98,9 @@ def world(db: Any) -> World:
     nlp = builders.team("nlp", name="NLP", parent=ml, quotas={h100: 8})
     other = builders.team("other", name="Other", quotas={h100: 8})
     ops = builders.team("ops", name="Ops", parent=other, quotas={h100: 8})
+    critical, batch = mission_class("ai-prod-critical"), mission_class("ai-batch-preemptible")
+    for root in (org, other):
+        root.priority_classes.set([critical, batch])
     users: dict[str, Any] = {}
     users["admin"] = User.objects.create_user(
         "admin", "admin@example.org", PASSWORD, is_staff=True, is_superuser=True
@@ -108,7 +122,50 @@ def world(db: Any) -> World:
         nlp=nlp,
         other=other,
         ops=ops,
-        critical=mission_class("ai-prod-critical"),
-        batch=mission_class("ai-batch-preemptible"),
+        critical=critical,
+        batch=batch,
         users=users,
     )
+
+
+@pytest.fixture(scope="session")
+def runner_account() -> RunnerAccount:
+    """The real second OS user the local runtime runs ranks as.
+
+    bin/runner-user creates it with `useradd --system` when it is missing and lets it
+    reach this interpreter; the tests run as root, as CI does.
+    """
+    script = Path(__file__).resolve().parents[1] / "bin" / "runner-user"
+    result = subprocess.run(
+        [str(script), sys.executable],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "QM_RUNNER_USER": settings.QM_RUNNER_USER},
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lookup = find_runner(settings.QM_RUNNER_USER, gid_base=settings.QM_RUNNER_GID_BASE)
+    assert lookup.account is not None, lookup.reason
+    return lookup.account
+
+
+@pytest.fixture
+def runner_tmp_path() -> Iterator[Path]:
+    """A temporary folder the runner user may pass through (pytest's own are 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="qm-test-"))
+    path.chmod(0o711)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def database_state() -> dict[str, list[dict[str, Any]]]:
+    """Every row of the project's apps and of auth, to show a refusal changed nothing."""
+    state: dict[str, list[dict[str, Any]]] = {}
+    for label in ("portal", "quotas", "preemption", "telemetry", "auth"):
+        # Auto-created models are the many-to-many tables, such as the
+        # priority classes each team may use.
+        for model in apps.get_app_config(label).get_models(include_auto_created=True):
+            state[model._meta.label] = list(model.objects.order_by("pk").values())
+    return state

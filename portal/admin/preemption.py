@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django import forms
 from django.contrib import admin
 from django.http import HttpRequest
 
@@ -18,6 +19,7 @@ from preemption.models import (
     Webhook,
     WebhookDelivery,
 )
+from preemption.webhooks import destination_refusal
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -72,7 +74,6 @@ class JobAdmin(admin.ModelAdmin):
         "failure_reason",
         "resume_step",
         "checkpoint_dir",
-        "events_token",
     ]
     inlines = [AttemptInline]
 
@@ -132,8 +133,24 @@ class CheckpointAdmin(ReadOnlyAdmin):
     list_display = ["job", "attempt", "step", "bytes", "seconds", "committed_at"]
 
 
+class WebhookAdminForm(forms.ModelForm):  # type: ignore[type-arg]
+    """The admin's webhook form refuses the destinations the API refuses."""
+
+    class Meta:
+        model = Webhook
+        fields = ["team", "url", "secret", "events", "active"]
+
+    def clean_url(self) -> str:
+        url: str = self.cleaned_data["url"]
+        refusal = destination_refusal(url)
+        if refusal is not None:
+            raise forms.ValidationError(refusal)
+        return url
+
+
 @admin.register(Webhook)
 class WebhookAdmin(admin.ModelAdmin):
+    form = WebhookAdminForm
     list_display = ["team", "url", "active", "created_at"]
     list_filter = ["active"]
 

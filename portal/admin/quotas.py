@@ -45,12 +45,68 @@ class MembershipInline(admin.TabularInline):
     autocomplete_fields = ["user"]
 
 
+class TeamAdminForm(forms.ModelForm):  # type: ignore[type-arg]
+    class Meta:
+        model = Team
+        fields = ["slug", "name", "parent", "weight", "priority_classes", "default_priority_class"]
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        if self.errors or self.instance.pk is None or "priority_classes" not in cleaned:
+            return cleaned
+        # The service's rules, tried and rolled back, so the admin cannot save
+        # a list the API refuses (a class the parent lacks, a default outside it).
+        services.team_priority_classes_set(
+            actor=None,
+            team=self.instance,
+            priority_classes=list(cleaned["priority_classes"]),
+            default_priority_class=cleaned.get("default_priority_class"),
+            may_widen=True,
+            dry_run=True,
+        )
+        return cleaned
+
+
 @admin.register(Team)
 class TeamAdmin(admin.ModelAdmin):
-    list_display = ["slug", "name", "parent", "weight"]
+    form = TeamAdminForm
+    list_display = ["slug", "name", "parent", "weight", "default_priority_class"]
     list_filter = ["parent"]
     search_fields = ["slug", "name"]
+    filter_horizontal = ["priority_classes"]
     inlines = [QuotaInline, MembershipInline]
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        # A new team starts with its parent's classes; they are changed on the
+        # team's own page, where the service can check them against the tree.
+        fields = ["slug", "name", "parent", "weight"]
+        return fields if obj is None else [*fields, "priority_classes", "default_priority_class"]
+
+    def save_model(self, request: HttpRequest, obj: Team, form: Any, change: bool) -> None:
+        if change:
+            # The default class is written by the service in save_related, with
+            # its audit row; the plain save keeps the stored one.
+            obj.default_priority_class_id = (
+                Team.objects.filter(pk=obj.pk).values_list("default_priority_class_id", flat=True)
+            ).first()
+        super().save_model(request, obj, form, change)
+
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        allowance = {
+            key: form.cleaned_data.pop(key)
+            for key in ("priority_classes", "default_priority_class")
+            if key in form.cleaned_data
+        }
+        super().save_related(request, form, formsets, change)
+        if allowance:
+            # Through the service, so the change is checked again and audited.
+            services.team_priority_classes_set(
+                actor=request.user,
+                team=form.instance,
+                priority_classes=list(allowance["priority_classes"]),
+                default_priority_class=allowance.get("default_priority_class"),
+                may_widen=True,
+            )
 
 
 class QuotaAdminForm(forms.ModelForm):  # type: ignore[type-arg]

@@ -12,10 +12,30 @@ from portal.models import ApiToken
 
 @admin.register(ApiToken)
 class ApiTokenAdmin(admin.ModelAdmin):
-    list_display = ["name", "user", "prefix", "created_at", "last_used_at", "revoked_at"]
-    list_filter = ["revoked_at"]
+    list_display = [
+        "name",
+        "user",
+        "prefix",
+        "scope",
+        "created_at",
+        "expires_at",
+        "last_used_at",
+        "revoked_at",
+    ]
+    list_filter = ["scope", "revoked_at"]
     search_fields = ["name", "user__username", "prefix"]
-    readonly_fields = ["user", "name", "prefix", "key_hash", "created_at", "last_used_at"]
+    # An admin may revoke a token, never widen it: its lifetime and scope are
+    # what its owner chose within settings.QM_TOKEN_MAX_DAYS.
+    readonly_fields = [
+        "user",
+        "name",
+        "prefix",
+        "key_hash",
+        "scope",
+        "created_at",
+        "expires_at",
+        "last_used_at",
+    ]
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # A token is created by its owner, who alone sees its value once.

@@ -8,7 +8,6 @@ read answers 404 whatever the endpoint; writes go through the services.
 
 from __future__ import annotations
 
-import hmac
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,7 +22,7 @@ from gracetrap_protocol import EVENT_NAMES
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.decorators import action
-from rest_framework.exceptions import NotFound
+from rest_framework.exceptions import AuthenticationFailed, NotFound
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -31,7 +30,8 @@ from rest_framework.response import Response
 from core.api import NamedRelatedField, Pagination, deny, responses
 from portal.rest.access import access_of
 from preemption import selectors, services
-from preemption.ingest import ingest_trap_event
+from preemption.event_tokens import attempt_for_token
+from preemption.ingest import EventLimitReached, ingest_trap_events
 from preemption.logs import read_rank_log
 from preemption.models import (
     FINAL_STATES,
@@ -170,15 +170,8 @@ class JobDetailSerializer(JobSerializer):
         read_only_fields = fields
 
 
-def _check_env(env: dict[str, str]) -> dict[str, str]:
-    name_field = serializers.CharField(max_length=200)
-    for name in env:
-        name_field.run_validation(name)
-    return env
-
-
 class JobSubmitSerializer(serializers.Serializer[Any]):
-    name = serializers.CharField(max_length=120, required=False, allow_blank=True, default="")
+    name = serializers.CharField(required=False, allow_blank=True, default="")
     team = NamedRelatedField(slug_field="slug", queryset=Team.objects.all())
     flavor = NamedRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
     priority_class = NamedRelatedField(
@@ -186,26 +179,33 @@ class JobSubmitSerializer(serializers.Serializer[Any]):
         queryset=PriorityClass.objects.all(),
         required=False,
         allow_null=True,
-        help_text="Left out: the default class.",
+        help_text=(
+            "One of the classes the team may use (GET /teams/{id}/priority-classes/); "
+            "left out: the team's default class."
+        ),
     )
-    # Ranges are the service's rules, with its messages; only types are checked here.
+    # Ranges, sizes and formats are the service's rules, with its messages (the
+    # drill and the demo seed submit through it too); only types are checked here.
     ranks = serializers.IntegerField()
     gpus_per_rank = serializers.IntegerField()
     command = serializers.CharField(
         trim_whitespace=False, help_text="Run by /bin/sh -c on every rank."
     )
-    image = serializers.CharField(max_length=300, required=False, allow_blank=True, default="")
+    image = serializers.CharField(
+        required=False,
+        allow_blank=True,
+        default="",
+        help_text="An OCI image reference, e.g. registry.example.org/team/trainer:1.4.",
+    )
     env = serializers.DictField(
-        child=serializers.CharField(allow_blank=True, max_length=10_000, trim_whitespace=False),
+        child=serializers.CharField(allow_blank=True, trim_whitespace=False),
         required=False,
         default=dict,
+        help_text="Portable names ([A-Za-z_][A-Za-z0-9_]*); QM_* and the rendezvous names are the runtime's.",
     )
     max_attempts = serializers.IntegerField(
-        min_value=1, max_value=100, required=False, allow_null=True
+        min_value=1, max_value=services.MAX_ATTEMPTS, required=False, allow_null=True
     )
-
-    def validate_env(self, env: dict[str, str]) -> dict[str, str]:
-        return _check_env(env)
 
 
 class JobLogSerializer(serializers.Serializer[Any]):
@@ -234,7 +234,7 @@ class JobLogQuerySerializer(serializers.Serializer[Any]):
 
 
 class TrapEventSerializer(serializers.Serializer[Any]):
-    """The trap's event, as documented in ARCHITECTURE.md (extra keys are kept)."""
+    """The trap's event, as documented in ARCHITECTURE.md (other keys are dropped)."""
 
     event = serializers.ChoiceField(choices=list(EVENT_NAMES))
     job_id = serializers.IntegerField(required=False)
@@ -333,7 +333,10 @@ class WebhookSerializer(serializers.ModelSerializer[Webhook]):
         allow_blank=True,
         default="",
         write_only=True,
-        help_text="Signs each body (HMAC-SHA256 in the X-Quartermaster-Signature header).",
+        help_text=(
+            "Signs each post: X-Quartermaster-Signature: t=<unix time>,v1=<hex HMAC-SHA256 of "
+            '"<t>.<body>">; refuse posts whose t is over 5 minutes from your clock.'
+        ),
     )
     has_secret = serializers.SerializerMethodField()
 
@@ -353,22 +356,29 @@ def _job_by_id(pk: Any) -> Job | None:
 
 
 class JobEventsTokenAuthentication(BaseAuthentication):
-    """The trap's credentials: `Authorization: Bearer <QM_EVENTS_TOKEN>`, a token of
-    one job, valid only on that job's events endpoint. Authenticates no user:
-    `request.auth` is the job."""
+    """The trap's credentials: `Authorization: Bearer <QM_EVENTS_TOKEN>`, the token
+    of one attempt of one job, valid only on that job's events endpoint and only
+    while that attempt is open. Authenticates no user: `request.auth` is the
+    attempt."""
 
-    def authenticate(self, request: Request) -> tuple[AnonymousUser, Job] | None:
+    def authenticate(self, request: Request) -> tuple[AnonymousUser, Attempt] | None:
         header = request.META.get("HTTP_AUTHORIZATION", "").split()
         if len(header) != 2 or header[0].lower() != "bearer":
             return None
         pk = (request.parser_context or {}).get("kwargs", {}).get("pk")
         job = _job_by_id(pk)
-        if job is None or not job.events_token:
+        if job is None:
             return None
-        # Compare in constant time so the token cannot be guessed byte by byte.
-        if not hmac.compare_digest(header[1].encode("utf-8", "replace"), job.events_token.encode()):
+        attempt = attempt_for_token(job, header[1])
+        if attempt is None:
             return None
-        return AnonymousUser(), job
+        if attempt.ended_at is not None:
+            raise AuthenticationFailed(
+                f"This events token belongs to attempt {attempt.number} of job {job.pk}, "
+                "which has ended; a token expires with its attempt."
+            )
+        attempt.job = job
+        return AnonymousUser(), attempt
 
 
 class JobEventsTokenScheme(OpenApiAuthenticationExtension):  # type: ignore[no-untyped-call]
@@ -381,7 +391,10 @@ class JobEventsTokenScheme(OpenApiAuthenticationExtension):  # type: ignore[no-u
         return {
             "type": "http",
             "scheme": "bearer",
-            "description": "The job's own QM_EVENTS_TOKEN, valid only on that job's events endpoint.",
+            "description": (
+                "The attempt's own QM_EVENTS_TOKEN, valid only on that job's events endpoint "
+                "while the attempt is open."
+            ),
         }
 
 
@@ -569,22 +582,23 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
     @extend_schema(
         summary="Report a trap event (called by the trap inside the job)",
         description=(
-            "Authenticated by `Authorization: Bearer <QM_EVENTS_TOKEN>`, the job's own token, not a "
-            "user's. Takes one event or a list of them; events already known are ignored."
+            "Authenticated by `Authorization: Bearer <QM_EVENTS_TOKEN>`, the open attempt's own "
+            "token, not a user's. Takes one event or a list of them, all or nothing; events "
+            "already known are ignored. A refused event changes nothing and the answer says why."
         ),
         request=TrapEventSerializer,
-        responses=responses(TrapEventAcceptedSerializer, 400, 403, 404, status_code=202),
+        responses=responses(TrapEventAcceptedSerializer, 400, 403, 404, 429, status_code=202),
         auth=[{"jobEventsToken": []}],
     )
     @action(detail=True, methods=["post"], authentication_classes=[JobEventsTokenAuthentication])
     def events(self, request: Request, pk: str | None = None) -> Response:
-        if not isinstance(request.auth, Job):
+        if not isinstance(request.auth, Attempt):
             if _job_by_id(pk) is None:
                 raise NotFound(f"No job {pk}.")
             raise deny(
-                "This endpoint needs the job's events token (Authorization: Bearer <QM_EVENTS_TOKEN>)."
+                "This endpoint needs the open attempt's events token "
+                "(Authorization: Bearer <QM_EVENTS_TOKEN>)."
             )
-        job = request.auth
         body = request.data
         events = body if isinstance(body, list) else [body]
         if not events or len(events) > MAX_EVENTS_PER_POST:
@@ -596,12 +610,12 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
                 raise serializers.ValidationError(
                     {"event": ["Text in an event must not contain NUL bytes or lone surrogates."]}
                 )
-        accepted = duplicates = 0
-        for event in events:
-            if ingest_trap_event(job=job, event=event, source="post"):
-                accepted += 1
-            else:
-                duplicates += 1
+        try:
+            accepted, duplicates = ingest_trap_events(
+                attempt=request.auth, events=events, source="post"
+            )
+        except EventLimitReached as exc:
+            return Response({"event": [str(exc)]}, status=status.HTTP_429_TOO_MANY_REQUESTS)
         return Response(
             {"accepted": accepted, "duplicates": duplicates}, status=status.HTTP_202_ACCEPTED
         )

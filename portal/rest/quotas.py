@@ -78,6 +78,60 @@ class TeamUpdateSerializer(serializers.Serializer[Any]):
     )
 
 
+class TeamPriorityClassesSerializer(serializers.Serializer[Any]):
+    team = serializers.CharField()
+    allowed = serializers.ListField(
+        child=serializers.CharField(), help_text="The classes the team's jobs may use now."
+    )
+    default = serializers.CharField(
+        allow_null=True, help_text="The class of a job submitted without one."
+    )
+    priority_classes = serializers.ListField(
+        child=serializers.CharField(),
+        allow_null=True,
+        help_text="The team's own list; null: it uses its parent's classes.",
+    )
+    default_priority_class = serializers.CharField(
+        allow_null=True, help_text="The team's own default; null: its parent's."
+    )
+    source = serializers.CharField(
+        allow_null=True, help_text="The team whose own list is in force (this one or above)."
+    )
+
+
+class TeamPriorityClassesUpdateSerializer(serializers.Serializer[Any]):
+    priority_classes = serializers.ListField(
+        child=NamedRelatedField(slug_field="name", queryset=PriorityClass.objects.all()),
+        allow_null=True,
+        allow_empty=True,
+        max_length=100,
+        required=False,
+        help_text="Class names; null or []: use the parent's classes. Admins only may widen.",
+    )
+    default_priority_class = NamedRelatedField(
+        slug_field="name",
+        queryset=PriorityClass.objects.all(),
+        allow_null=True,
+        required=False,
+        help_text="Must be one the team may use; null: the parent's default.",
+    )
+
+
+def _team_priority_classes(team: Team) -> dict[str, Any]:
+    allowance = selectors.priority_allowance(team=team)
+    own = sorted(team.priority_classes.values_list("name", flat=True))
+    return {
+        "team": team.slug,
+        "allowed": allowance.names,
+        "default": allowance.default.name if allowance.default else None,
+        "priority_classes": own or None,
+        "default_priority_class": (
+            team.default_priority_class.name if team.default_priority_class_id else None
+        ),
+        "source": allowance.source,
+    }
+
+
 class QuotaBriefSerializer(serializers.Serializer[Any]):
     id = serializers.IntegerField()
     flavor = serializers.CharField()
@@ -121,7 +175,10 @@ class QuotaUpdateSerializer(serializers.Serializer[Any]):
 
 class QuotaPreviewSerializer(QuotaUpdateSerializer):
     weight = serializers.FloatField(
-        required=False, help_text="The team's weight, which divides the surplus among siblings."
+        min_value=0.001,
+        max_value=MAX_WEIGHT,
+        required=False,
+        help_text="The team's weight, which divides the surplus among siblings.",
     )
 
 
@@ -193,6 +250,13 @@ class QuotaPreviewResultSerializer(serializers.Serializer[Any]):
     )
     fair_share = serializers.DictField(
         help_text="Per team and flavor: the fair share before and after."
+    )
+    non_preemptible = serializers.DictField(
+        help_text=(
+            "Jobs of never-preempted classes in the team's subtree: `running` (their GPUs, "
+            "`floor`, are the lowest guarantee allowed) and `stranded` (waiting jobs larger "
+            "than the new guarantee, which could then never start)."
+        )
     )
 
 
@@ -390,6 +454,42 @@ class TeamViewSet(
         if not access_of(self.request).is_admin:
             raise deny("Only platform admins may delete teams.")
         services.team_delete(actor=self.request.user, team=instance)
+
+    @extend_schema(
+        methods=["GET"],
+        summary="The priority classes a team may use, and its default",
+        responses=responses(TeamPriorityClassesSerializer, 401, 404),
+    )
+    @extend_schema(
+        methods=["PATCH"],
+        summary="Change the priority classes a team may use",
+        description=(
+            "Admins set any list inside the parent's classes. A manager above the team may "
+            "only narrow it and pick its default among the classes it may already use."
+        ),
+        request=TeamPriorityClassesUpdateSerializer,
+        responses=responses(TeamPriorityClassesSerializer, 400, 401, 403, 404),
+    )
+    @action(detail=True, methods=["get", "patch"], url_path="priority-classes")
+    def priority_classes(self, request: Request, pk: str | None = None) -> Response:
+        team = self.get_object()
+        if request.method == "GET":
+            return Response(_team_priority_classes(team))
+        access = access_of(request)
+        if not access.can_edit_quota_of(team.pk):
+            raise deny(f"Only a manager above {team.slug} or an admin may change its classes.")
+        incoming = TeamPriorityClassesUpdateSerializer(data=request.data)
+        incoming.is_valid(raise_exception=True)
+        values = incoming.validated_data
+        services.team_priority_classes_set(
+            actor=request.user,
+            team=team,
+            priority_classes=values.get("priority_classes", services.UNSET),
+            default_priority_class=values.get("default_priority_class", services.UNSET),
+            may_widen=access.is_admin,
+        )
+        team.refresh_from_db()
+        return Response(_team_priority_classes(team))
 
     @extend_schema(
         summary="The team tree you can see, with quotas",

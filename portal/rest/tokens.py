@@ -14,7 +14,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from core.api import Pagination, deny, responses
-from portal.models import ApiToken
+from portal.models import ApiToken, TokenScope
 from portal.services import api_token_create, api_token_revoke
 
 
@@ -31,12 +31,32 @@ class BearerTokenScheme(OpenApiAuthenticationExtension):  # type: ignore[no-unty
 class ApiTokenSerializer(serializers.ModelSerializer[ApiToken]):
     class Meta:
         model = ApiToken
-        fields = ["id", "name", "prefix", "created_at", "last_used_at", "revoked_at"]
+        fields = [
+            "id",
+            "name",
+            "prefix",
+            "scope",
+            "created_at",
+            "expires_at",
+            "last_used_at",
+            "revoked_at",
+        ]
         read_only_fields = fields
 
 
 class ApiTokenCreateSerializer(serializers.Serializer[Any]):
     name = serializers.CharField(max_length=100)
+    days = serializers.IntegerField(
+        required=False,
+        min_value=1,
+        help_text="How many days the token lasts; the portal's default when left out, "
+        "its maximum (QM_TOKEN_MAX_DAYS) at most.",
+    )
+    scope = serializers.ChoiceField(
+        choices=TokenScope.choices,
+        default=TokenScope.FULL,
+        help_text="`read` limits the token to GET, HEAD and OPTIONS.",
+    )
 
 
 class ApiTokenCreatedSerializer(ApiTokenSerializer):
@@ -47,10 +67,18 @@ class ApiTokenCreatedSerializer(ApiTokenSerializer):
         read_only_fields = fields
 
 
-class LoginSerializer(serializers.Serializer[Any]):
+class LoginSerializer(ApiTokenCreateSerializer):
     username = serializers.CharField(max_length=150)
     password = serializers.CharField(max_length=4096, trim_whitespace=False)
     name = serializers.CharField(max_length=100, required=False, default="qm")
+
+
+def _token_options(incoming: ApiTokenCreateSerializer) -> dict[str, Any]:
+    return {
+        "name": incoming.validated_data["name"],
+        "days": incoming.validated_data.get("days"),
+        "scope": incoming.validated_data["scope"],
+    }
 
 
 def _created(token: ApiToken, value: str) -> dict[str, Any]:
@@ -96,13 +124,20 @@ class ApiTokenViewSet(
 
     @extend_schema(
         summary="Create an API token",
+        description="Only a signed-in browser session may create tokens; a token may not "
+        "(so a leaked token cannot renew itself). Scripts sign in with `tokens/login/`.",
         request=ApiTokenCreateSerializer,
-        responses=responses(ApiTokenCreatedSerializer, 400, 401, status_code=201),
+        responses=responses(ApiTokenCreatedSerializer, 400, 401, 403, status_code=201),
     )
     def create(self, request: Request) -> Response:
+        if isinstance(request.auth, ApiToken):
+            raise deny(
+                "A token cannot create tokens. Sign in with your password (`qm login`) "
+                "or create one on the portal's tokens page."
+            )
         incoming = ApiTokenCreateSerializer(data=request.data)
         incoming.is_valid(raise_exception=True)
-        token, value = api_token_create(user=request.user, name=incoming.validated_data["name"])
+        token, value = api_token_create(user=request.user, **_token_options(incoming))
         return Response(_created(token, value), status=status.HTTP_201_CREATED)
 
     def perform_destroy(self, instance: ApiToken) -> None:
@@ -112,7 +147,7 @@ class ApiTokenViewSet(
         summary="Sign in with a username and password and get a new API token",
         description="What `qm login` calls. The token is shown only in this answer.",
         request=LoginSerializer,
-        responses=responses(ApiTokenCreatedSerializer, 400, 403, status_code=201),
+        responses=responses(ApiTokenCreatedSerializer, 400, 403, 429, status_code=201),
     )
     @action(detail=False, methods=["post"], authentication_classes=[])
     def login(self, request: Request) -> Response:
@@ -123,7 +158,8 @@ class ApiTokenViewSet(
             username=incoming.validated_data["username"],
             password=incoming.validated_data["password"],
         )
+        # A locked-out login is answered 429 by axes' middleware (portal/throttling.py).
         if user is None or not user.is_active:
             raise deny("Wrong username or password.")
-        token, value = api_token_create(user=user, name=incoming.validated_data["name"])
+        token, value = api_token_create(user=user, **_token_options(incoming))
         return Response(_created(token, value), status=status.HTTP_201_CREATED)

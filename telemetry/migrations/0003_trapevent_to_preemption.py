@@ -8,7 +8,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('telemetry', '0002_simulationrun'),
-        ('preemption', '0003_trapevent_from_telemetry'),
+        ('preemption', '0004_trapevent_from_telemetry'),
     ]
 
     operations = [

@@ -173,6 +173,7 @@ def test_priority_preemption_inside_one_team(world: Any, drive: Any) -> None:
 
 def test_deadline_kills_a_workload_that_ignores_sigterm(world: Any, drive: Any) -> None:
     quick = PriorityClass.objects.create(name="quick", value=10, preemptible=True, grace_seconds=1)
+    world.org.priority_classes.add(quick)  # a new class is nobody's until a team is given it
     stubborn = submit(
         world,
         world.vision,
@@ -282,7 +283,7 @@ def test_cancel_stops_gracefully_and_logs_are_readable(world: Any, drive: Any) -
 
 
 def test_webhook_receives_preempted_requeued_and_finished_with_retries(
-    world: Any, drive: Any
+    world: Any, drive: Any, settings: Any
 ) -> None:
     import os
     import signal
@@ -307,6 +308,8 @@ def test_webhook_receives_preempted_requeued_and_finished_with_retries(
         def log_message(self, *args: Any) -> None:
             return
 
+    # The receiver is on loopback, which webhooks reach only where an admin opens it.
+    settings.QM_WEBHOOK_ALLOW_NETS = ["127.0.0.1/32"]
     server = HTTPServer(("127.0.0.1", 0), Receiver)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

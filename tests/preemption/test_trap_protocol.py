@@ -5,6 +5,7 @@ table), the trap's own reporter and the portal's ingestion all use
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +35,22 @@ def test_the_trap_and_the_portal_share_the_list_and_the_prefix() -> None:
     assert EVENT_PREFIX.encode() == trap_events.EVENT_MARKER
 
 
+def _refusal(attempt: Any, name: str) -> dict[str, list[str]]:
+    event = {"event": name, "attempt": 1, "rank": 0, "at": time.time(), "step": 1}
+    try:
+        ingest.ingest_trap_event(attempt=attempt, event=event, source="post")
+    except ValidationError as error:
+        return error.message_dict
+    return {}
+
+
 @pytest.mark.django_db
-def test_ingestion_takes_every_name_of_the_protocol_and_refuses_others(world: Any) -> None:
-    job = builders.running_job(world, world.vision, rank_fields={})
-    for index, name in enumerate(EVENT_NAMES):
-        event = {"event": name, "attempt": 1, "rank": 0, "at": 1_800_000_000.0 + index}
-        assert ingest.ingest_trap_event(job=job, event=event, source="post")
-    assert sorted(TrapEvent.objects.values_list("event", flat=True)) == sorted(EVENT_NAMES)
-    unknown = {"event": "checkpoint_dreamt", "attempt": 1, "rank": 0, "at": 1_800_000_100.0}
-    with pytest.raises(ValidationError) as refused:
-        ingest.ingest_trap_event(job=job, event=unknown, source="post")
-    assert "checkpoint_dreamt" in str(refused.value)
-    assert TrapEvent.objects.count() == len(EVENT_NAMES)
+def test_ingestion_knows_every_name_of_the_protocol_and_refuses_others(world: Any) -> None:
+    attempt = builders.running_job(world, world.vision, rank_fields={}).attempts.get()
+    # Every documented name passes the name rule (other fields have rules of their own).
+    for name in EVENT_NAMES:
+        assert "event" not in _refusal(attempt, name), name
+    stored = TrapEvent.objects.count()
+    refused = _refusal(attempt, "checkpoint_dreamt")
+    assert "checkpoint_dreamt" in refused["event"][0]
+    assert TrapEvent.objects.count() == stored

@@ -1,5 +1,5 @@
 """`manage.py drill`: preempt a distributed training job with a critical one
-and measure every part of the graceful path (see preemption/drill.py)."""
+and measure every part of the graceful path (see drills/harness.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from preemption.drill import DrillError, run_drill
+from drills.harness import DrillError, run_drill
 
 
 class Command(BaseCommand):
@@ -58,13 +58,13 @@ class Command(BaseCommand):
             )
         except DrillError as exc:
             raise CommandError(str(exc)) from exc
-        text = json.dumps(result, indent=2, default=str)
+        text = json.dumps(result.to_json(), indent=2, default=str)
         if options["json_path"]:
             Path(options["json_path"]).parent.mkdir(parents=True, exist_ok=True)
             Path(options["json_path"]).write_text(text + "\n")
         self.stdout.write(text)
-        verdict = "PASSED" if result["passed"] else "FAILED"
-        style = self.style.SUCCESS if result["passed"] else self.style.ERROR
+        verdict = "PASSED" if result.passed else "FAILED"
+        style = self.style.SUCCESS if result.passed else self.style.ERROR
         self.stdout.write(style(f"drill {verdict}"))
-        if not result["passed"]:
-            raise CommandError("the drill did not meet its targets (see the figures above)")
+        if not result.passed:
+            raise CommandError(f"the drill did not meet its targets: {'; '.join(result.missed())}")

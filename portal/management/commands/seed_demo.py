@@ -1,5 +1,6 @@
 """Seed a demo cluster: nodes of two flavors, a two-level team tree whose
-guarantees use the cluster, a user per role, and a few jobs that borrow."""
+guarantees use the cluster, the priority classes each team may use (only
+serving may use ai-prod-critical), a user per role, and a few jobs that borrow."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from django.db import transaction
 
 from preemption.services import job_submit
 from quotas.models import Node, PriorityClass, ResourceFlavor, Team
-from quotas.services import membership_set, quota_set
+from quotas.services import membership_set, quota_set, team_priority_classes_set
 
 # Demo passwords, printed once for the demo only.
 DEMO_USERS = (
@@ -77,6 +78,16 @@ class Command(BaseCommand):
         ):
             quota_set(actor=None, team=team, flavor=h100, guarantee=h)
             quota_set(actor=None, team=team, flavor=a100, guarantee=a)
+        # Only production (and so only serving, its one sub-team) may run
+        # never-preempted work; research borrows and is preempted like batch work.
+        critical = PriorityClass.objects.get(name="ai-prod-critical")
+        batch = PriorityClass.objects.get(name="ai-batch-preemptible")
+        team_priority_classes_set(
+            actor=None, team=research, priority_classes=[batch], may_widen=True
+        )
+        team_priority_classes_set(
+            actor=None, team=production, priority_classes=[critical, batch], may_widen=True
+        )
         User = get_user_model()
         users: dict[str, Any] = {}
         teams = {t.slug: t for t in (research, vision, language, production, serving)}

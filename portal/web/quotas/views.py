@@ -20,7 +20,7 @@ from portal.web.quotas.forms import QuotaForm
 from preemption.quota_preview import quota_preview as preview_change
 from preemption.selectors import job_list
 from quotas.models import Membership, Quota
-from quotas.selectors import access_for, audit_list, quota_list
+from quotas.selectors import access_for, audit_list, priority_allowance, quota_list
 from quotas.selectors import team_list as team_selector
 from quotas.services import quota_update
 from telemetry.selectors import flavor_names, team_rows
@@ -78,6 +78,7 @@ def team_detail(request: HttpRequest, slug: str) -> HttpResponse:
             "members": members,
             "jobs": jobs,
             "breadcrumbs": [ancestor_slugs[a] for a in ancestors if a in ancestor_slugs],
+            "allowance": priority_allowance(team=team, tree=access.tree),
             "nav": "teams",
         },
     )
@@ -140,6 +141,7 @@ def preview_context(consequences: dict[str, Any] | None) -> dict[str, Any]:
         "moves": changed,
         "unchanged_queues": len(moves) - len(changed),
         "change": consequences.get("change") or {},
+        "non_preemptible": consequences.get("non_preemptible") or {},
     }
 
 

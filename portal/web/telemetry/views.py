@@ -108,8 +108,10 @@ def gpu_hours_csv(request: HttpRequest) -> HttpResponse:
 @require_GET
 def metrics(request: HttpRequest) -> HttpResponse:
     """Prometheus text format. A scraper authenticates with an API token
-    (`Authorization: Bearer qm_...`); a signed-in browser session works too.
-    What it sees is scoped like the API: an admin's token sees every team."""
+    (`Authorization: Bearer qm_...`; a read-only one is enough, and an expired
+    one is refused); a signed-in browser session works too. What it sees is
+    scoped like the API: an admin's token sees every team, anyone else's only
+    the teams they may read (tests/security/test_security_auth.py)."""
     user = request.user
     try:
         authenticated = BearerTokenAuthentication().authenticate(request)

@@ -11,7 +11,8 @@ from django.contrib import admin
 from django.test import Client
 from django.urls import reverse
 
-from quotas.models import AuditEntry, Quota
+from quotas.models import AuditEntry, Quota, Team
+from quotas.selectors import priority_allowance
 
 APPS = ("portal", "quotas", "preemption", "telemetry")
 
@@ -75,3 +76,78 @@ def test_a_quota_edit_in_the_admin_obeys_the_rules_and_is_audited(world: Any) ->
     assert (
         entry is not None and entry.actor == world.users["admin"] and entry.after["guarantee"] == 6
     )
+
+
+def test_a_teams_priority_classes_edited_in_the_admin_obey_the_tree_and_are_audited(
+    world: Any,
+) -> None:
+    browser = Client()
+    browser.force_login(world.users["admin"])
+    world.ml.priority_classes.set([world.batch])
+    url = reverse("admin:quotas_team_change", args=[world.vision.pk])
+    form = {
+        "slug": "vision",
+        "name": "Vision",
+        "parent": world.ml.pk,
+        "weight": 1.0,
+        "priority_classes": [world.critical.pk],
+        "default_priority_class": "",
+        **{
+            f"{prefix}-{key}": value
+            for prefix in ("quotas", "memberships")
+            for key, value in (
+                ("TOTAL_FORMS", 0),
+                ("INITIAL_FORMS", 0),
+                ("MIN_NUM_FORMS", 0),
+                ("MAX_NUM_FORMS", 1000),
+            )
+        },
+    }
+    refused = browser.post(url, form)
+    assert refused.status_code == 200
+    assert (
+        "A sub-team can only narrow its parent&#x27;s classes: ml may use ai-batch-preemptible, "
+        "not ai-prod-critical." in refused.content.decode()
+    )
+    assert not world.vision.priority_classes.exists()
+    assert not AuditEntry.objects.filter(action="team.priority_classes").exists()
+    saved = browser.post(
+        url,
+        {**form, "priority_classes": [world.batch.pk], "default_priority_class": world.batch.pk},
+    )
+    assert saved.status_code == 302, saved.content.decode()[:2000]
+    assert list(world.vision.priority_classes.all()) == [world.batch]
+    entry = AuditEntry.objects.get(action="team.priority_classes")
+    assert entry.actor == world.users["admin"] and entry.team == world.vision
+    assert entry.before["priority_classes"] is None
+    assert entry.after == {
+        "priority_classes": ["ai-batch-preemptible"],
+        "default_priority_class": "ai-batch-preemptible",
+        "allowed": ["ai-batch-preemptible"],
+        "default": "ai-batch-preemptible",
+    }
+
+
+def test_a_team_added_in_the_admin_starts_with_its_parents_classes(world: Any) -> None:
+    browser = Client()
+    browser.force_login(world.users["admin"])
+    url = reverse("admin:quotas_team_add")
+    page = browser.get(url).content.decode()
+    assert 'name="slug"' in page and 'name="priority_classes"' not in page
+    inline = {
+        f"{prefix}-{key}": value
+        for prefix in ("quotas", "memberships")
+        for key, value in (
+            ("TOTAL_FORMS", 0),
+            ("INITIAL_FORMS", 0),
+            ("MIN_NUM_FORMS", 0),
+            ("MAX_NUM_FORMS", 1000),
+        )
+    }
+    added = browser.post(
+        url, {"slug": "speech", "name": "Speech", "parent": world.ml.pk, "weight": 1.0, **inline}
+    )
+    assert added.status_code == 302, added.content.decode()[:2000]
+    speech = Team.objects.get(slug="speech")
+    assert not speech.priority_classes.exists() and speech.default_priority_class is None
+    assert priority_allowance(team=speech).names == ["ai-prod-critical", "ai-batch-preemptible"]

@@ -14,6 +14,7 @@ from django.utils import timezone
 from portal.auth import hash_token
 from portal.models import ApiToken
 from portal.services import api_token_create
+from preemption.event_tokens import attempt_events_token
 from preemption.models import Checkpoint, Job, JobState, Rank, TrapEvent, Webhook
 from quotas.models import AuditEntry, Quota
 from tests import builders
@@ -40,7 +41,7 @@ def ids(response: Any) -> list[int]:
     return [row["id"] for row in response.json()["results"]]
 
 
-def test_submit_records_the_job_with_the_default_class_and_hides_its_events_token(
+def test_submit_records_the_job_with_the_default_class_and_no_events_token(
     world: Any,
 ) -> None:
     response = submit(world.client("researcher"), name="resnet", env={"SEED": "1"})
@@ -53,7 +54,8 @@ def test_submit_records_the_job_with_the_default_class_and_hides_its_events_toke
         world.batch,
     )
     assert body["state"] == "pending" and body["gpus"] == 8 and body["env"] == {"SEED": "1"}
-    assert "events_token" not in body and job.events_token
+    # Tokens belong to attempts, drawn at admission; a job holds none.
+    assert "events_token" not in body and not hasattr(job, "events_token")
     critical = submit(world.client("researcher"), priority_class="ai-prod-critical")
     assert critical.json()["priority_class"] == "ai-prod-critical"
 
@@ -114,13 +116,15 @@ def running(world: Any) -> Job:
         world.vision,
         ranks=2,
         command="python train.py",
-        events_token="s3cret-token",
+        admitted_at=timezone.now() - timedelta(minutes=5),
         checkpoint_dir="/tmp/ckpt",
         rank_fields={},
     )
 
 
-def post_event(client: Any, job: Job, event: Any, token: str | None = "s3cret-token") -> Any:
+def post_event(client: Any, job: Job, event: Any, token: str | None = "") -> Any:
+    if token == "":
+        token = attempt_events_token(job.attempts.get(ended_at__isnull=True))
     headers = {"HTTP_AUTHORIZATION": f"Bearer {token}"} if token else {}
     return client.post(f"/api/v1/jobs/{job.pk}/events/", event, format="json", **headers)
 
@@ -183,7 +187,8 @@ def test_malformed_events_are_400_naming_the_field(
 def test_events_need_the_jobs_own_token(world: Any, running: Job) -> None:
     event = {"event": "exiting", "attempt": 1, "rank": 0, "at": time.time(), "code": 0}
     _, user_token = api_token_create(user=world.users["admin"], name="admin")
-    for token in (None, "wrong", "s3cret-tokeN", user_token):
+    real = attempt_events_token(running.attempts.get())
+    for token in (None, "wrong", real[:-1] + ("0" if real[-1] != "0" else "1"), user_token):
         response = post_event(world.client("anonymous"), running, event, token=token)
         assert response.status_code == 403, token
     assert post_event(world.client("anonymous"), running, event).status_code == 202
@@ -270,11 +275,15 @@ def test_login_gives_a_token_for_the_right_password_only(world: Any) -> None:
 # --- webhooks ------------------------------------------------------------------------------
 
 
-def test_a_manager_registers_a_team_webhook_and_the_secret_stays_hidden(world: Any) -> None:
+def test_a_manager_registers_a_team_webhook_and_the_secret_stays_hidden(
+    world: Any, settings: Any
+) -> None:
+    # The documentation network stands in for a public receiver (see tests/security).
+    settings.QM_WEBHOOK_ALLOW_NETS = ["192.0.2.0/24"]
     client = world.client("manager")
     body = {
         "team": "vision",
-        "url": "https://hooks.example.org/qm",
+        "url": "https://192.0.2.10/qm",
         "events": ["preempted", "finished"],
         "secret": "k",
     }

@@ -16,17 +16,18 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.apps import apps
 from django.utils import timezone
 from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
 from portal.services import api_token_create
+from preemption.event_tokens import attempt_events_token
 from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank
 from preemption.webhooks import webhook_create
 from quotas import services as quota_services
 from quotas.models import AuditEntry, Node, PriorityClass, Quota, Team
 from tests import builders
+from tests.conftest import database_state
 
 # The personas and password of tests/conftest.py's `world`.
 PERSONAS = ("admin", "manager", "other_manager", "researcher", "other_researcher", "anonymous")
@@ -77,7 +78,6 @@ def _running_job(world: Any, team: Team, submitter: Any, node: str) -> tuple[Job
         command="sleep 1",
         admitted_at=now,
         running_at=now,
-        events_token=f"events-{team.slug}",
         node=node,
         attempt_fields={"launched_at": now},
         rank_fields={"started_at": now},
@@ -99,6 +99,13 @@ def _preemption(job: Job, attempt: Attempt) -> PreemptionEvent:
     )
 
 
+@pytest.fixture(autouse=True)
+def _webhook_test_network(settings: Any) -> None:
+    # Webhooks may reach only public addresses; the documentation network
+    # (192.0.2.0/24, never routed) stands in for one, opened by the allow-list.
+    settings.QM_WEBHOOK_ALLOW_NETS = ["192.0.2.0/24"]
+
+
 @pytest.fixture
 def objects(world: Any) -> Objects:
     users = world.users
@@ -114,7 +121,6 @@ def objects(world: Any) -> Objects:
             name=key,
             submitter=users[who],
             command="true",
-            events_token="x" * 20,
         )
         for key, who in (("pending", "researcher"), ("by-manager", "manager"))
     }
@@ -129,8 +135,12 @@ def objects(world: Any) -> Objects:
     # Audit rows in both trees, written the way people write them.
     quota_services.quota_update(actor=admin, quota=world.quota(world.vision), borrow_limit=4)
     quota_services.quota_update(actor=admin, quota=world.quota(world.ops), borrow_limit=4)
-    webhook_v = webhook_create(actor=admin, team=world.vision, url="http://127.0.0.1:9/vision")
-    webhook_ops = webhook_create(actor=admin, team=world.ops, url="http://127.0.0.1:9/ops")
+    # nlp may use the batch class only, so a case can try to widen it again.
+    quota_services.team_priority_classes_set(
+        actor=admin, team=world.nlp, priority_classes=[world.batch], may_widen=True
+    )
+    webhook_v = webhook_create(actor=admin, team=world.vision, url="http://192.0.2.9/vision")
+    webhook_ops = webhook_create(actor=admin, team=world.ops, url="http://192.0.2.9/ops")
     tokens = {
         persona: api_token_create(user=users[persona], name="laptop")[0]
         for persona in PERSONAS[:-1]
@@ -430,7 +440,7 @@ case(
         lambda w, o: f"{V1}/jobs/{o.job_v.pk}/events/",
         {p: 202 for p in PERSONAS},
         body=lambda w, o: _event(o),
-        headers=lambda w, o: {"HTTP_AUTHORIZATION": f"Bearer {o.job_v.events_token}"},
+        headers=lambda w, o: {"HTTP_AUTHORIZATION": f"Bearer {attempt_events_token(o.attempt_v)}"},
         session=True,
     ),
     Case(
@@ -439,7 +449,9 @@ case(
         lambda w, o: f"{V1}/jobs/{o.job_v.pk}/events/",
         {p: 403 for p in PERSONAS},
         body=lambda w, o: _event(o),
-        headers=lambda w, o: {"HTTP_AUTHORIZATION": f"Bearer {o.job_ops.events_token}"},
+        headers=lambda w, o: {
+            "HTTP_AUTHORIZATION": f"Bearer {attempt_events_token(o.attempt_ops)}"
+        },
         session=True,
     ),
     Case(
@@ -690,6 +702,37 @@ case(
         _expect(204, 403, 404, 404, 404),
     ),
 )
+case(
+    "GET",
+    "/api/v1/teams/{id}/priority-classes/",
+    Case("vision", "GET", lambda w, o: f"{V1}/teams/{w.vision.pk}/priority-classes/", VISION_READ),
+)
+case(
+    "PATCH",
+    "/api/v1/teams/{id}/priority-classes/",
+    Case(
+        "narrow vision to batch",
+        "PATCH",
+        lambda w, o: f"{V1}/teams/{w.vision.pk}/priority-classes/",
+        _expect(200, 200, 404, 403, 404),
+        body=lambda w, o: {"priority_classes": ["ai-batch-preemptible"]},
+    ),
+    Case(
+        "widen nlp back to critical",
+        "PATCH",
+        lambda w, o: f"{V1}/teams/{w.nlp.pk}/priority-classes/",
+        # Only admins widen; the manager above nlp may only narrow it.
+        _expect(200, 403, 404, 404, 404),
+        body=lambda w, o: {"priority_classes": ["ai-prod-critical", "ai-batch-preemptible"]},
+    ),
+    Case(
+        "give the org root a new class",
+        "PATCH",
+        lambda w, o: f"{V1}/teams/{w.org.pk}/priority-classes/",
+        _expect(200, 404, 404, 404, 404),
+        body=lambda w, o: {"priority_classes": ["ai-batch-preemptible", "spare"]},
+    ),
+)
 case("GET", "/api/v1/teams/tree/", Case("tree", "GET", lambda w, o: f"{V1}/teams/tree/", EVERYONE))
 case(
     "GET",
@@ -760,7 +803,7 @@ case(
         _expect(201, 201, 403, 403, 403),
         body=lambda w, o: {
             "team": "vision",
-            "url": "https://hooks.example.org/qm",
+            "url": "https://192.0.2.10/qm",
             "events": ["preempted"],
         },
     ),
@@ -813,14 +856,6 @@ def test_every_operation_has_a_case_table_for_every_persona() -> None:
             assert all(table.expect[p] in (401, 403, 404) for p in denied), f"{key} {table.name}"
 
 
-def _database_state() -> dict[str, list[dict[str, Any]]]:
-    state: dict[str, list[dict[str, Any]]] = {}
-    for label in ("portal", "quotas", "preemption", "telemetry", "auth"):
-        for model in apps.get_app_config(label).get_models():
-            state[model._meta.label] = list(model.objects.order_by("pk").values())
-    return state
-
-
 PARAMS = [
     pytest.param(table, persona, id=f"{method} {path} [{table.name}] as {persona}")
     for (method, path), tables in sorted(CASES.items())
@@ -841,7 +876,7 @@ def test_operation_as_persona(world: Any, objects: Objects, table: Case, persona
     body = table.body(world, objects) if table.body else None
     headers = table.headers(world, objects) if table.headers else {}
     expected = table.expect[persona]
-    before = _database_state()
+    before = database_state()
     response = getattr(client, table.method.lower())(path, body, format="json", **headers)
     assert response.status_code == expected, (
         persona,
@@ -850,10 +885,10 @@ def test_operation_as_persona(world: Any, objects: Objects, table: Case, persona
         getattr(response, "data", None),
     )
     if expected >= 400:
-        assert _database_state() == before, f"{persona} was refused but the database changed"
+        assert database_state() == before, f"{persona} was refused but the database changed"
         return
     if table.method != "GET" and table.writes:
-        assert _database_state() != before, (
+        assert database_state() != before, (
             f"{persona}'s {table.method} succeeded but changed nothing"
         )
     if table.visible is not None:

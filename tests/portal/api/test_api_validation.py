@@ -7,24 +7,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from django.apps import apps
 from django.utils import timezone
 
 from preemption.models import Job
 from tests import builders
+from tests.conftest import database_state
 
 
 @pytest.fixture(autouse=True)
 def _fast_passwords(settings: Any) -> None:
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
-def database_state() -> dict[str, list[dict[str, Any]]]:
-    return {
-        model._meta.label: list(model.objects.order_by("pk").values())
-        for label in ("portal", "quotas", "preemption", "telemetry")
-        for model in apps.get_app_config(label).get_models()
-    }
 
 
 def refused(
@@ -162,6 +154,58 @@ def test_a_guarantee_cannot_go_below_running_non_preemptible_gpus(world: Any) ->
     assert response.status_code == 200 and response.json()["guarantee"] == 6
 
 
+def test_the_preview_shows_the_floor_and_the_waiting_work_a_cut_would_strand(world: Any) -> None:
+    serve = running_job(world, world.vision, critical=True, ranks=2, gpus_per_rank=3, name="serve")
+    running_job(world, world.vision, critical=False, ranks=1, gpus_per_rank=2, name="batch")
+    waiting = Job.objects.create(
+        name="big-serve",
+        team=world.vision,
+        submitter=world.users["researcher"],
+        priority_class=world.critical,
+        flavor=world.h100,
+        ranks=1,
+        gpus_per_rank=8,
+        command="sleep 60",
+    )
+    url = f"/api/v1/quotas/{world.quota(world.vision).pk}/preview/"
+    before = database_state()
+    cut = world.client("manager").post(url, {"guarantee": 6}, format="json")
+    assert cut.status_code == 200, cut.json()
+    assert cut.json()["non_preemptible"] == {
+        "running": [
+            {
+                "job_id": serve.pk,
+                "job_name": "serve",
+                "team": "vision",
+                "gpus": 6,
+                "priority_class": "ai-prod-critical",
+            }
+        ],
+        "floor": 6,
+        "stranded": [
+            {
+                "job_id": waiting.pk,
+                "job_name": "big-serve",
+                "team": "vision",
+                "gpus": 8,
+                "priority_class": "ai-prod-critical",
+                "why": "ai-prod-critical is never preempted, so it runs only inside vision's "
+                "guarantee: it needs 8 GPUs of h100-80gb, the guarantee would be 6.",
+            }
+        ],
+    }
+    # The same work seen from the parent: running jobs below it count, and the
+    # waiting one is vision's to strand, not ml's.
+    above = world.client("admin").post(
+        f"/api/v1/quotas/{world.quota(world.ml).pk}/preview/", {"guarantee": 16}, format="json"
+    )
+    assert above.json()["non_preemptible"]["floor"] == 6
+    assert above.json()["non_preemptible"]["stranded"] == []
+    keep = world.client("manager").post(url, {"guarantee": 8}, format="json")
+    assert keep.json()["non_preemptible"]["stranded"] == []
+    assert database_state() == before
+
+
 def test_a_team_cannot_move_under_its_own_subtree(world: Any) -> None:
     body = refused(
         world.client("admin"), "patch", f"/api/v1/teams/{world.ml.pk}/", {"parent": "vision"}
@@ -190,9 +234,7 @@ def test_a_job_cannot_ask_more_gpus_per_rank_than_any_node_has(world: Any) -> No
         "command": "python train.py",
     }
     body = refused(world.client("researcher"), "post", "/api/v1/jobs/", job)
-    assert body == {
-        "gpus_per_rank": ["No node of flavor h100-80gb has 16 GPUs (the largest has 8)."]
-    }
+    assert body == {"gpus_per_rank": ["Each rank needs 16 GPUs; the largest h100-80gb node has 8."]}
 
 
 @pytest.mark.parametrize(
@@ -345,6 +387,10 @@ def test_weights_and_priority_classes_are_bounded(world: Any) -> None:
         "weight": ["Ensure this value is greater than or equal to 0.001."]
     }
     assert refused(admin, "patch", f"/api/v1/teams/{world.vision.pk}/", {"weight": 1e300}) == {
+        "weight": ["Ensure this value is less than or equal to 1000000.0."]
+    }
+    preview = f"/api/v1/quotas/{world.quota(world.vision).pk}/preview/"
+    assert refused(admin, "post", preview, {"weight": 1e300}) == {
         "weight": ["Ensure this value is less than or equal to 1000000.0."]
     }
     body = refused(admin, "post", "/api/v1/priority-classes/", {"name": "huge", "value": 10**10})

@@ -17,6 +17,7 @@ from django.utils import timezone
 from portal.models import ApiToken
 from preemption.models import Attempt, Job, JobState
 from quotas.models import AuditEntry, Quota
+from quotas.services import team_priority_classes_set
 from telemetry.models import UtilizationSample
 from telemetry.services import utilization_sample
 from tests import builders
@@ -88,6 +89,58 @@ def test_quota_preview_shows_consequences_and_saves_nothing(world: Any) -> None:
     quota.refresh_from_db()
     assert quota.guarantee == 8
     assert AuditEntry.objects.count() == before
+
+
+def test_team_page_names_the_priority_classes_its_jobs_may_use(world: Any) -> None:
+    team_priority_classes_set(
+        actor=world.users["admin"], team=world.ml, priority_classes=[world.batch], may_widen=True
+    )
+    body = page_client(world, "researcher").get(reverse("team-detail", args=["vision"]))
+    text = body.content.decode()
+    assert "Jobs may use <strong>ai-batch-preemptible</strong> (default) · as ml allows." in text
+    assert "ai-prod-critical</strong>" not in text
+    # The manager of ml reads the change in the audit history of the team's page.
+    managed = page_client(world, "manager").get(reverse("team-detail", args=["ml"]))
+    assert managed.status_code == 200 and "team.priority_classes" in managed.content.decode()
+
+
+def test_quota_preview_says_what_never_preempted_work_needs(world: Any) -> None:
+    now = timezone.now()
+    serve = Job.objects.create(
+        name="serve",
+        team=world.vision,
+        submitter=world.users["researcher"],
+        priority_class=world.critical,
+        flavor=world.h100,
+        ranks=1,
+        gpus_per_rank=2,
+        command="sleep 60",
+        state=JobState.RUNNING,
+        admitted_at=now,
+        running_at=now,
+    )
+    Attempt.objects.create(
+        job=serve, number=1, placement=[{"node": "h100-node-0", "ranks": 1}], admitted_at=now
+    )
+    Job.objects.create(
+        name="big-serve",
+        team=world.vision,
+        submitter=world.users["researcher"],
+        priority_class=world.critical,
+        flavor=world.h100,
+        ranks=1,
+        gpus_per_rank=6,
+        command="sleep 60",
+    )
+    client = page_client(world, "manager")
+    quota = world.quota(world.vision)
+    body = client.post(reverse("quota-preview", args=[quota.pk]), {"guarantee": 4}).content.decode()
+    assert "Never-preempted jobs hold 2 GPUs here" in body
+    assert "the guarantee cannot go below 2." in body
+    assert "1 waiting never-preempted job could never start" in body
+    assert "it needs 6 GPUs of h100-80gb, the guarantee would be 4." in body
+    blocked = client.post(reverse("quota-preview", args=[quota.pk]), {"guarantee": 1})
+    assert "the guarantee cannot go below that (got 1)" in blocked.content.decode()
 
 
 def test_quota_preview_names_running_jobs_that_would_be_reclaimed(world: Any) -> None:

@@ -1,7 +1,8 @@
 """The local runtime with real processes, real signals and real files.
 
 Every test launches gangs under its own temporary root and, on teardown, kills whatever
-is left of them, so no process outlives a test.
+is left of them, so no process outlives a test. Ranks run as the runner user, as they do
+when root runs the control plane; tests/security covers what that keeps them from.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from preemption.runtimes import (
 )
 from preemption.runtimes.local import PROJECT_ROOT
 from preemption.runtimes.records import GANG_FILE, KEEPER_FILE, STARTED_FILE, read_record
+from preemption.runtimes.runner import RunnerAccount
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -124,8 +126,10 @@ def wait_exited(runtime: LocalRuntime, gang: GangId) -> list[RankObservation]:
 
 
 @pytest.fixture
-def runtime(tmp_path: Path) -> Iterator[LocalRuntime]:
-    local = LocalRuntime(tmp_path / "runs", parse_inventory(INVENTORY))
+def runtime(runner_tmp_path: Path, runner_account: RunnerAccount) -> Iterator[LocalRuntime]:
+    local = LocalRuntime(
+        runner_tmp_path / "runs", parse_inventory(INVENTORY), runner=runner_account
+    )
     yield local
     for gang in {GangId(o.job_id, o.attempt) for o in local.observe()}:
         local.kill(gang)
@@ -156,12 +160,15 @@ def test_launch_runs_every_rank_of_a_four_rank_gang(runtime: LocalRuntime) -> No
 def test_every_rank_sees_rendezvous_and_trap_environment(
     runtime: LocalRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    assert runtime.runner is not None
     # The control plane's own secrets must not reach workloads; basics and NCCL tuning do.
     monkeypatch.setenv("DATABASE_URL", "postgres://qm:secret@db/qm")
     monkeypatch.setenv("SECRET_KEY", "not-for-workloads")
     monkeypatch.setenv("NCCL_DEBUG", "WARN")
-    env = {"QM_JOB_ID": "2", "QM_CHECKPOINT_DIR": "/tmp/ckpt", "USER_FLAG": "on", "RANK": "99"}
-    spec = gang_spec(2, "env", env=env)
+    monkeypatch.setenv("PYTHONPATH", "/control/plane/code")
+    checkpoints = str(runtime.root.parent / "checkpoints" / "job-2")
+    env = {"QM_JOB_ID": "2", "QM_CHECKPOINT_DIR": checkpoints, "USER_FLAG": "on", "RANK": "99"}
+    spec = gang_spec(2, "env; echo uid=$(id -u) gid=$(id -g) groups=$(id -G) cwd=$(pwd)", env=env)
     runtime.launch(spec)
     wait_exited(runtime, spec.gang)
 
@@ -180,13 +187,19 @@ def test_every_rank_sees_rendezvous_and_trap_environment(
         assert seen["OMP_NUM_THREADS"] == "1"
         assert seen["PYTHONUNBUFFERED"] == "1"
         assert seen["QM_JOB_ID"] == "2"
-        assert seen["QM_CHECKPOINT_DIR"] == "/tmp/ckpt"
+        assert seen["QM_CHECKPOINT_DIR"] == checkpoints
         assert seen["USER_FLAG"] == "on"
-        assert seen["QM_RANK_DIR"] == str(runtime.gang_dir(spec.gang) / str(placement.rank))
+        rank_dir = runtime.gang_dir(spec.gang) / str(placement.rank)
+        assert seen["QM_RANK_DIR"] == str(rank_dir)
         assert seen["NCCL_DEBUG"] == "WARN"
-        assert seen["HOME"] == os.environ["HOME"]
+        # The rank's own user and folder, not the control plane's.
+        assert seen["HOME"] == seen["TMPDIR"] == str(rank_dir / "work")
+        assert seen["USER"] == seen["LOGNAME"] == runtime.runner.name
         assert seen["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
         assert "DATABASE_URL" not in seen and "SECRET_KEY" not in seen
+        assert "PYTHONPATH" not in seen
+        gid = runtime.runner.job_gid(2)
+        assert f"uid={runtime.runner.uid} gid={gid} groups={gid} cwd={rank_dir / 'work'}" in lines
         master_ports.add(int(seen["MASTER_PORT"]))
     assert master_ports == {gang_record["master_port"]}
 
@@ -277,8 +290,9 @@ def test_sigterm_ignoring_workload_survives_signal_and_dies_on_kill(
 
 
 def test_a_fresh_runtime_over_the_same_root_sees_the_same_state(
-    runtime: LocalRuntime, tmp_path: Path
+    runtime: LocalRuntime,
 ) -> None:
+    assert runtime.runner is not None
     # Launch from another process, then SIGKILL that process's whole group, as when a
     # Celery worker dies: the ranks must survive it, and their exits still be recorded.
     launch_script = textwrap.dedent(
@@ -287,7 +301,11 @@ def test_a_fresh_runtime_over_the_same_root_sees_the_same_state(
         from pathlib import Path
         sys.path.insert(0, {str(PROJECT_ROOT)!r})
         from preemption.runtimes import GangSpec, LocalRuntime, RankPlacement, parse_inventory
-        runtime = LocalRuntime(Path({str(runtime.root)!r}), parse_inventory({INVENTORY!r}))
+        from preemption.runtimes.runner import find_runner
+        runtime = LocalRuntime(
+            Path({str(runtime.root)!r}), parse_inventory({INVENTORY!r}),
+            runner=find_runner({runtime.runner.name!r}).account,
+        )
         runtime.launch(GangSpec(
             job_id=7, attempt=2, command={f"exec {SLEEPER} --seconds 60 --term-exit-code 5"!r},
             ranks=tuple(RankPlacement(rank, "node-a", rank) for rank in range(3)),
@@ -307,13 +325,13 @@ def test_a_fresh_runtime_over_the_same_root_sees_the_same_state(
     worker.stdout.close()
 
     gang = GangId(7, 2)
-    first = LocalRuntime(runtime.root, parse_inventory(INVENTORY))
+    first = LocalRuntime(runtime.root, parse_inventory(INVENTORY), runner=runtime.runner)
     wait_for_log(first, gang, 3, b"ready")
     assert [o.phase for o in first.observe(gang)] == ["running"] * 3
     assert first.observe() == first.observe(gang)
 
     first.signal(gang, grace_seconds=5.0)
-    second = LocalRuntime(runtime.root, parse_inventory(INVENTORY))
+    second = LocalRuntime(runtime.root, parse_inventory(INVENTORY), runner=runtime.runner)
     observations = wait_exited(second, gang)
     assert [o.exit_code for o in observations] == [5, 5, 5]
     assert observations == first.observe(gang)
@@ -348,7 +366,9 @@ def test_signal_is_idempotent(runtime: LocalRuntime) -> None:
     wait_for_log(runtime, spec.gang, 3, b"sigterm ignored")
     first_sent = [o.signal_sent_at for o in runtime.observe(spec.gang)]
     runtime.signal(spec.gang, grace_seconds=30.0)
-    LocalRuntime(runtime.root, runtime.nodes()).signal(spec.gang, grace_seconds=30.0)
+    LocalRuntime(runtime.root, runtime.nodes(), runner=runtime.runner).signal(
+        spec.gang, grace_seconds=30.0
+    )
     time.sleep(0.5)
 
     assert [o.signal_sent_at for o in runtime.observe(spec.gang)] == first_sent
@@ -396,8 +416,8 @@ def test_trap_events_are_read_back_from_a_rank_log(runtime: LocalRuntime) -> Non
     ]
 
 
-def test_ports_are_released_after_exit(runtime: LocalRuntime, tmp_path: Path) -> None:
-    listener = tmp_path / "listener.py"
+def test_ports_are_released_after_exit(runtime: LocalRuntime) -> None:
+    listener = runtime.root.parent / "listener.py"
     listener.write_text(LISTENER)
     spec = gang_spec(13, f"exec {PYTHON} {shlex.quote(str(listener))}", ranks=3)
     runtime.launch(spec)
@@ -416,10 +436,8 @@ def test_ports_are_released_after_exit(runtime: LocalRuntime, tmp_path: Path) ->
         probe.bind(("127.0.0.1", gang_record["master_port"]))
 
 
-def test_orphan_scan_finds_a_child_that_escaped_its_rank(
-    runtime: LocalRuntime, tmp_path: Path
-) -> None:
-    listener = tmp_path / "listener.py"
+def test_orphan_scan_finds_a_child_that_escaped_its_rank(runtime: LocalRuntime) -> None:
+    listener = runtime.root.parent / "listener.py"
     listener.write_text(LISTENER)
     spec = gang_spec(14, f"exec {PYTHON} {shlex.quote(str(listener))} --escape", ranks=2)
     runtime.launch(spec)

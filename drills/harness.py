@@ -1,4 +1,4 @@
-"""The preemption drill: the mission's verification protocol, end to end.
+"""The drill harness: the mission's verification protocol, end to end.
 
 A borrower team runs a distributed training job on GPUs an owner team
 guarantees but leaves idle; the owner then submits a critical job that needs
@@ -18,6 +18,11 @@ a second SIGTERM, a grace shorter than the save, the Celery worker killed
 mid-preemption) and counts corrupt checkpoints, orphaned ranks, double
 preemptions and lost events, each by a check independent of the code under
 test: resume and compare, a scan of /proc, log lines against database rows.
+
+Everything the drill sets up (flavor, nodes, teams, quotas, priority classes)
+goes through the quotas services as the `drill-bot` user, so each change is
+validated and audited like any other; the targets it is judged against are
+those of `telemetry.mission`.
 """
 
 from __future__ import annotations
@@ -37,13 +42,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AbstractBaseUser
+from django.core.exceptions import ValidationError
 from django.db import close_old_connections
 from django.utils import timezone
 
+from drills.integrity import compare_with_reference
+from drills.result import ChaosRound, DrillResult, RoundFigures
 from portal.processes import beat_command, web_command, worker_command
 from preemption.ingest import fingerprint
 from preemption.logs import read_rank_log
@@ -56,14 +64,21 @@ from preemption.models import (
     Rank,
     TrapEvent,
 )
-from preemption.runtime import get_runtime
+from preemption.runtime import get_runtime, local_runner
 from preemption.runtimes import iter_trap_events, procfs, read_whole_log
 from preemption.runtimes.base import GangId
 from preemption.services import job_cancel, job_submit
 from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team
-from telemetry.models import DrillRun
+from quotas.services import (
+    flavor_create,
+    node_upsert,
+    priority_class_save,
+    quota_set,
+    team_create,
+    team_priority_classes_set,
+)
+from telemetry.services import drill_run_record
 
-SCHEMA_VERSION = 1
 FLAVOR = "drill-gpu"
 STEPS = 60
 STEP_SLEEP = 0.2
@@ -156,6 +171,15 @@ class Drill:
         self.nodes = max(1, math.ceil(ranks / 8))
         self.capacity = self.nodes * 8
         self.work = Path(tempfile.mkdtemp(prefix="qm-drill-", dir=settings.VAR_DIR))
+        self.dumps = self.work / "dumps"
+        self.dumps.mkdir(mode=0o700)
+        if runtime == "local":
+            runner = local_runner()
+            if runner is not None:
+                # The borrower's ranks run as the runner user and write their final state
+                # here: they may pass through the drill's folder and write in this one.
+                self.work.chmod(0o711)
+                os.chown(self.dumps, runner.uid, -1)
         self.train = settings.BASE_DIR / "examples" / "train_ddp.py"
         self.sleeper = settings.BASE_DIR / "examples" / "sleeper.py"
         self.started = time.monotonic()
@@ -168,59 +192,124 @@ class Drill:
         self.say(f"[{time.monotonic() - self.started:7.1f}s] {message}")
 
     def setup(self) -> None:
-        """Create (or reuse) the drill's flavor, nodes, teams, classes and user."""
-        flavor, _ = ResourceFlavor.objects.get_or_create(
-            name=FLAVOR, defaults={"description": "drill GPUs"}
-        )
-        wanted = {f"drill-node-{i}" for i in range(self.nodes)}
-        Node.objects.filter(flavor=flavor).exclude(name__in=wanted).update(schedulable=False)
-        for name in sorted(wanted):
-            Node.objects.update_or_create(
-                name=name, defaults={"flavor": flavor, "gpus": 8, "schedulable": True}
-            )
-        root, _ = Team.objects.get_or_create(slug="drill", defaults={"name": "Drill"})
-        owner, _ = Team.objects.get_or_create(
-            slug="drill-owner", defaults={"name": "Drill owner", "parent": root}
-        )
-        borrower, _ = Team.objects.get_or_create(
-            slug="drill-borrower", defaults={"name": "Drill borrower", "parent": root}
-        )
-        # Raise in an order that keeps every sum rule true at every step.
-        Quota.objects.filter(team=borrower, flavor=flavor).update(guarantee=0)
-        Quota.objects.filter(team=owner, flavor=flavor).update(guarantee=0)
-        Quota.objects.update_or_create(
-            team=root, flavor=flavor, defaults={"guarantee": self.capacity}
-        )
-        Quota.objects.update_or_create(
-            team=owner, flavor=flavor, defaults={"guarantee": self.capacity}
-        )
-        Quota.objects.update_or_create(
-            team=borrower, flavor=flavor, defaults={"guarantee": 0, "borrow_limit": None}
-        )
-        self.flavor, self.owner, self.borrower = flavor, owner, borrower
-        self.batch = PriorityClass.objects.get(name="ai-batch-preemptible")
-        self.critical = PriorityClass.objects.get(name="ai-prod-critical")
-        self.short_grace, _ = PriorityClass.objects.update_or_create(
-            name="drill-short-grace",
-            defaults={
-                "value": 10_000,
-                "preemption_policy": "Never",
-                "preemptible": True,
-                "grace_seconds": 1,
-                "description": "Drill only: a grace shorter than a checkpoint save.",
-            },
-        )
+        """Create (or reuse) the drill's flavor, nodes, teams, classes and user.
+
+        Every change goes through the quotas services as `drill-bot`, so it is
+        validated and audited; what is already as wanted is left alone (and not
+        audited again)."""
         user_model = get_user_model()
         self.user = user_model.objects.filter(
             username="drill-bot"
         ).first() or user_model.objects.create_user("drill-bot", "drill@example.org", None)
+        try:
+            self._setup_cluster(self.user)
+        except ValidationError as error:
+            raise DrillError(f"the drill's set-up was refused: {error}") from error
         self._clear_leftovers()
+
+    def _setup_cluster(self, actor: AbstractBaseUser) -> None:
+        flavor = ResourceFlavor.objects.filter(name=FLAVOR).first() or flavor_create(
+            actor=actor, name=FLAVOR, description="drill GPUs"
+        )
+        wanted = {f"drill-node-{i}" for i in range(self.nodes)}
+        for node in Node.objects.filter(flavor=flavor, schedulable=True).exclude(name__in=wanted):
+            node_upsert(
+                actor=actor,
+                name=node.name,
+                flavor=flavor,
+                gpus=node.gpus,
+                labels=node.labels,
+                schedulable=False,
+            )
+        for name in sorted(wanted):
+            if not Node.objects.filter(name=name, flavor=flavor, gpus=8, schedulable=True).exists():
+                node_upsert(actor=actor, name=name, flavor=flavor, gpus=8, schedulable=True)
+        root = Team.objects.filter(slug="drill").first() or team_create(
+            actor=actor, slug="drill", name="Drill"
+        )
+        owner = Team.objects.filter(slug="drill-owner").first() or team_create(
+            actor=actor, slug="drill-owner", name="Drill owner", parent=root
+        )
+        borrower = Team.objects.filter(slug="drill-borrower").first() or team_create(
+            actor=actor, slug="drill-borrower", name="Drill borrower", parent=root
+        )
+        self._set_quotas(actor=actor, flavor=flavor, root=root, owner=owner, borrower=borrower)
+        self.flavor, self.owner, self.borrower = flavor, owner, borrower
+        self.batch = PriorityClass.objects.get(name="ai-batch-preemptible")
+        self.critical = PriorityClass.objects.get(name="ai-prod-critical")
+        self.short_grace = self._priority_class(
+            actor=actor,
+            name="drill-short-grace",
+            grace_seconds=1,
+            description="Drill only: a grace shorter than a checkpoint save.",
+        )
+        # The owner runs the critical job, the borrower the preemptible ones; the
+        # root must hold every class its sub-teams narrow to, so it is set first.
+        for team, classes in (
+            (root, [self.critical, self.batch, self.short_grace]),
+            (owner, [self.critical]),
+            (borrower, [self.batch, self.short_grace]),
+        ):
+            if set(team.priority_classes.all()) != set(classes):
+                team_priority_classes_set(
+                    actor=actor, team=team, priority_classes=classes, may_widen=True
+                )
+
+    def _set_quotas(
+        self,
+        *,
+        actor: AbstractBaseUser,
+        flavor: ResourceFlavor,
+        root: Team,
+        owner: Team,
+        borrower: Team,
+    ) -> None:
+        """The owner is guaranteed every drill GPU and the borrower none, so all the
+        borrower runs is borrowed. The changes come in an order that keeps every
+        sum rule true at each step: sub-teams first make room under the root for
+        its new size, then the root, then the owner."""
+        current = {
+            quota.team_id: quota
+            for quota in Quota.objects.filter(flavor=flavor, team__in=[root, owner, borrower])
+        }
+        borrower_quota = current.get(borrower.pk)
+        if (
+            borrower_quota is None
+            or borrower_quota.guarantee
+            or borrower_quota.borrow_limit is not None
+        ):
+            quota_set(actor=actor, team=borrower, flavor=flavor, guarantee=0)
+        owner_quota = current.get(owner.pk)
+        if owner_quota is not None and owner_quota.guarantee > self.capacity:
+            quota_set(actor=actor, team=owner, flavor=flavor, guarantee=self.capacity)
+        quota_set(actor=actor, team=root, flavor=flavor, guarantee=self.capacity)
+        quota_set(actor=actor, team=owner, flavor=flavor, guarantee=self.capacity)
+
+    @staticmethod
+    def _priority_class(
+        *, actor: AbstractBaseUser, name: str, grace_seconds: int, description: str
+    ) -> PriorityClass:
+        """A preemptible class of the drill's own with the given grace, saved (and
+        audited) only when it is new or differs."""
+        wanted = {
+            "value": 10_000,
+            "preemption_policy": "Never",
+            "preemptible": True,
+            "grace_seconds": grace_seconds,
+            "description": description,
+        }
+        priority_class = PriorityClass.objects.filter(name=name).first() or PriorityClass(name=name)
+        if priority_class.pk and all(getattr(priority_class, k) == v for k, v in wanted.items()):
+            return priority_class
+        for key, value in wanted.items():
+            setattr(priority_class, key, value)
+        return priority_class_save(actor=actor, priority_class=priority_class)
 
     def _clear_leftovers(self) -> None:
         for job in Job.objects.filter(team__in=[self.owner, self.borrower]).exclude(
             state__in=FINAL_STATES
         ):
-            job_cancel(actor=None, job=job)
+            job_cancel(actor=self.user, job=job)
         self._wait(
             lambda: (
                 not Job.objects.filter(team__in=[self.owner, self.borrower])
@@ -276,9 +365,14 @@ class Drill:
             parts += ["--checkpoint-dir", str(checkpoint_dir)]
         return " ".join(shlex.quote(p) for p in parts)
 
+    @property
+    def reference_dump(self) -> Path:
+        """Where each rank of the reference run dumps its final state."""
+        return self.work / "reference-{rank}.pt"
+
     def reference_run(self) -> Path:
         """An uninterrupted run of the same training, outside the scheduler."""
-        dump = self.work / "reference-{rank}.pt"
+        dump = self.reference_dump
         ckpt = self.work / "reference-checkpoints"
         port = _free_port()
         command = shlex.split(self.train_command(dump=dump, checkpoint_dir=ckpt))
@@ -370,20 +464,16 @@ class Drill:
 
     # -- one round ---------------------------------------------------------------
 
-    def round(self, *, services: Services, label: str, disturbance: str | None) -> dict[str, Any]:
+    def round(self, *, services: Services, label: str, disturbance: str | None) -> RoundFigures:
         """Borrower runs, critical job reclaims, borrower resumes and finishes."""
-        dump = self.work / f"{label}-{{rank}}.pt"
+        dump = self.dumps / f"{label}-{{rank}}.pt"
         priority = self.short_grace if disturbance == "short-grace" else self.batch
         if self.grace is not None and disturbance != "short-grace":
-            priority, _ = PriorityClass.objects.update_or_create(
+            priority = self._priority_class(
+                actor=self.user,
                 name="drill-grace",
-                defaults={
-                    "value": 10_000,
-                    "preemption_policy": "Never",
-                    "preemptible": True,
-                    "grace_seconds": max(1, int(self.grace)),
-                    "description": "Drill only: --grace",
-                },
+                grace_seconds=max(1, int(self.grace)),
+                description="Drill only: --grace",
             )
         borrower = self.submit_borrower(name=f"{label}-borrower", priority=priority, dump=dump)
         self.log(
@@ -500,7 +590,7 @@ class Drill:
 
     def _measure(
         self, *, borrower: Job, critical: Job, event_id: int, dump: Path, master_port: int | None
-    ) -> dict[str, Any]:
+    ) -> RoundFigures:
         borrower.refresh_from_db()
         event = PreemptionEvent.objects.select_related("victim_attempt").get(pk=event_id)
         decided = event.decided_at.timestamp()
@@ -528,7 +618,9 @@ class Drill:
             | set(self._bound_ports(master_port))
             | set(self._leftover_ports(event.victim_attempt))
         )
-        diff, same_rng, same_loss = self._compare(dump)
+        diff, same_rng, same_loss = compare_with_reference(
+            dump=dump, reference=self.reference_dump, ranks=self.ranks
+        )
         window_start = (
             Attempt.objects.filter(job=borrower)
             .order_by("number")
@@ -542,31 +634,29 @@ class Drill:
             end = attempt.ended_at or window_end
             used += max(0.0, (end - start).total_seconds()) * attempt.job.gpus
         span = max(1e-9, (window_end - window_start).total_seconds()) if window_start else 1.0
-        return {
-            "borrower_job": borrower.pk,
-            "critical_job": critical.pk,
-            "borrower_state": borrower.state,
-            "signal_propagation_seconds": max(
-                (x for x in latencies if x is not None), default=None
-            ),
-            "signal_latency_seconds": latencies,
-            "signals_received": sum(1 for x in latencies if x is not None),
-            "checkpoint_seconds": event.checkpoint_seconds,
-            "checkpoint_step": event.checkpoint_step,
-            "checkpoint_committed": event.checkpoint_step is not None,
-            "outcome": event.outcome,
-            "exit_codes": [r.exit_code for r in ranks],
-            "orphaned_ports": len(orphaned),
-            "restart_integrity": diff == 0.0
+        return RoundFigures(
+            borrower_job=borrower.pk,
+            critical_job=critical.pk,
+            borrower_state=borrower.state,
+            signal_propagation_seconds=max((x for x in latencies if x is not None), default=None),
+            signal_latency_seconds=latencies,
+            signals_received=sum(1 for x in latencies if x is not None),
+            checkpoint_seconds=event.checkpoint_seconds,
+            checkpoint_step=event.checkpoint_step,
+            checkpoint_committed=event.checkpoint_step is not None,
+            outcome=event.outcome,
+            exit_codes=[r.exit_code for r in ranks],
+            orphaned_ports=len(orphaned),
+            restart_integrity=diff == 0.0
             and same_rng
             and same_loss
             and borrower.state == JobState.SUCCEEDED,
-            "restart_max_abs_diff": diff,
-            "recovery_seconds": round(resumed - critical_exit.timestamp(), 3)
+            restart_max_abs_diff=diff,
+            recovery_seconds=round(resumed - critical_exit.timestamp(), 3)
             if resumed and critical_exit
             else None,
-            "utilization": round(used / (self.capacity * span), 4),
-        }
+            utilization=round(used / (self.capacity * span), 4),
+        )
 
     def _bound_ports(self, port: int | None) -> list[int]:
         """Independent of the runtime: can the gang's master port be bound again?"""
@@ -626,40 +716,11 @@ class Drill:
                 return int(port)
         return attempt.master_port
 
-    def _compare(self, dump: Path) -> tuple[float | None, bool, bool]:
-        """Max absolute difference of every tensor against the reference, and
-        whether RNG states and the final loss are identical, over all ranks."""
-        import torch
-
-        worst = 0.0
-        same_rng = True
-        same_loss = True
-        for rank in range(self.ranks):
-            mine = Path(str(dump).replace("{rank}", str(rank)))
-            reference = self.work / f"reference-{rank}.pt"
-            if not mine.exists() or not reference.exists():
-                return None, False, False
-            a = torch.load(mine, weights_only=False)
-            b = torch.load(reference, weights_only=False)
-            for left, right in zip(
-                _tensors(a["model"]) + _tensors(a["optimizer"]),
-                _tensors(b["model"]) + _tensors(b["optimizer"]),
-                strict=True,
-            ):
-                if left.shape != right.shape:
-                    return math.inf, False, False
-                if left.numel():
-                    worst = max(worst, float((left.double() - right.double()).abs().max()))
-            same_loss &= a["loss_hex"] == b["loss_hex"]
-            same_rng &= _rng_equal(a["rng"], b["rng"])
-        return worst, same_rng, same_loss
-
     # -- chaos checks ----------------------------------------------------------------
 
     def chaos_checks(self, jobs: list[int]) -> dict[str, int]:
         """Orphaned ranks (a /proc scan), double preemptions and lost events
         (log lines against database rows)."""
-
         orphans = 0
         wanted = {str(j) for j in jobs}
         for pid_dir in Path("/proc").iterdir():
@@ -696,35 +757,6 @@ class Drill:
         return {"orphaned_ranks": orphans, "double_preemptions": double, "lost_events": lost}
 
 
-def _tensors(state: Any) -> list[Any]:
-    import torch
-
-    found: list[Any] = []
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        for key in sorted(state, key=str):
-            found += _tensors(state[key])
-    elif isinstance(state, list | tuple):
-        for item in state:
-            found += _tensors(item)
-    elif isinstance(state, int | float):
-        found.append(torch.tensor(float(state)))
-    return found
-
-
-def _rng_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    import numpy as np
-    import torch
-
-    if a["python"] != b["python"]:
-        return False
-    na, nb = a["numpy"], b["numpy"]
-    if na[0] != nb[0] or not np.array_equal(na[1], nb[1]) or tuple(na[2:]) != tuple(nb[2:]):
-        return False
-    return bool(torch.equal(a["torch"], b["torch"]))
-
-
 def run_drill(
     *,
     ranks: int = 16,
@@ -735,7 +767,7 @@ def run_drill(
     seed: int | None = None,
     steps: int = STEPS,
     critical_seconds: float = CRITICAL_SECONDS,
-) -> dict[str, Any]:
+) -> DrillResult:
     """Run the drill (or `chaos` rounds of it) and store a DrillRun row."""
     if runtime != settings.QM_RUNTIME:
         raise DrillError(
@@ -755,77 +787,48 @@ def run_drill(
     drill.log(f"reference run first ({ranks} ranks)")
     drill.reference_run()
     services = drill.start_services()
-    result: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "runtime": runtime,
-        "ranks": ranks,
-        "grace_seconds": grace if grace is not None else float(drill.batch.grace_seconds),
-    }
+    figures: RoundFigures | None = None
+    chaos_rounds: list[ChaosRound] = []
     try:
         if chaos <= 0:
-            result.update(drill.round(services=services, label="drill", disturbance=None))
-        else:
-            rounds = []
-            totals = {
-                "corrupt_checkpoints": 0,
-                "orphaned_ranks": 0,
-                "double_preemptions": 0,
-                "lost_events": 0,
-            }
-            for number in range(1, chaos + 1):
-                disturbance = drill.random.choice(DISTURBANCES)
-                drill.log(f"chaos round {number}/{chaos}: {disturbance}")
-                outcome = drill.round(
-                    services=services, label=f"chaos{number}", disturbance=disturbance
+            figures = drill.round(services=services, label="drill", disturbance=None)
+        for number in range(1, chaos + 1):
+            disturbance = drill.random.choice(DISTURBANCES)
+            drill.log(f"chaos round {number}/{chaos}: {disturbance}")
+            outcome = drill.round(
+                services=services, label=f"chaos{number}", disturbance=disturbance
+            )
+            time.sleep(1.0)
+            checks = drill.chaos_checks([outcome.borrower_job, outcome.critical_job])
+            checks["corrupt_checkpoints"] = 0 if outcome.restart_integrity else 1
+            chaos_rounds.append(
+                ChaosRound(
+                    round=number,
+                    disturbance=disturbance,
+                    **checks,
+                    restart_max_abs_diff=outcome.restart_max_abs_diff,
+                    exit_codes=outcome.exit_codes,
+                    outcome=outcome.outcome,
                 )
-                time.sleep(1.0)
-                checks = drill.chaos_checks([outcome["borrower_job"], outcome["critical_job"]])
-                checks["corrupt_checkpoints"] = 0 if outcome["restart_integrity"] else 1
-                for key in totals:
-                    totals[key] += checks[key]
-                rounds.append(
-                    {
-                        "round": number,
-                        "disturbance": disturbance,
-                        **checks,
-                        "restart_max_abs_diff": outcome["restart_max_abs_diff"],
-                        "exit_codes": outcome["exit_codes"],
-                        "outcome": outcome["outcome"],
-                    }
-                )
-                drill.log(f"round {number}: {json.dumps(checks)}")
-            result.update({"chaos_rounds": chaos, "rounds": rounds, **totals})
+            )
+            drill.log(f"round {number}: {json.dumps(checks)}")
     finally:
         services.stop()
-    passed = _passed(result, chaos)
-    result["passed"] = passed
-    DrillRun.objects.create(
+    result = DrillResult(
+        runtime=runtime,
+        ranks=ranks,
+        grace_seconds=grace if grace is not None else float(drill.batch.grace_seconds),
+        figures=figures,
+        chaos=chaos_rounds,
+    )
+    drill_run_record(
         started_at=started,
         finished_at=timezone.now(),
         runtime=runtime,
         ranks=ranks,
-        grace_seconds=result["grace_seconds"],
-        chaos_rounds=max(0, chaos),
-        passed=passed,
-        result=result,
+        grace_seconds=result.grace_seconds,
+        chaos_rounds=len(chaos_rounds),
+        passed=result.passed,
+        result=result.to_json(),
     )
     return result
-
-
-def _passed(result: dict[str, Any], chaos: int) -> bool:
-    if chaos > 0:
-        return all(
-            result[k] == 0
-            for k in ("corrupt_checkpoints", "orphaned_ranks", "double_preemptions", "lost_events")
-        )
-    return bool(
-        result.get("signal_propagation_seconds") is not None
-        and result["signal_propagation_seconds"] < 1.2
-        and result["signals_received"] == result["ranks"]
-        and result["checkpoint_committed"]
-        and all(code == 0 for code in result["exit_codes"])
-        and result["orphaned_ports"] == 0
-        and result["restart_integrity"]
-        and result.get("recovery_seconds") is not None
-        and result["recovery_seconds"] < 90
-    )

@@ -7,12 +7,14 @@
     qm cancel JOB
     qm teams
     qm logs JOB [--rank N] [--attempt A] [--follow]
+    qm completion bash|zsh        print a shell completion script
 
 The server comes from QM_URL, else from `qm login`'s config; the token from
 QM_TOKEN, else from the config (~/.config/quartermaster/config.json, mode 600).
 Every command takes --json for scripts. Exit codes: 0 done, 1 the server
 refused (bad input, conflict), 2 wrong usage, 3 not signed in or not allowed,
-4 no such object, 5 the server could not be reached.
+4 no such object, 5 the server could not be reached, 141 the reader of qm's
+output went away (`qm ls | head`), which ends qm quietly as it ends any Unix tool.
 """
 
 from __future__ import annotations
@@ -21,14 +23,18 @@ import argparse
 import getpass
 import json
 import os
+import shlex
 import socket
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import requests
+if TYPE_CHECKING:
+    import requests
+
+from qmcli.completion import SHELLS, completion_script
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -36,10 +42,15 @@ EXIT_USAGE = 2
 EXIT_AUTH = 3
 EXIT_NOT_FOUND = 4
 EXIT_UNREACHABLE = 5
+# What a shell reports for a tool stopped by SIGPIPE (128 + 13).
+EXIT_CLOSED_PIPE = 141
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TIMEOUT_SECONDS = 30.0
 FOLLOW_POLL_SECONDS = 1.0
+# How much of a failed rank's log `qm show` reads, and how many of its lines it prints.
+FAILED_LOG_TAIL_BYTES = 8192
+FAILED_LOG_LINES = 20
 
 
 class CliError(Exception):
@@ -105,7 +116,13 @@ class Client:
     def __init__(self, url: str, token: str | None) -> None:
         self.url = url.rstrip("/")
         self.token = token
-        self.session = requests.Session()
+        # requests (and urllib3 under it) takes most of qm's start-up time, so it
+        # loads only when a command talks to the server: `--help` and
+        # `completion` answer without it.
+        import requests
+
+        self._requests = requests
+        self.session: requests.Session = requests.Session()
         self.session.headers["User-Agent"] = "qm"
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
@@ -123,7 +140,7 @@ class Client:
         address = f"{self.url}/api/v1/{path.lstrip('/')}"
         try:
             response = self.session.request(method, address, timeout=TIMEOUT_SECONDS, **kwargs)
-        except requests.RequestException as error:
+        except self._requests.RequestException as error:
             raise CliError(
                 f"cannot reach {self.url}: {error.__class__.__name__}", EXIT_UNREACHABLE
             ) from error
@@ -208,15 +225,15 @@ def cmd_login(args: argparse.Namespace) -> int:
     else:
         password = getpass.getpass("Password: ")
     client = Client(url, None)
-    created = client.call(
-        "POST",
-        "tokens/login/",
-        json={
-            "username": username,
-            "password": password,
-            "name": f"qm on {socket.gethostname()}"[:100],
-        },
-    )
+    request: dict[str, Any] = {
+        "username": username,
+        "password": password,
+        "name": f"qm on {socket.gethostname()}"[:100],
+        "scope": "read" if args.read_only else "full",
+    }
+    if args.days is not None:
+        request["days"] = args.days
+    created = client.call("POST", "tokens/login/", json=request)
     path = save_config({"url": client.url, "username": username, "token": created["token"]})
     if args.json:
         print_json(
@@ -224,12 +241,15 @@ def cmd_login(args: argparse.Namespace) -> int:
                 "url": client.url,
                 "username": username,
                 "token_id": created["id"],
+                "scope": created["scope"],
+                "expires_at": created["expires_at"],
                 "config": str(path),
             }
         )
     else:
         print(
-            f"Signed in to {client.url} as {username}; token {created['prefix']}… saved in {path}"
+            f"Signed in to {client.url} as {username}; token {created['prefix']}… "
+            f"({created['scope']}, expires {created['expires_at']}) saved in {path}"
         )
     return EXIT_OK
 
@@ -252,7 +272,9 @@ def _parse_env(pairs: Iterable[str]) -> dict[str, str]:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    command = args.command_text or " ".join(args.command)
+    # Join the words so that `sh -c` (how every runtime starts a rank) splits them
+    # back into exactly these words: quotes, pipes and `$` stay the user's words.
+    command = args.command_text or shlex.join(args.command)
     if not command.strip():
         raise CliError(
             "give the command to run, e.g. `qm submit ... -- python train.py`", EXIT_USAGE
@@ -330,9 +352,12 @@ def _job_id(value: str) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    job = Client.from_environment().call("GET", f"jobs/{_job_id(args.job)}/")
+    client = Client.from_environment()
+    job_id = _job_id(args.job)
+    job = client.call("GET", f"jobs/{job_id}/")
+    preemptions = client.all_pages("preemption-events/", {"job": job_id}, limit=1000)
     if args.json:
-        print_json(job)
+        print_json({**job, "preemptions": preemptions})
         return EXIT_OK
     fields = [
         ("Job", f"{job['id']} {job['name']}".strip()),
@@ -354,6 +379,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     width = max(len(name) for name, _ in fields)
     for name, value in fields:
         print(f"{name.ljust(width)}  {value}")
+    preempted = {event["attempt_number"]: event for event in preemptions}
     for attempt in job.get("attempts", []):
         print()
         ended = (
@@ -364,15 +390,72 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(
             f"Attempt {attempt['number']}: admitted {short_time(attempt['admitted_at'])}, {ended}, borrowed {attempt['borrowed_gpus']} GPUs"
         )
-        if attempt.get("preempted_because"):
-            print(f"Preempted: {attempt['preempted_because']}.")
+        event = preempted.get(attempt["number"])
+        if event is not None:
+            print(f"Preempted: {_preemption_line(event)}")
         rows = [
             (r["index"], r["node"], r["state"], r["exit_code"], short_time(r["exited_at"]))
             for r in attempt["ranks"]
         ]
         if rows:
             print(table(rows, ["RANK", "NODE", "STATE", "EXIT", "EXITED"]))
+    if job["state"] == "failed":
+        _print_failed_rank_log(client, job)
     return EXIT_OK
+
+
+def _preemption_line(event: dict[str, Any]) -> str:
+    """Why an attempt was stopped, in the API's own words, and how the stop went."""
+    details = [f"decided {short_time(event['decided_at'])}"]
+    details.append(f"grace {event['grace_seconds']:g} s")
+    if event["checkpoint_step"] is not None:
+        details.append(f"checkpoint at step {event['checkpoint_step']}")
+    if event["outcome"]:
+        details.append(f"outcome {event['outcome']}")
+    return f"{event['why']} ({', '.join(details)})"
+
+
+def failing_rank(attempt: dict[str, Any]) -> dict[str, Any] | None:
+    """The rank that failed the attempt: the first to exit non-zero, else a lost one."""
+    ranks: list[dict[str, Any]] = attempt["ranks"]
+    failed = [r for r in ranks if r["exit_code"] not in (None, 0)]
+    if failed:
+        return min(failed, key=lambda r: (r["exited_at"] or "", r["index"]))
+    lost = [r for r in ranks if r["state"] == "lost"]
+    return lost[0] if lost else None
+
+
+def _print_failed_rank_log(client: Client, job: dict[str, Any]) -> None:
+    attempts = job.get("attempts") or []
+    if not attempts:
+        return
+    attempt = max(attempts, key=lambda a: a["number"])
+    rank = failing_rank(attempt)
+    if rank is None:
+        return
+    print()
+    title = f"Last lines of rank {rank['index']} (attempt {attempt['number']}, exit {rank['exit_code']}):"
+    try:
+        chunk = client.call(
+            "GET",
+            f"jobs/{job['id']}/logs/",
+            params={
+                "rank": rank["index"],
+                "attempt": attempt["number"],
+                "tail": FAILED_LOG_TAIL_BYTES,
+            },
+        )
+    except CliError as error:
+        # The job's description is still worth printing when its log is gone.
+        print(f"{title} the log cannot be read ({error})")
+        return
+    lines = chunk["text"].splitlines()
+    if chunk["offset"] > 0 and lines:
+        lines = lines[1:]  # the tail began inside a line; print whole lines only
+    lines = lines[-FAILED_LOG_LINES:]
+    print(title if lines else f"{title} the log is empty")
+    for line in lines:
+        print(f"  {line}")
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
@@ -449,6 +532,10 @@ def build_parser() -> argparse.ArgumentParser:
     login.add_argument("--url", help=f"server URL (default: QM_URL or {DEFAULT_URL})")
     login.add_argument("--username")
     login.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
+    login.add_argument("--days", type=int, help="how many days the token lasts (server default)")
+    login.add_argument(
+        "--read-only", action="store_true", help="a token that may only read (GET requests)"
+    )
     login.set_defaults(handler=cmd_login)
 
     submit = commands.add_parser("submit", parents=[common], help="submit a job")
@@ -456,7 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--flavor", required=True, help="GPU flavor, e.g. h100-80gb")
     submit.add_argument("--ranks", type=int, default=1)
     submit.add_argument("--gpus-per-rank", type=int, default=1)
-    submit.add_argument("--priority-class", help="default: the cluster's default class")
+    submit.add_argument(
+        "--priority-class", help="one the team may use; default: the team's default class"
+    )
     submit.add_argument("--name")
     submit.add_argument("--image", help="container image (Kubernetes runtime)")
     submit.add_argument("--env", action="append", metavar="NAME=VALUE", help="repeatable")
@@ -511,7 +600,21 @@ def build_parser() -> argparse.ArgumentParser:
         "-f", "--follow", action="store_true", help="keep printing until the attempt ends"
     )
     logs.set_defaults(handler=cmd_logs)
+
+    completion = commands.add_parser(
+        "completion",
+        help="print a shell completion script",
+        description='Load it with `eval "$(qm completion bash)"` in ~/.bashrc, or '
+        "`source <(qm completion zsh)` in ~/.zshrc.",
+    )
+    completion.add_argument("shell", choices=SHELLS)
+    completion.set_defaults(handler=cmd_completion)
     return parser
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    print(completion_script(build_parser(), args.shell), end="")
+    return EXIT_OK
 
 
 def fail(message: str, code: int) -> NoReturn:
@@ -524,11 +627,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "command", None) and args.command[:1] == ["--"]:
         args.command = args.command[1:]
     try:
-        return int(args.handler(args))
+        code = int(args.handler(args))
+        # Flush here, inside the handler for a closed pipe, not at interpreter exit.
+        sys.stdout.flush()
+        return code
     except CliError as error:
         fail(str(error), error.code)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _closed_pipe()
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (`qm ls | head`): stop without a traceback.
+
+    Python's documented recipe: point stdout at /dev/null so that the flush at exit
+    does not fail a second time. SIGPIPE is not reset to its default instead,
+    because it would also end qm silently when the server's connection breaks.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_CLOSED_PIPE
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('preemption', '0002_preemption_reason_consolidate'),
+        ('preemption', '0003_trap_tokens_per_attempt'),
         ('telemetry', '0002_simulationrun'),
     ]
 
