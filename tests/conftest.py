@@ -33,6 +33,21 @@ from preemption.runtimes.runner import RunnerAccount, find_runner
 from quotas.models import Membership, Node, PriorityClass, Quota, ResourceFlavor, Team
 from tests import builders
 
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that restore the database's serialized rows (`serialized_rollback`)
+    run first. A transactional test without it flushes the tables at its end and
+    Django re-creates the content types under new ids; restoring the serialized
+    rows over those then collides, whichever folder the tests sit in."""
+
+    def restores_rows(item: pytest.Item) -> bool:
+        marker = item.get_closest_marker("django_db")
+        return bool(marker is not None and marker.kwargs.get("serialized_rollback"))
+
+    items.sort(key=lambda item: not restores_rows(item))
+
+
 PERSONAS = ("admin", "manager", "other_manager", "researcher", "other_researcher", "anonymous")
 PASSWORD = "correct-horse-battery-staple"
 
