@@ -17,7 +17,7 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from portal.env import (
+from core.env import (
     check_secret_key,
     env_bool,
     env_choice,
@@ -169,7 +169,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "portal.api.exception_handler",
+    "EXCEPTION_HANDLER": "core.api.exception_handler",
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
 }
 SPECTACULAR_SETTINGS = {
@@ -184,7 +184,7 @@ SPECTACULAR_SETTINGS = {
     # `check --deploy` would generate the schema, which runs the selectors and so
     # needs a migrated database; without one every view reads as a schema
     # warning. The test suite generates and walks the schema instead
-    # (tests/api/test_api_permissions.py, tests/api/test_api_schemathesis.py).
+    # (tests/portal/api/test_api_permissions.py, tests/portal/api/test_api_schemathesis.py).
     "ENABLE_DJANGO_DEPLOY_CHECK": False,
     # The interactive docs are served from the installed sidecar, never a CDN.
     "SWAGGER_UI_DIST": "SIDECAR",

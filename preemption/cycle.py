@@ -17,8 +17,18 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 import fairshare
-from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
+from preemption.models import (
+    Attempt,
+    Job,
+    JobState,
+    PreemptionEvent,
+    Rank,
+    next_attempt_number,
+)
+from preemption.reasons import Preemptor, preemption_words
+from preemption.reconcile import reconcile_jobs
 from preemption.snapshot import build_snapshot, held_jobs
+from preemption.webhooks import notify
 
 logger = logging.getLogger(__name__)
 
@@ -43,27 +53,6 @@ def _lock() -> bool:
     return True
 
 
-def explain_preemption(
-    *, reason: str, preemptor: Job | None, victim_gpus: int, victim_team: str
-) -> str:
-    """The reason in words, as the job page shows it."""
-    if preemptor is None:
-        return reason
-    team = preemptor.team.slug
-    if reason == "reclaim":
-        return f"reclaimed by {team}, {victim_gpus} GPUs under its guarantee"
-    if reason == "priority":
-        return f"preempted by higher-priority job {preemptor.pk} ({preemptor.priority_class.name}) of {team}"
-    if reason == "fair-share":
-        return f"fair-share move: {team} was further below its fair share than {victim_team}"
-    if reason == "consolidate":
-        return (
-            f"moved to GPUs free on other nodes, so that job {preemptor.pk} of {team} fits "
-            "inside its guarantee on this one"
-        )
-    return reason
-
-
 def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleResult:
     """Plan every pending job at once and record the decisions."""
     result = CycleResult()
@@ -75,8 +64,6 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
         plan = fairshare.plan(snapshot)
         _apply(plan, now=now, result=result, held=held)
     if act and (result.admitted or result.preempted):
-        from preemption.reconcile import reconcile_jobs
-
         reconcile_jobs(job_ids=result.admitted + result.preempted)
     return result
 
@@ -84,8 +71,6 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
 def _apply(
     plan: fairshare.Plan, *, now: datetime, result: CycleResult, held: dict[int, str]
 ) -> None:
-    from preemption.webhooks import notify
-
     admit_ids = [int(a.id) for a in plan.admit]
     preempt_ids = [int(p.id) for p in plan.preempt]
     jobs = Job.objects.select_related("team", "priority_class").in_bulk(
@@ -100,16 +85,9 @@ def _apply(
         ).update(state=JobState.ADMITTED, admitted_at=now, waiting_reason="")
         if claimed != 1:
             continue
-        number = (
-            Attempt.objects.filter(job_id=job_id)
-            .order_by("-number")
-            .values_list("number", flat=True)
-            .first()
-            or 0
-        ) + 1
         attempt = Attempt.objects.create(
             job_id=job_id,
-            number=number,
+            number=next_attempt_number(job_id),
             admitted_at=now,
             borrowed_gpus=admission.borrowed,
             placement=[{"node": node, "ranks": count} for node, count in admission.placement],
@@ -142,11 +120,10 @@ def _apply(
             job_id=victim_id,
             preemptor=preemptor,
             reason=preemption.reason,
-            cause=explain_preemption(
+            cause=preemption_words(
                 reason=preemption.reason,
-                preemptor=preemptor,
+                preemptor=Preemptor.of(preemptor) if preemptor is not None else None,
                 victim_gpus=victim.gpus if victim else 0,
-                victim_team=victim.team.slug if victim else "",
             ),
             decided_at=now,
             grace_seconds=grace,

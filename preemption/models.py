@@ -129,6 +129,18 @@ class Attempt(models.Model):
         return f"job {self.job_id} attempt {self.number}"
 
 
+def next_attempt_number(job_id: int) -> int:
+    """The number of the job's next attempt: one more than its last. Attempts
+    are never renumbered or deleted, so history keeps its numbers."""
+    last = (
+        Attempt.objects.filter(job_id=job_id)
+        .order_by("-number")
+        .values_list("number", flat=True)
+        .first()
+    )
+    return (last or 0) + 1
+
+
 class Rank(models.Model):
     """One process (or pod) of an attempt."""
 
@@ -331,3 +343,29 @@ class WebhookDelivery(models.Model):
         return (
             f"{self.event} to {self.webhook_id} ({'delivered' if self.delivered_at else 'pending'})"
         )
+
+
+class TrapEvent(models.Model):
+    """One event a rank's trap reported, by POST or from its log.
+
+    The fingerprint is a hash of the event's JSON, so the same event arriving
+    both ways is stored once.
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="trap_events")
+    attempt = models.PositiveIntegerField()
+    rank = models.PositiveIntegerField()
+    event = models.CharField(max_length=32)
+    at = models.FloatField()
+    step = models.PositiveIntegerField(null=True, blank=True)
+    payload = models.JSONField()
+    fingerprint = models.CharField(max_length=64, unique=True)
+    source = models.CharField(max_length=8, choices=[("post", "POST"), ("log", "log")])
+    received_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["at", "id"]
+        indexes = [models.Index(fields=["job", "attempt", "event"])]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id}/{self.attempt} rank {self.rank} {self.event}"

@@ -23,6 +23,7 @@ from django.db.models import Max
 from django.utils import timezone
 
 from preemption.event_tokens import attempt_events_token
+from preemption.ingest import ingest_trap_event
 from preemption.models import (
     ACTIVE_STATES,
     Attempt,
@@ -31,8 +32,10 @@ from preemption.models import (
     JobState,
     PreemptionEvent,
     Rank,
+    TrapEvent,
 )
 from preemption.runtime import get_runtime
+from preemption.runtimes import iter_trap_events, read_whole_log
 from preemption.runtimes.base import (
     GangId,
     GangSpec,
@@ -42,6 +45,7 @@ from preemption.runtimes.base import (
     RuntimePermanentError,
     RuntimeTemporaryError,
 )
+from preemption.wakeup import queue_cycle
 from preemption.webhooks import notify
 
 logger = logging.getLogger(__name__)
@@ -302,8 +306,6 @@ def _record_observations(ranks: dict[int, Rank], observations: list[RankObservat
 
 def ingest_logs(job: Job, attempt: Attempt, ranks: Iterable[Rank], runtime: Runtime) -> int:
     """Read every rank's QM_EVENT lines so no event is lost when its POST was."""
-    from preemption.ingest import ingest_trap_event
-    from preemption.runtimes import iter_trap_events, read_whole_log
 
     added = 0
     gang = GangId(job.pk, attempt.number)
@@ -421,8 +423,6 @@ def _finish_attempt(
         runtime.forget(gang)
     except (RuntimeTemporaryError, OSError):
         logger.warning("could not forget %s", gang, exc_info=True)
-    from preemption.services import queue_cycle
-
     queue_cycle()
 
 
@@ -433,8 +433,6 @@ def _close_event(
     exited_at: datetime,
     resume_step: int | None,
 ) -> None:
-    from telemetry.models import TrapEvent
-
     event.refresh_from_db()
     skipped = TrapEvent.objects.filter(
         job=job, attempt=attempt.number, event="checkpoint_skipped"

@@ -11,15 +11,16 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import PurePath
 from typing import Any
 
 from django.db.models import Count, F, Q, QuerySet, Sum
 
+from core.access import Access, TeamTree
 from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Job, PreemptionEvent, Rank
 from quotas.models import Node, Quota, ResourceFlavor, Team
-from quotas.selectors import Access, TeamTree
 from telemetry.mission import MISSION
-from telemetry.models import DrillRun, UtilizationSample
+from telemetry.models import DrillRun, SimulationRun, UtilizationSample
 
 # Charts read at most this many recent rows of a kind, so a page stays fast
 # after years of history; the figures say so in their titles.
@@ -658,10 +659,6 @@ class SimulationReport:
 
 def simulation_reports(limit: int = 20) -> list[SimulationReport]:
     """The newest stored simulation runs whose report has the documented shape."""
-    from pathlib import PurePath
-
-    from telemetry.models import SimulationRun
-
     reports = []
     rows = SimulationRun.objects.order_by("-created_at", "-id").values_list(
         "id", "trace", "created_at", "report"
