@@ -14,11 +14,8 @@ attempt.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
-import os
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,13 +27,23 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 import fairshare
-from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
-from preemption.snapshot import build_snapshot
+from preemption.models import (
+    Attempt,
+    Job,
+    JobState,
+    PreemptionEvent,
+    Rank,
+    next_attempt_number,
+)
+from preemption.reasons import Preemptor, preemption_words
+from preemption.reconcile import reconcile_jobs
+from preemption.snapshot import build_snapshot, held_jobs
+from preemption.wakeup import take_cycle_request
+from preemption.webhooks import notify
 
 logger = logging.getLogger(__name__)
 
 CYCLE_LOCK_KEY = 0x514D_4359  # "QMCY"
-REQUEST_OVERDUE_SECONDS = 2.0
 
 
 @dataclass
@@ -104,96 +111,38 @@ def _read_transaction() -> Iterator[None]:
             cursor.execute("COMMIT")
 
 
-def _request_marker() -> Path:
-    return Path(settings.VAR_DIR) / "cycle.requested"
-
-
-def claim_cycle_request() -> bool:
-    """True when the caller should queue an extra cycle: no other request is
-    waiting for a cycle to start, or the one waiting is overdue (its message lost
-    or expired). A cycle takes the request when it starts, before its snapshot,
-    so a request that finds one waiting is covered by that cycle.
-
-    Every submission asks for a cycle; a message each would flood the broker and
-    the worker pool in a burst, delaying the reconciler's passes behind them. The
-    marker lives in QM_VAR_DIR, shared by the web server and the worker of one
-    machine; where they run on separate machines a request waits at most
-    REQUEST_OVERDUE_SECONDS, and the periodic cycle runs meanwhile."""
-    marker = _request_marker()
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-        return True
-    except FileExistsError:
-        pass
-    except OSError:
-        return True
-    try:
-        if time.time() - marker.stat().st_mtime <= REQUEST_OVERDUE_SECONDS:
-            return False
-        os.utime(marker)
-    except OSError:
-        pass
-    return True
-
-
-def _take_request() -> None:
-    with contextlib.suppress(OSError):
-        _request_marker().unlink(missing_ok=True)
-
-
-def explain_preemption(
-    *, reason: str, preemptor: Job | None, victim_gpus: int, victim_team: str
-) -> str:
-    """The reason in words, as the job page shows it."""
-    if preemptor is None:
-        return reason
-    team = preemptor.team.slug
-    if reason == "reclaim":
-        return f"reclaimed by {team}, {victim_gpus} GPUs under its guarantee"
-    if reason == "priority":
-        return f"preempted by higher-priority job {preemptor.pk} ({preemptor.priority_class.name}) of {team}"
-    if reason == "fair-share":
-        return f"fair-share move: {team} was further below its fair share than {victim_team}"
-    if reason == "consolidate":
-        return (
-            f"moved to GPUs free on other nodes, so that job {preemptor.pk} of {team} fits "
-            "inside its guarantee on this one"
-        )
-    return reason
-
-
 def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleResult:
     """Plan every pending job at once and record the decisions."""
     result = CycleResult()
     if connection.vendor == "postgresql":
         with transaction.atomic():
             _lock()
-            _take_request()
+            take_cycle_request()
             now = now or timezone.now()
-            plan = fairshare.plan(build_snapshot(now=now))
-            _apply(plan, now=now, result=result)
+            held = held_jobs()
+            plan = fairshare.plan(build_snapshot(now=now, held=held))
+            _apply(plan, now=now, result=result, held=held)
     else:
         with _file_lock() as mine:
             if not mine:
                 result.skipped = True
                 return result
-            _take_request()
+            take_cycle_request()
             now = now or timezone.now()
             with _read_transaction():
-                snapshot = build_snapshot(now=now)
+                held = held_jobs()
+                snapshot = build_snapshot(now=now, held=held)
             plan = fairshare.plan(snapshot)
             with transaction.atomic():
-                _apply(plan, now=now, result=result)
+                _apply(plan, now=now, result=result, held=held)
     if act and (result.admitted or result.preempted):
-        from preemption.reconcile import reconcile_jobs
-
         reconcile_jobs(job_ids=result.admitted + result.preempted)
     return result
 
 
-def _apply(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
-    from preemption.webhooks import notify
-
+def _apply(
+    plan: fairshare.Plan, *, now: datetime, result: CycleResult, held: dict[int, str]
+) -> None:
     admit_ids = [int(a.id) for a in plan.admit]
     preempt_ids = [int(p.id) for p in plan.preempt]
     jobs = Job.objects.select_related("team", "priority_class").in_bulk(
@@ -208,16 +157,9 @@ def _apply(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
         ).update(state=JobState.ADMITTED, admitted_at=now, waiting_reason="")
         if claimed != 1:
             continue
-        number = (
-            Attempt.objects.filter(job_id=job_id)
-            .order_by("-number")
-            .values_list("number", flat=True)
-            .first()
-            or 0
-        ) + 1
         attempt = Attempt.objects.create(
             job_id=job_id,
-            number=number,
+            number=next_attempt_number(job_id),
             admitted_at=now,
             borrowed_gpus=admission.borrowed,
             placement=[{"node": node, "ranks": count} for node, count in admission.placement],
@@ -250,11 +192,10 @@ def _apply(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
             job_id=victim_id,
             preemptor=preemptor,
             reason=preemption.reason,
-            cause=explain_preemption(
+            cause=preemption_words(
                 reason=preemption.reason,
-                preemptor=preemptor,
+                preemptor=Preemptor.of(preemptor) if preemptor is not None else None,
                 victim_gpus=victim.gpus if victim else 0,
-                victim_team=victim.team.slug if victim else "",
             ),
             decided_at=now,
             grace_seconds=grace,
@@ -266,13 +207,14 @@ def _apply(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
             payload={"reason": event.reason, "cause": event.cause},
         )
         result.preempted.append(victim_id)
-    _store_waiting(plan)
-    result.waiting = len(plan.waiting)
+    _store_waiting(plan, held)
+    result.waiting = len(plan.waiting) + len(held)
 
 
-def _store_waiting(plan: fairshare.Plan) -> None:
+def _store_waiting(plan: fairshare.Plan, held: dict[int, str]) -> None:
     """Write each waiting job's reason, only where it changed."""
     reasons = {int(w.id): w.reason[:300] for w in plan.waiting}
+    reasons.update({job_id: reason[:300] for job_id, reason in held.items()})
     if not reasons:
         return
     current = dict(Job.objects.filter(pk__in=reasons).values_list("id", "waiting_reason"))

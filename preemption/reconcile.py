@@ -34,6 +34,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,8 @@ from django.db import transaction
 from django.db.models import Max, Q, QuerySet
 from django.utils import timezone
 
+from preemption.event_tokens import attempt_events_token
+from preemption.ingest import ingest_trap_event
 from preemption.models import (
     ACTIVE_STATES,
     Attempt,
@@ -56,8 +59,10 @@ from preemption.models import (
     JobState,
     PreemptionEvent,
     Rank,
+    TrapEvent,
 )
 from preemption.runtime import get_runtime
+from preemption.runtimes import iter_trap_events, read_whole_log
 from preemption.runtimes.base import (
     GangId,
     GangSpec,
@@ -67,6 +72,7 @@ from preemption.runtimes.base import (
     RuntimePermanentError,
     RuntimeTemporaryError,
 )
+from preemption.wakeup import queue_cycle
 from preemption.webhooks import notify
 
 logger = logging.getLogger(__name__)
@@ -97,7 +103,8 @@ def gang_spec(job: Job, attempt: Attempt, ranks: Iterable[Rank]) -> GangSpec:
         "QM_GRACE_SECONDS": str(job.priority_class.grace_seconds),
         "QM_CHECKPOINT_DIR": job.checkpoint_dir,
         "QM_EVENTS_URL": events_url(job.pk),
-        "QM_EVENTS_TOKEN": job.events_token,
+        # The attempt's own token: it expires when the attempt ends.
+        "QM_EVENTS_TOKEN": attempt_events_token(attempt),
     }
     return GangSpec(
         job_id=job.pk,
@@ -150,6 +157,10 @@ class Step:
     event: PreemptionEvent | None = None
     spec: GangSpec | None = None
     alive: list[int] = field(default_factory=list)
+    # When the runtime call began: a signal is recorded as sent at this moment,
+    # since ranks receive it while the call runs and the record must not say it
+    # was sent after they received it.
+    called_at: datetime | None = None
 
     @property
     def gang(self) -> GangId:
@@ -450,6 +461,7 @@ def _call(step: Step, runtime: Runtime) -> Exception | None:
     """Make the runtime call; returns its error, translated, or None.
 
     Runs in a pool thread: it touches the runtime only, never the database."""
+    step.called_at = timezone.now()
     try:
         if step.action == Attempt.Action.LAUNCH:
             assert step.spec is not None
@@ -527,7 +539,7 @@ def _record_outcome(step: Step, claim: datetime, error: Exception | None) -> Non
             )
         elif step.action == Attempt.Action.SIGNAL:
             assert step.event is not None
-            _signal_sent(step, now)
+            _signal_sent(step, step.called_at or now)
         elif step.action == Attempt.Action.KILL:
             assert step.event is not None
             PreemptionEvent.objects.filter(pk=step.event.pk, killed_at__isnull=True).update(
@@ -554,7 +566,7 @@ def _permanent(
     logger.warning("%s of %s failed for good: %s", step.action, step.gang, message)
     if step.action == Attempt.Action.SIGNAL:
         if mine.update(**{**done, "action_error": f"signal failed: {message}"[:300]}) == 1:
-            _signal_sent(step, now)
+            _signal_sent(step, step.called_at or now)
         return
     if step.action == Attempt.Action.FORGET:
         mine.update(**{**done, "action_error": f"forget failed: {message}"[:300]})
@@ -639,8 +651,6 @@ def _steady(attempt: Attempt, observations: list[RankObservation], taken: bool) 
 
 def ingest_logs(job: Job, attempt: Attempt, ranks: Iterable[Rank], runtime: Runtime) -> int:
     """Read every rank's QM_EVENT lines so no event is lost when its POST was."""
-    from preemption.ingest import ingest_trap_event
-    from preemption.runtimes import iter_trap_events, read_whole_log
 
     added = 0
     gang = GangId(job.pk, attempt.number)
@@ -652,9 +662,9 @@ def ingest_logs(job: Job, attempt: Attempt, ranks: Iterable[Rank], runtime: Runt
             continue
         for event in iter_trap_events(log):
             try:
-                added += ingest_trap_event(job=job, event=event, source="log")
-            except Exception:
-                logger.warning("ignoring a malformed trap event in %s: %r", rank, event)
+                added += ingest_trap_event(attempt=attempt, event=event, source="log")
+            except Exception as exc:
+                logger.warning("ignoring a refused trap event in %s: %s", rank, exc)
     return added
 
 
@@ -746,7 +756,7 @@ def _finish_attempt(
     if claimed != 1:
         return False
     if event is not None:
-        _close_event(event, attempt, job, exited_at)
+        _close_event(event, attempt, job, exited_at, resume_step)
 
     update: dict[str, Any] = {"resume_step": resume_step}
     if end_reason == Attempt.EndReason.SUCCEEDED:
@@ -791,15 +801,17 @@ def _finish_attempt(
             notice = ("requeued", {"reason": why, "resume_step": resume_step})
     Job.objects.filter(pk=job.pk).update(**update)
     notify(job_id=job.pk, event=notice[0], payload=notice[1])
-    from preemption.services import queue_cycle
-
     queue_cycle()
     return True
 
 
-def _close_event(event: PreemptionEvent, attempt: Attempt, job: Job, exited_at: datetime) -> None:
-    from telemetry.models import TrapEvent
-
+def _close_event(
+    event: PreemptionEvent,
+    attempt: Attempt,
+    job: Job,
+    exited_at: datetime,
+    resume_step: int | None,
+) -> None:
     event.refresh_from_db()
     skipped = TrapEvent.objects.filter(
         job=job, attempt=attempt.number, event="checkpoint_skipped"
@@ -830,4 +842,85 @@ def _close_event(event: PreemptionEvent, attempt: Attempt, job: Job, exited_at: 
         all_exited_at=exited_at,
         lost_gpu_seconds=lost,
         requeued_at=timezone.now() if requeue else None,
+        resume_step=resume_step if requeue else None,
+    )
+
+
+@dataclass(frozen=True)
+class ShutdownReport:
+    """What stopping the runtime's ranks with the portal did."""
+
+    jobs: int
+    ranks: int
+    killed: int
+
+
+def _live_ranks(runtime: Runtime) -> dict[GangId, list[RankObservation]]:
+    live: dict[GangId, list[RankObservation]] = defaultdict(list)
+    for obs in runtime.observe(None):
+        if obs.phase not in TERMINAL_PHASES:
+            live[GangId(obs.job_id, obs.attempt)].append(obs)
+    return dict(live)
+
+
+def live_rank_count(*, runtime: Runtime | None = None) -> tuple[int, int]:
+    """(jobs, ranks) the runtime runs now."""
+    live = _live_ranks(runtime or get_runtime())
+    return len(live), sum(len(ranks) for ranks in live.values())
+
+
+def runtime_shutdown(
+    *, grace_seconds: float, runtime: Runtime | None = None, poll_seconds: float = 0.25
+) -> ShutdownReport:
+    """Stop every rank the runtime runs because the portal that owns them stops:
+    record a `shutdown` stop on each open attempt (so the next start requeues
+    the job to resume from its checkpoint instead of taking the ranks' clean
+    exit for success), send every gang the signal at once, wait up to
+    `grace_seconds` for the ranks to exit, then kill what is left.
+
+    Called after the worker and beat have stopped, so nothing launches or
+    finishes an attempt meanwhile; the next reconcile finishes the attempts.
+    """
+    runtime = runtime or get_runtime()
+    live = _live_ranks(runtime)
+    if not live:
+        return ShutdownReport(jobs=0, ranks=0, killed=0)
+    now = timezone.now()
+    for gang in live:
+        attempt = Attempt.objects.filter(
+            job_id=gang.job_id, number=gang.attempt, ended_at__isnull=True
+        ).first()
+        if attempt is None:
+            continue
+        job = Job.objects.select_related("priority_class").get(pk=gang.job_id)
+        request_stop(
+            job=job,
+            reason=PreemptionEvent.Reason.SHUTDOWN,
+            cause="the portal was stopped; the job resumes from its checkpoint at the next start",
+            grace_seconds=grace_seconds,
+        )
+        PreemptionEvent.objects.filter(victim_attempt=attempt, signal_sent_at__isnull=True).update(
+            signal_sent_at=now
+        )
+        Rank.objects.filter(attempt=attempt, signal_sent_at__isnull=True).update(signal_sent_at=now)
+    for gang in live:
+        runtime.signal(gang, grace_seconds)
+    deadline = time.monotonic() + grace_seconds
+    remaining = live
+    while remaining and time.monotonic() < deadline:
+        time.sleep(poll_seconds)
+        remaining = _live_ranks(runtime)
+    killed = 0
+    if remaining:
+        killed_at = timezone.now()
+        for gang, ranks in remaining.items():
+            runtime.kill(gang)
+            killed += len(ranks)
+            PreemptionEvent.objects.filter(
+                victim_attempt__job_id=gang.job_id,
+                victim_attempt__number=gang.attempt,
+                killed_at__isnull=True,
+            ).update(killed_at=killed_at)
+    return ShutdownReport(
+        jobs=len(live), ranks=sum(len(ranks) for ranks in live.values()), killed=killed
     )

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
-from django.conf import settings
+import logging
 
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+from preemption.k8s_sync import priority_classes_sync
+from preemption.runtimes import parse_inventory
 from preemption.runtimes.base import NodeInventory, Runtime
+from preemption.runtimes.kubernetes import KubernetesRuntime, KubernetesRuntimeConfig
+from preemption.runtimes.local import LocalRuntime
+from preemption.runtimes.runner import RunnerAccount, RunnerLookup, find_runner
+from quotas.models import Node
+
+logger = logging.getLogger(__name__)
 
 
 def inventory() -> list[NodeInventory]:
     """The nodes the runtime offers: QM_LOCAL_NODES when set, else the database's."""
     if settings.QM_LOCAL_NODES:
-        from preemption.runtimes import parse_inventory
-
         return list(parse_inventory(settings.QM_LOCAL_NODES))
-    from quotas.models import Node
-
     return [
         NodeInventory(name=name, flavor=flavor, gpus=gpus)
         for name, flavor, gpus in Node.objects.values_list("name", "flavor__name", "gpus")
@@ -23,6 +30,37 @@ def inventory() -> list[NodeInventory]:
 
 _override: Runtime | None = None
 _kubernetes: Runtime | None = None
+_warned_without_runner = False
+
+
+def runner_lookup() -> RunnerLookup:
+    """The account the local runtime runs ranks as, or why there is none."""
+    return find_runner(settings.QM_RUNNER_USER, gid_base=settings.QM_RUNNER_GID_BASE)
+
+
+def local_runner() -> RunnerAccount | None:
+    """The runner account for the local runtime.
+
+    Without one, production refuses to run researchers' commands at all; elsewhere they
+    run as the control plane's own user, after a warning (once per process) that says why.
+    """
+    global _warned_without_runner
+    lookup = runner_lookup()
+    if lookup.account is not None:
+        return lookup.account
+    if settings.PRODUCTION:
+        raise ImproperlyConfigured(
+            f"the local runtime will not run ranks as the control plane's user in "
+            f"production: {lookup.reason}"
+        )
+    if not _warned_without_runner:
+        _warned_without_runner = True
+        logger.warning(
+            "ranks of the local runtime run as the control plane's own user and can read "
+            "its secret key and database: %s",
+            lookup.reason,
+        )
+    return None
 
 
 def use_runtime(runtime: Runtime | None) -> None:
@@ -36,9 +74,7 @@ def get_runtime() -> Runtime:
         return _override
     if settings.QM_RUNTIME == "kubernetes":
         return _kubernetes_runtime()
-    from preemption.runtimes.local import LocalRuntime
-
-    return LocalRuntime(root=settings.QM_RUNS_DIR, inventory=inventory())
+    return LocalRuntime(root=settings.QM_RUNS_DIR, inventory=inventory(), runner=local_runner())
 
 
 def _kubernetes_runtime() -> Runtime:
@@ -46,8 +82,6 @@ def _kubernetes_runtime() -> Runtime:
     threads that send a gang's evictions at once."""
     global _kubernetes
     if _kubernetes is None:
-        from preemption.runtimes.kubernetes import KubernetesRuntime, KubernetesRuntimeConfig
-
         _kubernetes = KubernetesRuntime.from_kubeconfig(
             settings.QM_K8S_KUBECONFIG or None,
             KubernetesRuntimeConfig(
@@ -57,10 +91,8 @@ def _kubernetes_runtime() -> Runtime:
         )
         # Pods name their priority class: make sure the classes exist before
         # the first launch rather than waiting for the periodic sync.
-        from preemption.k8s_sync import priority_classes_sync
-
         try:
-            priority_classes_sync()
+            priority_classes_sync(api_client=_kubernetes.api_client)  # type: ignore[attr-defined]
         except Exception:
             import logging
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
+from telemetry.mission import MISSION
 from telemetry.selectors import CheckpointAgainstGrace, SimulationReport, UtilizationPoint
 
 # One palette for every chart, matching the portal's CSS.
@@ -168,7 +169,9 @@ def borrowed_share_figure(points: Sequence[UtilizationPoint], *, flavor: str) ->
     return figure
 
 
-def signal_latency_figure(latencies: Sequence[float], *, target_seconds: float = 1.2) -> go.Figure:
+def signal_latency_figure(
+    latencies: Sequence[float], *, target_seconds: float = MISSION.signal_propagation_seconds
+) -> go.Figure:
     """How long the signal took from the preemption decision to each rank."""
     figure = go.Figure()
     _layout(figure, title="Signal latency: decision → rank received", x="seconds", y="ranks")
@@ -179,7 +182,7 @@ def signal_latency_figure(latencies: Sequence[float], *, target_seconds: float =
             x=list(latencies),
             name="ranks",
             marker={"color": PALETTE[0]},
-            # 50 ms bins: fine enough against the 1.2 s target, readable with few ranks.
+            # 50 ms bins: fine enough against the signal target, readable with few ranks.
             xbins={"size": 0.05},
         )
     )
@@ -208,7 +211,9 @@ def checkpoint_grace_figure(rows: Sequence[CheckpointAgainstGrace]) -> go.Figure
             name="checkpoint",
             marker={
                 "color": [
-                    PALETTE[1] if r.checkpoint_seconds <= r.grace_seconds else PALETTE[5]
+                    PALETTE[1]
+                    if MISSION.checkpoint_met(r.checkpoint_seconds, r.grace_seconds)
+                    else PALETTE[5]
                     for r in rows
                 ]
             },
@@ -253,7 +258,7 @@ def exit_code_figure(counts: Sequence[tuple[int, str, int]]) -> go.Figure:
 
 
 def recovery_figure(
-    rows: Sequence[tuple[int, float]], *, target_seconds: float = 90.0
+    rows: Sequence[tuple[int, float]], *, target_seconds: float = MISSION.recovery_seconds
 ) -> go.Figure:
     """Seconds from each preemption decision until the job resumed."""
     figure = go.Figure()

@@ -1,15 +1,21 @@
 """`qm` as a real subprocess against a live server: login, submit, ls, show,
-cancel, teams, logs (with --follow over a real rank process) and its errors."""
+cancel, teams, logs (with --follow over a real rank process) and its errors.
+
+`qm` runs as `python -m qmcli` from this checkout (the installed `qm` script
+calls the same `qmcli.cli:main`, see test_cli_standalone.py), so the tests
+exercise this tree's client whatever was installed into the virtualenv."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import stat
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +23,15 @@ import pytest
 from django.utils import timezone
 
 from portal.services import api_token_create
-from preemption.models import Attempt, Job, JobState
+from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
+from preemption.reconcile import gang_spec
 from preemption.runtime import use_runtime
 from preemption.runtimes.base import GangId, GangSpec, NodeInventory, RankPlacement
 from preemption.runtimes.local import LocalRuntime
+from tests import builders
 
-QM = str(Path(sys.executable).with_name("qm"))
+QM = [sys.executable, "-m", "qmcli"]
+ROOT = str(Path(__file__).resolve().parents[2])
 PASSWORD = "correct-horse-battery-staple"  # the personas' password in tests/conftest.py
 pytestmark = pytest.mark.django_db(transaction=True, serialized_rollback=True)
 
@@ -43,12 +52,13 @@ def qm(live_server: Any, tmp_path: Path) -> Callable[..., subprocess.CompletedPr
     ) -> subprocess.CompletedProcess[str]:
         environment = {
             "PATH": os.environ["PATH"],
+            "PYTHONPATH": ROOT,
             "HOME": str(home),
             "QM_URL": live_server.url,
             **(env or {}),
         }
         return subprocess.run(
-            [QM, *args], input=stdin, capture_output=True, text=True, timeout=60, env=environment
+            [*QM, *args], input=stdin, capture_output=True, text=True, timeout=60, env=environment
         )
 
     run.home = home  # type: ignore[attr-defined]
@@ -133,13 +143,11 @@ def test_errors_are_one_clear_line_with_an_exit_code(world: Any, qm: Any) -> Non
     missing = qm("show", "999999", env=with_token)
     assert missing.returncode == 4 and "not found" in missing.stderr
 
-    other_job = Job.objects.create(
-        team=world.ops,
+    other_job = builders.job(
+        world,
+        world.ops,
+        state=JobState.PENDING,
         submitter=world.users["other_researcher"],
-        priority_class=world.batch,
-        flavor=world.h100,
-        ranks=1,
-        gpus_per_rank=1,
         command="true",
     )
     hidden = qm("cancel", str(other_job.pk), env=with_token)
@@ -162,7 +170,27 @@ def test_errors_are_one_clear_line_with_an_exit_code(world: Any, qm: Any) -> Non
     )
     assert too_big.returncode == 1
     assert too_big.stderr.strip() == (
-        "qm: gpus_per_rank: No node of flavor h100-80gb has 16 GPUs (the largest has 8)."
+        "qm: gpus_per_rank: Each rank needs 16 GPUs; the largest h100-80gb node has 8."
+    )
+
+    # A class the team may not use: the API's reason, naming the classes it may.
+    world.vision.priority_classes.set([world.batch])
+    critical = qm(
+        "submit",
+        "--team",
+        "vision",
+        "--flavor",
+        "h100-80gb",
+        "--priority-class",
+        "ai-prod-critical",
+        "--",
+        "true",
+        env=with_token,
+    )
+    assert critical.returncode == 1
+    assert critical.stderr.strip() == (
+        "qm: priority_class: Team vision may not use ai-prod-critical; "
+        "it may use: ai-batch-preemptible."
     )
 
     bad_usage = qm("show", "twelve", env=with_token)
@@ -192,19 +220,8 @@ def test_logs_prints_and_follows_a_real_rank(
     world: Any, qm: Any, local_runtime: LocalRuntime
 ) -> None:
     now = timezone.now()
-    job = Job.objects.create(
-        team=world.vision,
-        submitter=world.users["researcher"],
-        priority_class=world.batch,
-        flavor=world.h100,
-        ranks=2,
-        gpus_per_rank=1,
-        command="echo",
-        state=JobState.RUNNING,
-    )
-    attempt = Attempt.objects.create(
-        job=job, number=1, placement=[{"node": "h100-node-0", "ranks": 2}], admitted_at=now
-    )
+    job = builders.running_job(world, world.vision, ranks=2, command="echo", admitted_at=now)
+    attempt = job.attempts.get()
     command = 'echo "rank $RANK step 1"; sleep 2; echo "rank $RANK step 2"'
     local_runtime.launch(
         GangSpec(
@@ -220,8 +237,14 @@ def test_logs_prints_and_follows_a_real_rank(
     )
     _, token = api_token_create(user=world.users["researcher"], name="ci")
     following = subprocess.Popen(
-        [QM, "logs", str(job.pk), "--rank", "1", "--follow"],
-        env={"PATH": os.environ["PATH"], "HOME": str(qm.home), "QM_URL": qm.url, "QM_TOKEN": token},
+        [*QM, "logs", str(job.pk), "--rank", "1", "--follow"],
+        env={
+            "PATH": os.environ["PATH"],
+            "PYTHONPATH": ROOT,
+            "HOME": str(qm.home),
+            "QM_URL": qm.url,
+            "QM_TOKEN": token,
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -251,3 +274,189 @@ def test_logs_prints_and_follows_a_real_rank(
     )
     no_rank = qm("logs", str(job.pk), "--rank", "5", env={"QM_TOKEN": token})
     assert no_rank.returncode == 4 and "ranks 0 to 1" in no_rank.stderr
+
+
+def _wait_for_exit(runtime: LocalRuntime, gang: GangId, *, ranks: int) -> list[Any]:
+    deadline = time.monotonic() + 30
+    while not _all_exited(runtime, gang, ranks=ranks):
+        assert time.monotonic() < deadline, "the ranks did not exit"
+        time.sleep(0.1)
+    return sorted(runtime.observe(gang), key=lambda o: o.rank)
+
+
+def test_submit_keeps_the_commands_words_up_to_the_rank(
+    world: Any, qm: Any, local_runtime: LocalRuntime
+) -> None:
+    """The words after `--` reach the rank's process exactly: quotes, pipes and `$`
+    are the user's words, not instructions to the shell that starts the rank."""
+    words = [
+        'say "hello" | tr a-z A-Z > never.txt',
+        "$HOME ${PATH} $(echo nope) `date`",
+        "it's; exit 3 && echo \\n",
+        "",
+    ]
+    argv = [
+        sys.executable,
+        "-c",
+        "import json, sys; print('ARGV ' + json.dumps(sys.argv[1:]))",
+        *words,
+    ]
+    _, token = api_token_create(user=world.users["researcher"], name="ci")
+    submitted = qm(
+        "submit",
+        "--team",
+        "vision",
+        "--flavor",
+        "h100-80gb",
+        "--name",
+        "quoting",
+        "--",
+        *argv,
+        env={"QM_TOKEN": token},
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job = Job.objects.select_related("priority_class", "team", "flavor").get(name="quoting")
+    assert shlex.split(job.command) == argv
+
+    # Launch it the way the reconciler does: the spec built from the stored job.
+    attempt = Attempt.objects.create(
+        job=job,
+        number=1,
+        placement=[{"node": "h100-node-0", "ranks": 1}],
+        admitted_at=timezone.now(),
+    )
+    rank = Rank.objects.create(attempt=attempt, index=0, node="h100-node-0")
+    local_runtime.launch(gang_spec(job, attempt, [rank]))
+    (observation,) = _wait_for_exit(local_runtime, GangId(job.pk, 1), ranks=1)
+    assert observation.exit_code == 0
+
+    logged = qm("logs", str(job.pk), env={"QM_TOKEN": token})
+    assert logged.returncode == 0, logged.stderr
+    (line,) = [line for line in logged.stdout.splitlines() if line.startswith("ARGV ")]
+    assert json.loads(line.removeprefix("ARGV ")) == words
+
+
+def test_ls_into_a_pipe_that_closes_early_ends_quietly(world: Any, qm: Any) -> None:
+    """`qm ls | head`: once head has its lines, qm stops without a traceback."""
+    Job.objects.bulk_create(
+        Job(
+            team=world.vision,
+            submitter=world.users["researcher"],
+            priority_class=world.batch,
+            flavor=world.h100,
+            ranks=1,
+            gpus_per_rank=1,
+            command="true",
+            # Long names make the listing far larger than a pipe holds (64 KiB), so
+            # qm is still writing when head exits.
+            name=f"job-{number:04d}-" + "x" * 100,
+        )
+        for number in range(1200)
+    )
+    _, token = api_token_create(user=world.users["researcher"], name="ci")
+    pipeline = (
+        shlex.join([*QM, "ls", "--limit", "1200"])
+        + ' | head -n 3; echo "qm exited ${PIPESTATUS[0]}" >&2'
+    )
+    finished = subprocess.run(
+        ["bash", "-c", pipeline],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            "PATH": os.environ["PATH"],
+            "PYTHONPATH": ROOT,
+            "HOME": str(qm.home),
+            "QM_URL": qm.url,
+            "QM_TOKEN": token,
+        },
+    )
+    assert finished.returncode == 0
+    assert finished.stderr == "qm exited 141\n"  # no traceback, no "Exception ignored"
+    header, *rows = finished.stdout.splitlines()
+    assert header.split()[:2] == ["ID", "NAME"] and len(rows) == 2
+
+
+def test_show_says_why_a_job_was_preempted_and_how_its_failing_rank_ended(
+    world: Any, qm: Any, local_runtime: LocalRuntime
+) -> None:
+    now = timezone.now()
+    job = Job.objects.create(
+        team=world.vision,
+        submitter=world.users["researcher"],
+        priority_class=world.batch,
+        flavor=world.h100,
+        ranks=2,
+        gpus_per_rank=1,
+        command="train",
+        name="unlucky",
+        state=JobState.FAILED,
+        failure_reason="Rank 1 exited with code 3.",
+        finished_at=now,
+    )
+    first = Attempt.objects.create(
+        job=job,
+        number=1,
+        placement=[{"node": "h100-node-0", "ranks": 2}],
+        admitted_at=now - timedelta(minutes=10),
+        ended_at=now - timedelta(minutes=5),
+        end_reason=Attempt.EndReason.PREEMPTED,
+    )
+    PreemptionEvent.objects.create(
+        victim_attempt=first,
+        job=job,
+        cause="Reclaimed by serving, 8 GPUs under its guarantee.",
+        reason=PreemptionEvent.Reason.RECLAIM,
+        decided_at=now - timedelta(minutes=6),
+        grace_seconds=30.0,
+        deadline=now - timedelta(minutes=6) + timedelta(seconds=30),
+        checkpoint_step=45,
+        outcome=PreemptionEvent.Outcome.GRACEFUL,
+    )
+    second = Attempt.objects.create(
+        job=job, number=2, placement=[{"node": "h100-node-0", "ranks": 2}], admitted_at=now
+    )
+    ranks = [Rank.objects.create(attempt=second, index=i, node="h100-node-0") for i in (0, 1)]
+    # Rank 1 prints 30 numbered lines and fails; rank 0 ends cleanly a moment later.
+    command = (
+        'if [ "$RANK" = 1 ]; then for i in $(seq 1 30); do echo "rank 1 line $i"; done; exit 3; '
+        'else sleep 0.5; echo "rank 0 done"; fi'
+    )
+    local_runtime.launch(
+        GangSpec(
+            job_id=job.pk,
+            attempt=2,
+            command=command,
+            ranks=(RankPlacement(0, "h100-node-0", 0), RankPlacement(1, "h100-node-0", 1)),
+            gpus_per_rank=1,
+            grace_seconds=5.0,
+            priority_class="ai-batch-preemptible",
+            env={},
+        )
+    )
+    for observation in _wait_for_exit(local_runtime, GangId(job.pk, 2), ranks=2):
+        rank = ranks[observation.rank]
+        rank.exit_code, rank.state = observation.exit_code, Rank.State.EXITED
+        rank.exited_at = datetime.fromtimestamp(observation.exited_at or time.time(), tz=UTC)
+        rank.save(update_fields=["exit_code", "state", "exited_at"])
+    Attempt.objects.filter(pk=second.pk).update(ended_at=timezone.now(), end_reason="failed")
+    _, token = api_token_create(user=world.users["researcher"], name="ci")
+
+    shown = qm("show", str(job.pk), env={"QM_TOKEN": token})
+    assert shown.returncode == 0, shown.stderr
+    out = shown.stdout
+    assert (
+        "Preempted: Reclaimed by serving, 8 GPUs under its guarantee. (decided "
+        in out.split("Attempt 1:")[1].split("Attempt 2:")[0]
+    )
+    assert "grace 30 s, checkpoint at step 45, outcome graceful)" in out
+    tail = out.split("Last lines of rank 1 (attempt 2, exit 3):\n")[1]
+    assert tail.splitlines() == [f"  rank 1 line {i}" for i in range(11, 31)]
+
+    as_json = json.loads(qm("show", str(job.pk), "--json", env={"QM_TOKEN": token}).stdout)
+    assert [e["checkpoint_step"] for e in as_json["preemptions"]] == [45]
+
+    # Another team's researcher learns nothing about the job, its preemption or its log.
+    _, other = api_token_create(user=world.users["other_researcher"], name="ci")
+    hidden = qm("show", str(job.pk), env={"QM_TOKEN": other})
+    assert hidden.returncode == 4 and "rank 1 line" not in hidden.stdout + hidden.stderr

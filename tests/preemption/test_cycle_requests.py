@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from preemption.cycle import REQUEST_OVERDUE_SECONDS, claim_cycle_request, schedule_cycle
+from preemption.cycle import schedule_cycle
 from preemption.models import Attempt
 from preemption.services import job_submit
+from preemption.wakeup import REQUEST_OVERDUE_SECONDS, claim_cycle_request
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 

@@ -1,0 +1,145 @@
+"""What a drill measured, typed, and whether it met the mission's targets.
+
+`DrillResult.to_json()` is the document `manage.py drill --json` writes and
+`DrillRun.result` stores (schema version 1, the same keys as before the result
+was typed), which the telemetry page's mission matrix reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from telemetry.mission import MISSION, MissionTargets
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RoundFigures:
+    """One round: a borrower's gang is preempted by a critical job and resumes."""
+
+    borrower_job: int
+    critical_job: int
+    borrower_state: str
+    # Decision -> the slowest rank's `signal_received`; None when no rank reported.
+    signal_propagation_seconds: float | None
+    signal_latency_seconds: list[float | None]
+    signals_received: int
+    checkpoint_seconds: float | None
+    checkpoint_step: int | None
+    checkpoint_committed: bool
+    outcome: str
+    exit_codes: list[int | None]
+    orphaned_ports: int
+    # Final parameters, optimizer moments, RNG states and loss equal to an
+    # uninterrupted reference run, and the borrower succeeded.
+    restart_integrity: bool
+    restart_max_abs_diff: float | None
+    # The critical job's last rank exit -> the borrower's `resumed`.
+    recovery_seconds: float | None
+    # GPU-seconds used by both jobs over the capacity and time of the round.
+    utilization: float
+
+    def missed(
+        self, *, ranks: int, grace_seconds: float, targets: MissionTargets = MISSION
+    ) -> list[str]:
+        """The criteria this round did not meet, worded for a person; empty when it passed."""
+        missed = []
+        if self.signal_propagation_seconds is None or not targets.signal_met(
+            self.signal_propagation_seconds
+        ):
+            missed.append(f"signal propagation {targets.signal_text}")
+        if self.signals_received != ranks:
+            missed.append(f"signal received by {self.signals_received} of {ranks} ranks")
+        if not self.checkpoint_committed:
+            missed.append("no checkpoint committed")
+        elif self.checkpoint_seconds is not None and not targets.checkpoint_met(
+            self.checkpoint_seconds, grace_seconds
+        ):
+            missed.append(f"checkpoint of {self.checkpoint_seconds:g} s: {targets.checkpoint_text}")
+        if not all(code == 0 for code in self.exit_codes):
+            missed.append(f"exit codes {self.exit_codes}")
+        if self.orphaned_ports:
+            missed.append(f"{self.orphaned_ports} orphaned ports")
+        if not self.restart_integrity:
+            missed.append("restart integrity")
+        if self.recovery_seconds is None or not targets.recovery_met(self.recovery_seconds):
+            missed.append(f"recovery {targets.recovery_text}")
+        return missed
+
+
+@dataclass(frozen=True)
+class ChaosRound:
+    """One round of `--chaos`: the disturbance and the independent checks after it."""
+
+    round: int
+    disturbance: str
+    corrupt_checkpoints: int
+    orphaned_ranks: int
+    double_preemptions: int
+    lost_events: int
+    restart_max_abs_diff: float | None
+    exit_codes: list[int | None]
+    outcome: str
+
+    @property
+    def failures(self) -> int:
+        return (
+            self.corrupt_checkpoints
+            + self.orphaned_ranks
+            + self.double_preemptions
+            + self.lost_events
+        )
+
+
+CHAOS_COUNTS = ("corrupt_checkpoints", "orphaned_ranks", "double_preemptions", "lost_events")
+
+
+@dataclass(frozen=True)
+class DrillResult:
+    """A whole drill: its settings and either one measured round or a chaos series."""
+
+    runtime: str
+    ranks: int
+    grace_seconds: float
+    figures: RoundFigures | None = None
+    chaos: list[ChaosRound] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.missed()
+
+    def missed(self) -> list[str]:
+        """The criteria the drill did not meet; empty when it passed."""
+        if self.chaos:
+            return [
+                f"round {r.round} ({r.disturbance}): "
+                + ", ".join(
+                    f"{getattr(r, name)} {name.replace('_', ' ')}"
+                    for name in CHAOS_COUNTS
+                    if getattr(r, name)
+                )
+                for r in self.chaos
+                if r.failures
+            ]
+        if self.figures is None:
+            return ["no round was measured"]
+        return self.figures.missed(ranks=self.ranks, grace_seconds=self.grace_seconds)
+
+    def to_json(self) -> dict[str, Any]:
+        document: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "runtime": self.runtime,
+            "ranks": self.ranks,
+            "grace_seconds": self.grace_seconds,
+        }
+        if self.figures is not None:
+            document.update(asdict(self.figures))
+        if self.chaos:
+            document["chaos_rounds"] = len(self.chaos)
+            document["rounds"] = [asdict(r) for r in self.chaos]
+            for name in CHAOS_COUNTS:
+                document[name] = sum(getattr(r, name) for r in self.chaos)
+        document["passed"] = self.passed
+        return document
