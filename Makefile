@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml gracetrap/pyproject.toml
 
 venv: $(STAMP)
 
-## run: set everything up and serve the portal at http://127.0.0.1:8000 (Ctrl-C stops it all)
+## run: set everything up and serve the portal at http://127.0.0.1:8000 (Ctrl-C stops it all);
+## DEBUG stays off (WhiteNoise serves the static files); QM_DEBUG=1 make run turns Django's debug pages on
 run: venv
+	@bin/runner-user $(PY)
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py seed_demo --if-empty
 	$(PY) manage.py serve_embedded
@@ -35,8 +37,10 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+## k8s: build the test control plane and Helm from the Go module proxy (cached by version)
 k8s: venv
 	@bash tools/k8s/build.sh
+	@bash tools/k8s/build-helm.sh
 
 wheel: venv
 	@mkdir -p var/wheels && $(PY) -m pip wheel -q --no-deps --no-build-isolation ./gracetrap -w var/wheels && ls var/wheels
@@ -52,6 +56,7 @@ bench: venv services k8s
 	$(PY) bench/bench_gracetrap.py
 	$(PY) bench/bench_simulation.py
 	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) bench/bench_pages.py
+	$(PY) bench/bench_submit.py
 	$(PY) bench/bench_k8s.py
 
 drill: venv

@@ -55,14 +55,28 @@ from drills.result import ChaosRound, DrillResult, RoundFigures
 from portal.processes import beat_command, web_command, worker_command
 from preemption.ingest import fingerprint
 from preemption.logs import read_rank_log
-from preemption.models import FINAL_STATES, Attempt, Job, JobState, PreemptionEvent, Rank
-from preemption.runtime import get_runtime
+from preemption.models import (
+    FINAL_STATES,
+    Attempt,
+    Job,
+    JobState,
+    PreemptionEvent,
+    Rank,
+    TrapEvent,
+)
+from preemption.runtime import get_runtime, local_runner
 from preemption.runtimes import iter_trap_events, procfs, read_whole_log
 from preemption.runtimes.base import GangId
 from preemption.services import job_cancel, job_submit
 from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team
-from quotas.services import flavor_create, node_upsert, priority_class_save, quota_set, team_create
-from telemetry.models import TrapEvent
+from quotas.services import (
+    flavor_create,
+    node_upsert,
+    priority_class_save,
+    quota_set,
+    team_create,
+    team_priority_classes_set,
+)
 from telemetry.services import drill_run_record
 
 FLAVOR = "drill-gpu"
@@ -157,6 +171,15 @@ class Drill:
         self.nodes = max(1, math.ceil(ranks / 8))
         self.capacity = self.nodes * 8
         self.work = Path(tempfile.mkdtemp(prefix="qm-drill-", dir=settings.VAR_DIR))
+        self.dumps = self.work / "dumps"
+        self.dumps.mkdir(mode=0o700)
+        if runtime == "local":
+            runner = local_runner()
+            if runner is not None:
+                # The borrower's ranks run as the runner user and write their final state
+                # here: they may pass through the drill's folder and write in this one.
+                self.work.chmod(0o711)
+                os.chown(self.dumps, runner.uid, -1)
         self.train = settings.BASE_DIR / "examples" / "train_ddp.py"
         self.sleeper = settings.BASE_DIR / "examples" / "sleeper.py"
         self.started = time.monotonic()
@@ -220,6 +243,17 @@ class Drill:
             grace_seconds=1,
             description="Drill only: a grace shorter than a checkpoint save.",
         )
+        # The owner runs the critical job, the borrower the preemptible ones; the
+        # root must hold every class its sub-teams narrow to, so it is set first.
+        for team, classes in (
+            (root, [self.critical, self.batch, self.short_grace]),
+            (owner, [self.critical]),
+            (borrower, [self.batch, self.short_grace]),
+        ):
+            if set(team.priority_classes.all()) != set(classes):
+                team_priority_classes_set(
+                    actor=actor, team=team, priority_classes=classes, may_widen=True
+                )
 
     def _set_quotas(
         self,
@@ -432,7 +466,7 @@ class Drill:
 
     def round(self, *, services: Services, label: str, disturbance: str | None) -> RoundFigures:
         """Borrower runs, critical job reclaims, borrower resumes and finishes."""
-        dump = self.work / f"{label}-{{rank}}.pt"
+        dump = self.dumps / f"{label}-{{rank}}.pt"
         priority = self.short_grace if disturbance == "short-grace" else self.batch
         if self.grace is not None and disturbance != "short-grace":
             priority = self._priority_class(

@@ -1,4 +1,10 @@
-"""Bearer-token authentication over ApiToken rows."""
+"""Bearer-token authentication over ApiToken rows.
+
+What a token can do: act as its user through the REST API and /metrics, until
+it expires or is revoked; a read-only token only for safe methods (GET, HEAD,
+OPTIONS). A token never creates tokens: that takes a password (`qm login`) or
+a browser session, so a leaked token cannot outlive its own expiry.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import secrets
 from typing import Any
 
 from django.utils import timezone
-from rest_framework import authentication, exceptions
+from rest_framework import authentication, exceptions, permissions
 
 from portal.models import ApiToken
 
@@ -50,6 +56,17 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
         if token is None or not token.user.is_active:
             raise exceptions.AuthenticationFailed("Invalid or revoked token.")
         now = timezone.now()
+        if token.expires_at <= now:
+            raise exceptions.AuthenticationFailed(
+                f"This token expired at {token.expires_at.isoformat(timespec='seconds')}; "
+                "sign in again with `qm login` or create a new token on the portal's tokens page."
+            )
+        # Checked here rather than in each view's permissions, so that no view
+        # (including those with their own permission classes) can forget it.
+        if token.read_only and request.method not in permissions.SAFE_METHODS:
+            raise exceptions.PermissionDenied(
+                f"This token is read-only: it may only read (GET, HEAD, OPTIONS), not {request.method}."
+            )
         # Touch the row at most once a minute so reads stay reads.
         if token.last_used_at is None or (now - token.last_used_at).total_seconds() > 60:
             ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)

@@ -1,18 +1,24 @@
 """Quartermaster's one settings module, read from the environment.
 
 With no environment at all it runs the embedded default: SQLite under var/,
-a Celery broker on local disk, the local runtime and a generated secret key.
-Set QM_PRODUCTION=1 for a deployment: then SECRET_KEY is required and the
-security settings that `manage.py check --deploy` asks for are on.
+a Celery broker on local disk, the local runtime and a generated secret key,
+with DEBUG off (QM_DEBUG=1 turns Django's debug pages on, for development only:
+they show settings and URL patterns to whoever hits an error).
+Set QM_PRODUCTION=1 for a deployment: then a strong SECRET_KEY is required,
+DEBUG must stay off, and the security settings that `manage.py check --deploy`
+asks for are on.
 """
 
 from __future__ import annotations
 
+import ipaddress
+from datetime import timedelta
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from portal.env import (
+from core.env import (
+    check_secret_key,
     env_bool,
     env_choice,
     env_float,
@@ -21,20 +27,33 @@ from portal.env import (
     env_mapping,
     env_str,
     parse_database_url,
+    private_file,
+    private_folder,
     read_or_create_secret,
+    var_folder,
 )
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("QM_VAR_DIR", str(BASE_DIR / "var")) or BASE_DIR / "var")
 
 PRODUCTION = env_bool("QM_PRODUCTION", False)
-DEBUG = env_bool("DEBUG", not PRODUCTION)
+# QM_DEBUG is the switch; the plain DEBUG variable is still read for older setups.
+DEBUG = env_bool("QM_DEBUG", env_bool("DEBUG", False))
+if PRODUCTION and DEBUG:
+    raise ImproperlyConfigured(
+        "DEBUG is on while QM_PRODUCTION is on: debug pages would show settings, "
+        "database and broker URLs to anyone. Unset QM_DEBUG (and DEBUG)."
+    )
+if not PRODUCTION or VAR_DIR.exists():
+    var_folder(VAR_DIR)
 
 _secret = env_str("SECRET_KEY")
 if _secret is None:
     if PRODUCTION:
         raise ImproperlyConfigured("SECRET_KEY must be set when QM_PRODUCTION is on")
     _secret = read_or_create_secret(VAR_DIR / "secret_key")
+elif PRODUCTION:
+    check_secret_key("SECRET_KEY", _secret)
 SECRET_KEY = _secret
 
 ALLOWED_HOSTS = env_list(
@@ -58,6 +77,7 @@ INSTALLED_APPS = [
     "django_filters",
     "drf_spectacular",
     "drf_spectacular_sidecar",
+    "axes",
     "portal",
     "quotas",
     "preemption",
@@ -73,9 +93,12 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, so that it turns a login that django-axes refused into the lockout answer.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "portal.urls"
+DEFAULT_EXCEPTION_REPORTER_FILTER = "portal.errors.SettingsReporterFilter"
 WSGI_APPLICATION = "portal.wsgi.application"
 
 TEMPLATES = [
@@ -97,12 +120,27 @@ TEMPLATES = [
 DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'quartermaster.sqlite3'}") or ""
 DATABASES = {"default": parse_database_url("DATABASE_URL", DATABASE_URL)}
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
-    Path(DATABASES["default"]["NAME"]).parent.mkdir(parents=True, exist_ok=True)
+    _sqlite = Path(DATABASES["default"]["NAME"])
+    _sqlite.parent.mkdir(parents=True, exist_ok=True)
+    # SQLite gives its -wal and -shm files the database file's mode, so a database
+    # created 0600 here stays unreadable to everyone else, ranks included.
+    for _path in (
+        _sqlite,
+        _sqlite.with_name(_sqlite.name + "-wal"),
+        _sqlite.with_name(_sqlite.name + "-shm"),
+    ):
+        if _path == _sqlite or _path.exists():
+            private_file(_path)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+AUTHENTICATION_BACKENDS = [
+    # Refuses every login of a locked-out account or address, the right password included.
+    "portal.throttling.LoginThrottleBackend",
+    "django.contrib.auth.backends.ModelBackend",
 ]
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard"
@@ -132,7 +170,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "portal.api.exception_handler",
+    "EXCEPTION_HANDLER": "core.api.exception_handler",
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
 }
 SPECTACULAR_SETTINGS = {
@@ -144,6 +182,11 @@ SPECTACULAR_SETTINGS = {
     "SCHEMA_PATH_PREFIX": "/api/v1",
     "ENUM_NAME_OVERRIDES": {},
     "DISABLE_ERRORS_AND_WARNINGS": True,
+    # `check --deploy` would generate the schema, which runs the selectors and so
+    # needs a migrated database; without one every view reads as a schema
+    # warning. The test suite generates and walks the schema instead
+    # (tests/portal/api/test_api_permissions.py, tests/portal/api/test_api_schemathesis.py).
+    "ENABLE_DJANGO_DEPLOY_CHECK": False,
     # The interactive docs are served from the installed sidecar, never a CDN.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
@@ -151,7 +194,8 @@ SPECTACULAR_SETTINGS = {
 }
 
 # Celery: Redis in production and tests, a broker on local disk by default.
-CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "qmdisk://") or "qmdisk://"
+# The disk broker ignores the host; naming one spares kombu's warning about it.
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "qmdisk://localhost//") or "qmdisk://localhost//"
 if not CELERY_BROKER_URL.startswith(
     ("qmdisk://", "filesystem://", "redis://", "rediss://", "memory://")
 ):
@@ -160,6 +204,8 @@ if not CELERY_BROKER_URL.startswith(
     )
 BROKER_DIR = VAR_DIR / "broker"
 if CELERY_BROKER_URL.startswith(("qmdisk://", "filesystem://")):
+    # Task messages are the control plane's alone.
+    private_folder(BROKER_DIR)
     for sub in ("out", "processed", "control"):
         (BROKER_DIR / sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
@@ -180,6 +226,11 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 CELERY_TIMEZONE = "UTC"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 QM_CYCLE_SECONDS = env_float("QM_CYCLE_SECONDS", 1.0, minimum=0.1)
+# How often the reconciler looks at the runtime. A finished rank is noticed at the
+# next pass, and its GPUs go to the next job only then: with jobs of seconds, a
+# pass a second would leave GPUs idle for a quarter of the time. A pass over
+# gangs that changed nothing writes nothing.
+QM_RECONCILE_SECONDS = env_float("QM_RECONCILE_SECONDS", 0.25, minimum=0.05)
 QM_SAMPLE_SECONDS = env_float("QM_SAMPLE_SECONDS", 15.0, minimum=1.0)
 
 # Runtimes.
@@ -188,6 +239,13 @@ QM_RUNS_DIR = Path(env_str("QM_RUNS_DIR", str(VAR_DIR / "runs")) or VAR_DIR / "r
 QM_CHECKPOINTS_DIR = Path(
     env_str("QM_CHECKPOINTS_DIR", str(VAR_DIR / "checkpoints")) or VAR_DIR / "checkpoints"
 )
+# The unprivileged user the local runtime runs ranks as (bin/runner-user creates it), and
+# the first of the group ids that keep one job's ranks out of another's folders and
+# processes (job N runs with group QM_RUNNER_GID_BASE + N; see preemption/runtimes/runner.py).
+# Production refuses the local runtime without this user; elsewhere ranks then run as the
+# control plane's user, with a warning.
+QM_RUNNER_USER = env_str("QM_RUNNER_USER", "qm-runner") or ""
+QM_RUNNER_GID_BASE = env_int("QM_RUNNER_GID_BASE", 2**31, minimum=65536)
 # The local runtime's virtual nodes: name:flavor:gpus, comma-separated. Empty
 # means "the nodes in the database".
 QM_LOCAL_NODES = env_str("QM_LOCAL_NODES", "") or ""
@@ -236,14 +294,78 @@ QM_LOG_TAIL_BYTES = env_int("QM_LOG_TAIL_BYTES", 4 << 20, minimum=0)
 QM_K8S_LOG_SCAN_BYTES = env_int("QM_K8S_LOG_SCAN_BYTES", 64 << 20, minimum=1 << 20)
 QM_MAX_ATTEMPTS = env_int("QM_MAX_ATTEMPTS", 5, minimum=1)
 QM_RETRY_BACKOFF_SECONDS = env_float("QM_RETRY_BACKOFF_SECONDS", 10.0, minimum=0.0)
+# A runtime call that failed for a reason that may pass (a launcher that did
+# not start, an API server that answered 503) is tried again after this many
+# seconds, doubling each time, and a launch gives up after QM_RUNTIME_TRIES.
+QM_RUNTIME_RETRY_SECONDS = env_float("QM_RUNTIME_RETRY_SECONDS", 2.0, minimum=0.0)
+QM_RUNTIME_TRIES = env_int("QM_RUNTIME_TRIES", 8, minimum=1)
+# Webhooks: networks an admin opens to them (comma-separated CIDRs; everything
+# that is not public is closed otherwise), and the time one delivery may take
+# in all, from connecting to the answer's head.
+QM_WEBHOOK_ALLOW_NETS = env_list("QM_WEBHOOK_ALLOW_NETS", [])
+for _net in QM_WEBHOOK_ALLOW_NETS:
+    try:
+        ipaddress.ip_network(_net, strict=False)
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"QM_WEBHOOK_ALLOW_NETS: {_net!r} is not an IP network such as 10.1.2.0/24"
+        ) from None
+QM_WEBHOOK_DEADLINE_SECONDS = env_float("QM_WEBHOOK_DEADLINE_SECONDS", 5.0, minimum=0.1)
+if QM_WEBHOOK_DEADLINE_SECONDS > 15:
+    # A delivery run has 20 s (inside the task's 30 s limit); a longer deadline would fit none.
+    raise ImproperlyConfigured("QM_WEBHOOK_DEADLINE_SECONDS must be at most 15")
+# The trap's events: how many one rank of an attempt may store, and how fast a
+# reported checkpoint step may run ahead of the job's last one.
+QM_TRAP_EVENTS_PER_RANK = env_int("QM_TRAP_EVENTS_PER_RANK", 10_000, minimum=1)
+QM_TRAP_MAX_STEPS_PER_SECOND = env_float("QM_TRAP_MAX_STEPS_PER_SECOND", 1000.0, minimum=1.0)
+
+# Login throttling (portal/throttling.py): this many wrong passwords for one
+# account lock that account out (from every address), and this many from one
+# address lock that address out (for every account), for the lockout time.
+AXES_FAILURE_LIMIT = env_int("QM_LOGIN_FAILURE_LIMIT", 10, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("QM_LOGIN_LOCKOUT_MINUTES", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
+AXES_LOCKOUT_CALLABLE = "portal.throttling.lockout_response"
+# How many reverse proxies (an ingress, a load balancer) stand in front of the
+# web server; each appends the address it saw to X-Forwarded-For.
+QM_PROXY_COUNT = env_int("QM_PROXY_COUNT", 0, minimum=0)
+AXES_CLIENT_IP_CALLABLE = "portal.throttling.client_address"
+# Failures are what is counted; a row per successful sign-in would only grow.
+AXES_DISABLE_ACCESS_LOG = True
+# axes keeps a failed login's form data (the password masked); the CSRF token is masked too.
+AXES_SENSITIVE_PARAMETERS = ["username", "ip_address", "csrfmiddlewaretoken"]
+AXES_VERBOSE = False
+
+# API tokens expire: a new one lasts QM_TOKEN_DEFAULT_DAYS unless its creator
+# asks for another lifetime, which may not exceed QM_TOKEN_MAX_DAYS.
+QM_TOKEN_DEFAULT_DAYS = env_int("QM_TOKEN_DEFAULT_DAYS", 30, minimum=1)
+QM_TOKEN_MAX_DAYS = env_int("QM_TOKEN_MAX_DAYS", 365, minimum=1)
+if QM_TOKEN_DEFAULT_DAYS > QM_TOKEN_MAX_DAYS:
+    raise ImproperlyConfigured(
+        f"QM_TOKEN_DEFAULT_DAYS ({QM_TOKEN_DEFAULT_DAYS}) exceeds QM_TOKEN_MAX_DAYS ({QM_TOKEN_MAX_DAYS})"
+    )
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {"one_line_refusals": {"()": "portal.errors.OneLineRefusals"}},
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "filters": ["one_line_refusals"],
+        }
+    },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO") or "INFO"},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        # Lockouts and repeated failures are warnings; every sign-in is not news.
+        "axes": {"level": "WARNING"},
+        # Django's own console handler (on with DEBUG) would print every record a
+        # second time; the root handler above prints them once.
+        "django": {"handlers": [], "level": "INFO", "propagate": True},
+    },
 }
 
 if PRODUCTION:

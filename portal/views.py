@@ -23,15 +23,18 @@ from django.db.models import Count, Q
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
+from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 
+from core.forms import add_service_errors
 from portal.forms import ApiTokenForm
-from portal.models import ApiToken
+from portal.models import ApiToken, TokenScope
+from portal.services import api_token_create, api_token_revoke
 from preemption.models import ACTIVE_STATES, WAITING_STATES
+from preemption.reasons import describe_preemption
 from preemption.runtime import runtime_problems
 from preemption.selectors import job_list, preemption_event_list
-from preemption.views import describe_preemption
 from quotas.selectors import access_for, priority_class_list
 from telemetry.selectors import UsageNow, flavors_now, overview_teams, pending_jobs, team_rows
 
@@ -46,7 +49,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     the latest preemptions, all scoped to what the user may read."""
     access = access_for(request.user)
     shown = overview_teams(access=access)
-    usage = UsageNow.load()
+    usage = UsageNow.load(access.tree)
     rows = [row for row in team_rows(access=access, only_team_ids=shown, usage=usage) if row.active]
     flavors = flavors_now(usage)
     # One scale per flavor, so every team's bar of that flavor is comparable.
@@ -125,14 +128,15 @@ def tokens(request: HttpRequest) -> HttpResponse:
     created: tuple[ApiToken, str] | None = None
     form = ApiTokenForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
-        from portal.services import api_token_create
-
         try:
-            created = api_token_create(user=request.user, name=form.cleaned_data["name"])
+            created = api_token_create(
+                user=request.user,
+                name=form.cleaned_data["name"],
+                days=form.cleaned_data["days"],
+                scope=TokenScope.READ if form.cleaned_data["read_only"] else TokenScope.FULL,
+            )
         except ValidationError as error:
-            for field, problems in getattr(error, "message_dict", {"name": error.messages}).items():
-                for problem in problems:
-                    form.add_error(field if field in form.fields else None, problem)
+            add_service_errors(form, error)
         else:
             form = ApiTokenForm()
     mine = list(ApiToken.objects.filter(user_id=request.user.pk).order_by("-created_at", "-id"))
@@ -145,6 +149,8 @@ def tokens(request: HttpRequest) -> HttpResponse:
             "created": created,
             "nav": "tokens",
             "public_url": settings.QM_PUBLIC_URL,
+            "now": timezone.now(),
+            "max_days": settings.QM_TOKEN_MAX_DAYS,
         },
         status=400 if form.errors else 200,
     )
@@ -156,8 +162,6 @@ def tokens(request: HttpRequest) -> HttpResponse:
 @require_POST
 @login_required
 def token_revoke(request: HttpRequest, pk: int) -> HttpResponse:
-    from portal.services import api_token_revoke
-
     token = get_object_or_404(ApiToken, pk=pk, user_id=request.user.pk)
     api_token_revoke(user=request.user, token=token)
     messages.success(request, f"Revoked the token {token.name!r}.")

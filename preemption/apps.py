@@ -1,7 +1,4 @@
-from typing import Any
-
 from django.apps import AppConfig
-from django.core import checks
 
 
 class PreemptionConfig(AppConfig):
@@ -9,14 +6,9 @@ class PreemptionConfig(AppConfig):
     verbose_name = "Jobs and preemption"
 
     def ready(self) -> None:
-        checks.register(runtime_check)
+        # Models (and the checks that read them) load only once the app registry is ready.
+        from preemption import checks  # noqa: F401 - registers the system checks
+        from preemption.job_ledger import DatabaseJobLedger
+        from quotas.job_ledger import register_job_ledger
 
-
-def runtime_check(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    """A runtime that would lose checkpoints is an error in production, a warning otherwise."""
-    from django.conf import settings
-
-    from preemption.runtime import runtime_problems
-
-    kind = checks.Error if settings.PRODUCTION else checks.Warning
-    return [kind(problem, id="preemption.E001") for problem in runtime_problems()]
+        register_job_ledger(DatabaseJobLedger())

@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from celery import current_app
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
+from preemption.runtimes import parse_inventory
 from preemption.runtimes.base import NodeInventory, Runtime
+from preemption.runtimes.kubernetes import (
+    NO_CHECKPOINT_VOLUME,
+    KubernetesRuntime,
+    KubernetesRuntimeConfig,
+    on_checkpoint_volume,
+)
+from preemption.runtimes.local import LocalRuntime
+from preemption.runtimes.runner import RunnerAccount, RunnerLookup, find_runner
+from quotas.models import Node
 
-if TYPE_CHECKING:
-    from preemption.runtimes.kubernetes import KubernetesRuntimeConfig
+SYNC_PRIORITY_CLASSES_TASK = "preemption.tasks.sync_priority_classes"
+
+logger = logging.getLogger(__name__)
 
 
 def inventory() -> list[NodeInventory]:
     """The nodes the runtime offers: QM_LOCAL_NODES when set, else the database's."""
     if settings.QM_LOCAL_NODES:
-        from preemption.runtimes import parse_inventory
-
         return list(parse_inventory(settings.QM_LOCAL_NODES))
-    from quotas.models import Node
-
     return [
         NodeInventory(name=name, flavor=flavor, gpus=gpus)
         for name, flavor, gpus in Node.objects.values_list("name", "flavor__name", "gpus")
@@ -29,6 +38,37 @@ def inventory() -> list[NodeInventory]:
 
 _override: Runtime | None = None
 _kubernetes: Runtime | None = None
+_warned_without_runner = False
+
+
+def runner_lookup() -> RunnerLookup:
+    """The account the local runtime runs ranks as, or why there is none."""
+    return find_runner(settings.QM_RUNNER_USER, gid_base=settings.QM_RUNNER_GID_BASE)
+
+
+def local_runner() -> RunnerAccount | None:
+    """The runner account for the local runtime.
+
+    Without one, production refuses to run researchers' commands at all; elsewhere they
+    run as the control plane's own user, after a warning (once per process) that says why.
+    """
+    global _warned_without_runner
+    lookup = runner_lookup()
+    if lookup.account is not None:
+        return lookup.account
+    if settings.PRODUCTION:
+        raise ImproperlyConfigured(
+            f"the local runtime will not run ranks as the control plane's user in "
+            f"production: {lookup.reason}"
+        )
+    if not _warned_without_runner:
+        _warned_without_runner = True
+        logger.warning(
+            "ranks of the local runtime run as the control plane's own user and can read "
+            "its secret key and database: %s",
+            lookup.reason,
+        )
+    return None
 
 
 def use_runtime(runtime: Runtime | None) -> None:
@@ -39,8 +79,6 @@ def use_runtime(runtime: Runtime | None) -> None:
 
 def kubernetes_config() -> KubernetesRuntimeConfig:
     """The Kubernetes runtime's settings; in production a checkpoint volume is required."""
-    from preemption.runtimes.kubernetes import KubernetesRuntimeConfig
-
     return KubernetesRuntimeConfig(
         namespace=settings.QM_K8S_NAMESPACE,
         namespace_per_team=settings.QM_K8S_NAMESPACE_PER_TEAM,
@@ -67,8 +105,6 @@ def runtime_problems() -> list[str]:
     that would lose every checkpoint says so before the first job.
     """
     if settings.QM_RUNTIME == "kubernetes" and not settings.QM_K8S_CHECKPOINT_CLAIM:
-        from preemption.runtimes.kubernetes import NO_CHECKPOINT_VOLUME
-
         severity = "refusing to start" if settings.PRODUCTION else "development only"
         return [f"Kubernetes runtime {severity}: {NO_CHECKPOINT_VOLUME}"]
     return []
@@ -97,8 +133,6 @@ def checkpoint_is_durable(path: str) -> bool:
         check = getattr(_override, "checkpoint_is_durable", None)
         return True if check is None else bool(check(path))
     if settings.QM_RUNTIME == "kubernetes":
-        from preemption.runtimes.kubernetes import on_checkpoint_volume
-
         return on_checkpoint_volume(
             path, settings.QM_K8S_CHECKPOINT_CLAIM, settings.QM_K8S_CHECKPOINT_MOUNT_PATH
         )
@@ -110,9 +144,7 @@ def get_runtime() -> Runtime:
         return _override
     if settings.QM_RUNTIME == "kubernetes":
         return _kubernetes_runtime()
-    from preemption.runtimes.local import LocalRuntime
-
-    return LocalRuntime(root=settings.QM_RUNS_DIR, inventory=inventory())
+    return LocalRuntime(root=settings.QM_RUNS_DIR, inventory=inventory(), runner=local_runner())
 
 
 def _kubernetes_runtime() -> Runtime:
@@ -120,23 +152,16 @@ def _kubernetes_runtime() -> Runtime:
     threads that send a gang's evictions at once."""
     global _kubernetes
     if _kubernetes is None:
-        from preemption.runtimes.kubernetes import KubernetesRuntime
-
         _kubernetes = KubernetesRuntime.from_kubeconfig(
             settings.QM_K8S_KUBECONFIG or None, kubernetes_config()
         )
         # Pods name their priority class: make sure the classes exist before
         # the first launch rather than waiting for the periodic sync. Queued,
         # not called: only the worker may write PriorityClasses (deploy/rbac.yaml),
-        # and the web process builds a runtime too, to read logs.
-        from preemption.tasks import sync_priority_classes
-
+        # and the web process builds a runtime too, to read logs. The task is an
+        # interface module (portal.tasks) above this domain, so it is sent by name.
         try:
-            sync_priority_classes.delay()
+            current_app.send_task(SYNC_PRIORITY_CLASSES_TASK, retry=False, expires=60)
         except Exception:
-            import logging
-
-            logging.getLogger(__name__).warning(
-                "could not queue the first PriorityClass sync", exc_info=True
-            )
+            logger.warning("could not queue the first PriorityClass sync", exc_info=True)
     return _kubernetes

@@ -225,15 +225,15 @@ def cmd_login(args: argparse.Namespace) -> int:
     else:
         password = getpass.getpass("Password: ")
     client = Client(url, None)
-    created = client.call(
-        "POST",
-        "tokens/login/",
-        json={
-            "username": username,
-            "password": password,
-            "name": f"qm on {socket.gethostname()}"[:100],
-        },
-    )
+    request: dict[str, Any] = {
+        "username": username,
+        "password": password,
+        "name": f"qm on {socket.gethostname()}"[:100],
+        "scope": "read" if args.read_only else "full",
+    }
+    if args.days is not None:
+        request["days"] = args.days
+    created = client.call("POST", "tokens/login/", json=request)
     path = save_config({"url": client.url, "username": username, "token": created["token"]})
     if args.json:
         print_json(
@@ -241,12 +241,15 @@ def cmd_login(args: argparse.Namespace) -> int:
                 "url": client.url,
                 "username": username,
                 "token_id": created["id"],
+                "scope": created["scope"],
+                "expires_at": created["expires_at"],
                 "config": str(path),
             }
         )
     else:
         print(
-            f"Signed in to {client.url} as {username}; token {created['prefix']}… saved in {path}"
+            f"Signed in to {client.url} as {username}; token {created['prefix']}… "
+            f"({created['scope']}, expires {created['expires_at']}) saved in {path}"
         )
     return EXIT_OK
 
@@ -409,7 +412,7 @@ def _preemption_line(event: dict[str, Any]) -> str:
         details.append(f"checkpoint at step {event['checkpoint_step']}")
     if event["outcome"]:
         details.append(f"outcome {event['outcome']}")
-    return f"{event['cause'] or event['reason']} ({', '.join(details)})"
+    return f"{event['why']} ({', '.join(details)})"
 
 
 def failing_rank(attempt: dict[str, Any]) -> dict[str, Any] | None:
@@ -529,6 +532,10 @@ def build_parser() -> argparse.ArgumentParser:
     login.add_argument("--url", help=f"server URL (default: QM_URL or {DEFAULT_URL})")
     login.add_argument("--username")
     login.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
+    login.add_argument("--days", type=int, help="how many days the token lasts (server default)")
+    login.add_argument(
+        "--read-only", action="store_true", help="a token that may only read (GET requests)"
+    )
     login.set_defaults(handler=cmd_login)
 
     submit = commands.add_parser("submit", parents=[common], help="submit a job")
@@ -536,7 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--flavor", required=True, help="GPU flavor, e.g. h100-80gb")
     submit.add_argument("--ranks", type=int, default=1)
     submit.add_argument("--gpus-per-rank", type=int, default=1)
-    submit.add_argument("--priority-class", help="default: the cluster's default class")
+    submit.add_argument(
+        "--priority-class", help="one the team may use; default: the team's default class"
+    )
     submit.add_argument("--name")
     submit.add_argument("--image", help="container image (Kubernetes runtime)")
     submit.add_argument("--env", action="append", metavar="NAME=VALUE", help="repeatable")

@@ -6,12 +6,20 @@ forked and exits; the caller reaps it at once. Each keeper starts its own sessio
 dying Celery worker, or a signal to the worker's process group, never reaches it. The
 keeper starts the rank in a new session (the rank's pid is its process group id), waits
 on it and records its pid, start time and exit code in the rank's folder (see records.py).
+
+The keeper runs as the control plane's user (root when ranks run as the runner user), so
+it can write the records and signal the rank. Only the rank drops privileges: it starts
+in its private work folder as the runner user with the job's group as its only group,
+umask 077 and no way to gain privileges back through setuid programs (gang.json's
+`run_as`; see local.py for why).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -33,6 +41,7 @@ from preemption.runtimes.records import (
     SIGNAL_FILE,
     STARTED_FILE,
     TERM_SENT_FILE,
+    WORK_FOLDER,
     create_claim,
     read_record,
     write_record,
@@ -52,25 +61,18 @@ EXIT_NOT_STARTED = 127
 
 # What a rank inherits from the control plane's own environment. The worker's environment
 # holds the database URL, the broker URL and the secret key, which no workload may see, so
-# only these names and prefixes pass; everything else a job needs comes from its spec.
-INHERITED_NAMES = frozenset(
-    {
-        "PATH",
-        "HOME",
-        "USER",
-        "LOGNAME",
-        "SHELL",
-        "TERM",
-        "TZ",
-        "LANG",
-        "LANGUAGE",
-        "TMPDIR",
-        "PYTHONPATH",
-        "VIRTUAL_ENV",
-        "LD_LIBRARY_PATH",
-    }
-)
+# only these names and prefixes pass: the search path, the locale and the host's tuning of
+# the GPU and collective libraries. Everything else a job needs comes from its spec, and
+# HOME, TMPDIR, USER and LOGNAME describe the rank's own folder and user, not the control
+# plane's (PYTHONPATH and VIRTUAL_ENV would point it into the control plane's code).
+INHERITED_NAMES = frozenset({"PATH", "TERM", "TZ", "LANG", "LANGUAGE", "LD_LIBRARY_PATH"})
 INHERITED_PREFIXES = ("LC_", "CUDA_", "NCCL_", "GLOO_", "TORCH_")
+
+# Files and folders a rank creates are its own alone unless it says otherwise.
+RANK_UMASK = 0o077
+
+# prctl(2): once set, execve never grants privileges (setuid bits, file capabilities).
+PR_SET_NO_NEW_PRIVS = 38
 
 
 def inherited_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -82,15 +84,21 @@ def inherited_environment(environ: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-def rank_environment(gang: dict[str, Any], rank: int, rank_dir: Path) -> dict[str, str]:
-    """The environment of one rank: inherited basics, the spec's, then the rendezvous."""
+def rank_environment(
+    gang: dict[str, Any], rank: int, rank_dir: Path, work_dir: Path
+) -> dict[str, str]:
+    """The environment of one rank: inherited basics, its own folder and user, the spec's,
+    then the rendezvous."""
     placement = gang["ranks"][rank]
+    run_as = gang.get("run_as")
+    user = run_as["user"] if run_as else pwd.getpwuid(os.geteuid()).pw_name
     env = inherited_environment(os.environ)
     # Put the launcher's interpreter first on PATH, so a command saying `python` gets
     # the same environment (and packages) as the control plane.
     python_bin = os.path.dirname(sys.executable)
     env["PATH"] = python_bin + os.pathsep + env.get("PATH", os.defpath)
     env["OMP_NUM_THREADS"] = "1"
+    env.update({"HOME": str(work_dir), "TMPDIR": str(work_dir), "USER": user, "LOGNAME": user})
     env.update(gang["env"])
     # The runtime owns the rendezvous variables: the spec cannot override them.
     env.update(
@@ -106,6 +114,41 @@ def rank_environment(gang: dict[str, Any], rank: int, rank_dir: Path) -> dict[st
         }
     )
     return env
+
+
+def work_folder(rank_dir: Path, run_as: dict[str, Any] | None) -> Path:
+    """Create the rank's private folder, owned by the user and group it runs as."""
+    work_dir = rank_dir / WORK_FOLDER
+    work_dir.mkdir(mode=0o700, exist_ok=True)
+    if run_as is not None:
+        fd = os.open(work_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchown(fd, int(run_as["uid"]), int(run_as["gid"]))
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+    return work_dir
+
+
+def _no_new_privileges() -> None:
+    """In the rank's child before exec: no setuid or file-capability program it runs may
+    raise its privileges again. The keeper is single-threaded, so this is safe to run
+    between fork and exec."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+
+
+def rank_identity(run_as: dict[str, Any] | None) -> dict[str, Any]:
+    """Popen's arguments that start the rank as the runner user in the job's group only."""
+    if run_as is None:
+        return {}
+    return {
+        "user": int(run_as["uid"]),
+        "group": int(run_as["gid"]),
+        "extra_groups": [],
+        "preexec_fn": _no_new_privileges,
+    }
 
 
 def _record_exit(rank_dir: Path, exit_code: int, *, started: bool) -> None:
@@ -143,7 +186,9 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
     if requested is not None:
         _record_exit(rank_dir, 128 + requested, started=False)
         return
-    env = rank_environment(gang, rank, rank_dir)
+    run_as = gang.get("run_as")
+    work_dir = work_folder(rank_dir, run_as)
+    env = rank_environment(gang, rank, rank_dir, work_dir)
     log_fd = os.open(rank_dir / RANK_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     started_at = time.time()
     try:
@@ -152,9 +197,11 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
             stdin=subprocess.DEVNULL,
             stdout=log_fd,
             stderr=subprocess.STDOUT,
-            cwd=gang["workdir"],
+            cwd=work_dir,
             env=env,
             start_new_session=True,
+            umask=RANK_UMASK,
+            **rank_identity(run_as),
         )
     except OSError as error:
         os.write(log_fd, f"quartermaster: could not start rank {rank}: {error}\n".encode())

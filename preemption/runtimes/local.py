@@ -6,6 +6,49 @@ launcher.py) that waits on it and records its pid, start time and exit code on d
 state of its own: a fresh LocalRuntime over the same root, in another process or after a
 restart, observes exactly what the previous one did. Nodes and GPUs are virtual: they come
 from a configured inventory and only label the ranks.
+
+Isolation. A rank runs a researcher's command, so it must not reach the control plane's
+secret key, database or processes, nor another job's files. Given a runner account (see
+runner.py: one unprivileged user, plus a group id of the job's own), the keeper stays
+root, so it can record and signal as before, and drops privileges only for the rank:
+the rank runs as the runner user with the job's group as its only group, umask 077,
+no way back to privileges through setuid programs (PR_SET_NO_NEW_PRIVS), `HOME`,
+`TMPDIR` and working folder set to its private folder, and an environment built from
+scratch (launcher.rank_environment). The folders, all made by this runtime:
+
+    <root>/                           control plane, 0711: nobody else may list the jobs
+    <root>/<job>/                     control plane, group = the job's, 0710: the job's
+                                      ranks may pass through it, no other job's may
+    <root>/<job>/<attempt>/           control plane, 0711: gang.json (which holds the
+                                      job's events token) and launcher.log are 0600
+    <root>/<job>/<attempt>/<rank>/    control plane, 0711: the records and rank.log are
+                                      0600; the keeper hands the log to the rank as an
+                                      open file, so the rank cannot forge its records
+    .../<rank>/work/                  runner user, group = the job's, 0700: the private
+                                      folder the rank works in
+    $QM_CHECKPOINT_DIR                control plane, group = the job's, 0770: the ranks
+                                      of every attempt of the job write checkpoints there;
+                                      the control plane (root) reads them
+
+Every rank of every job shares the runner's uid, so permission bits for the owner would
+not keep two jobs apart; the job's group does: another job's rank is neither the owner
+nor in the group of `<root>/<job>/` or of the checkpoint folder, so the kernel refuses
+it at the door, whatever lies behind. The same group also keeps jobs out of each other's
+processes: the kernel lets one process read another's /proc/<pid>/environ (where the
+events token is) only when uid and gid both match. The control plane's own processes
+run as another uid altogether. What the shared uid still allows is a signal from one
+job's rank to another's, and files a rank leaves in world-writable places such as /tmp
+(its TMPDIR is its own folder); where tenants must not be able to disturb each other at
+all, the Kubernetes runtime puts every rank in a container of its own.
+
+Running ranks as another user needs root: the keeper switches uid and gid, folders are
+handed to a job's group, and the control plane signals and inspects processes of
+another uid. (The capabilities that adds up to, CAP_SETUID, CAP_SETGID, CAP_CHOWN,
+CAP_FOWNER, CAP_KILL, CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE, are most of root anyway,
+so root is the one setup supported and tested; runner.find_runner checks for it.) Without a runner account the ranks run as the control plane's user, in the
+same folders and with the same clean environment; `preemption.runtime` refuses that in
+production and warns once elsewhere. The runner user must be able to reach the Python
+interpreter and the code the commands name; `bin/runner-user` checks and grants that.
 """
 
 from __future__ import annotations
@@ -16,6 +59,7 @@ import os
 import random
 import signal as signals
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -26,12 +70,15 @@ from typing import Any
 
 from preemption.runtimes import procfs
 from preemption.runtimes.base import (
+    GangGuard,
     GangId,
     GangSpec,
     NodeInventory,
     RankObservation,
     RuntimePermanentError,
     RuntimeTemporaryError,
+    os_errors_are_temporary,
+    translate_errors,
 )
 from preemption.runtimes.records import (
     EXIT_FILE,
@@ -51,10 +98,11 @@ from preemption.runtimes.records import (
     read_record,
     write_record,
 )
+from preemption.runtimes.runner import RunnerAccount
 
 # The folder that holds the `preemption` package: the launcher is started there so that
-# `python -m preemption.runtimes.launcher` imports this very code, and ranks run there
-# unless told otherwise, so commands like `python examples/train_ddp.py` work.
+# `python -m preemption.runtimes.launcher` imports this very code. Ranks run in their
+# own folders, never here.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 # A rank folder with no keeper record this long after it was claimed belongs to a launch
@@ -82,10 +130,13 @@ class GangProcess:
     cmdline: str
 
 
+@translate_errors(os_errors_are_temporary)
 class LocalRuntime:
     """Runs gangs as local process groups; implements the Runtime protocol."""
 
     name = "local"
+    # A local rank ends only by itself or by the control plane's own signal.
+    gang_guard: GangGuard | None = None
 
     def __init__(
         self,
@@ -93,7 +144,7 @@ class LocalRuntime:
         inventory: Sequence[NodeInventory],
         python: str = sys.executable,
         master_addr: str = "127.0.0.1",
-        workdir: Path | None = None,
+        runner: RunnerAccount | None = None,
     ) -> None:
         # An absolute root, since the launcher and the ranks run in another folder and
         # the orphan scan compares the QM_RANK_DIR marker as a string.
@@ -101,7 +152,8 @@ class LocalRuntime:
         self.inventory = list(inventory)
         self.python = python
         self.master_addr = master_addr
-        self.workdir = Path(workdir).resolve() if workdir is not None else PROJECT_ROOT
+        # Who ranks run as; None runs them as this process's own user (see the docstring).
+        self.runner = runner
 
     # ----------------------------------------------------------------- the protocol
 
@@ -118,7 +170,7 @@ class LocalRuntime:
             return
         claimed: list[int] = []
         try:
-            gang_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._prepare_folders(spec)
             if not (gang_dir / GANG_FILE).exists():
                 # The first launch picks the master port; a concurrent one loses the race
                 # to write the record and uses the winner's port.
@@ -138,6 +190,9 @@ class LocalRuntime:
                 except FileExistsError:
                     continue
                 claimed.append(placement.rank)
+                if self.runner is not None:
+                    # The rank passes through to its work folder; its records stay 0600.
+                    os.chmod(gang_dir / str(placement.rank), 0o711)
         except OSError as error:
             self._release_claims(gang_dir, claimed)
             raise RuntimeTemporaryError(f"cannot prepare {gang_dir}: {error}") from error
@@ -358,6 +413,11 @@ class LocalRuntime:
             raise RuntimePermanentError(
                 f"gang {spec.gang} must number its ranks 0..{len(spec.ranks) - 1}, got {numbers}"
             )
+        if self.runner is not None:
+            try:
+                self.runner.job_gid(spec.job_id)
+            except ValueError as error:
+                raise RuntimePermanentError(str(error)) from error
         known = {node.name for node in self.inventory}
         unknown = sorted({p.node for p in spec.ranks if p.node not in known})
         if unknown:
@@ -380,9 +440,33 @@ class LocalRuntime:
             "flavor": spec.flavor,
             "master_addr": self.master_addr,
             "master_port": self._choose_master_port(),
-            "workdir": str(self.workdir),
+            "run_as": None
+            if self.runner is None
+            else {
+                "user": self.runner.name,
+                "uid": self.runner.uid,
+                "gid": self.runner.job_gid(spec.job_id),
+            },
             "launched_at": time.time(),
         }
+
+    def _prepare_folders(self, spec: GangSpec) -> None:
+        """Make the root, job, gang and checkpoint folders with the owners and modes that
+        the module docstring lays out."""
+        gid = None if self.runner is None else self.runner.job_gid(spec.job_id)
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        _control_plane_folder(self.root, 0o711)
+        job_dir = self.root / str(spec.job_id)
+        _control_plane_folder(job_dir, 0o700 if gid is None else 0o710, group=gid)
+        _control_plane_folder(job_dir / str(spec.attempt), 0o700 if gid is None else 0o711)
+        checkpoint_dir = spec.env.get("QM_CHECKPOINT_DIR")
+        if checkpoint_dir:
+            checkpoints = Path(checkpoint_dir)
+            missing = [p for p in reversed(checkpoints.parents) if not p.exists()]
+            for parent in missing:
+                # Pass-through only, so no rank can list the other jobs' checkpoints.
+                parent.mkdir(mode=0o711, exist_ok=True)
+            _control_plane_folder(checkpoints, 0o700 if gid is None else 0o770, group=gid)
 
     def _choose_master_port(self) -> int:
         """A port for the gang's rendezvous, free now and promised to no other gang here.
@@ -410,7 +494,8 @@ class LocalRuntime:
         command = [self.python, "-m", "preemption.runtimes.launcher", str(gang_dir)]
         command += [str(rank) for rank in ranks]
         try:
-            with open(gang_dir / LAUNCHER_LOG, "ab") as launcher_log:
+            log_fd = os.open(gang_dir / LAUNCHER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            with open(log_fd, "ab") as launcher_log:
                 launcher = subprocess.Popen(
                     command,
                     cwd=PROJECT_ROOT,
@@ -513,6 +598,32 @@ class LocalRuntime:
             if time.time() - claimed_at < LAUNCH_TIMEOUT_SECONDS:
                 return "terminating" if stopping else "starting"
         return "lost"
+
+
+def _control_plane_folder(path: Path, mode: int, *, group: int | None = None) -> None:
+    """Create a folder of the control plane's unless it exists, then set its group and mode.
+
+    It is opened without following links and must be a folder this process owns: a link
+    or someone else's folder in its place is refused, never handed to a job's group.
+    """
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as error:
+        raise RuntimePermanentError(f"{path} is not a folder: {error}") from error
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            raise RuntimePermanentError(
+                f"{path} belongs to uid {info.st_uid}, not to the control plane ({os.geteuid()})"
+            )
+        if group is not None and info.st_gid != group:
+            os.fchown(fd, -1, group)
+        if stat.S_IMODE(info.st_mode) != mode:
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 def _placement_records(spec: GangSpec) -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 Layout under the runtime's root (`var/runs` by default)::
 
-    <job_id>/<attempt>/gang.json         the launched spec, master port, workdir, launch time
+    <job_id>/<attempt>/gang.json         the launched spec, master port, who ranks run as, launch time
     <job_id>/<attempt>/forgotten.json    tombstone written by forget(); the gang is never relaunched
     <job_id>/<attempt>/launcher.log      stderr of the launcher processes
     <job_id>/<attempt>/<rank>/keeper.json   pid and start ticks of the process waiting on the rank
@@ -12,6 +12,7 @@ Layout under the runtime's root (`var/runs` by default)::
     <job_id>/<attempt>/<rank>/kill.json     when SIGKILL was asked for
     <job_id>/<attempt>/<rank>/exit.json     exit code (128+N for signal N), exit time, signal
     <job_id>/<attempt>/<rank>/rank.log      the rank's stdout and stderr
+    <job_id>/<attempt>/<rank>/work/         the rank's private working folder (its HOME)
 
 Every JSON record is written to a temporary file and renamed into place, so a reader sees
 either nothing or the whole record. Records that must be written once (the gang spec, the
@@ -36,6 +37,7 @@ TERM_SENT_FILE = "term.sent"
 KILL_FILE = "kill.json"
 EXIT_FILE = "exit.json"
 RANK_LOG = "rank.log"
+WORK_FOLDER = "work"
 
 # Files forget() removes from a rank folder; the log stays.
 RANK_RECORDS = (KEEPER_FILE, STARTED_FILE, SIGNAL_FILE, TERM_SENT_FILE, KILL_FILE, EXIT_FILE)

@@ -168,8 +168,16 @@ def test_a_launch_cut_short_by_a_missing_priority_class_is_finished_later(
         {"metadata": {"name": "qm-test-not-yet"}, "value": 100, "preemptionPolicy": "Never"}
     )
     try:
-        reconcile_jobs(runtime=runtime)
-        assert Attempt.objects.get(pk=attempt.pk).launched_at is not None
+        # The failed launch is retried once its backoff has passed.
+        wait_for(
+            lambda: (
+                reconcile_jobs(runtime=runtime) is not None
+                and Attempt.objects.get(pk=attempt.pk).launched_at is not None
+            ),
+            timeout=30,
+            interval=0.3,
+            what="the launch to be finished",
+        )
         wait_for(lambda: all_in(runtime, gang, "running", 1), timeout=60, what="rank running")
         runtime.kill(gang)
         wait_for(lambda: all_in(runtime, gang, "exited", 1), timeout=30, what="rank exited")

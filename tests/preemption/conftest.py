@@ -18,6 +18,7 @@ from preemption.models import Job
 from preemption.reconcile import reconcile_jobs
 from preemption.runtime import inventory, use_runtime
 from preemption.runtimes import GangId, LocalRuntime
+from preemption.runtimes.runner import RunnerAccount
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = shlex.quote(sys.executable)
@@ -41,11 +42,16 @@ def ignore_sigterm_command() -> str:
 
 
 @pytest.fixture
-def local_runtime(world: Any, tmp_path: Path, settings: Any) -> Iterator[LocalRuntime]:
-    settings.QM_RUNS_DIR = tmp_path / "runs"
-    settings.QM_CHECKPOINTS_DIR = tmp_path / "checkpoints"
+def local_runtime(
+    world: Any, runner_tmp_path: Path, runner_account: RunnerAccount, settings: Any
+) -> Iterator[LocalRuntime]:
+    """Ranks run as the runner user, as in an installation run by root."""
+    settings.QM_RUNS_DIR = runner_tmp_path / "runs"
+    settings.QM_CHECKPOINTS_DIR = runner_tmp_path / "checkpoints"
     settings.QM_RETRY_BACKOFF_SECONDS = 0.5
-    runtime = LocalRuntime(root=tmp_path / "runs", inventory=inventory())
+    runtime = LocalRuntime(
+        root=runner_tmp_path / "runs", inventory=inventory(), runner=runner_account
+    )
     use_runtime(runtime)
     try:
         yield runtime

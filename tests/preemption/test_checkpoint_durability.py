@@ -14,10 +14,11 @@ import pytest
 from kubernetes import client
 
 from preemption.ingest import ingest_trap_event
-from preemption.models import Checkpoint, Job
+from preemption.models import Attempt, Checkpoint, Job
 from preemption.runtime import runtime_problems, use_runtime
 from preemption.runtimes.kubernetes import KubernetesRuntime, KubernetesRuntimeConfig
 from preemption.services import job_submit
+from tests import builders
 
 
 @pytest.fixture
@@ -45,6 +46,16 @@ def _job(world: Any) -> Job:
     )
 
 
+def _attempt(job: Job) -> Attempt:
+    """The job's running first attempt: only an open attempt's ranks report."""
+    existing = Attempt.objects.filter(job=job, number=1).first()
+    if existing is not None:
+        return existing
+    first = builders.attempt(job, number=1)
+    builders.ranks(first)
+    return first
+
+
 def _committed(job: Job, step: int, **extra: Any) -> dict[str, Any]:
     return {
         "event": "checkpoint_committed",
@@ -59,7 +70,7 @@ def _committed(job: Job, step: int, **extra: Any) -> dict[str, Any]:
 def test_jobs_on_kubernetes_checkpoint_into_the_volume(world: Any, kubernetes: None) -> None:
     job = _job(world)
     assert job.checkpoint_dir == f"/checkpoints/job-{job.pk}"
-    assert ingest_trap_event(job=job, event=_committed(job, 7), source="post")
+    assert ingest_trap_event(attempt=_attempt(job), event=_committed(job, 7), source="post")
     checkpoint = Checkpoint.objects.get(job=job)
     assert checkpoint.path == f"/checkpoints/job-{job.pk}/step_7"
     job.refresh_from_db()
@@ -74,14 +85,16 @@ def test_jobs_on_kubernetes_checkpoint_into_the_volume(world: Any, kubernetes: N
         "/checkpointsX/step_9",
     ],
 )
-def test_a_checkpoint_outside_the_volume_is_not_offered_for_resume(
-    world: Any, kubernetes: None, where: str
-) -> None:
+def test_a_path_the_rank_names_is_never_recorded(world: Any, kubernetes: None, where: str) -> None:
+    """The checkpoint is where the trap saves it, in the job's folder on the
+    volume: a path in the event (a client's word) is not taken."""
     job = _job(world)
-    assert ingest_trap_event(job=job, event=_committed(job, 9, path=where), source="log")
-    assert not Checkpoint.objects.filter(job=job).exists()
-    job.refresh_from_db()
-    assert job.resume_step is None
+    assert ingest_trap_event(
+        attempt=_attempt(job), event=_committed(job, 9, path=where), source="log"
+    )
+    [checkpoint] = Checkpoint.objects.filter(job=job)
+    assert checkpoint.path == f"/checkpoints/job-{job.pk}/step_9"
+    assert where not in checkpoint.path
     # The event itself is kept: the job's history still shows what the rank said.
     assert job.trap_events.filter(event="checkpoint_committed").count() == 1
 
@@ -92,7 +105,7 @@ def test_a_job_submitted_outside_the_volume_resumes_from_nothing(
     job = _job(world)
     Job.objects.filter(pk=job.pk).update(checkpoint_dir=f"/var/lib/qm/job-{job.pk}")
     job.refresh_from_db()
-    ingest_trap_event(job=job, event=_committed(job, 3), source="post")
+    ingest_trap_event(attempt=_attempt(job), event=_committed(job, 3), source="post")
     assert not Checkpoint.objects.filter(job=job).exists()
 
 
@@ -102,10 +115,10 @@ def test_durability_follows_settings_without_a_runtime(world: Any, settings: Any
     settings.QM_K8S_CHECKPOINT_MOUNT_PATH = "/checkpoints"
     settings.QM_K8S_CHECKPOINT_CLAIM = ""
     job = _job(world)
-    ingest_trap_event(job=job, event=_committed(job, 4), source="post")
+    ingest_trap_event(attempt=_attempt(job), event=_committed(job, 4), source="post")
     assert not Checkpoint.objects.filter(job=job).exists()
     settings.QM_K8S_CHECKPOINT_CLAIM = "qm-checkpoints"
-    ingest_trap_event(job=job, event=_committed(job, 5), source="post")
+    ingest_trap_event(attempt=_attempt(job), event=_committed(job, 5), source="post")
     assert list(Checkpoint.objects.filter(job=job).values_list("step", flat=True)) == [5]
 
 

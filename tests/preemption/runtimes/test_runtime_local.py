@@ -1,0 +1,577 @@
+"""The local runtime with real processes, real signals and real files.
+
+Every test launches gangs under its own temporary root and, on teardown, kills whatever
+is left of them, so no process outlives a test. Ranks run as the runner user, as they do
+when root runs the control plane; tests/security covers what that keeps them from.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from preemption.runtimes import (
+    GangId,
+    GangSpec,
+    LocalRuntime,
+    RankObservation,
+    RankPlacement,
+    RuntimePermanentError,
+    iter_trap_events,
+    parse_inventory,
+)
+from preemption.runtimes.local import PROJECT_ROOT
+from preemption.runtimes.records import GANG_FILE, KEEPER_FILE, STARTED_FILE, read_record
+from preemption.runtimes.runner import RunnerAccount
+
+pytestmark = pytest.mark.timeout(90)
+
+PYTHON = shlex.quote(sys.executable)
+SLEEPER = f"{PYTHON} {shlex.quote(str(PROJECT_ROOT / 'examples' / 'sleeper.py'))}"
+IGNORE_SIGTERM = f"{PYTHON} {shlex.quote(str(PROJECT_ROOT / 'examples' / 'ignore_sigterm.py'))}"
+INVENTORY = "node-a:h100-80gb:8,node-b:h100-80gb:8"
+
+# A rank that listens on a TCP port (MASTER_PORT on rank 0, a free port elsewhere) until
+# it is told to stop; with --escape it first forks a child that starts its own session,
+# keeps listening on another port and outlives the rank.
+LISTENER = textwrap.dedent(
+    """
+    import os, signal, socket, sys, time
+
+    def listen(port):
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        return server
+
+    if "--escape" in sys.argv and os.fork() == 0:
+        os.setsid()
+        escaped = listen(0)
+        print("escaped child", os.getpid(), "port", escaped.getsockname()[1], flush=True)
+        time.sleep(120)
+        os._exit(0)
+    rank = int(os.environ["RANK"])
+    server = listen(int(os.environ["MASTER_PORT"]) if rank == 0 else 0)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print("listening", server.getsockname()[1], flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def gang_spec(
+    job_id: int,
+    command: str,
+    *,
+    ranks: int = 4,
+    attempt: int = 1,
+    env: Mapping[str, str] | None = None,
+) -> GangSpec:
+    """A gang spreading `ranks` ranks over node-a then node-b, half on each."""
+    per_node = (ranks + 1) // 2
+    placements = tuple(
+        RankPlacement(
+            rank=rank, node="node-a" if rank < per_node else "node-b", local_rank=rank % per_node
+        )
+        for rank in range(ranks)
+    )
+    return GangSpec(
+        job_id=job_id,
+        attempt=attempt,
+        command=command,
+        ranks=placements,
+        gpus_per_rank=1,
+        grace_seconds=10.0,
+        priority_class="ai-batch-preemptible",
+        env=dict(env or {"QM_JOB_ID": str(job_id), "QM_ATTEMPT": str(attempt)}),
+        team="vision",
+        flavor="h100-80gb",
+    )
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def wait_for_log(
+    runtime: LocalRuntime, gang: GangId, ranks: int, text: bytes, count: int = 1
+) -> None:
+    wait_until(
+        lambda: all(runtime.read_log(gang, rank).count(text) >= count for rank in range(ranks)),
+        what=f"{text!r} x{count} in every rank log",
+    )
+
+
+def wait_exited(runtime: LocalRuntime, gang: GangId) -> list[RankObservation]:
+    wait_until(
+        lambda: all(o.phase == "exited" for o in runtime.observe(gang)), what="every rank to exit"
+    )
+    return runtime.observe(gang)
+
+
+@pytest.fixture
+def runtime(runner_tmp_path: Path, runner_account: RunnerAccount) -> Iterator[LocalRuntime]:
+    local = LocalRuntime(
+        runner_tmp_path / "runs", parse_inventory(INVENTORY), runner=runner_account
+    )
+    yield local
+    for gang in {GangId(o.job_id, o.attempt) for o in local.observe()}:
+        local.kill(gang)
+
+        def gang_is_gone(gang: GangId = gang) -> bool:
+            return not local.gang_processes(gang)
+
+        wait_until(gang_is_gone, what="teardown")
+
+
+def test_launch_runs_every_rank_of_a_four_rank_gang(runtime: LocalRuntime) -> None:
+    spec = gang_spec(1, 'echo "hello from rank $RANK"')
+    runtime.launch(spec)
+    observations = wait_exited(runtime, spec.gang)
+
+    assert [o.rank for o in observations] == [0, 1, 2, 3]
+    assert [o.node for o in observations] == ["node-a", "node-a", "node-b", "node-b"]
+    assert [o.exit_code for o in observations] == [0, 0, 0, 0]
+    for o in observations:
+        assert o.handle.isdigit()
+        assert o.started_at is not None and o.exited_at is not None
+        assert o.started_at <= o.exited_at
+        assert o.signal_sent_at is None
+        assert runtime.read_log(spec.gang, o.rank) == f"hello from rank {o.rank}\n".encode()
+    assert len({o.handle for o in observations}) == 4
+
+
+def test_every_rank_sees_rendezvous_and_trap_environment(
+    runtime: LocalRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert runtime.runner is not None
+    # The control plane's own secrets must not reach workloads; basics and NCCL tuning do.
+    monkeypatch.setenv("DATABASE_URL", "postgres://qm:secret@db/qm")
+    monkeypatch.setenv("SECRET_KEY", "not-for-workloads")
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    monkeypatch.setenv("PYTHONPATH", "/control/plane/code")
+    checkpoints = str(runtime.root.parent / "checkpoints" / "job-2")
+    env = {"QM_JOB_ID": "2", "QM_CHECKPOINT_DIR": checkpoints, "USER_FLAG": "on", "RANK": "99"}
+    spec = gang_spec(2, "env; echo uid=$(id -u) gid=$(id -g) groups=$(id -G) cwd=$(pwd)", env=env)
+    runtime.launch(spec)
+    wait_exited(runtime, spec.gang)
+
+    gang_record = read_record(runtime.gang_dir(spec.gang) / GANG_FILE)
+    assert gang_record is not None
+    master_ports = set()
+    for placement in spec.ranks:
+        lines = runtime.read_log(spec.gang, placement.rank).decode().splitlines()
+        seen = dict(line.split("=", 1) for line in lines if "=" in line)
+        # The runtime owns RANK: the spec's RANK=99 must not win.
+        assert seen["RANK"] == str(placement.rank)
+        assert seen["WORLD_SIZE"] == "4"
+        assert seen["LOCAL_RANK"] == str(placement.local_rank)
+        assert seen["QM_NODE"] == placement.node
+        assert seen["MASTER_ADDR"] == "127.0.0.1"
+        assert seen["OMP_NUM_THREADS"] == "1"
+        assert seen["PYTHONUNBUFFERED"] == "1"
+        assert seen["QM_JOB_ID"] == "2"
+        assert seen["QM_CHECKPOINT_DIR"] == checkpoints
+        assert seen["USER_FLAG"] == "on"
+        rank_dir = runtime.gang_dir(spec.gang) / str(placement.rank)
+        assert seen["QM_RANK_DIR"] == str(rank_dir)
+        assert seen["NCCL_DEBUG"] == "WARN"
+        # The rank's own user and folder, not the control plane's.
+        assert seen["HOME"] == seen["TMPDIR"] == str(rank_dir / "work")
+        assert seen["USER"] == seen["LOGNAME"] == runtime.runner.name
+        assert seen["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
+        assert "DATABASE_URL" not in seen and "SECRET_KEY" not in seen
+        assert "PYTHONPATH" not in seen
+        gid = runtime.runner.job_gid(2)
+        assert f"uid={runtime.runner.uid} gid={gid} groups={gid} cwd={rank_dir / 'work'}" in lines
+        master_ports.add(int(seen["MASTER_PORT"]))
+    assert master_ports == {gang_record["master_port"]}
+
+
+def test_exit_codes_are_recorded_including_death_by_signal(runtime: LocalRuntime) -> None:
+    command = (
+        'case "$RANK" in '
+        "0) exit 0 ;; "
+        "1) exit 3 ;; "
+        f"2) {SLEEPER} --seconds 0 --exit-code 7 ;; "
+        "3) kill -USR1 $$ ;; "
+        "esac"
+    )
+    spec = gang_spec(3, command)
+    runtime.launch(spec)
+    observations = wait_exited(runtime, spec.gang)
+
+    assert [o.exit_code for o in observations] == [0, 3, 7, 128 + signal.SIGUSR1]
+
+
+def test_signal_reaches_every_rank_and_the_children_in_its_process_group(
+    runtime: LocalRuntime,
+) -> None:
+    # Each rank runs a background child and a foreground sleeper, both in its group.
+    spec = gang_spec(4, f"{SLEEPER} --seconds 60 & {SLEEPER} --seconds 60; wait")
+    runtime.launch(spec)
+    wait_for_log(runtime, spec.gang, 4, b"ready", count=2)
+    assert {o.phase for o in runtime.observe(spec.gang)} == {"running"}
+
+    runtime.signal(spec.gang, grace_seconds=10.0)
+    wait_for_log(runtime, spec.gang, 4, b"sigterm_at=", count=2)
+    observations = wait_exited(runtime, spec.gang)
+
+    assert [o.exit_code for o in observations] == [0, 0, 0, 0]
+    assert all(o.signal_sent_at is not None for o in observations)
+    wait_until(lambda: not runtime.gang_processes(spec.gang), what="the children to exit")
+    assert runtime.find_orphans(spec.gang) == []
+
+
+@pytest.mark.parametrize("ranks", [4, 16])
+def test_signal_latency_from_call_to_each_rank_handler(runtime: LocalRuntime, ranks: int) -> None:
+    spec = gang_spec(5, f"exec {SLEEPER} --seconds 60", ranks=ranks)
+    runtime.launch(spec)
+    wait_for_log(runtime, spec.gang, ranks, b"ready")
+
+    called_at = time.time()
+    runtime.signal(spec.gang, grace_seconds=10.0)
+    returned_at = time.time()
+    wait_for_log(runtime, spec.gang, ranks, b"sigterm_at=")
+    observations = wait_exited(runtime, spec.gang)
+
+    latencies = []
+    for rank in range(ranks):
+        log = runtime.read_log(spec.gang, rank).decode()
+        handled_at = float(log.split("sigterm_at=")[1].split()[0])
+        latencies.append(handled_at - called_at)
+    print(
+        f"\nsignal() took {returned_at - called_at:.6f} s for {ranks} ranks; "
+        f"call -> handler per rank: {[f'{latency:.4f}' for latency in latencies]} s, "
+        f"max {max(latencies):.6f} s"
+    )
+    sent = [o.signal_sent_at for o in observations]
+    assert all(at is not None and called_at <= at <= returned_at for at in sent)
+    assert all(latency > 0 for latency in latencies)
+    assert [o.exit_code for o in observations] == [0] * ranks
+
+
+def test_sigterm_ignoring_workload_survives_signal_and_dies_on_kill(
+    runtime: LocalRuntime,
+) -> None:
+    spec = gang_spec(6, IGNORE_SIGTERM, ranks=2)
+    runtime.launch(spec)
+    wait_for_log(runtime, spec.gang, 2, b"ready")
+
+    runtime.signal(spec.gang, grace_seconds=0.5)
+    wait_for_log(runtime, spec.gang, 2, b"sigterm ignored")
+    time.sleep(0.5)
+    observations = runtime.observe(spec.gang)
+    assert [o.phase for o in observations] == ["terminating", "terminating"]
+    assert [o.exit_code for o in observations] == [None, None]
+
+    runtime.kill(spec.gang)
+    observations = wait_exited(runtime, spec.gang)
+    assert [o.exit_code for o in observations] == [137, 137]
+    runtime.kill(spec.gang)
+    assert [o.exit_code for o in runtime.observe(spec.gang)] == [137, 137]
+    assert runtime.find_orphans(spec.gang) == []
+
+
+def test_a_fresh_runtime_over_the_same_root_sees_the_same_state(
+    runtime: LocalRuntime,
+) -> None:
+    assert runtime.runner is not None
+    # Launch from another process, then SIGKILL that process's whole group, as when a
+    # Celery worker dies: the ranks must survive it, and their exits still be recorded.
+    launch_script = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        sys.path.insert(0, {str(PROJECT_ROOT)!r})
+        from preemption.runtimes import GangSpec, LocalRuntime, RankPlacement, parse_inventory
+        from preemption.runtimes.runner import find_runner
+        runtime = LocalRuntime(
+            Path({str(runtime.root)!r}), parse_inventory({INVENTORY!r}),
+            runner=find_runner({runtime.runner.name!r}).account,
+        )
+        runtime.launch(GangSpec(
+            job_id=7, attempt=2, command={f"exec {SLEEPER} --seconds 60 --term-exit-code 5"!r},
+            ranks=tuple(RankPlacement(rank, "node-a", rank) for rank in range(3)),
+            gpus_per_rank=1, grace_seconds=5.0, priority_class="batch", env={{}},
+        ))
+        print("launched", flush=True)
+        time.sleep(60)
+        """
+    )
+    worker = subprocess.Popen(
+        [sys.executable, "-c", launch_script], stdout=subprocess.PIPE, start_new_session=True
+    )
+    assert worker.stdout is not None
+    assert worker.stdout.readline() == b"launched\n"
+    os.killpg(worker.pid, signal.SIGKILL)
+    worker.wait()
+    worker.stdout.close()
+
+    gang = GangId(7, 2)
+    first = LocalRuntime(runtime.root, parse_inventory(INVENTORY), runner=runtime.runner)
+    wait_for_log(first, gang, 3, b"ready")
+    assert [o.phase for o in first.observe(gang)] == ["running"] * 3
+    assert first.observe() == first.observe(gang)
+
+    first.signal(gang, grace_seconds=5.0)
+    second = LocalRuntime(runtime.root, parse_inventory(INVENTORY), runner=runtime.runner)
+    observations = wait_exited(second, gang)
+    assert [o.exit_code for o in observations] == [5, 5, 5]
+    assert observations == first.observe(gang)
+    assert second.read_log(gang, 1) == first.read_log(gang, 1)
+    assert all(o.signal_sent_at is not None for o in observations)
+
+
+def test_launch_is_idempotent_even_when_two_launches_race(runtime: LocalRuntime) -> None:
+    spec = gang_spec(8, f"exec {SLEEPER} --seconds 60")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(runtime.launch, [spec, spec]))
+    wait_for_log(runtime, spec.gang, 4, b"ready")
+    handles = [o.handle for o in runtime.observe(spec.gang)]
+    gang_record = read_record(runtime.gang_dir(spec.gang) / GANG_FILE)
+
+    runtime.launch(spec)
+    time.sleep(0.5)
+    assert [o.handle for o in runtime.observe(spec.gang)] == handles
+    assert read_record(runtime.gang_dir(spec.gang) / GANG_FILE) == gang_record
+    for rank in range(4):
+        assert runtime.read_log(spec.gang, rank).count(b"ready") == 1
+    # Exactly one sleeper per rank runs: one process in each rank's group.
+    assert sorted(p.rank for p in runtime.gang_processes(spec.gang)) == [0, 1, 2, 3]
+
+
+def test_signal_is_idempotent(runtime: LocalRuntime) -> None:
+    spec = gang_spec(9, IGNORE_SIGTERM, ranks=3)
+    runtime.launch(spec)
+    wait_for_log(runtime, spec.gang, 3, b"ready")
+
+    runtime.signal(spec.gang, grace_seconds=30.0)
+    wait_for_log(runtime, spec.gang, 3, b"sigterm ignored")
+    first_sent = [o.signal_sent_at for o in runtime.observe(spec.gang)]
+    runtime.signal(spec.gang, grace_seconds=30.0)
+    LocalRuntime(runtime.root, runtime.nodes(), runner=runtime.runner).signal(
+        spec.gang, grace_seconds=30.0
+    )
+    time.sleep(0.5)
+
+    assert [o.signal_sent_at for o in runtime.observe(spec.gang)] == first_sent
+    for rank in range(3):
+        assert runtime.read_log(spec.gang, rank).count(b"sigterm ignored") == 1
+
+
+def test_a_gang_signalled_right_after_launch_still_ends(runtime: LocalRuntime) -> None:
+    # The signal may land before some rank has started, or before its handler is in
+    # place; each rank must still end, by the signal or by its handler.
+    spec = gang_spec(10, f"exec {SLEEPER} --seconds 60")
+    runtime.launch(spec)
+    runtime.signal(spec.gang, grace_seconds=5.0)
+    observations = wait_exited(runtime, spec.gang)
+    assert {o.exit_code for o in observations} <= {0, 128 + signal.SIGTERM}
+
+
+def test_logs_are_readable_with_offsets(runtime: LocalRuntime) -> None:
+    spec = gang_spec(11, "printf 'abcdefghij'; echo \" rank $RANK\" >&2", ranks=2)
+    runtime.launch(spec)
+    wait_exited(runtime, spec.gang)
+
+    assert runtime.read_log(spec.gang, 1) == b"abcdefghij rank 1\n"
+    assert runtime.read_log(spec.gang, 0, offset=3, limit=4) == b"defg"
+    assert runtime.read_log(spec.gang, 0, offset=10) == b" rank 0\n"
+    assert runtime.read_log(spec.gang, 0, offset=1000) == b""
+    with pytest.raises(RuntimePermanentError):
+        runtime.read_log(spec.gang, 5)
+
+
+def test_trap_events_are_read_back_from_a_rank_log(runtime: LocalRuntime) -> None:
+    command = (
+        'printf \'QM_EVENT {"event": "signal_received", "rank": %s, "at": 1.5}\\n\' "$RANK"; '
+        "echo 'QM_EVENT {not json'; "
+        'printf \'noise QM_EVENT {"event": "exiting", "code": 0}\\n\''
+    )
+    spec = gang_spec(12, command, ranks=2)
+    runtime.launch(spec)
+    wait_exited(runtime, spec.gang)
+
+    events = list(iter_trap_events(runtime.read_log(spec.gang, 1)))
+    assert events == [
+        {"event": "signal_received", "rank": 1, "at": 1.5},
+        {"event": "exiting", "code": 0},
+    ]
+
+
+def test_ports_are_released_after_exit(runtime: LocalRuntime) -> None:
+    listener = runtime.root.parent / "listener.py"
+    listener.write_text(LISTENER)
+    spec = gang_spec(13, f"exec {PYTHON} {shlex.quote(str(listener))}", ranks=3)
+    runtime.launch(spec)
+    wait_for_log(runtime, spec.gang, 3, b"listening")
+
+    gang_record = read_record(runtime.gang_dir(spec.gang) / GANG_FILE)
+    assert gang_record is not None
+    held = runtime.released_ports(spec.gang)
+    assert gang_record["master_port"] in held
+    assert len(held) == 3
+
+    runtime.signal(spec.gang, grace_seconds=5.0)
+    wait_exited(runtime, spec.gang)
+    assert runtime.released_ports(spec.gang) == []
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", gang_record["master_port"]))
+
+
+def test_orphan_scan_finds_a_child_that_escaped_its_rank(runtime: LocalRuntime) -> None:
+    listener = runtime.root.parent / "listener.py"
+    listener.write_text(LISTENER)
+    spec = gang_spec(14, f"exec {PYTHON} {shlex.quote(str(listener))} --escape", ranks=2)
+    runtime.launch(spec)
+    wait_for_log(runtime, spec.gang, 2, b"listening")
+    wait_for_log(runtime, spec.gang, 2, b"escaped child")
+    # While the ranks run, their processes are not orphans.
+    assert runtime.find_orphans(spec.gang) == []
+
+    runtime.signal(spec.gang, grace_seconds=5.0)
+    assert [o.exit_code for o in wait_exited(runtime, spec.gang)] == [0, 0]
+    orphans = runtime.find_orphans(spec.gang)
+    assert sorted(o.rank for o in orphans) == [0, 1]
+    ranks_pgids = {int(o.handle) for o in runtime.observe(spec.gang)}
+    assert all(o.pgid not in ranks_pgids and o.sid == o.pid for o in orphans)
+    assert len(runtime.released_ports(spec.gang)) == 2
+
+    runtime.kill(spec.gang)
+    wait_until(lambda: not runtime.find_orphans(spec.gang), what="the orphans to die")
+    assert runtime.released_ports(spec.gang) == []
+    assert [o.exit_code for o in runtime.observe(spec.gang)] == [0, 0]
+
+
+def test_orphan_scan_finds_a_child_left_in_the_rank_group(runtime: LocalRuntime) -> None:
+    spec = gang_spec(15, "sleep 60 & echo child $!", ranks=2)
+    runtime.launch(spec)
+    wait_exited(runtime, spec.gang)
+    orphans = runtime.find_orphans(spec.gang)
+    children = {int(runtime.read_log(spec.gang, rank).split()[1]) for rank in range(2)}
+    assert {o.pid for o in orphans} == children
+    runtime.kill(spec.gang)
+    wait_until(lambda: not runtime.find_orphans(spec.gang), what="the orphans to die")
+
+
+def test_a_rank_whose_keeper_died_is_lost(runtime: LocalRuntime) -> None:
+    spec = gang_spec(16, f"exec {SLEEPER} --seconds 60", ranks=2)
+    runtime.launch(spec)
+    wait_for_log(runtime, spec.gang, 2, b"ready")
+    rank_dir = runtime.gang_dir(spec.gang) / "1"
+    keeper = read_record(rank_dir / KEEPER_FILE)
+    started = read_record(rank_dir / STARTED_FILE)
+    assert keeper is not None and started is not None
+
+    os.kill(keeper["pid"], signal.SIGKILL)
+    time.sleep(0.2)
+    # The rank runs on without its keeper, so it is not lost yet.
+    assert [o.phase for o in runtime.observe(spec.gang)] == ["running", "running"]
+    os.killpg(started["pgid"], signal.SIGKILL)
+    wait_until(lambda: runtime.observe(spec.gang)[1].phase == "lost", what="rank 1 to be lost")
+    lost = runtime.observe(spec.gang)[1]
+    assert lost.exit_code is None and lost.exited_at is None
+
+
+def test_forget_drops_a_finished_gang_but_keeps_its_logs(runtime: LocalRuntime) -> None:
+    running = gang_spec(17, f"exec {SLEEPER} --seconds 60", ranks=1)
+    runtime.launch(running)
+    wait_for_log(runtime, running.gang, 1, b"ready")
+    with pytest.raises(RuntimePermanentError):
+        runtime.forget(running.gang)
+
+    spec = gang_spec(18, "echo done", ranks=2)
+    runtime.launch(spec)
+    wait_exited(runtime, spec.gang)
+    runtime.forget(spec.gang)
+    runtime.forget(spec.gang)
+
+    assert runtime.observe(spec.gang) == []
+    assert {o.job_id for o in runtime.observe()} == {17}
+    assert runtime.read_log(spec.gang, 1) == b"done\n"
+    runtime.launch(spec)
+    time.sleep(0.3)
+    assert runtime.observe(spec.gang) == []
+    assert runtime.read_log(spec.gang, 1) == b"done\n"
+
+
+def test_launch_rejects_specs_it_can_never_run(runtime: LocalRuntime) -> None:
+    unknown_node = GangSpec(
+        job_id=19,
+        attempt=1,
+        command="true",
+        ranks=(RankPlacement(0, "node-z", 0),),
+        gpus_per_rank=1,
+        grace_seconds=1.0,
+        priority_class="batch",
+        env={},
+    )
+    with pytest.raises(RuntimePermanentError, match="node-z"):
+        runtime.launch(unknown_node)
+    gap = GangSpec(
+        job_id=19,
+        attempt=1,
+        command="true",
+        ranks=(RankPlacement(0, "node-a", 0), RankPlacement(2, "node-a", 1)),
+        gpus_per_rank=1,
+        grace_seconds=1.0,
+        priority_class="batch",
+        env={},
+    )
+    with pytest.raises(RuntimePermanentError, match=r"0\.\.1"):
+        runtime.launch(gap)
+    assert runtime.observe() == []
+    assert runtime.nodes() == parse_inventory(INVENTORY)
+
+
+def test_signal_and_kill_of_an_unknown_gang_do_nothing(runtime: LocalRuntime) -> None:
+    gang = GangId(404, 1)
+    runtime.signal(gang, grace_seconds=1.0)
+    runtime.kill(gang)
+    assert runtime.observe(gang) == []
+    assert runtime.released_ports(gang) == []
+    assert runtime.find_orphans(gang) == []
+
+
+def test_relaunching_a_gang_id_with_another_command_is_refused(runtime: LocalRuntime) -> None:
+    first = gang_spec(20, "echo first", ranks=1)
+    runtime.launch(first)
+    wait_exited(runtime, first.gang)
+    with pytest.raises(RuntimePermanentError, match="another command"):
+        runtime.launch(gang_spec(20, "echo second", ranks=1))
+    runtime.launch(first)
+    assert runtime.read_log(first.gang, 0) == b"first\n"
+    assert [o.exit_code for o in runtime.observe(first.gang)] == [0]
+
+
+def test_read_log_of_a_rank_not_yet_started_is_empty(runtime: LocalRuntime) -> None:
+    spec = gang_spec(21, "echo hi", ranks=2)
+    runtime.launch(spec)
+    wait_exited(runtime, spec.gang)
+    # A rank that has not written yet, or whose folder is not even claimed yet (as in
+    # the middle of a launch), reads as an empty log.
+    (runtime.gang_dir(spec.gang) / "0" / "rank.log").unlink()
+    assert runtime.read_log(spec.gang, 0) == b""
+    shutil.rmtree(runtime.gang_dir(spec.gang) / "1")
+    assert runtime.read_log(spec.gang, 1) == b""
+    with pytest.raises(RuntimePermanentError):
+        runtime.read_log(spec.gang, 2)
+    with pytest.raises(RuntimePermanentError):
+        runtime.read_log(GangId(404, 1), 0)
