@@ -34,6 +34,8 @@ def _admitted_job(world: Any, nodes: list[str], *, image: str = "") -> tuple[Job
     low = PriorityClass.objects.create(
         name="qm-test-low", value=100, preemption_policy="Never", grace_seconds=3
     )
+    # The team may use it: every top-level team has a list of its classes.
+    world.org.priority_classes.add(low)
     job = job_submit(
         submitter=world.users["researcher"],
         team=world.vision,

@@ -44,6 +44,8 @@ def test_a_failed_ranks_log_is_readable_after_its_pods_are_gone(
     settings.QM_LOG_TAIL_BYTES = 256 * 1024
     runtime = make_runtime(pod_annotations={ANNOTATION_RUN: "process"})
     low = PriorityClass.objects.create(name="qm-test-low", value=100, preemption_policy="Never")
+    # The team may use it: every top-level team has a list of its classes.
+    world.org.priority_classes.add(low)
     job = job_submit(
         submitter=world.users["researcher"],
         team=world.vision,
