@@ -12,15 +12,18 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.core.paginator import Paginator
+from django.core.paginator import EmptyPage, PageNotAnInteger, Paginator
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.template.defaultfilters import pluralize
 from django.views.decorators.http import require_POST
 
 from portal.forms import JobFilterForm
+from preemption.exports import job_csv_response
 from preemption.models import Job, PreemptionEvent
 from preemption.runtimes.base import RuntimePermanentError, RuntimeTemporaryError
 from preemption.selectors import job_list as job_selector
+from preemption.selectors import job_sort_headers, job_sort_key, job_table
 from quotas.selectors import access_for
 from telemetry.models import TrapEvent
 from telemetry.timeline import Timeline, build_timeline
@@ -67,16 +70,35 @@ def describe_preemption(event: PreemptionEvent) -> str:
 
 @login_required
 def job_list(request: HttpRequest) -> HttpResponse:
-    """Every job the user may read, newest first, filtered by team, user, state and time."""
+    """Every job the user may read, filtered by team, user, state, time and a
+    search of name and command, sorted by a whitelisted column; `?format=csv`
+    answers the whole filtered list as CSV."""
     access = access_for(request.user)
     form = JobFilterForm(request.GET or None, access=access)
     jobs = job_selector(user=request.user).select_related("priority_class")
+    search = ""
     if form.is_valid():
         jobs = form.apply(jobs)
-    paginator = Paginator(jobs.order_by("-submitted_at", "-id"), JOBS_PER_PAGE)
-    page = paginator.get_page(request.GET.get("page"))
+        search = form.cleaned_data.get("q") or ""
+    sort = job_sort_key(request.GET.get("sort"))
+    jobs = job_table(jobs, sort=sort, search=search)
+    if request.GET.get("format") == "csv":
+        return job_csv_response(jobs)
+    paginator = Paginator(jobs, JOBS_PER_PAGE)
+    try:
+        page = paginator.page(request.GET.get("page") or 1)
+    except PageNotAnInteger:
+        raise Http404("The page number must be a whole number, such as ?page=2.") from None
+    except EmptyPage:
+        # A page past the end is an error, not silently the first page.
+        raise Http404(
+            f"There is no page {request.GET.get('page')}: this list has "
+            f"{paginator.num_pages} page{pluralize(paginator.num_pages)}."
+        ) from None
     query = request.GET.copy()
     query.pop("page", None)
+    unsorted = query.copy()
+    unsorted.pop("sort", None)
     return render(
         request,
         "preemption/job_list.html",
@@ -84,6 +106,9 @@ def job_list(request: HttpRequest) -> HttpResponse:
             "form": form,
             "page": page,
             "query": query.urlencode(),
+            "unsorted": unsorted.urlencode(),
+            "sort": sort,
+            "heads": job_sort_headers(sort),
             "nav": "jobs",
         },
     )
