@@ -197,3 +197,16 @@ def job_table(
             expression.desc(nulls_last=True) if descending else expression.asc(nulls_last=True)
         )
     return jobs.order_by(*ordering)
+
+
+def stop_in_progress(attempts: list[Attempt]) -> PreemptionEvent | None:
+    """The preemption or cancel now stopping the job's open attempt, whose
+    deadline the job page counts down to; None when no stop is under way.
+    Works on attempts already loaded with their `preemption`, so it costs no query."""
+    for attempt in attempts:
+        if attempt.ended_at is not None:
+            continue
+        event: PreemptionEvent | None = getattr(attempt, "preemption", None)
+        if event is not None and not event.outcome:
+            return event
+    return None

@@ -16,6 +16,7 @@ from django.core.paginator import EmptyPage, PageNotAnInteger, Paginator
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.template.defaultfilters import pluralize
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from portal.forms import JobFilterForm
@@ -23,7 +24,7 @@ from preemption.exports import job_csv_response
 from preemption.models import Job, PreemptionEvent
 from preemption.runtimes.base import RuntimePermanentError, RuntimeTemporaryError
 from preemption.selectors import job_list as job_selector
-from preemption.selectors import job_sort_headers, job_sort_key, job_table
+from preemption.selectors import job_sort_headers, job_sort_key, job_table, stop_in_progress
 from quotas.selectors import access_for
 from telemetry.models import TrapEvent
 from telemetry.timeline import Timeline, build_timeline
@@ -150,11 +151,16 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         )
     checkpoints = list(job.checkpoints.select_related("attempt").order_by("-committed_at")[:100])
     access = access_for(request.user)
+    stopping = stop_in_progress(attempts)
     return render(
         request,
         "preemption/job_detail.html",
         {
             "job": job,
+            "stopping": stopping,
+            "stopping_left": max(0, round((stopping.deadline - timezone.now()).total_seconds()))
+            if stopping
+            else None,
             "attempts": list(reversed(attempts)),
             "timelines": list(reversed(timelines)),
             "cancels": cancels,
@@ -175,6 +181,9 @@ def rank_log(request: HttpRequest, pk: int, attempt: int, rank: int) -> HttpResp
         offset = max(int(request.GET.get("offset", "0")), 0)
     except ValueError:
         offset = 0
+    # Asked before reading, so a follower that sees the attempt closed has
+    # already been given everything the attempt wrote.
+    attempt_open = job.attempts.filter(number=attempt, ended_at__isnull=True).exists()
     unavailable = ""
     try:
         chunk, next_offset = read_rank_log(
@@ -189,6 +198,7 @@ def rank_log(request: HttpRequest, pk: int, attempt: int, rank: int) -> HttpResp
     if request.GET.get("raw"):
         response = HttpResponse(text, content_type="text/plain; charset=utf-8")
         response["X-Next-Offset"] = str(next_offset)
+        response["X-Attempt-Open"] = "1" if attempt_open else "0"
         return response
     context: dict[str, Any] = {
         "job": job,
@@ -200,6 +210,7 @@ def rank_log(request: HttpRequest, pk: int, attempt: int, rank: int) -> HttpResp
         "has_more": len(chunk) >= LOG_CHUNK,
         "ranks": range(job.ranks),
         "unavailable": unavailable,
+        "attempt_open": attempt_open,
         "nav": "jobs",
     }
     return render(request, "preemption/rank_log.html", context)

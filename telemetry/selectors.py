@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import Count, F, Q, QuerySet, Sum
+from django.db.models import Case, Count, F, IntegerField, Q, QuerySet, Sum, Value, When
 
 from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Job, PreemptionEvent, Rank
 from quotas.models import Node, Quota, ResourceFlavor, Team
@@ -307,10 +307,24 @@ def team_rows(
 # --- the queue and preemptions -----------------------------------------------
 
 
-def pending_jobs(*, jobs: QuerySet[Job], limit: int = 50) -> tuple[list[Job], int]:
-    """The oldest waiting jobs with their reasons, and how many wait in all."""
+def pending_jobs(
+    *, jobs: QuerySet[Job], limit: int = 50, first_submitter_id: int | None = None
+) -> tuple[list[Job], int]:
+    """The oldest waiting jobs with their reasons, and how many wait in all.
+    With `first_submitter_id` that user's own jobs come first (oldest first
+    among them), so a researcher finds their jobs at the top of a long queue."""
     waiting = jobs.filter(state__in=WAITING_STATES)
-    return list(waiting.order_by("submitted_at", "id")[:limit]), waiting.count()
+    ordering: list[Any] = ["submitted_at", "id"]
+    if first_submitter_id is not None:
+        waiting = waiting.annotate(
+            is_theirs=Case(
+                When(submitter_id=first_submitter_id, then=Value(0)),
+                default=Value(1),
+                output_field=IntegerField(),
+            )
+        )
+        ordering.insert(0, "is_theirs")
+    return list(waiting.order_by(*ordering)[:limit]), waiting.count()
 
 
 # --- telemetry over time -----------------------------------------------------
