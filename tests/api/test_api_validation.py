@@ -258,7 +258,12 @@ def test_a_job_cannot_ask_more_gpus_per_rank_than_any_node_has(world: Any) -> No
         ({"ranks": "two"}, {"ranks": ["A valid integer is required."]}),
         ({"command": "   "}, {"command": ["A command is required."]}),
         ({"team": "nope"}, {"team": ["Object with slug=nope does not exist."]}),
-        ({"flavor": "tpu"}, {"flavor": ["Object with name=tpu does not exist."]}),
+        # Flavors are cluster-wide, so the refusal lists the valid ones; team
+        # names (above) are never listed to another tenant.
+        (
+            {"flavor": "tpu"},
+            {"flavor": ["There is no 'tpu'; the valid choices are: a100-40gb, h100-80gb."]},
+        ),
         (
             {"priority_class": "urgent"},
             {"priority_class": ["Object with name=urgent does not exist."]},

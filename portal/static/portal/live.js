@@ -138,3 +138,14 @@ document.addEventListener("submit", function (event) {
   var message = event.target.getAttribute && event.target.getAttribute("data-confirm");
   if (message && !window.confirm(message)) { event.preventDefault(); }
 });
+
+// On a narrow screen the navigation folds behind the Menu button.
+(function () {
+  "use strict";
+  var toggle = document.querySelector(".navtoggle");
+  if (!toggle) { return; }
+  toggle.addEventListener("click", function () {
+    var open = toggle.closest(".topbar").classList.toggle("open");
+    toggle.setAttribute("aria-expanded", open ? "true" : "false");
+  });
+})();
