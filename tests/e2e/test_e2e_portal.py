@@ -47,7 +47,7 @@ def test_manager_previews_then_saves_a_quota_and_sees_the_audit_entry(
         "document.querySelector('#preview-result').textContent.includes('8 → 6')"
     )
     preview = page.inner_text("#preview-result")
-    assert "lend limit all → 2" in " ".join(preview.split())
+    assert "lend limit lend all → 2" in " ".join(preview.split())
     assert world.quota(world.vision).guarantee == 8  # the preview saved nothing
     session.screenshot("quota-edit-preview")
     page.click("#save-button")
