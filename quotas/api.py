@@ -173,6 +173,9 @@ class QuotaUpdateSerializer(serializers.Serializer[Any]):
     guarantee = serializers.IntegerField(required=False)
     borrow_limit = serializers.IntegerField(allow_null=True, required=False)
     lend_limit = serializers.IntegerField(allow_null=True, required=False)
+    reason = serializers.CharField(
+        max_length=300, allow_blank=True, required=False, help_text="Kept with the audit entry."
+    )
 
 
 class QuotaPreviewSerializer(QuotaUpdateSerializer):
@@ -235,6 +238,7 @@ class AuditEntrySerializer(serializers.ModelSerializer[AuditEntry]):
             "team",
             "before",
             "after",
+            "reason",
         ]
         read_only_fields = fields
 

@@ -36,6 +36,13 @@ class QuotaForm(forms.Form):
         help_text=f"Most of its idle guarantee others may borrow. Empty: {LEND_ALL}.",
         widget=forms.NumberInput(attrs={"inputmode": "numeric", "placeholder": LEND_ALL}),
     )
+    reason = forms.CharField(
+        required=False,
+        max_length=300,
+        label="Reason (optional)",
+        help_text="Kept with this change in the quota history.",
+        widget=forms.TextInput(attrs={"placeholder": "e.g. nlp's deadline moved to June"}),
+    )
 
     @classmethod
     def for_quota(cls, quota: Quota, data: Any = None) -> QuotaForm:

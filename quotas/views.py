@@ -202,7 +202,12 @@ def quota_edit(request: HttpRequest, pk: int) -> HttpResponse:
                 from quotas.services import quota_update
 
                 try:
-                    quota_update(actor=request.user, quota=quota, **form.values())
+                    quota_update(
+                        actor=request.user,
+                        quota=quota,
+                        reason=form.cleaned_data.get("reason") or "",
+                        **form.values(),
+                    )
                 except ValidationError as error:
                     form.add_service_errors(error)
                 else:

@@ -190,7 +190,7 @@ def test_invalid_quota_edit_shows_the_service_message_and_changes_nothing(world:
     )
     assert response.status_code == 400
     assert (
-        "The sub-teams of ml would be guaranteed 20 GPUs of h100-80gb, more than its own 16."
+        "At most 8: ml has 16 GPUs of h100-80gb and its other sub-teams hold 8 (got 12)."
         in response.content.decode()
     )
     negative = client.post(reverse("quota-preview", args=[quota.pk]), {"guarantee": -3})
