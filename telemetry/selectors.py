@@ -360,16 +360,30 @@ def overview_teams(*, access: Access, limit: int = 40) -> set[int]:
     return shown
 
 
-def chart_teams(*, access: Access) -> list[int]:
+def chart_teams(*, access: Access, team_id: int | None = None) -> list[int]:
     """Which teams the utilization chart stacks: the user's top readable teams,
     or their children when there is only one, so a manager of one team sees
-    its sub-teams side by side."""
+    its sub-teams side by side. A chosen team (any readable one, leaves
+    included) is charted as its readable sub-teams, or alone when it has none;
+    a team the user cannot read is ignored."""
     tree = access.tree
     readable = set(tree.parent) if access.is_admin else access.readable_teams
+    if team_id is not None and team_id in readable:
+        children = sorted(t for t in tree.children.get(team_id, ()) if t in readable)
+        return children or [team_id]
     roots = sorted(t for t in readable if tree.parent.get(t) not in readable)
     if len(roots) == 1 and tree.children.get(roots[0]):
         return sorted(t for t in tree.children[roots[0]] if t in readable)
     return roots
+
+
+def readable_team_slugs(*, access: Access) -> dict[str, int]:
+    """Slug to id of every team the user may read, in slug order: the teams
+    the telemetry page lets the reader chart, leaves included."""
+    teams = Team.objects.order_by("slug")
+    if not access.is_admin:
+        teams = teams.filter(id__in=access.readable_teams)
+    return dict(teams.values_list("slug", "id"))
 
 
 def utilization_points(
