@@ -132,6 +132,7 @@ def test_log_view_follows_from_the_last_offset_while_the_attempt_is_open(
     url = reverse("rank-log", args=[job.pk, 1, 0])
     body = client.get(url).content.decode()
     assert f'id="log-follow" data-url="{url}" data-offset="7" checked' in body
+    assert 'data-live-status data-live-seconds="2"' in body
     # The log grows; the follower asks from offset 7 and gets only the new line.
     with log.open("a") as handle:
         handle.write("step 2\n")
@@ -143,7 +144,9 @@ def test_log_view_follows_from_the_last_offset_while_the_attempt_is_open(
     Attempt.objects.filter(job=job).update(ended_at=timezone.now(), end_reason="succeeded")
     done = client.get(url, {"raw": 1, "offset": 14})
     assert (done.content, done["X-Attempt-Open"]) == (b"", "0")
-    assert "The attempt has ended; the log is complete." in client.get(url).content.decode()
+    ended = client.get(url).content.decode()
+    assert "The attempt has ended; the log is complete." in ended
+    assert "data-live-status" not in ended
 
 
 def test_researchers_own_waiting_jobs_come_first_on_the_dashboard(world: Any) -> None:
