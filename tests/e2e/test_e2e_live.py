@@ -90,9 +90,21 @@ def test_phone_width_in_dark_mode(world: Any, browser_session: Session) -> None:
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
     try:
-        for name, path in (("dashboard", "/"), ("jobs", "/jobs/"), ("job", f"/jobs/{job.pk}/")):
+        for name, path in (
+            ("dashboard", "/"),
+            ("jobs", "/jobs/"),
+            ("telemetry", "/telemetry/"),
+            # The job page comes last: its countdown is checked below.
+            ("job", f"/jobs/{job.pk}/"),
+        ):
             page.goto(session.base_url + path)
             page.wait_for_load_state("networkidle")
+            if name == "telemetry":
+                page.wait_for_selector(".plot .main-svg")
+                paper = page.evaluate(
+                    "getComputedStyle(document.querySelector('.plot .main-svg')).backgroundColor"
+                )
+                assert paper == "rgb(17, 24, 39)", paper
             wide = page.evaluate(
                 "[...document.querySelectorAll('body *')].filter(e => e.getBoundingClientRect().right > 391).slice(0, 8).map(e => e.tagName + '.' + e.className + ' ' + Math.round(e.getBoundingClientRect().right))"
             )
