@@ -19,6 +19,7 @@ from django.db.models import Count, F, Q, QuerySet, Sum
 from core.access import Access, TeamTree
 from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Job, PreemptionEvent, Rank
 from quotas.models import Node, Quota, ResourceFlavor, Team
+from quotas.selectors import team_tree
 from telemetry.mission import MISSION
 from telemetry.models import DrillRun, SimulationRun, UtilizationSample
 
@@ -173,7 +174,7 @@ class UsageNow:
 
     @classmethod
     def load(cls, tree: TeamTree | None = None) -> UsageNow:
-        tree = tree or TeamTree.load()
+        tree = tree or team_tree()
         used: dict[tuple[int, int], int] = defaultdict(int)
         for (team_id, flavor_id), gpus in _used_by_team_flavor().items():
             # Roll every team's usage up the whole tree, so an inner team shows
