@@ -1,18 +1,28 @@
 """The scheduling cycle: snapshot → `fairshare.plan` → one transaction that
 records every decision → runtime actions after commit.
 
-Two cycles never interleave: each takes a lock first (a PostgreSQL advisory
-lock; SQLite's IMMEDIATE transactions already serialize writers). Each write is
-also conditional on the state the plan saw, so even a stale plan cannot admit a
-job twice or pick a second victim for the same attempt.
+Two cycles never interleave: each takes a lock first. On PostgreSQL it is an
+advisory lock held by the cycle's one transaction, which blocks no other
+writer. On SQLite a transaction holds the database's only write lock from its
+start, so there the lock is a file lock next to the database, the snapshot and
+the plan are made outside any write transaction, and only the recording of
+the decisions takes the write lock: job submissions no longer wait for a whole
+plan. Each write is also conditional on the state the plan saw, so even a
+stale plan cannot admit a job twice or pick a second victim for the same
+attempt.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import Path
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
@@ -28,6 +38,7 @@ from preemption.models import (
 from preemption.reasons import Preemptor, preemption_words
 from preemption.reconcile import reconcile_jobs
 from preemption.snapshot import build_snapshot, held_jobs
+from preemption.wakeup import take_cycle_request
 from preemption.webhooks import notify
 
 logger = logging.getLogger(__name__)
@@ -53,16 +64,77 @@ def _lock() -> bool:
     return True
 
 
+@contextmanager
+def _file_lock() -> Iterator[bool]:
+    """Serialize the cycles of every process using this installation's SQLite database.
+
+    Yields False, holding nothing, when another cycle already waits for the lock:
+    that one starts after the running one ends, so it sees everything committed
+    before this call, and a second waiter would only plan the same state again.
+    Every submission asks for a cycle; in a burst they would otherwise queue up
+    behind each other in the worker pool."""
+    folder = Path(settings.VAR_DIR)
+    folder.mkdir(parents=True, exist_ok=True)
+    with (
+        open(folder / "cycle.wait.lock", "a") as waiting,
+        open(folder / "cycle.lock", "a") as cycle,
+    ):
+        try:
+            fcntl.flock(waiting, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            fcntl.flock(cycle, fcntl.LOCK_EX)
+        finally:
+            fcntl.flock(waiting, fcntl.LOCK_UN)
+        try:
+            yield True
+        finally:
+            fcntl.flock(cycle, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _read_transaction() -> Iterator[None]:
+    """One consistent view for the snapshot's queries on SQLite: a deferred
+    transaction that only reads takes no write lock, and in WAL mode no writer
+    waits for it. Inside a caller's transaction the view is that one's."""
+    if connection.in_atomic_block:
+        yield
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("BEGIN DEFERRED")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("COMMIT")
+
+
 def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleResult:
     """Plan every pending job at once and record the decisions."""
     result = CycleResult()
-    with transaction.atomic():
-        _lock()
-        now = now or timezone.now()
-        held = held_jobs()
-        snapshot = build_snapshot(now=now, held=held)
-        plan = fairshare.plan(snapshot)
-        _apply(plan, now=now, result=result, held=held)
+    if connection.vendor == "postgresql":
+        with transaction.atomic():
+            _lock()
+            take_cycle_request()
+            now = now or timezone.now()
+            held = held_jobs()
+            plan = fairshare.plan(build_snapshot(now=now, held=held))
+            _apply(plan, now=now, result=result, held=held)
+    else:
+        with _file_lock() as mine:
+            if not mine:
+                result.skipped = True
+                return result
+            take_cycle_request()
+            now = now or timezone.now()
+            with _read_transaction():
+                held = held_jobs()
+                snapshot = build_snapshot(now=now, held=held)
+            plan = fairshare.plan(snapshot)
+            with transaction.atomic():
+                _apply(plan, now=now, result=result, held=held)
     if act and (result.admitted or result.preempted):
         reconcile_jobs(job_ids=result.admitted + result.preempted)
     return result

@@ -24,7 +24,6 @@ MAX_COMMAND = job_rules.MAX_COMMAND
 MAX_ATTEMPTS = 100
 
 
-@transaction.atomic
 def job_submit(
     *,
     submitter: AbstractBaseUser,
@@ -92,23 +91,26 @@ def job_submit(
     if errors:
         raise ValidationError(errors)
     assert priority_class is not None
-    job = Job.objects.create(
-        name=name,
-        team=team,
-        submitter=submitter,
-        priority_class=priority_class,
-        flavor=flavor,
-        ranks=ranks,
-        gpus_per_rank=gpus_per_rank,
-        command=command,
-        image=image,
-        env=env or {},
-        max_attempts=max_attempts or settings.QM_MAX_ATTEMPTS,
-        waiting_reason="waiting for the next scheduling cycle",
-    )
-    job.checkpoint_dir = str(Path(settings.QM_CHECKPOINTS_DIR) / f"job-{job.pk}")
-    job.save(update_fields=["checkpoint_dir"])
-    queue_cycle()
+    # Only the writes share a transaction: on SQLite it holds the database's one
+    # write lock from its start, and the checks above only read.
+    with transaction.atomic():
+        job = Job.objects.create(
+            name=name,
+            team=team,
+            submitter=submitter,
+            priority_class=priority_class,
+            flavor=flavor,
+            ranks=ranks,
+            gpus_per_rank=gpus_per_rank,
+            command=command,
+            image=image,
+            env=env or {},
+            max_attempts=max_attempts or settings.QM_MAX_ATTEMPTS,
+            waiting_reason="waiting for the next scheduling cycle",
+        )
+        job.checkpoint_dir = str(Path(settings.QM_CHECKPOINTS_DIR) / f"job-{job.pk}")
+        job.save(update_fields=["checkpoint_dir"])
+        queue_cycle()
     return job
 
 
