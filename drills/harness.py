@@ -55,8 +55,16 @@ from drills.result import ChaosRound, DrillResult, RoundFigures
 from portal.processes import beat_command, web_command, worker_command
 from preemption.ingest import fingerprint
 from preemption.logs import read_rank_log
-from preemption.models import FINAL_STATES, Attempt, Job, JobState, PreemptionEvent, Rank
-from preemption.runtime import get_runtime
+from preemption.models import (
+    FINAL_STATES,
+    Attempt,
+    Job,
+    JobState,
+    PreemptionEvent,
+    Rank,
+    TrapEvent,
+)
+from preemption.runtime import get_runtime, local_runner
 from preemption.runtimes import iter_trap_events, procfs, read_whole_log
 from preemption.runtimes.base import GangId
 from preemption.services import job_cancel, job_submit
@@ -69,7 +77,6 @@ from quotas.services import (
     team_create,
     team_priority_classes_set,
 )
-from telemetry.models import TrapEvent
 from telemetry.services import drill_run_record
 
 FLAVOR = "drill-gpu"
@@ -167,8 +174,6 @@ class Drill:
         self.dumps = self.work / "dumps"
         self.dumps.mkdir(mode=0o700)
         if runtime == "local":
-            from preemption.runtime import local_runner
-
             runner = local_runner()
             if runner is not None:
                 # The borrower's ranks run as the runner user and write their final state

@@ -5,8 +5,7 @@ from django.urls import path, re_path
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.routers import DefaultRouter
 
-from portal.api import ApiTokenViewSet
-from preemption.api import (
+from portal.rest.preemption import (
     AttemptViewSet,
     CheckpointViewSet,
     JobViewSet,
@@ -14,7 +13,7 @@ from preemption.api import (
     RankViewSet,
     WebhookViewSet,
 )
-from quotas.api import (
+from portal.rest.quotas import (
     AuditEntryViewSet,
     FlavorViewSet,
     NodeViewSet,
@@ -22,7 +21,8 @@ from quotas.api import (
     QuotaViewSet,
     TeamViewSet,
 )
-from telemetry.api import UsageView
+from portal.rest.tokens import ApiTokenViewSet
+from portal.rest.usage import UsageView
 
 router = DefaultRouter()
 router.register("flavors", FlavorViewSet, basename="flavor")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from portal.env import (
+from core.env import (
     check_secret_key,
     env_bool,
     env_choice,
@@ -169,7 +169,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "portal.api.exception_handler",
+    "EXCEPTION_HANDLER": "core.api.exception_handler",
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
 }
 SPECTACULAR_SETTINGS = {
@@ -184,7 +184,7 @@ SPECTACULAR_SETTINGS = {
     # `check --deploy` would generate the schema, which runs the selectors and so
     # needs a migrated database; without one every view reads as a schema
     # warning. The test suite generates and walks the schema instead
-    # (tests/api/test_api_permissions.py, tests/api/test_api_schemathesis.py).
+    # (tests/portal/api/test_api_permissions.py, tests/portal/api/test_api_schemathesis.py).
     "ENABLE_DJANGO_DEPLOY_CHECK": False,
     # The interactive docs are served from the installed sidecar, never a CDN.
     "SWAGGER_UI_DIST": "SIDECAR",
@@ -225,6 +225,11 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 CELERY_TIMEZONE = "UTC"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 QM_CYCLE_SECONDS = env_float("QM_CYCLE_SECONDS", 1.0, minimum=0.1)
+# How often the reconciler looks at the runtime. A finished rank is noticed at the
+# next pass, and its GPUs go to the next job only then: with jobs of seconds, a
+# pass a second would leave GPUs idle for a quarter of the time. A pass over
+# gangs that changed nothing writes nothing.
+QM_RECONCILE_SECONDS = env_float("QM_RECONCILE_SECONDS", 0.25, minimum=0.05)
 QM_SAMPLE_SECONDS = env_float("QM_SAMPLE_SECONDS", 15.0, minimum=1.0)
 
 # Runtimes.
@@ -249,6 +254,11 @@ QM_K8S_KUBECONFIG = env_str("QM_K8S_KUBECONFIG", "") or ""
 QM_PUBLIC_URL = env_str("QM_PUBLIC_URL", "http://127.0.0.1:8000") or "http://127.0.0.1:8000"
 QM_MAX_ATTEMPTS = env_int("QM_MAX_ATTEMPTS", 5, minimum=1)
 QM_RETRY_BACKOFF_SECONDS = env_float("QM_RETRY_BACKOFF_SECONDS", 10.0, minimum=0.0)
+# A runtime call that failed for a reason that may pass (a launcher that did
+# not start, an API server that answered 503) is tried again after this many
+# seconds, doubling each time, and a launch gives up after QM_RUNTIME_TRIES.
+QM_RUNTIME_RETRY_SECONDS = env_float("QM_RUNTIME_RETRY_SECONDS", 2.0, minimum=0.0)
+QM_RUNTIME_TRIES = env_int("QM_RUNTIME_TRIES", 8, minimum=1)
 # Webhooks: networks an admin opens to them (comma-separated CIDRs; everything
 # that is not public is closed otherwise), and the time one delivery may take
 # in all, from connecting to the answer's head.

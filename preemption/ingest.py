@@ -33,20 +33,10 @@ from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.db.models import Max
 from django.utils import timezone
+from gracetrap_protocol import EVENT_NAMES
 
-from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank
-from telemetry.models import TrapEvent
+from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, TrapEvent
 
-EVENT_NAMES = frozenset(
-    {
-        "signal_received",
-        "checkpoint_started",
-        "checkpoint_committed",
-        "checkpoint_skipped",
-        "exiting",
-        "resumed",
-    }
-)
 MAX_EVENT_BYTES = 8192
 # Steps are stored in 32-bit columns and resume_step is the step after the last
 # checkpoint, so the last step that can be recorded is one below the column's top.

@@ -102,6 +102,13 @@ class Attempt(models.Model):
         CANCELLED = "cancelled", "Cancelled"
         GANG_GUARD = "gang-guard", "A rank died; the gang was stopped"
 
+    class Action(models.TextChoices):
+        NONE = "", "None"
+        LAUNCH = "launch", "Launch"
+        SIGNAL = "signal", "Signal"
+        KILL = "kill", "Kill"
+        FORGET = "forget", "Forget"
+
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
     number = models.PositiveIntegerField()
     placement = models.JSONField(default=list)
@@ -115,6 +122,18 @@ class Attempt(models.Model):
     # The random part of the attempt's trap events token (see preemption.event_tokens);
     # the token itself is never stored.
     events_key = models.CharField(max_length=64, default=new_events_key, editable=False)
+    # The runtime action the reconciler decided on and has not yet carried out.
+    # It is recorded in the short transaction that decides it and carried out
+    # after that commits; a worker claims it first (action_claimed_at), so two
+    # workers never act twice, and a claim older than the reconciler's lease
+    # belonged to a worker that died and may be taken over.
+    action = models.CharField(max_length=8, choices=Action.choices, blank=True)
+    action_claimed_at = models.DateTimeField(null=True, blank=True)
+    # Temporary runtime errors of the pending action so far, the latest one,
+    # and when the next try is due.
+    action_tries = models.PositiveIntegerField(default=0)
+    action_error = models.CharField(max_length=300, blank=True)
+    action_not_before = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["job_id", "number"]
@@ -124,9 +143,25 @@ class Attempt(models.Model):
                 fields=["job"], condition=Q(ended_at__isnull=True), name="attempt_one_open_per_job"
             ),
         ]
+        # Every reconcile pass looks for ended attempts with a forget still to do.
+        indexes = [
+            models.Index(fields=["action"], condition=~Q(action=""), name="attempt_action_pending")
+        ]
 
     def __str__(self) -> str:
         return f"job {self.job_id} attempt {self.number}"
+
+
+def next_attempt_number(job_id: int) -> int:
+    """The number of the job's next attempt: one more than its last. Attempts
+    are never renumbered or deleted, so history keeps its numbers."""
+    last = (
+        Attempt.objects.filter(job_id=job_id)
+        .order_by("-number")
+        .values_list("number", flat=True)
+        .first()
+    )
+    return (last or 0) + 1
 
 
 class Rank(models.Model):
@@ -331,3 +366,29 @@ class WebhookDelivery(models.Model):
         return (
             f"{self.event} to {self.webhook_id} ({'delivered' if self.delivered_at else 'pending'})"
         )
+
+
+class TrapEvent(models.Model):
+    """One event a rank's trap reported, by POST or from its log.
+
+    The fingerprint is a hash of the event's JSON, so the same event arriving
+    both ways is stored once.
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="trap_events")
+    attempt = models.PositiveIntegerField()
+    rank = models.PositiveIntegerField()
+    event = models.CharField(max_length=32)
+    at = models.FloatField()
+    step = models.PositiveIntegerField(null=True, blank=True)
+    payload = models.JSONField()
+    fingerprint = models.CharField(max_length=64, unique=True)
+    source = models.CharField(max_length=8, choices=[("post", "POST"), ("log", "log")])
+    received_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["at", "id"]
+        indexes = [models.Index(fields=["job", "attempt", "event"])]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id}/{self.attempt} rank {self.rank} {self.event}"

@@ -21,8 +21,9 @@ from django.db.models import (
 )
 from django.db.models.functions import Coalesce, Now
 
+from core.access import User
 from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, Webhook
-from quotas.selectors import User, access_for
+from quotas.selectors import access_for
 
 
 def _readable(user: User) -> set[int] | None:
@@ -68,7 +69,12 @@ def rank_list(*, user: User) -> QuerySet[Rank]:
 def preemption_event_list(*, user: User) -> QuerySet[PreemptionEvent]:
     """Preemptions the user may read; a person's cancel is not one of them."""
     queryset = PreemptionEvent.objects.preemptions().select_related(
-        "job", "job__team", "preemptor", "preemptor__team", "victim_attempt"
+        "job",
+        "job__team",
+        "preemptor",
+        "preemptor__team",
+        "preemptor__priority_class",
+        "victim_attempt",
     )
     teams = _readable(user)
     return queryset if teams is None else queryset.filter(job__team_id__in=teams)

@@ -4,46 +4,26 @@ reconcilers, which act for the system, live in cycle.py and reconcile.py."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import Max
 from django.utils import timezone
 
 from preemption import job_rules
 from preemption.models import FINAL_STATES, WAITING_STATES, Job, JobState
+from preemption.reconcile import request_stop
+from preemption.wakeup import queue_cycle
+from preemption.webhooks import notify
 from quotas.models import Node, PriorityClass, ResourceFlavor, Team
-from quotas.selectors import TeamTree, priority_allowance
+from quotas.selectors import priority_allowance, team_tree
 
 MAX_RANKS = 4096
 MAX_COMMAND = job_rules.MAX_COMMAND
 MAX_ATTEMPTS = 100
 
 
-def queue_cycle() -> None:
-    """Ask for an extra scheduling cycle once the current transaction commits."""
-    from preemption.tasks import schedule_cycle
-
-    transaction.on_commit(lambda: _send_quietly(schedule_cycle))
-
-
-def _send_quietly(task: Any) -> None:
-    # The beat runs the cycle every second anyway: a broker hiccup while asking
-    # for an extra run must not fail the request that asked.
-    try:
-        task.apply_async(retry=False)
-    except Exception:
-        import logging
-
-        logging.getLogger(__name__).warning(
-            "could not queue an extra scheduling cycle", exc_info=True
-        )
-
-
-@transaction.atomic
 def job_submit(
     *,
     submitter: AbstractBaseUser,
@@ -66,7 +46,7 @@ def job_submit(
     image that is not a reference, and oversized text.
     """
     errors: dict[str, list[str]] = {}
-    if not TeamTree.load().is_leaf(team.pk):
+    if not team_tree().is_leaf(team.pk):
         errors["team"] = [f"Team {team.slug} has sub-teams; jobs are submitted to leaf teams."]
     ranks_ok = not isinstance(ranks, bool) and isinstance(ranks, int) and 1 <= ranks <= MAX_RANKS
     if not ranks_ok:
@@ -111,23 +91,26 @@ def job_submit(
     if errors:
         raise ValidationError(errors)
     assert priority_class is not None
-    job = Job.objects.create(
-        name=name,
-        team=team,
-        submitter=submitter,
-        priority_class=priority_class,
-        flavor=flavor,
-        ranks=ranks,
-        gpus_per_rank=gpus_per_rank,
-        command=command,
-        image=image,
-        env=env or {},
-        max_attempts=max_attempts or settings.QM_MAX_ATTEMPTS,
-        waiting_reason="waiting for the next scheduling cycle",
-    )
-    job.checkpoint_dir = str(Path(settings.QM_CHECKPOINTS_DIR) / f"job-{job.pk}")
-    job.save(update_fields=["checkpoint_dir"])
-    queue_cycle()
+    # Only the writes share a transaction: on SQLite it holds the database's one
+    # write lock from its start, and the checks above only read.
+    with transaction.atomic():
+        job = Job.objects.create(
+            name=name,
+            team=team,
+            submitter=submitter,
+            priority_class=priority_class,
+            flavor=flavor,
+            ranks=ranks,
+            gpus_per_rank=gpus_per_rank,
+            command=command,
+            image=image,
+            env=env or {},
+            max_attempts=max_attempts or settings.QM_MAX_ATTEMPTS,
+            waiting_reason="waiting for the next scheduling cycle",
+        )
+        job.checkpoint_dir = str(Path(settings.QM_CHECKPOINTS_DIR) / f"job-{job.pk}")
+        job.save(update_fields=["checkpoint_dir"])
+        queue_cycle()
     return job
 
 
@@ -182,18 +165,10 @@ def job_cancel(*, actor: AbstractBaseUser | None, job: Job) -> Job:
         job.cancel_requested_at = now
         job.waiting_reason = ""
         job.save(update_fields=["state", "finished_at", "cancel_requested_at", "waiting_reason"])
-        from preemption.webhooks import notify
-
         notify(job_id=job.pk, event="finished", payload={"state": "cancelled"})
     elif job.cancel_requested_at is None:
         job.cancel_requested_at = now
         job.save(update_fields=["cancel_requested_at"])
-        from preemption.reconcile import request_stop
-
         request_stop(job=job, reason="manual", cause=f"cancelled by {actor or 'the system'}")
     queue_cycle()
     return job
-
-
-def next_attempt_number(job: Job) -> int:
-    return (job.attempts.aggregate(n=Max("number"))["n"] or 0) + 1

@@ -1,21 +1,18 @@
 """Between the database and the pure engine: build a `fairshare.Snapshot` from
-the rows, and preview what a quota change would do."""
+the rows."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from datetime import datetime
-from typing import Any
 
-from django.db import models
 from django.db.models import Max
 from django.utils import timezone
 
 import fairshare
-from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Checkpoint, Job, JobState
-from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team
-from quotas.selectors import TeamTree, priority_allowances
-from quotas.services import UNSET, quota_validate
+from preemption.models import WAITING_STATES, Attempt, Checkpoint, Job, JobState
+from quotas.models import Node, PriorityClass, Quota, Team
+from quotas.selectors import priority_allowances
 
 ENGINE_STATE = {
     JobState.PENDING: "pending",
@@ -164,119 +161,3 @@ def build_snapshot(
         priority_classes=classes,
         workloads=tuple(workloads),
     )
-
-
-def non_preemptible_work(*, team: Team, flavor: ResourceFlavor, guarantee: int) -> dict[str, Any]:
-    """The jobs of a class that is never preempted, which a guarantee of
-    (team, flavor) must make room for.
-
-    R5 lets such jobs run only inside their team's guarantee and no rule may
-    take them back, so the running ones are a floor under the guarantee of
-    their team and of every team above it (`quota_validate` refuses a cut
-    below it). A waiting one larger than its own team's guarantee would never
-    start: the preview lists those as stranded by the change.
-    """
-    subtree = TeamTree.load().subtree([team.pk])
-    rows = list(
-        Job.objects.filter(
-            team_id__in=subtree,
-            flavor=flavor,
-            priority_class__preemptible=False,
-            state__in=[*ACTIVE_STATES, *WAITING_STATES],
-        )
-        .order_by("id")
-        .values("id", "name", "team_id", "team__slug", "ranks", "gpus_per_rank", "state")
-        .annotate(priority_class_name=models.F("priority_class__name"))
-    )
-
-    def describe(row: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "job_id": row["id"],
-            "job_name": row["name"],
-            "team": row["team__slug"],
-            "gpus": row["ranks"] * row["gpus_per_rank"],
-            "priority_class": row["priority_class_name"],
-        }
-
-    running = [describe(row) for row in rows if row["state"] in ACTIVE_STATES]
-    stranded = []
-    for row in rows:
-        job = describe(row)
-        if row["state"] in WAITING_STATES and row["team_id"] == team.pk and job["gpus"] > guarantee:
-            job["why"] = (
-                f"{job['priority_class']} is never preempted, so it runs only inside "
-                f"{team.slug}'s guarantee: it needs {job['gpus']} GPUs of {flavor.name}, "
-                f"the guarantee would be {guarantee}."
-            )
-            stranded.append(job)
-    return {
-        "running": running,
-        "floor": sum(job["gpus"] for job in running),
-        "stranded": stranded,
-    }
-
-
-def quota_preview(
-    *,
-    quota: Quota,
-    guarantee: Any = UNSET,
-    borrow_limit: Any = UNSET,
-    lend_limit: Any = UNSET,
-    weight: Any = UNSET,
-) -> dict[str, Any]:
-    """Validate a quota edit exactly like `quota_update`, save nothing, and say
-    what it would do: running jobs that would be reclaimed, admissions it would
-    allow, and how every fair share moves."""
-    new_guarantee = quota.guarantee if guarantee is UNSET else guarantee
-    new_borrow = quota.borrow_limit if borrow_limit is UNSET else borrow_limit
-    new_lend = quota.lend_limit if lend_limit is UNSET else lend_limit
-    quota_validate(
-        team=quota.team,
-        flavor=quota.flavor,
-        guarantee=new_guarantee,
-        borrow_limit=new_borrow,
-        lend_limit=new_lend,
-    )
-    if weight is not UNSET and (
-        not isinstance(weight, int | float) or isinstance(weight, bool) or weight <= 0
-    ):
-        from django.core.exceptions import ValidationError
-
-        raise ValidationError({"weight": [f"Must be greater than 0 (got {weight})."]})
-    change = fairshare.QuotaChange(
-        queue=quota.team.slug,
-        flavor=quota.flavor.name,
-        guarantee=new_guarantee,
-        borrow_limit=new_borrow,
-        lend_limit=new_lend,
-        **({} if weight is UNSET else {"weight": float(weight)}),
-    )
-    consequences = fairshare.diff(build_snapshot(), [change])
-    result = fairshare.consequences_to_dict(consequences)
-    # Name the jobs in the portal's words, not only by engine id.
-    ids = {
-        int(item["id"]) for item in result.get("reclaimed", []) if str(item.get("id", "")).isdigit()
-    }
-    names = {
-        job_id: (name, team, total)
-        for job_id, name, team, total in Job.objects.filter(id__in=ids).values_list(
-            "id", "name", "team__slug", "ranks"
-        )
-    }
-    for item in result.get("reclaimed", []):
-        key = int(item["id"]) if str(item.get("id", "")).isdigit() else None
-        if key in names:
-            item.setdefault("job_id", key)
-            item.setdefault("job_name", names[key][0])
-            item.setdefault("team", names[key][1])
-    result["non_preemptible"] = non_preemptible_work(
-        team=quota.team, flavor=quota.flavor, guarantee=new_guarantee
-    )
-    result["change"] = {
-        "team": quota.team.slug,
-        "flavor": quota.flavor.name,
-        "guarantee": {"before": quota.guarantee, "after": new_guarantee},
-        "borrow_limit": {"before": quota.borrow_limit, "after": new_borrow},
-        "lend_limit": {"before": quota.lend_limit, "after": new_lend},
-    }
-    return result

@@ -1,6 +1,7 @@
-"""Notices to teams' webhooks: queued in the transaction that made the change,
-delivered later by a task with retries and backoff, so a slow or broken
-receiver never holds up the scheduling cycle.
+"""Teams' webhooks: registering and removing them (audited), and their notices,
+queued in the transaction that made the change and delivered later by a task
+with retries and backoff, so a slow or broken receiver never holds up the
+scheduling cycle.
 
 Each run of the delivery task gives every webhook its own thread: a webhook's
 notices go out one after another, each within QM_WEBHOOK_DEADLINE_SECONDS all
@@ -32,6 +33,9 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.core.exceptions import ValidationError
+from django.db import transaction
 from django.utils import timezone
 
 from preemption.models import Job, Webhook, WebhookDelivery
@@ -43,6 +47,7 @@ from preemption.webhook_transport import (
     parse_networks,
     post,
 )
+from quotas.models import AuditEntry, Team
 
 logger = logging.getLogger(__name__)
 MAX_TRIES = 8
@@ -242,3 +247,73 @@ def deliver_due(*, limit: int = 50) -> int:
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     return delivered
+
+
+# --- the team webhooks managers register ----------------------------------------
+
+
+def _webhook_values(webhook: Webhook) -> dict[str, Any]:
+    # The secret is never written to the audit log.
+    return {
+        "team": webhook.team.slug,
+        "url": webhook.url,
+        "events": list(webhook.events),
+        "active": webhook.active,
+    }
+
+
+@transaction.atomic
+def webhook_create(
+    *,
+    actor: AbstractBaseUser,
+    team: Team,
+    url: str,
+    events: list[str] | None = None,
+    secret: str = "",
+) -> Webhook:
+    """Register a URL that receives the team's job notices (all of them when
+    `events` is empty)."""
+    events = list(events or [])
+    unknown = sorted(set(events) - set(Webhook.EVENTS))
+    if unknown:
+        raise ValidationError(
+            {
+                "events": [
+                    f"Unknown events {', '.join(unknown)}; choose from {', '.join(Webhook.EVENTS)}."
+                ]
+            }
+        )
+    webhook = Webhook(team=team, url=url, events=events, secret=secret)
+    # An empty list of events is valid (it means all of them); the model field calls it blank.
+    webhook.full_clean(exclude=["events"])
+    refusal = destination_refusal(url)
+    if refusal is not None:
+        raise ValidationError({"url": [refusal]})
+    webhook.save()
+    AuditEntry.objects.create(
+        actor=actor,
+        action="webhook.create",
+        object_type="webhook",
+        object_id=str(webhook.pk),
+        object_repr=str(webhook)[:200],
+        team=team,
+        before=None,
+        after=_webhook_values(webhook),
+    )
+    return webhook
+
+
+@transaction.atomic
+def webhook_delete(*, actor: AbstractBaseUser, webhook: Webhook) -> None:
+    """Remove a team webhook and its pending deliveries."""
+    AuditEntry.objects.create(
+        actor=actor,
+        action="webhook.delete",
+        object_type="webhook",
+        object_id=str(webhook.pk),
+        object_repr=str(webhook)[:200],
+        team=webhook.team,
+        before=_webhook_values(webhook),
+        after=None,
+    )
+    webhook.delete()

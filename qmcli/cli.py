@@ -412,7 +412,7 @@ def _preemption_line(event: dict[str, Any]) -> str:
         details.append(f"checkpoint at step {event['checkpoint_step']}")
     if event["outcome"]:
         details.append(f"outcome {event['outcome']}")
-    return f"{event['cause'] or event['reason']} ({', '.join(details)})"
+    return f"{event['why']} ({', '.join(details)})"
 
 
 def failing_rank(attempt: dict[str, Any]) -> dict[str, Any] | None:

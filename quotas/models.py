@@ -7,6 +7,8 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
+from core.access import Role
+
 
 class ResourceFlavor(models.Model):
     """A kind of GPU that quotas are counted in, e.g. `h100-80gb`."""
@@ -167,9 +169,7 @@ class Membership(models.Model):
     """A person's role in a team. Managers edit the quotas below their team;
     researchers submit jobs. Platform admins are Django staff instead."""
 
-    class Role(models.TextChoices):
-        MANAGER = "manager", "Manager"
-        RESEARCHER = "researcher", "Researcher"
+    Role = Role
 
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"

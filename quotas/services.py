@@ -9,10 +9,12 @@ from typing import Any
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.db.models import F, Sum
+from django.db.models import Sum
 
+from core.access import TeamTree
+from quotas.job_ledger import job_ledger
 from quotas.models import AuditEntry, Membership, Node, PriorityClass, Quota, ResourceFlavor, Team
-from quotas.selectors import PriorityAllowance, TeamTree, priority_allowance
+from quotas.selectors import PriorityAllowance, cluster_gpus, priority_allowance, team_tree
 
 MAX_GPUS = 1_000_000
 UNSET: Any = object()
@@ -132,12 +134,7 @@ def node_upsert(
 
 @transaction.atomic
 def node_delete(*, actor: AbstractBaseUser | None, node: Node) -> None:
-    from preemption.models import ACTIVE_STATES, Rank
-
-    busy = Rank.objects.filter(
-        node=node.name, attempt__job__state__in=ACTIVE_STATES, attempt__ended_at__isnull=True
-    )
-    if busy.exists():
+    if job_ledger().node_runs_active_ranks(node.name):
         raise ValidationError({"node": [f"Node {node.name} still runs ranks of active jobs."]})
     _audit(
         actor=actor,
@@ -166,17 +163,14 @@ def team_create(
         raise ValidationError({"slug": [f"A team with slug {slug!r} already exists."]})
     if not weight or weight <= 0:
         raise ValidationError({"weight": [f"Must be greater than 0 (got {weight})."]})
-    if parent is not None:
-        from preemption.models import Job
-
-        if Job.objects.filter(team=parent).exists():
-            raise ValidationError(
-                {
-                    "parent": [
-                        f"Team {parent.slug} has jobs of its own; only leaf teams run jobs, so it cannot get sub-teams."
-                    ]
-                }
-            )
+    if parent is not None and job_ledger().team_has_jobs(parent.pk):
+        raise ValidationError(
+            {
+                "parent": [
+                    f"Team {parent.slug} has jobs of its own; only leaf teams run jobs, so it cannot get sub-teams."
+                ]
+            }
+        )
     team = Team(slug=slug, name=name or slug, parent=parent, weight=weight)
     team.full_clean()
     team.save()
@@ -212,7 +206,7 @@ def team_update(
         team.weight = weight
         fields.append("weight")
     if parent is not UNSET and parent != team.parent:
-        tree = TeamTree.load()
+        tree = team_tree()
         if parent is not None and (parent.pk == team.pk or parent.pk in tree.descendants(team.pk)):
             raise ValidationError(
                 {
@@ -243,15 +237,9 @@ def team_update(
 
 @transaction.atomic
 def team_delete(*, actor: AbstractBaseUser | None, team: Team) -> None:
-    from preemption.models import FINAL_STATES, Job
-
-    tree = TeamTree.load()
+    tree = team_tree()
     subtree = tree.subtree([team.pk])
-    unfinished = list(
-        Job.objects.filter(team_id__in=subtree)
-        .exclude(state__in=FINAL_STATES)
-        .values_list("id", flat=True)[:5]
-    )
+    unfinished = job_ledger().unfinished_job_ids(subtree, limit=5)
     if unfinished:
         names = ", ".join(f"job {job_id}" for job_id in unfinished)
         raise ValidationError(
@@ -261,7 +249,7 @@ def team_delete(*, actor: AbstractBaseUser | None, team: Team) -> None:
         raise ValidationError(
             {"team": [f"Team {team.slug} has sub-teams; delete or move them first."]}
         )
-    if Job.objects.filter(team=team).exists():
+    if job_ledger().team_has_jobs(team.pk):
         raise ValidationError(
             {"team": [f"Team {team.slug} has a job history; it cannot be deleted."]}
         )
@@ -290,8 +278,6 @@ def _guarantee_of(team_id: int, flavor_id: int) -> int:
 
 def _validate_quota_tree(*, team: Team, flavor: ResourceFlavor, guarantee: int) -> None:
     """The structural rules a guarantee must keep in the tree."""
-    from quotas.selectors import cluster_gpus
-
     siblings = Quota.objects.filter(flavor=flavor).exclude(team=team)
     if team.parent_id is None:
         others = (
@@ -345,20 +331,8 @@ def _validate_quota_tree(*, team: Team, flavor: ResourceFlavor, guarantee: int) 
 
 
 def _validate_non_preemptible(*, team: Team, flavor: ResourceFlavor, guarantee: int) -> None:
-    from preemption.models import ACTIVE_STATES, Job
-
-    subtree = TeamTree.load().subtree([team.pk])
-    jobs = list(
-        Job.objects.filter(
-            team_id__in=subtree,
-            flavor=flavor,
-            state__in=ACTIVE_STATES,
-            priority_class__preemptible=False,
-        )
-        .annotate(total=F("ranks") * F("gpus_per_rank"))
-        .order_by("id")
-        .values_list("id", "name", "total")
-    )
+    subtree = team_tree().subtree([team.pk])
+    jobs = job_ledger().active_non_preemptible(subtree, flavor_id=flavor.pk)
     running = sum(total for _, _, total in jobs)
     if guarantee < running:
         names = ", ".join(
@@ -617,7 +591,7 @@ def team_priority_classes_set(
         except _RollBack as rolled_back:
             return rolled_back.allowance
     team = Team.objects.select_for_update().get(pk=team.pk)
-    tree = TeamTree.load()
+    tree = team_tree()
     before = _allowance_values(team)
     old = priority_allowance(team=team, tree=tree)
     if priority_classes is not UNSET:

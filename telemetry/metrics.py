@@ -12,8 +12,8 @@ from datetime import timedelta
 
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 
+from core.access import Access
 from preemption.models import WAITING_STATES, Checkpoint, Job, PreemptionEvent, Rank
-from quotas.selectors import Access
 from telemetry.mission import MISSION
 from telemetry.selectors import team_rows
 

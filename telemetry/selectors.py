@@ -11,15 +11,17 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import PurePath
 from typing import Any
 
 from django.db.models import Case, Count, F, IntegerField, Q, QuerySet, Sum, Value, When
 
+from core.access import Access, TeamTree
 from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Job, PreemptionEvent, Rank
 from quotas.models import Node, Quota, ResourceFlavor, Team
-from quotas.selectors import Access, TeamTree
+from quotas.selectors import team_tree
 from telemetry.mission import MISSION
-from telemetry.models import DrillRun, UtilizationSample
+from telemetry.models import DrillRun, SimulationRun, UtilizationSample
 
 # Charts read at most this many recent rows of a kind, so a page stays fast
 # after years of history; the figures say so in their titles.
@@ -172,7 +174,7 @@ class UsageNow:
 
     @classmethod
     def load(cls, tree: TeamTree | None = None) -> UsageNow:
-        tree = tree or TeamTree.load()
+        tree = tree or team_tree()
         used: dict[tuple[int, int], int] = defaultdict(int)
         for (team_id, flavor_id), gpus in _used_by_team_flavor().items():
             # Roll every team's usage up the whole tree, so an inner team shows
@@ -686,10 +688,6 @@ class SimulationReport:
 
 def simulation_reports(limit: int = 20) -> list[SimulationReport]:
     """The newest stored simulation runs whose report has the documented shape."""
-    from pathlib import PurePath
-
-    from telemetry.models import SimulationRun
-
     reports = []
     rows = SimulationRun.objects.order_by("-created_at", "-id").values_list(
         "id", "trace", "created_at", "report"

@@ -19,8 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from preemption.models import Attempt, PreemptionEvent, Rank
-from telemetry.models import TrapEvent
+from preemption.models import Attempt, PreemptionEvent, Rank, TrapEvent
 
 
 @dataclass

@@ -31,6 +31,7 @@ from rest_framework.test import APIClient
 
 from preemption.runtimes.runner import RunnerAccount, find_runner
 from quotas.models import Membership, Node, PriorityClass, Quota, ResourceFlavor, Team
+from tests import builders
 
 PERSONAS = ("admin", "manager", "other_manager", "researcher", "other_researcher", "anonymous")
 PASSWORD = "correct-horse-battery-staple"
@@ -134,14 +135,12 @@ def world(db: Any) -> World:
     for index in range(3):
         Node.objects.create(name=f"h100-node-{index}", flavor=h100, gpus=8)
     Node.objects.create(name="a100-node-0", flavor=a100, gpus=8)
-    org = Team.objects.create(slug="org", name="Org")
-    ml = Team.objects.create(slug="ml", name="ML", parent=org)
-    vision = Team.objects.create(slug="vision", name="Vision", parent=ml)
-    nlp = Team.objects.create(slug="nlp", name="NLP", parent=ml)
-    other = Team.objects.create(slug="other", name="Other")
-    ops = Team.objects.create(slug="ops", name="Ops", parent=other)
-    for team, guarantee in ((org, 16), (ml, 16), (vision, 8), (nlp, 8), (other, 8), (ops, 8)):
-        Quota.objects.create(team=team, flavor=h100, guarantee=guarantee)
+    org = builders.team("org", name="Org", quotas={h100: 16})
+    ml = builders.team("ml", name="ML", parent=org, quotas={h100: 16})
+    vision = builders.team("vision", name="Vision", parent=ml, quotas={h100: 8})
+    nlp = builders.team("nlp", name="NLP", parent=ml, quotas={h100: 8})
+    other = builders.team("other", name="Other", quotas={h100: 8})
+    ops = builders.team("ops", name="Ops", parent=other, quotas={h100: 8})
     critical, batch = mission_class("ai-prod-critical"), mission_class("ai-batch-preemptible")
     for root in (org, other):
         root.priority_classes.set([critical, batch])

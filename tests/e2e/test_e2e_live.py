@@ -14,7 +14,7 @@ from django.utils import timezone
 from preemption.models import Attempt, Job, JobState, PreemptionEvent
 from tests.conftest import PASSWORD
 from tests.e2e.conftest import SCREENSHOTS, Session
-from tests.pages.conftest import seed_jobs
+from tests.portal.pages.conftest import seed_jobs
 
 pytestmark = [
     pytest.mark.e2e,

@@ -15,7 +15,7 @@ import pytest
 from quotas.models import AuditEntry
 from tests.conftest import PASSWORD
 from tests.e2e.conftest import Session
-from tests.pages.conftest import seed_drill, seed_jobs, seed_preemption, seed_samples
+from tests.portal.pages.conftest import seed_drill, seed_jobs, seed_preemption, seed_samples
 
 pytestmark = [
     pytest.mark.e2e,

@@ -22,13 +22,13 @@ from preemption.models import (
     JobState,
     PreemptionEvent,
     Rank,
+    TrapEvent,
     Webhook,
     WebhookDelivery,
 )
 from preemption.services import job_cancel, job_submit
 from preemption.webhooks import deliver_due
 from quotas.models import PriorityClass
-from telemetry.models import TrapEvent
 from tests.preemption.conftest import (
     ignore_sigterm_command,
     sleeper_command,

@@ -25,9 +25,8 @@ from rest_framework.test import APIClient
 
 from preemption.event_tokens import attempt_events_token
 from preemption.ingest import ingest_trap_event
-from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank
+from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank, TrapEvent
 from preemption.reconcile import gang_spec
-from telemetry.models import TrapEvent
 
 YEAR_5107 = 98_000_000_000.0  # a Unix time in the year 5107
 

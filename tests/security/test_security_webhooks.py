@@ -23,10 +23,9 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from portal.services import webhook_create
 from preemption.models import Job, Webhook, WebhookDelivery
 from preemption.webhook_transport import Destination, post
-from preemption.webhooks import deliver_due, signature, verify_signature
+from preemption.webhooks import deliver_due, signature, verify_signature, webhook_create
 from quotas.models import AuditEntry
 
 LOOPBACK_OPEN = ["127.0.0.1/32"]

@@ -21,6 +21,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from portal.processes import beat_command, web_command, worker_command
+from preemption.reconcile import live_rank_count, runtime_shutdown
 
 
 class Command(BaseCommand):
@@ -123,8 +124,6 @@ class Command(BaseCommand):
         """
         if settings.QM_RUNTIME != "local":
             return
-        from preemption.reconcile import live_rank_count, runtime_shutdown
-
         if keep_jobs:
             jobs, ranks = live_rank_count()
             if ranks:
