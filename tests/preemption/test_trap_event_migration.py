@@ -9,9 +9,9 @@ from django.db.migrations.executor import MigrationExecutor
 
 from tests.conftest import MISSION_CLASSES
 
-BEFORE = [("preemption", "0003_trap_tokens_per_attempt"), ("telemetry", "0002_simulationrun")]
+BEFORE = [("preemption", "0005_preemption_reason_shutdown"), ("telemetry", "0002_simulationrun")]
 AFTER = [
-    ("preemption", "0004_trapevent_from_telemetry"),
+    ("preemption", "0006_trapevent_from_telemetry"),
     ("telemetry", "0003_trapevent_to_preemption"),
 ]
 
