@@ -19,7 +19,10 @@ from typing import Any, TextIO
 EVENT_PREFIX = "QM_EVENT "
 POST_TIMEOUT_SECONDS = 2.0
 
+# Every event the trap reports, in one place: the control plane accepts these names.
 EVENT_NAMES = (
+    "trap_ready",
+    "notice_received",
     "signal_received",
     "checkpoint_started",
     "checkpoint_committed",
