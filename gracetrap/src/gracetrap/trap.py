@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import math
 import os
 import signal
@@ -131,6 +132,34 @@ class _BackgroundSave:
         self.thread: threading.Thread | None = None
 
 
+_COLLECTIVE_BUFFERS: dict[tuple[str, str, int], torch.Tensor] = {}
+_BUFFERS_LOCK = threading.Lock()
+
+
+def _collective_buffer(purpose: str, device: torch.device, length: int) -> torch.Tensor:
+    """A tensor for the trap's own all-reduces, which Python never frees.
+
+    A gloo worker thread keeps its reference to a collective's tensors for a moment
+    after the rank has seen the result. If Python drops the tensor first (the trap is
+    collected while the interpreter shuts down, right after a last ``should_stop``),
+    that late C++ release is what frees the Python object, which takes the GIL from
+    the worker thread; during interpreter finalization that ends the thread by a
+    forced unwind through a ``noexcept`` frame, and the rank dies with "terminate
+    called without an active exception" (seen on loaded machines, where the worker
+    thread is scheduled late). A buffer with one reference that is never released
+    leaves that last release nothing to free: a few bytes per length, once per process.
+    Each purpose (the training thread, the background save) has buffers of its own.
+    """
+    key = (purpose, str(device), length)
+    with _BUFFERS_LOCK:
+        buffer = _COLLECTIVE_BUFFERS.get(key)
+        if buffer is None:
+            buffer = torch.empty(length, dtype=torch.float64, device=device)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(buffer))
+            _COLLECTIVE_BUFFERS[key] = buffer
+    return buffer
+
+
 def _prune_after(previous: threading.Thread | None, root: Path, keep: int) -> None:
     # Runs in the pruning thread: wait for the previous pruning, then prune.
     if previous is not None:
@@ -236,7 +265,6 @@ class Trap:
         self._signal_reported = False
         self._stop_agreed_at: float | None = None
         self._save_seconds: list[float] = []
-        self._collective: torch.Tensor | None = None
         self._previous_handlers: dict[signal.Signals, Any] = {}
         self._closed = False
         self._pruner: threading.Thread | None = None
@@ -337,14 +365,12 @@ class Trap:
         """Element-wise maximum of ``values`` over every rank (identity without a group)."""
         if not self._distributed():
             return values
-        if self._collective is None or self._collective.numel() != len(values):
-            device = torch.device("cpu")
-            backend = str(dist.get_backend())
-            if "gloo" not in backend and torch.cuda.is_available():
-                # NCCL reduces CUDA tensors only.
-                device = torch.device("cuda", torch.cuda.current_device())
-            self._collective = torch.empty(len(values), dtype=torch.float64, device=device)
-        buffer = self._collective
+        device = torch.device("cpu")
+        backend = str(dist.get_backend())
+        if "gloo" not in backend and torch.cuda.is_available():
+            # NCCL reduces CUDA tensors only.
+            device = torch.device("cuda", torch.cuda.current_device())
+        buffer = _collective_buffer("training", device, len(values))
         buffer.copy_(torch.tensor(values, dtype=torch.float64))
         dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
         return [float(v) for v in buffer.tolist()]
@@ -636,7 +662,8 @@ class Trap:
                 checkpoints.fsync_dir(pending.path)
                 checkpoints.fsync_dir(root)
                 nbytes = float(checkpoints.folder_bytes(pending.path))
-            values = torch.tensor([time.monotonic() - started, nbytes], dtype=torch.float64)
+            values = _collective_buffer("background", torch.device("cpu"), 2)
+            values.copy_(torch.tensor([time.monotonic() - started, nbytes], dtype=torch.float64))
             if group is not None:
                 dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
             seconds, nbytes = (float(v) for v in values.tolist())
