@@ -222,8 +222,9 @@ def test_a_higher_risk_hint_checkpoints_more_often(tmp_path: Path) -> None:
     saved = sorted(
         {e["step"] for e in gang.ranks[0].events() if e["event"] == "checkpoint_committed"}
     )
-    calm = [step for step in saved if step <= calm_until]
-    risky = [step for step in saved if step > calm_until + 1]
+    # The step printed last before the rewrite may already have read the new hint.
+    calm = [step for step in saved if step < calm_until]
+    risky = [step for step in saved if step > calm_until]
     # Calm: only the first checkpoint, which measures the cost (sqrt(2 * cost * 1e6) is
     # minutes). Risky: sqrt(2 * cost * 1) is well under a second, i.e. a few steps.
     assert calm == [0], saved
