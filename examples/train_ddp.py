@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             args.dump.replace("{rank}", str(rank)),
         )
     if args.ending == "destroy" and dist.is_initialized():
+        # A background save still talks over its own process group: let it finish.
+        trap.wait_for_save()
         dist.destroy_process_group()
     else:
         trap.shutdown()

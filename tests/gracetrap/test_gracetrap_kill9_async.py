@@ -88,7 +88,13 @@ def _losses(lines: list[str]) -> dict[int, str]:
 
 
 def _latest_loads(checkpoint_dir: Path) -> int:
-    """Load exactly the checkpoint ``latest`` names, in this process; return its step."""
+    """Load exactly the checkpoint ``latest`` names, in this process; return its step.
+
+    Before the first commit there is no ``latest`` and no complete checkpoint: -1.
+    """
+    if not (checkpoint_dir / "latest").exists():
+        assert not any(step_dirs(checkpoint_dir).values()), step_dirs(checkpoint_dir)
+        return -1
     latest = json.loads((checkpoint_dir / "latest").read_text())
     path = step_dir(checkpoint_dir, latest["step"])
     assert path.name == latest["path"] and is_complete(path), latest
