@@ -97,21 +97,39 @@ def _crc32(enabled: bool) -> Iterator[None]:
         torch.serialization.set_crc32_options(previous)
 
 
-def _stage(value: Any) -> Any:
+def _stage(
+    value: Any, buffers: dict[tuple[Any, ...], torch.Tensor], key: tuple[Any, ...] = ()
+) -> Any:
     """A copy of a state dict in host memory that training can no longer change.
 
     Tensors are copied to the CPU (the copy is the staging buffer), containers are
     rebuilt, and anything else is deep-copied, so that the background write sees the
-    state exactly as it was when the save was called.
+    state exactly as it was when the save was called. ``buffers`` keeps the staging
+    tensors by their place in the state: the next save copies into them instead of
+    allocating afresh, because touching new memory page by page costs more than the
+    copy itself (0.9 s against a fraction of that for 0.2 GB on a busy machine). A
+    save waits for the previous background write, so a buffer is never refilled
+    while it is being written.
     """
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        source = value.detach()
+        held = buffers.get(key)
+        if (
+            held is not None
+            and held.shape == source.shape
+            and held.dtype == source.dtype
+            and source.layout == torch.strided
+        ):
+            held.copy_(source)
+            return held
+        staged = source.to("cpu", copy=True)
+        buffers[key] = staged
+        return staged
     if isinstance(value, dict):
-        return {key: _stage(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_stage(item) for item in value]
-    if isinstance(value, tuple):
-        return tuple(_stage(item) for item in value)
+        return {name: _stage(item, buffers, (*key, name)) for name, item in value.items()}
+    if isinstance(value, list | tuple):
+        items = [_stage(item, buffers, (*key, index)) for index, item in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
     return copy.deepcopy(value)
 
 
@@ -274,6 +292,7 @@ class Trap:
         self._pending: _BackgroundSave | None = None
         self._save_group: Any = None
         self._stall_seconds: list[float] = []
+        self._staging: dict[tuple[Any, ...], torch.Tensor] = {}
         self._last_checkpoint_at = time.monotonic()
         self._agreed_due: tuple[int, bool] | None = None
         self._committed_step: int | None = None
@@ -628,7 +647,7 @@ class Trap:
     def _save_in_background(
         self, step: int, path: Path, notice: bool, entered: float
     ) -> checkpoints.CheckpointInfo:
-        staged = _stage(self._dcp_state(step))
+        staged = _stage(self._dcp_state(step), self._staging)
         group = self._background_group()
         pending = _BackgroundSave(step, path, notice, stall=0.0)
         # Not a daemon: an interpreter that exits normally lets the write finish
