@@ -508,3 +508,26 @@ def test_the_cadence_follows_the_hint_and_the_measured_cost(
         # sqrt(2 * cost * 1e-4 / cost) = 0.014 s: due again almost at once.
         time.sleep(0.05)
         assert trap.should_checkpoint(3)
+
+
+@pytest.mark.parametrize(("setting", "notice"), [("", "SIGUSR2"), ("SIGHUP", "SIGHUP")])
+def test_dataloader_workers_ignore_the_stop_signals_and_the_notice(
+    setting: str, notice: str
+) -> None:
+    code = (
+        "import signal\n"
+        "from gracetrap import worker_init_fn\n"
+        "worker_init_fn(0)\n"
+        f"names = ['SIGTERM', 'SIGINT', 'SIGUSR1', {notice!r}]\n"
+        "print([signal.getsignal(getattr(signal, n)) is signal.SIG_IGN for n in names])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "QM_NOTICE_SIGNAL": setting},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[True, True, True, True]"

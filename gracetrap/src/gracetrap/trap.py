@@ -188,7 +188,8 @@ def _prune_after(previous: threading.Thread | None, root: Path, keep: int) -> No
 def worker_init_fn(worker_id: int) -> None:
     """Pass as ``DataLoader(worker_init_fn=...)``: workers ignore the preemption signals.
 
-    The runtime signals a rank's whole process group, DataLoader workers included.
+    The runtime signals a rank's whole process group, DataLoader workers included
+    (the checkpoint notice as well).
     A worker that died of SIGTERM would make the DataLoader raise in the middle of
     the step the ranks are about to agree on, so workers leave the signal to the
     training process.
@@ -196,6 +197,14 @@ def worker_init_fn(worker_id: int) -> None:
     del worker_id
     for signum in DEFAULT_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    # The checkpoint notice reaches the whole process group too, and its default
+    # action (SIGUSR2's) would end the worker.
+    try:
+        notice = protocol.parse_notice_signal(_env(protocol.NOTICE_SIGNAL_ENV))
+    except ValueError:
+        notice = protocol.DEFAULT_NOTICE_SIGNAL
+    if notice is not None:
+        signal.signal(notice, signal.SIG_IGN)
 
 
 class Trap:
