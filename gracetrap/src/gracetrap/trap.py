@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
-import ctypes
 import math
 import os
 import signal
@@ -150,32 +150,56 @@ class _BackgroundSave:
         self.thread: threading.Thread | None = None
 
 
-_COLLECTIVE_BUFFERS: dict[tuple[str, str, int], torch.Tensor] = {}
-_BUFFERS_LOCK = threading.Lock()
+_GLOO_WORKER = "pt_gloo_runloop"
+_settle_registered = False
 
 
-def _collective_buffer(purpose: str, device: torch.device, length: int) -> torch.Tensor:
-    """A tensor for the trap's own all-reduces, which Python never frees.
+def _gloo_workers_running() -> bool:
+    """True while a gloo worker thread of this process is running or runnable."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as handle:
+                if handle.read().strip() != _GLOO_WORKER:
+                    continue
+            with open(f"/proc/self/task/{task}/stat") as handle:
+                state = handle.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state == "R":
+            return True
+    return False
 
-    A gloo worker thread keeps its reference to a collective's tensors for a moment
-    after the rank has seen the result. If Python drops the tensor first (the trap is
-    collected while the interpreter shuts down, right after a last ``should_stop``),
-    that late C++ release is what frees the Python object, which takes the GIL from
-    the worker thread; during interpreter finalization that ends the thread by a
-    forced unwind through a ``noexcept`` frame, and the rank dies with "terminate
-    called without an active exception" (seen on loaded machines, where the worker
-    thread is scheduled late). A buffer with one reference that is never released
-    leaves that last release nothing to free: a few bytes per length, once per process.
-    Each purpose (the training thread, the background save) has buffers of its own.
+
+def _let_gloo_workers_settle(timeout: float = 2.0) -> None:
+    """At interpreter exit, wait (at most ``timeout``) until gloo's worker threads sleep.
+
+    A gloo worker thread goes on handling a collective's tensors for a moment after
+    the rank has seen the result (it completes the future, then drops the work). For
+    a tensor Python knows, those reference-count changes take the GIL. On a loaded
+    machine that moment can come after the interpreter began shutting down, when
+    taking the GIL ends the thread by a forced unwind through a ``noexcept`` frame:
+    the rank dies with "terminate called without an active exception". Exit handlers
+    run before that phase, so this one waits for the workers to go back to sleep.
+    It reads ``/proc`` (threads are found by name); elsewhere it returns at once. A
+    collective still in flight at exit is not waited for: that is the program's to end.
     """
-    key = (purpose, str(device), length)
-    with _BUFFERS_LOCK:
-        buffer = _COLLECTIVE_BUFFERS.get(key)
-        if buffer is None:
-            buffer = torch.empty(length, dtype=torch.float64, device=device)
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(buffer))
-            _COLLECTIVE_BUFFERS[key] = buffer
-    return buffer
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    # Three quiet looks in a row: a worker between two steps of its loop is runnable.
+    while quiet < 3 and time.monotonic() < deadline:
+        quiet = 0 if _gloo_workers_running() else quiet + 1
+        time.sleep(0.005)
+
+
+def _register_settle() -> None:
+    global _settle_registered
+    if not _settle_registered:
+        _settle_registered = True
+        atexit.register(_let_gloo_workers_settle)
 
 
 def _prune_after(previous: threading.Thread | None, root: Path, keep: int) -> None:
@@ -301,10 +325,12 @@ class Trap:
         self._pending: _BackgroundSave | None = None
         self._save_group: Any = None
         self._stall_seconds: list[float] = []
+        self._collective: torch.Tensor | None = None
         self._staging: dict[tuple[Any, ...], torch.Tensor] = {}
         self._last_checkpoint_at = time.monotonic()
         self._agreed_due: tuple[int, bool] | None = None
         self._committed_step: int | None = None
+        _register_settle()
         for signum in self.signals:
             self._previous_handlers[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_signal)
@@ -393,12 +419,14 @@ class Trap:
         """Element-wise maximum of ``values`` over every rank (identity without a group)."""
         if not self._distributed():
             return values
-        device = torch.device("cpu")
-        backend = str(dist.get_backend())
-        if "gloo" not in backend and torch.cuda.is_available():
-            # NCCL reduces CUDA tensors only.
-            device = torch.device("cuda", torch.cuda.current_device())
-        buffer = _collective_buffer("training", device, len(values))
+        if self._collective is None or self._collective.numel() != len(values):
+            device = torch.device("cpu")
+            backend = str(dist.get_backend())
+            if "gloo" not in backend and torch.cuda.is_available():
+                # NCCL reduces CUDA tensors only.
+                device = torch.device("cuda", torch.cuda.current_device())
+            self._collective = torch.empty(len(values), dtype=torch.float64, device=device)
+        buffer = self._collective
         buffer.copy_(torch.tensor(values, dtype=torch.float64))
         dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
         return [float(v) for v in buffer.tolist()]
@@ -690,8 +718,7 @@ class Trap:
                 checkpoints.fsync_dir(pending.path)
                 checkpoints.fsync_dir(root)
                 nbytes = float(checkpoints.folder_bytes(pending.path))
-            values = _collective_buffer("background", torch.device("cpu"), 2)
-            values.copy_(torch.tensor([time.monotonic() - started, nbytes], dtype=torch.float64))
+            values = torch.tensor([time.monotonic() - started, nbytes], dtype=torch.float64)
             if group is not None:
                 dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
             seconds, nbytes = (float(v) for v in values.tolist())
