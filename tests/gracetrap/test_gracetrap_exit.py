@@ -20,6 +20,7 @@ RUNS = 10
 WORLD_SIZE = 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["shutdown", "destroy"])
 def test_both_endings_exit_zero_every_time(tmp_path: Path, ending: str) -> None:
     result = subprocess.run(

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from gracetrap.checkpoints import is_complete, step_dir
 from gracetrap_gang import free_port, load_example, step_dirs
 
@@ -106,6 +107,7 @@ def _latest_loads(checkpoint_dir: Path) -> int:
     return int(latest["step"])
 
 
+@pytest.mark.slow
 def test_sigkill_during_background_saves_always_leaves_a_loadable_latest(
     tmp_path: Path,
 ) -> None:
