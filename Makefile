@@ -37,8 +37,10 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+## k8s: build the test control plane and Helm from the Go module proxy (cached by version)
 k8s: venv
 	@bash tools/k8s/build.sh
+	@bash tools/k8s/build-helm.sh
 
 wheel: venv
 	@mkdir -p var/wheels && $(PY) -m pip wheel -q --no-deps --no-build-isolation ./gracetrap -w var/wheels && ls var/wheels
@@ -54,6 +56,7 @@ bench: venv services k8s
 	$(PY) bench/bench_gracetrap.py
 	$(PY) bench/bench_simulation.py
 	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) bench/bench_pages.py
+	$(PY) bench/bench_submit.py
 	$(PY) bench/bench_k8s.py
 
 drill: venv

@@ -55,14 +55,28 @@ from drills.result import ChaosRound, DrillResult, RoundFigures
 from portal.processes import beat_command, web_command, worker_command
 from preemption.ingest import fingerprint
 from preemption.logs import read_rank_log
-from preemption.models import FINAL_STATES, Attempt, Job, JobState, PreemptionEvent, Rank
-from preemption.runtime import get_runtime
+from preemption.models import (
+    FINAL_STATES,
+    Attempt,
+    Job,
+    JobState,
+    PreemptionEvent,
+    Rank,
+    TrapEvent,
+)
+from preemption.runtime import get_runtime, local_runner
 from preemption.runtimes import iter_trap_events, procfs, read_whole_log
 from preemption.runtimes.base import GangId
 from preemption.services import job_cancel, job_submit
 from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team
-from quotas.services import flavor_create, node_upsert, priority_class_save, quota_set, team_create
-from telemetry.models import TrapEvent
+from quotas.services import (
+    flavor_create,
+    node_upsert,
+    priority_class_save,
+    quota_set,
+    team_create,
+    team_priority_classes_set,
+)
 from telemetry.services import drill_run_record
 
 FLAVOR = "drill-gpu"
@@ -160,8 +174,6 @@ class Drill:
         self.dumps = self.work / "dumps"
         self.dumps.mkdir(mode=0o700)
         if runtime == "local":
-            from preemption.runtime import local_runner
-
             runner = local_runner()
             if runner is not None:
                 # The borrower's ranks run as the runner user and write their final state
@@ -231,6 +243,17 @@ class Drill:
             grace_seconds=1,
             description="Drill only: a grace shorter than a checkpoint save.",
         )
+        # The owner runs the critical job, the borrower the preemptible ones; the
+        # root must hold every class its sub-teams narrow to, so it is set first.
+        for team, classes in (
+            (root, [self.critical, self.batch, self.short_grace]),
+            (owner, [self.critical]),
+            (borrower, [self.batch, self.short_grace]),
+        ):
+            if set(team.priority_classes.all()) != set(classes):
+                team_priority_classes_set(
+                    actor=actor, team=team, priority_classes=classes, may_widen=True
+                )
 
     def _set_quotas(
         self,

@@ -161,15 +161,36 @@ class Workload:
         return self.ranks * self.gpus_per_rank
 
 
+FAIR_SHARE_MIN_RUNTIME_SECONDS: Final = 60.0
+CONSOLIDATION_MIN_RUNTIME_SECONDS: Final = 600.0
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """Everything the engine reads: the cluster at one instant ``now`` (Unix seconds)."""
+    """Everything the engine reads: the cluster at one instant ``now`` (Unix seconds).
+
+    Two thresholds of the plan come with the snapshot:
+
+    ``fair_share_min_runtime_seconds`` (default 60): a fair-share move (R8) never takes
+    a job that started less than this long ago. GPUs that came back are handed out by
+    queue order; taking them back at once would turn one cycle's admission into the
+    next cycle's preemption (the anti-flap margin).
+
+    ``consolidation_min_runtime_seconds`` (default 600): consolidation only moves a
+    job that has run at least this long, so that no job is moved twice in quick
+    succession.
+
+    A victim's own class minimum (``PriorityClass.min_runtime_seconds``) applies as
+    well: the larger of the two protects it.
+    """
 
     now: float
     nodes: tuple[Node, ...]
     queues: tuple[Queue, ...]
     priority_classes: tuple[PriorityClass, ...]
     workloads: tuple[Workload, ...]
+    fair_share_min_runtime_seconds: float = FAIR_SHARE_MIN_RUNTIME_SECONDS
+    consolidation_min_runtime_seconds: float = CONSOLIDATION_MIN_RUNTIME_SECONDS
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,13 @@
 """The rules R1-R11 of the fair-share engine, one small pure function each.
 
-The planner in ``engine.py`` composes these functions; each is named after the rule in
-ARCHITECTURE.md ("The fair-share engine") and tested by that name.
+The planner (``engine.py`` and the modules it lists) calls these functions by name; each
+is named after the rule in ARCHITECTURE.md ("The fair-share engine") and tested by that
+name, so the rule that is tested is the rule the engine applies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .model import PREEMPT_LOWER_PRIORITY, PriorityClass
 
@@ -18,14 +19,6 @@ def r1_capacity_free_gpus(node_gpus: int, held: int) -> int:
     capacity (a race in the database) yields zero, never a negative number.
     """
     return max(0, node_gpus - held)
-
-
-def r2_gang_hostable_ranks(available: Iterable[int], gpus_per_rank: int) -> int:
-    """R2: how many whole ranks of ``gpus_per_rank`` GPUs the nodes with ``available`` GPUs host.
-
-    A gang is admitted only when this reaches its rank count: all ranks or none.
-    """
-    return sum(free // gpus_per_rank for free in available)
 
 
 def r3_guarantee_line(guarantee: int, demand: int) -> int:

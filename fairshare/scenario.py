@@ -11,6 +11,8 @@ from typing import Any
 
 from .engine import check_snapshot
 from .model import (
+    CONSOLIDATION_MIN_RUNTIME_SECONDS,
+    FAIR_SHARE_MIN_RUNTIME_SECONDS,
     PREEMPTION_POLICIES,
     UNSET,
     WORKLOAD_STATES,
@@ -182,7 +184,7 @@ def snapshot_from_dict(document: Mapping[str, Any]) -> Snapshot:
     """Parse a scenario (the JSON format of issue 3) into a validated ``Snapshot``.
 
     Optional fields take their defaults (weight 1, no limits, no checkpoint, no minimum
-    runtime); unknown fields are ignored. Raises ``ScenarioError`` naming the field.
+    runtime, the plan's thresholds of ``Snapshot``); unknown fields are ignored. Raises ``ScenarioError`` naming the field.
     """
     if not isinstance(document, Mapping):
         raise ScenarioError("scenario: expected a JSON object")
@@ -209,8 +211,21 @@ def snapshot_from_dict(document: Mapping[str, Any]) -> Snapshot:
         _workload(r, f"workloads[{i}]")
         for i, r in enumerate(_records(_field(document, "workloads", "scenario", []), "workloads"))
     )
+    thresholds = {
+        name: _number(_field(document, name, "scenario", default), name)
+        for name, default in (
+            ("fair_share_min_runtime_seconds", FAIR_SHARE_MIN_RUNTIME_SECONDS),
+            ("consolidation_min_runtime_seconds", CONSOLIDATION_MIN_RUNTIME_SECONDS),
+        )
+    }
     snapshot = Snapshot(
-        now=now, nodes=nodes, queues=queues, priority_classes=classes, workloads=workloads
+        now=now,
+        nodes=nodes,
+        queues=queues,
+        priority_classes=classes,
+        workloads=workloads,
+        fair_share_min_runtime_seconds=thresholds["fair_share_min_runtime_seconds"],
+        consolidation_min_runtime_seconds=thresholds["consolidation_min_runtime_seconds"],
     )
     validate(snapshot)
     return snapshot
@@ -225,6 +240,8 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
     """The scenario form of a snapshot, the inverse of ``snapshot_from_dict``."""
     return {
         "now": snapshot.now,
+        "fair_share_min_runtime_seconds": snapshot.fair_share_min_runtime_seconds,
+        "consolidation_min_runtime_seconds": snapshot.consolidation_min_runtime_seconds,
         "nodes": [{"name": n.name, "flavor": n.flavor, "gpus": n.gpus} for n in snapshot.nodes],
         "queues": [
             {

@@ -1,12 +1,11 @@
 """The REST API's routes under /api/v1/."""
 
 from django.http import HttpRequest, JsonResponse
-from django.urls import re_path
+from django.urls import path, re_path
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.routers import DefaultRouter
 
-from portal.api import ApiTokenViewSet
-from preemption.api import (
+from portal.rest.preemption import (
     AttemptViewSet,
     CheckpointViewSet,
     JobViewSet,
@@ -14,7 +13,7 @@ from preemption.api import (
     RankViewSet,
     WebhookViewSet,
 )
-from quotas.api import (
+from portal.rest.quotas import (
     AuditEntryViewSet,
     FlavorViewSet,
     NodeViewSet,
@@ -22,6 +21,8 @@ from quotas.api import (
     QuotaViewSet,
     TeamViewSet,
 )
+from portal.rest.tokens import ApiTokenViewSet
+from portal.rest.usage import UsageView
 
 router = DefaultRouter()
 router.register("flavors", FlavorViewSet, basename="flavor")
@@ -48,4 +49,8 @@ def api_not_found(request: HttpRequest, unmatched: str) -> JsonResponse:
     )
 
 
-urlpatterns = [*router.urls, re_path(r"^(?P<unmatched>[\s\S]*)$", api_not_found)]
+urlpatterns = [
+    *router.urls,
+    path("usage/", UsageView.as_view(), name="usage"),
+    re_path(r"^(?P<unmatched>[\s\S]*)$", api_not_found),
+]

@@ -25,7 +25,9 @@ def _schedule(sender: Celery, **_: object) -> None:
         name="schedule cycle",
     )
     sender.add_periodic_task(
-        settings.QM_CYCLE_SECONDS, sender.signature("preemption.tasks.reconcile"), name="reconcile"
+        settings.QM_RECONCILE_SECONDS,
+        sender.signature("preemption.tasks.reconcile"),
+        name="reconcile",
     )
     sender.add_periodic_task(
         settings.QM_SAMPLE_SECONDS,

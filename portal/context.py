@@ -6,15 +6,12 @@ from typing import Any
 
 from django.http import HttpRequest
 
+from core.access import navigation_role
+
 
 def navigation(request: HttpRequest) -> dict[str, Any]:
     user = getattr(request, "user", None)
     if user is None or not user.is_authenticated:
         return {"nav_role": None}
-    if user.is_staff:
-        role = "admin"
-    elif user.memberships.filter(role="manager").exists():
-        role = "manager"
-    else:
-        role = "researcher"
-    return {"nav_role": role}
+    roles = [] if user.is_staff else user.memberships.values_list("role", flat=True).distinct()
+    return {"nav_role": navigation_role(is_admin=bool(user.is_staff), roles=roles)}

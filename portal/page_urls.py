@@ -4,9 +4,9 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from portal import views as portal_views
-from preemption import views as job_views
-from quotas import views as quota_views
-from telemetry import views as telemetry_views
+from portal.web.preemption import views as job_views
+from portal.web.quotas import views as quota_views
+from portal.web.telemetry import views as telemetry_views
 
 urlpatterns = [
     path("", portal_views.dashboard, name="dashboard"),

@@ -8,7 +8,11 @@ import sys
 from pathlib import Path
 
 
-def web_command(*, bind: str, workers: int = 2, threads: int = 4, timeout: int = 120) -> list[str]:
+def web_command(
+    *, bind: str, workers: int = 2, threads: int = 4, timeout: int = 120, quiet: bool = False
+) -> list[str]:
+    """The web server; `quiet` drops the access log and gunicorn's own notices,
+    keeping warnings and errors."""
     return [
         sys.executable,
         "-m",
@@ -22,20 +26,24 @@ def web_command(*, bind: str, workers: int = 2, threads: int = 4, timeout: int =
         str(threads),
         "--timeout",
         str(timeout),
-        "--access-logfile",
-        "-",
+        *(("--log-level", "warning") if quiet else ("--access-logfile", "-")),
         "--graceful-timeout",
         "5",
     ]
 
 
-def _celery(*args: str) -> list[str]:
-    return [sys.executable, "-m", "celery", "-A", "portal", *args, "--loglevel", "INFO"]
+def _celery(*args: str, quiet: bool) -> list[str]:
+    # At INFO a worker logs two lines per task and beat one per sending; the
+    # scheduling cycle runs every second, so `quiet` keeps warnings only.
+    # --quiet also drops the start-up banner.
+    level = "WARNING" if quiet else "INFO"
+    banner = ("--quiet",) if quiet else ()
+    return [sys.executable, "-m", "celery", "-A", "portal", *banner, *args, "--loglevel", level]
 
 
-def worker_command(*, hostname: str, concurrency: int = 2) -> list[str]:
-    return _celery("worker", "--concurrency", str(concurrency), "--hostname", hostname)
+def worker_command(*, hostname: str, concurrency: int = 2, quiet: bool = False) -> list[str]:
+    return _celery("worker", "--concurrency", str(concurrency), "--hostname", hostname, quiet=quiet)
 
 
-def beat_command(*, schedule: Path) -> list[str]:
-    return _celery("beat", "--schedule", str(schedule))
+def beat_command(*, schedule: Path, quiet: bool = False) -> list[str]:
+    return _celery("beat", "--schedule", str(schedule), quiet=quiet)

@@ -1,10 +1,8 @@
-"""Writes to the portal's own records: API tokens, and the team webhooks that
-managers register through the API."""
+"""Writes to the portal's own records: the API tokens people create."""
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -14,7 +12,6 @@ from django.utils import timezone
 
 from portal.auth import TOKEN_PREFIX, hash_token, new_token_value
 from portal.models import ApiToken, TokenScope
-from quotas.models import AuditEntry, Team
 
 MAX_ACTIVE_TOKENS = 50
 
@@ -79,69 +76,3 @@ def api_token_revoke(*, user: AbstractBaseUser, token: ApiToken) -> ApiToken:
         token.revoked_at = timezone.now()
         token.save(update_fields=["revoked_at"])
     return token
-
-
-def _webhook_values(webhook: Any) -> dict[str, Any]:
-    # The secret is never written to the audit log.
-    return {
-        "team": webhook.team.slug,
-        "url": webhook.url,
-        "events": list(webhook.events),
-        "active": webhook.active,
-    }
-
-
-@transaction.atomic
-def webhook_create(
-    *,
-    actor: AbstractBaseUser,
-    team: Team,
-    url: str,
-    events: list[str] | None = None,
-    secret: str = "",
-) -> Any:
-    """Register a URL that receives the team's job notices (all of them when
-    `events` is empty)."""
-    from preemption.models import Webhook
-
-    events = list(events or [])
-    unknown = sorted(set(events) - set(Webhook.EVENTS))
-    if unknown:
-        raise ValidationError(
-            {
-                "events": [
-                    f"Unknown events {', '.join(unknown)}; choose from {', '.join(Webhook.EVENTS)}."
-                ]
-            }
-        )
-    webhook = Webhook(team=team, url=url, events=events, secret=secret)
-    # An empty list of events is valid (it means all of them); the model field calls it blank.
-    webhook.full_clean(exclude=["events"])
-    webhook.save()
-    AuditEntry.objects.create(
-        actor=actor,
-        action="webhook.create",
-        object_type="webhook",
-        object_id=str(webhook.pk),
-        object_repr=str(webhook)[:200],
-        team=team,
-        before=None,
-        after=_webhook_values(webhook),
-    )
-    return webhook
-
-
-@transaction.atomic
-def webhook_delete(*, actor: AbstractBaseUser, webhook: Any) -> None:
-    """Remove a team webhook and its pending deliveries."""
-    AuditEntry.objects.create(
-        actor=actor,
-        action="webhook.delete",
-        object_type="webhook",
-        object_id=str(webhook.pk),
-        object_repr=str(webhook)[:200],
-        team=webhook.team,
-        before=_webhook_values(webhook),
-        after=None,
-    )
-    webhook.delete()

@@ -11,12 +11,13 @@ asks for are on.
 
 from __future__ import annotations
 
+import ipaddress
 from datetime import timedelta
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from portal.env import (
+from core.env import (
     check_secret_key,
     env_bool,
     env_choice,
@@ -168,7 +169,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "portal.api.exception_handler",
+    "EXCEPTION_HANDLER": "core.api.exception_handler",
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
 }
 SPECTACULAR_SETTINGS = {
@@ -183,7 +184,7 @@ SPECTACULAR_SETTINGS = {
     # `check --deploy` would generate the schema, which runs the selectors and so
     # needs a migrated database; without one every view reads as a schema
     # warning. The test suite generates and walks the schema instead
-    # (tests/api/test_api_permissions.py, tests/api/test_api_schemathesis.py).
+    # (tests/portal/api/test_api_permissions.py, tests/portal/api/test_api_schemathesis.py).
     "ENABLE_DJANGO_DEPLOY_CHECK": False,
     # The interactive docs are served from the installed sidecar, never a CDN.
     "SWAGGER_UI_DIST": "SIDECAR",
@@ -192,7 +193,8 @@ SPECTACULAR_SETTINGS = {
 }
 
 # Celery: Redis in production and tests, a broker on local disk by default.
-CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "qmdisk://") or "qmdisk://"
+# The disk broker ignores the host; naming one spares kombu's warning about it.
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "qmdisk://localhost//") or "qmdisk://localhost//"
 if not CELERY_BROKER_URL.startswith(
     ("qmdisk://", "filesystem://", "redis://", "rediss://", "memory://")
 ):
@@ -223,6 +225,11 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 CELERY_TIMEZONE = "UTC"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 QM_CYCLE_SECONDS = env_float("QM_CYCLE_SECONDS", 1.0, minimum=0.1)
+# How often the reconciler looks at the runtime. A finished rank is noticed at the
+# next pass, and its GPUs go to the next job only then: with jobs of seconds, a
+# pass a second would leave GPUs idle for a quarter of the time. A pass over
+# gangs that changed nothing writes nothing.
+QM_RECONCILE_SECONDS = env_float("QM_RECONCILE_SECONDS", 0.25, minimum=0.05)
 QM_SAMPLE_SECONDS = env_float("QM_SAMPLE_SECONDS", 15.0, minimum=1.0)
 
 # Runtimes.
@@ -247,6 +254,30 @@ QM_K8S_KUBECONFIG = env_str("QM_K8S_KUBECONFIG", "") or ""
 QM_PUBLIC_URL = env_str("QM_PUBLIC_URL", "http://127.0.0.1:8000") or "http://127.0.0.1:8000"
 QM_MAX_ATTEMPTS = env_int("QM_MAX_ATTEMPTS", 5, minimum=1)
 QM_RETRY_BACKOFF_SECONDS = env_float("QM_RETRY_BACKOFF_SECONDS", 10.0, minimum=0.0)
+# A runtime call that failed for a reason that may pass (a launcher that did
+# not start, an API server that answered 503) is tried again after this many
+# seconds, doubling each time, and a launch gives up after QM_RUNTIME_TRIES.
+QM_RUNTIME_RETRY_SECONDS = env_float("QM_RUNTIME_RETRY_SECONDS", 2.0, minimum=0.0)
+QM_RUNTIME_TRIES = env_int("QM_RUNTIME_TRIES", 8, minimum=1)
+# Webhooks: networks an admin opens to them (comma-separated CIDRs; everything
+# that is not public is closed otherwise), and the time one delivery may take
+# in all, from connecting to the answer's head.
+QM_WEBHOOK_ALLOW_NETS = env_list("QM_WEBHOOK_ALLOW_NETS", [])
+for _net in QM_WEBHOOK_ALLOW_NETS:
+    try:
+        ipaddress.ip_network(_net, strict=False)
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"QM_WEBHOOK_ALLOW_NETS: {_net!r} is not an IP network such as 10.1.2.0/24"
+        ) from None
+QM_WEBHOOK_DEADLINE_SECONDS = env_float("QM_WEBHOOK_DEADLINE_SECONDS", 5.0, minimum=0.1)
+if QM_WEBHOOK_DEADLINE_SECONDS > 15:
+    # A delivery run has 20 s (inside the task's 30 s limit); a longer deadline would fit none.
+    raise ImproperlyConfigured("QM_WEBHOOK_DEADLINE_SECONDS must be at most 15")
+# The trap's events: how many one rank of an attempt may store, and how fast a
+# reported checkpoint step may run ahead of the job's last one.
+QM_TRAP_EVENTS_PER_RANK = env_int("QM_TRAP_EVENTS_PER_RANK", 10_000, minimum=1)
+QM_TRAP_MAX_STEPS_PER_SECOND = env_float("QM_TRAP_MAX_STEPS_PER_SECOND", 1000.0, minimum=1.0)
 
 # Login throttling (portal/throttling.py): this many wrong passwords for one
 # account lock that account out (from every address), and this many from one

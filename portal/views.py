@@ -27,11 +27,13 @@ from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 
+from core.forms import add_service_errors
 from portal.forms import ApiTokenForm
 from portal.models import ApiToken, TokenScope
+from portal.services import api_token_create, api_token_revoke
 from preemption.models import ACTIVE_STATES, WAITING_STATES
+from preemption.reasons import describe_preemption
 from preemption.selectors import job_list, preemption_event_list
-from preemption.views import describe_preemption
 from quotas.selectors import access_for, priority_class_list
 from telemetry.selectors import UsageNow, flavors_now, overview_teams, pending_jobs, team_rows
 
@@ -46,7 +48,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     the latest preemptions, all scoped to what the user may read."""
     access = access_for(request.user)
     shown = overview_teams(access=access)
-    usage = UsageNow.load()
+    usage = UsageNow.load(access.tree)
     rows = [row for row in team_rows(access=access, only_team_ids=shown, usage=usage) if row.active]
     flavors = flavors_now(usage)
     # One scale per flavor, so every team's bar of that flavor is comparable.
@@ -69,7 +71,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
                 bars.append({"usage": usage, "width": usage.bar(scale[flavor.name])})
         team_bars.append({"row": row, "bars": bars})
     jobs = job_list(user=request.user)
-    pending, pending_count = pending_jobs(jobs=jobs)
+    pending, pending_count = pending_jobs(jobs=jobs, first_submitter_id=request.user.pk)
     preemptions = list(
         preemption_event_list(user=request.user)
         .select_related("preemptor__priority_class")
@@ -125,8 +127,6 @@ def tokens(request: HttpRequest) -> HttpResponse:
     created: tuple[ApiToken, str] | None = None
     form = ApiTokenForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
-        from portal.services import api_token_create
-
         try:
             created = api_token_create(
                 user=request.user,
@@ -135,9 +135,7 @@ def tokens(request: HttpRequest) -> HttpResponse:
                 scope=TokenScope.READ if form.cleaned_data["read_only"] else TokenScope.FULL,
             )
         except ValidationError as error:
-            for field, problems in getattr(error, "message_dict", {"name": error.messages}).items():
-                for problem in problems:
-                    form.add_error(field if field in form.fields else None, problem)
+            add_service_errors(form, error)
         else:
             form = ApiTokenForm()
     mine = list(ApiToken.objects.filter(user_id=request.user.pk).order_by("-created_at", "-id"))
@@ -163,8 +161,6 @@ def tokens(request: HttpRequest) -> HttpResponse:
 @require_POST
 @login_required
 def token_revoke(request: HttpRequest, pk: int) -> HttpResponse:
-    from portal.services import api_token_revoke
-
     token = get_object_or_404(ApiToken, pk=pk, user_id=request.user.pk)
     api_token_revoke(user=request.user, token=token)
     messages.success(request, f"Revoked the token {token.name!r}.")

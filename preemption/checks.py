@@ -8,14 +8,14 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, register
 
+from preemption.runtime import runner_lookup
+
 
 @register()
 def local_runtime_runner_check(app_configs: Any, **kwargs: Any) -> list[CheckMessage]:
     """Production with the local runtime needs the runner user (see runtimes/runner.py)."""
     if not settings.PRODUCTION or settings.QM_RUNTIME != "local":
         return []
-    from preemption.runtime import runner_lookup
-
     lookup = runner_lookup()
     if lookup.account is not None:
         return []

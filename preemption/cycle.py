@@ -1,24 +1,45 @@
 """The scheduling cycle: snapshot → `fairshare.plan` → one transaction that
 records every decision → runtime actions after commit.
 
-Two cycles never interleave: each takes a lock first (a PostgreSQL advisory
-lock; SQLite's IMMEDIATE transactions already serialize writers). Each write is
-also conditional on the state the plan saw, so even a stale plan cannot admit a
-job twice or pick a second victim for the same attempt.
+Two cycles never interleave: each takes a lock first. On PostgreSQL it is an
+advisory lock held by the cycle's one transaction, which blocks no other
+writer. On SQLite a transaction holds the database's only write lock from its
+start, so there the lock is a file lock next to the database, the snapshot and
+the plan are made outside any write transaction, and only the recording of
+the decisions takes the write lock: job submissions no longer wait for a whole
+plan. Each write is also conditional on the state the plan saw, so even a
+stale plan cannot admit a job twice or pick a second victim for the same
+attempt.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import Path
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
 import fairshare
-from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
-from preemption.snapshot import build_snapshot
+from preemption.models import (
+    Attempt,
+    Job,
+    JobState,
+    PreemptionEvent,
+    Rank,
+    next_attempt_number,
+)
+from preemption.reasons import Preemptor, preemption_words
+from preemption.reconcile import reconcile_jobs
+from preemption.snapshot import build_snapshot, held_jobs
+from preemption.wakeup import take_cycle_request
+from preemption.webhooks import notify
 
 logger = logging.getLogger(__name__)
 
@@ -43,46 +64,85 @@ def _lock() -> bool:
     return True
 
 
-def explain_preemption(
-    *, reason: str, preemptor: Job | None, victim_gpus: int, victim_team: str
-) -> str:
-    """The reason in words, as the job page shows it."""
-    if preemptor is None:
-        return reason
-    team = preemptor.team.slug
-    if reason == "reclaim":
-        return f"reclaimed by {team}, {victim_gpus} GPUs under its guarantee"
-    if reason == "priority":
-        return f"preempted by higher-priority job {preemptor.pk} ({preemptor.priority_class.name}) of {team}"
-    if reason == "fair-share":
-        return f"fair-share move: {team} was further below its fair share than {victim_team}"
-    if reason == "consolidate":
-        return (
-            f"moved to GPUs free on other nodes, so that job {preemptor.pk} of {team} fits "
-            "inside its guarantee on this one"
-        )
-    return reason
+@contextmanager
+def _file_lock() -> Iterator[bool]:
+    """Serialize the cycles of every process using this installation's SQLite database.
+
+    Yields False, holding nothing, when another cycle already waits for the lock:
+    that one starts after the running one ends, so it sees everything committed
+    before this call, and a second waiter would only plan the same state again.
+    Every submission asks for a cycle; in a burst they would otherwise queue up
+    behind each other in the worker pool."""
+    folder = Path(settings.VAR_DIR)
+    folder.mkdir(parents=True, exist_ok=True)
+    with (
+        open(folder / "cycle.wait.lock", "a") as waiting,
+        open(folder / "cycle.lock", "a") as cycle,
+    ):
+        try:
+            fcntl.flock(waiting, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            fcntl.flock(cycle, fcntl.LOCK_EX)
+        finally:
+            fcntl.flock(waiting, fcntl.LOCK_UN)
+        try:
+            yield True
+        finally:
+            fcntl.flock(cycle, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _read_transaction() -> Iterator[None]:
+    """One consistent view for the snapshot's queries on SQLite: a deferred
+    transaction that only reads takes no write lock, and in WAL mode no writer
+    waits for it. Inside a caller's transaction the view is that one's."""
+    if connection.in_atomic_block:
+        yield
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("BEGIN DEFERRED")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("COMMIT")
 
 
 def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleResult:
     """Plan every pending job at once and record the decisions."""
     result = CycleResult()
-    with transaction.atomic():
-        _lock()
-        now = now or timezone.now()
-        snapshot = build_snapshot(now=now)
-        plan = fairshare.plan(snapshot)
-        _apply(plan, now=now, result=result)
+    if connection.vendor == "postgresql":
+        with transaction.atomic():
+            _lock()
+            take_cycle_request()
+            now = now or timezone.now()
+            held = held_jobs()
+            plan = fairshare.plan(build_snapshot(now=now, held=held))
+            _apply(plan, now=now, result=result, held=held)
+    else:
+        with _file_lock() as mine:
+            if not mine:
+                result.skipped = True
+                return result
+            take_cycle_request()
+            now = now or timezone.now()
+            with _read_transaction():
+                held = held_jobs()
+                snapshot = build_snapshot(now=now, held=held)
+            plan = fairshare.plan(snapshot)
+            with transaction.atomic():
+                _apply(plan, now=now, result=result, held=held)
     if act and (result.admitted or result.preempted):
-        from preemption.reconcile import reconcile_jobs
-
         reconcile_jobs(job_ids=result.admitted + result.preempted)
     return result
 
 
-def _apply(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
-    from preemption.webhooks import notify
-
+def _apply(
+    plan: fairshare.Plan, *, now: datetime, result: CycleResult, held: dict[int, str]
+) -> None:
     admit_ids = [int(a.id) for a in plan.admit]
     preempt_ids = [int(p.id) for p in plan.preempt]
     jobs = Job.objects.select_related("team", "priority_class").in_bulk(
@@ -97,16 +157,9 @@ def _apply(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
         ).update(state=JobState.ADMITTED, admitted_at=now, waiting_reason="")
         if claimed != 1:
             continue
-        number = (
-            Attempt.objects.filter(job_id=job_id)
-            .order_by("-number")
-            .values_list("number", flat=True)
-            .first()
-            or 0
-        ) + 1
         attempt = Attempt.objects.create(
             job_id=job_id,
-            number=number,
+            number=next_attempt_number(job_id),
             admitted_at=now,
             borrowed_gpus=admission.borrowed,
             placement=[{"node": node, "ranks": count} for node, count in admission.placement],
@@ -139,11 +192,10 @@ def _apply(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
             job_id=victim_id,
             preemptor=preemptor,
             reason=preemption.reason,
-            cause=explain_preemption(
+            cause=preemption_words(
                 reason=preemption.reason,
-                preemptor=preemptor,
+                preemptor=Preemptor.of(preemptor) if preemptor is not None else None,
                 victim_gpus=victim.gpus if victim else 0,
-                victim_team=victim.team.slug if victim else "",
             ),
             decided_at=now,
             grace_seconds=grace,
@@ -155,13 +207,14 @@ def _apply(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
             payload={"reason": event.reason, "cause": event.cause},
         )
         result.preempted.append(victim_id)
-    _store_waiting(plan)
-    result.waiting = len(plan.waiting)
+    _store_waiting(plan, held)
+    result.waiting = len(plan.waiting) + len(held)
 
 
-def _store_waiting(plan: fairshare.Plan) -> None:
+def _store_waiting(plan: fairshare.Plan, held: dict[int, str]) -> None:
     """Write each waiting job's reason, only where it changed."""
     reasons = {int(w.id): w.reason[:300] for w in plan.waiting}
+    reasons.update({job_id: reason[:300] for job_id, reason in held.items()})
     if not reasons:
         return
     current = dict(Job.objects.filter(pk__in=reasons).values_list("id", "waiting_reason"))

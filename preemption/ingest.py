@@ -1,6 +1,25 @@
 """Events the trap reports, by POST while a rank runs or from its log after it
-exits. Each is stored once (a hash of its JSON), then feeds ranks,
-preemption events and checkpoints."""
+exits. Each is stored once, then feeds ranks, preemption events and checkpoints.
+
+Whoever holds a rank's token or writes its log controls what arrives here, so
+nothing in an event is taken on trust:
+
+* it must belong to the attempt it is ingested for, which must still be open,
+  and name a rank of that attempt (0..ranks-1);
+* its time is clamped to the server's clock: never later than now, never
+  before the attempt was admitted;
+* a committed step is bounded, and may not run further ahead of the job's last
+  committed step than the attempt could have trained (QM_TRAP_MAX_STEPS_PER_SECOND);
+* a checkpoint's path is the server's own (`<checkpoint_dir>/step_<N>`, the
+  folder the trap saves to); the client's path is ignored;
+* the duplicate key is (job, attempt, rank, event, step), so the same event
+  arriving by POST and from the log is stored once, and changing `at` or any
+  free-form field makes no new event;
+* each rank of an attempt may store at most QM_TRAP_EVENTS_PER_RANK events;
+* only the known fields are stored.
+
+A refused event raises and changes nothing.
+"""
 
 from __future__ import annotations
 
@@ -9,40 +28,38 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from django.core.exceptions import ValidationError
-from django.db import IntegrityError, transaction
+from django.conf import settings
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db import transaction
 from django.db.models import Max
+from django.utils import timezone
+from gracetrap_protocol import EVENT_NAMES
 
-from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank
-from telemetry.models import TrapEvent
+from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, TrapEvent
 
-EVENT_NAMES = frozenset(
-    {
-        "signal_received",
-        "checkpoint_started",
-        "checkpoint_committed",
-        "checkpoint_skipped",
-        "exiting",
-        "resumed",
-    }
-)
 MAX_EVENT_BYTES = 8192
+# Steps are stored in 32-bit columns and resume_step is the step after the last
+# checkpoint, so the last step that can be recorded is one below the column's top.
+MAX_STEP = 2**31 - 2
+MAX_BYTES = 2**53
+MAX_REASON_CHARS = 300
 
 
-def _when(at: float) -> datetime:
-    return datetime.fromtimestamp(at, tz=UTC)
+class EventLimitReached(Exception):
+    """A rank of an attempt has reported as many events as it may."""
 
 
-def _int(event: dict[str, Any], name: str, *, required: bool = True) -> int | None:
+def _int(event: dict[str, Any], name: str, *, low: int = 0, high: int = 2**53) -> int:
     value = event.get(name)
-    if value is None and not required:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > 2**53:
-        raise ValidationError({name: [f"Must be a non-negative whole number (got {value!r})."]})
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValidationError(
+            {name: [f"Must be a whole number from {low} to {high} (got {value!r})."]}
+        )
     return value
 
 
 def _validate(job: Job, event: Any) -> dict[str, Any]:
+    """The event's known fields, checked for shape; everything else is dropped."""
     if not isinstance(event, dict):
         raise ValidationError({"event": ["The body must be a JSON object."]})
     if len(json.dumps(event, default=str)) > MAX_EVENT_BYTES:
@@ -56,15 +73,25 @@ def _validate(job: Job, event: Any) -> dict[str, Any]:
         )
     if "job_id" in event and str(event["job_id"]) != str(job.pk):
         raise ValidationError({"job_id": [f"This endpoint takes events of job {job.pk} only."]})
-    _int(event, "attempt")
-    _int(event, "rank")
+    clean: dict[str, Any] = {
+        "event": name,
+        "job_id": job.pk,
+        "attempt": _int(event, "attempt"),
+        "rank": _int(event, "rank"),
+    }
     at = event.get("at")
     if isinstance(at, bool) or not isinstance(at, int | float) or not 0 < at < 1e11:
         raise ValidationError({"at": [f"Must be a Unix time in seconds (got {at!r})."]})
-    for name in ("step", "bytes", "code"):
-        if name in event and event[name] is not None and name != "code":
-            _int(event, name)
-    if "seconds" in event and event["seconds"] is not None:
+    clean["at"] = float(at)
+    if event.get("step") is not None:
+        clean["step"] = _int(event, "step", high=MAX_STEP)
+    elif name in ("checkpoint_committed", "checkpoint_started", "resumed"):
+        raise ValidationError({"step": [f"A {name} event needs the step."]})
+    if event.get("bytes") is not None:
+        clean["bytes"] = _int(event, "bytes", high=MAX_BYTES)
+    if event.get("code") is not None:
+        clean["code"] = _int(event, "code", low=-(2**31), high=2**31 - 1)
+    if event.get("seconds") is not None:
         seconds = event["seconds"]
         if (
             isinstance(seconds, bool)
@@ -74,42 +101,128 @@ def _validate(job: Job, event: Any) -> dict[str, Any]:
             raise ValidationError(
                 {"seconds": [f"Must be a duration in seconds (got {seconds!r})."]}
             )
-    return event
+        clean["seconds"] = float(seconds)
+    if event.get("reason") is not None:
+        if not isinstance(event["reason"], str):
+            raise ValidationError({"reason": ["Must be text."]})
+        clean["reason"] = event["reason"][:MAX_REASON_CHARS]
+    return clean
 
 
 def fingerprint(event: dict[str, Any]) -> str:
-    return hashlib.sha256(
-        json.dumps(event, sort_keys=True, separators=(",", ":")).encode()
-    ).hexdigest()
+    """The duplicate key of an event: job, attempt, rank, name and step. A rank
+    reports each event once per step of an attempt, so nothing else (not the
+    float `at`, not a free-form field) can make a second copy count as new."""
+    key = [event.get(name) for name in ("job_id", "attempt", "rank", "event", "step")]
+    return hashlib.sha256(json.dumps([str(part) for part in key]).encode()).hexdigest()
 
 
-def ingest_trap_event(*, job: Job, event: Any, source: str) -> bool:
-    """Store one trap event and apply it. Returns False for a duplicate."""
-    event = _validate(job, event)
-    try:
-        with transaction.atomic():
-            stored = TrapEvent.objects.create(
-                job=job,
-                attempt=event["attempt"],
-                rank=event["rank"],
-                event=event["event"],
-                at=float(event["at"]),
-                step=event.get("step") if isinstance(event.get("step"), int) else None,
-                payload=event,
-                fingerprint=fingerprint(event),
-                source=source,
+def _clamp(at: float, attempt: Attempt) -> float:
+    """The event's time on the server's clock: a rank's clock may be off, and a
+    forged one may say anything, so it is held between the attempt's admission
+    and now."""
+    return min(max(at, attempt.admitted_at.timestamp()), timezone.now().timestamp())
+
+
+def _check_step(job: Job, attempt: Attempt, step: int) -> None:
+    """A committed step may run ahead of the job's last checkpoint only as far
+    as the attempt could have trained since it was admitted."""
+    last = Checkpoint.objects.filter(job=job).aggregate(step=Max("step"))["step"]
+    base = last if last is not None else max((job.resume_step or 1) - 1, 0)
+    elapsed = max(0.0, (timezone.now() - attempt.admitted_at).total_seconds())
+    rate = settings.QM_TRAP_MAX_STEPS_PER_SECOND
+    allowed = base + int(rate * (elapsed + 1))
+    if step > allowed:
+        raise ValidationError(
+            {
+                "step": [
+                    f"Step {step} is too far ahead: the job's last checkpoint is at step {base}, "
+                    f"and in {elapsed:.0f} s this attempt can reach at most step {allowed} "
+                    f"({rate:g} steps a second)."
+                ]
+            }
+        )
+
+
+def ingest_trap_event(*, attempt: Attempt, event: Any, source: str) -> bool:
+    """Store one trap event of `attempt` and apply it. Returns False for a
+    duplicate. Raises ValidationError (bad event), PermissionDenied (the
+    attempt has ended) or EventLimitReached; then nothing has changed."""
+    job = attempt.job
+    clean = _validate(job, event)
+    if clean["attempt"] != attempt.number:
+        raise ValidationError(
+            {
+                "attempt": [
+                    f"This token is for attempt {attempt.number} of job {job.pk}, "
+                    f"not attempt {clean['attempt']}."
+                ]
+            }
+        )
+    if clean["rank"] >= job.ranks:
+        raise ValidationError(
+            {"rank": [f"Job {job.pk} has ranks 0 to {job.ranks - 1} (got {clean['rank']})."]}
+        )
+    with transaction.atomic():
+        # The rank's row serialises its events, so the cap and the step checks
+        # see every event stored before this one. Reconcile locks ranks first
+        # too, so the order of locks is the same everywhere.
+        rank = Rank.objects.select_for_update().filter(attempt=attempt, index=clean["rank"]).first()
+        if rank is None:
+            raise ValidationError(
+                {"rank": [f"Attempt {attempt.number} has no rank {clean['rank']}."]}
             )
-            _apply(job, stored)
-    except IntegrityError:
-        return False
+        if Attempt.objects.filter(pk=attempt.pk, ended_at__isnull=False).exists():
+            raise PermissionDenied(
+                f"Attempt {attempt.number} of job {job.pk} has ended; it takes no more events."
+            )
+        key = fingerprint(clean)
+        if TrapEvent.objects.filter(fingerprint=key).exists():
+            return False
+        cap = settings.QM_TRAP_EVENTS_PER_RANK
+        stored_so_far = TrapEvent.objects.filter(
+            job=job, attempt=attempt.number, rank=clean["rank"]
+        ).count()
+        if stored_so_far >= cap:
+            raise EventLimitReached(
+                f"Rank {clean['rank']} of attempt {attempt.number} has already reported "
+                f"{stored_so_far} events, the most one rank may (QM_TRAP_EVENTS_PER_RANK)."
+            )
+        if clean["event"] == "checkpoint_committed":
+            _check_step(job, attempt, clean["step"])
+        clean["at"] = _clamp(clean["at"], attempt)
+        stored = TrapEvent.objects.create(
+            job=job,
+            attempt=attempt.number,
+            rank=clean["rank"],
+            event=clean["event"],
+            at=clean["at"],
+            step=clean.get("step"),
+            payload=clean,
+            fingerprint=key,
+            source=source,
+        )
+        _apply(job, attempt, stored)
     return True
 
 
-def _apply(job: Job, stored: TrapEvent) -> None:
-    attempt = Attempt.objects.filter(job=job, number=stored.attempt).first()
-    at = _when(stored.at)
+def ingest_trap_events(*, attempt: Attempt, events: list[Any], source: str) -> tuple[int, int]:
+    """Ingest a batch all or nothing: one refused event leaves every other
+    unstored too. Returns (accepted, duplicates)."""
+    accepted = duplicates = 0
+    with transaction.atomic():
+        for event in events:
+            if ingest_trap_event(attempt=attempt, event=event, source=source):
+                accepted += 1
+            else:
+                duplicates += 1
+    return accepted, duplicates
+
+
+def _apply(job: Job, attempt: Attempt, stored: TrapEvent) -> None:
+    at = datetime.fromtimestamp(stored.at, tz=UTC)
     payload = stored.payload
-    if stored.event == "signal_received" and attempt is not None:
+    if stored.event == "signal_received":
         Rank.objects.filter(
             attempt=attempt, index=stored.rank, signal_received_at__isnull=True
         ).update(signal_received_at=at)
@@ -119,7 +232,9 @@ def _apply(job: Job, stored: TrapEvent) -> None:
             attempt=attempt,
             step=stored.step,
             defaults={
-                "path": str(payload.get("path") or f"{job.checkpoint_dir}/step_{stored.step}"),
+                # The folder the trap saves this step to; what the client
+                # names is never recorded as a checkpoint's path.
+                "path": f"{job.checkpoint_dir}/step_{stored.step}" if job.checkpoint_dir else "",
                 "bytes": int(payload.get("bytes") or 0),
                 "seconds": float(payload.get("seconds") or 0.0),
                 "committed_at": at,
@@ -127,12 +242,11 @@ def _apply(job: Job, stored: TrapEvent) -> None:
         )
         last = Checkpoint.objects.filter(job=job).aggregate(step=Max("step"))["step"]
         Job.objects.filter(pk=job.pk).update(resume_step=(last or 0) + 1)
-        if attempt is not None:
-            PreemptionEvent.objects.filter(victim_attempt=attempt, decided_at__lte=at).update(
-                checkpoint_step=stored.step,
-                checkpoint_bytes=int(payload.get("bytes") or 0),
-                checkpoint_seconds=float(payload.get("seconds") or 0.0),
-            )
+        PreemptionEvent.objects.filter(victim_attempt=attempt, decided_at__lte=at).update(
+            checkpoint_step=stored.step,
+            checkpoint_bytes=int(payload.get("bytes") or 0),
+            checkpoint_seconds=float(payload.get("seconds") or 0.0),
+        )
     elif stored.event == "resumed":
         # The resume closes the story of the preemption that requeued the job.
         PreemptionEvent.objects.filter(

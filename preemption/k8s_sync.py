@@ -6,22 +6,17 @@ never touched."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from django.conf import settings
-
+from preemption.runtimes.kubernetes import PriorityClassSpec, reconcile_priority_classes
 from quotas.models import PriorityClass
 
 logger = logging.getLogger(__name__)
 
 
-def priority_classes_sync() -> int:
-    """Reconcile once; returns how many classes were written (0 off Kubernetes)."""
-    if settings.QM_RUNTIME != "kubernetes":
-        return 0
-    from preemption.runtime import get_runtime
-    from preemption.runtimes.kubernetes import PriorityClassSpec, reconcile_priority_classes
-
-    runtime = get_runtime()
+def priority_classes_sync(*, api_client: Any) -> int:
+    """Reconcile once through the Kubernetes runtime's API client; returns how
+    many classes were written."""
     desired = [
         PriorityClassSpec(
             name=pc.name,
@@ -31,7 +26,7 @@ def priority_classes_sync() -> int:
         )
         for pc in PriorityClass.objects.all()
     ]
-    result = reconcile_priority_classes(runtime.api_client, desired)  # type: ignore[attr-defined]
+    result = reconcile_priority_classes(api_client, desired)
     if result.unowned:
         logger.warning(
             "PriorityClasses owned by someone else were left alone: %s", ", ".join(result.unowned)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import secrets
+from urllib.parse import urlsplit
+
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
@@ -56,7 +59,6 @@ class Job(models.Model):
     failure_reason = models.CharField(max_length=300, blank=True)
     resume_step = models.PositiveIntegerField(null=True, blank=True)
     checkpoint_dir = models.CharField(max_length=500, blank=True)
-    events_token = models.CharField(max_length=64, blank=True)
     max_attempts = models.PositiveIntegerField(default=5)
     not_before = models.DateTimeField(null=True, blank=True)
 
@@ -84,6 +86,11 @@ class Job(models.Model):
         return self.ranks * self.gpus_per_rank
 
 
+def new_events_key() -> str:
+    """The random part of an attempt's trap events token, drawn when the attempt is created."""
+    return secrets.token_hex(16)
+
+
 class Attempt(models.Model):
     """One admission of a job: where its ranks were placed, how many of its GPUs
     were borrowed, and why it ended."""
@@ -95,6 +102,13 @@ class Attempt(models.Model):
         CANCELLED = "cancelled", "Cancelled"
         GANG_GUARD = "gang-guard", "A rank died; the gang was stopped"
 
+    class Action(models.TextChoices):
+        NONE = "", "None"
+        LAUNCH = "launch", "Launch"
+        SIGNAL = "signal", "Signal"
+        KILL = "kill", "Kill"
+        FORGET = "forget", "Forget"
+
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
     number = models.PositiveIntegerField()
     placement = models.JSONField(default=list)
@@ -105,6 +119,21 @@ class Attempt(models.Model):
     ended_at = models.DateTimeField(null=True, blank=True)
     end_reason = models.CharField(max_length=16, choices=EndReason.choices, blank=True)
     orphaned_ports = models.JSONField(default=list, blank=True)
+    # The random part of the attempt's trap events token (see preemption.event_tokens);
+    # the token itself is never stored.
+    events_key = models.CharField(max_length=64, default=new_events_key, editable=False)
+    # The runtime action the reconciler decided on and has not yet carried out.
+    # It is recorded in the short transaction that decides it and carried out
+    # after that commits; a worker claims it first (action_claimed_at), so two
+    # workers never act twice, and a claim older than the reconciler's lease
+    # belonged to a worker that died and may be taken over.
+    action = models.CharField(max_length=8, choices=Action.choices, blank=True)
+    action_claimed_at = models.DateTimeField(null=True, blank=True)
+    # Temporary runtime errors of the pending action so far, the latest one,
+    # and when the next try is due.
+    action_tries = models.PositiveIntegerField(default=0)
+    action_error = models.CharField(max_length=300, blank=True)
+    action_not_before = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["job_id", "number"]
@@ -114,9 +143,25 @@ class Attempt(models.Model):
                 fields=["job"], condition=Q(ended_at__isnull=True), name="attempt_one_open_per_job"
             ),
         ]
+        # Every reconcile pass looks for ended attempts with a forget still to do.
+        indexes = [
+            models.Index(fields=["action"], condition=~Q(action=""), name="attempt_action_pending")
+        ]
 
     def __str__(self) -> str:
         return f"job {self.job_id} attempt {self.number}"
+
+
+def next_attempt_number(job_id: int) -> int:
+    """The number of the job's next attempt: one more than its last. Attempts
+    are never renumbered or deleted, so history keeps its numbers."""
+    last = (
+        Attempt.objects.filter(job_id=job_id)
+        .order_by("-number")
+        .values_list("number", flat=True)
+        .first()
+    )
+    return (last or 0) + 1
 
 
 class Rank(models.Model):
@@ -151,9 +196,27 @@ class Rank(models.Model):
         return f"{self.attempt} rank {self.index}"
 
 
+class StopQuerySet(models.QuerySet["PreemptionEvent"]):
+    """Graceful stops split into preemptions and cancels.
+
+    A person's cancel of a running job goes through the same graceful stop as
+    a preemption (signal, grace window, kill at the deadline), so it is stored
+    as the same kind of row with reason `manual`. It is not a preemption: every
+    count, chart and list of preemptions reads `preemptions()`.
+    """
+
+    def preemptions(self) -> StopQuerySet:
+        return self.exclude(reason=PreemptionEvent.Reason.MANUAL)
+
+    def cancels(self) -> StopQuerySet:
+        return self.filter(reason=PreemptionEvent.Reason.MANUAL)
+
+
 class PreemptionEvent(models.Model):
     """The graceful stop of one attempt: why, by whom, when it was decided, the
-    deadline, what the ranks managed to checkpoint, and how it ended."""
+    deadline, what the ranks managed to checkpoint, and how it ended. A stop
+    with reason `manual` is a person's cancel, not a preemption (see
+    `StopQuerySet`)."""
 
     class Reason(models.TextChoices):
         RECLAIM = "reclaim", "Reclaim"
@@ -162,6 +225,9 @@ class PreemptionEvent(models.Model):
         CONSOLIDATE = "consolidate", "Consolidation"
         GANG_GUARD = "gang-guard", "Gang guard"
         MANUAL = "manual", "Manual"
+        # The embedded portal was stopped and stopped its local ranks with it;
+        # the job is requeued and resumes from its checkpoint at the next start.
+        SHUTDOWN = "shutdown", "Portal stopped"
 
     class Outcome(models.TextChoices):
         GRACEFUL = "graceful", "Graceful"
@@ -189,7 +255,13 @@ class PreemptionEvent(models.Model):
     outcome = models.CharField(max_length=20, choices=Outcome.choices, blank=True)
     lost_gpu_seconds = models.FloatField(null=True, blank=True)
     requeued_at = models.DateTimeField(null=True, blank=True)
+    # The step the job was to resume from when this preemption requeued it. The
+    # job's own resume_step moves on with every later checkpoint, so the story
+    # of an old preemption must not read it.
+    resume_step = models.PositiveIntegerField(null=True, blank=True)
     resumed_at = models.DateTimeField(null=True, blank=True)
+
+    objects = StopQuerySet.as_manager()
 
     class Meta:
         ordering = ["-decided_at", "-id"]
@@ -203,6 +275,7 @@ class PreemptionEvent(models.Model):
                         "consolidate",
                         "gang-guard",
                         "manual",
+                        "shutdown",
                     ]
                 ),
                 name="preemption_reason_valid",
@@ -215,6 +288,10 @@ class PreemptionEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.reason} of {self.victim_attempt}"
+
+    @property
+    def is_cancel(self) -> bool:
+        return self.reason == PreemptionEvent.Reason.MANUAL
 
 
 class Checkpoint(models.Model):
@@ -255,7 +332,17 @@ class Webhook(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
-        return f"{self.team.slug} -> {self.url}"
+        return f"{self.team.slug} -> {self.origin}"
+
+    @property
+    def origin(self) -> str:
+        """Scheme and host, the most of the URL that logs and labels show: a
+        webhook URL may carry a credential in its path."""
+        try:
+            parts = urlsplit(self.url)
+        except ValueError:
+            return "(malformed URL)"
+        return f"{parts.scheme}://{parts.hostname or '?'}"
 
 
 class WebhookDelivery(models.Model):
@@ -279,3 +366,29 @@ class WebhookDelivery(models.Model):
         return (
             f"{self.event} to {self.webhook_id} ({'delivered' if self.delivered_at else 'pending'})"
         )
+
+
+class TrapEvent(models.Model):
+    """One event a rank's trap reported, by POST or from its log.
+
+    The fingerprint is a hash of the event's JSON, so the same event arriving
+    both ways is stored once.
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="trap_events")
+    attempt = models.PositiveIntegerField()
+    rank = models.PositiveIntegerField()
+    event = models.CharField(max_length=32)
+    at = models.FloatField()
+    step = models.PositiveIntegerField(null=True, blank=True)
+    payload = models.JSONField()
+    fingerprint = models.CharField(max_length=64, unique=True)
+    source = models.CharField(max_length=8, choices=[("post", "POST"), ("log", "log")])
+    received_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["at", "id"]
+        indexes = [models.Index(fields=["job", "attempt", "event"])]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id}/{self.attempt} rank {self.rank} {self.event}"

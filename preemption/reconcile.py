@@ -1,25 +1,56 @@
 """Level-triggered reconcilers: compare what the database wants with what the
 runtime observes right now, and move ranks and jobs forward.
 
+Each pass over an attempt has two steps, and no runtime call (a process
+launch, a signal, a Kubernetes request, a log read) is made while a
+transaction is open or a row is locked:
+
+- *decide*, in one short transaction: record what the runtime observed, move
+  the job's state on, and record the runtime action the attempt needs next on
+  the attempt row (launch attempt N, signal its ranks, kill them at the
+  deadline, forget the finished gang);
+- *act*, after that commits: claim the action with a conditional update, make
+  the runtime call, and record its outcome in another short transaction.
+
+A runtime call can take seconds. On the embedded SQLite a transaction holds
+the database's only write lock from its start, so a call made inside one
+would keep every other writer waiting, job submissions included.
+
 Every step is idempotent and claims its row with a conditional update, so a
 second reconcile of the same state, or two workers at once, change nothing
-more: signals are sent once per preemption (a repeat is harmless), an attempt
-is finished once, and a job is requeued once.
+more: an action is carried out by the one worker that claimed it (a claim
+left by a worker that died expires after ACTION_LEASE), signals are sent once
+per preemption (a repeat is harmless), an attempt is finished once, and a job
+is requeued once.
+
+A temporary runtime error leaves the action in place with its count, its
+message and the time of the next try (exponential backoff, shown on the job
+page); a launch gives up after QM_RUNTIME_TRIES. A permanent error fails that
+attempt with its reason. Neither stops the pass for the other attempts.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import logging
+import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Max
+from django.db.models import Max, Q, QuerySet
 from django.utils import timezone
 
+from preemption.event_tokens import attempt_events_token
+from preemption.ingest import ingest_trap_event
 from preemption.models import (
     ACTIVE_STATES,
     Attempt,
@@ -28,8 +59,10 @@ from preemption.models import (
     JobState,
     PreemptionEvent,
     Rank,
+    TrapEvent,
 )
 from preemption.runtime import get_runtime
+from preemption.runtimes import iter_trap_events, read_whole_log
 from preemption.runtimes.base import (
     GangId,
     GangSpec,
@@ -39,6 +72,7 @@ from preemption.runtimes.base import (
     RuntimePermanentError,
     RuntimeTemporaryError,
 )
+from preemption.wakeup import queue_cycle
 from preemption.webhooks import notify
 
 logger = logging.getLogger(__name__)
@@ -69,7 +103,8 @@ def gang_spec(job: Job, attempt: Attempt, ranks: Iterable[Rank]) -> GangSpec:
         "QM_GRACE_SECONDS": str(job.priority_class.grace_seconds),
         "QM_CHECKPOINT_DIR": job.checkpoint_dir,
         "QM_EVENTS_URL": events_url(job.pk),
-        "QM_EVENTS_TOKEN": job.events_token,
+        # The attempt's own token: it expires when the attempt ends.
+        "QM_EVENTS_TOKEN": attempt_events_token(attempt),
     }
     return GangSpec(
         job_id=job.pk,
@@ -110,13 +145,76 @@ def request_stop(
     )
 
 
+@dataclass
+class Step:
+    """What the decide step found an attempt needs from the runtime next.
+
+    `action` is one of Attempt.Action's values, or FINISH: every rank has exited and
+    the attempt is to be closed (which reads the ranks' logs first)."""
+
+    action: str
+    attempt: Attempt
+    event: PreemptionEvent | None = None
+    spec: GangSpec | None = None
+    alive: list[int] = field(default_factory=list)
+    # When the runtime call began: a signal is recorded as sent at this moment,
+    # since ranks receive it while the call runs and the record must not say it
+    # was sent after they received it.
+    called_at: datetime | None = None
+
+    @property
+    def gang(self) -> GangId:
+        return GangId(self.attempt.job_id, self.attempt.number)
+
+
+T = TypeVar("T")
+FINISH = "finish"
+# A claim older than this belonged to a worker that died while acting: longer than
+# any single runtime call may take (the local launcher's timeout, the Celery task's
+# hard time limit).
+ACTION_LEASE = timedelta(seconds=180)
+# Launches of one pass go out side by side: each local launch waits for a
+# launcher process to start, each Kubernetes launch for the API server.
+PARALLEL_ACTIONS = 8
+MAX_RETRY_SECONDS = 60.0
+
+
 def reconcile_jobs(*, job_ids: list[int] | None = None, runtime: Runtime | None = None) -> int:
     """Reconcile every open attempt of active jobs (or only those of `job_ids`).
-    Returns how many attempts were looked at."""
-    runtime = runtime or get_runtime()
-    attempts = Attempt.objects.filter(
-        ended_at__isnull=True, job__state__in=ACTIVE_STATES
-    ).select_related("job", "job__team", "job__priority_class", "job__flavor")
+    Returns how many attempts were looked at.
+
+    Runtime calls happen only between the short transactions, never inside one.
+    A pass over every attempt while another such pass of this installation is
+    still running does nothing: the next one starts a moment later anyway."""
+    if job_ids is None:
+        with _only_pass() as mine:
+            return _reconcile(None, runtime or get_runtime()) if mine else 0
+    return _reconcile(job_ids, runtime or get_runtime())
+
+
+@contextmanager
+def _only_pass() -> Iterator[bool]:
+    folder = Path(settings.VAR_DIR)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "reconcile.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
+    _forget_finished(job_ids, runtime)
+    attempts = (
+        Attempt.objects.filter(ended_at__isnull=True, job__state__in=ACTIVE_STATES)
+        .select_related("job", "job__team", "job__priority_class", "job__flavor", "preemption")
+        .prefetch_related("rank_set")
+    )
     if job_ids is not None:
         attempts = attempts.filter(job_id__in=job_ids)
     attempts = list(attempts.order_by("id"))
@@ -131,137 +229,369 @@ def reconcile_jobs(*, job_ids: list[int] | None = None, runtime: Runtime | None 
         else:
             for obs in runtime.observe(None):
                 observed[(obs.job_id, obs.attempt)].append(obs)
-    except RuntimeTemporaryError:
+    except (RuntimeTemporaryError, RuntimePermanentError):
         logger.warning("runtime observation failed; retrying next cycle", exc_info=True)
         return 0
     # Runtimes that can tell a rank was taken away (kube-scheduler preemption,
     # node loss) even when it exited 0 name those gangs themselves.
     taken: set[tuple[int, int]] = set()
-    guard = getattr(runtime, "guard_victims", None)
+    guard = runtime.gang_guard
     if guard is not None:
         try:
-            taken = {(gang.job_id, gang.attempt) for gang in guard()}
-        except RuntimeTemporaryError:
+            taken = {(gang.job_id, gang.attempt) for gang in guard.guard_victims()}
+        except (RuntimeTemporaryError, RuntimePermanentError):
             logger.warning("gang-guard observation failed; retrying next cycle", exc_info=True)
+    # Gangs the runtime shows nothing of although they were launched are observed
+    # once more first: the pass's observation may predate their launch.
+    pending: list[tuple[Attempt, list[RankObservation], bool]] = []
     for attempt in attempts:
-        try:
-            reconcile_attempt(
+        key = (attempt.job_id, attempt.number)
+        observations = observed.get(key, [])
+        if _steady(attempt, observations, key in taken):
+            continue
+        if not observations and attempt.launched_at is not None:
+            try:
+                observations = runtime.observe(GangId(*key))
+            except (RuntimeTemporaryError, RuntimePermanentError):
+                logger.warning("observing %s failed; retrying next cycle", attempt, exc_info=True)
+                continue
+        pending.append((attempt, observations, key in taken))
+    # One short transaction decides for every attempt, each in a savepoint of its
+    # own: on SQLite each transaction waits its turn for the write lock.
+    steps: list[Step] = []
+    with transaction.atomic():
+        for attempt, observations, was_taken in pending:
+            step = _guarded(
                 attempt,
-                observed.get((attempt.job_id, attempt.number), []),
-                runtime,
-                taken=(attempt.job_id, attempt.number) in taken,
+                functools.partial(
+                    _decide,
+                    attempt,
+                    observations,
+                    launched_at=attempt.launched_at,
+                    taken=was_taken,
+                ),
+                savepoint=True,
             )
-        except RuntimeTemporaryError:
-            logger.warning(
-                "temporary runtime error on %s; retrying next cycle", attempt, exc_info=True
-            )
+            if step is not None:
+                steps.append(step)
+    act(steps, runtime)
     return len(attempts)
 
 
-def reconcile_attempt(
-    attempt: Attempt, observations: list[RankObservation], runtime: Runtime, *, taken: bool = False
-) -> None:
+def _guarded(attempt: Attempt, work: Callable[[], T], *, savepoint: bool = False) -> T | None:
+    """One attempt's trouble is logged and never stops the pass for the others;
+    with `savepoint`, its writes so far are undone and the others' kept."""
+    try:
+        if savepoint:
+            with transaction.atomic():
+                return work()
+        return work()
+    except (RuntimeTemporaryError, RuntimePermanentError):
+        logger.warning("runtime error on %s; retrying next cycle", attempt, exc_info=True)
+    except Exception:
+        logger.exception("reconciling %s failed; retrying next cycle", attempt)
+    return None
+
+
+# --- decide -----------------------------------------------------------------------
+
+
+def _decide(
+    attempt: Attempt,
+    observations: list[RankObservation],
+    *,
+    launched_at: datetime | None,
+    taken: bool,
+) -> Step | None:
+    """Record what the runtime observed, move the job on, and record the runtime
+    action the attempt needs next. Runs inside the pass's decide transaction.
+
+    `launched_at` is the attempt's as read before the runtime was observed."""
     job = attempt.job
-    gang = GangId(job.pk, attempt.number)
     now = timezone.now()
-    with transaction.atomic():
-        ranks = {
-            rank.index: rank for rank in Rank.objects.select_for_update().filter(attempt=attempt)
-        }
-        attempt.refresh_from_db(fields=["launched_at", "ended_at"])
-        if attempt.ended_at is not None:
-            return
-        job.refresh_from_db(fields=["state", "cancel_requested_at", "env"])
-        event = PreemptionEvent.objects.filter(victim_attempt=attempt).first()
+    ranks = {rank.index: rank for rank in Rank.objects.select_for_update().filter(attempt=attempt)}
+    attempt.refresh_from_db(
+        fields=["launched_at", "ended_at", "action", "action_claimed_at", "action_tries"]
+    )
+    if attempt.ended_at is not None:
+        return None
+    if attempt.action_claimed_at is not None and attempt.action_claimed_at > now - ACTION_LEASE:
+        # Another worker is carrying out this attempt's action right now.
+        return None
+    job.refresh_from_db(fields=["state", "cancel_requested_at", "env"])
+    event = PreemptionEvent.objects.filter(victim_attempt=attempt).first()
 
-        if not observations:
-            if event is not None and attempt.launched_at is None:
-                # Stopped before it ever started: nothing to signal.
-                _finish_attempt(job, attempt, list(ranks.values()), event, runtime, now)
-                return
-            if attempt.launched_at is None:
-                try:
-                    runtime.launch(gang_spec(job, attempt, ranks.values()))
-                except RuntimePermanentError as exc:
-                    _fail_launch(job, attempt, str(exc), now)
-                    return
-                Attempt.objects.filter(pk=attempt.pk, launched_at__isnull=True).update(
-                    launched_at=now
+    if attempt.launched_at is None and event is None:
+        # Not launched yet, or a launch that failed half-way and left some of its
+        # ranks behind for the runtime to show: the next launch completes it.
+        spec = gang_spec(job, attempt, ranks.values())
+        return _intend(Step(Attempt.Action.LAUNCH, attempt, spec=spec))
+    if not observations:
+        if attempt.launched_at is None:
+            # Stopped before it ever started: nothing to signal.
+            return Step(FINISH, attempt, event)
+        if attempt.launched_at != launched_at:
+            # Launched by another worker after this pass observed the runtime.
+            return None
+        # The runtime forgot a gang it launched: its ranks are lost.
+        observations = [
+            RankObservation(
+                job.pk,
+                attempt.number,
+                r.index,
+                r.node,
+                "lost",
+                None,
+                "",
+                None,
+                now.timestamp(),
+                None,
+            )
+            for r in ranks.values()
+        ]
+    _record_observations(ranks, observations)
+    phases = {index: rank.state for index, rank in ranks.items()}
+    alive = [i for i, phase in phases.items() if phase not in TERMINAL_PHASES]
+
+    if (job.state == JobState.ADMITTED and not alive) or (
+        job.state == JobState.ADMITTED and all(p != "starting" for p in phases.values())
+    ):
+        Job.objects.filter(pk=job.pk, state=JobState.ADMITTED).update(
+            state=JobState.RUNNING, running_at=now
+        )
+
+    if event is None:
+        broken = [
+            r
+            for r in ranks.values()
+            if r.state == "lost" or (r.state == "exited" and r.exit_code not in (0, None))
+        ]
+        if (broken or taken) and alive:
+            first = broken[0] if broken else None
+            if first is None:
+                cause = "a rank was taken away by the cluster"
+            elif first.state == "lost":
+                cause = f"rank {first.index} was lost"
+            else:
+                cause = f"rank {first.index} exited with code {first.exit_code}"
+            event = request_stop(job=job, reason="gang-guard", cause=f"gang guard: {cause}")
+            if event is not None:
+                notify(
+                    job_id=job.pk,
+                    event="preempted",
+                    payload={"reason": "gang-guard", "cause": event.cause},
                 )
-                return
-            # The observation may predate a launch another worker just made:
-            # look again before calling the gang lost.
-            observations = runtime.observe(gang)
-            if not observations:
-                # The runtime forgot a gang it launched: its ranks are lost.
-                observations = [
-                    RankObservation(
-                        job.pk,
-                        attempt.number,
-                        r.index,
-                        r.node,
-                        "lost",
-                        None,
-                        "",
-                        None,
-                        now.timestamp(),
-                        None,
-                    )
-                    for r in ranks.values()
-                ]
-        _record_observations(ranks, observations)
-        phases = {index: rank.state for index, rank in ranks.items()}
-        alive = [i for i, phase in phases.items() if phase not in TERMINAL_PHASES]
 
-        if (job.state == JobState.ADMITTED and not alive) or (
-            job.state == JobState.ADMITTED and all(p != "starting" for p in phases.values())
-        ):
-            Job.objects.filter(pk=job.pk, state=JobState.ADMITTED).update(
-                state=JobState.RUNNING, running_at=now
+    if event is not None and alive:
+        if event.signal_sent_at is None:
+            return _intend(Step(Attempt.Action.SIGNAL, attempt, event, alive=alive))
+        if now >= event.deadline:
+            return _intend(Step(Attempt.Action.KILL, attempt, event, alive=alive))
+        return None
+    if not alive:
+        return Step(FINISH, attempt, event)
+    return None
+
+
+def _intend(step: Step) -> Step:
+    """Record the action on the attempt; a new action starts its tries afresh."""
+    if step.attempt.action != step.action:
+        Attempt.objects.filter(pk=step.attempt.pk, ended_at__isnull=True).update(
+            action=step.action,
+            action_claimed_at=None,
+            action_tries=0,
+            action_error="",
+            action_not_before=None,
+        )
+        step.attempt.action, step.attempt.action_tries = step.action, 0
+    return step
+
+
+# --- act --------------------------------------------------------------------------
+
+
+def act(steps: list[Step], runtime: Runtime) -> None:
+    """Carry out what the decide step recorded, with no transaction open.
+
+    Each action is claimed first, so a second worker with the same decision does
+    nothing; the runtime calls of one pass go out side by side, and their
+    outcomes are recorded together in one short transaction."""
+    _carry_out([step for step in steps if step.action != FINISH], runtime)
+    finishing = [step for step in steps if step.action == FINISH]
+    if finishing:
+        _finish(finishing, runtime)
+
+
+def _carry_out(steps: list[Step], runtime: Runtime) -> None:
+    if not steps:
+        return
+    claimed: list[tuple[Step, datetime]] = []
+    with transaction.atomic():
+        for step in steps:
+            claim = _claim(step)
+            if claim is not None:
+                claimed.append((step, claim))
+    calls = [functools.partial(_call, step, runtime) for step, _ in claimed]
+    if len(calls) > 1:
+        with ThreadPoolExecutor(max_workers=min(PARALLEL_ACTIONS, len(calls))) as pool:
+            errors = list(pool.map(lambda call: call(), calls))
+    else:
+        errors = [call() for call in calls]
+    with transaction.atomic():
+        for (step, claim), error in zip(claimed, errors, strict=True):
+            _guarded(
+                step.attempt,
+                functools.partial(_record_outcome, step, claim, error),
+                savepoint=True,
             )
 
-        if event is None:
-            broken = [
-                r
-                for r in ranks.values()
-                if r.state == "lost" or (r.state == "exited" and r.exit_code not in (0, None))
-            ]
-            if (broken or taken) and alive:
-                first = broken[0] if broken else None
-                if first is None:
-                    cause = "a rank was taken away by the cluster"
-                elif first.state == "lost":
-                    cause = f"rank {first.index} was lost"
-                else:
-                    cause = f"rank {first.index} exited with code {first.exit_code}"
-                event = request_stop(job=job, reason="gang-guard", cause=f"gang guard: {cause}")
-                if event is not None:
-                    notify(
-                        job_id=job.pk,
-                        event="preempted",
-                        payload={"reason": "gang-guard", "cause": event.cause},
-                    )
 
-        if event is not None and alive:
-            if event.signal_sent_at is None:
-                remaining = max(0.0, (event.deadline - now).total_seconds())
-                runtime.signal(gang, remaining)
-                sent = timezone.now()
-                PreemptionEvent.objects.filter(pk=event.pk, signal_sent_at__isnull=True).update(
-                    signal_sent_at=sent
-                )
-                Rank.objects.filter(
-                    attempt=attempt, signal_sent_at__isnull=True, index__in=alive
-                ).update(signal_sent_at=sent)
-            elif now >= event.deadline:
-                runtime.kill(gang)
-                if event.killed_at is None:
-                    PreemptionEvent.objects.filter(pk=event.pk, killed_at__isnull=True).update(
-                        killed_at=now
+def _claim(step: Step) -> datetime | None:
+    now = timezone.now()
+    claimable = Attempt.objects.filter(pk=step.attempt.pk, action=step.action).filter(
+        Q(action_claimed_at__isnull=True) | Q(action_claimed_at__lt=now - ACTION_LEASE),
+        Q(action_not_before__isnull=True) | Q(action_not_before__lte=now),
+    )
+    if step.action == Attempt.Action.LAUNCH:
+        claimable = claimable.filter(launched_at__isnull=True, ended_at__isnull=True)
+    return now if claimable.update(action_claimed_at=now) == 1 else None
+
+
+def _call(step: Step, runtime: Runtime) -> Exception | None:
+    """Make the runtime call; returns its error, translated, or None.
+
+    Runs in a pool thread: it touches the runtime only, never the database."""
+    step.called_at = timezone.now()
+    try:
+        if step.action == Attempt.Action.LAUNCH:
+            assert step.spec is not None
+            runtime.launch(step.spec)
+        elif step.action == Attempt.Action.SIGNAL:
+            assert step.event is not None
+            remaining = max(0.0, (step.event.deadline - timezone.now()).total_seconds())
+            runtime.signal(step.gang, remaining)
+        elif step.action == Attempt.Action.KILL:
+            runtime.kill(step.gang)
+        elif step.action == Attempt.Action.FORGET:
+            runtime.forget(step.gang)
+    except (RuntimeTemporaryError, RuntimePermanentError) as error:
+        return error
+    except Exception as error:
+        # A runtime that let a library's exception through: treat it as one that
+        # may pass, so it is retried and counted rather than lost.
+        logger.exception("%s of %s raised an untranslated error", step.action, step.gang)
+        return RuntimeTemporaryError(f"{type(error).__name__}: {error}")
+    return None
+
+
+def _record_outcome(step: Step, claim: datetime, error: Exception | None) -> None:
+    """Record what the runtime call did, in one short transaction."""
+    mine = Attempt.objects.filter(pk=step.attempt.pk, action_claimed_at=claim)
+    done = {
+        "action": Attempt.Action.NONE,
+        "action_claimed_at": None,
+        "action_tries": 0,
+        "action_error": "",
+        "action_not_before": None,
+    }
+    now = timezone.now()
+    with transaction.atomic():
+        if isinstance(error, RuntimeTemporaryError):
+            tries = step.attempt.action_tries + 1
+            message = str(error)[:300]
+            if step.action == Attempt.Action.LAUNCH and tries >= settings.QM_RUNTIME_TRIES:
+                if mine.update(**done) == 1:
+                    _fail_launch(
+                        step.attempt.job,
+                        step.attempt,
+                        f"launch gave up after {tries} tries: {message}",
+                        now,
                     )
+                return
+            if step.action == Attempt.Action.FORGET and tries >= settings.QM_RUNTIME_TRIES:
+                # The attempt has ended; only the runtime's bookkeeping stays behind.
+                mine.update(**{**done, "action_error": f"forget gave up: {message}"[:300]})
+                return
+            backoff = min(settings.QM_RUNTIME_RETRY_SECONDS * 2 ** (tries - 1), MAX_RETRY_SECONDS)
+            logger.warning(
+                "%s of %s failed (try %d), retrying in %.0f s: %s",
+                step.action,
+                step.gang,
+                tries,
+                backoff,
+                message,
+            )
+            mine.update(
+                action_claimed_at=None,
+                action_tries=tries,
+                action_error=message,
+                action_not_before=now + timedelta(seconds=backoff),
+            )
             return
-        if not alive:
-            _finish_attempt(job, attempt, list(ranks.values()), event, runtime, now)
+        if isinstance(error, RuntimePermanentError):
+            _permanent(step, mine, done, str(error), now)
+            return
+        if mine.update(**done) != 1:
+            return
+        if step.action == Attempt.Action.LAUNCH:
+            Attempt.objects.filter(pk=step.attempt.pk, launched_at__isnull=True).update(
+                launched_at=now
+            )
+        elif step.action == Attempt.Action.SIGNAL:
+            assert step.event is not None
+            _signal_sent(step, step.called_at or now)
+        elif step.action == Attempt.Action.KILL:
+            assert step.event is not None
+            PreemptionEvent.objects.filter(pk=step.event.pk, killed_at__isnull=True).update(
+                killed_at=now
+            )
+
+
+def _signal_sent(step: Step, sent: datetime) -> None:
+    assert step.event is not None
+    PreemptionEvent.objects.filter(pk=step.event.pk, signal_sent_at__isnull=True).update(
+        signal_sent_at=sent
+    )
+    Rank.objects.filter(
+        attempt=step.attempt, signal_sent_at__isnull=True, index__in=step.alive
+    ).update(signal_sent_at=sent)
+
+
+def _permanent(
+    step: Step, mine: QuerySet[Attempt], done: dict[str, Any], message: str, now: datetime
+) -> None:
+    """A call that can never succeed as asked fails that attempt with its reason,
+    except a signal, which the deadline's kill follows as for a rank that ignores
+    it, and a forget, whose gang has already ended."""
+    logger.warning("%s of %s failed for good: %s", step.action, step.gang, message)
+    if step.action == Attempt.Action.SIGNAL:
+        if mine.update(**{**done, "action_error": f"signal failed: {message}"[:300]}) == 1:
+            _signal_sent(step, step.called_at or now)
+        return
+    if step.action == Attempt.Action.FORGET:
+        mine.update(**{**done, "action_error": f"forget failed: {message}"[:300]})
+        return
+    if mine.update(**done) != 1:
+        return
+    if step.action != Attempt.Action.LAUNCH:
+        message = f"stopping the gang failed: {message}"
+    _fail_launch(step.attempt.job, step.attempt, message, now)
+
+
+def _forget_finished(job_ids: list[int] | None, runtime: Runtime) -> None:
+    """Forget the gangs of finished attempts whose forget failed for a while."""
+    now = timezone.now()
+    attempts = Attempt.objects.filter(
+        Q(action_claimed_at__isnull=True) | Q(action_claimed_at__lt=now - ACTION_LEASE),
+        Q(action_not_before__isnull=True) | Q(action_not_before__lte=now),
+        ended_at__isnull=False,
+        action=Attempt.Action.FORGET,
+    ).select_related("job")
+    if job_ids is not None:
+        attempts = attempts.filter(job_id__in=job_ids)
+    steps = [Step(Attempt.Action.FORGET, attempt) for attempt in attempts[:100]]
+    if steps:
+        act(steps, runtime)
 
 
 def _record_observations(ranks: dict[int, Rank], observations: list[RankObservation]) -> None:
@@ -270,34 +600,57 @@ def _record_observations(ranks: dict[int, Rank], observations: list[RankObservat
         rank = ranks.get(obs.rank)
         if rank is None:
             continue
-        changes: dict[str, Any] = {}
-        state = obs.phase if obs.phase in Rank.State.values else "lost"
-        if rank.state != state and rank.state not in TERMINAL_PHASES:
-            changes["state"] = state
-        if obs.exit_code is not None and rank.exit_code != obs.exit_code:
-            changes["exit_code"] = obs.exit_code
-        if obs.handle:
-            if obs.handle.isdigit():
-                if rank.pid != int(obs.handle):
-                    changes["pid"] = int(obs.handle)
-            elif rank.pod_name != obs.handle:
-                changes["pod_name"] = obs.handle
-        if obs.started_at is not None and rank.started_at is None:
-            changes["started_at"] = _when(obs.started_at)
-        if obs.exited_at is not None and rank.exited_at is None:
-            changes["exited_at"] = _when(obs.exited_at)
-        if obs.signal_sent_at is not None and rank.signal_sent_at is None:
-            changes["signal_sent_at"] = _when(obs.signal_sent_at)
+        changes = _rank_changes(rank, obs)
         if changes:
             for name, value in changes.items():
                 setattr(rank, name, value)
             rank.save(update_fields=list(changes))
 
 
+def _rank_changes(rank: Rank, obs: RankObservation) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
+    state = obs.phase if obs.phase in Rank.State.values else "lost"
+    if rank.state != state and rank.state not in TERMINAL_PHASES:
+        changes["state"] = state
+    if obs.exit_code is not None and rank.exit_code != obs.exit_code:
+        changes["exit_code"] = obs.exit_code
+    if obs.handle:
+        if obs.handle.isdigit():
+            if rank.pid != int(obs.handle):
+                changes["pid"] = int(obs.handle)
+        elif rank.pod_name != obs.handle:
+            changes["pod_name"] = obs.handle
+    if obs.started_at is not None and rank.started_at is None:
+        changes["started_at"] = _when(obs.started_at)
+    if obs.exited_at is not None and rank.exited_at is None:
+        changes["exited_at"] = _when(obs.exited_at)
+    if obs.signal_sent_at is not None and rank.signal_sent_at is None:
+        changes["signal_sent_at"] = _when(obs.signal_sent_at)
+    return changes
+
+
+def _steady(attempt: Attempt, observations: list[RankObservation], taken: bool) -> bool:
+    """True when the decide step would change nothing: a launched gang of a
+    running job, no stop asked, every rank running as last recorded. Most open
+    attempts are so on most passes, and on SQLite each decide transaction
+    takes the database's write lock, so these skip it."""
+    if (
+        taken
+        or attempt.launched_at is None
+        or attempt.action
+        or attempt.job.state != JobState.RUNNING
+        or hasattr(attempt, "preemption")
+    ):
+        return False
+    ranks = {rank.index: rank for rank in attempt.rank_set.all()}
+    return len(observations) == len(ranks) and all(
+        obs.phase == "running" and obs.rank in ranks and not _rank_changes(ranks[obs.rank], obs)
+        for obs in observations
+    )
+
+
 def ingest_logs(job: Job, attempt: Attempt, ranks: Iterable[Rank], runtime: Runtime) -> int:
     """Read every rank's QM_EVENT lines so no event is lost when its POST was."""
-    from preemption.ingest import ingest_trap_event
-    from preemption.runtimes import iter_trap_events, read_whole_log
 
     added = 0
     gang = GangId(job.pk, attempt.number)
@@ -309,9 +662,9 @@ def ingest_logs(job: Job, attempt: Attempt, ranks: Iterable[Rank], runtime: Runt
             continue
         for event in iter_trap_events(log):
             try:
-                added += ingest_trap_event(job=job, event=event, source="log")
-            except Exception:
-                logger.warning("ignoring a malformed trap event in %s: %r", rank, event)
+                added += ingest_trap_event(attempt=attempt, event=event, source="log")
+            except Exception as exc:
+                logger.warning("ignoring a refused trap event in %s: %s", rank, exc)
     return added
 
 
@@ -325,21 +678,51 @@ def _fail_launch(job: Job, attempt: Attempt, message: str, now: datetime) -> Non
     notify(job_id=job.pk, event="failed", payload={"reason": message[:300]})
 
 
+def _finish(steps: list[Step], runtime: Runtime) -> None:
+    """Every rank has exited, or the attempt was stopped before it started: read
+    the ranks' logs and the ports each gang left behind with no transaction
+    open, close the attempts in one short transaction, then forget the gangs."""
+    closing: list[tuple[Step, list[Rank], list[int]]] = []
+    for step in steps:
+        read = _guarded(step.attempt, functools.partial(_read_ends, step, runtime))
+        if read is not None:
+            closing.append((step, *read))
+    closed: list[Step] = []
+    with transaction.atomic():
+        for step, ranks, orphaned in closing:
+            attempt = step.attempt
+            close = functools.partial(
+                _finish_attempt, attempt.job, attempt, ranks, step.event, orphaned, timezone.now()
+            )
+            if _guarded(attempt, close, savepoint=True):
+                attempt.action, attempt.action_tries = Attempt.Action.FORGET, 0
+                closed.append(Step(Attempt.Action.FORGET, attempt))
+    _carry_out(closed, runtime)
+
+
+def _read_ends(step: Step, runtime: Runtime) -> tuple[list[Rank], list[int]]:
+    """The ranks as last recorded, after ingesting the trap events in their logs,
+    and the ports the gang still holds."""
+    attempt = step.attempt
+    ranks = list(Rank.objects.filter(attempt=attempt).order_by("index"))
+    ingest_logs(attempt.job, attempt, ranks, runtime)
+    try:
+        orphaned = runtime.released_ports(step.gang) if attempt.launched_at is not None else []
+    except (RuntimeTemporaryError, RuntimePermanentError):
+        orphaned = []
+    return ranks, orphaned
+
+
 def _finish_attempt(
     job: Job,
     attempt: Attempt,
     ranks: list[Rank],
     event: PreemptionEvent | None,
-    runtime: Runtime,
+    orphaned: list[int],
     now: datetime,
-) -> None:
-    """Every rank has exited: free the GPUs and decide what becomes of the job."""
-    gang = GangId(job.pk, attempt.number)
-    ingest_logs(job, attempt, ranks, runtime)
-    try:
-        orphaned = runtime.released_ports(gang) if attempt.launched_at is not None else []
-    except (RuntimeTemporaryError, OSError):
-        orphaned = []
+) -> bool:
+    """Free the GPUs and decide what becomes of the job; the gang is to be
+    forgotten next. False when another worker closed the attempt first."""
     codes = [rank.exit_code for rank in ranks]
     exited_at = max((rank.exited_at for rank in ranks if rank.exited_at), default=now)
     failed = any(rank.state == "lost" or (rank.exit_code not in (0, None)) for rank in ranks)
@@ -361,12 +744,19 @@ def _finish_attempt(
         end_reason = Attempt.EndReason.SUCCEEDED
 
     claimed = Attempt.objects.filter(pk=attempt.pk, ended_at__isnull=True).update(
-        ended_at=now, end_reason=end_reason, orphaned_ports=orphaned
+        ended_at=now,
+        end_reason=end_reason,
+        orphaned_ports=orphaned,
+        action=Attempt.Action.FORGET,
+        action_claimed_at=None,
+        action_tries=0,
+        action_error="",
+        action_not_before=None,
     )
     if claimed != 1:
-        return
+        return False
     if event is not None:
-        _close_event(event, attempt, job, exited_at)
+        _close_event(event, attempt, job, exited_at, resume_step)
 
     update: dict[str, Any] = {"resume_step": resume_step}
     if end_reason == Attempt.EndReason.SUCCEEDED:
@@ -411,18 +801,17 @@ def _finish_attempt(
             notice = ("requeued", {"reason": why, "resume_step": resume_step})
     Job.objects.filter(pk=job.pk).update(**update)
     notify(job_id=job.pk, event=notice[0], payload=notice[1])
-    try:
-        runtime.forget(gang)
-    except (RuntimeTemporaryError, OSError):
-        logger.warning("could not forget %s", gang, exc_info=True)
-    from preemption.services import queue_cycle
-
     queue_cycle()
+    return True
 
 
-def _close_event(event: PreemptionEvent, attempt: Attempt, job: Job, exited_at: datetime) -> None:
-    from telemetry.models import TrapEvent
-
+def _close_event(
+    event: PreemptionEvent,
+    attempt: Attempt,
+    job: Job,
+    exited_at: datetime,
+    resume_step: int | None,
+) -> None:
     event.refresh_from_db()
     skipped = TrapEvent.objects.filter(
         job=job, attempt=attempt.number, event="checkpoint_skipped"
@@ -453,4 +842,85 @@ def _close_event(event: PreemptionEvent, attempt: Attempt, job: Job, exited_at: 
         all_exited_at=exited_at,
         lost_gpu_seconds=lost,
         requeued_at=timezone.now() if requeue else None,
+        resume_step=resume_step if requeue else None,
+    )
+
+
+@dataclass(frozen=True)
+class ShutdownReport:
+    """What stopping the runtime's ranks with the portal did."""
+
+    jobs: int
+    ranks: int
+    killed: int
+
+
+def _live_ranks(runtime: Runtime) -> dict[GangId, list[RankObservation]]:
+    live: dict[GangId, list[RankObservation]] = defaultdict(list)
+    for obs in runtime.observe(None):
+        if obs.phase not in TERMINAL_PHASES:
+            live[GangId(obs.job_id, obs.attempt)].append(obs)
+    return dict(live)
+
+
+def live_rank_count(*, runtime: Runtime | None = None) -> tuple[int, int]:
+    """(jobs, ranks) the runtime runs now."""
+    live = _live_ranks(runtime or get_runtime())
+    return len(live), sum(len(ranks) for ranks in live.values())
+
+
+def runtime_shutdown(
+    *, grace_seconds: float, runtime: Runtime | None = None, poll_seconds: float = 0.25
+) -> ShutdownReport:
+    """Stop every rank the runtime runs because the portal that owns them stops:
+    record a `shutdown` stop on each open attempt (so the next start requeues
+    the job to resume from its checkpoint instead of taking the ranks' clean
+    exit for success), send every gang the signal at once, wait up to
+    `grace_seconds` for the ranks to exit, then kill what is left.
+
+    Called after the worker and beat have stopped, so nothing launches or
+    finishes an attempt meanwhile; the next reconcile finishes the attempts.
+    """
+    runtime = runtime or get_runtime()
+    live = _live_ranks(runtime)
+    if not live:
+        return ShutdownReport(jobs=0, ranks=0, killed=0)
+    now = timezone.now()
+    for gang in live:
+        attempt = Attempt.objects.filter(
+            job_id=gang.job_id, number=gang.attempt, ended_at__isnull=True
+        ).first()
+        if attempt is None:
+            continue
+        job = Job.objects.select_related("priority_class").get(pk=gang.job_id)
+        request_stop(
+            job=job,
+            reason=PreemptionEvent.Reason.SHUTDOWN,
+            cause="the portal was stopped; the job resumes from its checkpoint at the next start",
+            grace_seconds=grace_seconds,
+        )
+        PreemptionEvent.objects.filter(victim_attempt=attempt, signal_sent_at__isnull=True).update(
+            signal_sent_at=now
+        )
+        Rank.objects.filter(attempt=attempt, signal_sent_at__isnull=True).update(signal_sent_at=now)
+    for gang in live:
+        runtime.signal(gang, grace_seconds)
+    deadline = time.monotonic() + grace_seconds
+    remaining = live
+    while remaining and time.monotonic() < deadline:
+        time.sleep(poll_seconds)
+        remaining = _live_ranks(runtime)
+    killed = 0
+    if remaining:
+        killed_at = timezone.now()
+        for gang, ranks in remaining.items():
+            runtime.kill(gang)
+            killed += len(ranks)
+            PreemptionEvent.objects.filter(
+                victim_attempt__job_id=gang.job_id,
+                victim_attempt__number=gang.attempt,
+                killed_at__isnull=True,
+            ).update(killed_at=killed_at)
+    return ShutdownReport(
+        jobs=len(live), ranks=sum(len(ranks) for ranks in live.values()), killed=killed
     )

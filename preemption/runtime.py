@@ -7,8 +7,13 @@ import logging
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
+from preemption.k8s_sync import priority_classes_sync
+from preemption.runtimes import parse_inventory
 from preemption.runtimes.base import NodeInventory, Runtime
+from preemption.runtimes.kubernetes import KubernetesRuntime, KubernetesRuntimeConfig
+from preemption.runtimes.local import LocalRuntime
 from preemption.runtimes.runner import RunnerAccount, RunnerLookup, find_runner
+from quotas.models import Node
 
 logger = logging.getLogger(__name__)
 
@@ -16,11 +21,7 @@ logger = logging.getLogger(__name__)
 def inventory() -> list[NodeInventory]:
     """The nodes the runtime offers: QM_LOCAL_NODES when set, else the database's."""
     if settings.QM_LOCAL_NODES:
-        from preemption.runtimes import parse_inventory
-
         return list(parse_inventory(settings.QM_LOCAL_NODES))
-    from quotas.models import Node
-
     return [
         NodeInventory(name=name, flavor=flavor, gpus=gpus)
         for name, flavor, gpus in Node.objects.values_list("name", "flavor__name", "gpus")
@@ -73,8 +74,6 @@ def get_runtime() -> Runtime:
         return _override
     if settings.QM_RUNTIME == "kubernetes":
         return _kubernetes_runtime()
-    from preemption.runtimes.local import LocalRuntime
-
     return LocalRuntime(root=settings.QM_RUNS_DIR, inventory=inventory(), runner=local_runner())
 
 
@@ -83,8 +82,6 @@ def _kubernetes_runtime() -> Runtime:
     threads that send a gang's evictions at once."""
     global _kubernetes
     if _kubernetes is None:
-        from preemption.runtimes.kubernetes import KubernetesRuntime, KubernetesRuntimeConfig
-
         _kubernetes = KubernetesRuntime.from_kubeconfig(
             settings.QM_K8S_KUBECONFIG or None,
             KubernetesRuntimeConfig(
@@ -94,10 +91,8 @@ def _kubernetes_runtime() -> Runtime:
         )
         # Pods name their priority class: make sure the classes exist before
         # the first launch rather than waiting for the periodic sync.
-        from preemption.k8s_sync import priority_classes_sync
-
         try:
-            priority_classes_sync()
+            priority_classes_sync(api_client=_kubernetes.api_client)  # type: ignore[attr-defined]
         except Exception:
             import logging
 

@@ -3,46 +3,27 @@ reconcilers, which act for the system, live in cycle.py and reconcile.py."""
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
-from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import Max
 from django.utils import timezone
 
+from preemption import job_rules
 from preemption.models import FINAL_STATES, WAITING_STATES, Job, JobState
+from preemption.reconcile import request_stop
+from preemption.wakeup import queue_cycle
+from preemption.webhooks import notify
 from quotas.models import Node, PriorityClass, ResourceFlavor, Team
-from quotas.selectors import TeamTree
+from quotas.selectors import priority_allowance, team_tree
 
 MAX_RANKS = 4096
-MAX_COMMAND = 20_000
+MAX_COMMAND = job_rules.MAX_COMMAND
+MAX_ATTEMPTS = 100
 
 
-def queue_cycle() -> None:
-    """Ask for an extra scheduling cycle once the current transaction commits."""
-    from preemption.tasks import schedule_cycle
-
-    transaction.on_commit(lambda: _send_quietly(schedule_cycle))
-
-
-def _send_quietly(task: Any) -> None:
-    # The beat runs the cycle every second anyway: a broker hiccup while asking
-    # for an extra run must not fail the request that asked.
-    try:
-        task.apply_async(retry=False)
-    except Exception:
-        import logging
-
-        logging.getLogger(__name__).warning(
-            "could not queue an extra scheduling cycle", exc_info=True
-        )
-
-
-@transaction.atomic
 def job_submit(
     *,
     submitter: AbstractBaseUser,
@@ -57,54 +38,117 @@ def job_submit(
     env: dict[str, str] | None = None,
     max_attempts: int | None = None,
 ) -> Job:
+    """Queue a job of `ranks` × `gpus_per_rank` GPUs for a leaf team.
+
+    Refuses, naming each field and why, what can never run: a class the team
+    may not use, more GPUs than the flavor's nodes have, a rank larger than
+    any node, environment names execve() or the runtime cannot accept, an
+    image that is not a reference, and oversized text.
+    """
     errors: dict[str, list[str]] = {}
-    if not TeamTree.load().is_leaf(team.pk):
+    if not team_tree().is_leaf(team.pk):
         errors["team"] = [f"Team {team.slug} has sub-teams; jobs are submitted to leaf teams."]
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
+    ranks_ok = not isinstance(ranks, bool) and isinstance(ranks, int) and 1 <= ranks <= MAX_RANKS
+    if not ranks_ok:
         errors["ranks"] = [f"Must be a whole number from 1 to {MAX_RANKS} (got {ranks})."]
     if isinstance(gpus_per_rank, bool) or not isinstance(gpus_per_rank, int) or gpus_per_rank < 1:
         errors["gpus_per_rank"] = [f"Must be a whole number of at least 1 (got {gpus_per_rank})."]
     else:
-        largest = max(Node.objects.filter(flavor=flavor).values_list("gpus", flat=True), default=0)
-        if gpus_per_rank > largest:
-            errors["gpus_per_rank"] = [
-                f"No node of flavor {flavor.name} has {gpus_per_rank} GPUs (the largest has {largest})."
-            ]
+        errors.update(_capacity_errors(flavor, ranks if ranks_ok else 0, gpus_per_rank))
     if not command or not command.strip():
         errors["command"] = ["A command is required."]
-    elif len(command) > MAX_COMMAND:
-        errors["command"] = [f"Must be at most {MAX_COMMAND} characters."]
+    elif reasons := job_rules.text_errors(command, limit=MAX_COMMAND):
+        errors["command"] = reasons
+    if reasons := job_rules.text_errors(name, limit=job_rules.MAX_NAME):
+        errors["name"] = reasons
+    if reasons := job_rules.image_errors(image):
+        errors["image"] = reasons
     if env is not None and (
         not isinstance(env, dict)
         or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
     ):
         errors["env"] = ["Must be an object of string names to string values."]
+    elif env and (reasons := job_rules.env_errors(env)):
+        errors["env"] = reasons
+    if max_attempts is not None and (
+        isinstance(max_attempts, bool)
+        or not isinstance(max_attempts, int)
+        or not 1 <= max_attempts <= MAX_ATTEMPTS
+    ):
+        errors["max_attempts"] = [f"Must be a whole number from 1 to {MAX_ATTEMPTS}."]
+    allowance = priority_allowance(team=team)
     if priority_class is None:
-        priority_class = PriorityClass.objects.filter(is_default=True).first()
+        priority_class = allowance.default
         if priority_class is None:
-            errors["priority_class"] = ["No priority class given and none is the default."]
+            errors["priority_class"] = [
+                f"Team {team.slug} may use no priority class; an admin must allow one."
+            ]
+    elif not allowance.allows(priority_class):
+        errors["priority_class"] = [
+            f"Team {team.slug} may not use {priority_class.name}; "
+            f"it may use: {allowance.describe()}."
+        ]
     if errors:
         raise ValidationError(errors)
     assert priority_class is not None
-    job = Job.objects.create(
-        name=name[:120],
-        team=team,
-        submitter=submitter,
-        priority_class=priority_class,
-        flavor=flavor,
-        ranks=ranks,
-        gpus_per_rank=gpus_per_rank,
-        command=command,
-        image=image,
-        env=env or {},
-        events_token=secrets.token_urlsafe(24),
-        max_attempts=max_attempts or settings.QM_MAX_ATTEMPTS,
-        waiting_reason="waiting for the next scheduling cycle",
-    )
-    job.checkpoint_dir = str(Path(settings.QM_CHECKPOINTS_DIR) / f"job-{job.pk}")
-    job.save(update_fields=["checkpoint_dir"])
-    queue_cycle()
+    # Only the writes share a transaction: on SQLite it holds the database's one
+    # write lock from its start, and the checks above only read.
+    with transaction.atomic():
+        job = Job.objects.create(
+            name=name,
+            team=team,
+            submitter=submitter,
+            priority_class=priority_class,
+            flavor=flavor,
+            ranks=ranks,
+            gpus_per_rank=gpus_per_rank,
+            command=command,
+            image=image,
+            env=env or {},
+            max_attempts=max_attempts or settings.QM_MAX_ATTEMPTS,
+            waiting_reason="waiting for the next scheduling cycle",
+        )
+        job.checkpoint_dir = str(Path(settings.QM_CHECKPOINTS_DIR) / f"job-{job.pk}")
+        job.save(update_fields=["checkpoint_dir"])
+        queue_cycle()
     return job
+
+
+def _capacity_errors(
+    flavor: ResourceFlavor, ranks: int, gpus_per_rank: int
+) -> dict[str, list[str]]:
+    """What the flavor's nodes can never hold. Every node of the flavor counts,
+    cordoned ones too: a job that fits once they are back may wait for them."""
+    nodes = list(Node.objects.filter(flavor=flavor).values_list("gpus", flat=True))
+    largest = max(nodes, default=0)
+    if gpus_per_rank > largest:
+        where = (
+            f"the largest {flavor.name} node has {largest}"
+            if nodes
+            else (f"the cluster has no {flavor.name} node")
+        )
+        plural = "s" if gpus_per_rank != 1 else ""
+        return {"gpus_per_rank": [f"Each rank needs {gpus_per_rank} GPU{plural}; {where}."]}
+    if not ranks:
+        return {}
+    total, capacity = ranks * gpus_per_rank, sum(nodes)
+    if total > capacity:
+        return {
+            "ranks": [
+                f"Needs {total:,} {flavor.name} GPUs ({ranks:,} × {gpus_per_rank}); "
+                f"the cluster has {capacity:,}."
+            ]
+        }
+    # A rank never spans nodes, so a node of 8 GPUs holds one rank of 5.
+    fitting = sum(gpus // gpus_per_rank for gpus in nodes)
+    if ranks > fitting:
+        return {
+            "ranks": [
+                f"Needs {ranks:,} ranks of {gpus_per_rank} GPUs; the {flavor.name} nodes "
+                f"can hold at most {fitting:,} such ranks."
+            ]
+        }
+    return {}
 
 
 @transaction.atomic
@@ -121,18 +165,10 @@ def job_cancel(*, actor: AbstractBaseUser | None, job: Job) -> Job:
         job.cancel_requested_at = now
         job.waiting_reason = ""
         job.save(update_fields=["state", "finished_at", "cancel_requested_at", "waiting_reason"])
-        from preemption.webhooks import notify
-
         notify(job_id=job.pk, event="finished", payload={"state": "cancelled"})
     elif job.cancel_requested_at is None:
         job.cancel_requested_at = now
         job.save(update_fields=["cancel_requested_at"])
-        from preemption.reconcile import request_stop
-
         request_stop(job=job, reason="manual", cause=f"cancelled by {actor or 'the system'}")
     queue_cycle()
     return job
-
-
-def next_attempt_number(job: Job) -> int:
-    return (job.attempts.aggregate(n=Max("number"))["n"] or 0) + 1

@@ -1,19 +1,18 @@
 """Between the database and the pure engine: build a `fairshare.Snapshot` from
-the rows, and preview what a quota change would do."""
+the rows."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from datetime import datetime
-from typing import Any
 
 from django.db.models import Max
 from django.utils import timezone
 
 import fairshare
-from preemption.models import Attempt, Checkpoint, Job, JobState
+from preemption.models import WAITING_STATES, Attempt, Checkpoint, Job, JobState
 from quotas.models import Node, PriorityClass, Quota, Team
-from quotas.services import UNSET, quota_validate
+from quotas.selectors import priority_allowances
 
 ENGINE_STATE = {
     JobState.PENDING: "pending",
@@ -32,9 +31,39 @@ def workload_id(job_id: int) -> str:
     return str(job_id)
 
 
-def build_snapshot(*, now: datetime | None = None) -> fairshare.Snapshot:
-    """Everything the engine needs, in a fixed number of queries."""
+def held_jobs() -> dict[int, str]:
+    """Waiting jobs of a class their team may no longer use, with the reason.
+
+    A team's classes may be narrowed after a job was submitted. Like a Slurm job
+    whose QOS was taken away (InvalidQOS), such a job stays queued but never
+    starts, and says why; a running one is left to finish.
+    """
+    waiting = list(
+        Job.objects.filter(state__in=WAITING_STATES).values_list(
+            "id", "team_id", "priority_class_id", "priority_class__name"
+        )
+    )
+    if not waiting:
+        return {}
+    allowances = priority_allowances(team_ids={team_id for _, team_id, _, _ in waiting})
+    held: dict[int, str] = {}
+    for job_id, team_id, class_id, class_name in waiting:
+        allowance = allowances[team_id]
+        if not any(pc.pk == class_id for pc in allowance.allowed):
+            held[job_id] = (
+                f"held: team {allowance.team} may no longer use {class_name} "
+                f"(it may use {allowance.describe()}); cancel and resubmit in one of those"
+            )
+    return held
+
+
+def build_snapshot(
+    *, now: datetime | None = None, held: dict[int, str] | None = None
+) -> fairshare.Snapshot:
+    """Everything the engine needs, in a fixed number of queries. Held jobs
+    (`held_jobs`, computed here unless given) are left out: they cannot start."""
     now = now or timezone.now()
+    held = held_jobs() if held is None else held
     nodes = tuple(
         fairshare.Node(name=name, flavor=flavor, gpus=gpus)
         for name, flavor, gpus in Node.objects.filter(schedulable=True)
@@ -93,6 +122,8 @@ def build_snapshot(*, now: datetime | None = None) -> fairshare.Snapshot:
     )
     workloads = []
     for job_id, team, pc, flavor, ranks, gpus_per_rank, state, submitted_at in jobs:
+        if job_id in held:
+            continue
         engine_state = ENGINE_STATE[state]
         placement: tuple[tuple[str, int], ...] = ()
         admitted_at = None
@@ -130,66 +161,3 @@ def build_snapshot(*, now: datetime | None = None) -> fairshare.Snapshot:
         priority_classes=classes,
         workloads=tuple(workloads),
     )
-
-
-def quota_preview(
-    *,
-    quota: Quota,
-    guarantee: Any = UNSET,
-    borrow_limit: Any = UNSET,
-    lend_limit: Any = UNSET,
-    weight: Any = UNSET,
-) -> dict[str, Any]:
-    """Validate a quota edit exactly like `quota_update`, save nothing, and say
-    what it would do: running jobs that would be reclaimed, admissions it would
-    allow, and how every fair share moves."""
-    new_guarantee = quota.guarantee if guarantee is UNSET else guarantee
-    new_borrow = quota.borrow_limit if borrow_limit is UNSET else borrow_limit
-    new_lend = quota.lend_limit if lend_limit is UNSET else lend_limit
-    quota_validate(
-        team=quota.team,
-        flavor=quota.flavor,
-        guarantee=new_guarantee,
-        borrow_limit=new_borrow,
-        lend_limit=new_lend,
-    )
-    if weight is not UNSET and (
-        not isinstance(weight, int | float) or isinstance(weight, bool) or weight <= 0
-    ):
-        from django.core.exceptions import ValidationError
-
-        raise ValidationError({"weight": [f"Must be greater than 0 (got {weight})."]})
-    change = fairshare.QuotaChange(
-        queue=quota.team.slug,
-        flavor=quota.flavor.name,
-        guarantee=new_guarantee,
-        borrow_limit=new_borrow,
-        lend_limit=new_lend,
-        **({} if weight is UNSET else {"weight": float(weight)}),
-    )
-    consequences = fairshare.diff(build_snapshot(), [change])
-    result = fairshare.consequences_to_dict(consequences)
-    # Name the jobs in the portal's words, not only by engine id.
-    ids = {
-        int(item["id"]) for item in result.get("reclaimed", []) if str(item.get("id", "")).isdigit()
-    }
-    names = {
-        job_id: (name, team, total)
-        for job_id, name, team, total in Job.objects.filter(id__in=ids).values_list(
-            "id", "name", "team__slug", "ranks"
-        )
-    }
-    for item in result.get("reclaimed", []):
-        key = int(item["id"]) if str(item.get("id", "")).isdigit() else None
-        if key in names:
-            item.setdefault("job_id", key)
-            item.setdefault("job_name", names[key][0])
-            item.setdefault("team", names[key][1])
-    result["change"] = {
-        "team": quota.team.slug,
-        "flavor": quota.flavor.name,
-        "guarantee": {"before": quota.guarantee, "after": new_guarantee},
-        "borrow_limit": {"before": quota.borrow_limit, "after": new_borrow},
-        "lend_limit": {"before": quota.lend_limit, "after": new_lend},
-    }
-    return result

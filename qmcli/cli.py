@@ -412,7 +412,7 @@ def _preemption_line(event: dict[str, Any]) -> str:
         details.append(f"checkpoint at step {event['checkpoint_step']}")
     if event["outcome"]:
         details.append(f"outcome {event['outcome']}")
-    return f"{event['cause'] or event['reason']} ({', '.join(details)})"
+    return f"{event['why']} ({', '.join(details)})"
 
 
 def failing_rank(attempt: dict[str, Any]) -> dict[str, Any] | None:
@@ -543,7 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--flavor", required=True, help="GPU flavor, e.g. h100-80gb")
     submit.add_argument("--ranks", type=int, default=1)
     submit.add_argument("--gpus-per-rank", type=int, default=1)
-    submit.add_argument("--priority-class", help="default: the cluster's default class")
+    submit.add_argument(
+        "--priority-class", help="one the team may use; default: the team's default class"
+    )
     submit.add_argument("--name")
     submit.add_argument("--image", help="container image (Kubernetes runtime)")
     submit.add_argument("--env", action="append", metavar="NAME=VALUE", help="repeatable")

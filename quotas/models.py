@@ -7,6 +7,8 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
+from core.access import Role
+
 
 class ResourceFlavor(models.Model):
     """A kind of GPU that quotas are counted in, e.g. `h100-80gb`."""
@@ -44,6 +46,12 @@ class Team(models.Model):
     """A node of the team tree. Leaves submit jobs; inner teams group them.
 
     `weight` divides the surplus beyond guarantees among siblings.
+
+    `priority_classes` are the classes the team's jobs may use, like a QOS list
+    on a Slurm association. Left empty, the team uses its parent's classes; a
+    list of its own can only narrow its parent's (see
+    `quotas.selectors.priority_allowance`). `default_priority_class` is the
+    class of a job submitted without one (null: the parent's default).
     """
 
     parent = models.ForeignKey(
@@ -53,6 +61,21 @@ class Team(models.Model):
     name = models.CharField(max_length=120)
     weight = models.FloatField(default=1.0)
     created_at = models.DateTimeField(auto_now_add=True)
+    priority_classes = models.ManyToManyField(
+        "PriorityClass",
+        blank=True,
+        related_name="allowed_teams",
+        help_text="The classes this team's jobs may use; empty: the parent team's.",
+    )
+    default_priority_class = models.ForeignKey(
+        "PriorityClass",
+        null=True,
+        blank=True,
+        # Deleting a class makes its teams fall back to their parent's default.
+        on_delete=models.SET_NULL,
+        related_name="default_for_teams",
+        help_text="The class of a job submitted without one; empty: the parent team's.",
+    )
 
     class Meta:
         ordering = ["slug"]
@@ -146,9 +169,7 @@ class Membership(models.Model):
     """A person's role in a team. Managers edit the quotas below their team;
     researchers submit jobs. Platform admins are Django staff instead."""
 
-    class Role(models.TextChoices):
-        MANAGER = "manager", "Manager"
-        RESEARCHER = "researcher", "Researcher"
+    Role = Role
 
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
@@ -185,6 +206,8 @@ class AuditEntry(models.Model):
     )
     before = models.JSONField(null=True, blank=True)
     after = models.JSONField(null=True, blank=True)
+    # Why the person made the change, in their words; optional.
+    reason = models.CharField(max_length=300, blank=True, default="")
 
     class Meta:
         ordering = ["-at", "-id"]

@@ -11,113 +11,27 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 from django.db.models import QuerySet
 
+from core.access import Access, TeamTree, User, access_of_memberships
 from quotas.models import AuditEntry, Membership, Node, PriorityClass, Quota, ResourceFlavor, Team
 
-User = AbstractBaseUser | AnonymousUser
 
-
-@dataclass(frozen=True)
-class TeamTree:
-    """Parent and children of every team, by id."""
-
-    parent: dict[int, int | None]
-    children: dict[int, list[int]]
-
-    @classmethod
-    def load(cls) -> TeamTree:
-        parent: dict[int, int | None] = {}
-        children: dict[int, list[int]] = defaultdict(list)
-        for team_id, parent_id in Team.objects.values_list("id", "parent_id"):
-            parent[team_id] = parent_id
-            if parent_id is not None:
-                children[parent_id].append(team_id)
-        return cls(parent=parent, children=dict(children))
-
-    def descendants(self, team_id: int) -> set[int]:
-        """Strict descendants of a team."""
-        found: set[int] = set()
-        stack = list(self.children.get(team_id, ()))
-        while stack:
-            current = stack.pop()
-            if current in found:
-                continue
-            found.add(current)
-            stack.extend(self.children.get(current, ()))
-        return found
-
-    def subtree(self, team_ids: Iterable[int]) -> set[int]:
-        found: set[int] = set()
-        for team_id in team_ids:
-            found.add(team_id)
-            found |= self.descendants(team_id)
-        return found
-
-    def ancestors(self, team_id: int) -> list[int]:
-        chain: list[int] = []
-        current = self.parent.get(team_id)
-        while current is not None and current not in chain:
-            chain.append(current)
-            current = self.parent.get(current)
-        return chain
-
-    def is_leaf(self, team_id: int) -> bool:
-        return not self.children.get(team_id)
-
-    def depth(self, team_id: int) -> int:
-        return len(self.ancestors(team_id))
-
-
-@dataclass(frozen=True)
-class Access:
-    """What one user may see and do, computed once per request."""
-
-    is_admin: bool
-    user_id: int | None
-    tree: TeamTree
-    managed: frozenset[int]  # teams the user manages directly
-    member_of: frozenset[int]  # teams the user belongs to in any role
-
-    @property
-    def readable_teams(self) -> set[int]:
-        """Teams whose quotas and jobs the user may read."""
-        if self.is_admin:
-            return set(self.tree.parent)
-        return self.tree.subtree(self.managed) | set(self.member_of)
-
-    def can_read_team(self, team_id: int) -> bool:
-        return self.is_admin or team_id in self.readable_teams
-
-    def can_manage_team(self, team_id: int) -> bool:
-        """Managers act on their team and everything below it."""
-        return self.is_admin or team_id in self.tree.subtree(self.managed)
-
-    def can_edit_quota_of(self, team_id: int) -> bool:
-        """A team's own quota belongs to a manager above it (or an admin)."""
-        if self.is_admin:
-            return True
-        return any(ancestor in self.managed for ancestor in self.tree.ancestors(team_id))
-
-    def can_submit_to(self, team_id: int) -> bool:
-        return self.is_admin or team_id in self.member_of or self.can_manage_team(team_id)
-
-    def can_cancel(self, *, team_id: int, submitter_id: int) -> bool:
-        return self.is_admin or submitter_id == self.user_id or self.can_manage_team(team_id)
+def team_tree() -> TeamTree:
+    """The whole team tree, in one query."""
+    return TeamTree.from_pairs(Team.objects.values_list("id", "parent_id"))
 
 
 def access_for(user: User) -> Access:
-    tree = TeamTree.load()
+    """What `user` may see and do, from the team tree and their memberships."""
+    tree = team_tree()
     if not user.is_authenticated:
         return Access(False, None, tree, frozenset(), frozenset())
-    memberships = list(Membership.objects.filter(user_id=user.pk).values_list("team_id", "role"))
-    return Access(
+    return access_of_memberships(
         is_admin=bool(user.is_staff),
         user_id=user.pk,
         tree=tree,
-        managed=frozenset(t for t, role in memberships if role == Membership.Role.MANAGER),
-        member_of=frozenset(t for t, _ in memberships),
+        memberships=Membership.objects.filter(user_id=user.pk).values_list("team_id", "role"),
     )
 
 
@@ -149,6 +63,105 @@ def node_list(*, user: User) -> QuerySet[Node]:
 
 def priority_class_list(*, user: User) -> QuerySet[PriorityClass]:
     return PriorityClass.objects.all()
+
+
+@dataclass(frozen=True)
+class PriorityAllowance:
+    """The priority classes a team's jobs may use, and the class of a job
+    submitted without one.
+
+    `allowed` is ordered by value, highest first. `source` is the slug of the
+    team whose own list is in force (the team itself or the nearest ancestor
+    with a list), or None where no team on the way up has one.
+    """
+
+    team: str
+    allowed: tuple[PriorityClass, ...]
+    default: PriorityClass | None
+    source: str | None
+
+    @property
+    def names(self) -> list[str]:
+        return [pc.name for pc in self.allowed]
+
+    def allows(self, priority_class: PriorityClass) -> bool:
+        return any(pc.pk == priority_class.pk for pc in self.allowed)
+
+    def describe(self) -> str:
+        """The allowed classes in words, for refusals: "a, b" or "no class"."""
+        return ", ".join(self.names) or "no class"
+
+
+def priority_allowance(*, team: Team, tree: TeamTree | None = None) -> PriorityAllowance:
+    """What `team` may use, like Slurm's QOS per association.
+
+    Walking from the top-level team down to `team`, each team with a list of its
+    own keeps only those of its parent's classes that are on its list, so a
+    sub-team can narrow its parent's classes but never widen them, even after it
+    was moved under a narrower parent. A top-level team without a list may use
+    the installation's default class only: a new team starts with the least.
+
+    The default is, in this order: the nearest own default on the way up that is
+    allowed here, the installation's default class if allowed here, and else the
+    allowed class of the lowest value (the least a job can ask for).
+    """
+    return priority_allowances(team_ids=[team.pk], tree=tree)[team.pk]
+
+
+def priority_allowances(
+    *, team_ids: Iterable[int], tree: TeamTree | None = None
+) -> dict[int, PriorityAllowance]:
+    """`priority_allowance` of many teams, in a fixed number of queries."""
+    tree = tree or team_tree()
+    chains = {team_id: [team_id, *tree.ancestors(team_id)] for team_id in team_ids}
+    involved = {member for chain in chains.values() for member in chain}
+    own: dict[int, set[int]] = defaultdict(set)
+    for team_id, class_id in Team.priority_classes.through.objects.filter(
+        team_id__in=involved
+    ).values_list("team_id", "priorityclass_id"):
+        own[team_id].add(class_id)
+    slugs: dict[int, str] = {}
+    defaults: dict[int, int] = {}
+    for team_id, slug, default_id in Team.objects.filter(id__in=involved).values_list(
+        "id", "slug", "default_priority_class_id"
+    ):
+        slugs[team_id] = slug
+        if default_id is not None:
+            defaults[team_id] = default_id
+    classes = {pc.pk: pc for pc in PriorityClass.objects.all()}
+    installation_default = next((pc for pc in classes.values() if pc.is_default), None)
+    answers: dict[int, PriorityAllowance] = {}
+    for team_id, chain in chains.items():
+        allowed: set[int] | None = None
+        source: int | None = None
+        for member in reversed(chain):
+            if member in own:
+                allowed = set(own[member]) if allowed is None else allowed & own[member]
+                source = member
+        if allowed is None:
+            allowed = {installation_default.pk} if installation_default is not None else set()
+        ordered = tuple(
+            sorted((classes[pk] for pk in allowed), key=lambda pc: (-pc.value, pc.name))
+        )
+        default = next(
+            (classes[defaults[m]] for m in chain if m in defaults and defaults[m] in allowed),
+            None,
+        )
+        if (
+            default is None
+            and installation_default is not None
+            and installation_default.pk in allowed
+        ):
+            default = installation_default
+        if default is None and ordered:
+            default = ordered[-1]
+        answers[team_id] = PriorityAllowance(
+            team=slugs.get(team_id, ""),
+            allowed=ordered,
+            default=default,
+            source=slugs.get(source) if source is not None else None,
+        )
+    return answers
 
 
 def audit_list(*, user: User, team: Team | None = None) -> QuerySet[AuditEntry]:

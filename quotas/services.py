@@ -7,12 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.db.models import F, Sum
+from django.db.models import Sum
 
+from core.access import TeamTree
+from quotas.job_ledger import job_ledger
 from quotas.models import AuditEntry, Membership, Node, PriorityClass, Quota, ResourceFlavor, Team
-from quotas.selectors import TeamTree
+from quotas.selectors import PriorityAllowance, cluster_gpus, priority_allowance, team_tree
 
 MAX_GPUS = 1_000_000
 UNSET: Any = object()
@@ -26,6 +28,7 @@ def _audit(
     team: Team | None,
     before: dict[str, Any] | None,
     after: dict[str, Any] | None,
+    reason: str = "",
 ) -> None:
     AuditEntry.objects.create(
         actor=actor if actor is not None and actor.is_authenticated else None,
@@ -36,6 +39,7 @@ def _audit(
         team=team,
         before=before,
         after=after,
+        reason=reason.strip()[:300],
     )
 
 
@@ -130,12 +134,7 @@ def node_upsert(
 
 @transaction.atomic
 def node_delete(*, actor: AbstractBaseUser | None, node: Node) -> None:
-    from preemption.models import ACTIVE_STATES, Rank
-
-    busy = Rank.objects.filter(
-        node=node.name, attempt__job__state__in=ACTIVE_STATES, attempt__ended_at__isnull=True
-    )
-    if busy.exists():
+    if job_ledger().node_runs_active_ranks(node.name):
         raise ValidationError({"node": [f"Node {node.name} still runs ranks of active jobs."]})
     _audit(
         actor=actor,
@@ -164,17 +163,14 @@ def team_create(
         raise ValidationError({"slug": [f"A team with slug {slug!r} already exists."]})
     if not weight or weight <= 0:
         raise ValidationError({"weight": [f"Must be greater than 0 (got {weight})."]})
-    if parent is not None:
-        from preemption.models import Job
-
-        if Job.objects.filter(team=parent).exists():
-            raise ValidationError(
-                {
-                    "parent": [
-                        f"Team {parent.slug} has jobs of its own; only leaf teams run jobs, so it cannot get sub-teams."
-                    ]
-                }
-            )
+    if parent is not None and job_ledger().team_has_jobs(parent.pk):
+        raise ValidationError(
+            {
+                "parent": [
+                    f"Team {parent.slug} has jobs of its own; only leaf teams run jobs, so it cannot get sub-teams."
+                ]
+            }
+        )
     team = Team(slug=slug, name=name or slug, parent=parent, weight=weight)
     team.full_clean()
     team.save()
@@ -210,7 +206,7 @@ def team_update(
         team.weight = weight
         fields.append("weight")
     if parent is not UNSET and parent != team.parent:
-        tree = TeamTree.load()
+        tree = team_tree()
         if parent is not None and (parent.pk == team.pk or parent.pk in tree.descendants(team.pk)):
             raise ValidationError(
                 {
@@ -241,15 +237,9 @@ def team_update(
 
 @transaction.atomic
 def team_delete(*, actor: AbstractBaseUser | None, team: Team) -> None:
-    from preemption.models import FINAL_STATES, Job
-
-    tree = TeamTree.load()
+    tree = team_tree()
     subtree = tree.subtree([team.pk])
-    unfinished = list(
-        Job.objects.filter(team_id__in=subtree)
-        .exclude(state__in=FINAL_STATES)
-        .values_list("id", flat=True)[:5]
-    )
+    unfinished = job_ledger().unfinished_job_ids(subtree, limit=5)
     if unfinished:
         names = ", ".join(f"job {job_id}" for job_id in unfinished)
         raise ValidationError(
@@ -259,7 +249,7 @@ def team_delete(*, actor: AbstractBaseUser | None, team: Team) -> None:
         raise ValidationError(
             {"team": [f"Team {team.slug} has sub-teams; delete or move them first."]}
         )
-    if Job.objects.filter(team=team).exists():
+    if job_ledger().team_has_jobs(team.pk):
         raise ValidationError(
             {"team": [f"Team {team.slug} has a job history; it cannot be deleted."]}
         )
@@ -288,8 +278,6 @@ def _guarantee_of(team_id: int, flavor_id: int) -> int:
 
 def _validate_quota_tree(*, team: Team, flavor: ResourceFlavor, guarantee: int) -> None:
     """The structural rules a guarantee must keep in the tree."""
-    from quotas.selectors import cluster_gpus
-
     siblings = Quota.objects.filter(flavor=flavor).exclude(team=team)
     if team.parent_id is None:
         others = (
@@ -301,8 +289,9 @@ def _validate_quota_tree(*, team: Team, flavor: ResourceFlavor, guarantee: int) 
             raise ValidationError(
                 {
                     "guarantee": [
-                        f"Top-level guarantees of {flavor.name} would total {others + guarantee} GPUs, "
-                        f"but the cluster has {capacity}."
+                        f"At most {max(capacity - others, 0)}: the cluster has {capacity} GPUs "
+                        f"of {flavor.name} and the other top-level teams hold {others} "
+                        f"(got {guarantee})."
                     ]
                 }
             )
@@ -318,8 +307,9 @@ def _validate_quota_tree(*, team: Team, flavor: ResourceFlavor, guarantee: int) 
             raise ValidationError(
                 {
                     "guarantee": [
-                        f"The sub-teams of {team.parent.slug} would be guaranteed {others + guarantee} GPUs of "
-                        f"{flavor.name}, more than its own {parent_guarantee}."
+                        f"At most {max(parent_guarantee - others, 0)}: {team.parent.slug} has "
+                        f"{parent_guarantee} GPUs of {flavor.name} and its other sub-teams "
+                        f"hold {others} (got {guarantee})."
                     ]
                 }
             )
@@ -341,20 +331,8 @@ def _validate_quota_tree(*, team: Team, flavor: ResourceFlavor, guarantee: int) 
 
 
 def _validate_non_preemptible(*, team: Team, flavor: ResourceFlavor, guarantee: int) -> None:
-    from preemption.models import ACTIVE_STATES, Job
-
-    subtree = TeamTree.load().subtree([team.pk])
-    jobs = list(
-        Job.objects.filter(
-            team_id__in=subtree,
-            flavor=flavor,
-            state__in=ACTIVE_STATES,
-            priority_class__preemptible=False,
-        )
-        .annotate(total=F("ranks") * F("gpus_per_rank"))
-        .order_by("id")
-        .values_list("id", "name", "total")
-    )
+    subtree = team_tree().subtree([team.pk])
+    jobs = job_ledger().active_non_preemptible(subtree, flavor_id=flavor.pk)
     running = sum(total for _, _, total in jobs)
     if guarantee < running:
         names = ", ".join(
@@ -395,8 +373,10 @@ def quota_set(
     guarantee: int,
     borrow_limit: int | None = None,
     lend_limit: int | None = None,
+    reason: str = "",
 ) -> Quota:
-    """Create or replace the quota of (team, flavor)."""
+    """Create or replace the quota of (team, flavor); `reason`, if given, is
+    stored with the audit entry."""
     # Lock the flavor row so two edits of the same flavor's tree cannot both
     # pass the sum checks and together break them.
     ResourceFlavor.objects.select_for_update().filter(pk=flavor.pk).first()
@@ -417,7 +397,15 @@ def quota_set(
     quota.save()
     after = _quota_values(quota)
     if before != after:
-        _audit(actor=actor, action="quota.set", obj=quota, team=team, before=before, after=after)
+        _audit(
+            actor=actor,
+            action="quota.set",
+            obj=quota,
+            team=team,
+            before=before,
+            after=after,
+            reason=reason,
+        )
     return quota
 
 
@@ -428,6 +416,7 @@ def quota_update(
     guarantee: int | Any = UNSET,
     borrow_limit: int | Any | None = UNSET,
     lend_limit: int | Any | None = UNSET,
+    reason: str = "",
 ) -> Quota:
     """Change some fields of an existing quota; fields left out keep their value."""
     return quota_set(
@@ -437,6 +426,7 @@ def quota_update(
         guarantee=quota.guarantee if guarantee is UNSET else guarantee,
         borrow_limit=quota.borrow_limit if borrow_limit is UNSET else borrow_limit,
         lend_limit=quota.lend_limit if lend_limit is UNSET else lend_limit,
+        reason=reason,
     )
 
 
@@ -516,6 +506,24 @@ def priority_class_delete(*, actor: AbstractBaseUser | None, priority_class: Pri
         raise ValidationError(
             {"priority_class": [f"{priority_class.name} is used by jobs and cannot be deleted."]}
         )
+    # A team whose own list held only this class would be left with an empty
+    # list, which means "the parent's classes": deleting would widen it.
+    only_class = [
+        team.slug
+        for team in Team.objects.filter(priority_classes=priority_class).prefetch_related(
+            "priority_classes"
+        )
+        if len(team.priority_classes.all()) == 1
+    ]
+    if only_class:
+        raise ValidationError(
+            {
+                "priority_class": [
+                    f"{priority_class.name} is the only class teams {', '.join(sorted(only_class))} "
+                    "may use; give them another class first."
+                ]
+            }
+        )
     _audit(
         actor=actor,
         action="priority_class.delete",
@@ -525,6 +533,158 @@ def priority_class_delete(*, actor: AbstractBaseUser | None, priority_class: Pri
         after=None,
     )
     priority_class.delete()
+
+
+# --- which priority classes a team may use ------------------------------------
+
+
+class _RollBack(Exception):
+    def __init__(self, allowance: PriorityAllowance) -> None:
+        self.allowance = allowance
+
+
+def _allowance_values(team: Team) -> dict[str, Any]:
+    allowance = priority_allowance(team=team)
+    own = sorted(team.priority_classes.values_list("name", flat=True))
+    return {
+        "priority_classes": own or None,
+        "default_priority_class": (
+            team.default_priority_class.name if team.default_priority_class_id else None
+        ),
+        "allowed": allowance.names,
+        "default": allowance.default.name if allowance.default else None,
+    }
+
+
+@transaction.atomic
+def team_priority_classes_set(
+    *,
+    actor: AbstractBaseUser | None,
+    team: Team,
+    priority_classes: list[PriorityClass] | Any | None = UNSET,
+    default_priority_class: PriorityClass | Any | None = UNSET,
+    may_widen: bool,
+    dry_run: bool = False,
+) -> PriorityAllowance:
+    """Set the classes `team`'s jobs may use (None or empty: its parent's) and
+    its default class (None: its parent's).
+
+    A sub-team's list must lie inside its parent's classes. Narrowing a team
+    narrows the own lists of its sub-teams with it (each change audited), and is
+    refused where a sub-team would be left with no class. With `may_widen`
+    false (managers), a change that would let the team use a class it cannot
+    use now is refused with PermissionDenied. With `dry_run`, every rule is
+    checked and the answer computed, then everything is rolled back (the
+    Django admin validates its form this way).
+    """
+    if dry_run:
+        try:
+            with transaction.atomic():
+                allowance = team_priority_classes_set(
+                    actor=actor,
+                    team=team,
+                    priority_classes=priority_classes,
+                    default_priority_class=default_priority_class,
+                    may_widen=may_widen,
+                )
+                raise _RollBack(allowance)
+        except _RollBack as rolled_back:
+            return rolled_back.allowance
+    team = Team.objects.select_for_update().get(pk=team.pk)
+    tree = team_tree()
+    before = _allowance_values(team)
+    old = priority_allowance(team=team, tree=tree)
+    if priority_classes is not UNSET:
+        wanted = list(priority_classes or [])
+        if team.parent_id is not None and wanted:
+            parent = priority_allowance(team=team.parent, tree=tree)
+            outside = sorted(pc.name for pc in wanted if not parent.allows(pc))
+            if outside:
+                raise ValidationError(
+                    {
+                        "priority_classes": [
+                            f"A sub-team can only narrow its parent's classes: {team.parent.slug} "
+                            f"may use {parent.describe()}, not {', '.join(outside)}."
+                        ]
+                    }
+                )
+        team.priority_classes.set(wanted)
+    if default_priority_class is not UNSET:
+        team.default_priority_class = default_priority_class
+        team.save(update_fields=["default_priority_class"])
+    new = priority_allowance(team=team, tree=tree)
+    if not new.allowed:
+        raise ValidationError(
+            {"priority_classes": [f"{team.slug} would be left with no class its jobs may use."]}
+        )
+    if team.default_priority_class_id and not new.allows(team.default_priority_class):
+        if default_priority_class is not UNSET:
+            raise ValidationError(
+                {
+                    "default_priority_class": [
+                        f"{team.default_priority_class.name} is not among the classes {team.slug} "
+                        f"may use ({new.describe()})."
+                    ]
+                }
+            )
+        # The list no longer holds the old default: fall back to the parent's.
+        team.default_priority_class = None
+        team.save(update_fields=["default_priority_class"])
+        new = priority_allowance(team=team, tree=tree)
+    if not may_widen:
+        gained = sorted(pc.name for pc in new.allowed if not old.allows(pc))
+        if gained:
+            raise PermissionDenied(
+                f"Only platform admins may widen the classes of {team.slug}: it may not use "
+                f"{', '.join(gained)} now."
+            )
+    after = _allowance_values(team)
+    if before == after:
+        return new
+    _audit(
+        actor=actor, action="team.priority_classes", obj=team, team=team, before=before, after=after
+    )
+    _narrow_sub_teams(actor=actor, team=team, tree=tree)
+    return new
+
+
+def _narrow_sub_teams(*, actor: AbstractBaseUser | None, team: Team, tree: TeamTree) -> None:
+    """Trim the own lists below `team` to what their parents now allow."""
+    pending = list(tree.children.get(team.pk, ()))
+    while pending:
+        child = Team.objects.select_related("parent").get(pk=pending.pop(0))
+        pending.extend(tree.children.get(child.pk, ()))
+        own = list(child.priority_classes.all())
+        if not own:
+            continue
+        parent = priority_allowance(team=child.parent, tree=tree)  # type: ignore[arg-type]
+        kept = [pc for pc in own if parent.allows(pc)]
+        if len(kept) == len(own):
+            continue
+        if not kept:
+            raise ValidationError(
+                {
+                    "priority_classes": [
+                        f"Sub-team {child.slug} may use only {', '.join(pc.name for pc in own)}; "
+                        f"this change would leave it no class. Change {child.slug} first."
+                    ]
+                }
+            )
+        before = _allowance_values(child)
+        child.priority_classes.set(kept)
+        if child.default_priority_class_id and not any(
+            pc.pk == child.default_priority_class_id for pc in kept
+        ):
+            child.default_priority_class = None
+            child.save(update_fields=["default_priority_class"])
+        _audit(
+            actor=actor,
+            action="team.priority_classes",
+            obj=child,
+            team=child,
+            before=before,
+            after=_allowance_values(child),
+        )
 
 
 @transaction.atomic

@@ -12,8 +12,8 @@ from datetime import timedelta
 
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 
+from core.access import Access
 from preemption.models import WAITING_STATES, Checkpoint, Job, PreemptionEvent, Rank
-from quotas.selectors import Access
 from telemetry.mission import MISSION
 from telemetry.selectors import team_rows
 
@@ -128,7 +128,8 @@ def render_metrics(*, access: Access) -> str:
         )
 
     preemptions = (
-        PreemptionEvent.objects.filter(_scope(access, "job__team_id"))
+        PreemptionEvent.objects.preemptions()
+        .filter(_scope(access, "job__team_id"))
         .values("reason", "outcome")
         .annotate(n=Count("id"))
         .order_by("reason", "outcome")
@@ -146,12 +147,29 @@ def render_metrics(*, access: Access) -> str:
             outcome=item["outcome"] or "in-progress",
         )
 
+    cancels = (
+        PreemptionEvent.objects.cancels()
+        .filter(_scope(access, "job__team_id"))
+        .values("job__team__slug")
+        .annotate(n=Count("id"))
+        .order_by("job__team__slug")
+    )
+    out.family(
+        "qm_cancels_total",
+        "counter",
+        "Running jobs a person cancelled (stopped gracefully, never requeued), by team.",
+    )
+    for item in cancels:
+        out.sample("qm_cancels_total", item["n"], team=item["job__team__slug"])
+
     latency = ExpressionWrapper(
         F("signal_received_at") - F("attempt__preemption__decided_at"), output_field=DurationField()
     )
-    ranks = Rank.objects.filter(
-        signal_received_at__isnull=False, attempt__preemption__isnull=False
-    ).filter(_scope(access, "attempt__job__team_id"))
+    ranks = (
+        Rank.objects.filter(signal_received_at__isnull=False, attempt__preemption__isnull=False)
+        .exclude(attempt__preemption__reason=PreemptionEvent.Reason.MANUAL)
+        .filter(_scope(access, "attempt__job__team_id"))
+    )
     figures = ranks.annotate(latency=latency).aggregate(
         count=Count("id"),
         total=Sum("latency"),

@@ -1,37 +1,10 @@
-"""What Quartermaster measures: trap events, utilization samples and drill runs."""
+"""What Quartermaster measures: utilization samples, drill runs and simulation runs."""
 
 from __future__ import annotations
 
 from django.db import models
 
-from preemption.models import Job
 from quotas.models import ResourceFlavor, Team
-
-
-class TrapEvent(models.Model):
-    """One event a rank's trap reported, by POST or from its log.
-
-    The fingerprint is a hash of the event's JSON, so the same event arriving
-    both ways is stored once.
-    """
-
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="trap_events")
-    attempt = models.PositiveIntegerField()
-    rank = models.PositiveIntegerField()
-    event = models.CharField(max_length=32)
-    at = models.FloatField()
-    step = models.PositiveIntegerField(null=True, blank=True)
-    payload = models.JSONField()
-    fingerprint = models.CharField(max_length=64, unique=True)
-    source = models.CharField(max_length=8, choices=[("post", "POST"), ("log", "log")])
-    received_at = models.DateTimeField(auto_now_add=True)
-
-    class Meta:
-        ordering = ["at", "id"]
-        indexes = [models.Index(fields=["job", "attempt", "event"])]
-
-    def __str__(self) -> str:
-        return f"job {self.job_id}/{self.attempt} rank {self.rank} {self.event}"
 
 
 class UtilizationSample(models.Model):

@@ -11,15 +11,17 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import PurePath
 from typing import Any
 
-from django.db.models import Count, F, Q, QuerySet, Sum
+from django.db.models import Case, Count, F, IntegerField, Q, QuerySet, Sum, Value, When
 
+from core.access import Access, TeamTree
 from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Job, PreemptionEvent, Rank
 from quotas.models import Node, Quota, ResourceFlavor, Team
-from quotas.selectors import Access
+from quotas.selectors import team_tree
 from telemetry.mission import MISSION
-from telemetry.models import DrillRun, UtilizationSample
+from telemetry.models import DrillRun, SimulationRun, UtilizationSample
 
 # Charts read at most this many recent rows of a kind, so a page stays fast
 # after years of history; the figures say so in their titles.
@@ -71,9 +73,9 @@ class FlavorNow:
 class TeamFlavorUsage:
     """A team's quota of one flavor next to what it uses now.
 
-    For a leaf team `borrowed` is what the engine recorded on its running
-    attempts; for an inner team it is what its subtree uses beyond its own
-    guarantee, i.e. what it borrows from outside.
+    `used` is what the team's subtree holds; `borrowed` is what it holds beyond
+    its own guarantee, max(0, used - guarantee), read from `UsageNow` like every
+    other page, the API and /metrics.
     """
 
     flavor: str
@@ -136,35 +138,77 @@ def _used_by_team_flavor() -> dict[tuple[int, int], int]:
     return {(row["team_id"], row["flavor_id"]): int(row["used"] or 0) for row in rows}
 
 
-def _borrowed_by_team_flavor() -> dict[tuple[int, int], int]:
-    rows = (
-        Attempt.objects.filter(ended_at__isnull=True, job__state__in=ACTIVE_STATES)
-        .values("job__team_id", "job__flavor_id")
-        .annotate(borrowed=Sum("borrowed_gpus"))
-    )
-    return {(row["job__team_id"], row["job__flavor_id"]): int(row["borrowed"] or 0) for row in rows}
+def borrowed_gpus(*, used: int, guarantee: int) -> int:
+    """GPUs a team holds beyond its own guarantee: max(0, used - guarantee).
+
+    The figure is taken now, from what the team holds now, never from what an
+    attempt borrowed when it was admitted: once a sibling's job ends, the same
+    running job may sit inside the guarantee again.
+    """
+    return max(used - guarantee, 0)
 
 
 @dataclass(frozen=True)
 class UsageNow:
-    """GPUs in use and borrowed per (team id, flavor id), and the flavors by id,
-    read once so a page that shows both flavors and teams queries them once."""
+    """GPUs in use and borrowed per (team id, flavor id) for every team of the
+    tree, and the flavors by id: the one read behind every "used" and
+    "borrowed" figure (dashboard, team pages, the usage API, /metrics and the
+    utilization samples).
+
+    `used` of an inner team is the sum over its subtree. `borrowed` of every
+    team, leaf or inner, is `borrowed_gpus` of its own used and guarantee. So a
+    parent's borrowed is at most the sum of its sub-teams' borrowed: the
+    difference is what sub-teams borrow inside the parent (a sibling's idle
+    guarantee, or the parent's guarantee beyond its children's), which the
+    parent does not borrow from anyone. `cluster_borrowed` per flavor is the
+    sum over top-level teams: the GPUs lent between top-level teams, next to
+    the top-level guarantees the cluster card shows.
+    """
 
     used: dict[tuple[int, int], int]
+    guarantee: dict[tuple[int, int], int]
     borrowed: dict[tuple[int, int], int]
+    cluster_borrowed: dict[int, int]
+    top_level: frozenset[int]
     flavors: dict[int, str]
 
     @classmethod
-    def load(cls) -> UsageNow:
+    def load(cls, tree: TeamTree | None = None) -> UsageNow:
+        tree = tree or team_tree()
+        used: dict[tuple[int, int], int] = defaultdict(int)
+        for (team_id, flavor_id), gpus in _used_by_team_flavor().items():
+            # Roll every team's usage up the whole tree, so an inner team shows
+            # its subtree's usage even where a user sees only one branch.
+            for holder in [team_id, *tree.ancestors(team_id)]:
+                used[(holder, flavor_id)] += gpus
+        guarantee = {
+            (team_id, flavor_id): gpus
+            for team_id, flavor_id, gpus in Quota.objects.values_list(
+                "team_id", "flavor_id", "guarantee"
+            )
+        }
+        borrowed = {
+            key: borrowed_gpus(used=gpus, guarantee=guarantee.get(key, 0))
+            for key, gpus in used.items()
+        }
+        top_level = frozenset(team_id for team_id, parent in tree.parent.items() if parent is None)
+        cluster_borrowed: dict[int, int] = defaultdict(int)
+        for (team_id, flavor_id), gpus in borrowed.items():
+            if team_id in top_level:
+                cluster_borrowed[flavor_id] += gpus
         return cls(
-            used=_used_by_team_flavor(),
-            borrowed=_borrowed_by_team_flavor(),
+            used=dict(used),
+            guarantee=guarantee,
+            borrowed=borrowed,
+            cluster_borrowed=dict(cluster_borrowed),
+            top_level=top_level,
             flavors=dict(ResourceFlavor.objects.order_by("name").values_list("id", "name")),
         )
 
 
 def flavors_now(usage: UsageNow | None = None) -> list[FlavorNow]:
-    """Per flavor: schedulable GPUs, top-level guarantees, GPUs in use and borrowed.
+    """Per flavor: schedulable GPUs, top-level guarantees, GPUs in use and
+    borrowed between top-level teams (see `UsageNow`).
 
     These are cluster-wide totals without team names, shown to every signed-in user.
     """
@@ -181,12 +225,12 @@ def flavors_now(usage: UsageNow | None = None) -> list[FlavorNow]:
         .values_list("flavor_id", "total")
     )
     usage = usage or UsageNow.load()
+    # Every team's usage rolls up to its top-level team, so the top-level
+    # teams' sum is the whole cluster's.
     used: dict[int, int] = defaultdict(int)
-    for (_, flavor_id), gpus in usage.used.items():
-        used[flavor_id] += gpus
-    borrowed: dict[int, int] = defaultdict(int)
-    for (_, flavor_id), gpus in usage.borrowed.items():
-        borrowed[flavor_id] += gpus
+    for (team_id, flavor_id), gpus in usage.used.items():
+        if team_id in usage.top_level:
+            used[flavor_id] += gpus
     return [
         FlavorNow(
             flavor_id=flavor_id,
@@ -194,7 +238,7 @@ def flavors_now(usage: UsageNow | None = None) -> list[FlavorNow]:
             capacity=int(capacity.get(flavor_id) or 0),
             guaranteed=int(guaranteed.get(flavor_id) or 0),
             used=used[flavor_id],
-            borrowed=borrowed[flavor_id],
+            borrowed=usage.cluster_borrowed.get(flavor_id, 0),
         )
         for flavor_id, name in usage.flavors.items()
     ]
@@ -213,18 +257,8 @@ def team_rows(
         team["id"]: team
         for team in Team.objects.filter(id__in=readable).values("id", "slug", "name", "weight")
     }
-    usage = usage or UsageNow.load()
+    usage = usage or UsageNow.load(tree)
     flavors = usage.flavors
-    used = usage.used
-    borrowed_leaf = usage.borrowed
-
-    # Roll leaf usage up the whole tree (not only the readable part), so an
-    # inner team shows its subtree's usage even where the user sees one branch.
-    rolled: dict[tuple[int, int], int] = defaultdict(int)
-    for (team_id, flavor_id), gpus in used.items():
-        rolled[(team_id, flavor_id)] += gpus
-        for ancestor in tree.ancestors(team_id):
-            rolled[(ancestor, flavor_id)] += gpus
 
     rows: dict[int, TeamRow] = {}
     slugs = {team_id: team["slug"] for team_id, team in teams.items()}
@@ -244,20 +278,17 @@ def team_rows(
     for quota in Quota.objects.filter(team_id__in=teams).values(
         "id", "team_id", "flavor_id", "guarantee", "borrow_limit", "lend_limit"
     ):
-        usage = rows[quota["team_id"]].flavors[flavors[quota["flavor_id"]]]
-        usage.guarantee = quota["guarantee"]
-        usage.borrow_limit = quota["borrow_limit"]
-        usage.lend_limit = quota["lend_limit"]
-        usage.quota_id = quota["id"]
-        usage.has_quota = True
+        figures = rows[quota["team_id"]].flavors[flavors[quota["flavor_id"]]]
+        figures.guarantee = quota["guarantee"]
+        figures.borrow_limit = quota["borrow_limit"]
+        figures.lend_limit = quota["lend_limit"]
+        figures.quota_id = quota["id"]
+        figures.has_quota = True
     for team_id, row in rows.items():
         for flavor_id, flavor_name in flavors.items():
-            usage = row.flavors[flavor_name]
-            usage.used = rolled.get((team_id, flavor_id), 0)
-            if row.is_leaf:
-                usage.borrowed = borrowed_leaf.get((team_id, flavor_id), 0)
-            else:
-                usage.borrowed = max(usage.used - usage.guarantee, 0)
+            figures = row.flavors[flavor_name]
+            figures.used = usage.used.get((team_id, flavor_id), 0)
+            figures.borrowed = usage.borrowed.get((team_id, flavor_id), 0)
 
     # Depth-first order; a readable team whose parent is not readable starts a tree.
     ordered: list[TeamRow] = []
@@ -278,10 +309,24 @@ def team_rows(
 # --- the queue and preemptions -----------------------------------------------
 
 
-def pending_jobs(*, jobs: QuerySet[Job], limit: int = 50) -> tuple[list[Job], int]:
-    """The oldest waiting jobs with their reasons, and how many wait in all."""
+def pending_jobs(
+    *, jobs: QuerySet[Job], limit: int = 50, first_submitter_id: int | None = None
+) -> tuple[list[Job], int]:
+    """The oldest waiting jobs with their reasons, and how many wait in all.
+    With `first_submitter_id` that user's own jobs come first (oldest first
+    among them), so a researcher finds their jobs at the top of a long queue."""
     waiting = jobs.filter(state__in=WAITING_STATES)
-    return list(waiting.order_by("submitted_at", "id")[:limit]), waiting.count()
+    ordering: list[Any] = ["submitted_at", "id"]
+    if first_submitter_id is not None:
+        waiting = waiting.annotate(
+            is_theirs=Case(
+                When(submitter_id=first_submitter_id, then=Value(0)),
+                default=Value(1),
+                output_field=IntegerField(),
+            )
+        )
+        ordering.insert(0, "is_theirs")
+    return list(waiting.order_by(*ordering)[:limit]), waiting.count()
 
 
 # --- telemetry over time -----------------------------------------------------
@@ -317,16 +362,30 @@ def overview_teams(*, access: Access, limit: int = 40) -> set[int]:
     return shown
 
 
-def chart_teams(*, access: Access) -> list[int]:
+def chart_teams(*, access: Access, team_id: int | None = None) -> list[int]:
     """Which teams the utilization chart stacks: the user's top readable teams,
     or their children when there is only one, so a manager of one team sees
-    its sub-teams side by side."""
+    its sub-teams side by side. A chosen team (any readable one, leaves
+    included) is charted as its readable sub-teams, or alone when it has none;
+    a team the user cannot read is ignored."""
     tree = access.tree
     readable = set(tree.parent) if access.is_admin else access.readable_teams
+    if team_id is not None and team_id in readable:
+        children = sorted(t for t in tree.children.get(team_id, ()) if t in readable)
+        return children or [team_id]
     roots = sorted(t for t in readable if tree.parent.get(t) not in readable)
     if len(roots) == 1 and tree.children.get(roots[0]):
         return sorted(t for t in tree.children[roots[0]] if t in readable)
     return roots
+
+
+def readable_team_slugs(*, access: Access) -> dict[str, int]:
+    """Slug to id of every team the user may read, in slug order: the teams
+    the telemetry page lets the reader chart, leaves included."""
+    teams = Team.objects.order_by("slug")
+    if not access.is_admin:
+        teams = teams.filter(id__in=access.readable_teams)
+    return dict(teams.values_list("slug", "id"))
 
 
 def utilization_points(
@@ -348,6 +407,7 @@ def signal_latencies(*, access: Access) -> list[float]:
     for the most recent ranks that were signalled."""
     rows = (
         Rank.objects.filter(signal_received_at__isnull=False, attempt__preemption__isnull=False)
+        .exclude(attempt__preemption__reason=PreemptionEvent.Reason.MANUAL)
         .filter(_team_filter(access, "attempt__job__team_id"))
         .order_by("-signal_received_at")
         .values_list("signal_received_at", "attempt__preemption__decided_at")[:RECENT_ROWS]
@@ -368,7 +428,8 @@ class CheckpointAgainstGrace:
 
 def checkpoints_against_grace(*, access: Access) -> list[CheckpointAgainstGrace]:
     rows = (
-        PreemptionEvent.objects.filter(checkpoint_seconds__isnull=False)
+        PreemptionEvent.objects.preemptions()
+        .filter(checkpoint_seconds__isnull=False)
         .filter(_team_filter(access, "job__team_id"))
         .order_by("-decided_at")
         .values_list("job_id", "decided_at", "grace_seconds", "checkpoint_seconds", "outcome")[
@@ -395,7 +456,8 @@ def exit_codes(*, access: Access) -> list[tuple[int, str, int]]:
 def recovery_seconds(*, access: Access) -> list[tuple[int, float]]:
     """(job id, seconds from the preemption decision to the resumed attempt)."""
     rows = (
-        PreemptionEvent.objects.filter(resumed_at__isnull=False)
+        PreemptionEvent.objects.preemptions()
+        .filter(resumed_at__isnull=False)
         .filter(_team_filter(access, "job__team_id"))
         .order_by("-decided_at")
         .values_list("job_id", "decided_at", "resumed_at")[:RECENT_ROWS]
@@ -626,10 +688,6 @@ class SimulationReport:
 
 def simulation_reports(limit: int = 20) -> list[SimulationReport]:
     """The newest stored simulation runs whose report has the documented shape."""
-    from pathlib import PurePath
-
-    from telemetry.models import SimulationRun
-
     reports = []
     rows = SimulationRun.objects.order_by("-created_at", "-id").values_list(
         "id", "trace", "created_at", "report"

@@ -8,7 +8,10 @@ from typing import Any
 
 from django.db import transaction
 
-from quotas.selectors import Access, TeamTree
+import fairshare
+from core.access import Access
+from preemption.snapshot import build_snapshot
+from quotas.selectors import team_tree
 from telemetry.models import DrillRun, UtilizationSample
 from telemetry.selectors import UsageNow, flavors_now, team_rows
 
@@ -22,19 +25,16 @@ def utilization_sample(now: datetime) -> int:
     level of the tree. Sampling the same moment twice writes nothing new.
     Returns the number of rows written.
     """
-    tree = TeamTree.load()
+    tree = team_tree()
     everyone = Access(
         is_admin=True, user_id=None, tree=tree, managed=frozenset(), member_of=frozenset()
     )
-    usage = UsageNow.load()
+    usage = UsageNow.load(tree)
     flavors = flavors_now(usage)
     capacity = {flavor.name: flavor.capacity for flavor in flavors}
     flavor_ids = {flavor.name: flavor.flavor_id for flavor in flavors}
     # Who lends to whom, and each team's fair share, are the engine's view:
     # ask it once for the whole cluster.
-    import fairshare
-    from preemption.snapshot import build_snapshot
-
     engine = fairshare.plan(build_snapshot(now=now)).queues
     samples = []
     for row in team_rows(access=everyone, usage=usage):

@@ -8,6 +8,8 @@ The world:
 Nodes: 3 × 8 h100 GPUs (24 in all), 1 × 8 a100.
 Personas: admin (staff), manager (of ml), other_manager (of other),
 researcher (of vision), other_researcher (of ops), anonymous.
+Both root teams may use both mission classes, as the migration leaves an
+installation that existed before teams had priority classes.
 """
 
 from __future__ import annotations
@@ -22,15 +24,60 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.apps import apps
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
 
 from preemption.runtimes.runner import RunnerAccount, find_runner
 from quotas.models import Membership, Node, PriorityClass, Quota, ResourceFlavor, Team
+from tests import builders
 
 PERSONAS = ("admin", "manager", "other_manager", "researcher", "other_researcher", "anonymous")
 PASSWORD = "correct-horse-battery-staple"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the transactional tests that restore the migrated rows
+    (`serialized_rollback=True`) before the other transactional tests.
+
+    pytest-django already runs rollback tests first and transactional ones after.
+    A transactional test without serialized rollback flushes the database at its
+    end and Django re-creates the content types under new ids; a serialized test
+    after it then restores the old ids and collides with them. Serialized tests
+    leave an empty database behind, which every other transactional test accepts.
+    """
+
+    def serialized_transactional(item: pytest.Item) -> bool:
+        marker = item.get_closest_marker("django_db")
+        return bool(
+            marker
+            and marker.kwargs.get("serialized_rollback")
+            and (
+                marker.kwargs.get("transaction")
+                or "live_server" in getattr(item, "fixturenames", [])
+            )
+        )
+
+    first_transactional = next(
+        (
+            index
+            for index, item in enumerate(items)
+            if "transactional_db" in getattr(item, "fixturenames", [])
+            or "live_server" in getattr(item, "fixturenames", [])
+            or (
+                (marker := item.get_closest_marker("django_db")) is not None
+                and marker.kwargs.get("transaction")
+            )
+        ),
+        None,
+    )
+    if first_transactional is None:
+        return
+    rest = items[first_transactional:]
+    rest.sort(key=lambda item: not serialized_transactional(item))
+    items[first_transactional:] = rest
 
 
 @dataclass
@@ -88,14 +135,15 @@ def world(db: Any) -> World:
     for index in range(3):
         Node.objects.create(name=f"h100-node-{index}", flavor=h100, gpus=8)
     Node.objects.create(name="a100-node-0", flavor=a100, gpus=8)
-    org = Team.objects.create(slug="org", name="Org")
-    ml = Team.objects.create(slug="ml", name="ML", parent=org)
-    vision = Team.objects.create(slug="vision", name="Vision", parent=ml)
-    nlp = Team.objects.create(slug="nlp", name="NLP", parent=ml)
-    other = Team.objects.create(slug="other", name="Other")
-    ops = Team.objects.create(slug="ops", name="Ops", parent=other)
-    for team, guarantee in ((org, 16), (ml, 16), (vision, 8), (nlp, 8), (other, 8), (ops, 8)):
-        Quota.objects.create(team=team, flavor=h100, guarantee=guarantee)
+    org = builders.team("org", name="Org", quotas={h100: 16})
+    ml = builders.team("ml", name="ML", parent=org, quotas={h100: 16})
+    vision = builders.team("vision", name="Vision", parent=ml, quotas={h100: 8})
+    nlp = builders.team("nlp", name="NLP", parent=ml, quotas={h100: 8})
+    other = builders.team("other", name="Other", quotas={h100: 8})
+    ops = builders.team("ops", name="Ops", parent=other, quotas={h100: 8})
+    critical, batch = mission_class("ai-prod-critical"), mission_class("ai-batch-preemptible")
+    for root in (org, other):
+        root.priority_classes.set([critical, batch])
     users: dict[str, Any] = {}
     users["admin"] = User.objects.create_user(
         "admin", "admin@example.org", PASSWORD, is_staff=True, is_superuser=True
@@ -117,8 +165,8 @@ def world(db: Any) -> World:
         nlp=nlp,
         other=other,
         ops=ops,
-        critical=mission_class("ai-prod-critical"),
-        batch=mission_class("ai-batch-preemptible"),
+        critical=critical,
+        batch=batch,
         users=users,
     )
 
@@ -153,3 +201,14 @@ def runner_tmp_path() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def database_state() -> dict[str, list[dict[str, Any]]]:
+    """Every row of the project's apps and of auth, to show a refusal changed nothing."""
+    state: dict[str, list[dict[str, Any]]] = {}
+    for label in ("portal", "quotas", "preemption", "telemetry", "auth"):
+        # Auto-created models are the many-to-many tables, such as the
+        # priority classes each team may use.
+        for model in apps.get_app_config(label).get_models(include_auto_created=True):
+            state[model._meta.label] = list(model.objects.order_by("pk").values())
+    return state

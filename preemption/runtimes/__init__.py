@@ -4,6 +4,7 @@ Nothing here imports Django, so the launcher stays light and the code can be tes
 """
 
 from preemption.runtimes.base import (
+    GangGuard,
     GangId,
     GangSpec,
     NodeInventory,
@@ -19,6 +20,7 @@ from preemption.runtimes.local import GangProcess, LocalRuntime
 from preemption.runtimes.trap_events import iter_trap_events
 
 __all__ = [
+    "GangGuard",
     "GangId",
     "GangProcess",
     "GangSpec",

@@ -7,9 +7,10 @@ in the cluster, never only in a Python object. This module imports nothing from 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +100,30 @@ class RuntimePermanentError(Exception):
     """A runtime call can never succeed as asked: record the failure and stop."""
 
 
+class GangGuard(Protocol):
+    """An optional capability: a runtime that can tell that the cluster took a rank away
+    (kube-scheduler preemption, node loss) even when the rank exited 0."""
+
+    def guard_victims(self) -> list[GangId]:
+        """The gangs that lost a rank to something other than the rank itself."""
+        ...
+
+
 class Runtime(Protocol):
-    """The operations every runtime offers. Every call is idempotent."""
+    """The operations every runtime offers. Every call is idempotent.
+
+    A call fails only with RuntimeTemporaryError or RuntimePermanentError: each runtime
+    translates the exceptions of the libraries it uses (OSError, the Kubernetes client's
+    ApiException, urllib3's errors) into these two.
+    """
 
     name: str
+
+    @property
+    def gang_guard(self) -> GangGuard | None:
+        """The runtime's gang guard, or None where a rank only ends by itself or by the
+        control plane's own signal, so a failed rank is all the guard needs to see."""
+        ...
 
     def launch(self, spec: GangSpec) -> None:
         """Start every rank of the gang; a second launch of the same gang does nothing."""
@@ -135,6 +156,60 @@ class Runtime(Protocol):
     def forget(self, gang: GangId) -> None:
         """Drop the bookkeeping of a finished gang; its logs stay readable."""
         ...
+
+
+PROTOCOL_CALLS = (
+    "launch",
+    "signal",
+    "kill",
+    "observe",
+    "nodes",
+    "read_log",
+    "released_ports",
+    "forget",
+    "guard_victims",
+)
+RuntimeClass = TypeVar("RuntimeClass", bound=type)
+Classify = Callable[[Exception], type[RuntimeTemporaryError] | type[RuntimePermanentError] | None]
+
+
+def translate_errors(classify: Classify) -> Callable[[RuntimeClass], RuntimeClass]:
+    """A class decorator: the runtime's protocol calls raise the protocol's errors only.
+
+    `classify` names the protocol error for an exception of the libraries the runtime
+    uses; an exception it returns None for is a bug in the runtime and goes through
+    unchanged. The original exception stays attached as the new one's cause.
+    """
+
+    def wrap(call: Callable[..., Any], name: str) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def translated(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return call(*args, **kwargs)
+            except (RuntimeTemporaryError, RuntimePermanentError):
+                raise
+            except Exception as error:
+                kind = classify(error)
+                if kind is None:
+                    raise
+                raise kind(f"{name}: {type(error).__name__}: {error}") from error
+
+        return translated
+
+    def decorate(cls: RuntimeClass) -> RuntimeClass:
+        for name in PROTOCOL_CALLS:
+            call = cls.__dict__.get(name)
+            if callable(call):
+                setattr(cls, name, wrap(call, name))
+        return cls
+
+    return decorate
+
+
+def os_errors_are_temporary(error: Exception) -> type[RuntimeTemporaryError] | None:
+    """For runtimes whose only library is the operating system: a failed system call
+    (a full disk, no file descriptors left, a process table full) may pass."""
+    return RuntimeTemporaryError if isinstance(error, OSError) else None
 
 
 def read_whole_log(runtime: Runtime, gang: GangId, rank: int, chunk: int = 1 << 20) -> bytes:

@@ -44,12 +44,14 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from preemption.runtimes.base import (
+    GangGuard,
     GangId,
     GangSpec,
     NodeInventory,
     RankObservation,
     RuntimePermanentError,
     RuntimeTemporaryError,
+    translate_errors,
 )
 
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
@@ -173,6 +175,19 @@ def _temporary(error: ApiException) -> bool:
     return error.status in (409, 429) or error.status is None or error.status >= 500
 
 
+def _classify(
+    error: Exception,
+) -> type[RuntimeTemporaryError] | type[RuntimePermanentError] | None:
+    """The protocol's error for an exception of the Kubernetes client: an API answer
+    by its status, a failed connection or a timeout (urllib3, the socket) as temporary."""
+    if isinstance(error, ApiException):
+        return RuntimeTemporaryError if _temporary(error) else RuntimePermanentError
+    if isinstance(error, (urllib3.exceptions.HTTPError, OSError)):
+        return RuntimeTemporaryError
+    return None
+
+
+@translate_errors(_classify)
 class KubernetesRuntime:
     """Runs gangs as pods on a Kubernetes cluster through the API server."""
 
@@ -914,6 +929,11 @@ class KubernetesRuntime:
             self._blocked.pop(gang, None)
 
     # -- gang guard --------------------------------------------------------------
+    @property
+    def gang_guard(self) -> GangGuard:
+        """Pods can be taken away by the cluster itself, so this runtime guards gangs."""
+        return self
+
     def guard_victims(self) -> list[GangId]:
         """``gang_guard_victims`` over a fresh observation, with disruption conditions.
 

@@ -70,12 +70,15 @@ from typing import Any
 
 from preemption.runtimes import procfs
 from preemption.runtimes.base import (
+    GangGuard,
     GangId,
     GangSpec,
     NodeInventory,
     RankObservation,
     RuntimePermanentError,
     RuntimeTemporaryError,
+    os_errors_are_temporary,
+    translate_errors,
 )
 from preemption.runtimes.records import (
     EXIT_FILE,
@@ -127,10 +130,13 @@ class GangProcess:
     cmdline: str
 
 
+@translate_errors(os_errors_are_temporary)
 class LocalRuntime:
     """Runs gangs as local process groups; implements the Runtime protocol."""
 
     name = "local"
+    # A local rank ends only by itself or by the control plane's own signal.
+    gang_guard: GangGuard | None = None
 
     def __init__(
         self,

@@ -10,7 +10,9 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-EVENT_MARKER = b"QM_EVENT "
+from gracetrap_protocol import EVENT_PREFIX
+
+EVENT_MARKER = EVENT_PREFIX.encode()
 
 
 def iter_trap_events(log_bytes: bytes) -> Iterator[dict[str, Any]]:

@@ -28,6 +28,7 @@ from preemption.reconcile import gang_spec
 from preemption.runtime import use_runtime
 from preemption.runtimes.base import GangId, GangSpec, NodeInventory, RankPlacement
 from preemption.runtimes.local import LocalRuntime
+from tests import builders
 
 QM = [sys.executable, "-m", "qmcli"]
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -142,13 +143,11 @@ def test_errors_are_one_clear_line_with_an_exit_code(world: Any, qm: Any) -> Non
     missing = qm("show", "999999", env=with_token)
     assert missing.returncode == 4 and "not found" in missing.stderr
 
-    other_job = Job.objects.create(
-        team=world.ops,
+    other_job = builders.job(
+        world,
+        world.ops,
+        state=JobState.PENDING,
         submitter=world.users["other_researcher"],
-        priority_class=world.batch,
-        flavor=world.h100,
-        ranks=1,
-        gpus_per_rank=1,
         command="true",
     )
     hidden = qm("cancel", str(other_job.pk), env=with_token)
@@ -171,7 +170,27 @@ def test_errors_are_one_clear_line_with_an_exit_code(world: Any, qm: Any) -> Non
     )
     assert too_big.returncode == 1
     assert too_big.stderr.strip() == (
-        "qm: gpus_per_rank: No node of flavor h100-80gb has 16 GPUs (the largest has 8)."
+        "qm: gpus_per_rank: Each rank needs 16 GPUs; the largest h100-80gb node has 8."
+    )
+
+    # A class the team may not use: the API's reason, naming the classes it may.
+    world.vision.priority_classes.set([world.batch])
+    critical = qm(
+        "submit",
+        "--team",
+        "vision",
+        "--flavor",
+        "h100-80gb",
+        "--priority-class",
+        "ai-prod-critical",
+        "--",
+        "true",
+        env=with_token,
+    )
+    assert critical.returncode == 1
+    assert critical.stderr.strip() == (
+        "qm: priority_class: Team vision may not use ai-prod-critical; "
+        "it may use: ai-batch-preemptible."
     )
 
     bad_usage = qm("show", "twelve", env=with_token)
@@ -201,19 +220,8 @@ def test_logs_prints_and_follows_a_real_rank(
     world: Any, qm: Any, local_runtime: LocalRuntime
 ) -> None:
     now = timezone.now()
-    job = Job.objects.create(
-        team=world.vision,
-        submitter=world.users["researcher"],
-        priority_class=world.batch,
-        flavor=world.h100,
-        ranks=2,
-        gpus_per_rank=1,
-        command="echo",
-        state=JobState.RUNNING,
-    )
-    attempt = Attempt.objects.create(
-        job=job, number=1, placement=[{"node": "h100-node-0", "ranks": 2}], admitted_at=now
-    )
+    job = builders.running_job(world, world.vision, ranks=2, command="echo", admitted_at=now)
+    attempt = job.attempts.get()
     command = 'echo "rank $RANK step 1"; sleep 2; echo "rank $RANK step 2"'
     local_runtime.launch(
         GangSpec(

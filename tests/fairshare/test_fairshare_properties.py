@@ -1,4 +1,8 @@
-"""Property-based tests of the engine on random clusters, queue trees and workloads."""
+"""Property-based tests of the engine on random clusters, queue trees and workloads.
+
+Every plan made here is checked against the guarantee line: a queue at or under its
+guarantee never loses work to reclaim or fair share (``checked_plan``).
+"""
 
 from __future__ import annotations
 
@@ -96,6 +100,62 @@ def snapshots(draw: st.DrawFn) -> Snapshot:
     return Snapshot(NOW, tuple(node_list), tuple(queues), CLASSES, tuple(workloads))
 
 
+def guarantee_line_losses(snapshot: Snapshot, p: Plan) -> list[tuple[str, str, int, int]]:
+    """The plan's reclaim and fair-share victims taken from a queue at or under its guarantee.
+
+    The preemptions are replayed in the plan's order. Before each victim leaves, every
+    queue on its path below the common ancestor with its preemptor must run more than its
+    guarantee (a parent's counts as at least its children's together); usage is what the
+    queue ran in the snapshot (terminating work has already left the quota) less the
+    victims taken before. A gang that straddles the line may still go whole. Returns
+    (victim, queue, usage, guarantee) for each victim that breaks the rule.
+    """
+    by_id = {w.id: w for w in snapshot.workloads}
+    parent = {q.name: q.parent for q in snapshot.queues}
+    children: dict[str, list[str]] = defaultdict(list)
+    for q in snapshot.queues:
+        if q.parent is not None:
+            children[q.parent].append(q.name)
+
+    def path(queue: str) -> list[str]:
+        chain = [queue]
+        while (up := parent[chain[-1]]) is not None:
+            chain.append(up)
+        return chain
+
+    def effective(queue: str, flavor: str) -> int:
+        own = max(0, next(q for q in snapshot.queues if q.name == queue).quota(flavor).guarantee)
+        return max(own, sum(effective(child, flavor) for child in children[queue]))
+
+    usage: dict[tuple[str, str], int] = defaultdict(int)
+    for w in snapshot.workloads:
+        if w.state == "running":
+            for x in path(w.queue):
+                usage[x, w.flavor] += w.gpus
+    losses = []
+    for e in p.preempt:
+        victim = by_id[e.id]
+        flavor = victim.flavor
+        if e.reason in ("reclaim", "fair-share"):
+            preemptor_path = set(path(by_id[e.preemptor].queue))
+            for x in path(victim.queue):
+                if x in preemptor_path:
+                    break
+                guarantee = effective(x, flavor)
+                if usage[x, flavor] <= guarantee:
+                    losses.append((e.id, x, usage[x, flavor], guarantee))
+        for x in path(victim.queue):
+            usage[x, flavor] -= victim.gpus
+    return losses
+
+
+def checked_plan(snapshot: Snapshot) -> Plan:
+    """``plan(snapshot)``, with the guarantee line checked on the result."""
+    p = plan(snapshot)
+    assert guarantee_line_losses(snapshot, p) == [], (snapshot, p)
+    return p
+
+
 def _held_per_node(snapshot: Snapshot, p: Plan) -> dict[str, int]:
     held: dict[str, int] = defaultdict(int)
     by_id = {w.id: w for w in snapshot.workloads}
@@ -147,7 +207,7 @@ FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 @FAST
 @given(snapshots())
 def test_capacity_never_exceeded(snapshot: Snapshot) -> None:
-    p = plan(snapshot)
+    p = checked_plan(snapshot)
     gpus = {n.name: n.gpus for n in snapshot.nodes}
     for node, held in _held_per_node(snapshot, p).items():
         assert held <= gpus[node], (node, held)
@@ -156,7 +216,7 @@ def test_capacity_never_exceeded(snapshot: Snapshot) -> None:
 @FAST
 @given(snapshots())
 def test_gangs_admitted_and_preempted_whole(snapshot: Snapshot) -> None:
-    p = plan(snapshot)
+    p = checked_plan(snapshot)
     by_id = {w.id: w for w in snapshot.workloads}
     nodes = {n.name: n for n in snapshot.nodes}
     for a in p.admit:
@@ -177,7 +237,7 @@ def test_gangs_admitted_and_preempted_whole(snapshot: Snapshot) -> None:
 @FAST
 @given(snapshots())
 def test_non_preemptible_never_preempted(snapshot: Snapshot) -> None:
-    p = plan(snapshot)
+    p = checked_plan(snapshot)
     by_id = {w.id: w for w in snapshot.workloads}
     for e in p.preempt:
         assert CLASS_BY_NAME[by_id[e.id].priority_class].preemptible
@@ -187,7 +247,7 @@ def test_non_preemptible_never_preempted(snapshot: Snapshot) -> None:
 @FAST
 @given(snapshots())
 def test_non_preemptible_never_admitted_on_borrowed_gpus(snapshot: Snapshot) -> None:
-    p = plan(snapshot)
+    p = checked_plan(snapshot)
     by_id = {w.id: w for w in snapshot.workloads}
     for a in p.admit:
         if not CLASS_BY_NAME[by_id[a.id].priority_class].preemptible:
@@ -197,7 +257,7 @@ def test_non_preemptible_never_admitted_on_borrowed_gpus(snapshot: Snapshot) -> 
 @FAST
 @given(snapshots())
 def test_no_queue_reclaimed_below_its_guarantee_line(snapshot: Snapshot) -> None:
-    p = plan(snapshot)
+    p = checked_plan(snapshot)
     by_id = {w.id: w for w in snapshot.workloads}
     quotas = {q.name: q for q in snapshot.queues}
     for flavor in {w.flavor for w in snapshot.workloads}:
@@ -231,11 +291,11 @@ def test_no_queue_reclaimed_below_its_guarantee_line(snapshot: Snapshot) -> None
 def test_no_flapping(snapshot: Snapshot) -> None:
     """Apply the plan, let the victims exit and requeue, admit what then fits, plan again:
     no new preemption, and nothing admitted in between is taken back."""
-    first = plan(snapshot)
+    first = checked_plan(snapshot)
     after_exit = apply_plan(snapshot, first, NOW + 1)
-    second = plan(after_exit)
+    second = checked_plan(after_exit)
     settled = admit_only(after_exit, second)
-    third = plan(settled)
+    third = checked_plan(settled)
     already = {e.id for e in second.preempt}
     new = [e for e in third.preempt if e.id not in already]
     assert new == [], (first, second, third)
@@ -306,7 +366,7 @@ def test_a_job_moved_for_a_gang_restarts_in_the_next_cycle(snapshot: Snapshot) -
     """Consolidation moves only small, preemptible jobs that ran long enough, for a gang
     inside its guarantee; once they exit, the next plan starts the gang and every moved
     job at once, and preempts nothing."""
-    first = plan(snapshot)
+    first = checked_plan(snapshot)
     moved = [e for e in first.preempt if e.reason == "consolidate"]
     if not moved:
         return
@@ -321,7 +381,105 @@ def test_a_job_moved_for_a_gang_restarts_in_the_next_cycle(snapshot: Snapshot) -
         assert CLASS_BY_NAME[victim.priority_class].preemptible
         assert victim.gpus < gang.gpus_per_rank
         assert victim.admitted_at is not None and NOW - victim.admitted_at >= 600
-    second = plan(apply_plan(snapshot, first, NOW + 1))
+    second = checked_plan(apply_plan(snapshot, first, NOW + 1))
     assert second.preempt == ()
     started = {a.id for a in second.admit}
     assert {"gang", *(e.id for e in moved)} <= started, (first, second)
+
+
+# Gang shapes (ranks, GPUs per rank) from single GPUs to whole nodes and multi-node gangs.
+SHAPES = ((1, 1), (1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (4, 1), (2, 2), (4, 2), (2, 4), (2, 8))
+
+
+@st.composite
+def guarantee_situations(draw: st.DrawFn) -> Snapshot:
+    """Where the guarantee line was found to break: a nearly full cluster, guarantees that
+    fit it, borrow limits, several priority classes in each queue (non-preemptible ones
+    among them), mixed gang shapes spread over nodes, terminating gangs whose GPUs pending
+    work of any queue may reserve, and pending work of every size."""
+    node_list = [Node(f"n{i}", "h100", 8) for i in range(draw(st.integers(2, 6)))]
+    capacity = 8 * len(node_list)
+    tops = draw(st.integers(2, 3))
+    guaranteed = draw(st.integers(capacity // 2, capacity))
+    cuts = sorted(draw(st.lists(st.integers(0, guaranteed), min_size=tops - 1, max_size=tops - 1)))
+    guarantees = [b - a for a, b in zip([0, *cuts], [*cuts, guaranteed], strict=True)]
+
+    def quota(guarantee: int) -> dict[str, FlavorQuota]:
+        borrow = draw(st.one_of(st.none(), st.none(), st.integers(0, 8)))
+        return {"h100": FlavorQuota(guarantee, borrow, None)}
+
+    queues: list[Queue] = []
+    for t, guarantee in enumerate(guarantees):
+        weight = float(draw(st.integers(1, 3)))
+        if t == 0 and draw(st.booleans()):
+            # One team split in two, the parent's guarantee shared by its children.
+            inner = draw(st.integers(0, guarantee))
+            queues.append(Queue(f"q{t}", None, weight, quota(guarantee)))
+            queues.append(Queue(f"q{t}a", f"q{t}", 1.0, quota(inner)))
+            queues.append(Queue(f"q{t}b", f"q{t}", 1.0, quota(guarantee - inner)))
+        else:
+            queues.append(Queue(f"q{t}", None, weight, quota(guarantee)))
+    parents = {q.parent for q in queues}
+    leaves = [q.name for q in queues if q.name not in parents]
+    classes = st.sampled_from(("critical", "high", "normal", "polite", "low"))
+
+    def workload(i: int, state: str) -> Workload:
+        ranks, gpr = draw(st.sampled_from(SHAPES))
+        return Workload(
+            id=f"w{i}",
+            queue=draw(st.sampled_from(leaves)),
+            priority_class=draw(classes),
+            flavor="h100",
+            ranks=ranks,
+            gpus_per_rank=gpr,
+            state=state,
+            submitted_at=NOW - draw(st.integers(1, 1000)),
+        )
+
+    # Running and terminating work until the cluster is nearly full; ranks go to nodes
+    # in a random order, so gangs straddle nodes.
+    free = {node.name: node.gpus for node in node_list}
+    target = capacity * draw(st.integers(70, 100)) // 100
+    workloads: list[Workload] = []
+    for _ in range(24):
+        if capacity - sum(free.values()) >= target:
+            break
+        w = workload(len(workloads), "pending")
+        order = draw(st.permutations([node.name for node in node_list]))
+        placement: list[tuple[str, int]] = []
+        left = w.ranks
+        for name in order:
+            fit = min(left, free[name] // w.gpus_per_rank)
+            if fit:
+                placement.append((name, fit))
+                left -= fit
+            if left == 0:
+                break
+        if left:
+            continue
+        for name, placed in placement:
+            free[name] -= placed * w.gpus_per_rank
+        admitted_at = NOW - draw(st.integers(0, 1000))
+        checkpoint = draw(st.one_of(st.none(), st.integers(0, 1000)))
+        workloads.append(
+            dataclasses.replace(
+                w,
+                state=draw(st.sampled_from(("running", "running", "terminating"))),
+                placement=tuple(placement),
+                admitted_at=admitted_at,
+                submitted_at=min(w.submitted_at, admitted_at),
+                last_checkpoint_at=None if checkpoint is None else NOW - checkpoint,
+            )
+        )
+    for _ in range(draw(st.integers(len(leaves), 12))):
+        workloads.append(workload(len(workloads), "pending"))
+    return Snapshot(NOW, tuple(node_list), tuple(queues), CLASSES, tuple(workloads))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(guarantee_situations())
+def test_a_queue_at_or_under_its_guarantee_never_loses_work(snapshot: Snapshot) -> None:
+    """No reclaim or fair-share victim comes from a queue at or under its guarantee, in
+    this plan nor in the next one (victims gone and requeued, admissions running)."""
+    first = checked_plan(snapshot)
+    checked_plan(apply_plan(snapshot, first, NOW + 1))

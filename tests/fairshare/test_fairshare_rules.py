@@ -6,10 +6,10 @@ import pytest
 from fairshare_builders import CLASSES, cluster, nodes, run_plan, team
 from fairshare_builders import workload as w
 
-from fairshare import QuotaChange, consequences_to_dict, diff
+from fairshare import Node, QuotaChange, consequences_to_dict, diff
+from fairshare.nodes import NodeMap
 from fairshare.rules import (
     r1_capacity_free_gpus,
-    r2_gang_hostable_ranks,
     r3_guarantee_line,
     r3_guarantee_overshoot,
     r4_lendable_idle,
@@ -35,9 +35,18 @@ def test_r1_capacity_counts_victims_until_they_exit() -> None:
     assert r1_capacity_free_gpus(8, 10) == 0  # an over-full snapshot never goes negative
 
 
+def _hostable(free: list[int], gpus_per_rank: int, releasing: int = 0) -> int:
+    node_map = NodeMap([Node(f"n{i}", "h100", 8) for i in range(len(free))])
+    terminating = [("t", ((0, releasing),))] if releasing else []
+    node_map.occupy([8 - gpus for gpus in free], terminating)
+    return node_map.hostable_ranks(gpus_per_rank)
+
+
 def test_r2_gang_counts_whole_ranks_only() -> None:
-    assert r2_gang_hostable_ranks([8, 7, 3], 4) == 3
-    assert r2_gang_hostable_ranks([3, 3, 3], 4) == 0  # nine free GPUs, no whole rank
+    # R2 is counted by the node map the planner places on.
+    assert _hostable([8, 7, 3], 4) == 3
+    assert _hostable([3, 3, 3], 4) == 0  # nine free GPUs, no whole rank
+    assert _hostable([3, 3, 3], 4, releasing=1) == 1  # releasing GPUs complete a rank
 
 
 def test_r3_guarantee_line_and_straddling_overshoot() -> None:

@@ -38,6 +38,61 @@ TREE = [
     team("ops", guarantee=8),
 ]
 
+# Two cases found by random scenarios run from outside (../shared/cases/), with the classes
+# mapped to this table's: prod -> critical, batch-high -> high, batch -> polite. Times are
+# seconds before the snapshot, as in the original files (now = 1000).
+N1_4 = [Node(f"n{i}", "h100", 8) for i in range(1, 5)]
+N1_6 = [Node(f"n{i}", "h100", 8) for i in range(1, 7)]
+# q2 runs r4 and r5 (r2 terminates) under its guarantee of 5 while its pending p11 reserves
+# 8 GPUs that r1 releases. q1 (r1 terminating, borrow limit 2) reserves the rest and is
+# left with p12 and no free GPU: r5 must not go "for fair share" because q2's own
+# reservation made it look above its fair share.
+BORROWER_QUEUES = [
+    team("q0", guarantee=9),
+    team("q1", guarantee=11, weight=2, borrow_limit=2),
+    team("q2", guarantee=5, weight=3),
+]
+BORROWER = [
+    w("r1").queue("q1").cls("critical").gang(4, 4).terminating("n1", "n2"),
+    w("r2").queue("q2").cls("polite").terminating("n4"),
+    w("r3").queue("q0").cls("polite").gpus(2).running("n3", since=242, checkpoint=100),
+    w("r4").queue("q2").cls("critical").running("n4", since=101),
+    w("r5").queue("q2").cls("polite").running("n3", since=403, checkpoint=153),
+    w("r6").queue("q0").cls("polite").gang(2, 2).running("n3", since=559),
+    w("p7").queue("q1").cls("polite").gang(4, 1).submitted(242),
+    w("p8").queue("q1").cls("polite").gang(2, 8).submitted(858),
+    w("p9").queue("q0").cls("critical").gang(2, 1).submitted(633),
+    w("p10").queue("q2").cls("polite").gang(2, 1).submitted(277),
+    w("p11").queue("q2").cls("polite").gang(4, 2).submitted(228),
+    w("p12").queue("q1").cls("polite").submitted(45),
+    w("p13").queue("q1").cls("high").gpus(8).submitted(823),
+    w("p14").queue("q1").cls("high").gpus(8).submitted(144),
+]
+# q1 runs 13 of its 17 guaranteed GPUs; this plan admits its non-preemptible p12 (8 GPUs on
+# the free n6). q0's p13 (non-preemptible, 8 GPUs) could fit on n5 only by preempting q0's
+# own r7 and reclaiming q1's r1: q1 must not lose r1, since only its new p12 puts it
+# above its line. p13 waits (the next plan may take r1, once q1 runs above its line).
+RECLAIM_QUEUES = [team("q0", guarantee=19), team("q1", guarantee=17)]
+RECLAIM = [
+    w("r1").queue("q1").cls("polite").running("n5", since=181, checkpoint=147),
+    w("r2").queue("q0").cls("critical").gpus(8).running("n1", since=722),
+    w("r3").queue("q1").cls("polite").running("n4", since=769),
+    w("r4").queue("q0").cls("critical").gpus(2).terminating("n2"),
+    w("r5").queue("q1").cls("high").running("n2", since=959, checkpoint=84),
+    w("r6").queue("q1").cls("high").gang(2, 1).running("n4", since=277),
+    w("r7").queue("q0").cls("polite").gang(2, 4).running("n5", "n2", since=431, checkpoint=15),
+    w("r8").queue("q1").cls("polite").gpus(8).running("n3", since=989),
+    w("p9").queue("q1").cls("high").gang(2, 4).submitted(310),
+    w("p10").queue("q1").cls("high").gpus(8).submitted(918),
+    w("p11").queue("q0").cls("critical").submitted(734),
+    w("p12").queue("q1").cls("critical").gang(2, 4).submitted(435),
+    w("p13").queue("q0").cls("critical").gpus(8).submitted(268),
+    w("p14").queue("q0").cls("polite").gang(4, 2).submitted(466),
+    w("p15").queue("q1").cls("polite").submitted(408),
+    w("p16").queue("q0").cls("high").gpus(4).submitted(77),
+    w("p17").queue("q0").cls("high").submitted(862),
+]
+
 
 @dataclass(frozen=True)
 class Case:
@@ -108,6 +163,8 @@ CASES = [
     Case("cheapest_victim_lower_priority_first", N3, AB, [w("b0").queue("b").gpus(8).running("n0"), w("b_low").queue("b").priority(-1).gpus(8).running("n1", since=7200), w("b_norm").queue("b").gpus(8).running("n2", since=60), w("a1").gpus(8)], preempt={"b_low": "reclaim"}),
     Case("cheapest_victim_least_lost_work", N3, AB, [w("b0").queue("b").gpus(8).running("n0"), w("b_old").queue("b").gpus(8).running("n1", since=7200, checkpoint=30), w("b_new").queue("b").gpus(8).running("n2", since=600), w("a1").gpus(8)], preempt={"b_old": "reclaim"}),
     Case("priority_victim_returns_quota_held_by_lend_limit", [Node("big", "h100", 16), Node("small", "h100", 8)], [team("a"), team("lender", guarantee=16, lend_limit=0)], [w("lo").priority(-1).gpus(8).running("big"), w("hi").priority(100).gpus(8)], preempt={"lo": "priority"}, wait={"hi": "waiting for job lo to exit and return quota"}),
+    Case("guarantee_no_fair_share_victim_because_of_own_reservation", N1_4, BORROWER_QUEUES, BORROWER, admit={"p9", "p10"}, wait={"p13": "released by job r1", "p11": "released by job r1", "p14": "team q1 at its borrow limit of 2", "p8": "team q1 at its borrow limit of 2", "p7": "waiting for 1 GPUs being released by job r2", "p12": "no node of flavor h100 has 1 free GPUs"}, fair_share={"q0": 8, "q1": 13, "q2": 11}),
+    Case("guarantee_no_reclaim_because_of_own_new_admission", N1_6, RECLAIM_QUEUES, RECLAIM, admit={"p11", "p12", "p15", "p16", "p17"}, preempt={"r8": "priority"}, wait={"p13": "no node of flavor h100 has 8 free GPUs", "p14": "no node of flavor h100 has 8 free GPUs", "p9": "no node of flavor h100 has 8 free GPUs", "p10": "waiting for 8 GPUs being released by job r8"}, fair_share={"q0": 25, "q1": 23}),
     Case("unknown_flavor_waits_with_reason", N2, AB, [w("x").flavor("a100").gpus(1)], wait={"x": "no node of flavor a100 exists"}),
 ]
 # fmt: on

@@ -15,9 +15,9 @@ from django.conf import settings
 from django.db import connection
 
 from portal.processes import worker_command
+from portal.tasks import reconcile, schedule_cycle
 from preemption.models import Attempt, Job, JobState
 from preemption.services import job_submit
-from preemption.tasks import reconcile, schedule_cycle
 from tests.preemption.conftest import sleeper_command
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]

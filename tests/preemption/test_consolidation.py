@@ -11,35 +11,29 @@ import pytest
 from django.utils import timezone
 
 from preemption.cycle import schedule_cycle
-from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
+from preemption.models import Job, JobState, PreemptionEvent
+from preemption.reasons import describe_preemption
 from preemption.services import job_submit
-from preemption.views import describe_preemption
+from tests import builders
 
 pytestmark = pytest.mark.django_db
 
 
 def _running(world: Any, team: Any, gpus: int, node: str, name: str) -> Job:
-    """A one-node job of ``gpus`` GPUs admitted by the cycle, then placed on ``node``,
-    running for an hour."""
-    job = job_submit(
+    """A one-node job of ``gpus`` GPUs on ``node``, running for an hour."""
+    an_hour_ago = timezone.now() - timedelta(hours=1)
+    return builders.running_job(
+        world,
+        team,
+        name=name,
         submitter=world.users["admin"],
-        team=team,
-        flavor=world.h100,
-        ranks=1,
         gpus_per_rank=gpus,
         command="true",
-        priority_class=world.batch,
-        name=name,
+        node=node,
+        admitted_at=an_hour_ago,
+        running_at=an_hour_ago,
+        rank_fields={},
     )
-    schedule_cycle(act=False)
-    attempt = Attempt.objects.get(job=job)
-    an_hour_ago = timezone.now() - timedelta(hours=1)
-    Attempt.objects.filter(pk=attempt.pk).update(
-        placement=[{"node": node, "ranks": 1}], admitted_at=an_hour_ago
-    )
-    Rank.objects.filter(attempt=attempt).update(node=node, state="running")
-    Job.objects.filter(pk=job.pk).update(state=JobState.RUNNING, running_at=an_hour_ago)
-    return job
 
 
 def test_small_jobs_move_so_that_a_gang_fits_inside_its_guarantee(world: Any) -> None:

@@ -22,13 +22,13 @@ from preemption.models import (
     JobState,
     PreemptionEvent,
     Rank,
+    TrapEvent,
     Webhook,
     WebhookDelivery,
 )
 from preemption.services import job_cancel, job_submit
 from preemption.webhooks import deliver_due
 from quotas.models import PriorityClass
-from telemetry.models import TrapEvent
 from tests.preemption.conftest import (
     ignore_sigterm_command,
     sleeper_command,
@@ -97,8 +97,14 @@ def test_lending_then_reclaim_checkpoints_requeues_and_resumes(world: Any, drive
     ranks = list(Rank.objects.filter(attempt=attempt))
     assert [r.exit_code for r in ranks] == [0, 0, 0]
     assert all(r.signal_received_at is not None for r in ranks)
+    # The signal is recorded as sent before any rank received it.
+    assert event.signal_sent_at is not None
+    assert event.signal_sent_at <= min(r.signal_received_at for r in ranks)
+    assert all(r.signal_sent_at <= r.signal_received_at for r in ranks)
     assert event.outcome == "graceful"
     assert event.checkpoint_step is not None
+    # The requeue recorded where this preemption's job resumes.
+    assert event.resume_step == event.checkpoint_step + 1
     assert event.lost_gpu_seconds == 0.0
     assert Attempt.objects.get(pk=attempt.pk).end_reason == "preempted"
     assert Attempt.objects.get(pk=attempt.pk).orphaned_ports == []
@@ -173,6 +179,7 @@ def test_priority_preemption_inside_one_team(world: Any, drive: Any) -> None:
 
 def test_deadline_kills_a_workload_that_ignores_sigterm(world: Any, drive: Any) -> None:
     quick = PriorityClass.objects.create(name="quick", value=10, preemptible=True, grace_seconds=1)
+    world.org.priority_classes.add(quick)  # a new class is nobody's until a team is given it
     stubborn = submit(
         world,
         world.vision,
@@ -282,7 +289,7 @@ def test_cancel_stops_gracefully_and_logs_are_readable(world: Any, drive: Any) -
 
 
 def test_webhook_receives_preempted_requeued_and_finished_with_retries(
-    world: Any, drive: Any
+    world: Any, drive: Any, settings: Any
 ) -> None:
     import os
     import signal
@@ -307,6 +314,8 @@ def test_webhook_receives_preempted_requeued_and_finished_with_retries(
         def log_message(self, *args: Any) -> None:
             return
 
+    # The receiver is on loopback, which webhooks reach only where an admin opens it.
+    settings.QM_WEBHOOK_ALLOW_NETS = ["127.0.0.1/32"]
     server = HTTPServer(("127.0.0.1", 0), Receiver)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -33,8 +33,7 @@ from rest_framework.test import APIClient
 from portal.models import ApiToken, TokenScope
 from portal.services import api_token_create
 from preemption.models import Job, JobState
-from tests.api.test_api_permissions import _database_state
-from tests.conftest import PASSWORD
+from tests.conftest import PASSWORD, database_state
 
 ROOT = Path(__file__).resolve().parents[2]
 WRONG_TRIES = 30
@@ -242,14 +241,14 @@ ATTACKS = [
 def test_attack_is_refused_with_its_reason_and_changes_nothing(world: Any, attack: Attack) -> None:
     strike = attack.prepare(world)
     tokens = set(ApiToken.objects.values_list("pk", flat=True))
-    before = _database_state()
+    before = database_state()
     response = strike()
     assert response.status_code == attack.status, (attack.name, response.content[:400])
     assert attack.reason in response.content.decode(), response.content[:400]
     if attack.header is not None:
         name, value = attack.header
         assert response[name] == value
-    assert _database_state() == before, f"{attack.name}: refused, but the database changed"
+    assert database_state() == before, f"{attack.name}: refused, but the database changed"
     assert set(ApiToken.objects.values_list("pk", flat=True)) == tokens
 
 
@@ -408,14 +407,14 @@ def test_a_researcher_reads_no_other_teams_metrics(world: Any) -> None:
     admin = Client().get(reverse("metrics"), **_bearer(_token(world, "admin"))).content.decode()
     assert 'team="ops"' in admin  # the series exist; the scrape below must not show them
     researcher = _token(world, "researcher")
-    before = _database_state()
+    before = database_state()
     scraped = Client().get(reverse("metrics"), **_bearer(researcher))
     text = scraped.content.decode()
     assert scraped.status_code == 200
     assert 'qm_gpu_guarantee{team="vision",flavor="h100-80gb"} 8' in text
     for team in ("ops", "other", "nlp", "ml", "org"):
         assert f'team="{team}"' not in text, team
-    assert _database_state() == before
+    assert database_state() == before
 
 
 # --- debug pages: off by default, refused in production ------------------------------------

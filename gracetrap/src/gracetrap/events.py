@@ -16,20 +16,11 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any, TextIO
 
-EVENT_PREFIX = "QM_EVENT "
-POST_TIMEOUT_SECONDS = 2.0
+from gracetrap_protocol import EVENT_NAMES, EVENT_PREFIX
 
-# Every event the trap reports, in one place: the control plane accepts these names.
-EVENT_NAMES = (
-    "trap_ready",
-    "notice_received",
-    "signal_received",
-    "checkpoint_started",
-    "checkpoint_committed",
-    "checkpoint_skipped",
-    "exiting",
-    "resumed",
-)
+__all__ = ["EVENT_NAMES", "EVENT_PREFIX", "EventReporter", "parse_event_line"]
+
+POST_TIMEOUT_SECONDS = 2.0
 
 
 def parse_event_line(line: str) -> dict[str, Any] | None:

@@ -1,7 +1,11 @@
 """Run the embedded portal: web server, Celery worker and beat together.
 
 Ctrl-C (or SIGTERM) stops all three; if one of them dies, the others are
-stopped too, so nothing is left half-running.
+stopped too, so nothing is left half-running. Then, with the local runtime,
+the ranks of running jobs are stopped as well (SIGTERM, a grace window to
+checkpoint, SIGKILL), and their jobs resume from their checkpoints at the next
+start; `--keep-jobs` leaves them running instead. Either way the command says
+which it did.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from portal.processes import beat_command, web_command, worker_command
+from preemption.reconcile import live_rank_count, runtime_shutdown
 
 
 class Command(BaseCommand):
@@ -25,17 +30,45 @@ class Command(BaseCommand):
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--bind", default="127.0.0.1:8000")
         parser.add_argument("--web-workers", type=int, default=3)
+        parser.add_argument(
+            "--verbose",
+            action="store_true",
+            help="log every request and task, not only warnings",
+        )
+        parser.add_argument(
+            "--keep-jobs",
+            action="store_true",
+            help="leave the local runtime's ranks running when the portal stops",
+        )
+        parser.add_argument(
+            "--stop-grace",
+            type=float,
+            default=15.0,
+            help="seconds the ranks get to checkpoint and exit before SIGKILL (default 15)",
+        )
 
-    def handle(self, *args: Any, bind: str, web_workers: int, **options: Any) -> None:
+    def handle(
+        self,
+        *args: Any,
+        bind: str,
+        web_workers: int,
+        keep_jobs: bool,
+        stop_grace: float,
+        verbose: bool,
+        **options: Any,
+    ) -> None:
         python = sys.executable
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "QM_PUBLIC_URL": settings.QM_PUBLIC_URL}
+        quiet = not verbose
+        if quiet:
+            env.setdefault("LOG_LEVEL", "WARNING")
         subprocess.run(
             [python, "manage.py", "collectstatic", "--noinput", "-v0"], check=True, env=env
         )
         commands = {
-            "web": web_command(bind=bind, workers=web_workers),
-            "worker": worker_command(hostname="embedded@%h"),
-            "beat": beat_command(schedule=settings.VAR_DIR / "celerybeat-schedule"),
+            "web": web_command(bind=bind, workers=web_workers, quiet=quiet),
+            "worker": worker_command(hostname="embedded@%h", quiet=quiet),
+            "beat": beat_command(schedule=settings.VAR_DIR / "celerybeat-schedule", quiet=quiet),
         }
         children: dict[str, subprocess.Popen[bytes]] = {}
         stopping = False
@@ -50,9 +83,12 @@ class Command(BaseCommand):
             children[name] = subprocess.Popen(command, env=env, start_new_session=True)
         self.stdout.write(
             self.style.SUCCESS(
-                f"Quartermaster is running at http://{bind}/  (Ctrl-C stops web, worker and beat)"
+                f"Quartermaster is running at http://{bind}/  (Ctrl-C stops web, worker, beat"
+                + (" and leaves the jobs' ranks running)" if keep_jobs else " and the jobs' ranks)")
             )
         )
+        if quiet:
+            self.stdout.write("Logging warnings only; --verbose logs every request and task.")
         exit_code = 0
         try:
             while not stopping:
@@ -68,11 +104,44 @@ class Command(BaseCommand):
         finally:
             for child in children.values():
                 if child.poll() is None:
-                    os.killpg(child.pid, signal.SIGTERM)
+                    # The leader only: gunicorn and Celery stop their own workers
+                    # in order; a signal to the whole group makes those workers
+                    # die mid-task and their parents log each as an error.
+                    child.terminate()
             deadline = time.time() + 15
             for child in children.values():
                 try:
                     child.wait(timeout=max(0.1, deadline - time.time()))
                 except subprocess.TimeoutExpired:
                     os.killpg(child.pid, signal.SIGKILL)
+            self._stop_ranks(keep_jobs=keep_jobs, grace_seconds=stop_grace)
         sys.exit(exit_code)
+
+    def _stop_ranks(self, *, keep_jobs: bool, grace_seconds: float) -> None:
+        """Stop the local runtime's ranks with the portal, or say they were kept.
+
+        Kubernetes pods belong to the cluster, not to this process, and are left alone.
+        """
+        if settings.QM_RUNTIME != "local":
+            return
+        if keep_jobs:
+            jobs, ranks = live_rank_count()
+            if ranks:
+                self.stdout.write(
+                    f"Left {ranks} rank processes of {jobs} jobs running (--keep-jobs); "
+                    "the next start picks them up."
+                )
+            return
+        jobs, ranks = live_rank_count()
+        if ranks:
+            self.stdout.write(
+                f"Stopping {ranks} rank processes of {jobs} jobs: SIGTERM, up to "
+                f"{grace_seconds:g} s to checkpoint, then SIGKILL ..."
+            )
+        report = runtime_shutdown(grace_seconds=grace_seconds)
+        if report.ranks:
+            self.stdout.write(
+                f"Stopped {report.ranks} rank processes of {report.jobs} jobs"
+                + (f" ({report.killed} killed at the end of the grace)" if report.killed else "")
+                + "; they resume from their checkpoints at the next start."
+            )

@@ -1,0 +1,408 @@
+"""Candidate victims: which running work a pending workload may take GPUs from, and in
+what order.
+
+Decides, per kind of preemption, which running workloads are eligible victims: reclaim
+(R6 with R3's guarantee line: only queues above their line give, straddling gangs last),
+priority (R7, lower preemptible classes of the preemptor's own queue) and fair share (R8,
+between queues whose shares say the move does not flap back). Inside each kind the
+cheapest victims come first (R9: lower priority, then least lost work). A victim is
+skipped when taking it would only move the loss onto lower work of its own queue (it
+would preempt that work by R7 once requeued).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Iterator
+
+from .ledger import QuotaLedger
+from .model import FAIR_SHARE, PREEMPT_LOWER_PRIORITY, PRIORITY, RECLAIM, PriorityClass, Workload
+from .rules import (
+    r3_guarantee_overshoot,
+    r6_may_reclaim,
+    r7_may_preempt_by_priority,
+    r8_may_preempt_for_fair_share,
+    r9_lost_gpu_seconds,
+    r9_victim_order,
+)
+from .tree import LcaChain, QueueTree
+
+_INF = float("inf")
+
+# R9's order of victims, cheapest first.
+VictimOrder = tuple[int, float, float, str]
+
+
+class RunningWork:
+    """A running workload (or one admitted earlier in this plan) as a candidate victim."""
+
+    __slots__ = (
+        "gpus",
+        "nodes",
+        "order",
+        "planned",
+        "priority_class",
+        "queue",
+        "runtime",
+        "shield_version",
+        "shielded",
+        "victim",
+        "workload",
+    )
+
+    def __init__(
+        self,
+        workload: Workload,
+        queue: int,
+        priority_class: PriorityClass,
+        nodes: tuple[tuple[int, int], ...],
+        now: float,
+        planned: bool = False,
+    ) -> None:
+        self.workload = workload
+        # Admitted earlier in this same plan rather than running in the snapshot.
+        self.planned = planned
+        self.queue = queue
+        self.priority_class = priority_class
+        self.gpus = workload.gpus
+        # (node index, GPUs on that node) pairs.
+        self.nodes = nodes
+        # Taken as a victim in this plan.
+        self.victim = False
+        lost = r9_lost_gpu_seconds(
+            self.gpus, now, workload.admitted_at, workload.last_checkpoint_at
+        )
+        self.order: VictimOrder = r9_victim_order(
+            priority_class.value, lost, workload.admitted_at, workload.id
+        )
+        # Seconds since admission; the snapshot's clock does not move during a plan.
+        admitted = workload.admitted_at
+        self.runtime = _INF if admitted is None else now - admitted
+        # The answer of VictimCandidates.shielded and the queue's shield version it holds for.
+        self.shield_version = -1
+        self.shielded = False
+
+
+class PendingJob:
+    """A pending workload as the planner sees it."""
+
+    __slots__ = ("gpus", "priority_class", "queue", "workload")
+
+    def __init__(self, workload: Workload, queue: int, priority_class: PriorityClass) -> None:
+        self.workload = workload
+        self.queue = queue
+        self.priority_class = priority_class
+        self.gpus = workload.gpus
+
+
+def next_live(runs: list[RunningWork], start: int) -> int:
+    """The index of the first of ``runs`` from ``start`` on that is not a victim yet."""
+    end = len(runs)
+    while start < end and runs[start].victim:
+        start += 1
+    return start
+
+
+class VictimCandidates:
+    """Every queue's preemptible running work in R9 order, and the scans over it."""
+
+    def __init__(
+        self,
+        tree: QueueTree,
+        ledger: QuotaLedger,
+        by_queue: list[list[RunningWork]],
+        fair_share_min_runtime: float,
+    ) -> None:
+        self.tree = tree
+        self.ledger = ledger
+        for runs in by_queue:
+            runs.sort(key=lambda run: run.order)
+        # Per queue: its preemptible running work, cheapest victim first.
+        self.by_queue = by_queue
+        # Per queue: no candidate before this index is still live (all are victims).
+        self.first_live = [0] * len(by_queue)
+        # Per queue: bumped whenever it gains a candidate or one of them becomes a victim.
+        self.shield_version = [0] * len(by_queue)
+        # Per queue: its smallest candidate's GPUs (0 for none).
+        self.smallest_gpus = [min((run.gpus for run in runs), default=0) for runs in by_queue]
+        self.fair_share_min_runtime = fair_share_min_runtime
+
+    def first_live_index(self, queue: int) -> int:
+        """Move ``queue``'s first live index past the candidates already taken as victims."""
+        first = next_live(self.by_queue[queue], self.first_live[queue])
+        self.first_live[queue] = first
+        return first
+
+    def add(self, run: RunningWork) -> None:
+        """A workload admitted in this plan becomes a candidate victim for later ones."""
+        queue = run.queue
+        runs = self.by_queue[queue]
+        if not runs:
+            self.smallest_gpus[queue] = run.gpus
+        else:
+            self.smallest_gpus[queue] = min(self.smallest_gpus[queue], run.gpus)
+        at = bisect.bisect_left([other.order for other in runs], run.order) if runs else 0
+        runs.insert(at, run)
+        self.shield_version[queue] += 1
+        if at < self.first_live[queue]:
+            self.first_live[queue] = at
+
+    def take(self, run: RunningWork) -> None:
+        """Mark ``run`` as a victim of this plan."""
+        run.victim = True
+        self.shield_version[run.queue] += 1
+
+    def shielded(self, run: RunningWork) -> bool:
+        """Whether taking ``run`` would only move the loss onto its own queue's lower work.
+
+        Once requeued, ``run`` would preempt a lower-priority job of its own queue by R7 in
+        the next cycle, so the plan would not be stable; that lower job is the victim to
+        take instead (it comes earlier in the order, unless a rule protects it).
+        """
+        if run.priority_class.preemption_policy != PREEMPT_LOWER_PRIORITY:
+            return False
+        # The answer depends on the queue's candidates and which of them are victims; it
+        # holds until either changes (the queue's shield version moves on).
+        version = self.shield_version[run.queue]
+        if run.shield_version == version:
+            return run.shielded
+        run.shield_version = version
+        run.shielded = self._lower_work_to_take(run)
+        return run.shielded
+
+    def _lower_work_to_take(self, run: RunningWork) -> bool:
+        runs = self.by_queue[run.queue]
+        for i in range(self.first_live[run.queue], len(runs)):
+            lower = runs[i]
+            if lower.priority_class.value >= run.priority_class.value:
+                return False
+            if (
+                not lower.victim
+                and lower.gpus >= run.gpus
+                and r7_may_preempt_by_priority(
+                    run.priority_class, lower.priority_class, lower.runtime
+                )
+            ):
+                return True
+        return False
+
+    def _above_line_before_plan(self, chain: tuple[int, ...]) -> bool:
+        """Whether every queue of ``chain`` runs above its guarantee line without the work
+        this plan admitted or reserved for it (the guarantee line, R3).
+
+        A queue at or under its line never gives running work to reclaim or fair share,
+        even when this plan's own admissions for it (or the GPUs it waits for) make it
+        look above: it would lose work it runs within its guarantee to make room for its
+        new work, or to a queue that only this plan's reservations put ahead of it. Work
+        admitted in this same plan may still be withdrawn, as before.
+        """
+        ledger = self.ledger
+        usage = ledger.usage
+        waiting = ledger.waiting_usage
+        planned = ledger.planned_usage
+        line = ledger.line
+        # A loop rather than all(): this runs for every candidate a scan looks at.
+        for x in chain:  # noqa: SIM110
+            if usage[x] - waiting[x] - planned[x] <= line[x]:
+                return False
+        return True
+
+    def reclaim(self, queue: int) -> Iterator[tuple[RunningWork, str]]:
+        """R6 with R3: running work of queues above their guarantee line, cheapest first.
+
+        A victim that would take its queue (or an ancestor below the common ancestor with
+        ``queue``) below the line straddles it; straddlers are used last, the smallest
+        overshoot first.
+        """
+        tree = self.tree
+        ledger = self.ledger
+        usage = ledger.usage
+        line = ledger.line
+        waiting = ledger.waiting_usage
+        planned = ledger.planned_usage
+        by_queue = self.by_queue
+        lca_row = tree.lca_row(queue)
+        heap: list[tuple[VictimOrder, int, int]] = []
+        chains: dict[int, tuple[int, ...]] = {}
+        for donor in list(ledger.over_guarantee):
+            runs = by_queue[donor]
+            if donor == queue or not runs or usage[donor] - waiting[donor] <= line[donor]:
+                continue
+            found = lca_row[donor]
+            if found is None:
+                found = tree.lca_chains(queue, donor)
+            chain = found[0]
+            # Without work admitted in this plan the donor has only running work to give.
+            only_running = not planned[donor]
+            for x in chain:
+                held = usage[x] - waiting[x]
+                if held <= line[x] or (only_running and held - planned[x] <= line[x]):
+                    break
+            else:
+                chains[donor] = chain
+                first = self.first_live_index(donor)
+                if first < len(runs):
+                    heap.append((runs[first].order, donor, first))
+        heapq.heapify(heap)
+        straddlers: list[tuple[int, VictimOrder, RunningWork]] = []
+        # Per donor: whether it runs above its line without this plan's work. Usage only
+        # changes when the caller takes a victim, so the answers hold until the next yield.
+        exposed_donors: dict[int, bool] = {}
+        while heap:
+            _, donor, at = heapq.heappop(heap)
+            runs = by_queue[donor]
+            run = runs[at]
+            chain = chains[donor]
+            donor_exposed = exposed_donors.get(donor)
+            if donor_exposed is None:
+                donor_exposed = self._above_line_before_plan(chain)
+                exposed_donors[donor] = donor_exposed
+            exposed = run.planned or donor_exposed
+            if not exposed and not planned[donor]:
+                # Victims only lower the donor's usage: none of its work can go now.
+                continue
+            overshoot = 0
+            eligible = True
+            victim_gpus = run.gpus
+            for x in chain:
+                over = r3_guarantee_overshoot(usage[x] - waiting[x], line[x], victim_gpus)
+                if over is None:
+                    eligible = False
+                    break
+                overshoot = max(overshoot, over)
+            if not eligible:
+                continue
+            following = next_live(runs, at + 1)
+            if following < len(runs):
+                heapq.heappush(heap, (runs[following].order, donor, following))
+            if run.victim or not exposed or self.shielded(run):
+                continue
+            if overshoot:
+                straddlers.append((overshoot, run.order, run))
+                continue
+            yield run, RECLAIM
+            exposed_donors.clear()
+        straddlers.sort(key=lambda item: (item[0], item[1]))
+        for _, _, run in straddlers:
+            if run.victim:
+                continue
+            chain = chains[run.queue]
+            if not run.planned and not self._above_line_before_plan(chain):
+                continue
+            if all(r3_guarantee_overshoot(usage[x], line[x], run.gpus) is not None for x in chain):
+                yield run, RECLAIM
+
+    def priority(self, job: PendingJob) -> Iterator[tuple[RunningWork, str]]:
+        """R7: lower-priority preemptible work of the same queue, lowest priority first.
+
+        When the preemptor's queue ends within its guarantee, borrowed GPUs of other
+        queues may complete the set (R6).
+        """
+        queue = job.queue
+        runs = self.by_queue[queue]
+        preemptor_class = job.priority_class
+        for i in range(self.first_live[queue], len(runs)):
+            run = runs[i]
+            if run.priority_class.value >= preemptor_class.value:
+                break
+            if run.victim or not r7_may_preempt_by_priority(
+                preemptor_class, run.priority_class, run.runtime
+            ):
+                continue
+            yield run, PRIORITY
+        ledger = self.ledger
+        if r6_may_reclaim(ledger.usage[queue], job.gpus, ledger.guarantee[queue]):
+            yield from self.reclaim(queue)
+
+    def fair_share(self, job: PendingJob) -> Iterator[tuple[RunningWork, str]]:
+        """R8: work of queues above their fair share that may give GPUs without flapping."""
+        queue = job.queue
+        tree = self.tree
+        ledger = self.ledger
+        usage = ledger.usage
+        fair = ledger.fair_share
+        gpus = job.gpus
+        by_queue = self.by_queue
+        smallest_gpus = self.smallest_gpus
+        planned = ledger.planned_usage
+        min_runtime = self.fair_share_min_runtime
+        lca_row = tree.lca_row(queue)
+        heap: list[tuple[VictimOrder, int, int]] = []
+        chains: dict[int, LcaChain] = {}
+        for donor in list(ledger.over_fair_share):
+            runs = by_queue[donor]
+            smallest = smallest_gpus[donor]
+            if donor == queue or not runs or usage[donor] - smallest < fair[donor]:
+                continue
+            found = lca_row[donor]
+            if found is None:
+                found = tree.lca_chains(queue, donor)
+            chain, side_of_queue, side_of_donor = found
+            if side_of_queue == side_of_donor:
+                continue
+            if not planned[donor] and not self._above_line_before_plan(chain):
+                # Without work admitted in this plan the donor has only running work to
+                # give, and it runs at or under its guarantee line.
+                continue
+            # Both tests of R8 only get harder for a larger victim: when the queue's
+            # smallest candidate fails them, every candidate of the queue does.
+            for x in chain:
+                if usage[x] - smallest < fair[x] - 1e-9:
+                    break
+            else:
+                if not r8_may_preempt_for_fair_share(
+                    usage[side_of_queue],
+                    fair[side_of_queue],
+                    gpus,
+                    usage[side_of_donor],
+                    fair[side_of_donor],
+                    smallest,
+                ):
+                    continue
+                chains[donor] = found
+                first = self.first_live_index(donor)
+                if first < len(runs):
+                    heap.append((runs[first].order, donor, first))
+        heapq.heapify(heap)
+        # Per donor, as in ``reclaim``: valid until the next yield.
+        exposed_donors: dict[int, bool] = {}
+        while heap:
+            _, donor, at = heapq.heappop(heap)
+            runs = by_queue[donor]
+            run = runs[at]
+            chain, side_of_queue, side_of_donor = chains[donor]
+            donor_exposed = exposed_donors.get(donor)
+            if donor_exposed is None:
+                donor_exposed = self._above_line_before_plan(chain)
+                exposed_donors[donor] = donor_exposed
+            exposed = run.planned or donor_exposed
+            if not exposed and not planned[donor]:
+                # Victims only lower the donor's usage: none of its work can go now.
+                continue
+            following = next_live(runs, at + 1)
+            if following < len(runs):
+                heapq.heappush(heap, (runs[following].order, donor, following))
+            if (
+                not exposed
+                or run.victim
+                or run.runtime < max(run.priority_class.min_runtime_seconds, min_runtime)
+            ):
+                continue
+            if self.shielded(run):
+                continue
+            victim_gpus = run.gpus
+            for x in chain:
+                if usage[x] - victim_gpus < fair[x] - 1e-9:
+                    break
+            else:
+                if r8_may_preempt_for_fair_share(
+                    usage[side_of_queue],
+                    fair[side_of_queue],
+                    gpus,
+                    usage[side_of_donor],
+                    fair[side_of_donor],
+                    victim_gpus,
+                ):
+                    yield run, FAIR_SHARE
+                    exposed_donors.clear()

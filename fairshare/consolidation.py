@@ -1,0 +1,126 @@
+"""Consolidation (R10 when free GPUs are scattered): which small jobs move so a gang fits.
+
+Decides, for a gang inside its queue's guarantee that finds no node with room while
+enough GPUs are free in total, which small jobs to move and where each restarts. Small
+jobs finishing at random leave holes on every node, and no reclaim helps when the queues
+above their lines hold too little on any one node; moving a few small jobs to the holes
+elsewhere clears a node for the gang, and each moved job's queue loses only the restart.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .candidates import PendingJob, RunningWork, VictimCandidates
+from .model import CONSOLIDATE
+from .nodes import NodeMap, Placement
+from .preemption import Victims, room_on
+
+# How many consolidation searches a plan may run: each is a pass over the running work.
+CONSOLIDATIONS_PER_PLAN = 8
+
+
+def consolidate(
+    nodes: NodeMap, victims: VictimCandidates, job: PendingJob, min_runtime: float
+) -> tuple[Victims, Placement, list[tuple[int, int]]] | None:
+    """Move small jobs so that ``job`` fits; the caller checked its guarantee and free GPUs.
+
+    A job may move when it is preemptible, sits on one node, is smaller than one rank of
+    the gang and has run at least ``min_runtime`` seconds (and its class's minimum); it
+    is requeued and restarts at once on GPUs free elsewhere (its "hole", kept for it in
+    this plan). Nodes are cleared fewest moved GPUs per rank first. Returns the victims,
+    the gang's placement and the holes as (node, GPUs), or None.
+    """
+    workload = job.workload
+    gpus_per_rank = workload.gpus_per_rank
+    ranks = workload.ranks
+    free = nodes.free
+    releasing = nodes.releasing
+    movable: dict[int, list[RunningWork]] = defaultdict(list)
+    for runs in victims.by_queue:
+        for run in runs:
+            if (
+                run.victim
+                or run.planned
+                or len(run.nodes) != 1
+                or run.gpus >= gpus_per_rank
+                or run.runtime < max(min_runtime, run.priority_class.min_runtime_seconds)
+            ):
+                continue
+            movable[run.nodes[0][0]].append(run)
+    offers: list[tuple[tuple[float, float, int], list[RunningWork], int, int]] = []
+    for node, runs in movable.items():
+        offer = room_on(nodes, node, runs, gpus_per_rank, ranks, lambda run: True)
+        if offer is None:
+            continue
+        taken, gained = offer
+        moved = sum(run.gpus for run in taken)
+        offers.append(
+            (
+                (moved / gained, sum(run.order[1] for run in taken) / gained, node),
+                taken,
+                gained,
+                node,
+            )
+        )
+    if not offers:
+        return None
+    offers.sort(key=lambda offer: offer[0])
+
+    # The free GPUs the moved jobs may restart on: nodes with free GPUs, by node.
+    spare = {node: gpus for node, gpus in enumerate(free) if gpus > 0}
+    hostable = nodes.hostable_ranks(gpus_per_rank)
+    cleared: set[int] = set()
+    moved_jobs: list[RunningWork] = []
+    hole_of: dict[int, tuple[int, int]] = {}
+    hosting: set[int] = set()
+    for _, runs, gained, node in offers:
+        if node in hosting:
+            # Moved jobs restart there: it cannot be cleared as well.
+            continue
+        filled: dict[int, int] = {}
+        found: dict[int, tuple[int, int]] = {}
+        for run in sorted(runs, key=lambda run: -run.gpus):
+            best = min(
+                (
+                    other
+                    for other, gpus in spare.items()
+                    if other != node and gpus - filled.get(other, 0) >= run.gpus
+                ),
+                key=lambda other: (spare[other] - filled.get(other, 0), other),
+                default=None,
+            )
+            if best is None:
+                break
+            filled[best] = filled.get(best, 0) + run.gpus
+            found[id(run)] = (best, run.gpus)
+        if len(found) < len(runs):
+            continue
+        for other, gpus in filled.items():
+            spare[other] -= gpus
+        spare.pop(node, None)
+        hosting.update(filled)
+        cleared.add(node)
+        moved_jobs.extend(runs)
+        hole_of.update(found)
+        hostable += gained
+        if hostable >= ranks:
+            break
+    if hostable < ranks:
+        return None
+    room_after = {
+        node: free[node]
+        + releasing[node]
+        + sum(run.gpus for run in moved_jobs if run.nodes[0][0] == node)
+        for node in cleared
+    }
+    placement = nodes.place_on(ranks, gpus_per_rank, room_after)
+    if placement is None:
+        return None
+    used = {node for node, _ in placement}
+    # Jobs on a cleared node the placement does not use stay where they are.
+    kept = [run for run in moved_jobs if run.nodes[0][0] in used]
+    if not kept:
+        return None
+    holes = [hole_of[id(run)] for run in kept]
+    return [(run, CONSOLIDATE) for run in kept], placement, holes

@@ -1,0 +1,471 @@
+"""The cycle: the order in which one flavor's pending workloads are planned, and what
+becomes of each.
+
+Decides, for every pending workload of one flavor, whether it starts now on free GPUs,
+waits for GPUs already being released (R11), takes victims (reclaim, priority or fair
+share; consolidation when free GPUs are scattered) and waits for them, or waits with a
+reason. Workloads are taken from a heap of queues: work that fits inside its queue's
+guarantee first, then the queue furthest below its fair share (ties: older submission);
+inside a queue, higher priority first, then older submission. Work admitted earlier in
+the same plan may be taken back before it starts, and workloads still waiting get more
+passes, so that the next cycle does not undo the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Iterator, Mapping
+
+from .candidates import PendingJob, RunningWork, VictimCandidates
+from .consolidation import CONSOLIDATIONS_PER_PLAN, consolidate
+from .ledger import QuotaLedger
+from .model import (
+    FAIR_SHARE,
+    PENDING,
+    PREEMPT_LOWER_PRIORITY,
+    PRIORITY,
+    RECLAIM,
+    TERMINATING,
+    Admission,
+    Preemption,
+    PriorityClass,
+    Snapshot,
+    Waiting,
+    Workload,
+)
+from .nodes import NodeMap, Placement
+from .preemption import Victims, preempt_for, reclaim_by_node
+from .rules import r6_may_reclaim
+from .tree import QueueTree
+
+# Node-clearing reclaim searches (see preemption.reclaim_by_node) a plan may run: each
+# is a pass over the running work of the queues above their guarantee.
+NODE_SEARCHES_PER_PLAN = 8
+# Passes over the workloads still waiting after the first pass, each run only when the
+# previous pass changed what they could do.
+RETRY_PASSES = 3
+
+# The key of a queue in a pass's heap: (beyond its guarantee with its next job, usage
+# minus fair share, the next job's submission, queue name, queue index).
+QueueKey = tuple[bool, float, float, str, int]
+
+
+def _jobs_phrase(ids: list[str]) -> str:
+    unique = list(dict.fromkeys(ids))
+    shown = ", ".join(unique[:3])
+    more = f" and {len(unique) - 3} more" if len(unique) > 3 else ""
+    return f"job {shown}" if len(unique) == 1 else f"jobs {shown}{more}"
+
+
+def _pending_order(job: PendingJob) -> tuple[int, float, str]:
+    return (-job.priority_class.value, job.workload.submitted_at, job.workload.id)
+
+
+class FlavorPlanner:
+    """Plans the pending workloads of one flavor."""
+
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        tree: QueueTree,
+        classes: Mapping[str, PriorityClass],
+        flavor: str,
+        workloads: list[Workload],
+    ) -> None:
+        self.now = snapshot.now
+        self.tree = tree
+        self.flavor = flavor
+        count = len(tree.names)
+        nodes = NodeMap([node for node in snapshot.nodes if node.flavor == flavor])
+        self.nodes = nodes
+
+        held = [0] * len(nodes.names)
+        leaf_usage = [0] * count
+        leaf_demand = [0] * count
+        pinned_usage = [0] * count
+        pending: list[list[PendingJob]] = [[] for _ in range(count)]
+        candidates: list[list[RunningWork]] = [[] for _ in range(count)]
+        terminating: list[tuple[str, tuple[tuple[int, int], ...]]] = []
+        for workload in workloads:
+            queue = tree.index[workload.queue]
+            priority_class = classes[workload.priority_class]
+            gpus = workload.gpus
+            leaf_demand[queue] += gpus
+            if workload.state == PENDING:
+                pending[queue].append(PendingJob(workload, queue, priority_class))
+                continue
+            on_nodes = tuple(
+                (nodes.index[node], ranks * workload.gpus_per_rank)
+                for node, ranks in workload.placement
+            )
+            for node, on_node in on_nodes:
+                held[node] += on_node
+            if workload.state == TERMINATING:
+                # R11: a victim already on its way counts as capacity coming back.
+                terminating.append((workload.id, on_nodes))
+                continue
+            leaf_usage[queue] += gpus
+            if priority_class.preemptible:
+                candidates[queue].append(
+                    RunningWork(workload, queue, priority_class, on_nodes, self.now)
+                )
+            else:
+                pinned_usage[queue] += gpus
+        for jobs in pending:
+            jobs.sort(key=_pending_order)
+        self.pending = pending
+        nodes.occupy(held, terminating)
+        self.ledger = QuotaLedger(
+            snapshot, tree, flavor, nodes.capacity, leaf_usage, leaf_demand, pinned_usage
+        )
+        self.victims = VictimCandidates(
+            tree, self.ledger, candidates, snapshot.fair_share_min_runtime_seconds
+        )
+        self.consolidation_min_runtime = snapshot.consolidation_min_runtime_seconds
+        self.node_searches_left = NODE_SEARCHES_PER_PLAN
+        self.consolidations_left = CONSOLIDATIONS_PER_PLAN
+
+        # Per rank size: the fewest ranks that found no room on free plus releasing GPUs
+        # since the releasing GPUs last changed.
+        self.unplaceable_on_releasing: dict[int, int] = {}
+        # Per kind of attempt (queue, mode, rank size, preemptor's priority where it
+        # matters, preemptible): the fewest ranks that failed, and the candidates'
+        # version they failed against.
+        self.failed_attempts: dict[tuple[int, str, int, int, bool], tuple[int, int]] = {}
+        # Moves on whenever a new candidate victim appears that could make a failed
+        # attempt succeed.
+        self.candidates_version = 0
+        # Workloads that tried to preempt, with the candidates' version they saw.
+        self.attempted_at_version: dict[str, int] = {}
+        # Admitted in this plan: workload id -> (queue, GPUs), and the decisions.
+        self.admitted: dict[str, tuple[int, int]] = {}
+        self.admissions: dict[str, Admission] = {}
+        self.waits: dict[str, Waiting] = {}
+        self.preempt: list[Preemption] = []
+        # Waiting workloads that hold a reservation (they need no retry).
+        self.reserved: set[str] = set()
+        # The last pass gave the waiting workloads something new to try (a candidate
+        # victim), or freed GPUs by withdrawing an admission (everyone retries then).
+        self.retry_waiting = False
+        self.gpus_freed = False
+        self.job_by_id = {job.workload.id: job for jobs in pending for job in jobs}
+        # The physical reason to wait depends only on the gang's shape (ranks, GPUs
+        # per rank), and many jobs share a shape.
+        self.reason_by_shape: dict[tuple[int, int], str] = {}
+
+    def run(self) -> None:
+        """Plan every pending workload of this flavor.
+
+        Decisions land in ``admissions``, ``waits`` and ``preempt``. A pass that admitted
+        work (new candidate victims) or withdrew an admission (free GPUs) changed what the
+        workloads planned before could do, so those still waiting get up to three more
+        passes.
+        """
+        self._pass(self.pending)
+        for _ in range(RETRY_PASSES):
+            if not self.retry_waiting:
+                break
+            self.retry_waiting = False
+            retry: list[list[PendingJob]] = [[] for _ in self.pending]
+            everyone = self.gpus_freed
+            self.gpus_freed = False
+            for workload_id in self.waits:
+                seen_version = self.attempted_at_version.get(workload_id)
+                if workload_id not in self.reserved and (
+                    everyone
+                    or (seen_version is not None and seen_version != self.candidates_version)
+                ):
+                    job = self.job_by_id[workload_id]
+                    retry[job.queue].append(job)
+            for jobs in retry:
+                jobs.sort(key=_pending_order)
+            self._pass(retry)
+
+    def _pass(self, pending: list[list[PendingJob]]) -> None:
+        heap: list[QueueKey] = []
+        position = [0] * len(pending)
+        for queue, jobs in enumerate(pending):
+            if jobs:
+                heap.append(self._queue_key(queue, jobs[0]))
+        heapq.heapify(heap)
+        heappop = heapq.heappop
+        heappush = heapq.heappush
+        ledger = self.ledger
+        usage = ledger.usage
+        guarantee = ledger.guarantee
+        fair_share = ledger.fair_share
+        names = self.tree.names
+        plan_job = self._plan_job
+        while heap:
+            queue = heappop(heap)[4]
+            jobs = pending[queue]
+            at = position[queue]
+            plan_job(jobs[at])
+            at += 1
+            position[queue] = at
+            if at < len(jobs):
+                # The key of _queue_key, spelled out: this loop runs once per workload.
+                head = jobs[at]
+                used = usage[queue]
+                heappush(
+                    heap,
+                    (
+                        used + head.gpus > guarantee[queue],
+                        used - fair_share[queue],
+                        head.workload.submitted_at,
+                        names[queue],
+                        queue,
+                    ),
+                )
+
+    def _queue_key(self, queue: int, head: PendingJob) -> QueueKey:
+        # Work that fits inside its queue's guarantee goes before any borrowing: otherwise
+        # a borrower would take GPUs that the guarantee reclaims in the next cycle. Then
+        # the queue furthest below its fair share goes first; ties by older submission.
+        usage = self.ledger.usage[queue]
+        return (
+            usage + head.gpus > self.ledger.guarantee[queue],
+            usage - self.ledger.fair_share[queue],
+            head.workload.submitted_at,
+            self.tree.names[queue],
+            queue,
+        )
+
+    def _plan_job(self, job: PendingJob) -> None:
+        workload = job.workload
+        queue = job.queue
+        gpus = job.gpus
+        gpus_per_rank = workload.gpus_per_rank
+        ranks = workload.ranks
+        priority_class = job.priority_class
+        nodes = self.nodes
+        ledger = self.ledger
+        quota_reason = ledger.quota_reason(queue, gpus, priority_class)
+        if quota_reason is None:
+            # The cheap tests of NodeMap.place_free, spelled out: on a full cluster most
+            # jobs stop here, and this runs once per pending workload.
+            known_failure = nodes.unplaceable_on_free.get(gpus_per_rank)
+            if (
+                gpus <= nodes.free_total
+                and gpus_per_rank <= nodes.max_node_gpus
+                and (known_failure is None or ranks < known_failure)
+            ):
+                placement = nodes.place_free(ranks, gpus_per_rank)
+                if placement is not None:
+                    self._admit(job, placement)
+                    return
+            if nodes.releasing_nodes:
+                known_failure = self.unplaceable_on_releasing.get(gpus_per_rank)
+                if known_failure is None or ranks < known_failure:
+                    if nodes.hostable_ranks(gpus_per_rank) >= ranks:
+                        placement = nodes.place_on(ranks, gpus_per_rank, {})
+                        if placement is not None:
+                            self._wait_on(job, placement)
+                            return
+                    self.unplaceable_on_releasing[gpus_per_rank] = min(
+                        ranks, known_failure if known_failure is not None else ranks
+                    )
+        modes = self._modes(job)
+        if modes:
+            self.attempted_at_version[workload.id] = self.candidates_version
+        failed_attempts = self.failed_attempts
+        for mode in modes:
+            # Reclaim and fair-share moves do not depend on the preemptor's priority.
+            value = priority_class.value if mode == PRIORITY else 0
+            attempt = (queue, mode, gpus_per_rank, value, priority_class.preemptible)
+            failed = failed_attempts.get(attempt)
+            if failed is not None and failed[1] == self.candidates_version and ranks >= failed[0]:
+                continue
+            candidates: Iterator[tuple[RunningWork, str]]
+            if mode == RECLAIM:
+                candidates = self.victims.reclaim(queue)
+            elif mode == PRIORITY:
+                candidates = self.victims.priority(job)
+            else:
+                candidates = self.victims.fair_share(job)
+            result = preempt_for(ledger, nodes, job, candidates)
+            if result is None and mode == RECLAIM and self.node_searches_left > 0:
+                # Cheap victims scattered over many nodes can use up the donors'
+                # budget above their guarantee lines before any node frees enough;
+                # clearing whole nodes finds the victims that do make room. It
+                # costs a pass over the running work, so a plan does it a few times.
+                self.node_searches_left -= 1
+                result = reclaim_by_node(ledger, nodes, self.victims, job)
+            if result is None:
+                failed_attempts[attempt] = (ranks, self.candidates_version)
+                continue
+            victims, placement = result
+            self._take(job, victims, placement)
+            return
+        if (
+            quota_reason is None
+            and self.consolidations_left > 0
+            and gpus <= nodes.free_total
+            and all(ledger.usage[x] + gpus <= ledger.guarantee[x] for x in self.tree.path[queue])
+        ):
+            # Enough GPUs are free, just not together, and the gang fits inside its
+            # guarantee: move small jobs off a few nodes to the free GPUs elsewhere.
+            self.consolidations_left -= 1
+            moved = consolidate(nodes, self.victims, job, self.consolidation_min_runtime)
+            if moved is not None:
+                victims, placement, holes = moved
+                for node, hole in holes:
+                    # Kept for the moved jobs: nothing else in this plan takes them.
+                    nodes.set_free(node, nodes.free[node] - hole)
+                nodes.unplaceable_on_free.clear()
+                self._take(job, victims, placement)
+                return
+        if quota_reason is None:
+            shape = (ranks, gpus_per_rank)
+            quota_reason = self.reason_by_shape.get(shape)
+            if quota_reason is None:
+                quota_reason = self._physical_reason(ranks, gpus_per_rank)
+                self.reason_by_shape[shape] = quota_reason
+        known = self.waits.get(workload.id)
+        if known is None or known.reason != quota_reason:
+            self.waits[workload.id] = Waiting(workload.id, quota_reason)
+
+    def _take(self, job: PendingJob, victims: Victims, placement: Placement) -> None:
+        """Make ``victims`` give way to ``job``, which starts or waits on ``placement``."""
+        workload = job.workload
+        gpus_per_rank = workload.gpus_per_rank
+        nodes = self.nodes
+        running_victims = False
+        for run, reason in victims:
+            self.victims.take(run)
+            victim_id = run.workload.id
+            if run.planned:
+                # Admitted earlier in this same plan: it never starts, and its GPUs
+                # are free at once rather than after a grace window.
+                del self.admitted[victim_id]
+                del self.admissions[victim_id]
+                if not run.priority_class.preemptible:
+                    self.ledger.pinned_usage[run.queue] -= run.gpus
+                self.ledger.plan_usage(run.queue, -run.gpus)
+                for node, gpus in run.nodes:
+                    nodes.set_free(node, nodes.free[node] + gpus)
+                nodes.unplaceable_on_free.clear()
+                self.retry_waiting = True
+                self.gpus_freed = True
+                self.waits[victim_id] = Waiting(
+                    victim_id, f"gives way to job {workload.id} ({reason})"
+                )
+                continue
+            running_victims = True
+            self.preempt.append(
+                Preemption(victim_id, reason, workload.id, run.priority_class.grace_seconds)
+            )
+            for node, gpus in run.nodes:
+                nodes.release(node, gpus, victim_id)
+        self.unplaceable_on_releasing.clear()
+        if not running_victims and all(
+            nodes.free[node] >= ranks * gpus_per_rank for node, ranks in placement
+        ):
+            self._admit(job, placement)
+        else:
+            self._wait_on(job, placement, tuple(run.workload.id for run, _ in victims))
+
+    def _admit(self, job: PendingJob, placement: Placement) -> None:
+        """Start ``job`` on ``placement`` now; it becomes a candidate victim for later jobs.
+
+        A later job of this same plan may still take it back (R6-R8); the plan then
+        withdraws the admission instead of preempting, so the final plan is one that
+        the next cycle would not undo.
+        """
+        workload = job.workload
+        queue = job.queue
+        gpus = workload.gpus
+        ledger = self.ledger
+        borrowed = 0
+        if job.priority_class.preemptible:
+            borrowed = max(0, ledger.usage[queue] + gpus - ledger.guarantee[queue]) - max(
+                0, ledger.usage[queue] - ledger.guarantee[queue]
+            )
+        else:
+            ledger.pinned_usage[queue] += gpus
+        self.nodes.claim(placement, workload.gpus_per_rank)
+        ledger.add_usage(queue, gpus)
+        ledger.plan_usage(queue, gpus)
+        self.admitted[workload.id] = (queue, gpus)
+        on_nodes = tuple((self.nodes.names[node], ranks) for node, ranks in placement)
+        self.admissions[workload.id] = Admission(workload.id, on_nodes, borrowed)
+        self.waits.pop(workload.id, None)
+        if job.priority_class.preemptible:
+            # A new candidate victim can make a failed attempt succeed: forget cached
+            # failures, and give the workloads that already wait another pass.
+            if ledger.usage[queue] > min(ledger.guarantee[queue], ledger.fair_share[queue]):
+                self.candidates_version += 1
+                self.retry_waiting = True
+            started = dataclasses.replace(
+                workload, state="running", placement=on_nodes, admitted_at=self.now
+            )
+            gpus_on_nodes = tuple(
+                (node, ranks * workload.gpus_per_rank) for node, ranks in placement
+            )
+            self.victims.add(
+                RunningWork(
+                    started, queue, job.priority_class, gpus_on_nodes, self.now, planned=True
+                )
+            )
+
+    def _modes(self, job: PendingJob) -> list[str]:
+        """The kinds of preemption that could let ``job`` in: reclaim, priority, fair share."""
+        queue = job.queue
+        gpus = job.gpus
+        ledger = self.ledger
+        modes: list[str] = []
+        # Victims of other queues never lower this queue's own borrowing, so a
+        # non-preemptible job beyond its guarantee can only gain from priority (R5).
+        within_guarantee = ledger.pinned_usage[queue] + gpus <= ledger.guarantee[queue]
+        if r6_may_reclaim(ledger.usage[queue], gpus, ledger.guarantee[queue]):
+            modes.append(RECLAIM)
+        runs = self.victims.by_queue[queue]
+        first = self.victims.first_live_index(queue)
+        if (
+            job.priority_class.preemption_policy == PREEMPT_LOWER_PRIORITY
+            and first < len(runs)
+            and runs[first].priority_class.value < job.priority_class.value
+        ):
+            modes.append(PRIORITY)
+        if ledger.usage[queue] < ledger.fair_share[queue] and (
+            job.priority_class.preemptible or within_guarantee
+        ):
+            modes.append(FAIR_SHARE)
+        return modes
+
+    def _wait_on(
+        self, job: PendingJob, placement: Placement, victims: tuple[str, ...] = ()
+    ) -> None:
+        workload = job.workload
+        ledger = self.ledger
+        from_releasing, released_by = self.nodes.claim(placement, workload.gpus_per_rank)
+        ledger.add_usage(job.queue, workload.gpus)
+        for x in self.tree.path[job.queue]:
+            ledger.waiting_usage[x] += workload.gpus
+        if not job.priority_class.preemptible:
+            ledger.pinned_usage[job.queue] += workload.gpus
+        if from_releasing:
+            reason = (
+                f"waiting for {from_releasing} GPUs being released by {_jobs_phrase(released_by)}"
+            )
+        elif victims:
+            # The victims free quota rather than GPUs on the chosen nodes.
+            reason = f"waiting for {_jobs_phrase(list(victims))} to exit and return quota"
+        else:
+            reason = "waiting for its reserved GPUs"
+        self.waits[workload.id] = Waiting(workload.id, reason)
+        self.reserved.add(workload.id)
+
+    def _physical_reason(self, ranks: int, gpus_per_rank: int) -> str:
+        flavor = self.flavor
+        nodes = self.nodes
+        if not nodes.names:
+            return f"no node of flavor {flavor} exists"
+        if gpus_per_rank > nodes.max_node_gpus:
+            return f"no node of flavor {flavor} has {gpus_per_rank} GPUs"
+        if ranks * gpus_per_rank > nodes.capacity:
+            return f"flavor {flavor} has only {nodes.capacity} GPUs"
+        if ranks * gpus_per_rank <= nodes.max_node_gpus:
+            return f"no node of flavor {flavor} has {ranks * gpus_per_rank} free GPUs"
+        return f"{ranks} ranks of {gpus_per_rank} GPUs do not fit on the free {flavor} GPUs"

@@ -1,0 +1,191 @@
+"""The physical nodes of one flavor: where a gang's ranks can go.
+
+Decides placements (R10: best fit for a gang that fits one node, else the nodes with the
+most room first) on the GPUs that are free now, or on free GPUs plus those on their way
+back from terminating victims (R1: a victim holds its GPUs until it exits; R11: a
+preemptor counts releasing GPUs before it picks victims), and reserves a placement for a
+preemptor that waits for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from .model import Node
+from .rules import r1_capacity_free_gpus, r10_place, r11_releasing_first
+
+# A placement: (node index, ranks on that node) pairs.
+Placement = list[tuple[int, int]]
+
+
+class NodeMap:
+    """Free and releasing GPUs per node of one flavor, kept current by the plan."""
+
+    def __init__(self, nodes: Sequence[Node]) -> None:
+        """The flavor's ``nodes``, all free until ``occupy`` says what is held."""
+        self.names: list[str] = [node.name for node in nodes]
+        self.gpus: list[int] = [node.gpus for node in nodes]
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.capacity = sum(self.gpus)
+        self.max_node_gpus = max(self.gpus, default=0)
+        self.free = list(self.gpus)
+        # The nodes grouped by how many GPUs they have free, for best-fit placement
+        # without a scan over every node.
+        self.by_free_gpus: list[dict[int, None]] = [{} for _ in range(self.max_node_gpus + 1)]
+        self.free_total = 0
+        # GPUs on their way back from terminating victims, per node, and whose they are.
+        self.releasing = [0] * len(self.names)
+        self.releasing_jobs: list[list[str]] = [[] for _ in self.names]
+        self.releasing_nodes: dict[int, None] = {}
+        # Per rank size: the fewest ranks that did not fit on free GPUs since the free
+        # GPUs last grew (a gang of as many or more ranks cannot fit either).
+        self.unplaceable_on_free: dict[int, int] = {}
+
+    def occupy(
+        self, held: Sequence[int], terminating: Sequence[tuple[str, tuple[tuple[int, int], ...]]]
+    ) -> None:
+        """Start from the snapshot: ``held`` GPUs per node (running and terminating ranks
+        alike, R1) and the terminating jobs with their (node, GPUs) pairs (R11)."""
+        self.free = [r1_capacity_free_gpus(gpus, held[n]) for n, gpus in enumerate(self.gpus)]
+        for node, free in enumerate(self.free):
+            self.by_free_gpus[free][node] = None
+        self.free_total = sum(self.free)
+        for job, on_nodes in terminating:
+            for node, gpus in on_nodes:
+                self.releasing[node] += gpus
+                self.releasing_jobs[node].append(job)
+        self.releasing_nodes = {
+            node: None for node, releasing in enumerate(self.releasing) if releasing > 0
+        }
+
+    def release(self, node: int, gpus: int, job: str) -> None:
+        """Count ``gpus`` GPUs of ``node`` as on their way back from terminating ``job``."""
+        self.releasing[node] += gpus
+        self.releasing_jobs[node].append(job)
+        self.releasing_nodes[node] = None
+
+    def set_free(self, node: int, free: int) -> None:
+        """Record that ``node`` now has ``free`` free GPUs."""
+        old = self.free[node]
+        del self.by_free_gpus[old][node]
+        self.by_free_gpus[free][node] = None
+        self.free[node] = free
+        self.free_total += free - old
+
+    def may_place_free(self, ranks: int, gpus_per_rank: int) -> bool:
+        """The cheap tests of ``place_free``: on a full cluster most gangs stop here."""
+        known_failure = self.unplaceable_on_free.get(gpus_per_rank)
+        return (
+            ranks * gpus_per_rank <= self.free_total
+            and gpus_per_rank <= self.max_node_gpus
+            and (known_failure is None or ranks < known_failure)
+        )
+
+    def place_free(self, ranks: int, gpus_per_rank: int) -> Placement | None:
+        """R10 on free GPUs only: best fit for a gang that fits one node, else largest first."""
+        if not self.may_place_free(ranks, gpus_per_rank):
+            return None
+        by_free_gpus = self.by_free_gpus
+        most = self.max_node_gpus
+        # Nodes set aside while the largest are filled first: (node, ranks, free GPUs).
+        taken: list[tuple[int, int, int]] = []
+        remaining = ranks
+        placement: Placement | None = None
+        while True:
+            need = remaining * gpus_per_rank
+            chosen = -1
+            for free in range(need, most + 1):
+                if by_free_gpus[free]:
+                    chosen = next(iter(by_free_gpus[free]))
+                    break
+            if chosen >= 0:
+                placement = [*((node, fit) for node, fit, _ in taken), (chosen, remaining)]
+                break
+            largest = -1
+            for free in range(most, gpus_per_rank - 1, -1):
+                if by_free_gpus[free]:
+                    largest = free
+                    break
+            if largest < 0:
+                break
+            node = next(iter(by_free_gpus[largest]))
+            del by_free_gpus[largest][node]
+            fit = largest // gpus_per_rank
+            taken.append((node, fit, largest))
+            remaining -= fit
+        for node, _, free in taken:
+            by_free_gpus[free][node] = None
+        if placement is None:
+            self.unplaceable_on_free[gpus_per_rank] = min(
+                ranks, self.unplaceable_on_free.get(gpus_per_rank, ranks)
+            )
+        return placement
+
+    def hostable_ranks(self, gpus_per_rank: int) -> int:
+        """R2: ranks of ``gpus_per_rank`` GPUs that free plus releasing GPUs could host.
+
+        A gang is admitted only when this reaches its rank count: all ranks or none.
+        Only whole ranks count (nine GPUs free as 3 + 3 + 3 host no rank of 4). The
+        nodes are counted by how many GPUs they have free, not one by one: this runs for
+        every preemption attempt.
+        """
+        by_free_gpus = self.by_free_gpus
+        total = 0
+        for free_gpus in range(gpus_per_rank, self.max_node_gpus + 1):
+            if by_free_gpus[free_gpus]:
+                total += len(by_free_gpus[free_gpus]) * (free_gpus // gpus_per_rank)
+        free = self.free
+        releasing = self.releasing
+        for node in self.releasing_nodes:
+            total += (free[node] + releasing[node]) // gpus_per_rank - free[node] // gpus_per_rank
+        return total
+
+    def place_on(
+        self, ranks: int, gpus_per_rank: int, room_after: Mapping[int, int]
+    ) -> Placement | None:
+        """R10 on free and releasing GPUs, with ``room_after`` (node -> GPUs once the
+        releases and the chosen victims are done) overriding a node's room."""
+        available: dict[str, int] = {}
+        names = self.names
+        for node, room in room_after.items():
+            if room >= gpus_per_rank:
+                available[names[node]] = room
+        for node in self.releasing_nodes:
+            if node not in room_after:
+                room = self.free[node] + self.releasing[node]
+                if room >= gpus_per_rank:
+                    available[names[node]] = room
+        # Untouched nodes with free GPUs, largest first, until the gang surely fits.
+        enough = sum(room // gpus_per_rank for room in available.values())
+        for free in range(self.max_node_gpus, gpus_per_rank - 1, -1):
+            if enough >= ranks and free < ranks * gpus_per_rank:
+                break
+            for node in self.by_free_gpus[free]:
+                if names[node] not in available:
+                    available[names[node]] = free
+                    enough += free // gpus_per_rank
+        placed = r10_place(ranks, gpus_per_rank, available)
+        if placed is None:
+            return None
+        return [(self.index[name], on_node) for name, on_node in placed]
+
+    def claim(self, placement: Placement, gpus_per_rank: int) -> tuple[int, list[str]]:
+        """Reserve ``placement``: free GPUs first, then releasing ones (R11).
+
+        Returns how many releasing GPUs it takes and the jobs releasing them.
+        """
+        from_releasing = 0
+        released_by: list[str] = []
+        for node, ranks in placement:
+            need = ranks * gpus_per_rank
+            from_free = min(self.free[node], need)
+            if from_free:
+                self.set_free(node, self.free[node] - from_free)
+            rest = r11_releasing_first(self.releasing[node], need - from_free)
+            if rest:
+                self.releasing[node] -= rest
+                from_releasing += rest
+                released_by.extend(self.releasing_jobs[node])
+                if self.releasing[node] == 0:
+                    self.releasing_nodes.pop(node, None)
+        return from_releasing, released_by

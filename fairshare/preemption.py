@@ -1,0 +1,233 @@
+"""Preemption (R9, R10): which of the candidate victims a pending workload takes.
+
+Decides the set of victims for one preemptor: the cheapest candidates, added until the
+gang fits on real nodes within its quotas, then trimmed of every victim it can do
+without (most expensive first) and of victims on nodes the placement does not use. When
+the cheapest reclaim victims are scattered over many nodes, a second search clears
+whole nodes instead (``reclaim_by_node``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+from .candidates import PendingJob, RunningWork, VictimCandidates
+from .ledger import QuotaLedger
+from .model import RECLAIM
+from .nodes import NodeMap, Placement
+from .rules import r3_guarantee_overshoot
+
+# A failed preemption attempt examines at most this many candidate victims. It bounds a
+# plan's time on a saturated cluster; a workload that needs more victims than that waits.
+MAX_CANDIDATES_PER_ATTEMPT = 128
+
+# Victims with the reason each is taken for.
+Victims = list[tuple[RunningWork, str]]
+
+
+def preempt_for(
+    ledger: QuotaLedger,
+    nodes: NodeMap,
+    job: PendingJob,
+    candidates: Iterable[tuple[RunningWork, str]],
+) -> tuple[Victims, Placement] | None:
+    """Pick the cheapest victims that let ``job`` fit on real nodes within its quotas.
+
+    Victims are added cheapest first until the gang fits (counting free and releasing
+    GPUs first, R11); then every victim whose return still lets it fit is dropped,
+    most expensive first (R9); victims on nodes the placement does not use free
+    nothing and are dropped too (R10). On success the victims' quota usage stays
+    removed; on failure every tentative change is undone.
+    """
+    workload = job.workload
+    gpus_per_rank = workload.gpus_per_rank
+    ranks = workload.ranks
+    gpus = workload.gpus
+    queue = job.queue
+    priority_class = job.priority_class
+    hostable = nodes.hostable_ranks(gpus_per_rank)
+    # Node -> its GPUs once the releases and the victims chosen so far are done.
+    room_after: dict[int, int] = {}
+    chosen: Victims = []
+
+    free = nodes.free
+    releasing = nodes.releasing
+    add_usage = ledger.add_usage
+    quota_reason = ledger.quota_reason
+
+    def shift(run: RunningWork, sign: int) -> int:
+        # Take (sign +1) or give back (-1) ``run``'s GPUs; returns the ranks that adds.
+        change = 0
+        for node, on_node in run.nodes:
+            old = room_after.get(node)
+            if old is None:
+                old = free[node] + releasing[node]
+            new = old + sign * on_node
+            room_after[node] = new
+            change += new // gpus_per_rank - old // gpus_per_rank
+        add_usage(run.queue, -sign * run.gpus)
+        return change
+
+    fits = False
+    for examined, (run, reason) in enumerate(candidates, start=1):
+        if examined > MAX_CANDIDATES_PER_ATTEMPT:
+            break
+        hostable += shift(run, +1)
+        chosen.append((run, reason))
+        if hostable >= ranks and quota_reason(queue, gpus, priority_class) is None:
+            fits = True
+            break
+    if not fits:
+        # The node tallies in ``room_after`` die with this attempt; only the quota
+        # usage has to be given back.
+        for run, _ in reversed(chosen):
+            add_usage(run.queue, run.gpus)
+        return None
+    for i in range(len(chosen) - 1, -1, -1):
+        run = chosen[i][0]
+        change = shift(run, -1)
+        if hostable + change >= ranks and quota_reason(queue, gpus, priority_class) is None:
+            hostable += change
+            chosen.pop(i)
+        else:
+            shift(run, +1)
+    placement = nodes.place_on(ranks, gpus_per_rank, room_after)
+    if placement is None:
+        for run, _ in reversed(chosen):
+            add_usage(run.queue, run.gpus)
+        return None
+    # A victim on nodes the placement does not use frees nothing there; it stays only
+    # when the quotas need its GPUs back (R10).
+    used = {node for node, _ in placement}
+    kept: Victims = []
+    for run, reason in reversed(chosen):
+        if not any(node in used for node, _ in run.nodes):
+            add_usage(run.queue, run.gpus)
+            if quota_reason(queue, gpus, priority_class) is None:
+                continue
+            add_usage(run.queue, -run.gpus)
+        kept.append((run, reason))
+    kept.reverse()
+    if quota_reason(queue, gpus, priority_class) is not None or not kept:
+        for run, _ in kept:
+            add_usage(run.queue, run.gpus)
+        return None
+    return kept, placement
+
+
+def room_on(
+    nodes: NodeMap,
+    node: int,
+    runs: list[RunningWork],
+    gpus_per_rank: int,
+    ranks: int,
+    usable: Callable[[RunningWork], bool],
+) -> tuple[list[RunningWork], int] | None:
+    """The cheapest of ``runs`` (all on ``node``) whose exit gives the node room for as
+    many ranks of ``gpus_per_rank`` GPUs as it can hold (``ranks`` at most), and the
+    ranks that adds; None when the node has that room already or cannot gain any."""
+    room = nodes.free[node] + nodes.releasing[node]
+    before = room // gpus_per_rank
+    most = min(ranks, nodes.gpus[node] // gpus_per_rank)
+    if before >= most:
+        return None
+    runs.sort(key=lambda run: run.order)
+    taken: list[RunningWork] = []
+    for run in runs:
+        if not usable(run):
+            continue
+        taken.append(run)
+        room += sum(gpus for on, gpus in run.nodes if on == node)
+        if room // gpus_per_rank >= most:
+            break
+    gained = room // gpus_per_rank - before
+    return (taken, gained) if gained > 0 else None
+
+
+def reclaim_by_node(
+    ledger: QuotaLedger, nodes: NodeMap, victims: VictimCandidates, job: PendingJob
+) -> tuple[Victims, Placement] | None:
+    """R6 with R10 when the cheapest victims are scattered: clear nodes, not GPUs.
+
+    Cheap victims spread over many nodes can use up the donors' GPUs above their
+    guarantee lines before any node has room for a rank. Here each node offers the
+    cheapest reclaimable work on it that makes room for ranks of the gang; nodes
+    are taken cheapest per rank first, each only while its victims keep their
+    queues on or above the line as R3 asks, until the gang fits. The victims then
+    go through the trimming and placement of every other search.
+    """
+    queue = job.queue
+    gpus_per_rank = job.workload.gpus_per_rank
+    ranks = job.workload.ranks
+    tree = ledger.tree
+    usage = ledger.usage
+    waiting = ledger.waiting_usage
+    line = ledger.line
+    planned = ledger.planned_usage
+    lca_row = tree.lca_row(queue)
+    chains: dict[int, tuple[int, ...]] = {}
+    on_node: dict[int, list[RunningWork]] = defaultdict(list)
+    for donor in ledger.over_guarantee:
+        if donor == queue or usage[donor] - waiting[donor] <= line[donor]:
+            continue
+        found = lca_row[donor]
+        chain = (found if found is not None else tree.lca_chains(queue, donor))[0]
+        if any(usage[x] - waiting[x] <= line[x] for x in chain):
+            continue
+        chains[donor] = chain
+        runs = victims.by_queue[donor]
+        for i in range(victims.first_live[donor], len(runs)):
+            run = runs[i]
+            if not run.victim:
+                for node, _ in run.nodes:
+                    on_node[node].append(run)
+
+    offers: list[tuple[tuple[float, float, float, int], list[RunningWork], int]] = []
+    for node, runs in on_node.items():
+        offer = room_on(
+            nodes, node, runs, gpus_per_rank, ranks, lambda run: not victims.shielded(run)
+        )
+        if offer is None:
+            continue
+        taken, gained = offer
+        cost = (
+            float(max(run.order[0] for run in taken)),
+            sum(run.order[1] for run in taken) / gained,
+            sum(run.gpus for run in taken) / gained,
+            node,
+        )
+        offers.append((cost, taken, gained))
+    offers.sort(key=lambda offer: offer[0])
+
+    hostable = nodes.hostable_ranks(gpus_per_rank)
+    taken_from: dict[int, int] = defaultdict(int)
+    chosen: dict[int, RunningWork] = {}
+    for _, runs, gained in offers:
+        new = [run for run in runs if id(run) not in chosen]
+        extra: dict[int, int] = defaultdict(int)
+        eligible = True
+        for run in new:
+            for x in chains[run.queue]:
+                left = usage[x] - waiting[x] - taken_from[x] - extra[x]
+                if r3_guarantee_overshoot(left, line[x], run.gpus) is None:
+                    eligible = False
+                    break
+                # Running work leaves only a queue that runs above its line without
+                # this plan's own admissions (see VictimCandidates.reclaim).
+                if not run.planned and left - planned[x] <= line[x]:
+                    eligible = False
+                    break
+                extra[x] += run.gpus
+            if not eligible:
+                break
+        if not eligible:
+            continue
+        for x, gpus in extra.items():
+            taken_from[x] += gpus
+        for run in new:
+            chosen[id(run)] = run
+        hostable += gained
+        if hostable >= ranks:
+            return preempt_for(ledger, nodes, job, ((run, RECLAIM) for run in chosen.values()))
+    return None

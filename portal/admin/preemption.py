@@ -1,0 +1,175 @@
+"""Django admin for jobs and their history. History rows are read-only here:
+the scheduling cycle and the reconcilers own them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin
+from django.http import HttpRequest
+
+from preemption.models import (
+    Attempt,
+    Checkpoint,
+    Job,
+    PreemptionEvent,
+    Rank,
+    TrapEvent,
+    Webhook,
+    WebhookDelivery,
+)
+from preemption.webhooks import destination_refusal
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Rows the system writes: visible to admins, changed only by the system."""
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class AttemptInline(admin.TabularInline):
+    model = Attempt
+    extra = 0
+    fields = ["number", "placement", "borrowed_gpus", "admitted_at", "ended_at", "end_reason"]
+    readonly_fields = fields
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Job)
+class JobAdmin(admin.ModelAdmin):
+    list_display = [
+        "id",
+        "name",
+        "team",
+        "submitter",
+        "priority_class",
+        "flavor",
+        "ranks",
+        "gpus_per_rank",
+        "state",
+        "submitted_at",
+    ]
+    list_filter = ["state", "priority_class", "flavor", "team"]
+    search_fields = ["name", "command", "submitter__username", "team__slug"]
+    date_hierarchy = "submitted_at"
+    readonly_fields = [
+        "state",
+        "submitted_at",
+        "admitted_at",
+        "running_at",
+        "preempting_at",
+        "requeued_at",
+        "finished_at",
+        "cancel_requested_at",
+        "waiting_reason",
+        "failure_reason",
+        "resume_step",
+        "checkpoint_dir",
+    ]
+    inlines = [AttemptInline]
+
+
+class RankInline(admin.TabularInline):
+    model = Rank
+    extra = 0
+    fields = [
+        "index",
+        "node",
+        "state",
+        "exit_code",
+        "pid",
+        "pod_name",
+        "signal_sent_at",
+        "signal_received_at",
+        "exited_at",
+    ]
+    readonly_fields = fields
+    can_delete = False
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Attempt)
+class AttemptAdmin(ReadOnlyAdmin):
+    list_display = ["job", "number", "borrowed_gpus", "admitted_at", "ended_at", "end_reason"]
+    list_filter = ["end_reason"]
+    inlines = [RankInline]
+
+
+@admin.register(Rank)
+class RankAdmin(ReadOnlyAdmin):
+    list_display = ["attempt", "index", "node", "state", "exit_code", "exited_at"]
+    list_filter = ["state"]
+
+
+@admin.register(PreemptionEvent)
+class PreemptionEventAdmin(ReadOnlyAdmin):
+    list_display = [
+        "job",
+        "reason",
+        "preemptor",
+        "decided_at",
+        "deadline",
+        "outcome",
+        "checkpoint_step",
+        "lost_gpu_seconds",
+    ]
+    list_filter = ["reason", "outcome"]
+    date_hierarchy = "decided_at"
+
+
+@admin.register(Checkpoint)
+class CheckpointAdmin(ReadOnlyAdmin):
+    list_display = ["job", "attempt", "step", "bytes", "seconds", "committed_at"]
+
+
+class WebhookAdminForm(forms.ModelForm):  # type: ignore[type-arg]
+    """The admin's webhook form refuses the destinations the API refuses."""
+
+    class Meta:
+        model = Webhook
+        fields = ["team", "url", "secret", "events", "active"]
+
+    def clean_url(self) -> str:
+        url: str = self.cleaned_data["url"]
+        refusal = destination_refusal(url)
+        if refusal is not None:
+            raise forms.ValidationError(refusal)
+        return url
+
+
+@admin.register(Webhook)
+class WebhookAdmin(admin.ModelAdmin):
+    form = WebhookAdminForm
+    list_display = ["team", "url", "active", "created_at"]
+    list_filter = ["active"]
+
+
+@admin.register(WebhookDelivery)
+class WebhookDeliveryAdmin(ReadOnlyAdmin):
+    list_display = [
+        "webhook",
+        "event",
+        "tries",
+        "next_try_at",
+        "delivered_at",
+        "given_up_at",
+        "last_error",
+    ]
+    list_filter = ["event"]
+
+
+@admin.register(TrapEvent)
+class TrapEventAdmin(ReadOnlyAdmin):
+    list_display = ["job", "attempt", "rank", "event", "step", "at", "source", "received_at"]
+    list_filter = ["event", "source"]

@@ -1,0 +1,72 @@
+"""`manage.py drill`: preempt a distributed training job with a critical one
+and measure every part of the graceful path (see drills/harness.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from drills.harness import DrillError, run_drill
+from portal.database import require_migrated_database
+
+
+class Command(BaseCommand):
+    help = "Run the preemption drill on this installation and report what it measured."
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument(
+            "--ranks", type=int, default=16, help="ranks of the borrower's job (default 16)"
+        )
+        parser.add_argument(
+            "--grace",
+            type=float,
+            default=None,
+            help="grace seconds of the borrower (default: its class's)",
+        )
+        parser.add_argument("--runtime", choices=["local", "kubernetes"], default="local")
+        parser.add_argument(
+            "--chaos",
+            type=int,
+            default=0,
+            metavar="N",
+            help="repeat N times with random disturbances",
+        )
+        parser.add_argument(
+            "--steps", type=int, default=60, help="training steps of the borrower's job"
+        )
+        parser.add_argument(
+            "--critical-seconds", type=float, default=30.0, help="how long the critical job runs"
+        )
+        parser.add_argument("--seed", type=int, default=None, help="seed of the chaos choices")
+        parser.add_argument(
+            "--json", dest="json_path", default=None, help="write the result as JSON here"
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        require_migrated_database(command="drill")
+        try:
+            result = run_drill(
+                ranks=options["ranks"],
+                grace=options["grace"],
+                runtime=options["runtime"],
+                chaos=options["chaos"],
+                seed=options["seed"],
+                steps=options["steps"],
+                critical_seconds=options["critical_seconds"],
+                say=lambda line: self.stdout.write(line),
+            )
+        except DrillError as exc:
+            raise CommandError(str(exc)) from exc
+        text = json.dumps(result.to_json(), indent=2, default=str)
+        if options["json_path"]:
+            Path(options["json_path"]).parent.mkdir(parents=True, exist_ok=True)
+            Path(options["json_path"]).write_text(text + "\n")
+        self.stdout.write(text)
+        verdict = "PASSED" if result.passed else "FAILED"
+        style = self.style.SUCCESS if result.passed else self.style.ERROR
+        self.stdout.write(style(f"drill {verdict}"))
+        if not result.passed:
+            raise CommandError(f"the drill did not meet its targets: {'; '.join(result.missed())}")

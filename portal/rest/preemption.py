@@ -1,0 +1,775 @@
+"""REST API of jobs and their history: submit, list, cancel, per-rank logs, the
+trap's events endpoint, attempts, ranks, preemptions, checkpoints and team
+webhooks.
+
+Reads go through preemption.selectors, so a job of a team the user cannot
+read answers 404 whatever the endpoint; writes go through the services.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import django_filters
+from django import forms
+from django.contrib.auth.models import AnonymousUser
+from django.db.models import Prefetch
+from django_filters.fields import IsoDateTimeField
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from drf_spectacular.utils import extend_schema, extend_schema_view
+from gracetrap_protocol import EVENT_NAMES
+from rest_framework import mixins, permissions, serializers, status, viewsets
+from rest_framework.authentication import BaseAuthentication
+from rest_framework.decorators import action
+from rest_framework.exceptions import AuthenticationFailed, NotFound
+from rest_framework.permissions import IsAuthenticated
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from core.api import NamedRelatedField, Pagination, deny, responses
+from portal.rest.access import access_of
+from preemption import selectors, services
+from preemption.event_tokens import attempt_for_token
+from preemption.ingest import EventLimitReached, ingest_trap_events
+from preemption.logs import read_rank_log
+from preemption.models import (
+    FINAL_STATES,
+    Attempt,
+    Checkpoint,
+    Job,
+    JobState,
+    PreemptionEvent,
+    Rank,
+    Webhook,
+)
+from preemption.reasons import describe_preemption
+from preemption.runtimes.base import RuntimePermanentError
+from preemption.webhooks import webhook_create, webhook_delete
+from quotas.models import PriorityClass, ResourceFlavor, Team
+
+MAX_LOG_CHUNK = 1 << 20
+MAX_OFFSET = 1 << 62
+MAX_EVENTS_PER_POST = 100
+MAX_ID = 2**63 - 1
+
+# --- serializers ---------------------------------------------------------------
+
+
+class RankSerializer(serializers.ModelSerializer[Rank]):
+    job = serializers.IntegerField(source="attempt.job_id", read_only=True)
+    attempt_number = serializers.IntegerField(source="attempt.number", read_only=True)
+    # A plain string here: an enum would collide in the schema with the job's `state`.
+    state = serializers.CharField(
+        read_only=True, help_text="starting, running, terminating, exited or lost."
+    )
+
+    class Meta:
+        model = Rank
+        fields = [
+            "id",
+            "job",
+            "attempt",
+            "attempt_number",
+            "index",
+            "node",
+            "state",
+            "exit_code",
+            "pid",
+            "pod_name",
+            "started_at",
+            "signal_sent_at",
+            "signal_received_at",
+            "exited_at",
+        ]
+        read_only_fields = fields
+
+
+class AttemptSerializer(serializers.ModelSerializer[Attempt]):
+    placement = serializers.JSONField(read_only=True)
+    orphaned_ports = serializers.JSONField(read_only=True)
+
+    class Meta:
+        model = Attempt
+        fields = [
+            "id",
+            "job",
+            "number",
+            "placement",
+            "borrowed_gpus",
+            "master_port",
+            "admitted_at",
+            "launched_at",
+            "ended_at",
+            "end_reason",
+            "orphaned_ports",
+        ]
+        read_only_fields = fields
+
+
+class AttemptWithRanksSerializer(AttemptSerializer):
+    ranks = RankSerializer(many=True, read_only=True, source="rank_set")
+    preempted_because = serializers.SerializerMethodField(
+        help_text="Why this attempt was preempted, in the job page's words; null if it was not."
+    )
+
+    class Meta(AttemptSerializer.Meta):
+        fields = [*AttemptSerializer.Meta.fields, "ranks", "preempted_because"]
+        read_only_fields = fields
+
+    def get_preempted_because(self, attempt: Attempt) -> str | None:
+        event = getattr(attempt, "preemption", None)
+        return describe_preemption(event) if event is not None else None
+
+
+class JobSerializer(serializers.ModelSerializer[Job]):
+    team = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    submitter = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    priority_class = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    flavor = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    gpus = serializers.IntegerField(read_only=True)
+    env = serializers.DictField(child=serializers.CharField(), read_only=True)
+
+    class Meta:
+        model = Job
+        fields = [
+            "id",
+            "name",
+            "team",
+            "submitter",
+            "priority_class",
+            "flavor",
+            "ranks",
+            "gpus_per_rank",
+            "gpus",
+            "command",
+            "image",
+            "env",
+            "state",
+            "submitted_at",
+            "admitted_at",
+            "running_at",
+            "preempting_at",
+            "requeued_at",
+            "finished_at",
+            "cancel_requested_at",
+            "waiting_reason",
+            "failure_reason",
+            "resume_step",
+            "checkpoint_dir",
+            "max_attempts",
+        ]
+        read_only_fields = fields
+
+
+class JobDetailSerializer(JobSerializer):
+    attempts = AttemptWithRanksSerializer(many=True, read_only=True)
+
+    class Meta(JobSerializer.Meta):
+        fields = [*JobSerializer.Meta.fields, "attempts"]
+        read_only_fields = fields
+
+
+class JobSubmitSerializer(serializers.Serializer[Any]):
+    name = serializers.CharField(required=False, allow_blank=True, default="")
+    team = NamedRelatedField(slug_field="slug", queryset=Team.objects.all())
+    flavor = NamedRelatedField(
+        slug_field="name", queryset=ResourceFlavor.objects.all(), list_valid=True
+    )
+    priority_class = NamedRelatedField(
+        slug_field="name",
+        queryset=PriorityClass.objects.all(),
+        required=False,
+        allow_null=True,
+        help_text=(
+            "One of the classes the team may use (GET /teams/{id}/priority-classes/); "
+            "left out: the team's default class."
+        ),
+    )
+    # Ranges, sizes and formats are the service's rules, with its messages (the
+    # drill and the demo seed submit through it too); only types are checked here.
+    ranks = serializers.IntegerField()
+    gpus_per_rank = serializers.IntegerField()
+    command = serializers.CharField(
+        trim_whitespace=False, help_text="Run by /bin/sh -c on every rank."
+    )
+    image = serializers.CharField(
+        required=False,
+        allow_blank=True,
+        default="",
+        help_text="An OCI image reference, e.g. registry.example.org/team/trainer:1.4.",
+    )
+    env = serializers.DictField(
+        child=serializers.CharField(allow_blank=True, trim_whitespace=False),
+        required=False,
+        default=dict,
+        help_text="Portable names ([A-Za-z_][A-Za-z0-9_]*); QM_* and the rendezvous names are the runtime's.",
+    )
+    max_attempts = serializers.IntegerField(
+        min_value=1, max_value=services.MAX_ATTEMPTS, required=False, allow_null=True
+    )
+
+
+class JobLogSerializer(serializers.Serializer[Any]):
+    job = serializers.IntegerField()
+    attempt = serializers.IntegerField()
+    rank = serializers.IntegerField()
+    offset = serializers.IntegerField(help_text="Where this chunk starts in the rank's log.")
+    next_offset = serializers.IntegerField(help_text="Pass as `offset` to read on (follow).")
+    text = serializers.CharField(help_text="The chunk, decoded as UTF-8 (bad bytes replaced).")
+    finished = serializers.BooleanField(
+        help_text="The attempt has ended: nothing more will be written."
+    )
+
+
+class JobLogQuerySerializer(serializers.Serializer[Any]):
+    rank = serializers.IntegerField(min_value=0, max_value=1_000_000, default=0)
+    attempt = serializers.IntegerField(min_value=1, max_value=1_000_000, required=False)
+    offset = serializers.IntegerField(min_value=0, max_value=MAX_OFFSET, required=False)
+    limit = serializers.IntegerField(min_value=1, max_value=MAX_LOG_CHUNK, default=65536)
+    tail = serializers.IntegerField(
+        min_value=1,
+        max_value=MAX_LOG_CHUNK,
+        required=False,
+        help_text="Answer the last `tail` bytes instead (ignored when `offset` is given).",
+    )
+
+
+class TrapEventSerializer(serializers.Serializer[Any]):
+    """The trap's event, as documented in ARCHITECTURE.md (other keys are dropped)."""
+
+    event = serializers.ChoiceField(choices=list(EVENT_NAMES))
+    job_id = serializers.IntegerField(required=False)
+    attempt = serializers.IntegerField(min_value=0)
+    rank = serializers.IntegerField(min_value=0)
+    at = serializers.FloatField(help_text="Unix time taken where it happened.")
+    step = serializers.IntegerField(required=False, allow_null=True)
+    bytes = serializers.IntegerField(required=False, allow_null=True)
+    seconds = serializers.FloatField(required=False, allow_null=True)
+    code = serializers.IntegerField(required=False, allow_null=True)
+    reason = serializers.CharField(required=False, allow_blank=True)
+
+
+class TrapEventAcceptedSerializer(serializers.Serializer[Any]):
+    accepted = serializers.IntegerField(help_text="Events stored now.")
+    duplicates = serializers.IntegerField(help_text="Events already known, ignored.")
+
+
+class PreemptionEventSerializer(serializers.ModelSerializer[PreemptionEvent]):
+    attempt_number = serializers.IntegerField(source="victim_attempt.number", read_only=True)
+    team = serializers.CharField(source="job.team.slug", read_only=True)
+    preemptor_team = serializers.SerializerMethodField()
+    why = serializers.SerializerMethodField(
+        help_text="Why the job was preempted, in the job page's words."
+    )
+
+    class Meta:
+        model = PreemptionEvent
+        fields = [
+            "id",
+            "job",
+            "team",
+            "victim_attempt",
+            "attempt_number",
+            "preemptor",
+            "preemptor_team",
+            "cause",
+            "reason",
+            "why",
+            "decided_at",
+            "grace_seconds",
+            "deadline",
+            "signal_sent_at",
+            "killed_at",
+            "all_exited_at",
+            "checkpoint_step",
+            "checkpoint_bytes",
+            "checkpoint_seconds",
+            "outcome",
+            "lost_gpu_seconds",
+            "requeued_at",
+            "resume_step",
+            "resumed_at",
+        ]
+        read_only_fields = fields
+
+    def get_preemptor_team(self, event: PreemptionEvent) -> str | None:
+        return event.preemptor.team.slug if event.preemptor is not None else None
+
+    def get_why(self, event: PreemptionEvent) -> str:
+        return describe_preemption(event)
+
+
+class CheckpointSerializer(serializers.ModelSerializer[Checkpoint]):
+    attempt_number = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Checkpoint
+        fields = [
+            "id",
+            "job",
+            "attempt",
+            "attempt_number",
+            "step",
+            "path",
+            "bytes",
+            "seconds",
+            "committed_at",
+        ]
+        read_only_fields = fields
+
+    def get_attempt_number(self, checkpoint: Checkpoint) -> int | None:
+        return checkpoint.attempt.number if checkpoint.attempt is not None else None
+
+
+class WebhookSerializer(serializers.ModelSerializer[Webhook]):
+    team = NamedRelatedField(slug_field="slug", queryset=Team.objects.all())
+    events = serializers.ListField(
+        child=serializers.ChoiceField(choices=list(Webhook.EVENTS)),
+        required=False,
+        default=list,
+        help_text="Notices to send; empty means all of them.",
+    )
+    secret = serializers.CharField(
+        max_length=64,
+        required=False,
+        allow_blank=True,
+        default="",
+        write_only=True,
+        help_text=(
+            "Signs each post: X-Quartermaster-Signature: t=<unix time>,v1=<hex HMAC-SHA256 of "
+            '"<t>.<body>">; refuse posts whose t is over 5 minutes from your clock.'
+        ),
+    )
+    has_secret = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Webhook
+        fields = ["id", "team", "url", "events", "secret", "has_secret", "active", "created_at"]
+        read_only_fields = ["id", "has_secret", "active", "created_at"]
+
+    def get_has_secret(self, webhook: Webhook) -> bool:
+        return bool(webhook.secret)
+
+
+def _job_by_id(pk: Any) -> Job | None:
+    if not isinstance(pk, str) or not pk.isdigit() or int(pk) > MAX_ID:
+        return None
+    return Job.objects.filter(pk=int(pk)).first()
+
+
+class JobEventsTokenAuthentication(BaseAuthentication):
+    """The trap's credentials: `Authorization: Bearer <QM_EVENTS_TOKEN>`, the token
+    of one attempt of one job, valid only on that job's events endpoint and only
+    while that attempt is open. Authenticates no user: `request.auth` is the
+    attempt."""
+
+    def authenticate(self, request: Request) -> tuple[AnonymousUser, Attempt] | None:
+        header = request.META.get("HTTP_AUTHORIZATION", "").split()
+        if len(header) != 2 or header[0].lower() != "bearer":
+            return None
+        pk = (request.parser_context or {}).get("kwargs", {}).get("pk")
+        job = _job_by_id(pk)
+        if job is None:
+            return None
+        attempt = attempt_for_token(job, header[1])
+        if attempt is None:
+            return None
+        if attempt.ended_at is not None:
+            raise AuthenticationFailed(
+                f"This events token belongs to attempt {attempt.number} of job {job.pk}, "
+                "which has ended; a token expires with its attempt."
+            )
+        attempt.job = job
+        return AnonymousUser(), attempt
+
+
+class JobEventsTokenScheme(OpenApiAuthenticationExtension):  # type: ignore[no-untyped-call]
+    """Describes the trap's per-job token in the OpenAPI schema."""
+
+    target_class = "portal.rest.preemption.JobEventsTokenAuthentication"
+    name = "jobEventsToken"
+
+    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": (
+                "The attempt's own QM_EVENTS_TOKEN, valid only on that job's events endpoint "
+                "while the attempt is open."
+            ),
+        }
+
+
+# --- viewsets ------------------------------------------------------------------
+
+
+class _Base(viewsets.GenericViewSet[Any]):
+    pagination_class = Pagination
+    lookup_value_regex = r"[0-9]+"
+    permission_classes = [IsAuthenticated]
+
+
+class UtcDateTimeField(IsoDateTimeField):
+    """An ISO 8601 moment, converted to UTC here: PostgreSQL refuses offsets beyond
+    ±15:59, and a moment near year 1 may not exist in UTC at all."""
+
+    def to_python(self, value: Any) -> datetime | None:
+        moment = super().to_python(value)
+        if moment is None or moment.tzinfo is None:
+            return moment
+        try:
+            return moment.astimezone(UTC)
+        except OverflowError:
+            raise forms.ValidationError("This moment is out of range.", code="invalid") from None
+
+
+class UtcDateTimeFilter(django_filters.IsoDateTimeFilter):
+    field_class = UtcDateTimeField
+
+
+class JobFilter(django_filters.FilterSet):
+    team = django_filters.CharFilter(field_name="team__slug", help_text="Team slug.")
+    state = django_filters.ChoiceFilter(choices=JobState.choices)
+    submitter = django_filters.CharFilter(field_name="submitter__username", help_text="Username.")
+    flavor = django_filters.CharFilter(field_name="flavor__name", help_text="Flavor name.")
+    since = UtcDateTimeFilter(
+        field_name="submitted_at", lookup_expr="gte", help_text="Submitted at or after (ISO 8601)."
+    )
+    until = UtcDateTimeFilter(
+        field_name="submitted_at", lookup_expr="lt", help_text="Submitted before (ISO 8601)."
+    )
+
+    class Meta:
+        model = Job
+        fields = ["team", "state", "submitter", "flavor", "since", "until"]
+
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="Jobs you can see", responses=responses(JobSerializer(many=True), 400, 401)
+    ),
+    retrieve=extend_schema(
+        summary="One job with its attempts and ranks",
+        responses=responses(JobDetailSerializer, 401, 404),
+    ),
+)
+class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
+    filterset_class = JobFilter
+
+    def get_queryset(self) -> Any:
+        queryset = selectors.job_list(user=self.request.user)
+        if self.action == "retrieve":
+            queryset = queryset.prefetch_related(
+                Prefetch(
+                    "attempts",
+                    queryset=Attempt.objects.select_related(
+                        "preemption__job",
+                        "preemption__preemptor__team",
+                        "preemption__preemptor__priority_class",
+                    ).prefetch_related("rank_set"),
+                )
+            )
+        return queryset
+
+    def get_serializer_class(self) -> Any:
+        return JobDetailSerializer if self.action == "retrieve" else JobSerializer
+
+    def get_permissions(self) -> list[permissions.BasePermission]:
+        if self.action == "events":
+            return [permissions.AllowAny()]
+        return [IsAuthenticated()]
+
+    @extend_schema(
+        summary="Submit a job",
+        description="To a leaf team you belong to (or manage from above).",
+        request=JobSubmitSerializer,
+        responses=responses(JobSerializer, 400, 401, 403, status_code=201),
+    )
+    def create(self, request: Request) -> Response:
+        incoming = JobSubmitSerializer(data=request.data)
+        incoming.is_valid(raise_exception=True)
+        values = dict(incoming.validated_data)
+        team: Team = values.pop("team")
+        if not access_of(request).can_submit_to(team.pk):
+            raise deny(f"You may not submit jobs to team {team.slug}.")
+        job = services.job_submit(submitter=request.user, team=team, **values)
+        return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        summary="Cancel a job",
+        description="A waiting job is cancelled at once; a running one is stopped gracefully.",
+        request=None,
+        responses=responses(JobSerializer, 400, 401, 403, 404, status_code=202),
+    )
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str | None = None) -> Response:
+        job = self.get_object()
+        if not access_of(request).can_cancel(team_id=job.team_id, submitter_id=job.submitter_id):
+            raise deny("Only the submitter, a manager of the team or an admin may cancel this job.")
+        job = services.job_cancel(actor=request.user, job=job)
+        return Response(JobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(
+        summary="Read a rank's log",
+        description=(
+            "A chunk of one rank's log. To follow it, call again with `offset` = `next_offset` "
+            "until `finished` is true and the chunk is empty."
+        ),
+        parameters=[JobLogQuerySerializer],
+        responses=responses(JobLogSerializer, 400, 401, 404),
+    )
+    @action(detail=True, methods=["get"], filter_backends=[], pagination_class=None)
+    def logs(self, request: Request, pk: str | None = None) -> Response:
+
+        job = self.get_object()
+        query = JobLogQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        values = query.validated_data
+        attempts = Attempt.objects.filter(job=job)
+        if "attempt" in values:
+            attempt = attempts.filter(number=values["attempt"]).first()
+            if attempt is None:
+                raise NotFound({"attempt": [f"Job {job.pk} has no attempt {values['attempt']}."]})
+        else:
+            attempt = attempts.order_by("-number").first()
+            if attempt is None:
+                raise NotFound(
+                    {"attempt": [f"Job {job.pk} has not started yet, so it has no logs."]}
+                )
+        rank = values["rank"]
+        if rank >= job.ranks:
+            raise NotFound({"rank": [f"Job {job.pk} has ranks 0 to {job.ranks - 1} (got {rank})."]})
+        offset = values.get("offset")
+        try:
+            if offset is None and "tail" in values:
+                chunk, next_offset, offset = self._tail(job, attempt.number, rank, values["tail"])
+            else:
+                offset = offset or 0
+                chunk, next_offset = read_rank_log(
+                    job=job, attempt=attempt.number, rank=rank, offset=offset, limit=values["limit"]
+                )
+        except RuntimePermanentError:
+            # The rank has not been launched on this runtime yet: its log is empty so far.
+            offset = offset or 0
+            chunk, next_offset = b"", offset
+        finished = attempt.ended_at is not None or job.state in FINAL_STATES
+        return Response(
+            {
+                "job": job.pk,
+                "attempt": attempt.number,
+                "rank": rank,
+                "offset": offset,
+                "next_offset": next_offset,
+                "text": chunk.decode("utf-8", errors="replace"),
+                "finished": finished,
+            }
+        )
+
+    @staticmethod
+    def _tail(job: Job, attempt: int, rank: int, size: int) -> tuple[bytes, int, int]:
+        """The last `size` bytes of the log: read to its end, keeping only the tail."""
+
+        offset, kept, kept_from = 0, b"", 0
+        while True:
+            chunk, next_offset = read_rank_log(
+                job=job, attempt=attempt, rank=rank, offset=offset, limit=MAX_LOG_CHUNK
+            )
+            if chunk:
+                kept = (kept + chunk)[-size:]
+                kept_from = next_offset - len(kept)
+            if len(chunk) < MAX_LOG_CHUNK:
+                return kept, next_offset, kept_from
+            offset = next_offset
+
+    @extend_schema(
+        summary="Report a trap event (called by the trap inside the job)",
+        description=(
+            "Authenticated by `Authorization: Bearer <QM_EVENTS_TOKEN>`, the open attempt's own "
+            "token, not a user's. Takes one event or a list of them, all or nothing; events "
+            "already known are ignored. A refused event changes nothing and the answer says why."
+        ),
+        request=TrapEventSerializer,
+        responses=responses(TrapEventAcceptedSerializer, 400, 403, 404, 429, status_code=202),
+        auth=[{"jobEventsToken": []}],
+    )
+    @action(detail=True, methods=["post"], authentication_classes=[JobEventsTokenAuthentication])
+    def events(self, request: Request, pk: str | None = None) -> Response:
+        if not isinstance(request.auth, Attempt):
+            if _job_by_id(pk) is None:
+                raise NotFound(f"No job {pk}.")
+            raise deny(
+                "This endpoint needs the open attempt's events token "
+                "(Authorization: Bearer <QM_EVENTS_TOKEN>)."
+            )
+        body = request.data
+        events = body if isinstance(body, list) else [body]
+        if not events or len(events) > MAX_EVENTS_PER_POST:
+            raise serializers.ValidationError(
+                {"event": [f"Send one event or a list of 1 to {MAX_EVENTS_PER_POST} events."]}
+            )
+        for event in events:
+            if not _storable(event):
+                raise serializers.ValidationError(
+                    {"event": ["Text in an event must not contain NUL bytes or lone surrogates."]}
+                )
+        try:
+            accepted, duplicates = ingest_trap_events(
+                attempt=request.auth, events=events, source="post"
+            )
+        except EventLimitReached as exc:
+            return Response({"event": [str(exc)]}, status=status.HTTP_429_TOO_MANY_REQUESTS)
+        return Response(
+            {"accepted": accepted, "duplicates": duplicates}, status=status.HTTP_202_ACCEPTED
+        )
+
+
+class IdFilter(django_filters.NumberFilter):
+    """A row id: a whole number in the database's range, so a huge one is a 400, not a crash."""
+
+    field_class = forms.IntegerField
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("min_value", 1)
+        kwargs.setdefault("max_value", MAX_ID)
+        super().__init__(*args, **kwargs)
+
+
+def _storable(value: Any, depth: int = 0) -> bool:
+    """Whether JSON can be stored as is: the database refuses NUL bytes and
+    lone surrogates in text, and nesting this deep is never a real event."""
+    if depth > 20:
+        return False
+    if isinstance(value, str):
+        return "\x00" not in value and not any("\ud800" <= char <= "\udfff" for char in value)
+    if isinstance(value, dict):
+        return all(_storable(k, depth + 1) and _storable(v, depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_storable(item, depth + 1) for item in value)
+    return True
+
+
+class ByJobFilter(django_filters.FilterSet):
+    job = IdFilter(field_name="job_id", help_text="Job id.")
+
+
+class AttemptFilter(ByJobFilter):
+    class Meta:
+        model = Attempt
+        fields = ["job"]
+
+
+class RankFilter(django_filters.FilterSet):
+    job = IdFilter(field_name="attempt__job_id", help_text="Job id.")
+    attempt = IdFilter(field_name="attempt_id", help_text="Attempt id.")
+
+    class Meta:
+        model = Rank
+        fields = ["job", "attempt"]
+
+
+class PreemptionEventFilter(ByJobFilter):
+    reason = django_filters.ChoiceFilter(choices=PreemptionEvent.Reason.choices)
+    outcome = django_filters.ChoiceFilter(choices=PreemptionEvent.Outcome.choices)
+
+    class Meta:
+        model = PreemptionEvent
+        fields = ["job", "reason", "outcome"]
+
+
+class CheckpointFilter(ByJobFilter):
+    class Meta:
+        model = Checkpoint
+        fields = ["job"]
+
+
+def _read_only(name: str, serializer: Any) -> Any:
+    return extend_schema_view(
+        list=extend_schema(
+            summary=f"{name} you can see", responses=responses(serializer(many=True), 400, 401)
+        ),
+        retrieve=extend_schema(
+            summary=f"One of the {name.lower()}", responses=responses(serializer, 401, 404)
+        ),
+    )
+
+
+@_read_only("Attempts", AttemptSerializer)
+class AttemptViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
+    serializer_class = AttemptSerializer
+    filterset_class = AttemptFilter
+
+    def get_queryset(self) -> Any:
+        return selectors.attempt_list(user=self.request.user)
+
+
+@_read_only("Ranks", RankSerializer)
+class RankViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
+    serializer_class = RankSerializer
+    filterset_class = RankFilter
+
+    def get_queryset(self) -> Any:
+        return selectors.rank_list(user=self.request.user)
+
+
+@_read_only("Preemption events", PreemptionEventSerializer)
+class PreemptionEventViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
+    serializer_class = PreemptionEventSerializer
+    filterset_class = PreemptionEventFilter
+
+    def get_queryset(self) -> Any:
+        return selectors.preemption_event_list(user=self.request.user)
+
+
+@_read_only("Checkpoints", CheckpointSerializer)
+class CheckpointViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
+    serializer_class = CheckpointSerializer
+    filterset_class = CheckpointFilter
+
+    def get_queryset(self) -> Any:
+        return selectors.checkpoint_list(user=self.request.user)
+
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="Webhooks of the teams you manage",
+        responses=responses(WebhookSerializer(many=True), 401),
+    ),
+    retrieve=extend_schema(summary="One webhook", responses=responses(WebhookSerializer, 401, 404)),
+    create=extend_schema(
+        summary="Register a team webhook (managers of the team or above, admins)",
+        responses=responses(WebhookSerializer, 400, 401, 403, status_code=201),
+    ),
+    destroy=extend_schema(
+        summary="Remove a team webhook", responses=responses(None, 401, 403, 404, status_code=204)
+    ),
+)
+class WebhookViewSet(
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.CreateModelMixin,
+    mixins.DestroyModelMixin,
+    _Base,
+):
+    serializer_class = WebhookSerializer
+
+    def get_queryset(self) -> Any:
+        return selectors.webhook_list(user=self.request.user)
+
+    def perform_create(self, serializer: Any) -> None:
+        values = serializer.validated_data
+        team: Team = values["team"]
+        if not access_of(self.request).can_manage_team(team.pk):
+            raise deny(
+                f"Only a manager of {team.slug} (or above it) or an admin may add its webhooks."
+            )
+        serializer.instance = webhook_create(
+            actor=self.request.user,
+            team=team,
+            url=values["url"],
+            events=values["events"],
+            secret=values["secret"],
+        )
+
+    def perform_destroy(self, instance: Webhook) -> None:
+        webhook_delete(actor=self.request.user, webhook=instance)

@@ -1,0 +1,692 @@
+"""REST API of the cluster's configuration: flavors, nodes, the team tree,
+quotas (with the consequence preview), priority classes and the audit log.
+
+Reads go through quotas.selectors, which scope them to the asking user, so a
+team outside a user's view answers 404; writes go through quotas.services,
+whose ValidationErrors become 400 answers naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import django_filters
+from drf_spectacular.utils import extend_schema, extend_schema_view
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.permissions import IsAuthenticated
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from core.api import IsAdminOrReadOnly, NamedRelatedField, Pagination, deny, responses
+from portal.rest.access import access_of
+from preemption.quota_preview import quota_preview
+from quotas import selectors, services
+from quotas.models import AuditEntry, Node, PriorityClass, Quota, ResourceFlavor, Team
+
+MAX_WEIGHT = 1_000_000.0
+
+# --- serializers ---------------------------------------------------------------
+
+
+class FlavorSerializer(serializers.ModelSerializer[ResourceFlavor]):
+    class Meta:
+        model = ResourceFlavor
+        fields = ["id", "name", "description"]
+        read_only_fields = ["id"]
+        # Uniqueness is the service's rule, with its own message.
+        extra_kwargs = {"name": {"validators": []}}
+
+
+class NodeSerializer(serializers.ModelSerializer[Node]):
+    flavor = NamedRelatedField(
+        slug_field="name", queryset=ResourceFlavor.objects.all(), list_valid=True
+    )
+    gpus = serializers.IntegerField(min_value=0, max_value=services.MAX_GPUS)
+    labels = serializers.DictField(
+        child=serializers.CharField(max_length=253, allow_blank=True), required=False
+    )
+
+    class Meta:
+        model = Node
+        fields = ["id", "name", "flavor", "gpus", "labels", "schedulable"]
+        read_only_fields = ["id"]
+        extra_kwargs = {"name": {"validators": []}}
+
+    def validate_labels(self, labels: dict[str, str]) -> dict[str, str]:
+        for key in labels:
+            serializers.CharField(max_length=253).run_validation(key)
+        return labels
+
+
+class TeamSerializer(serializers.ModelSerializer[Team]):
+    parent = NamedRelatedField(
+        slug_field="slug", queryset=Team.objects.all(), allow_null=True, required=False
+    )
+    weight = serializers.FloatField(min_value=0.001, max_value=MAX_WEIGHT, required=False)
+
+    class Meta:
+        model = Team
+        fields = ["id", "slug", "name", "parent", "weight", "created_at"]
+        read_only_fields = ["id", "created_at"]
+        extra_kwargs = {"slug": {"validators": []}, "name": {"required": False}}
+
+
+class TeamUpdateSerializer(serializers.Serializer[Any]):
+    name = serializers.CharField(max_length=120, required=False)
+    weight = serializers.FloatField(min_value=0.001, max_value=MAX_WEIGHT, required=False)
+    parent = NamedRelatedField(
+        slug_field="slug", queryset=Team.objects.all(), allow_null=True, required=False
+    )
+
+
+class TeamPriorityClassesSerializer(serializers.Serializer[Any]):
+    team = serializers.CharField()
+    allowed = serializers.ListField(
+        child=serializers.CharField(), help_text="The classes the team's jobs may use now."
+    )
+    default = serializers.CharField(
+        allow_null=True, help_text="The class of a job submitted without one."
+    )
+    priority_classes = serializers.ListField(
+        child=serializers.CharField(),
+        allow_null=True,
+        help_text="The team's own list; null: it uses its parent's classes.",
+    )
+    default_priority_class = serializers.CharField(
+        allow_null=True, help_text="The team's own default; null: its parent's."
+    )
+    source = serializers.CharField(
+        allow_null=True, help_text="The team whose own list is in force (this one or above)."
+    )
+
+
+class TeamPriorityClassesUpdateSerializer(serializers.Serializer[Any]):
+    priority_classes = serializers.ListField(
+        child=NamedRelatedField(slug_field="name", queryset=PriorityClass.objects.all()),
+        allow_null=True,
+        allow_empty=True,
+        max_length=100,
+        required=False,
+        help_text="Class names; null or []: use the parent's classes. Admins only may widen.",
+    )
+    default_priority_class = NamedRelatedField(
+        slug_field="name",
+        queryset=PriorityClass.objects.all(),
+        allow_null=True,
+        required=False,
+        help_text="Must be one the team may use; null: the parent's default.",
+    )
+
+
+def _team_priority_classes(team: Team) -> dict[str, Any]:
+    allowance = selectors.priority_allowance(team=team)
+    own = sorted(team.priority_classes.values_list("name", flat=True))
+    return {
+        "team": team.slug,
+        "allowed": allowance.names,
+        "default": allowance.default.name if allowance.default else None,
+        "priority_classes": own or None,
+        "default_priority_class": (
+            team.default_priority_class.name if team.default_priority_class_id else None
+        ),
+        "source": allowance.source,
+    }
+
+
+class QuotaBriefSerializer(serializers.Serializer[Any]):
+    id = serializers.IntegerField()
+    flavor = serializers.CharField()
+    guarantee = serializers.IntegerField()
+    borrow_limit = serializers.IntegerField(allow_null=True)
+    lend_limit = serializers.IntegerField(allow_null=True)
+
+
+class TeamNodeSerializer(serializers.Serializer[Any]):
+    id = serializers.IntegerField()
+    slug = serializers.CharField()
+    name = serializers.CharField()
+    weight = serializers.FloatField()
+    quotas = QuotaBriefSerializer(many=True)
+    children = serializers.ListField(
+        child=serializers.DictField(), help_text="Sub-teams, same shape."
+    )
+
+
+class QuotaSerializer(serializers.ModelSerializer[Quota]):
+    team = NamedRelatedField(slug_field="slug", queryset=Team.objects.all())
+    flavor = NamedRelatedField(
+        slug_field="name", queryset=ResourceFlavor.objects.all(), list_valid=True
+    )
+    # Bounds and signs are checked by the service, so the API and the pages
+    # give the same messages; here only the type is checked.
+    guarantee = serializers.IntegerField()
+    borrow_limit = serializers.IntegerField(allow_null=True, required=False)
+    lend_limit = serializers.IntegerField(allow_null=True, required=False)
+
+    class Meta:
+        model = Quota
+        fields = ["id", "team", "flavor", "guarantee", "borrow_limit", "lend_limit", "updated_at"]
+        read_only_fields = ["id", "updated_at"]
+        validators: list[Any] = []
+
+
+class QuotaUpdateSerializer(serializers.Serializer[Any]):
+    guarantee = serializers.IntegerField(required=False)
+    borrow_limit = serializers.IntegerField(allow_null=True, required=False)
+    lend_limit = serializers.IntegerField(allow_null=True, required=False)
+    reason = serializers.CharField(
+        max_length=300, allow_blank=True, required=False, help_text="Kept with the audit entry."
+    )
+
+
+class QuotaPreviewSerializer(QuotaUpdateSerializer):
+    weight = serializers.FloatField(
+        min_value=0.001,
+        max_value=MAX_WEIGHT,
+        required=False,
+        help_text="The team's weight, which divides the surplus among siblings.",
+    )
+
+
+class PriorityClassSerializer(serializers.ModelSerializer[PriorityClass]):
+    class Meta:
+        model = PriorityClass
+        fields = [
+            "id",
+            "name",
+            "value",
+            "preemption_policy",
+            "preemptible",
+            "grace_seconds",
+            "min_runtime_seconds",
+            "description",
+            "is_default",
+        ]
+        read_only_fields = fields
+
+
+class PriorityClassWriteSerializer(serializers.Serializer[Any]):
+    name = serializers.SlugField(max_length=63)
+    value = serializers.IntegerField(min_value=-1_000_000_000, max_value=1_000_000_000)
+    preemption_policy = serializers.ChoiceField(
+        choices=PriorityClass.Policy.choices, required=False
+    )
+    preemptible = serializers.BooleanField(required=False)
+    grace_seconds = serializers.IntegerField(min_value=0, max_value=7 * 24 * 3600, required=False)
+    min_runtime_seconds = serializers.IntegerField(
+        min_value=0, max_value=7 * 24 * 3600, required=False
+    )
+    description = serializers.CharField(max_length=300, allow_blank=True, required=False)
+    is_default = serializers.BooleanField(required=False)
+
+
+class AuditEntrySerializer(serializers.ModelSerializer[AuditEntry]):
+    actor = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    team = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    before = serializers.JSONField(read_only=True)
+    after = serializers.JSONField(read_only=True)
+
+    class Meta:
+        model = AuditEntry
+        fields = [
+            "id",
+            "at",
+            "actor",
+            "action",
+            "object_type",
+            "object_id",
+            "object_repr",
+            "team",
+            "before",
+            "after",
+            "reason",
+        ]
+        read_only_fields = fields
+
+
+class QuotaPreviewResultSerializer(serializers.Serializer[Any]):
+    change = serializers.DictField(help_text="The edited fields, before and after.")
+    reclaimed = serializers.ListField(
+        child=serializers.DictField(),
+        help_text="Running jobs the change would preempt, with the reason.",
+    )
+    released = serializers.ListField(child=serializers.CharField(), required=False)
+    admitted = serializers.ListField(
+        child=serializers.DictField(),
+        help_text="Pending jobs the change would admit, with placement.",
+    )
+    fair_share = serializers.DictField(
+        help_text="Per team and flavor: the fair share before and after."
+    )
+    non_preemptible = serializers.DictField(
+        help_text=(
+            "Jobs of never-preempted classes in the team's subtree: `running` (their GPUs, "
+            "`floor`, are the lowest guarantee allowed) and `stranded` (waiting jobs larger "
+            "than the new guarantee, which could then never start)."
+        )
+    )
+
+
+# --- viewsets ------------------------------------------------------------------
+
+
+class _Base(viewsets.GenericViewSet[Any]):
+    pagination_class = Pagination
+    lookup_value_regex = r"[0-9]+"
+    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
+
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="GPU flavors", responses=responses(FlavorSerializer(many=True), 401)
+    ),
+    retrieve=extend_schema(summary="One flavor", responses=responses(FlavorSerializer, 401, 404)),
+    create=extend_schema(
+        summary="Add a flavor (admins)",
+        responses=responses(FlavorSerializer, 400, 401, 403, status_code=201),
+    ),
+)
+class FlavorViewSet(
+    mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.CreateModelMixin, _Base
+):
+    serializer_class = FlavorSerializer
+    permission_classes = [IsAdminOrReadOnly]
+
+    def get_queryset(self) -> Any:
+        return selectors.flavor_list(user=self.request.user)
+
+    def perform_create(self, serializer: Any) -> None:
+        serializer.instance = services.flavor_create(
+            actor=self.request.user, **serializer.validated_data
+        )
+
+
+@extend_schema_view(
+    list=extend_schema(summary="Nodes", responses=responses(NodeSerializer(many=True), 401)),
+    retrieve=extend_schema(summary="One node", responses=responses(NodeSerializer, 401, 404)),
+    create=extend_schema(
+        summary="Add a node (admins)",
+        responses=responses(NodeSerializer, 400, 401, 403, status_code=201),
+    ),
+    partial_update=extend_schema(
+        summary="Change a node (admins)", responses=responses(NodeSerializer, 400, 401, 403, 404)
+    ),
+    destroy=extend_schema(
+        summary="Remove a node (admins)",
+        responses=responses(None, 400, 401, 403, 404, status_code=204),
+    ),
+)
+class NodeViewSet(
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.CreateModelMixin,
+    mixins.UpdateModelMixin,
+    mixins.DestroyModelMixin,
+    _Base,
+):
+    serializer_class = NodeSerializer
+    permission_classes = [IsAdminOrReadOnly]
+    filterset_fields = ["schedulable"]
+
+    def get_queryset(self) -> Any:
+        return selectors.node_list(user=self.request.user)
+
+    def perform_create(self, serializer: Any) -> None:
+        values = serializer.validated_data
+        if Node.objects.filter(name=values["name"]).exists():
+            raise serializers.ValidationError(
+                {"name": [f"A node named {values['name']!r} already exists."]}
+            )
+        serializer.instance = services.node_upsert(actor=self.request.user, **values)
+
+    def perform_update(self, serializer: Any) -> None:
+        node: Node = serializer.instance
+        values = {
+            "flavor": node.flavor,
+            "gpus": node.gpus,
+            "labels": node.labels,
+            "schedulable": node.schedulable,
+            **serializer.validated_data,
+        }
+        if values.get("name", node.name) != node.name:
+            raise serializers.ValidationError(
+                {"name": ["A node cannot be renamed; add a new one instead."]}
+            )
+        values["name"] = node.name
+        serializer.instance = services.node_upsert(actor=self.request.user, **values)
+
+    def perform_destroy(self, instance: Node) -> None:
+        services.node_delete(actor=self.request.user, node=instance)
+
+
+def _team_tree(teams: list[Team], quotas: list[Quota]) -> list[dict[str, Any]]:
+    """Nest readable teams under their readable parents; the rest are roots."""
+    by_team: dict[int, list[dict[str, Any]]] = {}
+    for quota in quotas:
+        by_team.setdefault(quota.team_id, []).append(
+            {
+                "id": quota.pk,
+                "flavor": quota.flavor.name,
+                "guarantee": quota.guarantee,
+                "borrow_limit": quota.borrow_limit,
+                "lend_limit": quota.lend_limit,
+            }
+        )
+    nodes = {
+        team.pk: {
+            "id": team.pk,
+            "slug": team.slug,
+            "name": team.name,
+            "weight": team.weight,
+            "quotas": by_team.get(team.pk, []),
+            "children": [],
+        }
+        for team in teams
+    }
+    roots: list[dict[str, Any]] = []
+    for team in teams:
+        if team.parent_id in nodes:
+            nodes[team.parent_id]["children"].append(nodes[team.pk])
+        else:
+            roots.append(nodes[team.pk])
+    return roots
+
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="Teams you can see", responses=responses(TeamSerializer(many=True), 401)
+    ),
+    retrieve=extend_schema(summary="One team", responses=responses(TeamSerializer, 401, 404)),
+    create=extend_schema(
+        summary="Add a team (admins)",
+        responses=responses(TeamSerializer, 400, 401, 403, status_code=201),
+    ),
+    partial_update=extend_schema(
+        summary="Rename, reweigh or move a team",
+        description="A manager above the team may change its name and weight; moving it is for admins.",
+        request=TeamUpdateSerializer,
+        responses=responses(TeamSerializer, 400, 401, 403, 404),
+    ),
+    destroy=extend_schema(
+        summary="Delete a team (admins)",
+        responses=responses(None, 400, 401, 403, 404, status_code=204),
+    ),
+)
+class TeamViewSet(
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.CreateModelMixin,
+    mixins.UpdateModelMixin,
+    mixins.DestroyModelMixin,
+    _Base,
+):
+    serializer_class = TeamSerializer
+    permission_classes = [IsAuthenticated]
+
+    def get_queryset(self) -> Any:
+        return selectors.team_list(user=self.request.user)
+
+    def perform_create(self, serializer: Any) -> None:
+        if not access_of(self.request).is_admin:
+            raise deny("Only platform admins may add teams.")
+        values = serializer.validated_data
+        serializer.instance = services.team_create(
+            actor=self.request.user,
+            slug=values["slug"],
+            name=values.get("name", ""),
+            parent=values.get("parent"),
+            weight=values.get("weight", 1.0),
+        )
+
+    def partial_update(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        team = self.get_object()
+        access = access_of(request)
+        incoming = TeamUpdateSerializer(data=request.data)
+        incoming.is_valid(raise_exception=True)
+        values = incoming.validated_data
+        if not access.can_edit_quota_of(team.pk):
+            raise deny(f"Only a manager above {team.slug} or an admin may change it.")
+        if "parent" in values and not access.is_admin:
+            raise deny("Only platform admins may move teams in the tree.")
+        team = services.team_update(
+            actor=request.user,
+            team=team,
+            name=values.get("name"),
+            weight=values.get("weight"),
+            parent=values.get("parent", services.UNSET),
+        )
+        return Response(TeamSerializer(team).data)
+
+    def perform_destroy(self, instance: Team) -> None:
+        if not access_of(self.request).is_admin:
+            raise deny("Only platform admins may delete teams.")
+        services.team_delete(actor=self.request.user, team=instance)
+
+    @extend_schema(
+        methods=["GET"],
+        summary="The priority classes a team may use, and its default",
+        responses=responses(TeamPriorityClassesSerializer, 401, 404),
+    )
+    @extend_schema(
+        methods=["PATCH"],
+        summary="Change the priority classes a team may use",
+        description=(
+            "Admins set any list inside the parent's classes. A manager above the team may "
+            "only narrow it and pick its default among the classes it may already use."
+        ),
+        request=TeamPriorityClassesUpdateSerializer,
+        responses=responses(TeamPriorityClassesSerializer, 400, 401, 403, 404),
+    )
+    @action(detail=True, methods=["get", "patch"], url_path="priority-classes")
+    def priority_classes(self, request: Request, pk: str | None = None) -> Response:
+        team = self.get_object()
+        if request.method == "GET":
+            return Response(_team_priority_classes(team))
+        access = access_of(request)
+        if not access.can_edit_quota_of(team.pk):
+            raise deny(f"Only a manager above {team.slug} or an admin may change its classes.")
+        incoming = TeamPriorityClassesUpdateSerializer(data=request.data)
+        incoming.is_valid(raise_exception=True)
+        values = incoming.validated_data
+        services.team_priority_classes_set(
+            actor=request.user,
+            team=team,
+            priority_classes=values.get("priority_classes", services.UNSET),
+            default_priority_class=values.get("default_priority_class", services.UNSET),
+            may_widen=access.is_admin,
+        )
+        team.refresh_from_db()
+        return Response(_team_priority_classes(team))
+
+    @extend_schema(
+        summary="The team tree you can see, with quotas",
+        responses=responses(TeamNodeSerializer(many=True), 401),
+    )
+    @action(detail=False, methods=["get"], pagination_class=None)
+    def tree(self, request: Request) -> Response:
+        teams = list(self.get_queryset())
+        quotas = list(selectors.quota_list(user=request.user))
+        return Response(_team_tree(teams, quotas))
+
+
+class QuotaFilter(django_filters.FilterSet):
+    team = django_filters.CharFilter(field_name="team__slug", help_text="Team slug.")
+    flavor = django_filters.CharFilter(field_name="flavor__name", help_text="Flavor name.")
+
+    class Meta:
+        model = Quota
+        fields = ["team", "flavor"]
+
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="Quotas you can see", responses=responses(QuotaSerializer(many=True), 401)
+    ),
+    retrieve=extend_schema(summary="One quota", responses=responses(QuotaSerializer, 401, 404)),
+    create=extend_schema(
+        summary="Give a team a quota of a flavor",
+        description="For a manager above the team, or an admin.",
+        responses=responses(QuotaSerializer, 400, 401, 403, status_code=201),
+    ),
+    partial_update=extend_schema(
+        summary="Change a quota",
+        description="For a manager above the team, or an admin. Fields left out keep their value.",
+        request=QuotaUpdateSerializer,
+        responses=responses(QuotaSerializer, 400, 401, 403, 404),
+    ),
+    destroy=extend_schema(
+        summary="Remove a quota", responses=responses(None, 400, 401, 403, 404, status_code=204)
+    ),
+)
+class QuotaViewSet(
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.CreateModelMixin,
+    mixins.UpdateModelMixin,
+    mixins.DestroyModelMixin,
+    _Base,
+):
+    serializer_class = QuotaSerializer
+    permission_classes = [IsAuthenticated]
+    filterset_class = QuotaFilter
+
+    def get_queryset(self) -> Any:
+        return selectors.quota_list(user=self.request.user)
+
+    def _check_editable(self, team: Team) -> None:
+        if not access_of(self.request).can_edit_quota_of(team.pk):
+            raise deny(f"Only a manager above {team.slug} or an admin may change its quotas.")
+
+    def perform_create(self, serializer: Any) -> None:
+        values = serializer.validated_data
+        self._check_editable(values["team"])
+        if Quota.objects.filter(team=values["team"], flavor=values["flavor"]).exists():
+            raise serializers.ValidationError(
+                {
+                    "flavor": [
+                        f"{values['team'].slug} already has a quota of {values['flavor'].name}; change it with PATCH."
+                    ]
+                }
+            )
+        serializer.instance = services.quota_set(
+            actor=self.request.user,
+            team=values["team"],
+            flavor=values["flavor"],
+            guarantee=values["guarantee"],
+            borrow_limit=values.get("borrow_limit"),
+            lend_limit=values.get("lend_limit"),
+        )
+
+    def partial_update(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        quota = self.get_object()
+        self._check_editable(quota.team)
+        incoming = QuotaUpdateSerializer(data=request.data)
+        incoming.is_valid(raise_exception=True)
+        quota = services.quota_update(actor=request.user, quota=quota, **incoming.validated_data)
+        return Response(QuotaSerializer(quota).data)
+
+    def perform_destroy(self, instance: Quota) -> None:
+        self._check_editable(instance.team)
+        services.quota_delete(actor=self.request.user, quota=instance)
+
+    @extend_schema(
+        summary="Preview a quota change: validate it, save nothing, say what it would do",
+        description=(
+            "Answers which running jobs the change would reclaim, which pending jobs it would admit "
+            "and how every team's fair share moves. Rejected exactly like a real change."
+        ),
+        request=QuotaPreviewSerializer,
+        responses=responses(QuotaPreviewResultSerializer, 400, 401, 403, 404),
+    )
+    @action(detail=True, methods=["post"])
+    def preview(self, request: Request, pk: str | None = None) -> Response:
+        quota = self.get_object()
+        self._check_editable(quota.team)
+        incoming = QuotaPreviewSerializer(data=request.data)
+        incoming.is_valid(raise_exception=True)
+        return Response(quota_preview(quota=quota, **incoming.validated_data))
+
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="Priority classes", responses=responses(PriorityClassSerializer(many=True), 401)
+    ),
+    retrieve=extend_schema(
+        summary="One priority class", responses=responses(PriorityClassSerializer, 401, 404)
+    ),
+    destroy=extend_schema(
+        summary="Delete a priority class (admins)",
+        responses=responses(None, 400, 401, 403, 404, status_code=204),
+    ),
+)
+class PriorityClassViewSet(
+    mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, _Base
+):
+    serializer_class = PriorityClassSerializer
+    permission_classes = [IsAdminOrReadOnly]
+
+    def get_queryset(self) -> Any:
+        return selectors.priority_class_list(user=self.request.user)
+
+    @extend_schema(
+        summary="Add a priority class (admins)",
+        request=PriorityClassWriteSerializer,
+        responses=responses(PriorityClassSerializer, 400, 401, 403, status_code=201),
+    )
+    def create(self, request: Request) -> Response:
+        incoming = PriorityClassWriteSerializer(data=request.data)
+        incoming.is_valid(raise_exception=True)
+        saved = services.priority_class_save(
+            actor=request.user, priority_class=PriorityClass(**incoming.validated_data)
+        )
+        return Response(PriorityClassSerializer(saved).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        summary="Change a priority class (admins)",
+        request=PriorityClassWriteSerializer(partial=True),
+        responses=responses(PriorityClassSerializer, 400, 401, 403, 404),
+    )
+    def partial_update(self, request: Request, pk: str | None = None) -> Response:
+        priority_class = self.get_object()
+        incoming = PriorityClassWriteSerializer(data=request.data, partial=True)
+        incoming.is_valid(raise_exception=True)
+        values = incoming.validated_data
+        if "name" in values and values["name"] != priority_class.name:
+            raise serializers.ValidationError({"name": ["A priority class cannot be renamed."]})
+        for field, value in values.items():
+            setattr(priority_class, field, value)
+        saved = services.priority_class_save(actor=request.user, priority_class=priority_class)
+        return Response(PriorityClassSerializer(saved).data)
+
+    def perform_destroy(self, instance: PriorityClass) -> None:
+        services.priority_class_delete(actor=self.request.user, priority_class=instance)
+
+
+class AuditFilter(django_filters.FilterSet):
+    team = django_filters.CharFilter(field_name="team__slug", help_text="Team slug.")
+    object_type = django_filters.CharFilter()
+    action = django_filters.CharFilter()
+
+    class Meta:
+        model = AuditEntry
+        fields = ["team", "object_type", "action"]
+
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="Changes people made",
+        description="Admins see everything; managers see the changes in their subtree.",
+        responses=responses(AuditEntrySerializer(many=True), 401),
+    ),
+    retrieve=extend_schema(
+        summary="One change", responses=responses(AuditEntrySerializer, 401, 404)
+    ),
+)
+class AuditEntryViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
+    serializer_class = AuditEntrySerializer
+    permission_classes = [IsAuthenticated]
+    filterset_class = AuditFilter
+
+    def get_queryset(self) -> Any:
+        return selectors.audit_list(user=self.request.user)

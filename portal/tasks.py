@@ -1,0 +1,55 @@
+"""Celery tasks: thin wrappers that call services. Each acknowledges late and
+has a time limit, so a worker that dies mid-task leaves the work to another.
+
+The names are explicit and keep the module paths the tasks first had, so the
+beat schedule (`portal.celery`) and messages already queued keep working.
+"""
+
+from __future__ import annotations
+
+from celery import shared_task
+from django.conf import settings
+from django.utils import timezone
+
+from preemption.cycle import schedule_cycle as run_cycle
+from preemption.k8s_sync import priority_classes_sync
+from preemption.reconcile import reconcile_jobs
+from preemption.runtime import get_runtime
+from preemption.wakeup import SCHEDULE_CYCLE_TASK
+from preemption.webhooks import deliver_due
+from telemetry.services import utilization_sample
+
+COMMON = {"acks_late": True, "soft_time_limit": 30, "time_limit": 60, "ignore_result": True}
+
+
+@shared_task(name=SCHEDULE_CYCLE_TASK, expires=5, **COMMON)
+def schedule_cycle() -> dict[str, int]:
+    result = run_cycle()
+    return {
+        "admitted": len(result.admitted),
+        "preempted": len(result.preempted),
+        "waiting": result.waiting,
+    }
+
+
+@shared_task(name="preemption.tasks.reconcile", expires=5, **COMMON)
+def reconcile() -> int:
+    return reconcile_jobs()
+
+
+@shared_task(name="preemption.tasks.deliver_webhooks", expires=30, **COMMON)
+def deliver_webhooks() -> int:
+    return deliver_due()
+
+
+@shared_task(name="preemption.tasks.sync_priority_classes", expires=60, **COMMON)
+def sync_priority_classes() -> int:
+    """Reconcile the cluster's PriorityClasses; 0 off Kubernetes."""
+    if settings.QM_RUNTIME != "kubernetes":
+        return 0
+    return priority_classes_sync(api_client=get_runtime().api_client)  # type: ignore[attr-defined]
+
+
+@shared_task(name="telemetry.tasks.sample_utilization", expires=30, **COMMON)
+def sample_utilization() -> int:
+    return utilization_sample(now=timezone.now())

@@ -1,0 +1,1 @@
+"""The browser pages, one package per domain; routed by `portal.page_urls`."""

@@ -1,0 +1,201 @@
+"""Browser pages for the team tree and quotas: the tree with usage, one team's
+quotas and audit history, and the quota editor with its consequences preview.
+
+Permissions are the API's: reads through the scoped selectors, edits only
+where `Access.can_edit_quota_of` allows, writes only through the services.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from portal.web.quotas.forms import QuotaForm
+from preemption.quota_preview import quota_preview as preview_change
+from preemption.selectors import job_list
+from quotas.models import Membership, Quota
+from quotas.selectors import access_for, audit_list, priority_allowance, quota_list
+from quotas.selectors import team_list as team_selector
+from quotas.services import quota_update
+from telemetry.selectors import flavor_names, team_rows
+
+
+@login_required
+def team_list(request: HttpRequest) -> HttpResponse:
+    """The readable team tree with each team's quotas and current usage."""
+    access = access_for(request.user)
+    return render(
+        request,
+        "quotas/team_list.html",
+        {
+            "rows": team_rows(access=access),
+            "flavors": flavor_names(),
+            "nav": "teams",
+        },
+    )
+
+
+@login_required
+def team_detail(request: HttpRequest, slug: str) -> HttpResponse:
+    """One team: its quotas (editable where allowed), sub-teams, members, recent
+    jobs and the audit history of its subtree's quotas."""
+    team = get_object_or_404(team_selector(user=request.user), slug=slug)
+    access = access_for(request.user)
+    subtree = access.tree.subtree([team.pk])
+    rows = team_rows(access=access, only_team_ids=subtree)
+    own = next((row for row in rows if row.team_id == team.pk), None)
+    children = [row for row in rows if row.parent_slug == team.slug]
+    can_edit = access.can_edit_quota_of(team.pk)
+    audit = list(audit_list(user=request.user).filter(team_id__in=subtree)[:50])
+    for entry in audit:
+        entry.changes = audit_changes(entry.before, entry.after)  # type: ignore[attr-defined]
+    members = list(Membership.objects.filter(team=team).select_related("user"))
+    jobs = list(job_list(user=request.user).filter(team_id__in=subtree)[:10])
+    ancestors = []
+    for ancestor_id in reversed(access.tree.ancestors(team.pk)):
+        if access.can_read_team(ancestor_id):
+            ancestors.append(ancestor_id)
+    ancestor_slugs = dict(
+        team_selector(user=request.user).filter(id__in=ancestors).values_list("id", "slug")
+    )
+    return render(
+        request,
+        "quotas/team_detail.html",
+        {
+            "team": team,
+            "own": own,
+            "children": children,
+            "child_can_edit": access.can_manage_team(team.pk),
+            "can_edit": can_edit,
+            "flavors": flavor_names(),
+            "audit": audit,
+            "members": members,
+            "jobs": jobs,
+            "breadcrumbs": [ancestor_slugs[a] for a in ancestors if a in ancestor_slugs],
+            "allowance": priority_allowance(team=team, tree=access.tree),
+            "nav": "teams",
+        },
+    )
+
+
+def audit_changes(
+    before: dict[str, Any] | None, after: dict[str, Any] | None
+) -> list[tuple[str, Any, Any]]:
+    """(field, before, after) for each field an audit entry records, naming
+    fields (team, flavor) left out since the row already says them."""
+    before = before or {}
+    after = after or {}
+    keys = [key for key in {**before, **after} if key not in {"team", "flavor"}]
+    return [(key, before.get(key), after.get(key)) for key in keys if after]
+
+
+def _editable_quota(request: HttpRequest, pk: int) -> Quota:
+    quota = get_object_or_404(quota_list(user=request.user), pk=pk)
+    if not access_for(request.user).can_edit_quota_of(quota.team_id):
+        raise PermissionDenied("A team's own quota belongs to a manager above it.")
+    return quota
+
+
+def _preview(quota: Quota, form: QuotaForm) -> dict[str, Any] | None:
+    """The consequences of the edit, or None with the services' messages on the form."""
+    try:
+        return preview_change(quota=quota, **form.values())
+    except ValidationError as error:
+        form.add_service_errors(error)
+        return None
+
+
+def preview_context(consequences: dict[str, Any] | None) -> dict[str, Any]:
+    """Rows for the preview template: the jobs that would be reclaimed, the jobs
+    that would be admitted, and the fair shares that move."""
+    if consequences is None:
+        return {"consequences": None}
+    moves = []
+    for queue, flavors in sorted((consequences.get("fair_share") or {}).items()):
+        for flavor, values in sorted(flavors.items()):
+            before, after = values.get("before"), values.get("after")
+            if before is None and after is None:
+                continue
+            moves.append(
+                {
+                    "queue": queue,
+                    "flavor": flavor,
+                    "before": before,
+                    "after": after,
+                    "delta": (after or 0) - (before or 0),
+                }
+            )
+    changed = [move for move in moves if abs(move["delta"]) > 1e-9]
+    reclaimed = [dict(item) for item in consequences.get("reclaimed") or []]
+    admitted = consequences.get("admitted") or consequences.get("admissions") or []
+    return {
+        "consequences": consequences,
+        "reclaimed": reclaimed,
+        "admitted": admitted,
+        "moves": changed,
+        "unchanged_queues": len(moves) - len(changed),
+        "change": consequences.get("change") or {},
+        "non_preemptible": consequences.get("non_preemptible") or {},
+    }
+
+
+@login_required
+def quota_edit(request: HttpRequest, pk: int) -> HttpResponse:
+    """Edit a quota in two steps: preview the consequences, then save."""
+    quota = _editable_quota(request, pk)
+    consequences: dict[str, Any] | None = None
+    if request.method == "POST":
+        form = QuotaForm.for_quota(quota, request.POST)
+        action = request.POST.get("action", "preview")
+        if form.is_valid():
+            if action == "save":
+                try:
+                    quota_update(
+                        actor=request.user,
+                        quota=quota,
+                        reason=form.cleaned_data.get("reason") or "",
+                        **form.values(),
+                    )
+                except ValidationError as error:
+                    form.add_service_errors(error)
+                else:
+                    messages.success(
+                        request, f"Saved the {quota.flavor.name} quota of {quota.team.slug}."
+                    )
+                    return redirect("team-detail", slug=quota.team.slug)
+            else:
+                consequences = _preview(quota, form)
+        status = 200 if form.is_valid() else 400
+    else:
+        form = QuotaForm.for_quota(quota)
+        status = 200
+    context = {"quota": quota, "form": form, "nav": "teams", **preview_context(consequences)}
+    return render(request, "quotas/quota_edit.html", context, status=status)
+
+
+@require_POST
+@login_required
+def quota_preview(request: HttpRequest, pk: int) -> HttpResponse:
+    """The preview panel alone, for the editor's script: it validates like an
+    edit and saves nothing."""
+    quota = _editable_quota(request, pk)
+    form = QuotaForm.for_quota(quota, request.POST)
+    consequences = _preview(quota, form) if form.is_valid() else None
+    status = 200 if form.is_valid() else 400
+    return render(
+        request,
+        "quotas/_preview.html",
+        {
+            "quota": quota,
+            "form": form,
+            "partial": True,
+            **preview_context(consequences),
+        },
+        status=status,
+    )

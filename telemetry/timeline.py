@@ -1,0 +1,222 @@
+"""The story of one preemption, from its decision to the resumed attempt.
+
+A job may be preempted many times, and its attempts also report trap events
+that belong to no preemption (a regular checkpoint every N steps). A timeline
+therefore takes only what happened from its own decision on: the victim
+attempt's trap events at or after `decided_at`, the resume step the
+preemption recorded when it requeued the job (never the job's current one),
+and the resume reported by the next attempt. Offsets are seconds after the
+decision, so none is negative.
+
+A person's cancel of a running job goes through the same graceful stop, and is
+told with the same steps but as what it is: "Cancel requested", the exit codes
+without a preemption outcome (a workload without the trap exits 143 on
+SIGTERM, which is the expected end of a cancel), and never a requeue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from preemption.models import Attempt, PreemptionEvent, Rank, TrapEvent
+
+
+@dataclass
+class TimelineStep:
+    """One moment of a preemption, with its offset from the decision."""
+
+    at: datetime | None
+    title: str
+    detail: str = ""
+    kind: str = "info"  # info | good | warn | bad
+    offset: float | None = None
+
+
+@dataclass
+class RankStory:
+    """What one rank did during a preemption."""
+
+    index: int
+    node: str
+    signal_sent: float | None
+    signal_received: float | None
+    exited: float | None
+    exit_code: int | None
+
+
+@dataclass
+class Timeline:
+    """A preemption told from the decision to the resume."""
+
+    event: PreemptionEvent
+    words: str
+    steps: list[TimelineStep] = field(default_factory=list)
+    ranks: list[RankStory] = field(default_factory=list)
+
+
+def _seconds_after(moment: datetime | None, origin: datetime) -> float | None:
+    return None if moment is None else (moment - origin).total_seconds()
+
+
+def _moment(unix: float) -> datetime:
+    return datetime.fromtimestamp(unix, tz=UTC)
+
+
+def _since(moment: datetime | None, origin: datetime) -> datetime | None:
+    """`moment` when it is at or after `origin`; earlier ones belong to another story."""
+    return moment if moment is not None and moment >= origin else None
+
+
+def _signal_sent_at(event: PreemptionEvent, ranks: list[Rank]) -> datetime | None:
+    """The first moment the signal went out: the preemption's own record or a
+    rank's, whichever is earlier (a runtime may stamp each rank as it signals)."""
+    moments = [event.signal_sent_at] + [rank.signal_sent_at for rank in ranks]
+    known = [moment for moment in moments if moment is not None]
+    return min(known) if known else None
+
+
+def build_timeline(
+    *,
+    event: PreemptionEvent,
+    attempt: Attempt,
+    next_attempt: Attempt | None,
+    events: list[TrapEvent],
+    words: str,
+) -> Timeline:
+    """Order everything known about one preemption (or cancel) into steps:
+    decision → signal → checkpoint → exit → requeue → resume. `events` may
+    hold every trap event of the job; `words` says why it was stopped."""
+    origin = event.decided_at
+    cancel = event.is_cancel
+    timeline = Timeline(event=event, words=words)
+    steps = timeline.steps
+    steps.append(
+        TimelineStep(
+            origin,
+            "Cancel requested" if cancel else "Preemption decided",
+            f"{words}. Grace window {event.grace_seconds:g} s, deadline {event.deadline:%H:%M:%S}.",
+            "info" if cancel else "warn",
+        )
+    )
+    ranks = list(attempt.rank_set.all())
+    sent = _since(_signal_sent_at(event, ranks), origin)
+    if sent is not None:
+        steps.append(TimelineStep(sent, f"Signal sent to all {len(ranks)} ranks"))
+    mine = [
+        e
+        for e in events
+        if e.attempt == attempt.number and e.job_id == event.job_id and _moment(e.at) >= origin
+    ]
+    received_by_rank: dict[int, datetime] = {}
+    for rank in ranks:
+        moment = _since(rank.signal_received_at, origin)
+        if moment is not None:
+            received_by_rank[rank.index] = moment
+    for trap in mine:
+        if trap.event == "signal_received":
+            received_by_rank.setdefault(trap.rank, _moment(trap.at))
+    if received_by_rank:
+        first, last = min(received_by_rank.values()), max(received_by_rank.values())
+        heard = len(received_by_rank)
+        steps.append(
+            TimelineStep(
+                last,
+                f"Every rank received the signal ({heard} of {len(ranks)})"
+                if heard == len(ranks)
+                else f"{heard} of {len(ranks)} ranks received the signal",
+                f"first after {(first - origin).total_seconds():.2f} s, "
+                f"spread {(last - first).total_seconds():.2f} s",
+                "good" if heard == len(ranks) else "warn",
+            )
+        )
+    started = [e for e in mine if e.event == "checkpoint_started"]
+    if started:
+        steps.append(
+            TimelineStep(
+                _moment(min(e.at for e in started)),
+                "Checkpoint started",
+                f"step {started[0].step}" if started[0].step is not None else "",
+            )
+        )
+    committed = [e for e in mine if e.event == "checkpoint_committed"]
+    if committed:
+        payload = committed[-1].payload or {}
+        size = payload.get("bytes")
+        detail = f"step {committed[-1].step}"
+        if size:
+            detail += f", {int(size) / 1e6:.1f} MB"
+        if payload.get("seconds") is not None:
+            detail += f" in {float(payload['seconds']):.2f} s"
+        steps.append(
+            TimelineStep(
+                _moment(max(e.at for e in committed)), "Checkpoint committed", detail, "good"
+            )
+        )
+    elif event.checkpoint_step is not None:
+        detail = f"step {event.checkpoint_step}"
+        if event.checkpoint_seconds is not None:
+            detail += f" in {event.checkpoint_seconds:.2f} s"
+        steps.append(TimelineStep(None, "Checkpoint committed", detail, "good"))
+    skipped = [e for e in mine if e.event == "checkpoint_skipped"]
+    if skipped:
+        reason = (skipped[0].payload or {}).get("reason", "not enough time left in the grace")
+        steps.append(
+            TimelineStep(_moment(skipped[0].at), "Checkpoint skipped", str(reason), "warn")
+        )
+    if event.killed_at:
+        steps.append(
+            TimelineStep(event.killed_at, "Deadline passed: remaining ranks killed", "", "bad")
+        )
+    exits = [r.exited_at for r in ranks if r.exited_at is not None]
+    if exits or event.all_exited_at:
+        codes = sorted({r.exit_code for r in ranks if r.exit_code is not None})
+        detail = f"exit codes {', '.join(str(c) for c in codes) or 'unknown'}"
+        if cancel:
+            kind = "warn" if event.killed_at else "info"
+        else:
+            if event.outcome:
+                detail += f"; outcome {event.get_outcome_display().lower()}"
+            kind = "good" if codes == [0] and event.outcome != "killed" else "bad"
+        steps.append(
+            TimelineStep(event.all_exited_at or max(exits), "Every rank exited", detail, kind)
+        )
+    if event.requeued_at and not cancel:
+        steps.append(
+            TimelineStep(
+                event.requeued_at,
+                "Requeued",
+                f"resumes from step {event.resume_step}"
+                if event.resume_step is not None
+                else "no checkpoint: starts over",
+            )
+        )
+    if not cancel and (event.resumed_at or next_attempt is not None):
+        resumed = [
+            e
+            for e in events
+            if next_attempt is not None
+            and e.attempt == next_attempt.number
+            and e.job_id == event.job_id
+            and e.event == "resumed"
+        ]
+        detail = f"attempt {next_attempt.number}" if next_attempt is not None else ""
+        if resumed and resumed[0].step is not None:
+            detail += f", from step {resumed[0].step}"
+        at = event.resumed_at or (next_attempt.admitted_at if next_attempt is not None else None)
+        steps.append(TimelineStep(at, "Resumed", detail, "good"))
+    for step in steps:
+        step.offset = _seconds_after(step.at, origin)
+    steps.sort(key=lambda step: (step.offset is None, step.offset or 0.0))
+    for rank in ranks:
+        timeline.ranks.append(
+            RankStory(
+                index=rank.index,
+                node=rank.node,
+                signal_sent=_seconds_after(_since(rank.signal_sent_at, origin), origin),
+                signal_received=_seconds_after(received_by_rank.get(rank.index), origin),
+                exited=_seconds_after(_since(rank.exited_at, origin), origin),
+                exit_code=rank.exit_code,
+            )
+        )
+    return timeline

@@ -1,0 +1,203 @@
+"""A preemption's timeline on the job page tells that preemption only.
+
+The job below is preempted twice. Its attempts also report a regular
+checkpoint before each decision, and the job's resume step has moved on by the
+time the page is read. Each timeline must start at its own decision, show
+its own checkpoint and the resume step recorded when it requeued the job, have
+no negative offset, and show the signal sent before it was received.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from django.urls import reverse
+from django.utils import timezone
+
+from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank, TrapEvent
+from tests.portal.pages.conftest import page_client
+
+pytestmark = pytest.mark.django_db
+
+
+def _trap(job: Job, attempt: int, rank: int, name: str, at: datetime, step: int | None) -> None:
+    payload: dict[str, Any] = {"event": name}
+    if step is not None:
+        payload["step"] = step
+    if name == "checkpoint_committed":
+        payload.update(bytes=50_000_000, seconds=2.0)
+    TrapEvent.objects.create(
+        job=job,
+        attempt=attempt,
+        rank=rank,
+        event=name,
+        at=at.timestamp(),
+        step=step,
+        payload=payload,
+        fingerprint=f"{job.pk}-{attempt}-{rank}-{name}-{step}-{at.timestamp()}",
+        source="post",
+    )
+
+
+def _attempt(job: Job, number: int, admitted: datetime, ended: datetime | None) -> Attempt:
+    attempt = Attempt.objects.create(
+        job=job,
+        number=number,
+        admitted_at=admitted,
+        launched_at=admitted,
+        ended_at=ended,
+        end_reason="preempted" if ended else "",
+        placement=[{"node": "h100-node-0", "ranks": 2}],
+    )
+    return attempt
+
+
+def _regular_checkpoint(job: Job, attempt: Attempt, step: int, at: datetime) -> None:
+    """A checkpoint the training loop takes every N steps, before any decision."""
+    for rank in range(2):
+        _trap(job, attempt.number, rank, "checkpoint_started", at, step)
+        _trap(job, attempt.number, rank, "checkpoint_committed", at + timedelta(seconds=2), step)
+    Checkpoint.objects.create(
+        job=job, attempt=attempt, step=step, committed_at=at + timedelta(seconds=2)
+    )
+
+
+def _preemption(
+    world: Any,
+    job: Job,
+    attempt: Attempt,
+    decided: datetime,
+    *,
+    step: int,
+    resume_step: int,
+) -> PreemptionEvent:
+    """A reclaim of `attempt` at `decided`: signal sent at +0.2 s, received at
+    +0.3 s and +0.4 s, checkpoint of `step` from +1 s to +3 s, exits at +8 s
+    and +9 s, requeued at +10 s with `resume_step`."""
+    for rank in range(2):
+        Rank.objects.create(
+            attempt=attempt,
+            index=rank,
+            node="h100-node-0",
+            state="exited",
+            exit_code=0,
+            signal_sent_at=decided + timedelta(milliseconds=200),
+            signal_received_at=decided + timedelta(milliseconds=300 + 100 * rank),
+            exited_at=decided + timedelta(seconds=8 + rank),
+        )
+        _trap(job, attempt.number, rank, "signal_received", decided + timedelta(seconds=0.3), None)
+        _trap(job, attempt.number, rank, "checkpoint_started", decided + timedelta(seconds=1), step)
+        _trap(
+            job, attempt.number, rank, "checkpoint_committed", decided + timedelta(seconds=3), step
+        )
+    Checkpoint.objects.create(
+        job=job, attempt=attempt, step=step, committed_at=decided + timedelta(seconds=3)
+    )
+    return PreemptionEvent.objects.create(
+        victim_attempt=attempt,
+        job=job,
+        reason="reclaim",
+        cause="reclaimed by vision",
+        decided_at=decided,
+        grace_seconds=60.0,
+        deadline=decided + timedelta(seconds=60),
+        signal_sent_at=decided + timedelta(milliseconds=200),
+        all_exited_at=decided + timedelta(seconds=9),
+        checkpoint_step=step,
+        checkpoint_bytes=50_000_000,
+        checkpoint_seconds=2.0,
+        outcome="graceful",
+        requeued_at=decided + timedelta(seconds=10),
+        resume_step=resume_step,
+        resumed_at=decided + timedelta(seconds=35),
+    )
+
+
+def _resumed(job: Job, attempt: Attempt, step: int, at: datetime) -> None:
+    for rank in range(2):
+        _trap(job, attempt.number, rank, "resumed", at, step)
+
+
+def _timelines(body: str) -> dict[int, list[tuple[str, str, str]]]:
+    """Per preempted attempt, the timeline's lines: (offset, title, detail)."""
+    found = {}
+    for number, panel in re.findall(
+        r"<h2>Preemption of attempt (\d+) .*?<ol class=\"timeline\">(.*?)</ol>", body, re.S
+    ):
+        lines = []
+        for at, title, detail in re.findall(
+            r'<span class="at">([^<]*)</span>.*?<strong>([^<]*)</strong>'
+            r'(?:<div class="muted small">([^<]*)</div>)?',
+            panel,
+            re.S,
+        ):
+            lines.append((html.unescape(at), html.unescape(title), html.unescape(detail)))
+        found[int(number)] = lines
+    return found
+
+
+def test_each_timeline_tells_its_own_preemption(world: Any) -> None:
+    start = timezone.now() - timedelta(hours=2)
+    job = Job.objects.create(
+        name="twice",
+        team=world.ops,
+        submitter=world.users["other_researcher"],
+        priority_class=world.batch,
+        flavor=world.h100,
+        ranks=2,
+        gpus_per_rank=4,
+        command="python train.py",
+        state=JobState.RUNNING,
+    )
+    # Attempt 1: a regular checkpoint of step 19, then the first reclaim at
+    # step 45, requeued to resume from 46.
+    first = _attempt(job, 1, start, start + timedelta(seconds=209))
+    _regular_checkpoint(job, first, 19, start + timedelta(seconds=100))
+    first_decided = start + timedelta(seconds=200)
+    _preemption(world, job, first, first_decided, step=45, resume_step=46)
+    # Attempt 2 resumes from 46, checkpoints step 577 regularly, and is
+    # reclaimed at step 639, requeued to resume from 640.
+    second = _attempt(
+        job, 2, first_decided + timedelta(seconds=30), start + timedelta(seconds=1209)
+    )
+    _resumed(job, second, 46, first_decided + timedelta(seconds=35))
+    _regular_checkpoint(job, second, 577, start + timedelta(seconds=1100))
+    second_decided = start + timedelta(seconds=1200)
+    _preemption(world, job, second, second_decided, step=639, resume_step=640)
+    # Attempt 3 resumes from 640 and has checkpointed further since.
+    third = _attempt(job, 3, second_decided + timedelta(seconds=30), None)
+    _resumed(job, third, 640, second_decided + timedelta(seconds=35))
+    _regular_checkpoint(job, third, 700, second_decided + timedelta(seconds=300))
+    Job.objects.filter(pk=job.pk).update(resume_step=701)
+
+    body = (
+        page_client(world, "other_researcher")
+        .get(reverse("job-detail", args=[job.pk]))
+        .content.decode()
+    )
+    timelines = _timelines(body)
+    assert sorted(timelines) == [1, 2]
+    for number, step, resume in ((1, 45, 46), (2, 639, 640)):
+        lines = timelines[number]
+        assert lines[0][:2] == ("+0.00 s", "Preemption decided")
+        assert lines[1:] == [
+            ("+0.20 s", "Signal sent to all 2 ranks", ""),
+            (
+                "+0.40 s",
+                "Every rank received the signal (2 of 2)",
+                "first after 0.30 s, spread 0.10 s",
+            ),
+            ("+1.00 s", "Checkpoint started", f"step {step}"),
+            ("+3.00 s", "Checkpoint committed", f"step {step}, 50.0 MB in 2.00 s"),
+            ("+9.00 s", "Every rank exited", "exit codes 0; outcome graceful"),
+            ("+10.00 s", "Requeued", f"resumes from step {resume}"),
+            ("+35.00 s", "Resumed", f"attempt {number + 1}, from step {resume}"),
+        ], number
+    # The ranks' table: signal sent before received, nothing before the decision.
+    offsets = [float(x) for x in re.findall(r"\+(-?[\d.]+) s", body)]
+    assert offsets and min(offsets) >= 0.0
+    assert "+-" not in body

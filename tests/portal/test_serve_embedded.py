@@ -1,0 +1,179 @@
+"""Stopping the embedded portal stops the ranks of its jobs.
+
+`serve_embedded` runs as a real process on a free port with a folder of its
+own (SQLite, the disk broker, the local runtime); a job of two real rank
+processes runs; SIGINT (Ctrl-C) must leave none of them behind. Processes are
+counted by a scan of /proc (the runtime's own procfs module, no extra package).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from preemption.runtimes import procfs
+from preemption.runtimes.runner import RunnerAccount
+
+pytestmark = pytest.mark.timeout(400)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ranks(marker: str) -> list[int]:
+    """Live processes (zombies aside) whose command line holds `marker`, by a /proc scan."""
+    found = []
+    for pid in procfs.iter_pids():
+        stat = procfs.read_stat(pid)
+        if stat is not None and not stat.is_zombie and marker in procfs.read_cmdline(pid):
+            found.append(pid)
+    return found
+
+
+def _manage(env: dict[str, str], *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+SUBMIT = """
+import shlex, sys
+from django.contrib.auth import get_user_model
+from preemption.services import job_submit
+from quotas.models import PriorityClass, ResourceFlavor, Team
+sleeper = f"{shlex.quote(sys.executable)} -c 'import time; time.sleep(600)' MARKER"
+job_submit(
+    submitter=get_user_model().objects.get(username="ravi"),
+    team=Team.objects.get(slug="vision"),
+    flavor=ResourceFlavor.objects.get(name="h100-80gb"),
+    ranks=2,
+    gpus_per_rank=4,
+    command=sleeper,
+    priority_class=PriorityClass.objects.get(name="ai-batch-preemptible"),
+    name="sleeper",
+)
+"""
+
+
+def _serve_then_interrupt(
+    runner_tmp_path: Path, *options: str
+) -> tuple[str, int, list[int], dict[str, str], str]:
+    """Serve with a running two-rank job, press Ctrl-C, and return the output,
+    the exit code, the rank processes left, the environment and the marker."""
+    marker = f"qm-serve-test-{uuid.uuid4().hex}"
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("DATABASE_URL", "CELERY_BROKER_URL", "QM_RUNS_DIR", "QM_CHECKPOINTS_DIR")
+    }
+    env.update(
+        QM_VAR_DIR=str(runner_tmp_path / "var"),
+        QM_RUNNER_USER=settings.QM_RUNNER_USER,
+        PYTHONPATH=str(ROOT),
+    )
+    _manage(env, "migrate", "--noinput", "-v0")
+    _manage(env, "seed_demo", "--no-jobs")
+    _manage(env, "shell", "-c", SUBMIT.replace("MARKER", marker))
+    port = _free_port()
+    server = subprocess.Popen(
+        [
+            *(sys.executable, "manage.py", "serve_embedded", "--bind", f"127.0.0.1:{port}"),
+            *("--web-workers", "1", "--stop-grace", "5", *options),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while len(_ranks(marker)) < 2:
+            assert server.poll() is None, server.stdout.read() if server.stdout else ""
+            assert time.monotonic() < deadline, "the job's two ranks never started"
+            time.sleep(1)
+        server.send_signal(signal.SIGINT)
+        output, _ = server.communicate(timeout=120)
+        return output, server.returncode, _ranks(marker), env, marker
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def test_ctrl_c_stops_the_ranks_of_running_jobs(
+    runner_account: RunnerAccount, runner_tmp_path: Path
+) -> None:
+    output, code, left, env, marker = _serve_then_interrupt(runner_tmp_path)
+    try:
+        assert left == [], f"rank processes left behind: {left}\n{output}"
+        assert "Stopped 2 rank processes of 1 jobs" in output, output
+        assert code == 0, output
+        # Quiet by default: the scheduling cycle ran every second meanwhile,
+        # but neither it nor the web server logged a line per task or request.
+        assert "Sending due task" not in output and " succeeded in " not in output, output
+        assert "GET /" not in output and "[INFO]" not in output, output
+        assert len(output.splitlines()) < 30, output
+        # The stop is recorded, so the next start requeues the job instead of
+        # taking its ranks' exit for the end of the job.
+        stops = _manage(
+            env,
+            "shell",
+            "-c",
+            "from preemption.models import PreemptionEvent as P; "
+            "print([(p.reason, p.signal_sent_at is not None) for p in P.objects.all()])",
+        )
+        assert stops.strip().splitlines()[-1] == "[('shutdown', True)]"
+    finally:
+        for pid in _ranks(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_keep_jobs_leaves_the_ranks_running_and_says_so(
+    runner_account: RunnerAccount, runner_tmp_path: Path
+) -> None:
+    output, code, left, _, marker = _serve_then_interrupt(runner_tmp_path, "--keep-jobs")
+    try:
+        assert len(left) >= 2, output
+        assert "Left 2 rank processes of 1 jobs running (--keep-jobs)" in output, output
+        assert code == 0, output
+    finally:
+        for pid in _ranks(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.django_db
+def test_seed_demo_says_it_starts_real_training_processes() -> None:
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    call_command("seed_demo", stdout=out)
+    text = out.getvalue()
+    assert "admin  / admin-demo-pass" in text
+    assert "Submitted 3 demo jobs: 5 real training processes" in text
+    assert "stopping the portal stops them" in text

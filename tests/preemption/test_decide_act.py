@@ -1,0 +1,246 @@
+"""Reconcile decides in a short transaction and calls the runtime after commit:
+a launch in progress leaves the jobs table writable (on PostgreSQL and on the
+embedded default's SQLite), a permanent runtime error fails only its own
+attempt, and a temporary one is retried with backoff and shown on the job page.
+
+The runtime is the real local runtime, with real processes; the held launch
+only waits on an Event before launching, so the test can write the database
+while the reconciler is inside a runtime call."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.utils import timezone
+
+from preemption.cycle import schedule_cycle
+from preemption.models import Attempt, Job, JobState, Rank
+from preemption.reconcile import reconcile_jobs
+from preemption.runtimes import GangId, GangSpec, LocalRuntime
+from preemption.services import job_submit
+from tests.preemption.conftest import sleeper_command, state_of
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
+ROOT = Path(__file__).resolve().parents[2]
+LOCK_WAIT_SECONDS = 2.0
+
+
+def submit(world: Any, team: Any, *, seconds: float = 0.5, name: str = "") -> Job:
+    return job_submit(
+        submitter=world.users["researcher"],
+        team=team,
+        flavor=world.h100,
+        ranks=1,
+        gpus_per_rank=1,
+        command=sleeper_command(seconds),
+        priority_class=world.batch,
+        name=name,
+    )
+
+
+class HeldLaunch(LocalRuntime):
+    """The local runtime, whose launch first waits until the test lets it go."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.launching = threading.Event()
+        self.release = threading.Event()
+
+    def launch(self, spec: GangSpec) -> None:
+        self.launching.set()
+        if not self.release.wait(60):
+            raise AssertionError("the test never released the launch")
+        super().launch(spec)
+
+
+def _short_lock_wait() -> None:
+    """Make a write that waits on a lock fail after LOCK_WAIT_SECONDS instead of
+    the connection's usual 30 s, so a lock held across the launch fails the test."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(f"SET lock_timeout = '{int(LOCK_WAIT_SECONDS * 1000)}ms'")
+        else:
+            cursor.execute(f"PRAGMA busy_timeout = {int(LOCK_WAIT_SECONDS * 1000)}")
+
+
+def test_jobs_table_stays_writable_while_a_launch_is_in_progress(
+    world: Any, local_runtime: LocalRuntime, drive: Any
+) -> None:
+    job = submit(world, world.vision, name="held")
+    other = submit(world, world.ops, name="other")
+    schedule_cycle(act=False)
+    assert state_of(job) == state_of(other) == JobState.ADMITTED
+    runtime = HeldLaunch(root=local_runtime.root, inventory=local_runtime.inventory)
+    failures: list[BaseException] = []
+
+    def reconcile() -> None:
+        try:
+            reconcile_jobs(job_ids=[job.pk], runtime=runtime)
+        except BaseException as error:  # reported by the test's thread
+            failures.append(error)
+        finally:
+            connection.close()
+
+    reconciler = threading.Thread(target=reconcile)
+    reconciler.start()
+    try:
+        assert runtime.launching.wait(30), "the reconciler never called launch"
+        _short_lock_wait()
+        started = time.monotonic()
+        # The launching job's own rows and another job's, in one transaction.
+        with transaction.atomic():
+            Job.objects.filter(pk=job.pk).update(name="renamed while launching")
+            Rank.objects.filter(attempt__job=job).update(
+                node=Rank.objects.get(attempt__job=job).node
+            )
+            Attempt.objects.filter(job=job).update(borrowed_gpus=0)
+            Job.objects.filter(pk=other.pk).update(name="written while launching")
+            submit(world, world.nlp, name="submitted while launching")
+        waited = time.monotonic() - started
+        assert runtime.launching.is_set() and not runtime.release.is_set()
+    finally:
+        runtime.release.set()
+        reconciler.join(60)
+    assert not failures, failures
+    assert connection.vendor == ("sqlite" if "QM_SQLITE_TEST_NAME" in os.environ else "postgresql")
+    assert waited < LOCK_WAIT_SECONDS
+    assert Job.objects.get(pk=job.pk).name == "renamed while launching"
+    assert Job.objects.filter(name="submitted while launching").exists()
+    attempt = Attempt.objects.get(job=job)
+    assert attempt.launched_at is not None and attempt.action == ""
+    assert [o.phase for o in runtime.observe(GangId(job.pk, 1))] != []
+    # The launched gang is real: it runs to its end like any other.
+    drive(lambda: state_of(job) == JobState.SUCCEEDED, what="the held job to succeed")
+
+
+def test_jobs_table_stays_writable_while_a_launch_is_in_progress_on_sqlite(
+    tmp_path: Path,
+) -> None:
+    database = tmp_path / "test.sqlite3"
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'portal.sqlite3'}",
+        "QM_SQLITE_TEST_NAME": str(database),
+        "QM_VAR_DIR": str(tmp_path / "var"),
+        "PYTHONPATH": str(ROOT),
+    }
+    env.pop("CELERY_BROKER_URL", None)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "--ds",
+            "tests.sqlite_settings",
+            f"{__file__}::test_jobs_table_stays_writable_while_a_launch_is_in_progress",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "1 passed" in done.stdout
+
+
+def test_a_permanent_error_fails_its_attempt_and_the_next_gang_is_reconciled(
+    world: Any, local_runtime: LocalRuntime, drive: Any
+) -> None:
+    broken = submit(world, world.vision, name="broken")
+    fine = submit(world, world.ops, name="fine")
+    schedule_cycle(act=False)
+    # A placement the runtime has never heard of can never launch.
+    Rank.objects.filter(attempt__job=broken).update(node="no-such-node")
+    assert Attempt.objects.get(job=broken).pk < Attempt.objects.get(job=fine).pk
+
+    reconcile_jobs(runtime=local_runtime)
+
+    broken.refresh_from_db()
+    assert broken.state == JobState.FAILED
+    assert "not in the inventory" in broken.failure_reason
+    assert "no-such-node" in broken.failure_reason
+    assert Attempt.objects.get(job=broken).end_reason == Attempt.EndReason.FAILED
+    # The same pass launched the next gang.
+    assert Attempt.objects.get(job=fine).launched_at is not None
+    assert local_runtime.observe(GangId(fine.pk, 1)) != []
+    assert local_runtime.observe(GangId(broken.pk, 1)) == []
+    drive(lambda: state_of(fine) == JobState.SUCCEEDED, what="the next job to succeed")
+
+
+def test_a_temporary_error_is_retried_with_backoff_and_shown_on_the_job_page(
+    world: Any, local_runtime: LocalRuntime, drive: Any, settings: Any, client: Any, tmp_path: Path
+) -> None:
+    settings.QM_RUNTIME_RETRY_SECONDS = 3.0
+    job = submit(world, world.vision, name="flaky")
+    schedule_cycle(act=False)
+    # The launcher's interpreter is missing for a while: starting it fails with an OSError.
+    local_runtime.python = str(tmp_path / "no-such-python")
+
+    def tried() -> tuple[Attempt, float]:
+        """One pass; the attempt after it and the seconds until its next try."""
+        before = timezone.now()
+        reconcile_jobs(runtime=local_runtime)
+        attempt = Attempt.objects.get(job=job)
+        assert attempt.launched_at is None and attempt.action == Attempt.Action.LAUNCH
+        assert "cannot start the launcher" in attempt.action_error
+        assert attempt.action_not_before is not None
+        return attempt, (attempt.action_not_before - before).total_seconds()
+
+    first, backoff = tried()
+    assert first.action_tries == 1
+    assert 3.0 <= backoff < 5.0
+    client.force_login(world.users["researcher"])
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert "Launch failed 1 time with a temporary runtime error: " in page
+    assert "cannot start the launcher" in page
+    assert "next try at" in page
+
+    # Not before its time: a pass now leaves the count alone.
+    assert tried()[0].action_tries == 1
+    assert first.action_not_before is not None
+    time.sleep(max(0.0, (first.action_not_before - timezone.now()).total_seconds()) + 0.1)
+    second, backoff = tried()
+    assert second.action_tries == 2
+    assert 6.0 <= backoff < 8.0  # doubled
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert "Launch failed 2 times with a temporary runtime error" in page
+
+    # The interpreter is back: the next due try launches, and the job runs.
+    local_runtime.python = sys.executable
+    assert second.action_not_before is not None
+    time.sleep(max(0.0, (second.action_not_before - timezone.now()).total_seconds()) + 0.1)
+    reconcile_jobs(runtime=local_runtime)
+    attempt = Attempt.objects.get(job=job)
+    assert attempt.launched_at is not None
+    assert (attempt.action, attempt.action_tries, attempt.action_error) == ("", 0, "")
+    assert "temporary runtime error" not in client.get(f"/jobs/{job.pk}/").content.decode()
+    drive(lambda: state_of(job) == JobState.SUCCEEDED, what="the job to succeed")
+
+
+def test_a_launch_that_keeps_failing_gives_up_after_its_tries(
+    world: Any, local_runtime: LocalRuntime, settings: Any, tmp_path: Path
+) -> None:
+    settings.QM_RUNTIME_RETRY_SECONDS = 0.0
+    settings.QM_RUNTIME_TRIES = 3
+    job = submit(world, world.vision, name="hopeless")
+    schedule_cycle(act=False)
+    local_runtime.python = str(tmp_path / "no-such-python")
+    for _ in range(3):
+        reconcile_jobs(runtime=local_runtime)
+    job.refresh_from_db()
+    assert job.state == JobState.FAILED
+    assert job.failure_reason.startswith("launch gave up after 3 tries: ")
+    assert "cannot start the launcher" in job.failure_reason
+    assert Attempt.objects.get(job=job).end_reason == Attempt.EndReason.FAILED

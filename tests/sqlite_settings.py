@@ -1,0 +1,13 @@
+"""The portal's settings with the test database in a file: for the tests that must
+also hold on the embedded default's SQLite while the suite runs on PostgreSQL.
+
+Run as `DATABASE_URL=sqlite:///<file> QM_SQLITE_TEST_NAME=<file> pytest --ds
+tests.sqlite_settings ...`; pytest-django would otherwise use an in-memory database,
+whose locking differs from the file database `make run` uses."""
+
+import os
+
+from portal.settings import *  # noqa: F403
+from portal.settings import DATABASES
+
+DATABASES["default"]["TEST"] = {"NAME": os.environ["QM_SQLITE_TEST_NAME"]}
