@@ -75,13 +75,30 @@ class NamedRelatedField(serializers.SlugRelatedField):  # type: ignore[type-arg]
     lone surrogates, non-text) is refused before it reaches the database, which
     would otherwise fail on it."""
 
+    def __init__(self, *args: Any, list_valid: bool = False, **kwargs: Any) -> None:
+        # Only for rows every signed-in user may know of (flavors): a refusal then
+        # names the valid choices. Team names are never listed to another tenant.
+        self.list_valid = list_valid
+        super().__init__(*args, **kwargs)
+
     def to_internal_value(self, data: Any) -> Any:
         if not isinstance(data, str | int) or isinstance(data, bool):
             self.fail("invalid")
         text = str(data)
-        if "\x00" in text or any("\ud800" <= char <= "\udfff" for char in text) or len(text) > 253:
-            self.fail("does_not_exist", slug_name=self.slug_field, value=text[:100])
-        return super().to_internal_value(text)
+        try:
+            if "\x00" in text or any("\ud800" <= c <= "\udfff" for c in text) or len(text) > 253:
+                self.fail("does_not_exist", slug_name=self.slug_field, value=text[:100])
+            return super().to_internal_value(text)
+        except serializers.ValidationError:
+            if not self.list_valid:
+                raise
+            names = sorted(
+                str(name) for name in self.get_queryset().values_list(self.slug_field, flat=True)
+            )
+            raise serializers.ValidationError(
+                f"There is no {text[:100]!r}; the valid choices are: {', '.join(names) or 'none yet'}.",
+                code="does_not_exist",
+            ) from None
 
 
 class IsAdminOrReadOnly(permissions.BasePermission):

@@ -71,7 +71,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
                 bars.append({"usage": usage, "width": usage.bar(scale[flavor.name])})
         team_bars.append({"row": row, "bars": bars})
     jobs = job_list(user=request.user)
-    pending, pending_count = pending_jobs(jobs=jobs)
+    pending, pending_count = pending_jobs(jobs=jobs, first_submitter_id=request.user.pk)
     preemptions = list(
         preemption_event_list(user=request.user)
         .select_related("preemptor__priority_class")

@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
-from django.db.models import QuerySet
+from typing import Any
+
+from django.db.models import (
+    Case,
+    DurationField,
+    ExpressionWrapper,
+    F,
+    IntegerField,
+    OuterRef,
+    PositiveIntegerField,
+    Q,
+    QuerySet,
+    Subquery,
+    Sum,
+    Value,
+    When,
+)
+from django.db.models.functions import Coalesce, Now
 
 from core.access import User
 from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, Webhook
@@ -75,3 +92,127 @@ def webhook_list(*, user: User) -> QuerySet[Webhook]:
     if access.is_admin:
         return queryset
     return queryset.filter(team_id__in=access.tree.subtree(access.managed))
+
+
+# --- the jobs table ------------------------------------------------------------------
+
+# The columns a reader may sort by, each mapped to the ordering it means. Only
+# these keys reach `order_by`, so a crafted `?sort=` can neither fail the query
+# nor sort by a field that is not shown (a password hash through a relation).
+JOB_SORTS: dict[str, tuple[str, ...]] = {
+    "job": ("id",),
+    "name": ("name", "id"),
+    "team": ("team__slug", "id"),
+    "submitter": ("submitter__username", "id"),
+    "class": ("priority_class__name", "id"),
+    "gpus": ("gpu_count", "id"),
+    "state": ("state", "id"),
+    "submitted": ("submitted_at", "id"),
+    "duration": ("run_time", "id"),
+    "gpu_hours": ("gpu_time", "id"),
+}
+DEFAULT_JOB_SORT = "-submitted"
+JOB_COLUMNS = [
+    ("job", "Job"),
+    ("team", "Team"),
+    ("submitter", "Submitted by"),
+    ("class", "Class"),
+    ("gpus", "Ranks × GPUs"),
+    ("state", "State"),
+    ("submitted", "Submitted"),
+    ("duration", "Ran for"),
+    ("gpu_hours", "GPU-hours"),
+]
+
+
+def job_sort_headers(sort: str) -> list[dict[str, str]]:
+    """The table's column heads: each links to sorting by it, ascending, or
+    descending when it is already the ascending sort; `aria` tells assistive
+    technology which column sorts the table and how."""
+    heads = []
+    for key, label in JOB_COLUMNS:
+        current = sort.removeprefix("-") == key
+        descending = sort.startswith("-")
+        heads.append(
+            {
+                "key": key,
+                "label": label,
+                "next": f"-{key}" if current and not descending else key,
+                "aria": ("descending" if descending else "ascending") if current else "none",
+            }
+        )
+    return heads
+
+
+def job_sort_key(requested: str | None) -> str:
+    """The sort key asked for if it is one of JOB_SORTS (with an optional leading
+    minus for descending), otherwise the default: an unknown key is ignored."""
+    if requested and requested.removeprefix("-") in JOB_SORTS:
+        return requested
+    return DEFAULT_JOB_SORT
+
+
+def job_table(
+    jobs: QuerySet[Job],
+    *,
+    sort: str | None = None,
+    search: str = "",
+    first_submitter_id: int | None = None,
+) -> QuerySet[Job]:
+    """An already scoped queryset of jobs as the jobs table shows it: matched
+    against `search` (name or command, case-insensitive), with the time its
+    attempts ran (`run_time`) and that time times its GPUs (`gpu_time`), and
+    ordered by a whitelisted sort key. With `first_submitter_id` that user's
+    own jobs come first, in the chosen order among themselves."""
+    if search.strip():
+        needle = search.strip()
+        jobs = jobs.filter(Q(name__icontains=needle) | Q(command__icontains=needle))
+    # An attempt runs from its admission (as the GPU-hours report counts it)
+    # until it ended, or until now while it is open.
+    run_time = (
+        Attempt.objects.filter(job=OuterRef("pk"))
+        .order_by()
+        .values("job")
+        .annotate(total=Sum(Coalesce("ended_at", Now()) - F("admitted_at")))
+        .values("total")
+    )
+    jobs = jobs.annotate(
+        gpu_count=ExpressionWrapper(
+            F("ranks") * F("gpus_per_rank"), output_field=PositiveIntegerField()
+        ),
+        run_time=Subquery(run_time, output_field=DurationField()),
+    ).annotate(
+        gpu_time=ExpressionWrapper(F("run_time") * F("gpu_count"), output_field=DurationField())
+    )
+    key = job_sort_key(sort)
+    descending = key.startswith("-")
+    ordering: list[Any] = []
+    if first_submitter_id is not None:
+        jobs = jobs.annotate(
+            is_theirs=Case(
+                When(submitter_id=first_submitter_id, then=Value(0)),
+                default=Value(1),
+                output_field=IntegerField(),
+            )
+        )
+        ordering.append("is_theirs")
+    for field in JOB_SORTS[key.removeprefix("-")]:
+        # A job never admitted has no run time; it sorts last either way.
+        expression = F(field)
+        ordering.append(
+            expression.desc(nulls_last=True) if descending else expression.asc(nulls_last=True)
+        )
+    return jobs.order_by(*ordering)
+
+
+def stop_in_progress(attempts: list[Attempt]) -> PreemptionEvent | None:
+    """The preemption or cancel now stopping the job's open attempt, whose
+    deadline the job page counts down to; None when no stop is under way.
+    Works on attempts already loaded with their `preemption`, so it costs no query."""
+    for attempt in attempts:
+        if attempt.ended_at is not None:
+            continue
+        event: PreemptionEvent | None = getattr(attempt, "preemption", None)
+        if event is not None and not event.outcome:
+            return event
+    return None

@@ -206,6 +206,8 @@ class AuditEntry(models.Model):
     )
     before = models.JSONField(null=True, blank=True)
     after = models.JSONField(null=True, blank=True)
+    # Why the person made the change, in their words; optional.
+    reason = models.CharField(max_length=300, blank=True, default="")
 
     class Meta:
         ordering = ["-at", "-id"]

@@ -28,6 +28,7 @@ def _audit(
     team: Team | None,
     before: dict[str, Any] | None,
     after: dict[str, Any] | None,
+    reason: str = "",
 ) -> None:
     AuditEntry.objects.create(
         actor=actor if actor is not None and actor.is_authenticated else None,
@@ -38,6 +39,7 @@ def _audit(
         team=team,
         before=before,
         after=after,
+        reason=reason.strip()[:300],
     )
 
 
@@ -287,8 +289,9 @@ def _validate_quota_tree(*, team: Team, flavor: ResourceFlavor, guarantee: int) 
             raise ValidationError(
                 {
                     "guarantee": [
-                        f"Top-level guarantees of {flavor.name} would total {others + guarantee} GPUs, "
-                        f"but the cluster has {capacity}."
+                        f"At most {max(capacity - others, 0)}: the cluster has {capacity} GPUs "
+                        f"of {flavor.name} and the other top-level teams hold {others} "
+                        f"(got {guarantee})."
                     ]
                 }
             )
@@ -304,8 +307,9 @@ def _validate_quota_tree(*, team: Team, flavor: ResourceFlavor, guarantee: int) 
             raise ValidationError(
                 {
                     "guarantee": [
-                        f"The sub-teams of {team.parent.slug} would be guaranteed {others + guarantee} GPUs of "
-                        f"{flavor.name}, more than its own {parent_guarantee}."
+                        f"At most {max(parent_guarantee - others, 0)}: {team.parent.slug} has "
+                        f"{parent_guarantee} GPUs of {flavor.name} and its other sub-teams "
+                        f"hold {others} (got {guarantee})."
                     ]
                 }
             )
@@ -369,8 +373,10 @@ def quota_set(
     guarantee: int,
     borrow_limit: int | None = None,
     lend_limit: int | None = None,
+    reason: str = "",
 ) -> Quota:
-    """Create or replace the quota of (team, flavor)."""
+    """Create or replace the quota of (team, flavor); `reason`, if given, is
+    stored with the audit entry."""
     # Lock the flavor row so two edits of the same flavor's tree cannot both
     # pass the sum checks and together break them.
     ResourceFlavor.objects.select_for_update().filter(pk=flavor.pk).first()
@@ -391,7 +397,15 @@ def quota_set(
     quota.save()
     after = _quota_values(quota)
     if before != after:
-        _audit(actor=actor, action="quota.set", obj=quota, team=team, before=before, after=after)
+        _audit(
+            actor=actor,
+            action="quota.set",
+            obj=quota,
+            team=team,
+            before=before,
+            after=after,
+            reason=reason,
+        )
     return quota
 
 
@@ -402,6 +416,7 @@ def quota_update(
     guarantee: int | Any = UNSET,
     borrow_limit: int | Any | None = UNSET,
     lend_limit: int | Any | None = UNSET,
+    reason: str = "",
 ) -> Quota:
     """Change some fields of an existing quota; fields left out keep their value."""
     return quota_set(
@@ -411,6 +426,7 @@ def quota_update(
         guarantee=quota.guarantee if guarantee is UNSET else guarantee,
         borrow_limit=quota.borrow_limit if borrow_limit is UNSET else borrow_limit,
         lend_limit=quota.lend_limit if lend_limit is UNSET else lend_limit,
+        reason=reason,
     )
 
 

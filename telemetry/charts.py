@@ -7,8 +7,10 @@ Views only hand `figure.to_json()` to the templates.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from datetime import datetime
 
 import plotly.graph_objects as go
 
@@ -31,6 +33,20 @@ PALETTE = (
 INK = "#1f2937"
 MUTED = "#6b7280"
 GRID = "#e5e7eb"
+# Colours that carry a meaning, the same as the portal's state pills: green
+# went well, red failed, amber was stopped to make room, grey was stopped by a
+# person. A chart never gives "failed" a colour that a success also wears.
+GOOD = "#16a34a"
+BAD = "#dc2626"
+WARN = "#d97706"
+OUTCOME_COLOURS = {
+    "succeeded": GOOD,
+    "failed": BAD,
+    "preempted": WARN,
+    "gang-guard": "#9333ea",
+    "cancelled": MUTED,
+    "running": "#2563eb",
+}
 
 
 def _layout(figure: go.Figure, *, title: str, x: str, y: str, height: int = 320) -> go.Figure:
@@ -65,6 +81,29 @@ def _layout(figure: go.Figure, *, title: str, x: str, y: str, height: int = 320)
     return figure
 
 
+def _count_axis(figure: go.Figure, top: int) -> None:
+    """A y axis of counts shows whole numbers only, from zero. Up to ten, every
+    whole number gets a tick; above that plotly's own steps are whole already."""
+    settings: dict[str, object] = {"rangemode": "tozero", "tickformat": ",d"}
+    if top <= 10:
+        settings.update(tick0=0, dtick=1)
+    figure.update_yaxes(**settings)
+
+
+def _bins(values: Sequence[float], size: float) -> tuple[float, int]:
+    """Where the histogram's bins start (a multiple of `size` at or below the
+    smallest value) and the most values any one bin holds."""
+    start = math.floor(min(values) / size) * size
+    counts = Counter(math.floor((value - start) / size) for value in values)
+    return start, max(counts.values())
+
+
+def _time_range(figure: go.Figure, since: datetime | None, until: datetime | None) -> None:
+    """Draw the whole chosen period, even where there are no samples yet."""
+    if since is not None and until is not None:
+        figure.update_xaxes(range=[since, until])
+
+
 def _empty(figure: go.Figure, message: str) -> go.Figure:
     figure.add_annotation(
         text=message,
@@ -80,9 +119,16 @@ def _empty(figure: go.Figure, message: str) -> go.Figure:
     return figure
 
 
-def utilization_figure(points: Sequence[UtilizationPoint], *, flavor: str) -> go.Figure:
+def utilization_figure(
+    points: Sequence[UtilizationPoint],
+    *,
+    flavor: str,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> go.Figure:
     """GPUs used over time stacked by team, with each team's guarantee at that
-    time as a dashed line of the team's colour, and the flavor's capacity."""
+    time as a dashed line of the team's colour, and the flavor's capacity,
+    drawn over the whole period from `since` to `until`."""
     figure = go.Figure()
     mine = [p for p in points if p.flavor == flavor]
     _layout(figure, title=f"GPUs in use by team — {flavor}", x="time (UTC)", y="GPUs", height=360)
@@ -133,10 +179,18 @@ def utilization_figure(points: Sequence[UtilizationPoint], *, flavor: str) -> go
                 line={"color": MUTED, "width": 1, "dash": "dot"},
             )
         )
+    _time_range(figure, since, until)
+    figure.update_yaxes(rangemode="tozero", tickformat=",d")
     return figure
 
 
-def borrowed_share_figure(points: Sequence[UtilizationPoint], *, flavor: str) -> go.Figure:
+def borrowed_share_figure(
+    points: Sequence[UtilizationPoint],
+    *,
+    flavor: str,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> go.Figure:
     """The share of GPUs in use that ran on borrowed capacity, over time."""
     figure = go.Figure()
     _layout(
@@ -166,6 +220,7 @@ def borrowed_share_figure(points: Sequence[UtilizationPoint], *, flavor: str) ->
         )
     )
     figure.update_yaxes(tickformat=".0%", range=[0, 1])
+    _time_range(figure, since, until)
     return figure
 
 
@@ -177,15 +232,17 @@ def signal_latency_figure(
     _layout(figure, title="Signal latency: decision → rank received", x="seconds", y="ranks")
     if not latencies:
         return _empty(figure, "No rank has been signalled yet.")
+    # 50 ms bins: fine enough against the signal target, readable with few ranks.
+    start, top = _bins(latencies, 0.05)
     figure.add_trace(
         go.Histogram(
             x=list(latencies),
             name="ranks",
             marker={"color": PALETTE[0]},
-            # 50 ms bins: fine enough against the signal target, readable with few ranks.
-            xbins={"size": 0.05},
+            xbins={"start": start, "size": 0.05},
         )
     )
+    _count_axis(figure, top)
     figure.add_vline(
         x=target_seconds,
         line={"color": PALETTE[5], "dash": "dash"},
@@ -196,42 +253,67 @@ def signal_latency_figure(
 
 
 def checkpoint_grace_figure(rows: Sequence[CheckpointAgainstGrace]) -> go.Figure:
-    """Each preemption's checkpoint duration next to its grace window."""
+    """Each preemption's checkpoint time as a share of its own grace window, so
+    a 2 s checkpoint in a 60 s window is a visible 3 % bar rather than a sliver
+    on a 0–60 s scale, and windows of different lengths compare directly."""
     figure = go.Figure()
     _layout(
-        figure, title="Checkpoint duration against the grace window", x="preemption", y="seconds"
+        figure,
+        title="Checkpoint time as a share of its grace window",
+        x="preemption",
+        y="share of the grace window",
     )
     if not rows:
         return _empty(figure, "No preemption has reported a checkpoint yet.")
     labels = [f"job {r.job_id} · {r.decided_at:%m-%d %H:%M}" for r in rows]
+    shares = [checkpoint_share(r) for r in rows]
     figure.add_trace(
         go.Bar(
             x=labels,
-            y=[r.checkpoint_seconds for r in rows],
+            y=shares,
             name="checkpoint",
             marker={
                 "color": [
-                    PALETTE[1]
-                    if MISSION.checkpoint_met(r.checkpoint_seconds, r.grace_seconds)
-                    else PALETTE[5]
+                    GOOD if MISSION.checkpoint_met(r.checkpoint_seconds, r.grace_seconds) else BAD
                     for r in rows
                 ]
             },
-            customdata=[r.outcome for r in rows],
-            hovertemplate="%{x}<br>checkpoint %{y:.2f} s<br>%{customdata}<extra></extra>",
+            customdata=[[r.checkpoint_seconds, r.grace_seconds, r.outcome] for r in rows],
+            hovertemplate=(
+                "%{x}<br>checkpoint %{customdata[0]:.2f} s of %{customdata[1]:g} s"
+                " (%{y:.1%})<br>%{customdata[2]}<extra></extra>"
+            ),
         )
     )
     figure.add_trace(
         go.Scatter(
             x=labels,
-            y=[r.grace_seconds for r in rows],
+            y=[1.0] * len(rows),
             name="grace window",
-            mode="lines+markers",
+            mode="lines",
             line={"color": MUTED, "dash": "dash", "shape": "hv"},
+            hoverinfo="skip",
         )
     )
+    target = MISSION.checkpoint_share_of_grace
+    if target < 1.0:
+        # A stricter target than the window itself gets a line of its own.
+        figure.add_hline(
+            y=target,
+            line={"color": BAD, "dash": "dot", "width": 1},
+            annotation_text=f"target ≤ {target:.0%}",
+        )
     figure.update_layout(hovermode="closest")
+    figure.update_yaxes(tickformat=".0%", range=[0, max(1.05, max(shares) * 1.1)])
     return figure
+
+
+def checkpoint_share(row: CheckpointAgainstGrace) -> float:
+    """Checkpoint seconds over grace seconds; with no grace window at all, any
+    checkpoint took the whole window (1.0) and none took nothing."""
+    if row.grace_seconds > 0:
+        return row.checkpoint_seconds / row.grace_seconds
+    return 1.0 if row.checkpoint_seconds > 0 else 0.0
 
 
 def exit_code_figure(counts: Sequence[tuple[int, str, int]]) -> go.Figure:
@@ -249,11 +331,12 @@ def exit_code_figure(counts: Sequence[tuple[int, str, int]]) -> go.Figure:
                 x=[str(code) for code in codes],
                 y=[table[(code, reason)] for code in codes],
                 name=reason,
-                marker={"color": PALETTE[index % len(PALETTE)]},
+                marker={"color": OUTCOME_COLOURS.get(reason, PALETTE[index % len(PALETTE)])},
             )
         )
     figure.update_layout(barmode="stack", hovermode="closest")
     figure.update_xaxes(type="category")
+    _count_axis(figure, max(sum(table[(code, r)] for r in reasons) for code in codes))
     return figure
 
 
@@ -265,14 +348,17 @@ def recovery_figure(
     _layout(figure, title="Recovery: decision → resumed", x="seconds", y="preemptions")
     if not rows:
         return _empty(figure, "No preempted job has resumed yet.")
+    seconds = [value for _, value in rows]
+    start, top = _bins(seconds, 5.0)
     figure.add_trace(
         go.Histogram(
-            x=[seconds for _, seconds in rows],
+            x=seconds,
             name="preemptions",
             marker={"color": PALETTE[3]},
-            xbins={"size": 5.0},
+            xbins={"start": start, "size": 5.0},
         )
     )
+    _count_axis(figure, top)
     figure.add_vline(
         x=target_seconds,
         line={"color": PALETTE[5], "dash": "dash"},

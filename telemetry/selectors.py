@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from pathlib import PurePath
 from typing import Any
 
-from django.db.models import Count, F, Q, QuerySet, Sum
+from django.db.models import Case, Count, F, IntegerField, Q, QuerySet, Sum, Value, When
 
 from core.access import Access, TeamTree
 from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Job, PreemptionEvent, Rank
@@ -309,10 +309,24 @@ def team_rows(
 # --- the queue and preemptions -----------------------------------------------
 
 
-def pending_jobs(*, jobs: QuerySet[Job], limit: int = 50) -> tuple[list[Job], int]:
-    """The oldest waiting jobs with their reasons, and how many wait in all."""
+def pending_jobs(
+    *, jobs: QuerySet[Job], limit: int = 50, first_submitter_id: int | None = None
+) -> tuple[list[Job], int]:
+    """The oldest waiting jobs with their reasons, and how many wait in all.
+    With `first_submitter_id` that user's own jobs come first (oldest first
+    among them), so a researcher finds their jobs at the top of a long queue."""
     waiting = jobs.filter(state__in=WAITING_STATES)
-    return list(waiting.order_by("submitted_at", "id")[:limit]), waiting.count()
+    ordering: list[Any] = ["submitted_at", "id"]
+    if first_submitter_id is not None:
+        waiting = waiting.annotate(
+            is_theirs=Case(
+                When(submitter_id=first_submitter_id, then=Value(0)),
+                default=Value(1),
+                output_field=IntegerField(),
+            )
+        )
+        ordering.insert(0, "is_theirs")
+    return list(waiting.order_by(*ordering)[:limit]), waiting.count()
 
 
 # --- telemetry over time -----------------------------------------------------
@@ -348,16 +362,30 @@ def overview_teams(*, access: Access, limit: int = 40) -> set[int]:
     return shown
 
 
-def chart_teams(*, access: Access) -> list[int]:
+def chart_teams(*, access: Access, team_id: int | None = None) -> list[int]:
     """Which teams the utilization chart stacks: the user's top readable teams,
     or their children when there is only one, so a manager of one team sees
-    its sub-teams side by side."""
+    its sub-teams side by side. A chosen team (any readable one, leaves
+    included) is charted as its readable sub-teams, or alone when it has none;
+    a team the user cannot read is ignored."""
     tree = access.tree
     readable = set(tree.parent) if access.is_admin else access.readable_teams
+    if team_id is not None and team_id in readable:
+        children = sorted(t for t in tree.children.get(team_id, ()) if t in readable)
+        return children or [team_id]
     roots = sorted(t for t in readable if tree.parent.get(t) not in readable)
     if len(roots) == 1 and tree.children.get(roots[0]):
         return sorted(t for t in tree.children[roots[0]] if t in readable)
     return roots
+
+
+def readable_team_slugs(*, access: Access) -> dict[str, int]:
+    """Slug to id of every team the user may read, in slug order: the teams
+    the telemetry page lets the reader chart, leaves included."""
+    teams = Team.objects.order_by("slug")
+    if not access.is_admin:
+        teams = teams.filter(id__in=access.readable_teams)
+    return dict(teams.values_list("slug", "id"))
 
 
 def utilization_points(

@@ -175,7 +175,9 @@ class JobDetailSerializer(JobSerializer):
 class JobSubmitSerializer(serializers.Serializer[Any]):
     name = serializers.CharField(required=False, allow_blank=True, default="")
     team = NamedRelatedField(slug_field="slug", queryset=Team.objects.all())
-    flavor = NamedRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
+    flavor = NamedRelatedField(
+        slug_field="name", queryset=ResourceFlavor.objects.all(), list_valid=True
+    )
     priority_class = NamedRelatedField(
         slug_field="name",
         queryset=PriorityClass.objects.all(),

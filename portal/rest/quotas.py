@@ -39,7 +39,9 @@ class FlavorSerializer(serializers.ModelSerializer[ResourceFlavor]):
 
 
 class NodeSerializer(serializers.ModelSerializer[Node]):
-    flavor = NamedRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
+    flavor = NamedRelatedField(
+        slug_field="name", queryset=ResourceFlavor.objects.all(), list_valid=True
+    )
     gpus = serializers.IntegerField(min_value=0, max_value=services.MAX_GPUS)
     labels = serializers.DictField(
         child=serializers.CharField(max_length=253, allow_blank=True), required=False
@@ -153,7 +155,9 @@ class TeamNodeSerializer(serializers.Serializer[Any]):
 
 class QuotaSerializer(serializers.ModelSerializer[Quota]):
     team = NamedRelatedField(slug_field="slug", queryset=Team.objects.all())
-    flavor = NamedRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
+    flavor = NamedRelatedField(
+        slug_field="name", queryset=ResourceFlavor.objects.all(), list_valid=True
+    )
     # Bounds and signs are checked by the service, so the API and the pages
     # give the same messages; here only the type is checked.
     guarantee = serializers.IntegerField()
@@ -171,6 +175,9 @@ class QuotaUpdateSerializer(serializers.Serializer[Any]):
     guarantee = serializers.IntegerField(required=False)
     borrow_limit = serializers.IntegerField(allow_null=True, required=False)
     lend_limit = serializers.IntegerField(allow_null=True, required=False)
+    reason = serializers.CharField(
+        max_length=300, allow_blank=True, required=False, help_text="Kept with the audit entry."
+    )
 
 
 class QuotaPreviewSerializer(QuotaUpdateSerializer):
@@ -233,6 +240,7 @@ class AuditEntrySerializer(serializers.ModelSerializer[AuditEntry]):
             "team",
             "before",
             "after",
+            "reason",
         ]
         read_only_fields = fields
 

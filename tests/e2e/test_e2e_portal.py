@@ -47,7 +47,7 @@ def test_manager_previews_then_saves_a_quota_and_sees_the_audit_entry(
         "document.querySelector('#preview-result').textContent.includes('8 → 6')"
     )
     preview = page.inner_text("#preview-result")
-    assert "lend limit all → 2" in " ".join(preview.split())
+    assert "lend limit lend all → 2" in " ".join(preview.split())
     assert world.quota(world.vision).guarantee == 8  # the preview saved nothing
     session.screenshot("quota-edit-preview")
     page.click("#save-button")
@@ -71,8 +71,10 @@ def test_invalid_edit_shows_the_message_and_changes_nothing(
     session.go(f"/quotas/{quota.pk}/edit/")
     page.fill("#id_guarantee", "12")
     page.wait_for_selector("#preview-errors")
-    message = "The sub-teams of ml would be guaranteed 20 GPUs of h100-80gb, more than its own 16."
+    message = "At most 8: ml has 16 GPUs of h100-80gb and its other sub-teams hold 8 (got 12)."
     assert message in page.inner_text("#preview-errors")
+    # The live preview also puts the refusal under the field it concerns.
+    assert page.inner_text(".field.invalid p.error.live") == message
     page.click("#save-button")
     page.wait_for_load_state("networkidle")
     assert message in page.inner_text('[data-error-for="guarantee"]')

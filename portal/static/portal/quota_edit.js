@@ -11,6 +11,30 @@
   var timer = null;
   var sequence = 0;
 
+  // The preview's refusals are shown under the field they concern, as after a
+  // full-page save; a refusal of the form as a whole stays in the panel.
+  function placeErrors() {
+    form.querySelectorAll(".field").forEach(function (field) {
+      field.classList.remove("invalid");
+      field.querySelectorAll("p.error").forEach(function (old) { old.remove(); });
+    });
+    form.querySelectorAll("[aria-invalid]").forEach(function (input) {
+      input.removeAttribute("aria-invalid");
+    });
+    panel.querySelectorAll("[data-error-for]").forEach(function (source) {
+      var input = form.querySelector('[name="' + source.getAttribute("data-error-for") + '"]');
+      var field = input && input.closest(".field");
+      if (!field) { return; }
+      field.classList.add("invalid");
+      var copy = document.createElement("p");
+      copy.className = "error live";
+      copy.setAttribute("role", "alert");
+      copy.textContent = source.getAttribute("data-message") || source.textContent;
+      field.appendChild(copy);
+      input.setAttribute("aria-invalid", "true");
+    });
+  }
+
   function preview() {
     var mine = ++sequence;
     var body = new FormData(form);
@@ -27,6 +51,7 @@
         if (mine !== sequence) { return; }  // a newer preview is on its way
         panel.innerHTML = html;
         panel.classList.remove("loading");
+        placeErrors();
       })
       .catch(function () {
         panel.classList.remove("loading");

@@ -26,6 +26,7 @@ class JobFilterForm(forms.Form):
     until = forms.DateField(
         required=False, widget=forms.DateInput(attrs={"type": "date"}), label="to"
     )
+    q = forms.CharField(required=False, max_length=200, label="Name or command")
 
     def __init__(self, *args: Any, access: Access, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -36,6 +37,7 @@ class JobFilterForm(forms.Form):
             ("", "all my teams" if not access.is_admin else "all teams")
         ] + [(slug, slug) for slug in teams.values_list("slug", flat=True)]
         self.fields["user"].widget.attrs["placeholder"] = "username"
+        self.fields["q"].widget.attrs.update({"placeholder": "search", "type": "search"})
 
     def apply(self, jobs: QuerySet[Job]) -> QuerySet[Job]:
         """Narrow an already scoped queryset by the chosen filters."""

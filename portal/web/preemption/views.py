@@ -12,17 +12,21 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.core.paginator import Paginator
+from django.core.paginator import EmptyPage, PageNotAnInteger, Paginator
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.template.defaultfilters import pluralize
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from portal.web.preemption.forms import JobFilterForm
+from preemption.exports import job_csv_response
 from preemption.logs import read_rank_log
 from preemption.models import Job, PreemptionEvent, TrapEvent
 from preemption.reasons import describe_preemption
 from preemption.runtimes.base import RuntimePermanentError, RuntimeTemporaryError
 from preemption.selectors import job_list as job_selector
+from preemption.selectors import job_sort_headers, job_sort_key, job_table, stop_in_progress
 from preemption.services import job_cancel as cancel_job
 from quotas.selectors import access_for
 from telemetry.timeline import Timeline, build_timeline
@@ -33,16 +37,35 @@ LOG_CHUNK = 65536
 
 @login_required
 def job_list(request: HttpRequest) -> HttpResponse:
-    """Every job the user may read, newest first, filtered by team, user, state and time."""
+    """Every job the user may read, filtered by team, user, state, time and a
+    search of name and command, sorted by a whitelisted column; `?format=csv`
+    answers the whole filtered list as CSV."""
     access = access_for(request.user)
     form = JobFilterForm(request.GET or None, access=access)
     jobs = job_selector(user=request.user).select_related("priority_class")
+    search = ""
     if form.is_valid():
         jobs = form.apply(jobs)
-    paginator = Paginator(jobs.order_by("-submitted_at", "-id"), JOBS_PER_PAGE)
-    page = paginator.get_page(request.GET.get("page"))
+        search = form.cleaned_data.get("q") or ""
+    sort = job_sort_key(request.GET.get("sort"))
+    jobs = job_table(jobs, sort=sort, search=search)
+    if request.GET.get("format") == "csv":
+        return job_csv_response(jobs)
+    paginator = Paginator(jobs, JOBS_PER_PAGE)
+    try:
+        page = paginator.page(request.GET.get("page") or 1)
+    except PageNotAnInteger:
+        raise Http404("The page number must be a whole number, such as ?page=2.") from None
+    except EmptyPage:
+        # A page past the end is an error, not silently the first page.
+        raise Http404(
+            f"There is no page {request.GET.get('page')}: this list has "
+            f"{paginator.num_pages} page{pluralize(paginator.num_pages)}."
+        ) from None
     query = request.GET.copy()
     query.pop("page", None)
+    unsorted = query.copy()
+    unsorted.pop("sort", None)
     return render(
         request,
         "preemption/job_list.html",
@@ -50,6 +73,9 @@ def job_list(request: HttpRequest) -> HttpResponse:
             "form": form,
             "page": page,
             "query": query.urlencode(),
+            "unsorted": unsorted.urlencode(),
+            "sort": sort,
+            "heads": job_sort_headers(sort),
             "nav": "jobs",
         },
     )
@@ -91,11 +117,16 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         )
     checkpoints = list(job.checkpoints.select_related("attempt").order_by("-committed_at")[:100])
     access = access_for(request.user)
+    stopping = stop_in_progress(attempts)
     return render(
         request,
         "preemption/job_detail.html",
         {
             "job": job,
+            "stopping": stopping,
+            "stopping_left": max(0, round((stopping.deadline - timezone.now()).total_seconds()))
+            if stopping
+            else None,
             "attempts": list(reversed(attempts)),
             "timelines": list(reversed(timelines)),
             "cancels": cancels,
@@ -114,6 +145,9 @@ def rank_log(request: HttpRequest, pk: int, attempt: int, rank: int) -> HttpResp
         offset = max(int(request.GET.get("offset", "0")), 0)
     except ValueError:
         offset = 0
+    # Asked before reading, so a follower that sees the attempt closed has
+    # already been given everything the attempt wrote.
+    attempt_open = job.attempts.filter(number=attempt, ended_at__isnull=True).exists()
     unavailable = ""
     try:
         chunk, next_offset = read_rank_log(
@@ -128,6 +162,7 @@ def rank_log(request: HttpRequest, pk: int, attempt: int, rank: int) -> HttpResp
     if request.GET.get("raw"):
         response = HttpResponse(text, content_type="text/plain; charset=utf-8")
         response["X-Next-Offset"] = str(next_offset)
+        response["X-Attempt-Open"] = "1" if attempt_open else "0"
         return response
     context: dict[str, Any] = {
         "job": job,
@@ -139,6 +174,7 @@ def rank_log(request: HttpRequest, pk: int, attempt: int, rank: int) -> HttpResp
         "has_more": len(chunk) >= LOG_CHUNK,
         "ranks": range(job.ranks),
         "unavailable": unavailable,
+        "attempt_open": attempt_open,
         "nav": "jobs",
     }
     return render(request, "preemption/rank_log.html", context)

@@ -15,6 +15,7 @@ from django.core.exceptions import ValidationError
 
 from core.forms import add_service_errors
 from quotas.models import Quota
+from quotas.wording import LEND_ALL, NO_LIMIT
 
 
 class QuotaForm(forms.Form):
@@ -27,14 +28,21 @@ class QuotaForm(forms.Form):
     borrow_limit = forms.IntegerField(
         required=False,
         label="Borrow limit",
-        help_text="Most GPUs it may borrow beyond its guarantee. Empty: no limit.",
-        widget=forms.NumberInput(attrs={"inputmode": "numeric", "placeholder": "no limit"}),
+        help_text=f"Most GPUs it may borrow beyond its guarantee. Empty: {NO_LIMIT}.",
+        widget=forms.NumberInput(attrs={"inputmode": "numeric", "placeholder": NO_LIMIT}),
     )
     lend_limit = forms.IntegerField(
         required=False,
         label="Lend limit",
-        help_text="Most of its idle guarantee others may borrow. Empty: all of it.",
-        widget=forms.NumberInput(attrs={"inputmode": "numeric", "placeholder": "all idle GPUs"}),
+        help_text=f"Most of its idle guarantee others may borrow. Empty: {LEND_ALL}.",
+        widget=forms.NumberInput(attrs={"inputmode": "numeric", "placeholder": LEND_ALL}),
+    )
+    reason = forms.CharField(
+        required=False,
+        max_length=300,
+        label="Reason (optional)",
+        help_text="Kept with this change in the quota history.",
+        widget=forms.TextInput(attrs={"placeholder": "e.g. nlp's deadline moved to June"}),
     )
 
     @classmethod

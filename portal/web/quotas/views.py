@@ -156,7 +156,12 @@ def quota_edit(request: HttpRequest, pk: int) -> HttpResponse:
         if form.is_valid():
             if action == "save":
                 try:
-                    quota_update(actor=request.user, quota=quota, **form.values())
+                    quota_update(
+                        actor=request.user,
+                        quota=quota,
+                        reason=form.cleaned_data.get("reason") or "",
+                        **form.values(),
+                    )
                 except ValidationError as error:
                     form.add_service_errors(error)
                 else:

@@ -19,10 +19,19 @@ class PeriodForm(forms.Form):
 
     period = forms.ChoiceField(choices=PERIODS, required=False, initial="24h")
     flavor = forms.ChoiceField(required=False)
+    team = forms.ChoiceField(required=False)
 
-    def __init__(self, *args: Any, flavors: list[str], **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, flavors: list[str], teams: list[str] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.fields["flavor"].choices = [(name, name) for name in flavors]
+        # Only the reader's own teams are offered, and only they validate.
+        self.fields["team"].choices = [("", "my teams")] + [(slug, slug) for slug in teams or []]
+
+    def chosen_team(self) -> str:
+        """The chosen team's slug, or "" for the default of the reader's teams."""
+        return str(self.cleaned_data.get("team") or "") if self.is_valid() else ""
 
     def chosen(self, flavors: list[str]) -> tuple[str, str]:
         """The chosen (period, flavor), with defaults for anything missing or invalid."""

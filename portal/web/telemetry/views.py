@@ -32,6 +32,7 @@ from telemetry.selectors import (
     latest_drills,
     mission_matrix,
     period_bounds,
+    readable_team_slugs,
     recovery_seconds,
     signal_latencies,
     simulation_reports,
@@ -46,16 +47,17 @@ def telemetry(request: HttpRequest) -> HttpResponse:
     access = access_for(request.user)
     # The largest flavor comes first and is the one charted unless another is chosen.
     flavors = [f.name for f in sorted(flavors_now(), key=lambda f: (-f.capacity, f.name))]
-    form = PeriodForm(request.GET or None, flavors=flavors)
+    teams = readable_team_slugs(access=access)
+    form = PeriodForm(request.GET or None, flavors=flavors, teams=list(teams))
     period, flavor = form.chosen(flavors)
     now = timezone.now()
     since, until = period_bounds(now, period)
-    points = utilization_points(
-        access=access, since=since, until=until, team_ids=chart_teams(access=access)
-    )
+    team_ids = chart_teams(access=access, team_id=teams.get(form.chosen_team()))
+    points = utilization_points(access=access, since=since, until=until, team_ids=team_ids)
+    span = {"since": since, "until": until}
     figures = {
-        "utilization": charts.utilization_figure(points, flavor=flavor),
-        "borrowed": charts.borrowed_share_figure(points, flavor=flavor),
+        "utilization": charts.utilization_figure(points, flavor=flavor, **span),
+        "borrowed": charts.borrowed_share_figure(points, flavor=flavor, **span),
         "latency": charts.signal_latency_figure(signal_latencies(access=access)),
         "checkpoint": charts.checkpoint_grace_figure(checkpoints_against_grace(access=access)),
         "exit-codes": charts.exit_code_figure(exit_codes(access=access)),

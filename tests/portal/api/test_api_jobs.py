@@ -256,6 +256,17 @@ def test_a_quota_change_leaves_an_audit_row_naming_the_manager(world: Any) -> No
     entry = world.client("manager").get("/api/v1/audit-log/?team=vision").json()["results"][0]
     assert entry["actor"] == "manager" and entry["action"] == "quota.set"
     assert entry["before"]["lend_limit"] is None and entry["after"]["lend_limit"] == 4
+    assert entry["reason"] == ""
+
+
+def test_a_quota_change_through_the_api_keeps_its_reason(world: Any) -> None:
+    quota = world.quota(world.vision)
+    response = world.client("manager").patch(
+        f"/api/v1/quotas/{quota.pk}/", {"guarantee": 6, "reason": "nlp needs more"}, format="json"
+    )
+    assert response.status_code == 200
+    entry = world.client("manager").get("/api/v1/audit-log/?team=vision").json()["results"][0]
+    assert (entry["reason"], entry["after"]["guarantee"]) == ("nlp needs more", 6)
 
 
 # --- tokens --------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def test_children_guarantees_cannot_sum_above_the_parent(world: Any) -> None:
     )
     assert body == {
         "guarantee": [
-            "The sub-teams of ml would be guaranteed 17 GPUs of h100-80gb, more than its own 16."
+            "At most 8: ml has 16 GPUs of h100-80gb and its other sub-teams hold 8 (got 9)."
         ]
     }
 
@@ -107,7 +107,7 @@ def test_top_level_guarantees_cannot_exceed_the_cluster(world: Any) -> None:
     )
     assert body == {
         "guarantee": [
-            "Top-level guarantees of h100-80gb would total 25 GPUs, but the cluster has 24."
+            "At most 16: the cluster has 24 GPUs of h100-80gb and the other top-level teams hold 8 (got 17)."
         ]
     }
     # A new top-level quota of a flavor counts against that flavor's nodes only.
@@ -119,7 +119,7 @@ def test_top_level_guarantees_cannot_exceed_the_cluster(world: Any) -> None:
     )
     assert body == {
         "guarantee": [
-            "Top-level guarantees of a100-40gb would total 9 GPUs, but the cluster has 8."
+            "At most 8: the cluster has 8 GPUs of a100-40gb and the other top-level teams hold 0 (got 9)."
         ]
     }
 
@@ -252,7 +252,12 @@ def test_a_job_cannot_ask_more_gpus_per_rank_than_any_node_has(world: Any) -> No
         ({"ranks": "two"}, {"ranks": ["A valid integer is required."]}),
         ({"command": "   "}, {"command": ["A command is required."]}),
         ({"team": "nope"}, {"team": ["Object with slug=nope does not exist."]}),
-        ({"flavor": "tpu"}, {"flavor": ["Object with name=tpu does not exist."]}),
+        # Flavors are cluster-wide, so the refusal lists the valid ones; team
+        # names (above) are never listed to another tenant.
+        (
+            {"flavor": "tpu"},
+            {"flavor": ["There is no 'tpu'; the valid choices are: a100-40gb, h100-80gb."]},
+        ),
         (
             {"priority_class": "urgent"},
             {"priority_class": ["Object with name=urgent does not exist."]},

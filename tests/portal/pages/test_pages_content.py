@@ -183,7 +183,7 @@ def test_invalid_quota_edit_shows_the_service_message_and_changes_nothing(world:
     )
     assert response.status_code == 400
     assert (
-        "The sub-teams of ml would be guaranteed 20 GPUs of h100-80gb, more than its own 16."
+        "At most 8: ml has 16 GPUs of h100-80gb and its other sub-teams hold 8 (got 12)."
         in response.content.decode()
     )
     negative = client.post(reverse("quota-preview", args=[quota.pk]), {"guarantee": -3})
@@ -288,8 +288,10 @@ def test_telemetry_embeds_figures_with_the_seeded_values(world: Any, history: An
     latency = json.loads(re.search(r'id="figure-latency">(.*?)</script>', admin, re.S)[1])
     assert sorted(latency["data"][0]["x"]) == pytest.approx([0.3, 0.4])
     checkpoint = json.loads(re.search(r'id="figure-checkpoint">(.*?)</script>', admin, re.S)[1])
-    assert checkpoint["data"][0]["y"] == [4.5]
-    assert checkpoint["data"][1]["y"] == [60.0]
+    # 4.5 s of a 60 s grace window: 4.5 / 60 = 7.5 % of the window.
+    assert checkpoint["data"][0]["y"] == [0.075]
+    assert checkpoint["data"][0]["customdata"][0][:2] == [4.5, 60.0]
+    assert checkpoint["data"][1]["y"] == [1.0]
     assert "Signal reaches every rank" in admin and "0.42 s" in admin
     assert "41.50 s" in admin and "93 %" in admin
 
