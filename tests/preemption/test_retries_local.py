@@ -1,7 +1,6 @@
 """A job that fails on its own is retried only as often as its submitter asked,
-with real rank processes on the local runtime; a preemption requeues whatever
-the retries (tests/preemption/test_flow_local.py's reclaim test shows that on a
-job that asked for none; here the job's retries are checked to stay unused)."""
+with real rank processes on the local runtime; a preemption or a lost gang
+requeues it whatever its retries, and uses none of them."""
 
 from __future__ import annotations
 
@@ -11,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from preemption.models import Attempt, Job, JobState, PreemptionEvent
+from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
+from preemption.runtimes import GangId
 from preemption.services import job_submit
 from tests.preemption.conftest import sleeper_command, state_of, train_command
 
@@ -82,3 +82,24 @@ def test_a_preempted_job_requeues_without_using_its_retries(world: Any, drive: A
     assert borrower.state in (JobState.REQUEUED, JobState.ADMITTED, JobState.RUNNING)
     assert borrower.retries_used == 0
     assert PreemptionEvent.objects.get(job=borrower).reason == "reclaim"
+
+
+def test_lost_ranks_requeue_without_using_retries(
+    world: Any, drive: Any, local_runtime: Any
+) -> None:
+    job = submit(world, world.vision, command=sleeper_command(600), name="lost")
+    drive(lambda: state_of(job) == JobState.RUNNING, what="the job to run")
+    # The runtime loses the gang: its ranks are gone without an exit to read.
+    gang = GangId(job.pk, 1)
+    local_runtime.kill(gang)
+    local_runtime.forget(gang)
+    drive(
+        lambda: Attempt.objects.filter(job=job, number=1, ended_at__isnull=False).exists(),
+        what="the lost attempt to end",
+    )
+    job.refresh_from_db()
+    assert job.state in (JobState.REQUEUED, JobState.ADMITTED, JobState.RUNNING)
+    assert job.retries_used == 0 and job.failure_reason == ""
+    assert set(
+        Rank.objects.filter(attempt__job=job, attempt__number=1).values_list("state", flat=True)
+    ) == {"lost"}
