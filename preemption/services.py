@@ -110,7 +110,8 @@ def job_submit(
             command=command,
             image=image,
             env=env or {},
-            max_attempts=max_attempts or settings.QM_MAX_ATTEMPTS,
+            # The retries asked for are all run unless max_attempts says otherwise.
+            max_attempts=max_attempts or max(settings.QM_MAX_ATTEMPTS, retries + 1),
             retries=retries,
             waiting_reason="waiting for the next scheduling cycle",
         )

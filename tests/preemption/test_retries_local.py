@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -92,6 +93,10 @@ def test_lost_ranks_requeue_without_using_retries(
     # The runtime loses the gang: its ranks are gone without an exit to read.
     gang = GangId(job.pk, 1)
     local_runtime.kill(gang)
+    deadline = time.monotonic() + 30
+    while any(o.phase not in ("exited", "lost") for o in local_runtime.observe(gang)):
+        assert time.monotonic() < deadline, "the killed rank did not exit"
+        time.sleep(0.05)
     local_runtime.forget(gang)
     drive(
         lambda: Attempt.objects.filter(job=job, number=1, ended_at__isnull=False).exists(),

@@ -82,6 +82,16 @@ def test_submit_without_retries_asks_for_none(world: Any) -> None:
     assert response.status_code == 201 and response.json()["retries"] == 0
 
 
+def test_retries_beyond_the_default_attempts_raise_them(world: Any, settings: Any) -> None:
+    settings.QM_MAX_ATTEMPTS = 5
+    many = submit(world.client("researcher"), retries=12)
+    assert many.status_code == 201 and many.json()["max_attempts"] == 13
+    few = submit(world.client("researcher"), retries=2)
+    assert few.json()["max_attempts"] == 5
+    capped = submit(world.client("researcher"), retries=12, max_attempts=3)
+    assert capped.json()["max_attempts"] == 3
+
+
 def test_job_list_filters(world: Any) -> None:
     researcher, admin = world.client("researcher"), world.client("admin")
     first = submit(researcher, name="first").json()["id"]
