@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
 
 from .candidates import PendingJob, RunningWork, VictimCandidates
 from .consolidation import CONSOLIDATIONS_PER_PLAN, consolidate
@@ -33,6 +34,7 @@ from .model import (
     Snapshot,
     Waiting,
     Workload,
+    minimum_runtimes,
 )
 from .nodes import NodeMap, Placement
 from .preemption import Victims, preempt_for, reclaim_by_node
@@ -45,6 +47,9 @@ NODE_SEARCHES_PER_PLAN = 8
 # Passes over the workloads still waiting after the first pass, each run only when the
 # previous pass changed what they could do.
 RETRY_PASSES = 3
+# Searches a plan may run to find until when a waiting workload's victims are protected
+# by their minimum runtime: each repeats the workload's preemption searches.
+PROTECTION_SEARCHES_PER_PLAN = 16
 
 # The key of a queue in a pass's heap: (beyond its guarantee with its next job, usage
 # minus fair share, the next job's submission, queue name, queue index).
@@ -74,6 +79,11 @@ class FlavorPlanner:
         workloads: list[Workload],
     ) -> None:
         self.now = snapshot.now
+        # Per class: its minimum runtime per preemption reason, shared by its work.
+        self.minimums = {
+            name: minimum_runtimes(snapshot, priority_class)
+            for name, priority_class in classes.items()
+        }
         self.tree = tree
         self.flavor = flavor
         count = len(tree.names)
@@ -108,7 +118,14 @@ class FlavorPlanner:
             leaf_usage[queue] += gpus
             if priority_class.preemptible:
                 candidates[queue].append(
-                    RunningWork(workload, queue, priority_class, on_nodes, self.now)
+                    RunningWork(
+                        workload,
+                        queue,
+                        priority_class,
+                        on_nodes,
+                        self.now,
+                        self.minimums[priority_class.name],
+                    )
                 )
             else:
                 pinned_usage[queue] += gpus
@@ -119,10 +136,14 @@ class FlavorPlanner:
         self.ledger = QuotaLedger(
             snapshot, tree, flavor, nodes.capacity, leaf_usage, leaf_demand, pinned_usage
         )
-        self.victims = VictimCandidates(
-            tree, self.ledger, candidates, snapshot.fair_share_min_runtime_seconds
-        )
-        self.consolidation_min_runtime = snapshot.consolidation_min_runtime_seconds
+        self.victims = VictimCandidates(tree, self.ledger, candidates)
+        self.protection_searches_left = PROTECTION_SEARCHES_PER_PLAN
+        # Per kind of workload (queue, ranks, rank size, priority, preemptible): the
+        # candidates' version and what protects its victims, as found by
+        # _protected_until.
+        self.protection_by_kind: dict[
+            tuple[int, int, int, int, bool], tuple[tuple[int, int], str]
+        ] = {}
         self.node_searches_left = NODE_SEARCHES_PER_PLAN
         self.consolidations_left = CONSOLIDATIONS_PER_PLAN
 
@@ -267,6 +288,7 @@ class FlavorPlanner:
                         ranks, known_failure if known_failure is not None else ranks
                     )
         modes = self._modes(job)
+        self.victims.protected.clear()
         if modes:
             self.attempted_at_version[workload.id] = self.candidates_version
         failed_attempts = self.failed_attempts
@@ -307,7 +329,7 @@ class FlavorPlanner:
             # Enough GPUs are free, just not together, and the gang fits inside its
             # guarantee: move small jobs off a few nodes to the free GPUs elsewhere.
             self.consolidations_left -= 1
-            moved = consolidate(nodes, self.victims, job, self.consolidation_min_runtime)
+            moved = consolidate(nodes, self.victims, job)
             if moved is not None:
                 victims, placement, holes = moved
                 for node, hole in holes:
@@ -322,6 +344,9 @@ class FlavorPlanner:
             if quota_reason is None:
                 quota_reason = self._physical_reason(ranks, gpus_per_rank)
                 self.reason_by_shape[shape] = quota_reason
+            protection = self._protected_until(job, modes)
+            if protection:
+                quota_reason = f"{quota_reason}; {protection}"
         known = self.waits.get(workload.id)
         if known is None or known.reason != quota_reason:
             self.waits[workload.id] = Waiting(workload.id, quota_reason)
@@ -405,9 +430,80 @@ class FlavorPlanner:
             )
             self.victims.add(
                 RunningWork(
-                    started, queue, job.priority_class, gpus_on_nodes, self.now, planned=True
+                    started,
+                    queue,
+                    job.priority_class,
+                    gpus_on_nodes,
+                    self.now,
+                    self.minimums[job.priority_class.name],
+                    planned=True,
                 )
             )
+
+    def _protected_until(self, job: PendingJob, modes: list[str]) -> str:
+        """Until when the victims that would let ``job`` in are protected, or "".
+
+        Asked only of a workload that found no victims while some candidates were passed
+        over for their minimum runtime: its searches run again with that protection
+        ignored, and when they succeed the waiting reason names the protected victims
+        and the moment the last of them may go. The searches' tentative quota changes
+        are undone; a plan runs a bounded number of them, and workloads of one kind
+        share the answer while the candidates stay the same.
+        """
+        victims = self.victims
+        workload = job.workload
+        kind = (
+            job.queue,
+            workload.ranks,
+            workload.gpus_per_rank,
+            job.priority_class.value,
+            job.priority_class.preemptible,
+        )
+        version = (self.candidates_version, len(self.preempt))
+        known = self.protection_by_kind.get(kind)
+        if known is not None and known[0] == version:
+            return known[1]
+        if not victims.protected or self.protection_searches_left <= 0:
+            return ""
+        self.protection_searches_left -= 1
+        victims.ignore_protection = True
+        try:
+            found = None
+            for mode in modes:
+                candidates: Iterator[tuple[RunningWork, str]]
+                if mode == RECLAIM:
+                    candidates = victims.reclaim(job.queue)
+                elif mode == PRIORITY:
+                    candidates = victims.priority(job)
+                else:
+                    candidates = victims.fair_share(job)
+                found = preempt_for(self.ledger, self.nodes, job, candidates)
+                if found is not None:
+                    break
+        finally:
+            victims.ignore_protection = False
+        phrase = ""
+        if found is not None:
+            chosen, _ = found
+            for run, _ in chosen:
+                # preempt_for leaves its victims' quota usage taken: give it back.
+                self.ledger.add_usage(run.queue, run.gpus)
+            protected = [
+                (run, reason, self.now - run.runtime + run.minimum[reason])
+                for run, reason in chosen
+                if run.runtime < run.minimum[reason]
+            ]
+            if protected:
+                until = max(at for _, _, at in protected)
+                ids = [run.workload.id for run, _, _ in protected]
+                reasons = sorted({reason for _, reason, _ in protected})
+                moment = datetime.fromtimestamp(until, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+                phrase = (
+                    f"{_jobs_phrase(ids)} may be preempted ({', '.join(reasons)}) only after "
+                    f"their minimum runtime, at {moment} (in {until - self.now:.0f} s)"
+                )
+        self.protection_by_kind[kind] = (version, phrase)
+        return phrase
 
     def _modes(self, job: PendingJob) -> list[str]:
         """The kinds of preemption that could let ``job`` in: reclaim, priority, fair share."""

@@ -22,6 +22,8 @@ RECLAIM: Final = "reclaim"
 PRIORITY: Final = "priority"
 FAIR_SHARE: Final = "fair-share"
 CONSOLIDATE: Final = "consolidate"
+# The reasons a running workload may be preempted for, each with its own minimum runtime.
+PREEMPTION_REASONS: Final = (PRIORITY, FAIR_SHARE, RECLAIM, CONSOLIDATE)
 
 
 class ScenarioError(ValueError):
@@ -122,8 +124,13 @@ class PriorityClass:
     ``preemption_policy`` ("PreemptLowerPriority" or "Never") governs only priority
     preemption inside one queue (R7); ``preemptible`` alone decides whether a workload of
     this class may ever be a victim. ``grace_seconds`` is the victim's time to checkpoint,
-    ``min_runtime_seconds`` protects a fresh workload from priority and fair-share
-    preemption (never from reclaim of borrowed GPUs).
+    ``min_runtime_seconds`` protects a fresh workload from priority, fair-share and
+    consolidation preemption (never from reclaim of borrowed GPUs).
+
+    ``min_runtime_by_reason`` maps a preemption reason ("priority", "fair-share",
+    "reclaim", "consolidate") to this class's own minimum for it, replacing the default
+    (the snapshot's threshold for the reason, raised to ``min_runtime_seconds`` for all
+    reasons but reclaim); see ``minimum_runtimes``.
     """
 
     name: str
@@ -132,6 +139,11 @@ class PriorityClass:
     preemptible: bool
     grace_seconds: float
     min_runtime_seconds: float = 0.0
+    min_runtime_by_reason: Mapping[str, float] = field(default_factory=FrozenMap)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_runtime_by_reason, FrozenMap):
+            object.__setattr__(self, "min_runtime_by_reason", FrozenMap(self.min_runtime_by_reason))
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +173,9 @@ class Workload:
         return self.ranks * self.gpus_per_rank
 
 
+PRIORITY_MIN_RUNTIME_SECONDS: Final = 0.0
 FAIR_SHARE_MIN_RUNTIME_SECONDS: Final = 60.0
+RECLAIM_MIN_RUNTIME_SECONDS: Final = 0.0
 CONSOLIDATION_MIN_RUNTIME_SECONDS: Final = 600.0
 
 
@@ -169,7 +183,12 @@ CONSOLIDATION_MIN_RUNTIME_SECONDS: Final = 600.0
 class Snapshot:
     """Everything the engine reads: the cluster at one instant ``now`` (Unix seconds).
 
-    Two thresholds of the plan come with the snapshot:
+    One minimum runtime per preemption reason comes with the snapshot; a running
+    workload that started less than that long ago is never taken for that reason:
+
+    ``priority_min_runtime_seconds`` (default 0) and ``reclaim_min_runtime_seconds``
+    (default 0): no protection, so that a queue gets its guarantee back at once and
+    urgent work goes first. Raising the reclaim minimum delays guarantees by that long.
 
     ``fair_share_min_runtime_seconds`` (default 60): a fair-share move (R8) never takes
     a job that started less than this long ago. GPUs that came back are handed out by
@@ -181,7 +200,8 @@ class Snapshot:
     succession.
 
     A victim's own class minimum (``PriorityClass.min_runtime_seconds``) applies as
-    well: the larger of the two protects it.
+    well, for every reason but reclaim: the larger of the two protects it. A class's
+    ``min_runtime_by_reason`` replaces both for the reasons it names.
     """
 
     now: float
@@ -191,6 +211,38 @@ class Snapshot:
     workloads: tuple[Workload, ...]
     fair_share_min_runtime_seconds: float = FAIR_SHARE_MIN_RUNTIME_SECONDS
     consolidation_min_runtime_seconds: float = CONSOLIDATION_MIN_RUNTIME_SECONDS
+    priority_min_runtime_seconds: float = PRIORITY_MIN_RUNTIME_SECONDS
+    reclaim_min_runtime_seconds: float = RECLAIM_MIN_RUNTIME_SECONDS
+
+    def min_runtime_defaults(self) -> dict[str, float]:
+        """The snapshot's minimum runtime per preemption reason."""
+        return {
+            PRIORITY: self.priority_min_runtime_seconds,
+            FAIR_SHARE: self.fair_share_min_runtime_seconds,
+            RECLAIM: self.reclaim_min_runtime_seconds,
+            CONSOLIDATE: self.consolidation_min_runtime_seconds,
+        }
+
+
+def minimum_runtimes(snapshot: Snapshot, priority_class: PriorityClass) -> dict[str, float]:
+    """How long a workload of ``priority_class`` runs before it may be taken, per reason.
+
+    The class's ``min_runtime_by_reason`` decides for the reasons it names; otherwise
+    the snapshot's threshold applies, raised to the class's ``min_runtime_seconds`` for
+    every reason but reclaim (reclaim takes back borrowed GPUs, which a class alone
+    may not keep from their owner). The fair-share minimum is never below the reclaim
+    minimum.
+    """
+    minimums = snapshot.min_runtime_defaults()
+    floor = priority_class.min_runtime_seconds
+    for reason in (PRIORITY, FAIR_SHARE, CONSOLIDATE):
+        minimums[reason] = max(minimums[reason], floor)
+    minimums.update(priority_class.min_runtime_by_reason)
+    # Fair share and reclaim both take work across queues, and fair share only evens
+    # out the surplus where reclaim restores a guarantee: a job protected from reclaim
+    # is protected from fair share as well, or the weaker reason would take it first.
+    minimums[FAIR_SHARE] = max(minimums[FAIR_SHARE], minimums[RECLAIM])
+    return minimums
 
 
 @dataclass(frozen=True, slots=True)

@@ -179,7 +179,7 @@ def reclaim_by_node(
         runs = victims.by_queue[donor]
         for i in range(victims.first_live[donor], len(runs)):
             run = runs[i]
-            if not run.victim:
+            if not run.victim and not victims.is_protected(run, RECLAIM):
                 for node, _ in run.nodes:
                     on_node[node].append(run)
 

@@ -14,6 +14,8 @@ from .model import (
     CONSOLIDATION_MIN_RUNTIME_SECONDS,
     FAIR_SHARE_MIN_RUNTIME_SECONDS,
     PREEMPTION_POLICIES,
+    PRIORITY_MIN_RUNTIME_SECONDS,
+    RECLAIM_MIN_RUNTIME_SECONDS,
     UNSET,
     WORKLOAD_STATES,
     Consequences,
@@ -131,6 +133,15 @@ def _priority_class(record: Mapping[str, Any], where: str) -> PriorityClass:
     )
     if grace < 0 or minimum < 0:
         raise ScenarioError(f"{where}: grace_seconds and min_runtime_seconds must not be negative")
+    by_reason_record = _field(record, "min_runtime_by_reason", where, {})
+    if not isinstance(by_reason_record, Mapping):
+        raise ScenarioError(
+            f"{where}.min_runtime_by_reason: expected an object, got {by_reason_record!r}"
+        )
+    by_reason = {
+        str(reason): _number(value, f"{where}.min_runtime_by_reason.{reason}")
+        for reason, value in by_reason_record.items()
+    }
     return PriorityClass(
         name=_string(_field(record, "name", where), f"{where}.name"),
         value=_integer(_field(record, "value", where), f"{where}.value"),
@@ -138,6 +149,7 @@ def _priority_class(record: Mapping[str, Any], where: str) -> PriorityClass:
         preemptible=_boolean(_field(record, "preemptible", where), f"{where}.preemptible"),
         grace_seconds=grace,
         min_runtime_seconds=minimum,
+        min_runtime_by_reason=by_reason,
     )
 
 
@@ -216,6 +228,8 @@ def snapshot_from_dict(document: Mapping[str, Any]) -> Snapshot:
         for name, default in (
             ("fair_share_min_runtime_seconds", FAIR_SHARE_MIN_RUNTIME_SECONDS),
             ("consolidation_min_runtime_seconds", CONSOLIDATION_MIN_RUNTIME_SECONDS),
+            ("priority_min_runtime_seconds", PRIORITY_MIN_RUNTIME_SECONDS),
+            ("reclaim_min_runtime_seconds", RECLAIM_MIN_RUNTIME_SECONDS),
         )
     }
     snapshot = Snapshot(
@@ -226,6 +240,8 @@ def snapshot_from_dict(document: Mapping[str, Any]) -> Snapshot:
         workloads=workloads,
         fair_share_min_runtime_seconds=thresholds["fair_share_min_runtime_seconds"],
         consolidation_min_runtime_seconds=thresholds["consolidation_min_runtime_seconds"],
+        priority_min_runtime_seconds=thresholds["priority_min_runtime_seconds"],
+        reclaim_min_runtime_seconds=thresholds["reclaim_min_runtime_seconds"],
     )
     validate(snapshot)
     return snapshot
@@ -242,6 +258,8 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
         "now": snapshot.now,
         "fair_share_min_runtime_seconds": snapshot.fair_share_min_runtime_seconds,
         "consolidation_min_runtime_seconds": snapshot.consolidation_min_runtime_seconds,
+        "priority_min_runtime_seconds": snapshot.priority_min_runtime_seconds,
+        "reclaim_min_runtime_seconds": snapshot.reclaim_min_runtime_seconds,
         "nodes": [{"name": n.name, "flavor": n.flavor, "gpus": n.gpus} for n in snapshot.nodes],
         "queues": [
             {
@@ -262,6 +280,7 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
                 "preemptible": c.preemptible,
                 "grace_seconds": c.grace_seconds,
                 "min_runtime_seconds": c.min_runtime_seconds,
+                "min_runtime_by_reason": dict(c.min_runtime_by_reason),
             }
             for c in snapshot.priority_classes
         ],

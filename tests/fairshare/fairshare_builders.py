@@ -31,6 +31,14 @@ CLASSES = (
     PriorityClass("polite", 0, "Never", True, 30.0),
     PriorityClass("low", -1, "PreemptLowerPriority", True, 10.0),
     PriorityClass("fresh", -1, "PreemptLowerPriority", True, 10.0, min_runtime_seconds=600.0),
+    # Protected from reclaim (and so from fair share) for its first 15 minutes.
+    PriorityClass(
+        "steady", -1, "PreemptLowerPriority", True, 10.0, min_runtime_by_reason={"reclaim": 900.0}
+    ),
+    # Gives way to fair share at once, below the plan's one-minute default.
+    PriorityClass(
+        "nimble", -1, "PreemptLowerPriority", True, 10.0, min_runtime_by_reason={"fair-share": 0.0}
+    ),
     PriorityClass("pinned", -5, "PreemptLowerPriority", False, 60.0),
 )
 _CLASS_BY_VALUE = {-5: "pinned", -1: "low", 0: "normal", 100: "high", 1000: "critical"}

@@ -13,7 +13,17 @@ from fairshare_builders import CLASSES, NOW
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fairshare import FlavorQuota, Node, Plan, Queue, Snapshot, Workload, plan
+from fairshare import (
+    PREEMPTION_REASONS,
+    FlavorQuota,
+    Node,
+    Plan,
+    Queue,
+    Snapshot,
+    Workload,
+    minimum_runtimes,
+    plan,
+)
 
 FLAVORS = ("h100", "a100")
 CLASS_BY_NAME = {c.name: c for c in CLASSES}
@@ -483,3 +493,46 @@ def test_a_queue_at_or_under_its_guarantee_never_loses_work(snapshot: Snapshot) 
     this plan nor in the next one (victims gone and requeued, admissions running)."""
     first = checked_plan(snapshot)
     checked_plan(apply_plan(snapshot, first, NOW + 1))
+
+
+@st.composite
+def protected_snapshots(draw: st.DrawFn) -> Snapshot:
+    """A random cluster whose plan thresholds and classes set random minimum runtimes per
+    preemption reason, on the same scale as the runtimes of the running work."""
+    snapshot = draw(snapshots())
+    minimum = st.sampled_from((0.0, 30.0, 300.0, 1000.0, 3000.0))
+    classes = tuple(
+        dataclasses.replace(
+            c,
+            min_runtime_by_reason=draw(
+                st.dictionaries(st.sampled_from(PREEMPTION_REASONS), minimum, max_size=4)
+            ),
+        )
+        for c in snapshot.priority_classes
+    )
+    return dataclasses.replace(
+        snapshot,
+        priority_classes=classes,
+        priority_min_runtime_seconds=draw(minimum),
+        fair_share_min_runtime_seconds=draw(minimum),
+        reclaim_min_runtime_seconds=draw(minimum),
+        consolidation_min_runtime_seconds=draw(minimum),
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(protected_snapshots())
+def test_protected_jobs_are_never_victims_before_their_time(snapshot: Snapshot) -> None:
+    p = checked_plan(snapshot)
+    classes = {c.name: c for c in snapshot.priority_classes}
+    by_id = {x.id: x for x in snapshot.workloads}
+    for victim in p.preempt:
+        workload = by_id[victim.id]
+        assert workload.admitted_at is not None
+        minimum = minimum_runtimes(snapshot, classes[workload.priority_class])[victim.reason]
+        assert snapshot.now - workload.admitted_at >= minimum, (victim, minimum, p)
+    # A waiting reason that names a moment names one after now.
+    for waiting in p.waiting:
+        if "minimum runtime" in waiting.reason:
+            seconds = float(waiting.reason.rsplit("(in ", 1)[1].split(" s)", 1)[0])
+            assert seconds > 0, waiting
