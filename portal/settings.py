@@ -249,6 +249,19 @@ QM_K8S_KUBECONFIG = env_str("QM_K8S_KUBECONFIG", "") or ""
 QM_PUBLIC_URL = env_str("QM_PUBLIC_URL", "http://127.0.0.1:8000") or "http://127.0.0.1:8000"
 QM_MAX_ATTEMPTS = env_int("QM_MAX_ATTEMPTS", 5, minimum=1)
 QM_RETRY_BACKOFF_SECONDS = env_float("QM_RETRY_BACKOFF_SECONDS", 10.0, minimum=0.0)
+# How long a job runs before the scheduler may preempt it, per reason; a priority
+# class may set its own. Priority and reclaim: none, so that urgent work and
+# guarantees come first; fair share: a minute, so that GPUs handed out in one
+# cycle are not taken back in the next; consolidation: ten minutes, so that no
+# job is moved twice in quick succession.
+QM_PRIORITY_MIN_RUNTIME_SECONDS = env_float("QM_PRIORITY_MIN_RUNTIME_SECONDS", 0.0, minimum=0.0)
+QM_FAIR_SHARE_MIN_RUNTIME_SECONDS = env_float(
+    "QM_FAIR_SHARE_MIN_RUNTIME_SECONDS", 60.0, minimum=0.0
+)
+QM_RECLAIM_MIN_RUNTIME_SECONDS = env_float("QM_RECLAIM_MIN_RUNTIME_SECONDS", 0.0, minimum=0.0)
+QM_CONSOLIDATION_MIN_RUNTIME_SECONDS = env_float(
+    "QM_CONSOLIDATION_MIN_RUNTIME_SECONDS", 600.0, minimum=0.0
+)
 # Webhooks: networks an admin opens to them (comma-separated CIDRs; everything
 # that is not public is closed otherwise), and the time one delivery may take
 # in all, from connecting to the answer's head.

@@ -7,6 +7,7 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
 from django.db import models
 from django.db.models import Max
 from django.utils import timezone
@@ -93,6 +94,7 @@ def build_snapshot(
             preemptible=pc.preemptible,
             grace_seconds=float(pc.grace_seconds),
             min_runtime_seconds=float(pc.min_runtime_seconds),
+            min_runtime_by_reason=pc.min_runtime_by_reason(),
         )
         for pc in PriorityClass.objects.all()
     )
@@ -163,6 +165,10 @@ def build_snapshot(
         queues=queues,
         priority_classes=classes,
         workloads=tuple(workloads),
+        priority_min_runtime_seconds=settings.QM_PRIORITY_MIN_RUNTIME_SECONDS,
+        fair_share_min_runtime_seconds=settings.QM_FAIR_SHARE_MIN_RUNTIME_SECONDS,
+        reclaim_min_runtime_seconds=settings.QM_RECLAIM_MIN_RUNTIME_SECONDS,
+        consolidation_min_runtime_seconds=settings.QM_CONSOLIDATION_MIN_RUNTIME_SECONDS,
     )
 
 
