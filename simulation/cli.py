@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
+import fairshare
 from simulation.engine import POLICIES, Progress, SimulationConfig, simulate
 from simulation.report import Report
 from simulation.traces import (
@@ -55,6 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "arrival_scale": 1.0,
     "json": None,
     "seed": 0,
+    "min_runtime": None,
     "progress": True,
 }
 
@@ -106,6 +108,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULTS["arrival_scale"],
         help="multiply submit times by this factor (below 1 compresses the trace)",
+    )
+    parser.add_argument(
+        "--min-runtime",
+        action="append",
+        metavar="REASON=SECONDS",
+        help=(
+            "the priority class's minimum runtime before preemption for one reason "
+            f"({', '.join(fairshare.PREEMPTION_REASONS)}); may repeat"
+        ),
     )
     parser.add_argument("--json", type=Path, help="write the JSON report here")
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
@@ -171,8 +182,29 @@ def prepare(options: argparse.Namespace | Mapping[str, Any]) -> tuple[list[Trace
         cycle_seconds=float(opts["cycle_seconds"]),
         grace_seconds=float(opts["grace_seconds"]),
         seed=int(opts["seed"]),
+        min_runtimes=parse_min_runtimes(opts["min_runtime"] or ()),
     )
     return trace, config
+
+
+def parse_min_runtimes(entries: Sequence[str]) -> dict[str, float]:
+    """``REASON=SECONDS`` entries of ``--min-runtime`` as the engine's reason -> seconds."""
+    minimums: dict[str, float] = {}
+    for entry in entries:
+        reason, _, seconds = entry.partition("=")
+        if reason not in fairshare.PREEMPTION_REASONS:
+            raise TraceError(
+                f"--min-runtime {entry!r}: the reason must be one of "
+                f"{', '.join(fairshare.PREEMPTION_REASONS)}"
+            )
+        try:
+            value = float(seconds)
+        except ValueError:
+            raise TraceError(f"--min-runtime {entry!r}: seconds must be a number") from None
+        if not 0 <= value < math.inf:
+            raise TraceError(f"--min-runtime {entry!r}: seconds must be 0 or more")
+        minimums[reason] = value
+    return minimums
 
 
 def progress_bar(stream: TextIO, width: int = 30) -> Callable[[Progress], None]:

@@ -38,7 +38,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
@@ -81,6 +81,9 @@ class SimulationConfig:
     cycle_seconds: float = 1.0
     grace_seconds: float = 120.0
     seed: int = 0
+    # The priority class's minimum runtime per preemption reason ("priority",
+    # "fair-share", "reclaim", "consolidate"); a reason left out keeps the engine's default.
+    min_runtimes: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +194,7 @@ class Simulation:
                 preemption_policy="PreemptLowerPriority",
                 preemptible=True,
                 grace_seconds=config.grace_seconds,
+                min_runtime_by_reason=config.min_runtimes,
             ),
         )
         self.period = config.checkpoint_interval + config.save_seconds
@@ -429,9 +433,25 @@ class Simulation:
             self._fifo_cycle(now)
             return
         self._refresh_checkpoints(now)
-        result = self._call_plan(self._snapshot(now, tuple(self.pending.values())))
+        snapshot = self._snapshot(now, tuple(self.pending.values()))
+        result = self._call_plan(snapshot)
         self._apply(result, now)
         self._remember_waiting(result)
+        if self.config.min_runtimes and self.pending:
+            self._wake_when_protection_ends(snapshot, now)
+
+    def _wake_when_protection_ends(self, snapshot: Any, now: float) -> None:
+        # Cycles run on events; a job that waits only because its victims have not run
+        # their minimum runtime would otherwise wait for an unrelated event.
+        minimums = set(fairshare.minimum_runtimes(snapshot, self.priority_classes[0]).values())
+        ends = [
+            workload.admitted_at + minimum
+            for workload in self.running.values()
+            for minimum in minimums
+            if workload.admitted_at is not None and workload.admitted_at + minimum > now
+        ]
+        if ends:
+            self._want_cycle(self._cycle_after(min(ends)))
 
     def _fifo_cycle(self, now: float) -> None:
         # Pending jobs are kept in arrival order (dicts keep insertion order and fifo never
