@@ -129,3 +129,31 @@ def test_a_class_minimum_is_saved_and_audited(world: Any) -> None:
     entry = AuditEntry.objects.filter(action="priority_class.save").latest("at")
     assert entry.after["fair_share_min_runtime_seconds"] == 300
     assert entry.before["fair_share_min_runtime_seconds"] is None
+
+
+def test_the_admin_edits_a_class_minimum_per_reason(world: Any, client: Any) -> None:
+    client.force_login(world.users["admin"])
+    url = f"/admin/quotas/priorityclass/{world.batch.pk}/change/"
+    page = client.get(url)
+    assert page.status_code == 200
+    for field in ("priority", "fair_share", "reclaim", "consolidation"):
+        assert f'name="{field}_min_runtime_seconds"' in page.content.decode()
+    form = {
+        "name": world.batch.name,
+        "value": world.batch.value,
+        "preemption_policy": world.batch.preemption_policy,
+        "preemptible": "on",
+        "grace_seconds": world.batch.grace_seconds,
+        "min_runtime_seconds": 0,
+        "reclaim_min_runtime_seconds": "-5",
+        "description": "",
+    }
+    refused = client.post(url, form)
+    assert refused.status_code == 200
+    assert PriorityClass.objects.get(pk=world.batch.pk).reclaim_min_runtime_seconds is None
+    form["reclaim_min_runtime_seconds"] = "900"
+    saved = client.post(url, form)
+    assert saved.status_code == 302
+    assert PriorityClass.objects.get(pk=world.batch.pk).min_runtime_by_reason() == {
+        "reclaim": 900.0
+    }
