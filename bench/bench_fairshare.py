@@ -257,27 +257,40 @@ def with_minimum_runtimes(snapshot: Snapshot) -> Snapshot:
     )
 
 
-def compare_protected(snapshot: Snapshot, runs: int) -> None:
-    """CPU time of plan() without and with minimum runtimes, runs interleaved in one process
-    so that both see the same load on a shared machine."""
-    protected = with_minimum_runtimes(snapshot)
+def with_decayed_usage(snapshot: Snapshot) -> Snapshot:
+    """``snapshot`` with a week of decayed usage per queue, from idle to several times its
+    guarantee, counted at strength 1."""
+    rng = random.Random(7)
+    horizon = 7 * 86_400 / math.log(2)
+    queues = tuple(
+        dataclasses.replace(
+            q,
+            recent_usage={FLAVOR: rng.uniform(0, 3) * max(1, q.quota(FLAVOR).guarantee) * horizon},
+        )
+        for q in snapshot.queues
+    )
+    return dataclasses.replace(snapshot, queues=queues, usage_strength=1.0)
+
+
+def compare(feature: str, snapshot: Snapshot, variant: Snapshot, runs: int) -> None:
+    """CPU time of plan() without and with ``feature``, runs interleaved in one process so
+    that both see the same load on a shared machine."""
     plan(snapshot)
-    plan(protected)
+    plan(variant)
     cpu: dict[str, list[float]] = {"without": [], "with": []}
     plans: dict[str, Plan] = {}
     for _ in range(runs):
-        for label, variant in (("without", snapshot), ("with", protected)):
+        for label, chosen in (("without", snapshot), ("with", variant)):
             gc.collect()
             start = time.process_time()
-            plans[label] = plan(variant)
+            plans[label] = plan(chosen)
             cpu[label].append(time.process_time() - start)
     for label in ("without", "with"):
         p = plans[label]
-        said = sum("minimum runtime" in w.reason for w in p.waiting)
         print(
-            f"{label:>7} minimum runtimes: CPU time median {statistics.median(cpu[label]):.3f} s; "
+            f"{label:>7} {feature}: CPU time median {statistics.median(cpu[label]):.3f} s; "
             f"{len(p.admit)} admissions, {len(p.preempt)} preemptions, "
-            f"{said} waiting say until when their victims are protected"
+            f"{sum(feature in w.reason for w in p.waiting)} waiting reasons name it"
         )
     ratio = statistics.median(cpu["with"]) / statistics.median(cpu["without"])
     print(f"with / without: {ratio:.2f}")
@@ -308,7 +321,10 @@ def main() -> None:
 
     print()
     print("== Minimum runtimes per reason: the same cluster with and without ==")
-    compare_protected(snapshot, runs)
+    compare("minimum runtime", snapshot, with_minimum_runtimes(snapshot), runs)
+    print()
+    print("== Decayed usage (strength 1): the same cluster with and without ==")
+    compare("its share of the spare", snapshot, with_decayed_usage(snapshot), runs)
 
     print()
     print("== Running-heavy: 20,000 running + 50,000 pending on a cluster large enough ==")

@@ -137,6 +137,7 @@ class FlavorPlanner:
             snapshot, tree, flavor, nodes.capacity, leaf_usage, leaf_demand, pinned_usage
         )
         self.victims = VictimCandidates(tree, self.ledger, candidates)
+        self.usage_matters = snapshot.usage_strength > 0
         self.protection_searches_left = PROTECTION_SEARCHES_PER_PLAN
         # Per kind of workload (queue, ranks, rank size, priority, preemptible): the
         # candidates' version and what protects its victims, as found by
@@ -216,6 +217,7 @@ class FlavorPlanner:
         usage = ledger.usage
         guarantee = ledger.guarantee
         fair_share = ledger.fair_share
+        boost = ledger.order_boost
         names = self.tree.names
         plan_job = self._plan_job
         while heap:
@@ -229,11 +231,12 @@ class FlavorPlanner:
                 # The key of _queue_key, spelled out: this loop runs once per workload.
                 head = jobs[at]
                 used = usage[queue]
+                below = used - fair_share[queue]
                 heappush(
                     heap,
                     (
                         used + head.gpus > guarantee[queue],
-                        used - fair_share[queue],
+                        below * boost[queue] if below < 0 else below,
                         head.workload.submitted_at,
                         names[queue],
                         queue,
@@ -243,11 +246,13 @@ class FlavorPlanner:
     def _queue_key(self, queue: int, head: PendingJob) -> QueueKey:
         # Work that fits inside its queue's guarantee goes before any borrowing: otherwise
         # a borrower would take GPUs that the guarantee reclaims in the next cycle. Then
-        # the queue furthest below its fair share goes first; ties by older submission.
+        # the queue furthest below its fair share goes first, the distance weighed by
+        # how little it used recently (decayed usage); ties by older submission.
         usage = self.ledger.usage[queue]
+        below = usage - self.ledger.fair_share[queue]
         return (
             usage + head.gpus > self.ledger.guarantee[queue],
-            usage - self.ledger.fair_share[queue],
+            below * self.ledger.order_boost[queue] if below < 0 else below,
             head.workload.submitted_at,
             self.tree.names[queue],
             queue,
@@ -347,6 +352,10 @@ class FlavorPlanner:
             protection = self._protected_until(job, modes)
             if protection:
                 quota_reason = f"{quota_reason}; {protection}"
+            if self.usage_matters:
+                usage_reason = ledger.usage_reason(queue, gpus)
+                if usage_reason:
+                    quota_reason = f"{quota_reason}; {usage_reason}"
         known = self.waits.get(workload.id)
         if known is None or known.reason != quota_reason:
             self.waits[workload.id] = Waiting(workload.id, quota_reason)

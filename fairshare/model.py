@@ -100,17 +100,23 @@ class Queue:
 
     ``weight`` divides the surplus beyond guarantees between siblings; ``quotas`` maps a
     flavor to its quota, and a flavor that is missing has the empty quota.
+    ``recent_usage`` maps a flavor to the queue's GPU-seconds used, decayed with the
+    snapshot's half-life (a parent without its own figure counts its children's); with
+    ``Snapshot.usage_strength`` above 0 it adjusts the weight (see ``shares``).
     """
 
     name: str
     parent: str | None
     weight: float = 1.0
     quotas: Mapping[str, FlavorQuota] = field(default_factory=FrozenMap)
+    recent_usage: Mapping[str, float] = field(default_factory=FrozenMap)
 
     def __post_init__(self) -> None:
         # Callers may pass a plain dict; store a frozen copy so the queue stays hashable.
         if not isinstance(self.quotas, FrozenMap):
             object.__setattr__(self, "quotas", FrozenMap(self.quotas))
+        if not isinstance(self.recent_usage, FrozenMap):
+            object.__setattr__(self, "recent_usage", FrozenMap(self.recent_usage))
 
     def quota(self, flavor: str) -> FlavorQuota:
         """The queue's quota for ``flavor``, the empty quota when none is configured."""
@@ -177,6 +183,8 @@ PRIORITY_MIN_RUNTIME_SECONDS: Final = 0.0
 FAIR_SHARE_MIN_RUNTIME_SECONDS: Final = 60.0
 RECLAIM_MIN_RUNTIME_SECONDS: Final = 0.0
 CONSOLIDATION_MIN_RUNTIME_SECONDS: Final = 600.0
+# Slurm's default PriorityDecayHalfLife.
+USAGE_HALF_LIFE_SECONDS: Final = 7 * 86_400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +210,11 @@ class Snapshot:
     A victim's own class minimum (``PriorityClass.min_runtime_seconds``) applies as
     well, for every reason but reclaim: the larger of the two protects it. A class's
     ``min_runtime_by_reason`` replaces both for the reasons it names.
+
+    Decayed usage: ``usage_strength`` (default 0: the surplus goes by weight alone) is
+    how strongly each queue's ``recent_usage`` beyond its guarantee, decayed with
+    ``usage_half_life_seconds`` (default 7 days), lowers its weight for the surplus
+    and its place among the queues below their fair share. Guarantees never change.
     """
 
     now: float
@@ -213,6 +226,8 @@ class Snapshot:
     consolidation_min_runtime_seconds: float = CONSOLIDATION_MIN_RUNTIME_SECONDS
     priority_min_runtime_seconds: float = PRIORITY_MIN_RUNTIME_SECONDS
     reclaim_min_runtime_seconds: float = RECLAIM_MIN_RUNTIME_SECONDS
+    usage_strength: float = 0.0
+    usage_half_life_seconds: float = USAGE_HALF_LIFE_SECONDS
 
     def min_runtime_defaults(self) -> dict[str, float]:
         """The snapshot's minimum runtime per preemption reason."""

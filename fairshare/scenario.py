@@ -17,6 +17,7 @@ from .model import (
     PRIORITY_MIN_RUNTIME_SECONDS,
     RECLAIM_MIN_RUNTIME_SECONDS,
     UNSET,
+    USAGE_HALF_LIFE_SECONDS,
     WORKLOAD_STATES,
     Consequences,
     FlavorQuota,
@@ -118,7 +119,13 @@ def _queue(record: Mapping[str, Any], where: str) -> Queue:
             borrow_limit=_optional_integer(borrow.get(flavor), f"{where}.borrow_limit.{flavor}"),
             lend_limit=_optional_integer(lend.get(flavor), f"{where}.lend_limit.{flavor}"),
         )
-    return Queue(name=name, parent=parent, weight=weight, quotas=quotas)
+    recent = {
+        str(flavor): _number(value, f"{where}.recent_usage.{flavor}")
+        for flavor, value in _flavor_map(
+            _field(record, "recent_usage", where, None), f"{where}.recent_usage"
+        ).items()
+    }
+    return Queue(name=name, parent=parent, weight=weight, quotas=quotas, recent_usage=recent)
 
 
 def _priority_class(record: Mapping[str, Any], where: str) -> PriorityClass:
@@ -230,6 +237,8 @@ def snapshot_from_dict(document: Mapping[str, Any]) -> Snapshot:
             ("consolidation_min_runtime_seconds", CONSOLIDATION_MIN_RUNTIME_SECONDS),
             ("priority_min_runtime_seconds", PRIORITY_MIN_RUNTIME_SECONDS),
             ("reclaim_min_runtime_seconds", RECLAIM_MIN_RUNTIME_SECONDS),
+            ("usage_strength", 0.0),
+            ("usage_half_life_seconds", USAGE_HALF_LIFE_SECONDS),
         )
     }
     snapshot = Snapshot(
@@ -242,6 +251,8 @@ def snapshot_from_dict(document: Mapping[str, Any]) -> Snapshot:
         consolidation_min_runtime_seconds=thresholds["consolidation_min_runtime_seconds"],
         priority_min_runtime_seconds=thresholds["priority_min_runtime_seconds"],
         reclaim_min_runtime_seconds=thresholds["reclaim_min_runtime_seconds"],
+        usage_strength=thresholds["usage_strength"],
+        usage_half_life_seconds=thresholds["usage_half_life_seconds"],
     )
     validate(snapshot)
     return snapshot
@@ -260,6 +271,8 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
         "consolidation_min_runtime_seconds": snapshot.consolidation_min_runtime_seconds,
         "priority_min_runtime_seconds": snapshot.priority_min_runtime_seconds,
         "reclaim_min_runtime_seconds": snapshot.reclaim_min_runtime_seconds,
+        "usage_strength": snapshot.usage_strength,
+        "usage_half_life_seconds": snapshot.usage_half_life_seconds,
         "nodes": [{"name": n.name, "flavor": n.flavor, "gpus": n.gpus} for n in snapshot.nodes],
         "queues": [
             {
@@ -269,6 +282,7 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
                 "guarantee": {f: quota.guarantee for f, quota in q.quotas.items()},
                 "borrow_limit": {f: quota.borrow_limit for f, quota in q.quotas.items()},
                 "lend_limit": {f: quota.lend_limit for f, quota in q.quotas.items()},
+                "recent_usage": dict(q.recent_usage),
             }
             for q in snapshot.queues
         ],

@@ -135,6 +135,20 @@ def _validate_thresholds(snapshot: Snapshot) -> None:
         value = getattr(snapshot, name)
         if not value >= 0:
             raise ScenarioError(f"{name}: must not be negative, got {value!r}")
+    if not snapshot.usage_strength >= 0:
+        raise ScenarioError(
+            f"usage_strength: must not be negative, got {snapshot.usage_strength!r}"
+        )
+    if not snapshot.usage_half_life_seconds > 0:
+        raise ScenarioError(
+            f"usage_half_life_seconds: must be positive, got {snapshot.usage_half_life_seconds!r}"
+        )
+    for i, queue in enumerate(snapshot.queues):
+        for flavor, value in queue.recent_usage.items():
+            if not value >= 0:
+                raise ScenarioError(
+                    f"queues[{i}].recent_usage.{flavor}: must not be negative, got {value!r}"
+                )
     for i, priority_class in enumerate(snapshot.priority_classes):
         for reason, value in priority_class.min_runtime_by_reason.items():
             where = f"priority_classes[{i}].min_runtime_by_reason"

@@ -58,9 +58,16 @@ def team(
     lend_limit: int | None = None,
     weight: float = 1.0,
     flavor: str = FLAVOR,
+    recent: float = 0.0,
 ) -> Queue:
-    """A queue with one flavor's quota."""
-    return Queue(name, parent, weight, {flavor: FlavorQuota(guarantee, borrow_limit, lend_limit)})
+    """A queue with one flavor's quota and ``recent`` decayed GPU-seconds of it used."""
+    return Queue(
+        name,
+        parent,
+        weight,
+        {flavor: FlavorQuota(guarantee, borrow_limit, lend_limit)},
+        {flavor: recent} if recent else {},
+    )
 
 
 class WorkloadBuilder:

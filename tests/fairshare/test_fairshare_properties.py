@@ -23,6 +23,7 @@ from fairshare import (
     Workload,
     minimum_runtimes,
     plan,
+    plan_to_dict,
 )
 
 FLAVORS = ("h100", "a100")
@@ -536,3 +537,56 @@ def test_protected_jobs_are_never_victims_before_their_time(snapshot: Snapshot) 
         if "minimum runtime" in waiting.reason:
             seconds = float(waiting.reason.rsplit("(in ", 1)[1].split(" s)", 1)[0])
             assert seconds > 0, waiting
+
+
+@st.composite
+def used_snapshots(draw: st.DrawFn) -> Snapshot:
+    """A random cluster whose queues carry random decayed usage (from none to a week of
+    the whole cluster) for each flavor."""
+    snapshot = draw(snapshots())
+    week = 7 * 86_400.0
+    capacity = sum(node.gpus for node in snapshot.nodes)
+    usage = st.sampled_from((0.0, 0.5, 2.0, 10.0, capacity * 1.5))
+    queues = tuple(
+        dataclasses.replace(
+            q,
+            recent_usage={flavor: draw(usage) * week for flavor in FLAVORS if draw(st.booleans())},
+        )
+        for q in snapshot.queues
+    )
+    return dataclasses.replace(snapshot, queues=queues)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(used_snapshots(), st.sampled_from((0.5, 1.0, 3.0)))
+def test_guarantees_never_change_with_usage(snapshot: Snapshot, strength: float) -> None:
+    """Decayed usage moves only the surplus: every guarantee stays, the part of a fair
+    share that the guarantee covers stays, and the guarantee line holds in every plan."""
+    without = checked_plan(snapshot)
+    used = checked_plan(dataclasses.replace(snapshot, usage_strength=strength))
+    for queue, flavors in without.queues.items():
+        for flavor, before in flavors.items():
+            after = used.queues[queue][flavor]
+            assert after.guarantee == before.guarantee
+            assert after.fair_share >= min(before.fair_share, before.guarantee) - 1e-6, (
+                queue,
+                flavor,
+                before,
+                after,
+            )
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(used_snapshots())
+def test_usage_strength_zero_gives_todays_plans(snapshot: Snapshot) -> None:
+    forgotten = tuple(dataclasses.replace(q, recent_usage={}) for q in snapshot.queues)
+    today = plan(dataclasses.replace(snapshot, queues=forgotten))
+    assert plan_to_dict(plan(snapshot)) == plan_to_dict(today)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(used_snapshots())
+def test_no_flapping_with_decayed_usage(snapshot: Snapshot) -> None:
+    """The plans of ``test_no_flapping`` stay stable when decayed usage moves the surplus
+    (it changes slowly, so it is the same over the three cycles)."""
+    test_no_flapping.hypothesis.inner_test(dataclasses.replace(snapshot, usage_strength=1.0))  # type: ignore[attr-defined]

@@ -6,6 +6,8 @@ preemptions (with reasons) and, for waiting workloads, words their reason must c
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -106,7 +108,18 @@ class Case:
     fair_share: Mapping[str, float] = field(default_factory=dict)
     placement: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     borrowed: Mapping[str, int] = field(default_factory=dict)
+    usage_strength: float = 0.0
 
+
+# Decayed usage: a used the spare node for three days of the last week, b nothing; both
+# wait for the one free node with equal demand, a's job submitted first.
+WEEK = 7 * 86_400
+N1 = nodes("n", 1, 8)
+HEAVY_A = [team("a", recent=8 * 3 * 86_400), team("b")]
+BOTH_WAIT = [w("a1").gpus(8).submitted(900), w("b1").queue("b").gpus(8).submitted(10)]
+# Guaranteed GPUs used all week do not count as borrowing: a's 4 GPUs held for the week
+# (in decayed GPU-seconds) are its own, so it keeps its place.
+OWN_A = [team("a", guarantee=4, recent=4 * WEEK / math.log(2)), team("b", guarantee=4)]
 
 # One line per case, as in a table.
 # fmt: off
@@ -172,6 +185,9 @@ CASES = [
     Case("priority_victim_returns_quota_held_by_lend_limit", [Node("big", "h100", 16), Node("small", "h100", 8)], [team("a"), team("lender", guarantee=16, lend_limit=0)], [w("lo").priority(-1).gpus(8).running("big"), w("hi").priority(100).gpus(8)], preempt={"lo": "priority"}, wait={"hi": "waiting for job lo to exit and return quota"}),
     Case("guarantee_no_fair_share_victim_because_of_own_reservation", N1_4, BORROWER_QUEUES, BORROWER, admit={"p9", "p10"}, wait={"p13": "released by job r1", "p11": "released by job r1", "p14": "team q1 at its borrow limit of 2", "p8": "team q1 at its borrow limit of 2", "p7": "waiting for 1 GPUs being released by job r2", "p12": "no node of flavor h100 has 1 free GPUs"}, fair_share={"q0": 8, "q1": 13, "q2": 11}),
     Case("guarantee_no_reclaim_because_of_own_new_admission", N1_6, RECLAIM_QUEUES, RECLAIM, admit={"p11", "p12", "p15", "p16", "p17"}, preempt={"r8": "priority"}, wait={"p13": "no node of flavor h100 has 8 free GPUs", "p14": "no node of flavor h100 has 8 free GPUs", "p9": "no node of flavor h100 has 8 free GPUs", "p10": "waiting for 8 GPUs being released by job r8"}, fair_share={"q0": 25, "q1": 23}),
+    Case("decayed_usage_orders_teams_below_fair_share", N1, HEAVY_A, BOTH_WAIT, admit={"b1"}, wait={"a1": "team a used 2.0× its share of the spare h100 GPUs over the last week: its fair share is 0.5 GPUs instead of 4.0"}, fair_share={"a": 0.5 / 8.5 * 8, "b": 8 / 8.5 * 8}, usage_strength=1.0),
+    Case("decayed_usage_strength_zero_is_weight_alone", N1, HEAVY_A, BOTH_WAIT, admit={"a1"}, wait={"b1": "no node of flavor h100 has 8 free GPUs"}, fair_share={"a": 4, "b": 4}),
+    Case("decayed_usage_of_the_own_guarantee_is_not_borrowing", N1, OWN_A, BOTH_WAIT, admit={"a1"}, wait={"b1": "no node of flavor h100 has 8 free GPUs"}, fair_share={"a": 4, "b": 4}, usage_strength=1.0),
     Case("unknown_flavor_waits_with_reason", N2, AB, [w("x").flavor("a100").gpus(1)], wait={"x": "no node of flavor a100 exists"}),
 ]
 # fmt: on
@@ -179,7 +195,8 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_scenario(case: Case) -> None:
-    p = run_plan(cluster(case.nodes, case.queues, case.workloads))
+    snapshot = cluster(case.nodes, case.queues, case.workloads)
+    p = run_plan(dataclasses.replace(snapshot, usage_strength=case.usage_strength))
     assert admitted(p) == case.admit
     assert preempted(p) == dict(case.preempt)
     waiting = reasons(p)
