@@ -262,6 +262,11 @@ QM_RECLAIM_MIN_RUNTIME_SECONDS = env_float("QM_RECLAIM_MIN_RUNTIME_SECONDS", 0.0
 QM_CONSOLIDATION_MIN_RUNTIME_SECONDS = env_float(
     "QM_CONSOLIDATION_MIN_RUNTIME_SECONDS", 600.0, minimum=0.0
 )
+# Decayed usage: how strongly each team's recent GPU use beyond its guarantee lowers
+# its share of the spare GPUs (0: weight alone), and its half-life (Slurm's default,
+# a week). Guarantees never depend on it.
+QM_USAGE_STRENGTH = env_float("QM_USAGE_STRENGTH", 0.0, minimum=0.0)
+QM_USAGE_HALF_LIFE_SECONDS = env_float("QM_USAGE_HALF_LIFE_SECONDS", 7 * 86_400.0, minimum=1.0)
 # Webhooks: networks an admin opens to them (comma-separated CIDRs; everything
 # that is not public is closed otherwise), and the time one delivery may take
 # in all, from connecting to the answer's head.

@@ -3,8 +3,9 @@ the rows, and preview what a quota change would do."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -61,6 +62,45 @@ def held_jobs() -> dict[int, str]:
     return held
 
 
+# Attempts that ended more than this many half-lives ago weigh under a thousandth
+# and are left out of decayed usage.
+USAGE_HALF_LIVES_KEPT = 10
+
+
+def decayed_usage(*, now: datetime, half_life_seconds: float) -> dict[str, dict[str, float]]:
+    """Each team's GPU-seconds per flavor, every second weighed down by half each
+    ``half_life_seconds`` before ``now`` (Slurm's PriorityDecayHalfLife).
+
+    Computed from the attempts, which record when each admission held its GPUs, rather
+    than kept as a running counter: the figure then follows a changed half-life at once
+    and cannot drift. An attempt held ``gpus`` over [start, end] adds
+    ``gpus * h / ln 2 * (2^-((now - end) / h) - 2^-((now - start) / h))``.
+    """
+    horizon = half_life_seconds / math.log(2)
+    oldest = now - timedelta(seconds=half_life_seconds * USAGE_HALF_LIVES_KEPT)
+    usage: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    rows = (
+        Attempt.objects.filter(admitted_at__lte=now)
+        .filter(models.Q(ended_at__isnull=True) | models.Q(ended_at__gte=oldest))
+        .values_list(
+            "job__team__slug",
+            "job__flavor__name",
+            "job__ranks",
+            "job__gpus_per_rank",
+            "admitted_at",
+            "ended_at",
+        )
+    )
+    for team, flavor, ranks, gpus_per_rank, admitted_at, ended_at in rows:
+        end = min(ended_at or now, now)
+        start = min(admitted_at, end)
+        weight = 2 ** (-(now - end).total_seconds() / half_life_seconds) - 2 ** (
+            -(now - start).total_seconds() / half_life_seconds
+        )
+        usage[team][flavor] += ranks * gpus_per_rank * horizon * weight
+    return {team: dict(flavors) for team, flavors in usage.items()}
+
+
 def build_snapshot(
     *, now: datetime | None = None, held: dict[int, str] | None = None
 ) -> fairshare.Snapshot:
@@ -82,8 +122,18 @@ def build_snapshot(
             guarantee=guarantee, borrow_limit=borrow_limit, lend_limit=lend_limit
         )
     teams = list(Team.objects.values_list("id", "slug", "parent__slug", "weight"))
+    strength = settings.QM_USAGE_STRENGTH
+    half_life = settings.QM_USAGE_HALF_LIFE_SECONDS
+    # Without a strength the engine ignores usage: spare the query.
+    recent = decayed_usage(now=now, half_life_seconds=half_life) if strength > 0 else {}
     queues = tuple(
-        fairshare.Queue(name=slug, parent=parent, weight=weight, quotas=quotas.get(team_id, {}))
+        fairshare.Queue(
+            name=slug,
+            parent=parent,
+            weight=weight,
+            quotas=quotas.get(team_id, {}),
+            recent_usage=recent.get(slug, {}),
+        )
         for team_id, slug, parent, weight in teams
     )
     classes = tuple(
@@ -169,6 +219,8 @@ def build_snapshot(
         fair_share_min_runtime_seconds=settings.QM_FAIR_SHARE_MIN_RUNTIME_SECONDS,
         reclaim_min_runtime_seconds=settings.QM_RECLAIM_MIN_RUNTIME_SECONDS,
         consolidation_min_runtime_seconds=settings.QM_CONSOLIDATION_MIN_RUNTIME_SECONDS,
+        usage_strength=strength,
+        usage_half_life_seconds=half_life,
     )
 
 
