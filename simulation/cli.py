@@ -57,6 +57,8 @@ DEFAULTS: dict[str, Any] = {
     "json": None,
     "seed": 0,
     "min_runtime": None,
+    "usage_strength": 0.0,
+    "half_life": 7 * 86_400.0,
     "progress": True,
 }
 
@@ -118,6 +120,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             f"({', '.join(fairshare.PREEMPTION_REASONS)}); may repeat"
         ),
     )
+    parser.add_argument(
+        "--usage-strength",
+        type=float,
+        default=DEFAULTS["usage_strength"],
+        help="how strongly a team's decayed usage beyond its guarantee lowers its share of "
+        "the spare GPUs (0: weight alone)",
+    )
+    parser.add_argument(
+        "--half-life",
+        type=float,
+        default=DEFAULTS["half_life"],
+        metavar="SECONDS",
+        help="half-life of decayed usage; default a week",
+    )
     parser.add_argument("--json", type=Path, help="write the JSON report here")
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     parser.add_argument(
@@ -168,6 +184,12 @@ def prepare(options: argparse.Namespace | Mapping[str, Any]) -> tuple[list[Trace
         raise TraceError("--arrival-scale must be > 0")
     if scale != 1.0:
         trace = [replace(job, submit_time=job.submit_time * scale) for job in trace]
+    usage_strength = float(opts["usage_strength"])
+    half_life = float(opts["half_life"])
+    if not 0 <= usage_strength < math.inf:
+        raise TraceError("--usage-strength must be 0 or more")
+    if not 0 < half_life < math.inf:
+        raise TraceError("--half-life must be > 0")
     nodes = _cluster(opts, guarantees)
     capacity = sum(node.gpus for node in nodes)
     if opts["derive_quotas"]:
@@ -183,6 +205,8 @@ def prepare(options: argparse.Namespace | Mapping[str, Any]) -> tuple[list[Trace
         grace_seconds=float(opts["grace_seconds"]),
         seed=int(opts["seed"]),
         min_runtimes=parse_min_runtimes(opts["min_runtime"] or ()),
+        usage_strength=usage_strength,
+        half_life_seconds=half_life,
     )
     return trace, config
 
