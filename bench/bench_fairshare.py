@@ -272,6 +272,20 @@ def with_decayed_usage(snapshot: Snapshot) -> Snapshot:
     return dataclasses.replace(snapshot, queues=queues, usage_strength=1.0)
 
 
+def with_topology(snapshot: Snapshot) -> Snapshot:
+    """``snapshot`` with its nodes in racks of 16 (blocks of 8 racks), and every pending
+    gang of several ranks requiring one rack."""
+    nodes = tuple(
+        dataclasses.replace(n, topology={"block": f"b{i // 128}", "rack": f"r{i // 16}"})
+        for i, n in enumerate(snapshot.nodes)
+    )
+    workloads = tuple(
+        dataclasses.replace(w, topology_level="rack") if w.state == "pending" and w.ranks > 1 else w
+        for w in snapshot.workloads
+    )
+    return dataclasses.replace(snapshot, nodes=nodes, workloads=workloads)
+
+
 def compare(feature: str, snapshot: Snapshot, variant: Snapshot, runs: int) -> None:
     """CPU time of plan() without and with ``feature``, runs interleaved in one process so
     that both see the same load on a shared machine."""
@@ -325,6 +339,9 @@ def main() -> None:
     print()
     print("== Decayed usage (strength 1): the same cluster with and without ==")
     compare("its share of the spare", snapshot, with_decayed_usage(snapshot), runs)
+    print()
+    print("== Topology (gangs of several ranks require one rack): with and without ==")
+    compare("rack of flavor", snapshot, with_topology(snapshot), runs)
 
     print()
     print("== Running-heavy: 20,000 running + 50,000 pending on a cluster large enough ==")

@@ -47,6 +47,8 @@ NODE_SEARCHES_PER_PLAN = 8
 # Passes over the workloads still waiting after the first pass, each run only when the
 # previous pass changed what they could do.
 RETRY_PASSES = 3
+# Topology domains a gang that needs one searches for victims, per kind of preemption.
+DOMAIN_SEARCHES_PER_MODE = 2
 # Searches a plan may run to find until when a waiting workload's victims are protected
 # by their minimum runtime: each repeats the workload's preemption searches.
 PROTECTION_SEARCHES_PER_PLAN = 16
@@ -137,6 +139,13 @@ class FlavorPlanner:
             snapshot, tree, flavor, nodes.capacity, leaf_usage, leaf_demand, pinned_usage
         )
         self.victims = VictimCandidates(tree, self.ledger, candidates)
+        # Per node: GPUs of preemptible running work in the snapshot (a rough measure of
+        # what victims could free there, to rank topology domains).
+        self.preemptible_on_node = [0] * len(nodes.names)
+        for runs in candidates:
+            for run in runs:
+                for node, gpus in run.nodes:
+                    self.preemptible_on_node[node] += gpus
         self.usage_matters = snapshot.usage_strength > 0
         self.protection_searches_left = PROTECTION_SEARCHES_PER_PLAN
         # Per kind of workload (queue, ranks, rank size, priority, preemptible): the
@@ -151,6 +160,8 @@ class FlavorPlanner:
         # Per rank size: the fewest ranks that found no room on free plus releasing GPUs
         # since the releasing GPUs last changed.
         self.unplaceable_on_releasing: dict[int, int] = {}
+        # The same per (topology level, rank size), for gangs that need one domain.
+        self.unplaceable_in_domain_releasing: dict[tuple[str, int], int] = {}
         # Per kind of attempt (queue, mode, rank size, preemptor's priority where it
         # matters, preemptible): the fewest ranks that failed, and the candidates'
         # version they failed against.
@@ -268,6 +279,15 @@ class FlavorPlanner:
         nodes = self.nodes
         ledger = self.ledger
         quota_reason = ledger.quota_reason(queue, gpus, priority_class)
+        if workload.topology_level is not None:
+            if quota_reason is None and self._plan_in_one_domain(job):
+                return
+            if workload.topology_required:
+                reason = quota_reason or self._domain_reason(job)
+                known = self.waits.get(workload.id)
+                if known is None or known.reason != reason:
+                    self.waits[workload.id] = Waiting(workload.id, reason)
+                return
         if quota_reason is None:
             # The cheap tests of NodeMap.place_free, spelled out: on a full cluster most
             # jobs stop here, and this runs once per pending workload.
@@ -341,6 +361,7 @@ class FlavorPlanner:
                     # Kept for the moved jobs: nothing else in this plan takes them.
                     nodes.set_free(node, nodes.free[node] - hole)
                 nodes.unplaceable_on_free.clear()
+                nodes.unplaceable_in_domain.clear()
                 self._take(job, victims, placement)
                 return
         if quota_reason is None:
@@ -380,6 +401,7 @@ class FlavorPlanner:
                 for node, gpus in run.nodes:
                     nodes.set_free(node, nodes.free[node] + gpus)
                 nodes.unplaceable_on_free.clear()
+                nodes.unplaceable_in_domain.clear()
                 self.retry_waiting = True
                 self.gpus_freed = True
                 self.waits[victim_id] = Waiting(
@@ -393,6 +415,7 @@ class FlavorPlanner:
             for node, gpus in run.nodes:
                 nodes.release(node, gpus, victim_id)
         self.unplaceable_on_releasing.clear()
+        self.unplaceable_in_domain_releasing.clear()
         if not running_victims and all(
             nodes.free[node] >= ranks * gpus_per_rank for node, ranks in placement
         ):
@@ -448,6 +471,146 @@ class FlavorPlanner:
                     planned=True,
                 )
             )
+
+    def _plan_in_one_domain(self, job: PendingJob) -> bool:
+        """Place ``job`` with all its ranks inside one domain of its topology level.
+
+        Free GPUs first, in the domain with the least room that fits the gang, so that
+        whole domains stay free for larger gangs; then GPUs being released; then
+        victims, searched domain by domain so that the GPUs they free lie together
+        (a search over the whole cluster frees GPUs scattered over domains that no
+        gang of this kind can use), the domain with the cheapest victims winning.
+        Returns whether the job was admitted, reserved or took victims.
+        """
+        workload = job.workload
+        nodes = self.nodes
+        ranks = workload.ranks
+        gpus_per_rank = workload.gpus_per_rank
+        level = workload.topology_level or ""
+        domains = nodes.domains.get(level, {})
+        free = nodes.free
+        # Free GPUs only shrink until the cache is cleared: a gang of as many ranks or
+        # more that found no domain finds none again.
+        shape = (level, gpus_per_rank)
+        known_failure = nodes.unplaceable_in_domain.get(shape)
+        if known_failure is None or ranks < known_failure:
+            fitting: list[tuple[int, str, Placement]] = []
+            for name, members in domains.items():
+                placement = nodes.place_in(members, ranks, gpus_per_rank, releasing=False)
+                if placement is not None:
+                    fitting.append((sum(free[node] for node in members), name, placement))
+            if fitting:
+                self._admit(job, min(fitting)[2])
+                return True
+            nodes.unplaceable_in_domain[shape] = min(ranks, known_failure or ranks)
+        known_failure = self.unplaceable_in_domain_releasing.get(shape)
+        if nodes.releasing_nodes and (known_failure is None or ranks < known_failure):
+            for _name, members in sorted(domains.items()):
+                placement = nodes.place_in(members, ranks, gpus_per_rank)
+                if placement is not None:
+                    self._wait_on(job, placement)
+                    return True
+            self.unplaceable_in_domain_releasing[shape] = min(ranks, known_failure or ranks)
+        ledger = self.ledger
+        modes = self._modes(job)
+        if modes:
+            self.attempted_at_version[workload.id] = self.candidates_version
+        failed_attempts = self.failed_attempts
+        for mode in modes:
+            value = job.priority_class.value if mode == PRIORITY else 0
+            # The kinds of failed attempts of _plan_job, per topology level.
+            attempt = (
+                job.queue,
+                f"{mode}@{level}",
+                gpus_per_rank,
+                value,
+                job.priority_class.preemptible,
+            )
+            failed = failed_attempts.get(attempt)
+            if failed is not None and failed[1] == self.candidates_version and ranks >= failed[0]:
+                continue
+            best: tuple[tuple[float, float, str], str] | None = None
+            for name, members in self._promising_domains(domains, gpus_per_rank):
+                inside = set(members)
+                found = preempt_for(
+                    ledger,
+                    nodes,
+                    job,
+                    (
+                        (run, reason)
+                        for run, reason in self._candidates(job, mode)
+                        if any(node in inside for node, _ in run.nodes)
+                    ),
+                    members,
+                )
+                if found is None:
+                    continue
+                victims, _ = found
+                for run, _ in victims:
+                    ledger.add_usage(run.queue, run.gpus)
+                cost = (
+                    float(max(run.order[0] for run, _ in victims)),
+                    sum(run.order[1] for run, _ in victims),
+                    name,
+                )
+                if best is None or cost < best[0]:
+                    best = (cost, name)
+            if best is None:
+                failed_attempts[attempt] = (ranks, self.candidates_version)
+                continue
+            inside = set(domains[best[1]])
+            found = preempt_for(
+                ledger,
+                nodes,
+                job,
+                (
+                    (run, reason)
+                    for run, reason in self._candidates(job, mode)
+                    if any(node in inside for node, _ in run.nodes)
+                ),
+                domains[best[1]],
+            )
+            if found is not None:
+                self._take(job, *found)
+                return True
+        return False
+
+    def _promising_domains(
+        self, domains: Mapping[str, list[int]], gpus_per_rank: int
+    ) -> list[tuple[str, list[int]]]:
+        """The domains a victim search tries, most room for ranks once their preemptible
+        work is gone first; each search is a scan over the candidates, so a job tries
+        at most DOMAIN_SEARCHES_PER_MODE of them."""
+        nodes = self.nodes
+        preemptible = self.preemptible_on_node
+        ranked = sorted(
+            domains.items(),
+            key=lambda item: (
+                -sum(
+                    (nodes.free[n] + nodes.releasing[n] + preemptible[n]) // gpus_per_rank
+                    for n in item[1]
+                ),
+                item[0],
+            ),
+        )
+        return ranked[:DOMAIN_SEARCHES_PER_MODE]
+
+    def _candidates(self, job: PendingJob, mode: str) -> Iterator[tuple[RunningWork, str]]:
+        if mode == RECLAIM:
+            return self.victims.reclaim(job.queue)
+        if mode == PRIORITY:
+            return self.victims.priority(job)
+        return self.victims.fair_share(job)
+
+    def _domain_reason(self, job: PendingJob) -> str:
+        workload = job.workload
+        level = workload.topology_level
+        if level not in self.nodes.domains:
+            return f"no node of flavor {self.flavor} has a {level} in its topology"
+        return (
+            f"no {level} of flavor {self.flavor} has room for {workload.ranks} ranks of "
+            f"{workload.gpus_per_rank} GPUs together"
+        )
 
     def _protected_until(self, job: PendingJob, modes: list[str]) -> str:
         """Until when the victims that would let ``job`` in are protected, or "".

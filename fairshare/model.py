@@ -70,11 +70,20 @@ class FrozenMap(Mapping[K, V]):
 
 @dataclass(frozen=True, slots=True)
 class Node:
-    """A machine with ``gpus`` GPUs of one flavor (for example ``h100``)."""
+    """A machine with ``gpus`` GPUs of one flavor (for example ``h100``).
+
+    ``topology`` maps a level (for example "block" or "rack") to the domain of that
+    level the node sits in; the node itself is the innermost level.
+    """
 
     name: str
     flavor: str
     gpus: int
+    topology: Mapping[str, str] = field(default_factory=FrozenMap)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.topology, FrozenMap):
+            object.__setattr__(self, "topology", FrozenMap(self.topology))
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +167,8 @@ class Workload:
 
     ``state`` is "pending", "running" or "terminating" (a victim in its grace window).
     ``placement`` lists (node name, number of ranks) pairs for running and terminating
-    workloads.
+    workloads. ``topology_level`` asks for all ranks inside one domain of that level
+    of ``Node.topology``.
     """
 
     id: str
@@ -172,6 +182,10 @@ class Workload:
     admitted_at: float | None = None
     placement: tuple[tuple[str, int], ...] = ()
     last_checkpoint_at: float | None = None
+    # All ranks in one domain of this topology level ("rack", say): required, or only
+    # preferred when ``topology_required`` is False.
+    topology_level: str | None = None
+    topology_required: bool = True
 
     @property
     def gpus(self) -> int:
@@ -246,7 +260,7 @@ def minimum_runtimes(snapshot: Snapshot, priority_class: PriorityClass) -> dict[
     the snapshot's threshold applies, raised to the class's ``min_runtime_seconds`` for
     every reason but reclaim (reclaim takes back borrowed GPUs, which a class alone
     may not keep from their owner). The fair-share minimum is never below the reclaim
-    minimum.
+    minimum nor the snapshot's own (the anti-flap margin).
     """
     minimums = snapshot.min_runtime_defaults()
     floor = priority_class.min_runtime_seconds
@@ -256,7 +270,11 @@ def minimum_runtimes(snapshot: Snapshot, priority_class: PriorityClass) -> dict[
     # Fair share and reclaim both take work across queues, and fair share only evens
     # out the surplus where reclaim restores a guarantee: a job protected from reclaim
     # is protected from fair share as well, or the weaker reason would take it first.
-    minimums[FAIR_SHARE] = max(minimums[FAIR_SHARE], minimums[RECLAIM])
+    # The plan's fair-share minimum is its anti-flap margin, which a class may raise but
+    # not lower: below it, GPUs handed out in one cycle would be taken back in the next.
+    minimums[FAIR_SHARE] = max(
+        minimums[FAIR_SHARE], minimums[RECLAIM], snapshot.fair_share_min_runtime_seconds
+    )
     return minimums
 
 

@@ -180,6 +180,16 @@ def _workload(record: Mapping[str, Any], where: str) -> Workload:
         )
     if state != "pending" and not placement:
         raise ScenarioError(f"{where}.placement: a {state} workload needs a placement")
+    topology = _field(record, "topology", where, None)
+    level: str | None = None
+    required = True
+    if topology is not None:
+        if not isinstance(topology, Mapping):
+            raise ScenarioError(f"{where}.topology: expected an object, got {topology!r}")
+        level = _string(_field(topology, "level", f"{where}.topology"), f"{where}.topology.level")
+        required = _boolean(
+            _field(topology, "required", f"{where}.topology", True), f"{where}.topology.required"
+        )
     return Workload(
         id=str(workload_id),
         queue=_string(_field(record, "queue", where), f"{where}.queue"),
@@ -196,6 +206,8 @@ def _workload(record: Mapping[str, Any], where: str) -> Workload:
         last_checkpoint_at=_optional_number(
             _field(record, "last_checkpoint_at", where, None), f"{where}.last_checkpoint_at"
         ),
+        topology_level=level,
+        topology_required=required,
     )
 
 
@@ -213,6 +225,12 @@ def snapshot_from_dict(document: Mapping[str, Any]) -> Snapshot:
             name=_string(_field(r, "name", f"nodes[{i}]"), f"nodes[{i}].name"),
             flavor=_string(_field(r, "flavor", f"nodes[{i}]"), f"nodes[{i}].flavor"),
             gpus=_integer(_field(r, "gpus", f"nodes[{i}]"), f"nodes[{i}].gpus", 0),
+            topology={
+                str(level): _string(domain, f"nodes[{i}].topology.{level}")
+                for level, domain in _flavor_map(
+                    _field(r, "topology", f"nodes[{i}]", None), f"nodes[{i}].topology"
+                ).items()
+            },
         )
         for i, r in enumerate(_records(_field(document, "nodes", "scenario"), "nodes"))
     )
@@ -273,7 +291,10 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
         "reclaim_min_runtime_seconds": snapshot.reclaim_min_runtime_seconds,
         "usage_strength": snapshot.usage_strength,
         "usage_half_life_seconds": snapshot.usage_half_life_seconds,
-        "nodes": [{"name": n.name, "flavor": n.flavor, "gpus": n.gpus} for n in snapshot.nodes],
+        "nodes": [
+            {"name": n.name, "flavor": n.flavor, "gpus": n.gpus, "topology": dict(n.topology)}
+            for n in snapshot.nodes
+        ],
         "queues": [
             {
                 "name": q.name,
@@ -311,6 +332,11 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
                 "admitted_at": w.admitted_at,
                 "placement": [{"node": n, "ranks": r} for n, r in w.placement],
                 "last_checkpoint_at": w.last_checkpoint_at,
+                **(
+                    {"topology": {"level": w.topology_level, "required": w.topology_required}}
+                    if w.topology_level is not None
+                    else {}
+                ),
             }
             for w in snapshot.workloads
         ],

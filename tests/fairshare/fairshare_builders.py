@@ -35,7 +35,7 @@ CLASSES = (
     PriorityClass(
         "steady", -1, "PreemptLowerPriority", True, 10.0, min_runtime_by_reason={"reclaim": 900.0}
     ),
-    # Gives way to fair share at once, below the plan's one-minute default.
+    # Asks to give way to fair share at once, which the plan's anti-flap margin refuses.
     PriorityClass(
         "nimble", -1, "PreemptLowerPriority", True, 10.0, min_runtime_by_reason={"fair-share": 0.0}
     ),
@@ -47,6 +47,14 @@ _CLASS_BY_VALUE = {-5: "pinned", -1: "low", 0: "normal", 100: "high", 1000: "cri
 def nodes(prefix: str, count: int, gpus: int, flavor: str = FLAVOR) -> list[Node]:
     """``count`` nodes named prefix0, prefix1, ... with ``gpus`` GPUs each."""
     return [Node(f"{prefix}{i}", flavor, gpus) for i in range(count)]
+
+
+def racks(count: int, nodes_per_rack: int, gpus: int, flavor: str = FLAVOR) -> list[Node]:
+    """``count`` racks r0, r1, ... of ``nodes_per_rack`` nodes each, named n0, n1, ..."""
+    return [
+        Node(f"n{i}", flavor, gpus, {"rack": f"r{i // nodes_per_rack}"})
+        for i in range(count * nodes_per_rack)
+    ]
 
 
 def team(
@@ -106,6 +114,10 @@ class WorkloadBuilder:
 
     def submitted(self, seconds_ago: float) -> WorkloadBuilder:
         return self._with(submitted_at=NOW - seconds_ago)
+
+    def within(self, level: str, *, required: bool = True) -> WorkloadBuilder:
+        """All ranks in one domain of topology ``level`` (required, or only preferred)."""
+        return self._with(topology_level=level, topology_required=required)
 
     def flavor(self, name: str) -> WorkloadBuilder:
         return self._with(flavor=name)

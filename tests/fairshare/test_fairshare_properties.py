@@ -584,9 +584,42 @@ def test_usage_strength_zero_gives_todays_plans(snapshot: Snapshot) -> None:
     assert plan_to_dict(plan(snapshot)) == plan_to_dict(today)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(used_snapshots())
-def test_no_flapping_with_decayed_usage(snapshot: Snapshot) -> None:
-    """The plans of ``test_no_flapping`` stay stable when decayed usage moves the surplus
-    (it changes slowly, so it is the same over the three cycles)."""
-    test_no_flapping.hypothesis.inner_test(dataclasses.replace(snapshot, usage_strength=1.0))  # type: ignore[attr-defined]
+@st.composite
+def racked_snapshots(draw: st.DrawFn) -> Snapshot:
+    """A random cluster whose nodes sit in racks (some without one), where some pending
+    gangs require or prefer one rack."""
+    snapshot = draw(snapshots())
+    rack_count = draw(st.integers(1, 3))
+    nodes = tuple(
+        dataclasses.replace(
+            node,
+            topology=(
+                {}
+                if draw(st.integers(0, 5)) == 0
+                else {"rack": f"r{draw(st.integers(0, rack_count - 1))}"}
+            ),
+        )
+        for node in snapshot.nodes
+    )
+    workloads = tuple(
+        dataclasses.replace(
+            x, topology_level="rack", topology_required=draw(st.sampled_from((True, True, False)))
+        )
+        if x.state == "pending" and draw(st.booleans())
+        else x
+        for x in snapshot.workloads
+    )
+    return dataclasses.replace(snapshot, nodes=nodes, workloads=workloads)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(racked_snapshots())
+def test_topology_required_gangs_are_never_split_across_domains(snapshot: Snapshot) -> None:
+    p = checked_plan(snapshot)
+    rack = {node.name: node.topology.get("rack") for node in snapshot.nodes}
+    by_id = {x.id: x for x in snapshot.workloads}
+    for admission in p.admit:
+        workload = by_id[admission.id]
+        if workload.topology_level == "rack" and workload.topology_required:
+            racks_used = {rack[node] for node, _ in admission.placement}
+            assert len(racks_used) == 1 and None not in racks_used, (admission, rack)

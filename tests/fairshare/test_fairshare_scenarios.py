@@ -18,6 +18,7 @@ from fairshare_builders import (
     cluster,
     nodes,
     preempted,
+    racks,
     reasons,
     run_plan,
     team,
@@ -121,6 +122,18 @@ BOTH_WAIT = [w("a1").gpus(8).submitted(900), w("b1").queue("b").gpus(8).submitte
 # (in decayed GPU-seconds) are its own, so it keeps its place.
 OWN_A = [team("a", guarantee=4, recent=4 * WEEK / math.log(2)), team("b", guarantee=4)]
 
+# Kueue #10815: b borrows a's guarantee with one job on each of four nodes in two racks;
+# a's gang needs one whole rack. Its cheapest victims (least work lost) are b0 and b2, one
+# in each rack; the fix clears one rack instead.
+RACKS = racks(2, 2, 8)
+KUEUE_10815 = [
+    w("b0").queue("b").gpus(8).running("n0", since=100),
+    w("b1").queue("b").gpus(8).running("n1", since=3000),
+    w("b2").queue("b").gpus(8).running("n2", since=200),
+    w("b3").queue("b").gpus(8).running("n3", since=300),
+    w("gang").gang(2, 8).within("rack"),
+]
+
 # One line per case, as in a table.
 # fmt: off
 CASES = [
@@ -171,7 +184,8 @@ CASES = [
     Case("min_runtime_reclaim_protected_says_until_when", N2, AB, [w("s0").queue("b").cls("steady").gpus(8).running("n0", since=60), w("s1").queue("b").cls("steady").gpus(8).running("n1", since=300), w("a1").gpus(8)], wait={"a1": "job s0 may be preempted (reclaim) only after their minimum runtime, at 1970-01-01 03:00:40 UTC (in 840 s)"}),
     Case("min_runtime_shielded_victim_waits_for_protected_lower_work", N2, AB, [w("b1").queue("b").gpus(8).running("n0"), w("s").queue("b").cls("steady").gpus(8).running("n1", since=60), w("a1").gpus(8)], wait={"a1": "job s may be preempted (reclaim) only after their minimum runtime"}),
     Case("min_runtime_reclaim_expired_allows_reclaim", N2, AB, [w("s0").queue("b").cls("steady").gpus(8).running("n0", since=900), w("s1").queue("b").cls("steady").gpus(8).running("n1", since=300), w("a1").gpus(8)], preempt={"s0": "reclaim"}),
-    Case("min_runtime_per_class_lowers_fair_share_default", N2, AB0, [w("f0").cls("nimble").gpus(8).running("n0", since=30), w("f1").cls("nimble").gpus(8).running("n1", since=30), w("b1").queue("b").gpus(8)], preempt={"f0": "fair-share"}),
+    Case("min_runtime_per_class_never_below_the_anti_flap_margin", N2, AB0, [w("f0").cls("nimble").gpus(8).running("n0", since=30), w("f1").cls("nimble").gpus(8).running("n1", since=30), w("b1").queue("b").gpus(8)], wait={"b1": "job f0 may be preempted (fair-share) only after their minimum runtime"}),
+    Case("min_runtime_per_class_raises_fair_share", N2, AB0, [w("f0").cls("steady").gpus(8).running("n0", since=300), w("f1").cls("steady").gpus(8).running("n1", since=300), w("b1").queue("b").gpus(8)], wait={"b1": "(in 600 s)"}),
     Case("min_runtime_fair_share_says_until_when", N2, AB0, [w("f0").cls("low").gpus(8).running("n0", since=30), w("f1").cls("low").gpus(8).running("n1", since=20), w("b1").queue("b").gpus(8)], wait={"b1": "no node of flavor h100 has 8 free GPUs; job f1 may be preempted (fair-share) only after their minimum runtime"}),
     Case("min_runtime_priority_says_until_when", N2, [team("a", guarantee=16)], [w("f").cls("fresh").gpus(8).running("n0", since=60), w("g").cls("fresh").gpus(8).running("n1", since=120), w("hi").priority(100).gpus(8)], wait={"hi": "job f may be preempted (priority) only after their minimum runtime, at 1970-01-01 02:55:40 UTC (in 540 s)"}),
     Case("min_runtime_protects_from_fair_share", N2, AB0, [w("f0").cls("fresh").gpus(8).running("n0", since=60), w("f1").cls("fresh").gpus(8).running("n1", since=60), w("b1").queue("b").gpus(8)], wait={"b1": "free GPUs"}),
@@ -188,6 +202,11 @@ CASES = [
     Case("decayed_usage_orders_teams_below_fair_share", N1, HEAVY_A, BOTH_WAIT, admit={"b1"}, wait={"a1": "team a used 2.0× its share of the spare h100 GPUs over the last week: its fair share is 0.5 GPUs instead of 4.0"}, fair_share={"a": 0.5 / 8.5 * 8, "b": 8 / 8.5 * 8}, usage_strength=1.0),
     Case("decayed_usage_strength_zero_is_weight_alone", N1, HEAVY_A, BOTH_WAIT, admit={"a1"}, wait={"b1": "no node of flavor h100 has 8 free GPUs"}, fair_share={"a": 4, "b": 4}),
     Case("decayed_usage_of_the_own_guarantee_is_not_borrowing", N1, OWN_A, BOTH_WAIT, admit={"a1"}, wait={"b1": "no node of flavor h100 has 8 free GPUs"}, fair_share={"a": 4, "b": 4}, usage_strength=1.0),
+    Case("topology_reclaim_clears_one_whole_rack", RACKS, [team("a", guarantee=16), team("b", guarantee=16)], KUEUE_10815, admit=set(), preempt={"b2": "reclaim", "b3": "reclaim"}, wait={"gang": "waiting for"}),
+    Case("topology_blind_reclaim_scatters_victims", RACKS, [team("a", guarantee=16), team("b", guarantee=16)], [*KUEUE_10815[:-1], w("gang").gang(2, 8)], preempt={"b0": "reclaim", "b2": "reclaim"}),
+    Case("topology_free_gpus_tightest_rack_first", RACKS, AB, [w("x").queue("b").gpus(4).running("n0"), w("g").gang(2, 4).within("rack")], admit={"g"}, placement={"g": (("n1", 2),)}),
+    Case("topology_required_waits_when_no_rack_has_room", RACKS, AB, [w("x").queue("b").gpus(4).running("n0"), w("y").queue("b").gpus(4).running("n2"), w("g").gang(3, 8).within("rack")], wait={"g": "no rack of flavor h100 has room for 3 ranks of 8 GPUs together"}),
+    Case("topology_preferred_falls_back_to_any_nodes", RACKS, AB, [w("x").queue("b").gpus(8).running("n0"), w("y").queue("b").gpus(8).running("n2"), w("g").gang(2, 8).within("rack", required=False)], admit={"g"}, placement={"g": (("n1", 1), ("n3", 1))}),
     Case("unknown_flavor_waits_with_reason", N2, AB, [w("x").flavor("a100").gpus(1)], wait={"x": "no node of flavor a100 exists"}),
 ]
 # fmt: on
