@@ -267,6 +267,19 @@ QM_CONSOLIDATION_MIN_RUNTIME_SECONDS = env_float(
 # a week). Guarantees never depend on it.
 QM_USAGE_STRENGTH = env_float("QM_USAGE_STRENGTH", 0.0, minimum=0.0)
 QM_USAGE_HALF_LIFE_SECONDS = env_float("QM_USAGE_HALF_LIFE_SECONDS", 7 * 86_400.0, minimum=1.0)
+# Topology levels, outermost first, each read from a node label (on Kubernetes the
+# node's own label; on the local runtime the Node row's labels): level=label-key pairs.
+QM_TOPOLOGY_LABELS: dict[str, str] = {}
+for _entry in env_list(
+    "QM_TOPOLOGY_LABELS",
+    ["block=topology.quartermaster.io/block", "rack=topology.quartermaster.io/rack"],
+):
+    _level, _, _key = _entry.partition("=")
+    if not _level.strip() or not _key.strip():
+        raise ImproperlyConfigured(
+            f"QM_TOPOLOGY_LABELS: expected level=label-key pairs, got {_entry!r}"
+        )
+    QM_TOPOLOGY_LABELS[_level.strip()] = _key.strip()
 # Webhooks: networks an admin opens to them (comma-separated CIDRs; everything
 # that is not public is closed otherwise), and the time one delivery may take
 # in all, from connecting to the answer's head.

@@ -108,11 +108,21 @@ def build_snapshot(
     (`held_jobs`, computed here unless given) are left out: they cannot start."""
     now = now or timezone.now()
     held = held_jobs() if held is None else held
+    levels = settings.QM_TOPOLOGY_LABELS
     nodes = tuple(
-        fairshare.Node(name=name, flavor=flavor, gpus=gpus)
-        for name, flavor, gpus in Node.objects.filter(schedulable=True)
+        fairshare.Node(
+            name=name,
+            flavor=flavor,
+            gpus=gpus,
+            topology={
+                level: str(labels[key])
+                for level, key in levels.items()
+                if isinstance(labels, dict) and key in labels
+            },
+        )
+        for name, flavor, gpus, labels in Node.objects.filter(schedulable=True)
         .order_by("name")
-        .values_list("name", "flavor__name", "gpus")
+        .values_list("name", "flavor__name", "gpus", "labels")
     )
     quotas: dict[int, dict[str, fairshare.FlavorQuota]] = defaultdict(dict)
     for team_id, flavor, guarantee, borrow_limit, lend_limit in Quota.objects.values_list(
@@ -160,6 +170,8 @@ def build_snapshot(
             "gpus_per_rank",
             "state",
             "submitted_at",
+            "topology_level",
+            "topology_required",
         )
     )
     active_ids = [job[0] for job in jobs if ENGINE_STATE[job[6]] != "pending"]
@@ -176,7 +188,18 @@ def build_snapshot(
         .values_list("job_id", "last")
     )
     workloads = []
-    for job_id, team, pc, flavor, ranks, gpus_per_rank, state, submitted_at in jobs:
+    for (
+        job_id,
+        team,
+        pc,
+        flavor,
+        ranks,
+        gpus_per_rank,
+        state,
+        submitted_at,
+        topology_level,
+        topology_required,
+    ) in jobs:
         if job_id in held:
             continue
         engine_state = ENGINE_STATE[state]
@@ -207,6 +230,8 @@ def build_snapshot(
                 admitted_at=admitted_at,
                 placement=placement,
                 last_checkpoint_at=last_checkpoint_at,
+                topology_level=topology_level or None,
+                topology_required=topology_required,
             )
         )
     return fairshare.Snapshot(
