@@ -17,6 +17,7 @@ planned on a cluster large enough to run 20,000 of them (see "running-heavy" bel
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import math
 import random
@@ -235,6 +236,80 @@ def cpu_median() -> str:
     return f"{statistics.median(CPU_TIMES):.3f} s"
 
 
+def with_minimum_runtimes(snapshot: Snapshot) -> Snapshot:
+    """``snapshot`` with minimum runtimes for every reason, long enough that a good part of
+    the running work is protected from each (runtimes spread over a day)."""
+    minimums = {
+        "critical": {},
+        "high": {"reclaim": 3_600.0, "priority": 7_200.0},
+        "normal": {"reclaim": 1_800.0, "fair-share": 14_400.0},
+        "low": {"priority": 3_600.0},
+    }
+    classes = tuple(
+        dataclasses.replace(c, min_runtime_by_reason=minimums[c.name])
+        for c in snapshot.priority_classes
+    )
+    return dataclasses.replace(
+        snapshot,
+        priority_classes=classes,
+        priority_min_runtime_seconds=900.0,
+        reclaim_min_runtime_seconds=600.0,
+    )
+
+
+def with_decayed_usage(snapshot: Snapshot) -> Snapshot:
+    """``snapshot`` with a week of decayed usage per queue, from idle to several times its
+    guarantee, counted at strength 1."""
+    rng = random.Random(7)
+    horizon = 7 * 86_400 / math.log(2)
+    queues = tuple(
+        dataclasses.replace(
+            q,
+            recent_usage={FLAVOR: rng.uniform(0, 3) * max(1, q.quota(FLAVOR).guarantee) * horizon},
+        )
+        for q in snapshot.queues
+    )
+    return dataclasses.replace(snapshot, queues=queues, usage_strength=1.0)
+
+
+def with_topology(snapshot: Snapshot) -> Snapshot:
+    """``snapshot`` with its nodes in racks of 16 (blocks of 8 racks), and every pending
+    gang of several ranks requiring one rack."""
+    nodes = tuple(
+        dataclasses.replace(n, topology={"block": f"b{i // 128}", "rack": f"r{i // 16}"})
+        for i, n in enumerate(snapshot.nodes)
+    )
+    workloads = tuple(
+        dataclasses.replace(w, topology_level="rack") if w.state == "pending" and w.ranks > 1 else w
+        for w in snapshot.workloads
+    )
+    return dataclasses.replace(snapshot, nodes=nodes, workloads=workloads)
+
+
+def compare(feature: str, snapshot: Snapshot, variant: Snapshot, runs: int) -> None:
+    """CPU time of plan() without and with ``feature``, runs interleaved in one process so
+    that both see the same load on a shared machine."""
+    plan(snapshot)
+    plan(variant)
+    cpu: dict[str, list[float]] = {"without": [], "with": []}
+    plans: dict[str, Plan] = {}
+    for _ in range(runs):
+        for label, chosen in (("without", snapshot), ("with", variant)):
+            gc.collect()
+            start = time.process_time()
+            plans[label] = plan(chosen)
+            cpu[label].append(time.process_time() - start)
+    for label in ("without", "with"):
+        p = plans[label]
+        print(
+            f"{label:>7} {feature}: CPU time median {statistics.median(cpu[label]):.3f} s; "
+            f"{len(p.admit)} admissions, {len(p.preempt)} preemptions, "
+            f"{sum(feature in w.reason for w in p.waiting)} waiting reasons name it"
+        )
+    ratio = statistics.median(cpu["with"]) / statistics.median(cpu["without"])
+    print(f"with / without: {ratio:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer runs and sizes")
@@ -257,6 +332,16 @@ def main() -> None:
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     print(f"peak memory during plan() (tracemalloc): {peak / 2**20:.1f} MiB")
+
+    print()
+    print("== Minimum runtimes per reason: the same cluster with and without ==")
+    compare("minimum runtime", snapshot, with_minimum_runtimes(snapshot), runs)
+    print()
+    print("== Decayed usage (strength 1): the same cluster with and without ==")
+    compare("its share of the spare", snapshot, with_decayed_usage(snapshot), runs)
+    print()
+    print("== Topology (gangs of several ranks require one rack): with and without ==")
+    compare("rack of flavor", snapshot, with_topology(snapshot), runs)
 
     print()
     print("== Running-heavy: 20,000 running + 50,000 pending on a cluster large enough ==")

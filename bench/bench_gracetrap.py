@@ -9,7 +9,10 @@ ways, each timed through fsync so that every figure is bytes on disk:
   and without torch's per-record CRC32,
 * ``Trap.save`` (torch.distributed.checkpoint, fsync of files, folder and pointer),
   with its default (no CRC32) and with ``checksums=True``, and once more right after
-  a previous save, while that save's deletion of the older checkpoint runs.
+  a previous save, while that save's deletion of the older checkpoint runs,
+* ``Trap.save`` in the background (``async_saves``): the stall it costs training
+  (staging the state in host memory) and the background write's own time, alone and
+  for a save that follows another at once (it waits for the first write first).
 
 The repeats are interleaved so that a burst of other load on a shared disk hits every
 method alike; medians are printed.
@@ -18,13 +21,14 @@ Then it times ``Trap.should_stop`` per step in one process and across two gloo r
 
     .venv/bin/python bench/bench_gracetrap.py [--state-gb 1.0] [--repeats 3] [--dir DIR]
 
-Goals (issue 4): the trap's save within 80% of the disk's write speed; should_stop
-under 1 ms per step in a single process.
+Goals (issues 4 and 17): the trap's save, and the background write, within 80% of
+the disk's write speed; should_stop under 1 ms per step in a single process.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
 import socket
@@ -40,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from gracetrap import Trap
+from gracetrap import Trap, parse_event_line
 
 WIDTH = 4096
 
@@ -171,6 +175,41 @@ def time_trap_save_after_save(
     return elapsed
 
 
+def background_trap(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, after: bool
+) -> tuple[Trap, io.StringIO]:
+    """A trap with background saves, kept across repeats as a training job keeps its
+    trap (its staging buffers are then warm, as from a job's second save on)."""
+    stream = io.StringIO()
+    trap = Trap(
+        directory / f"trap-background-{after}",
+        {"model": model, "optimizer": optimizer},
+        keep=1,
+        async_saves=True,
+        signals=(),
+        stream=stream,
+    )
+    return trap, stream
+
+
+def time_trap_background(
+    trap: Trap, stream: io.StringIO, step: int, after: bool
+) -> tuple[float, float]:
+    """(stall, write seconds) of a background save; with ``after``, of one that follows
+    another background save at once and so first waits for that one's write."""
+    # Step 0 was the untimed first save; each repeat saves newer steps.
+    if after:
+        trap.save(2 * step + 1)
+    started = time.perf_counter()
+    trap.save(2 * step + 2)
+    stall = time.perf_counter() - started
+    trap.wait_for_save()
+    events = [parse_event_line(line) for line in stream.getvalue().splitlines()]
+    committed = [e for e in events if e is not None and e["event"] == "checkpoint_committed"]
+    assert committed[-1]["step"] == 2 * step + 2
+    return stall, float(committed[-1]["seconds"])
+
+
 def should_stop_cost(steps: int) -> float:
     """Seconds per should_stop call in one process without a process group."""
     trap = Trap(None, signals=(), stream=open(os.devnull, "w"))  # noqa: SIM115
@@ -223,6 +262,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-gracetrap-", dir=args.dir))
     print(f"state: {state_bytes / 1e9:.3f} GB (parameters + Adam moments), written to {root}")
     runs: dict[str, list[float]] = {}
+    stalls: dict[str, list[float]] = {}
+    background: dict[bool, tuple[Trap, io.StringIO]] = {}
     checkpoint_bytes = 0
     trap_variants = [(1, False), (1, True)]
     try:
@@ -245,7 +286,19 @@ def main() -> None:
             runs.setdefault("Trap.save right after a save", []).append(
                 time_trap_save_after_save(root, model, optimizer, index)
             )
+            for after in (False, True):
+                if after not in background:
+                    background[after] = background_trap(root, model, optimizer, after)
+                    # The first save allocates the staging buffers: not timed.
+                    background[after][0].save(0)
+                    background[after][0].wait_for_save()
+                stall, write = time_trap_background(*background[after], index, after)
+                suffix = ", right after a background save" if after else ""
+                stalls.setdefault(f"background save{suffix}", []).append(stall)
+                runs.setdefault(f"background write{suffix}", []).append(write)
     finally:
+        for trap, _ in background.values():
+            trap.close()
         shutil.rmtree(root, ignore_errors=True)
 
     def rate(seconds: list[float]) -> float:
@@ -266,6 +319,14 @@ def main() -> None:
             f" {state_bytes / min(seconds) / 1e6:10.1f}"
         )
     print(f"disk speed (the better plain write): {disk:.1f} MB/s")
+    print("training stall per save (median):")
+    synchronous = statistics.median(runs["Trap.save, 1 writer thread, CRC32 off"])
+    print(f"  {'synchronous Trap.save':54s} {synchronous:7.3f} s")
+    for label, seconds in stalls.items():
+        print(
+            f"  {label:54s} {statistics.median(seconds):7.3f} s "
+            f"({statistics.median(seconds) / synchronous:.0%} of synchronous)"
+        )
     print(f"checkpoint on disk: {checkpoint_bytes / 1e9:.3f} GB")
 
     single = should_stop_cost(args.stop_steps)

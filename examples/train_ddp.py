@@ -45,6 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=100, help="total number of steps")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
     parser.add_argument("--save-every", type=int, default=0, help="regular checkpoint interval")
+    parser.add_argument(
+        "--cadence",
+        action="store_true",
+        help="checkpoint whenever trap.should_checkpoint() says so (QM_PREEMPTION_MTBP)",
+    )
     parser.add_argument("--hidden", type=int, default=32, help="width of the hidden layers")
     parser.add_argument("--layers", type=int, default=1, help="number of hidden layers")
     parser.add_argument("--batch", type=int, default=8, help="samples per rank and step")
@@ -54,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     parser.add_argument("--exit-code", type=int, default=0, help="exit code after preemption")
     parser.add_argument("--checkpoint-dir", default=None, help="default: $QM_CHECKPOINT_DIR")
+    parser.add_argument(
+        "--ending",
+        choices=("shutdown", "destroy"),
+        default="shutdown",
+        help="end a finished run with trap.shutdown() or a bare dist.destroy_process_group()",
+    )
     parser.add_argument(
         "--dump",
         default=None,
@@ -173,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.step_sleep)
         if trap.should_stop(step):
             trap.save_and_exit(step)
-        if args.save_every and (step + 1) % args.save_every == 0:
+        if args.save_every:
+            due = (step + 1) % args.save_every == 0
+        else:
+            due = args.cadence and trap.should_checkpoint(step)
+        if due:
             trap.save(step)
 
     if args.dump and ("{rank}" in args.dump or rank == 0):
@@ -187,7 +202,12 @@ def main(argv: list[str] | None = None) -> int:
             },
             args.dump.replace("{rank}", str(rank)),
         )
-    trap.shutdown()
+    if args.ending == "destroy" and dist.is_initialized():
+        # A background save still talks over its own process group: let it finish.
+        trap.wait_for_save()
+        dist.destroy_process_group()
+    else:
+        trap.shutdown()
     trap.close()
     print(f"DONE RANK {rank}", flush=True)
     return 0

@@ -8,6 +8,7 @@ from .engine import check_snapshot, plan
 from .model import (
     CONSOLIDATE,
     FAIR_SHARE,
+    PREEMPTION_REASONS,
     PRIORITY,
     RECLAIM,
     UNSET,
@@ -28,6 +29,7 @@ from .model import (
     Unset,
     Waiting,
     Workload,
+    minimum_runtimes,
 )
 from .scenario import (
     changes_from_list,
@@ -42,6 +44,7 @@ from .whatif import apply_changes, diff
 __all__ = [
     "CONSOLIDATE",
     "FAIR_SHARE",
+    "PREEMPTION_REASONS",
     "PRIORITY",
     "RECLAIM",
     "UNSET",
@@ -68,6 +71,7 @@ __all__ = [
     "check_snapshot",
     "consequences_to_dict",
     "diff",
+    "minimum_runtimes",
     "plan",
     "plan_to_dict",
     "snapshot_from_dict",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from .ledger import QuotaLedger
 from .model import FAIR_SHARE, PREEMPT_LOWER_PRIORITY, PRIORITY, RECLAIM, PriorityClass, Workload
@@ -39,6 +39,7 @@ class RunningWork:
 
     __slots__ = (
         "gpus",
+        "minimum",
         "nodes",
         "order",
         "planned",
@@ -58,9 +59,12 @@ class RunningWork:
         priority_class: PriorityClass,
         nodes: tuple[tuple[int, int], ...],
         now: float,
+        minimum: Mapping[str, float],
         planned: bool = False,
     ) -> None:
         self.workload = workload
+        # Per preemption reason: the seconds it runs before it may be taken for it.
+        self.minimum = minimum
         # Admitted earlier in this same plan rather than running in the snapshot.
         self.planned = planned
         self.queue = queue
@@ -112,7 +116,6 @@ class VictimCandidates:
         tree: QueueTree,
         ledger: QuotaLedger,
         by_queue: list[list[RunningWork]],
-        fair_share_min_runtime: float,
     ) -> None:
         self.tree = tree
         self.ledger = ledger
@@ -126,7 +129,28 @@ class VictimCandidates:
         self.shield_version = [0] * len(by_queue)
         # Per queue: its smallest candidate's GPUs (0 for none).
         self.smallest_gpus = [min((run.gpus for run in runs), default=0) for runs in by_queue]
-        self.fair_share_min_runtime = fair_share_min_runtime
+        # Candidates that a scan passed over only because they have not run their
+        # minimum runtime yet, with the reason they were wanted for; the planner clears
+        # it before each workload's searches and reads it to say until when it waits.
+        self.protected: list[tuple[RunningWork, str]] = []
+        # Set while the planner asks whether the protected candidates would let a
+        # workload in: protection of running work is then ignored.
+        self.ignore_protection = False
+
+    def is_protected(self, run: RunningWork, reason: str) -> bool:
+        """Whether ``run`` has not run its minimum runtime for ``reason`` yet.
+
+        Work admitted in this plan has run for no time at all; its protection is never
+        ignored, since it has not started and no waiting reason can name its end.
+        """
+        if run.runtime >= run.minimum[reason]:
+            return False
+        if run.planned:
+            return True
+        if self.ignore_protection:
+            return False
+        self.protected.append((run, reason))
+        return True
 
     def first_live_index(self, queue: int) -> int:
         """Move ``queue``'s first live index past the candidates already taken as victims."""
@@ -181,7 +205,7 @@ class VictimCandidates:
                 not lower.victim
                 and lower.gpus >= run.gpus
                 and r7_may_preempt_by_priority(
-                    run.priority_class, lower.priority_class, lower.runtime
+                    run.priority_class, lower.priority_class, lower.runtime, lower.minimum[PRIORITY]
                 )
             ):
                 return True
@@ -278,6 +302,8 @@ class VictimCandidates:
                 heapq.heappush(heap, (runs[following].order, donor, following))
             if run.victim or not exposed or self.shielded(run):
                 continue
+            if self.is_protected(run, RECLAIM):
+                continue
             if overshoot:
                 straddlers.append((overshoot, run.order, run))
                 continue
@@ -306,8 +332,12 @@ class VictimCandidates:
             run = runs[i]
             if run.priority_class.value >= preemptor_class.value:
                 break
-            if run.victim or not r7_may_preempt_by_priority(
-                preemptor_class, run.priority_class, run.runtime
+            # The runtime test comes last, so that only a protected run that would
+            # otherwise go counts as protected.
+            if (
+                run.victim
+                or not r7_may_preempt_by_priority(preemptor_class, run.priority_class, _INF, 0.0)
+                or self.is_protected(run, PRIORITY)
             ):
                 continue
             yield run, PRIORITY
@@ -326,7 +356,6 @@ class VictimCandidates:
         by_queue = self.by_queue
         smallest_gpus = self.smallest_gpus
         planned = ledger.planned_usage
-        min_runtime = self.fair_share_min_runtime
         lca_row = tree.lca_row(queue)
         heap: list[tuple[VictimOrder, int, int]] = []
         chains: dict[int, LcaChain] = {}
@@ -383,13 +412,7 @@ class VictimCandidates:
             following = next_live(runs, at + 1)
             if following < len(runs):
                 heapq.heappush(heap, (runs[following].order, donor, following))
-            if (
-                not exposed
-                or run.victim
-                or run.runtime < max(run.priority_class.min_runtime_seconds, min_runtime)
-            ):
-                continue
-            if self.shielded(run):
+            if not exposed or run.victim or self.shielded(run):
                 continue
             victim_gpus = run.gpus
             for x in chain:
@@ -403,6 +426,6 @@ class VictimCandidates:
                     usage[side_of_donor],
                     fair[side_of_donor],
                     victim_gpus,
-                ):
+                ) and not self.is_protected(run, FAIR_SHARE):
                     yield run, FAIR_SHARE
                     exposed_donors.clear()

@@ -21,12 +21,12 @@ CONSOLIDATIONS_PER_PLAN = 8
 
 
 def consolidate(
-    nodes: NodeMap, victims: VictimCandidates, job: PendingJob, min_runtime: float
+    nodes: NodeMap, victims: VictimCandidates, job: PendingJob
 ) -> tuple[Victims, Placement, list[tuple[int, int]]] | None:
     """Move small jobs so that ``job`` fits; the caller checked its guarantee and free GPUs.
 
     A job may move when it is preemptible, sits on one node, is smaller than one rank of
-    the gang and has run at least ``min_runtime`` seconds (and its class's minimum); it
+    the gang and has run its minimum runtime for consolidation; it
     is requeued and restarts at once on GPUs free elsewhere (its "hole", kept for it in
     this plan). Nodes are cleared fewest moved GPUs per rank first. Returns the victims,
     the gang's placement and the holes as (node, GPUs), or None.
@@ -44,7 +44,7 @@ def consolidate(
                 or run.planned
                 or len(run.nodes) != 1
                 or run.gpus >= gpus_per_rank
-                or run.runtime < max(min_runtime, run.priority_class.min_runtime_seconds)
+                or run.runtime < run.minimum[CONSOLIDATE]
             ):
                 continue
             movable[run.nodes[0][0]].append(run)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
 
 from .candidates import PendingJob, RunningWork, VictimCandidates
 from .consolidation import CONSOLIDATIONS_PER_PLAN, consolidate
@@ -33,6 +34,7 @@ from .model import (
     Snapshot,
     Waiting,
     Workload,
+    minimum_runtimes,
 )
 from .nodes import NodeMap, Placement
 from .preemption import Victims, preempt_for, reclaim_by_node
@@ -45,6 +47,11 @@ NODE_SEARCHES_PER_PLAN = 8
 # Passes over the workloads still waiting after the first pass, each run only when the
 # previous pass changed what they could do.
 RETRY_PASSES = 3
+# Topology domains a gang that needs one searches for victims, per kind of preemption.
+DOMAIN_SEARCHES_PER_MODE = 2
+# Searches a plan may run to find until when a waiting workload's victims are protected
+# by their minimum runtime: each repeats the workload's preemption searches.
+PROTECTION_SEARCHES_PER_PLAN = 16
 
 # The key of a queue in a pass's heap: (beyond its guarantee with its next job, usage
 # minus fair share, the next job's submission, queue name, queue index).
@@ -74,6 +81,11 @@ class FlavorPlanner:
         workloads: list[Workload],
     ) -> None:
         self.now = snapshot.now
+        # Per class: its minimum runtime per preemption reason, shared by its work.
+        self.minimums = {
+            name: minimum_runtimes(snapshot, priority_class)
+            for name, priority_class in classes.items()
+        }
         self.tree = tree
         self.flavor = flavor
         count = len(tree.names)
@@ -108,7 +120,14 @@ class FlavorPlanner:
             leaf_usage[queue] += gpus
             if priority_class.preemptible:
                 candidates[queue].append(
-                    RunningWork(workload, queue, priority_class, on_nodes, self.now)
+                    RunningWork(
+                        workload,
+                        queue,
+                        priority_class,
+                        on_nodes,
+                        self.now,
+                        self.minimums[priority_class.name],
+                    )
                 )
             else:
                 pinned_usage[queue] += gpus
@@ -119,16 +138,30 @@ class FlavorPlanner:
         self.ledger = QuotaLedger(
             snapshot, tree, flavor, nodes.capacity, leaf_usage, leaf_demand, pinned_usage
         )
-        self.victims = VictimCandidates(
-            tree, self.ledger, candidates, snapshot.fair_share_min_runtime_seconds
-        )
-        self.consolidation_min_runtime = snapshot.consolidation_min_runtime_seconds
+        self.victims = VictimCandidates(tree, self.ledger, candidates)
+        # Per node: GPUs of preemptible running work in the snapshot (a rough measure of
+        # what victims could free there, to rank topology domains).
+        self.preemptible_on_node = [0] * len(nodes.names)
+        for runs in candidates:
+            for run in runs:
+                for node, gpus in run.nodes:
+                    self.preemptible_on_node[node] += gpus
+        self.usage_matters = snapshot.usage_strength > 0
+        self.protection_searches_left = PROTECTION_SEARCHES_PER_PLAN
+        # Per kind of workload (queue, ranks, rank size, priority, preemptible): the
+        # candidates' version and what protects its victims, as found by
+        # _protected_until.
+        self.protection_by_kind: dict[
+            tuple[int, int, int, int, bool], tuple[tuple[int, int], str]
+        ] = {}
         self.node_searches_left = NODE_SEARCHES_PER_PLAN
         self.consolidations_left = CONSOLIDATIONS_PER_PLAN
 
         # Per rank size: the fewest ranks that found no room on free plus releasing GPUs
         # since the releasing GPUs last changed.
         self.unplaceable_on_releasing: dict[int, int] = {}
+        # The same per (topology level, rank size), for gangs that need one domain.
+        self.unplaceable_in_domain_releasing: dict[tuple[str, int], int] = {}
         # Per kind of attempt (queue, mode, rank size, preemptor's priority where it
         # matters, preemptible): the fewest ranks that failed, and the candidates'
         # version they failed against.
@@ -195,6 +228,7 @@ class FlavorPlanner:
         usage = ledger.usage
         guarantee = ledger.guarantee
         fair_share = ledger.fair_share
+        boost = ledger.order_boost
         names = self.tree.names
         plan_job = self._plan_job
         while heap:
@@ -208,11 +242,12 @@ class FlavorPlanner:
                 # The key of _queue_key, spelled out: this loop runs once per workload.
                 head = jobs[at]
                 used = usage[queue]
+                below = used - fair_share[queue]
                 heappush(
                     heap,
                     (
                         used + head.gpus > guarantee[queue],
-                        used - fair_share[queue],
+                        below * boost[queue] if below < 0 else below,
                         head.workload.submitted_at,
                         names[queue],
                         queue,
@@ -222,11 +257,13 @@ class FlavorPlanner:
     def _queue_key(self, queue: int, head: PendingJob) -> QueueKey:
         # Work that fits inside its queue's guarantee goes before any borrowing: otherwise
         # a borrower would take GPUs that the guarantee reclaims in the next cycle. Then
-        # the queue furthest below its fair share goes first; ties by older submission.
+        # the queue furthest below its fair share goes first, the distance weighed by
+        # how little it used recently (decayed usage); ties by older submission.
         usage = self.ledger.usage[queue]
+        below = usage - self.ledger.fair_share[queue]
         return (
             usage + head.gpus > self.ledger.guarantee[queue],
-            usage - self.ledger.fair_share[queue],
+            below * self.ledger.order_boost[queue] if below < 0 else below,
             head.workload.submitted_at,
             self.tree.names[queue],
             queue,
@@ -242,6 +279,15 @@ class FlavorPlanner:
         nodes = self.nodes
         ledger = self.ledger
         quota_reason = ledger.quota_reason(queue, gpus, priority_class)
+        if workload.topology_level is not None:
+            if quota_reason is None and self._plan_in_one_domain(job):
+                return
+            if workload.topology_required:
+                reason = quota_reason or self._domain_reason(job)
+                known = self.waits.get(workload.id)
+                if known is None or known.reason != reason:
+                    self.waits[workload.id] = Waiting(workload.id, reason)
+                return
         if quota_reason is None:
             # The cheap tests of NodeMap.place_free, spelled out: on a full cluster most
             # jobs stop here, and this runs once per pending workload.
@@ -267,6 +313,7 @@ class FlavorPlanner:
                         ranks, known_failure if known_failure is not None else ranks
                     )
         modes = self._modes(job)
+        self.victims.protected.clear()
         if modes:
             self.attempted_at_version[workload.id] = self.candidates_version
         failed_attempts = self.failed_attempts
@@ -307,13 +354,14 @@ class FlavorPlanner:
             # Enough GPUs are free, just not together, and the gang fits inside its
             # guarantee: move small jobs off a few nodes to the free GPUs elsewhere.
             self.consolidations_left -= 1
-            moved = consolidate(nodes, self.victims, job, self.consolidation_min_runtime)
+            moved = consolidate(nodes, self.victims, job)
             if moved is not None:
                 victims, placement, holes = moved
                 for node, hole in holes:
                     # Kept for the moved jobs: nothing else in this plan takes them.
                     nodes.set_free(node, nodes.free[node] - hole)
                 nodes.unplaceable_on_free.clear()
+                nodes.unplaceable_in_domain.clear()
                 self._take(job, victims, placement)
                 return
         if quota_reason is None:
@@ -322,6 +370,13 @@ class FlavorPlanner:
             if quota_reason is None:
                 quota_reason = self._physical_reason(ranks, gpus_per_rank)
                 self.reason_by_shape[shape] = quota_reason
+            protection = self._protected_until(job, modes)
+            if protection:
+                quota_reason = f"{quota_reason}; {protection}"
+            if self.usage_matters:
+                usage_reason = ledger.usage_reason(queue, gpus)
+                if usage_reason:
+                    quota_reason = f"{quota_reason}; {usage_reason}"
         known = self.waits.get(workload.id)
         if known is None or known.reason != quota_reason:
             self.waits[workload.id] = Waiting(workload.id, quota_reason)
@@ -346,6 +401,7 @@ class FlavorPlanner:
                 for node, gpus in run.nodes:
                     nodes.set_free(node, nodes.free[node] + gpus)
                 nodes.unplaceable_on_free.clear()
+                nodes.unplaceable_in_domain.clear()
                 self.retry_waiting = True
                 self.gpus_freed = True
                 self.waits[victim_id] = Waiting(
@@ -359,6 +415,7 @@ class FlavorPlanner:
             for node, gpus in run.nodes:
                 nodes.release(node, gpus, victim_id)
         self.unplaceable_on_releasing.clear()
+        self.unplaceable_in_domain_releasing.clear()
         if not running_victims and all(
             nodes.free[node] >= ranks * gpus_per_rank for node, ranks in placement
         ):
@@ -405,9 +462,220 @@ class FlavorPlanner:
             )
             self.victims.add(
                 RunningWork(
-                    started, queue, job.priority_class, gpus_on_nodes, self.now, planned=True
+                    started,
+                    queue,
+                    job.priority_class,
+                    gpus_on_nodes,
+                    self.now,
+                    self.minimums[job.priority_class.name],
+                    planned=True,
                 )
             )
+
+    def _plan_in_one_domain(self, job: PendingJob) -> bool:
+        """Place ``job`` with all its ranks inside one domain of its topology level.
+
+        Free GPUs first, in the domain with the least room that fits the gang, so that
+        whole domains stay free for larger gangs; then GPUs being released; then
+        victims, searched domain by domain so that the GPUs they free lie together
+        (a search over the whole cluster frees GPUs scattered over domains that no
+        gang of this kind can use), the domain with the cheapest victims winning.
+        Returns whether the job was admitted, reserved or took victims.
+        """
+        workload = job.workload
+        nodes = self.nodes
+        ranks = workload.ranks
+        gpus_per_rank = workload.gpus_per_rank
+        level = workload.topology_level or ""
+        domains = nodes.domains.get(level, {})
+        free = nodes.free
+        # Free GPUs only shrink until the cache is cleared: a gang of as many ranks or
+        # more that found no domain finds none again.
+        shape = (level, gpus_per_rank)
+        known_failure = nodes.unplaceable_in_domain.get(shape)
+        if known_failure is None or ranks < known_failure:
+            fitting: list[tuple[int, str, Placement]] = []
+            for name, members in domains.items():
+                placement = nodes.place_in(members, ranks, gpus_per_rank, releasing=False)
+                if placement is not None:
+                    fitting.append((sum(free[node] for node in members), name, placement))
+            if fitting:
+                self._admit(job, min(fitting)[2])
+                return True
+            nodes.unplaceable_in_domain[shape] = min(ranks, known_failure or ranks)
+        known_failure = self.unplaceable_in_domain_releasing.get(shape)
+        if nodes.releasing_nodes and (known_failure is None or ranks < known_failure):
+            for _name, members in sorted(domains.items()):
+                placement = nodes.place_in(members, ranks, gpus_per_rank)
+                if placement is not None:
+                    self._wait_on(job, placement)
+                    return True
+            self.unplaceable_in_domain_releasing[shape] = min(ranks, known_failure or ranks)
+        ledger = self.ledger
+        modes = self._modes(job)
+        if modes:
+            self.attempted_at_version[workload.id] = self.candidates_version
+        failed_attempts = self.failed_attempts
+        for mode in modes:
+            value = job.priority_class.value if mode == PRIORITY else 0
+            # The kinds of failed attempts of _plan_job, per topology level.
+            attempt = (
+                job.queue,
+                f"{mode}@{level}",
+                gpus_per_rank,
+                value,
+                job.priority_class.preemptible,
+            )
+            failed = failed_attempts.get(attempt)
+            if failed is not None and failed[1] == self.candidates_version and ranks >= failed[0]:
+                continue
+            best: tuple[tuple[float, float, str], str] | None = None
+            for name, members in self._promising_domains(domains, gpus_per_rank):
+                inside = set(members)
+                found = preempt_for(
+                    ledger,
+                    nodes,
+                    job,
+                    (
+                        (run, reason)
+                        for run, reason in self._candidates(job, mode)
+                        if any(node in inside for node, _ in run.nodes)
+                    ),
+                    members,
+                )
+                if found is None:
+                    continue
+                victims, _ = found
+                for run, _ in victims:
+                    ledger.add_usage(run.queue, run.gpus)
+                cost = (
+                    float(max(run.order[0] for run, _ in victims)),
+                    sum(run.order[1] for run, _ in victims),
+                    name,
+                )
+                if best is None or cost < best[0]:
+                    best = (cost, name)
+            if best is None:
+                failed_attempts[attempt] = (ranks, self.candidates_version)
+                continue
+            inside = set(domains[best[1]])
+            found = preempt_for(
+                ledger,
+                nodes,
+                job,
+                (
+                    (run, reason)
+                    for run, reason in self._candidates(job, mode)
+                    if any(node in inside for node, _ in run.nodes)
+                ),
+                domains[best[1]],
+            )
+            if found is not None:
+                self._take(job, *found)
+                return True
+        return False
+
+    def _promising_domains(
+        self, domains: Mapping[str, list[int]], gpus_per_rank: int
+    ) -> list[tuple[str, list[int]]]:
+        """The domains a victim search tries, most room for ranks once their preemptible
+        work is gone first; each search is a scan over the candidates, so a job tries
+        at most DOMAIN_SEARCHES_PER_MODE of them."""
+        nodes = self.nodes
+        preemptible = self.preemptible_on_node
+        ranked = sorted(
+            domains.items(),
+            key=lambda item: (
+                -sum(
+                    (nodes.free[n] + nodes.releasing[n] + preemptible[n]) // gpus_per_rank
+                    for n in item[1]
+                ),
+                item[0],
+            ),
+        )
+        return ranked[:DOMAIN_SEARCHES_PER_MODE]
+
+    def _candidates(self, job: PendingJob, mode: str) -> Iterator[tuple[RunningWork, str]]:
+        if mode == RECLAIM:
+            return self.victims.reclaim(job.queue)
+        if mode == PRIORITY:
+            return self.victims.priority(job)
+        return self.victims.fair_share(job)
+
+    def _domain_reason(self, job: PendingJob) -> str:
+        workload = job.workload
+        level = workload.topology_level
+        if level not in self.nodes.domains:
+            return f"no node of flavor {self.flavor} has a {level} in its topology"
+        return (
+            f"no {level} of flavor {self.flavor} has room for {workload.ranks} ranks of "
+            f"{workload.gpus_per_rank} GPUs together"
+        )
+
+    def _protected_until(self, job: PendingJob, modes: list[str]) -> str:
+        """Until when the victims that would let ``job`` in are protected, or "".
+
+        Asked only of a workload that found no victims while some candidates were passed
+        over for their minimum runtime: its searches run again with that protection
+        ignored, and when they succeed the waiting reason names the protected victims
+        and the moment the last of them may go. The searches' tentative quota changes
+        are undone; a plan runs a bounded number of them, and workloads of one kind
+        share the answer while the candidates stay the same.
+        """
+        victims = self.victims
+        workload = job.workload
+        kind = (
+            job.queue,
+            workload.ranks,
+            workload.gpus_per_rank,
+            job.priority_class.value,
+            job.priority_class.preemptible,
+        )
+        version = (self.candidates_version, len(self.preempt))
+        known = self.protection_by_kind.get(kind)
+        if known is not None and known[0] == version:
+            return known[1]
+        if not victims.protected or self.protection_searches_left <= 0:
+            return ""
+        self.protection_searches_left -= 1
+        victims.ignore_protection = True
+        try:
+            found = None
+            for mode in modes:
+                candidates: Iterator[tuple[RunningWork, str]]
+                if mode == RECLAIM:
+                    candidates = victims.reclaim(job.queue)
+                elif mode == PRIORITY:
+                    candidates = victims.priority(job)
+                else:
+                    candidates = victims.fair_share(job)
+                found = preempt_for(self.ledger, self.nodes, job, candidates)
+                if found is not None:
+                    break
+        finally:
+            victims.ignore_protection = False
+        phrase = ""
+        if found is not None:
+            chosen, _ = found
+            for run, _ in chosen:
+                # preempt_for leaves its victims' quota usage taken: give it back.
+                self.ledger.add_usage(run.queue, run.gpus)
+            protected = [
+                (run, reason, self.now - run.runtime + run.minimum[reason])
+                for run, reason in chosen
+                if run.runtime < run.minimum[reason]
+            ]
+            if protected:
+                until = max(at for _, _, at in protected)
+                ids = [run.workload.id for run, _, _ in protected]
+                reasons = sorted({reason for _, reason, _ in protected})
+                moment = datetime.fromtimestamp(until, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+                phrase = (
+                    f"{_jobs_phrase(ids)} may be preempted ({', '.join(reasons)}) only after "
+                    f"their minimum runtime, at {moment} (in {until - self.now:.0f} s)"
+                )
+        self.protection_by_kind[kind] = (version, phrase)
+        return phrase
 
     def _modes(self, job: PendingJob) -> list[str]:
         """The kinds of preemption that could let ``job`` in: reclaim, priority, fair share."""

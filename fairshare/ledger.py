@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from .model import PriorityClass, Snapshot
 from .rules import r3_guarantee_line, r4_within_borrow_limit, r5_may_use_borrowed
-from .shares import fair_shares
+from .shares import USAGE_RATIO_BOUNDS, fair_shares, usage_adjusted_weights, usage_ratios
 from .tree import QueueTree
 
 
@@ -91,9 +91,38 @@ class QuotaLedger:
                     self.child_occupancy[parent] += self.occupancy[queue]
         self.total_occupancy = sum(self.occupancy[top] for top in tree.top)
 
-        self.fair_share = fair_shares(
+        # Fair shares by weight alone, and (with decayed usage) by weight adjusted for it.
+        self.plain_fair_share = fair_shares(
             tree, capacity, guarantee, self.borrow_limit, self.withheld, self.demand
         )
+        self.fair_share = self.plain_fair_share
+        self.half_life_seconds = snapshot.usage_half_life_seconds
+        # Per queue: how much more (above 1) or less than its weight's share of the
+        # surplus it used recently, and the factor by which that moves a queue below its
+        # fair share ahead (1 everywhere without decayed usage).
+        self.usage_ratio = [1.0] * count
+        self.order_boost = [1.0] * count
+        strength = snapshot.usage_strength
+        if strength > 0:
+            recent = [float(queue.recent_usage.get(flavor, 0.0)) for queue in snapshot.queues]
+            for queue in tree.bottom_up:
+                parent = tree.parent[queue]
+                if parent != -1 and flavor not in snapshot.queues[parent].recent_usage:
+                    recent[parent] += recent[queue]
+            self.usage_ratio = usage_ratios(tree, guarantee, recent, self.half_life_seconds)
+            self.fair_share = fair_shares(
+                tree,
+                capacity,
+                guarantee,
+                self.borrow_limit,
+                self.withheld,
+                self.demand,
+                usage_adjusted_weights(tree, self.usage_ratio, strength),
+            )
+            low, high = USAGE_RATIO_BOUNDS
+            self.order_boost = [
+                min(high, max(low, ratio)) ** -strength for ratio in self.usage_ratio
+            ]
         leaves = [queue for queue in range(count) if not tree.children[queue]]
         # Leaf queues that could lose GPUs to others (kept current by ``add_usage``).
         self.over_guarantee: dict[int, None] = {
@@ -166,4 +195,25 @@ class QuotaLedger:
                 change = new - self.occupancy[x]
             if self.total_occupancy + change > self.capacity:
                 return f"the idle {self.flavor} GPUs are held back by other teams' lend limits"
+        return None
+
+    def usage_reason(self, queue: int, gpus: int) -> str | None:
+        """Why decayed usage keeps ``gpus`` more GPUs from leaf ``queue``, or None.
+
+        Said when a queue on its path used more than its share of the surplus recently,
+        which made its fair share smaller, and the GPUs take it beyond that fair share.
+        """
+        for x in self.tree.path[queue]:
+            after = self.usage[x] + gpus
+            fair = self.fair_share[x]
+            plain = self.plain_fair_share[x]
+            ratio = self.usage_ratio[x]
+            if ratio > 1 and fair < plain - 1e-9 and after > fair + 1e-9:
+                days = self.half_life_seconds / 86_400
+                period = "the last week" if days == 7 else f"a half-life of {days:g} days"
+                return (
+                    f"team {self.tree.names[x]} used {ratio:.1f}× its share of the spare "
+                    f"{self.flavor} GPUs over {period}: its fair share is {fair:.1f} GPUs "
+                    f"instead of {plain:.1f}"
+                )
         return None

@@ -22,6 +22,8 @@ RECLAIM: Final = "reclaim"
 PRIORITY: Final = "priority"
 FAIR_SHARE: Final = "fair-share"
 CONSOLIDATE: Final = "consolidate"
+# The reasons a running workload may be preempted for, each with its own minimum runtime.
+PREEMPTION_REASONS: Final = (PRIORITY, FAIR_SHARE, RECLAIM, CONSOLIDATE)
 
 
 class ScenarioError(ValueError):
@@ -68,11 +70,20 @@ class FrozenMap(Mapping[K, V]):
 
 @dataclass(frozen=True, slots=True)
 class Node:
-    """A machine with ``gpus`` GPUs of one flavor (for example ``h100``)."""
+    """A machine with ``gpus`` GPUs of one flavor (for example ``h100``).
+
+    ``topology`` maps a level (for example "block" or "rack") to the domain of that
+    level the node sits in; the node itself is the innermost level.
+    """
 
     name: str
     flavor: str
     gpus: int
+    topology: Mapping[str, str] = field(default_factory=FrozenMap)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.topology, FrozenMap):
+            object.__setattr__(self, "topology", FrozenMap(self.topology))
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,17 +109,23 @@ class Queue:
 
     ``weight`` divides the surplus beyond guarantees between siblings; ``quotas`` maps a
     flavor to its quota, and a flavor that is missing has the empty quota.
+    ``recent_usage`` maps a flavor to the queue's GPU-seconds used, decayed with the
+    snapshot's half-life (a parent without its own figure counts its children's); with
+    ``Snapshot.usage_strength`` above 0 it adjusts the weight (see ``shares``).
     """
 
     name: str
     parent: str | None
     weight: float = 1.0
     quotas: Mapping[str, FlavorQuota] = field(default_factory=FrozenMap)
+    recent_usage: Mapping[str, float] = field(default_factory=FrozenMap)
 
     def __post_init__(self) -> None:
         # Callers may pass a plain dict; store a frozen copy so the queue stays hashable.
         if not isinstance(self.quotas, FrozenMap):
             object.__setattr__(self, "quotas", FrozenMap(self.quotas))
+        if not isinstance(self.recent_usage, FrozenMap):
+            object.__setattr__(self, "recent_usage", FrozenMap(self.recent_usage))
 
     def quota(self, flavor: str) -> FlavorQuota:
         """The queue's quota for ``flavor``, the empty quota when none is configured."""
@@ -122,8 +139,13 @@ class PriorityClass:
     ``preemption_policy`` ("PreemptLowerPriority" or "Never") governs only priority
     preemption inside one queue (R7); ``preemptible`` alone decides whether a workload of
     this class may ever be a victim. ``grace_seconds`` is the victim's time to checkpoint,
-    ``min_runtime_seconds`` protects a fresh workload from priority and fair-share
-    preemption (never from reclaim of borrowed GPUs).
+    ``min_runtime_seconds`` protects a fresh workload from priority, fair-share and
+    consolidation preemption (never from reclaim of borrowed GPUs).
+
+    ``min_runtime_by_reason`` maps a preemption reason ("priority", "fair-share",
+    "reclaim", "consolidate") to this class's own minimum for it, replacing the default
+    (the snapshot's threshold for the reason, raised to ``min_runtime_seconds`` for all
+    reasons but reclaim); see ``minimum_runtimes``.
     """
 
     name: str
@@ -132,6 +154,11 @@ class PriorityClass:
     preemptible: bool
     grace_seconds: float
     min_runtime_seconds: float = 0.0
+    min_runtime_by_reason: Mapping[str, float] = field(default_factory=FrozenMap)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_runtime_by_reason, FrozenMap):
+            object.__setattr__(self, "min_runtime_by_reason", FrozenMap(self.min_runtime_by_reason))
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +167,8 @@ class Workload:
 
     ``state`` is "pending", "running" or "terminating" (a victim in its grace window).
     ``placement`` lists (node name, number of ranks) pairs for running and terminating
-    workloads.
+    workloads. ``topology_level`` asks for all ranks inside one domain of that level
+    of ``Node.topology``.
     """
 
     id: str
@@ -154,6 +182,10 @@ class Workload:
     admitted_at: float | None = None
     placement: tuple[tuple[str, int], ...] = ()
     last_checkpoint_at: float | None = None
+    # All ranks in one domain of this topology level ("rack", say): required, or only
+    # preferred when ``topology_required`` is False.
+    topology_level: str | None = None
+    topology_required: bool = True
 
     @property
     def gpus(self) -> int:
@@ -161,15 +193,24 @@ class Workload:
         return self.ranks * self.gpus_per_rank
 
 
+PRIORITY_MIN_RUNTIME_SECONDS: Final = 0.0
 FAIR_SHARE_MIN_RUNTIME_SECONDS: Final = 60.0
+RECLAIM_MIN_RUNTIME_SECONDS: Final = 0.0
 CONSOLIDATION_MIN_RUNTIME_SECONDS: Final = 600.0
+# Slurm's default PriorityDecayHalfLife.
+USAGE_HALF_LIFE_SECONDS: Final = 7 * 86_400.0
 
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """Everything the engine reads: the cluster at one instant ``now`` (Unix seconds).
 
-    Two thresholds of the plan come with the snapshot:
+    One minimum runtime per preemption reason comes with the snapshot; a running
+    workload that started less than that long ago is never taken for that reason:
+
+    ``priority_min_runtime_seconds`` (default 0) and ``reclaim_min_runtime_seconds``
+    (default 0): no protection, so that a queue gets its guarantee back at once and
+    urgent work goes first. Raising the reclaim minimum delays guarantees by that long.
 
     ``fair_share_min_runtime_seconds`` (default 60): a fair-share move (R8) never takes
     a job that started less than this long ago. GPUs that came back are handed out by
@@ -181,7 +222,13 @@ class Snapshot:
     succession.
 
     A victim's own class minimum (``PriorityClass.min_runtime_seconds``) applies as
-    well: the larger of the two protects it.
+    well, for every reason but reclaim: the larger of the two protects it. A class's
+    ``min_runtime_by_reason`` replaces both for the reasons it names.
+
+    Decayed usage: ``usage_strength`` (default 0: the surplus goes by weight alone) is
+    how strongly each queue's ``recent_usage`` beyond its guarantee, decayed with
+    ``usage_half_life_seconds`` (default 7 days), lowers its weight for the surplus
+    and its place among the queues below their fair share. Guarantees never change.
     """
 
     now: float
@@ -191,6 +238,44 @@ class Snapshot:
     workloads: tuple[Workload, ...]
     fair_share_min_runtime_seconds: float = FAIR_SHARE_MIN_RUNTIME_SECONDS
     consolidation_min_runtime_seconds: float = CONSOLIDATION_MIN_RUNTIME_SECONDS
+    priority_min_runtime_seconds: float = PRIORITY_MIN_RUNTIME_SECONDS
+    reclaim_min_runtime_seconds: float = RECLAIM_MIN_RUNTIME_SECONDS
+    usage_strength: float = 0.0
+    usage_half_life_seconds: float = USAGE_HALF_LIFE_SECONDS
+
+    def min_runtime_defaults(self) -> dict[str, float]:
+        """The snapshot's minimum runtime per preemption reason."""
+        return {
+            PRIORITY: self.priority_min_runtime_seconds,
+            FAIR_SHARE: self.fair_share_min_runtime_seconds,
+            RECLAIM: self.reclaim_min_runtime_seconds,
+            CONSOLIDATE: self.consolidation_min_runtime_seconds,
+        }
+
+
+def minimum_runtimes(snapshot: Snapshot, priority_class: PriorityClass) -> dict[str, float]:
+    """How long a workload of ``priority_class`` runs before it may be taken, per reason.
+
+    The class's ``min_runtime_by_reason`` decides for the reasons it names; otherwise
+    the snapshot's threshold applies, raised to the class's ``min_runtime_seconds`` for
+    every reason but reclaim (reclaim takes back borrowed GPUs, which a class alone
+    may not keep from their owner). The fair-share minimum is never below the reclaim
+    minimum nor the snapshot's own (the anti-flap margin).
+    """
+    minimums = snapshot.min_runtime_defaults()
+    floor = priority_class.min_runtime_seconds
+    for reason in (PRIORITY, FAIR_SHARE, CONSOLIDATE):
+        minimums[reason] = max(minimums[reason], floor)
+    minimums.update(priority_class.min_runtime_by_reason)
+    # Fair share and reclaim both take work across queues, and fair share only evens
+    # out the surplus where reclaim restores a guarantee: a job protected from reclaim
+    # is protected from fair share as well, or the weaker reason would take it first.
+    # The plan's fair-share minimum is its anti-flap margin, which a class may raise but
+    # not lower: below it, GPUs handed out in one cycle would be taken back in the next.
+    minimums[FAIR_SHARE] = max(
+        minimums[FAIR_SHARE], minimums[RECLAIM], snapshot.fair_share_min_runtime_seconds
+    )
+    return minimums
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,11 @@ class NodeMap:
     def __init__(self, nodes: Sequence[Node]) -> None:
         """The flavor's ``nodes``, all free until ``occupy`` says what is held."""
         self.names: list[str] = [node.name for node in nodes]
+        # Per topology level: its domains, each with its node indices.
+        self.domains: dict[str, dict[str, list[int]]] = {}
+        for i, node in enumerate(nodes):
+            for level, domain in node.topology.items():
+                self.domains.setdefault(level, {}).setdefault(domain, []).append(i)
         self.gpus: list[int] = [node.gpus for node in nodes]
         self.index = {name: i for i, name in enumerate(self.names)}
         self.capacity = sum(self.gpus)
@@ -40,6 +45,8 @@ class NodeMap:
         # Per rank size: the fewest ranks that did not fit on free GPUs since the free
         # GPUs last grew (a gang of as many or more ranks cannot fit either).
         self.unplaceable_on_free: dict[int, int] = {}
+        # The same per (topology level, rank size), for gangs that need one domain.
+        self.unplaceable_in_domain: dict[tuple[str, int], int] = {}
 
     def occupy(
         self, held: Sequence[int], terminating: Sequence[tuple[str, tuple[tuple[int, int], ...]]]
@@ -189,3 +196,37 @@ class NodeMap:
                 if self.releasing[node] == 0:
                     self.releasing_nodes.pop(node, None)
         return from_releasing, released_by
+
+    def hostable_in(self, domain: Sequence[int], gpus_per_rank: int) -> int:
+        """R2 inside one topology domain: ranks its free plus releasing GPUs could host."""
+        free = self.free
+        releasing = self.releasing
+        return sum((free[node] + releasing[node]) // gpus_per_rank for node in domain)
+
+    def place_in(
+        self,
+        domain: Sequence[int],
+        ranks: int,
+        gpus_per_rank: int,
+        room_after: Mapping[int, int] | None = None,
+        *,
+        releasing: bool = True,
+    ) -> Placement | None:
+        """R10 inside one topology domain, on free GPUs (and releasing ones unless
+        ``releasing`` is False), with ``room_after`` overriding a node's room."""
+        names = self.names
+        available: dict[str, int] = {}
+        hostable = 0
+        for node in domain:
+            room = self.free[node] + (self.releasing[node] if releasing else 0)
+            if room_after is not None and node in room_after:
+                room = room_after[node]
+            if room >= gpus_per_rank:
+                available[names[node]] = room
+                hostable += room // gpus_per_rank
+        if hostable < ranks:
+            return None
+        placed = r10_place(ranks, gpus_per_rank, available)
+        if placed is None:
+            return None
+        return [(self.index[name], on_node) for name, on_node in placed]

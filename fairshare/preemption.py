@@ -10,7 +10,7 @@ whole nodes instead (``reclaim_by_node``).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from .candidates import PendingJob, RunningWork, VictimCandidates
 from .ledger import QuotaLedger
@@ -31,6 +31,7 @@ def preempt_for(
     nodes: NodeMap,
     job: PendingJob,
     candidates: Iterable[tuple[RunningWork, str]],
+    domain: Sequence[int] | None = None,
 ) -> tuple[Victims, Placement] | None:
     """Pick the cheapest victims that let ``job`` fit on real nodes within its quotas.
 
@@ -38,7 +39,8 @@ def preempt_for(
     GPUs first, R11); then every victim whose return still lets it fit is dropped,
     most expensive first (R9); victims on nodes the placement does not use free
     nothing and are dropped too (R10). On success the victims' quota usage stays
-    removed; on failure every tentative change is undone.
+    removed; on failure every tentative change is undone. With a topology ``domain``
+    (node indices) only GPUs freed inside it count and the gang is placed there.
     """
     workload = job.workload
     gpus_per_rank = workload.gpus_per_rank
@@ -46,7 +48,12 @@ def preempt_for(
     gpus = workload.gpus
     queue = job.queue
     priority_class = job.priority_class
-    hostable = nodes.hostable_ranks(gpus_per_rank)
+    inside = None if domain is None else set(domain)
+    hostable = (
+        nodes.hostable_ranks(gpus_per_rank)
+        if domain is None
+        else nodes.hostable_in(domain, gpus_per_rank)
+    )
     # Node -> its GPUs once the releases and the victims chosen so far are done.
     room_after: dict[int, int] = {}
     chosen: Victims = []
@@ -60,6 +67,8 @@ def preempt_for(
         # Take (sign +1) or give back (-1) ``run``'s GPUs; returns the ranks that adds.
         change = 0
         for node, on_node in run.nodes:
+            if inside is not None and node not in inside:
+                continue
             old = room_after.get(node)
             if old is None:
                 old = free[node] + releasing[node]
@@ -92,7 +101,11 @@ def preempt_for(
             chosen.pop(i)
         else:
             shift(run, +1)
-    placement = nodes.place_on(ranks, gpus_per_rank, room_after)
+    placement = (
+        nodes.place_on(ranks, gpus_per_rank, room_after)
+        if domain is None
+        else nodes.place_in(domain, ranks, gpus_per_rank, room_after)
+    )
     if placement is None:
         for run, _ in reversed(chosen):
             add_usage(run.queue, run.gpus)
@@ -179,7 +192,7 @@ def reclaim_by_node(
         runs = victims.by_queue[donor]
         for i in range(victims.first_live[donor], len(runs)):
             run = runs[i]
-            if not run.victim:
+            if not run.victim and not victims.is_protected(run, RECLAIM):
                 for node, _ in run.nodes:
                     on_node[node].append(run)
 

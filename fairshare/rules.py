@@ -64,17 +64,24 @@ def r6_may_reclaim(usage: int, gpus: int, guarantee: int) -> bool:
 
 
 def r7_may_preempt_by_priority(
-    preemptor: PriorityClass, victim: PriorityClass, victim_runtime: float
+    preemptor: PriorityClass,
+    victim: PriorityClass,
+    victim_runtime: float,
+    min_runtime: float | None = None,
 ) -> bool:
     """R7: inside one queue, PreemptLowerPriority preempts strictly lower, preemptible classes.
 
-    A victim younger than its class's ``min_runtime_seconds`` is protected.
+    A victim younger than ``min_runtime`` (its minimum runtime for priority preemption,
+    see ``model.minimum_runtimes``; by default its class's ``min_runtime_seconds``) is
+    protected.
     """
+    if min_runtime is None:
+        min_runtime = victim.min_runtime_seconds
     return (
         preemptor.preemption_policy == PREEMPT_LOWER_PRIORITY
         and victim.preemptible
         and victim.value < preemptor.value
-        and victim_runtime >= victim.min_runtime_seconds
+        and victim_runtime >= min_runtime
     )
 
 

@@ -14,7 +14,10 @@ from .model import (
     CONSOLIDATION_MIN_RUNTIME_SECONDS,
     FAIR_SHARE_MIN_RUNTIME_SECONDS,
     PREEMPTION_POLICIES,
+    PRIORITY_MIN_RUNTIME_SECONDS,
+    RECLAIM_MIN_RUNTIME_SECONDS,
     UNSET,
+    USAGE_HALF_LIFE_SECONDS,
     WORKLOAD_STATES,
     Consequences,
     FlavorQuota,
@@ -116,7 +119,13 @@ def _queue(record: Mapping[str, Any], where: str) -> Queue:
             borrow_limit=_optional_integer(borrow.get(flavor), f"{where}.borrow_limit.{flavor}"),
             lend_limit=_optional_integer(lend.get(flavor), f"{where}.lend_limit.{flavor}"),
         )
-    return Queue(name=name, parent=parent, weight=weight, quotas=quotas)
+    recent = {
+        str(flavor): _number(value, f"{where}.recent_usage.{flavor}")
+        for flavor, value in _flavor_map(
+            _field(record, "recent_usage", where, None), f"{where}.recent_usage"
+        ).items()
+    }
+    return Queue(name=name, parent=parent, weight=weight, quotas=quotas, recent_usage=recent)
 
 
 def _priority_class(record: Mapping[str, Any], where: str) -> PriorityClass:
@@ -131,6 +140,15 @@ def _priority_class(record: Mapping[str, Any], where: str) -> PriorityClass:
     )
     if grace < 0 or minimum < 0:
         raise ScenarioError(f"{where}: grace_seconds and min_runtime_seconds must not be negative")
+    by_reason_record = _field(record, "min_runtime_by_reason", where, {})
+    if not isinstance(by_reason_record, Mapping):
+        raise ScenarioError(
+            f"{where}.min_runtime_by_reason: expected an object, got {by_reason_record!r}"
+        )
+    by_reason = {
+        str(reason): _number(value, f"{where}.min_runtime_by_reason.{reason}")
+        for reason, value in by_reason_record.items()
+    }
     return PriorityClass(
         name=_string(_field(record, "name", where), f"{where}.name"),
         value=_integer(_field(record, "value", where), f"{where}.value"),
@@ -138,6 +156,7 @@ def _priority_class(record: Mapping[str, Any], where: str) -> PriorityClass:
         preemptible=_boolean(_field(record, "preemptible", where), f"{where}.preemptible"),
         grace_seconds=grace,
         min_runtime_seconds=minimum,
+        min_runtime_by_reason=by_reason,
     )
 
 
@@ -161,6 +180,16 @@ def _workload(record: Mapping[str, Any], where: str) -> Workload:
         )
     if state != "pending" and not placement:
         raise ScenarioError(f"{where}.placement: a {state} workload needs a placement")
+    topology = _field(record, "topology", where, None)
+    level: str | None = None
+    required = True
+    if topology is not None:
+        if not isinstance(topology, Mapping):
+            raise ScenarioError(f"{where}.topology: expected an object, got {topology!r}")
+        level = _string(_field(topology, "level", f"{where}.topology"), f"{where}.topology.level")
+        required = _boolean(
+            _field(topology, "required", f"{where}.topology", True), f"{where}.topology.required"
+        )
     return Workload(
         id=str(workload_id),
         queue=_string(_field(record, "queue", where), f"{where}.queue"),
@@ -177,6 +206,8 @@ def _workload(record: Mapping[str, Any], where: str) -> Workload:
         last_checkpoint_at=_optional_number(
             _field(record, "last_checkpoint_at", where, None), f"{where}.last_checkpoint_at"
         ),
+        topology_level=level,
+        topology_required=required,
     )
 
 
@@ -194,6 +225,12 @@ def snapshot_from_dict(document: Mapping[str, Any]) -> Snapshot:
             name=_string(_field(r, "name", f"nodes[{i}]"), f"nodes[{i}].name"),
             flavor=_string(_field(r, "flavor", f"nodes[{i}]"), f"nodes[{i}].flavor"),
             gpus=_integer(_field(r, "gpus", f"nodes[{i}]"), f"nodes[{i}].gpus", 0),
+            topology={
+                str(level): _string(domain, f"nodes[{i}].topology.{level}")
+                for level, domain in _flavor_map(
+                    _field(r, "topology", f"nodes[{i}]", None), f"nodes[{i}].topology"
+                ).items()
+            },
         )
         for i, r in enumerate(_records(_field(document, "nodes", "scenario"), "nodes"))
     )
@@ -216,6 +253,10 @@ def snapshot_from_dict(document: Mapping[str, Any]) -> Snapshot:
         for name, default in (
             ("fair_share_min_runtime_seconds", FAIR_SHARE_MIN_RUNTIME_SECONDS),
             ("consolidation_min_runtime_seconds", CONSOLIDATION_MIN_RUNTIME_SECONDS),
+            ("priority_min_runtime_seconds", PRIORITY_MIN_RUNTIME_SECONDS),
+            ("reclaim_min_runtime_seconds", RECLAIM_MIN_RUNTIME_SECONDS),
+            ("usage_strength", 0.0),
+            ("usage_half_life_seconds", USAGE_HALF_LIFE_SECONDS),
         )
     }
     snapshot = Snapshot(
@@ -226,6 +267,10 @@ def snapshot_from_dict(document: Mapping[str, Any]) -> Snapshot:
         workloads=workloads,
         fair_share_min_runtime_seconds=thresholds["fair_share_min_runtime_seconds"],
         consolidation_min_runtime_seconds=thresholds["consolidation_min_runtime_seconds"],
+        priority_min_runtime_seconds=thresholds["priority_min_runtime_seconds"],
+        reclaim_min_runtime_seconds=thresholds["reclaim_min_runtime_seconds"],
+        usage_strength=thresholds["usage_strength"],
+        usage_half_life_seconds=thresholds["usage_half_life_seconds"],
     )
     validate(snapshot)
     return snapshot
@@ -242,7 +287,14 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
         "now": snapshot.now,
         "fair_share_min_runtime_seconds": snapshot.fair_share_min_runtime_seconds,
         "consolidation_min_runtime_seconds": snapshot.consolidation_min_runtime_seconds,
-        "nodes": [{"name": n.name, "flavor": n.flavor, "gpus": n.gpus} for n in snapshot.nodes],
+        "priority_min_runtime_seconds": snapshot.priority_min_runtime_seconds,
+        "reclaim_min_runtime_seconds": snapshot.reclaim_min_runtime_seconds,
+        "usage_strength": snapshot.usage_strength,
+        "usage_half_life_seconds": snapshot.usage_half_life_seconds,
+        "nodes": [
+            {"name": n.name, "flavor": n.flavor, "gpus": n.gpus, "topology": dict(n.topology)}
+            for n in snapshot.nodes
+        ],
         "queues": [
             {
                 "name": q.name,
@@ -251,6 +303,7 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
                 "guarantee": {f: quota.guarantee for f, quota in q.quotas.items()},
                 "borrow_limit": {f: quota.borrow_limit for f, quota in q.quotas.items()},
                 "lend_limit": {f: quota.lend_limit for f, quota in q.quotas.items()},
+                "recent_usage": dict(q.recent_usage),
             }
             for q in snapshot.queues
         ],
@@ -262,6 +315,7 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
                 "preemptible": c.preemptible,
                 "grace_seconds": c.grace_seconds,
                 "min_runtime_seconds": c.min_runtime_seconds,
+                "min_runtime_by_reason": dict(c.min_runtime_by_reason),
             }
             for c in snapshot.priority_classes
         ],
@@ -278,6 +332,11 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
                 "admitted_at": w.admitted_at,
                 "placement": [{"node": n, "ranks": r} for n, r in w.placement],
                 "last_checkpoint_at": w.last_checkpoint_at,
+                **(
+                    {"topology": {"level": w.topology_level, "required": w.topology_required}}
+                    if w.topology_level is not None
+                    else {}
+                ),
             }
             for w in snapshot.workloads
         ],

@@ -9,6 +9,7 @@ rest is divided by weight (``rules.r8_water_fill``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from .rules import r8_water_fill
@@ -22,13 +23,16 @@ def fair_shares(
     borrow_limit: Sequence[int | None],
     withheld_by_lend_limit: Sequence[int],
     demand: Sequence[int],
+    weights: Sequence[float] | None = None,
 ) -> list[float]:
     """Every queue's fair share of ``capacity`` GPUs, indexed like ``tree.names``.
 
     ``demand`` counts the GPUs of all of a leaf queue's workloads (pending, running and
     terminating); ``withheld_by_lend_limit`` is the part of each guarantee that its lend
-    limit keeps from other queues.
+    limit keeps from other queues. ``weights`` replace the tree's weights for the
+    surplus (see ``usage_adjusted_weights``).
     """
+    weight = tree.weight if weights is None else weights
     count = len(tree.names)
     # The most a queue can use: its demand, capped by its borrow limit.
     cap = [0.0] * count
@@ -60,7 +64,7 @@ def fair_shares(
             [float(guarantee[sibling]) for sibling in siblings],
             [cap[sibling] for sibling in siblings],
             [kept_back[sibling] for sibling in siblings],
-            [tree.weight[sibling] for sibling in siblings],
+            [weight[sibling] for sibling in siblings],
         )
         for sibling, share in zip(siblings, given, strict=True):
             shares[sibling] = share
@@ -72,3 +76,53 @@ def fair_shares(
 
     divide(float(capacity), tree.top)
     return shares
+
+
+# Usage ratios beyond these bounds change the weight no further: a team idle for a week
+# gets at most 8 times its weight, and one that took everything keeps an eighth of it.
+USAGE_RATIO_BOUNDS = (0.125, 8.0)
+
+
+def usage_ratios(
+    tree: QueueTree,
+    guarantee: Sequence[int],
+    recent: Sequence[float],
+    half_life_seconds: float,
+) -> list[float]:
+    """Every queue's recent use of GPUs beyond its guarantee, relative to its weight's
+    share of what its siblings used beyond theirs (1: exactly its share).
+
+    ``recent`` is each queue's decayed GPU-seconds. A guarantee held all the time adds
+    ``guarantee * half_life / ln 2`` decayed GPU-seconds (the integral of the decay), so
+    that part counts as the queue's own; only the rest was borrowed. Siblings that
+    borrowed nothing all have ratio 1.
+    """
+    horizon = half_life_seconds / math.log(2)
+    beyond = [max(0.0, recent[q] - guarantee[q] * horizon) for q in range(len(tree.names))]
+    ratios = [1.0] * len(tree.names)
+    groups = [tree.top] + [children for children in tree.children if children]
+    for siblings in groups:
+        total = sum(beyond[q] for q in siblings)
+        weight_total = sum(tree.weight[q] for q in siblings)
+        if total <= 0 or weight_total <= 0:
+            continue
+        for q in siblings:
+            expected = total * tree.weight[q] / weight_total
+            ratios[q] = beyond[q] / expected if expected > 0 else 1.0
+    return ratios
+
+
+def usage_adjusted_weights(
+    tree: QueueTree, ratios: Sequence[float], strength: float
+) -> list[float]:
+    """Each queue's weight divided by its usage ratio to the power ``strength``.
+
+    Strength 0 returns the weights unchanged, so plans are those of weight alone.
+    """
+    if strength == 0:
+        return list(tree.weight)
+    low, high = USAGE_RATIO_BOUNDS
+    return [
+        weight * min(high, max(low, ratio)) ** -strength
+        for weight, ratio in zip(tree.weight, ratios, strict=True)
+    ]

@@ -12,7 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .model import PENDING, WORKLOAD_STATES, PriorityClass, ScenarioError, Snapshot
+from .model import (
+    PENDING,
+    PREEMPTION_REASONS,
+    WORKLOAD_STATES,
+    PriorityClass,
+    ScenarioError,
+    Snapshot,
+)
 
 # What ``QueueTree.lca_chains`` answers: the queues on the other queue's path strictly
 # below the lowest common ancestor, and the two children of that ancestor (or the two
@@ -119,10 +126,38 @@ def build_tree(snapshot: Snapshot) -> QueueTree:
 
 
 def _validate_thresholds(snapshot: Snapshot) -> None:
-    for name in ("fair_share_min_runtime_seconds", "consolidation_min_runtime_seconds"):
+    for name in (
+        "fair_share_min_runtime_seconds",
+        "consolidation_min_runtime_seconds",
+        "priority_min_runtime_seconds",
+        "reclaim_min_runtime_seconds",
+    ):
         value = getattr(snapshot, name)
         if not value >= 0:
             raise ScenarioError(f"{name}: must not be negative, got {value!r}")
+    if not snapshot.usage_strength >= 0:
+        raise ScenarioError(
+            f"usage_strength: must not be negative, got {snapshot.usage_strength!r}"
+        )
+    if not snapshot.usage_half_life_seconds > 0:
+        raise ScenarioError(
+            f"usage_half_life_seconds: must be positive, got {snapshot.usage_half_life_seconds!r}"
+        )
+    for i, queue in enumerate(snapshot.queues):
+        for flavor, value in queue.recent_usage.items():
+            if not value >= 0:
+                raise ScenarioError(
+                    f"queues[{i}].recent_usage.{flavor}: must not be negative, got {value!r}"
+                )
+    for i, priority_class in enumerate(snapshot.priority_classes):
+        for reason, value in priority_class.min_runtime_by_reason.items():
+            where = f"priority_classes[{i}].min_runtime_by_reason"
+            if reason not in PREEMPTION_REASONS:
+                raise ScenarioError(
+                    f"{where}: unknown reason {reason!r}, expected one of {list(PREEMPTION_REASONS)}"
+                )
+            if not value >= 0:
+                raise ScenarioError(f"{where}.{reason}: must not be negative, got {value!r}")
 
 
 def _validate_workloads(

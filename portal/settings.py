@@ -299,6 +299,37 @@ QM_RETRY_BACKOFF_SECONDS = env_float("QM_RETRY_BACKOFF_SECONDS", 10.0, minimum=0
 # seconds, doubling each time, and a launch gives up after QM_RUNTIME_TRIES.
 QM_RUNTIME_RETRY_SECONDS = env_float("QM_RUNTIME_RETRY_SECONDS", 2.0, minimum=0.0)
 QM_RUNTIME_TRIES = env_int("QM_RUNTIME_TRIES", 8, minimum=1)
+# How long a job runs before the scheduler may preempt it, per reason; a priority
+# class may set its own. Priority and reclaim: none, so that urgent work and
+# guarantees come first; fair share: a minute, so that GPUs handed out in one
+# cycle are not taken back in the next; consolidation: ten minutes, so that no
+# job is moved twice in quick succession.
+QM_PRIORITY_MIN_RUNTIME_SECONDS = env_float("QM_PRIORITY_MIN_RUNTIME_SECONDS", 0.0, minimum=0.0)
+QM_FAIR_SHARE_MIN_RUNTIME_SECONDS = env_float(
+    "QM_FAIR_SHARE_MIN_RUNTIME_SECONDS", 60.0, minimum=0.0
+)
+QM_RECLAIM_MIN_RUNTIME_SECONDS = env_float("QM_RECLAIM_MIN_RUNTIME_SECONDS", 0.0, minimum=0.0)
+QM_CONSOLIDATION_MIN_RUNTIME_SECONDS = env_float(
+    "QM_CONSOLIDATION_MIN_RUNTIME_SECONDS", 600.0, minimum=0.0
+)
+# Decayed usage: how strongly each team's recent GPU use beyond its guarantee lowers
+# its share of the spare GPUs (0: weight alone), and its half-life (Slurm's default,
+# a week). Guarantees never depend on it.
+QM_USAGE_STRENGTH = env_float("QM_USAGE_STRENGTH", 0.0, minimum=0.0)
+QM_USAGE_HALF_LIFE_SECONDS = env_float("QM_USAGE_HALF_LIFE_SECONDS", 7 * 86_400.0, minimum=1.0)
+# Topology levels, outermost first, each read from a node label (on Kubernetes the
+# node's own label; on the local runtime the Node row's labels): level=label-key pairs.
+QM_TOPOLOGY_LABELS: dict[str, str] = {}
+for _entry in env_list(
+    "QM_TOPOLOGY_LABELS",
+    ["block=topology.quartermaster.io/block", "rack=topology.quartermaster.io/rack"],
+):
+    _level, _, _key = _entry.partition("=")
+    if not _level.strip() or not _key.strip():
+        raise ImproperlyConfigured(
+            f"QM_TOPOLOGY_LABELS: expected level=label-key pairs, got {_entry!r}"
+        )
+    QM_TOPOLOGY_LABELS[_level.strip()] = _key.strip()
 # Webhooks: networks an admin opens to them (comma-separated CIDRs; everything
 # that is not public is closed otherwise), and the time one delivery may take
 # in all, from connecting to the answer's head.

@@ -58,8 +58,17 @@ class Job(models.Model):
     waiting_reason = models.CharField(max_length=300, blank=True)
     failure_reason = models.CharField(max_length=300, blank=True)
     resume_step = models.PositiveIntegerField(null=True, blank=True)
+    # All ranks inside one domain of this topology level (a key of QM_TOPOLOGY_LABELS,
+    # "rack" say); empty: anywhere. Only preferred when ``topology_required`` is False.
+    topology_level = models.CharField(max_length=63, blank=True)
+    topology_required = models.BooleanField(default=True)
     checkpoint_dir = models.CharField(max_length=500, blank=True)
     max_attempts = models.PositiveIntegerField(default=5)
+    # How often a job that fails on its own (a rank exits non-zero unasked) is
+    # run again, as its submitter asked, and how many of those it has used.
+    # Preemptions, lost ranks and the portal's own stops never use one.
+    retries = models.PositiveSmallIntegerField(default=0)
+    retries_used = models.PositiveSmallIntegerField(default=0)
     not_before = models.DateTimeField(null=True, blank=True)
 
     class Meta:

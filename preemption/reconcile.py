@@ -843,7 +843,10 @@ def _finish_attempt(
         )
         notice = ("requeued", {"resume_step": resume_step, "reason": event.reason if event else ""})
     else:
-        # A failed rank: retry with backoff until the attempts run out.
+        # A failed rank. A failure of the job's own (a rank exited non-zero
+        # although nobody stopped it) is retried only as often as its submitter
+        # asked; a lost rank is the cluster's doing and is retried with backoff
+        # until the attempts run out.
         attempts = Attempt.objects.filter(job=job).count()
         broken = next((r for r in ranks if r.state == "lost" or r.exit_code not in (0, None)), None)
         why = (event.cause if event is not None else "") or (
@@ -851,7 +854,18 @@ def _finish_attempt(
             if broken
             else "a rank failed"
         )
-        if attempts >= job.max_attempts:
+        own = _failed_on_its_own(ranks)
+        if own and job.retries_used >= job.retries:
+            given_up = (
+                f"gave up after {job.retries} retr{'y' if job.retries == 1 else 'ies'}"
+                if job.retries
+                else "not retried: the job asked for no retries"
+            )
+            update.update(
+                state=JobState.FAILED, finished_at=now, failure_reason=f"{why}; {given_up}"[:300]
+            )
+            notice = ("failed", {"reason": update["failure_reason"], "exit_codes": codes})
+        elif attempts >= job.max_attempts:
             update.update(
                 state=JobState.FAILED,
                 finished_at=now,
@@ -860,19 +874,37 @@ def _finish_attempt(
             notice = ("failed", {"reason": update["failure_reason"], "exit_codes": codes})
         else:
             backoff = settings.QM_RETRY_BACKOFF_SECONDS * (2 ** (attempts - 1))
+            counted = (
+                f"retry {job.retries_used + 1} of {job.retries}"
+                if own
+                else f"attempt {attempts + 1} of {job.max_attempts}"
+            )
+            if own:
+                update["retries_used"] = job.retries_used + 1
             update.update(
                 state=JobState.REQUEUED,
                 requeued_at=now,
                 not_before=now + timedelta(seconds=backoff),
-                waiting_reason=f"{why}; retrying in {backoff:.0f} s (attempt {attempts + 1} of {job.max_attempts})"[
-                    :300
-                ],
+                waiting_reason=f"{why}; retrying in {backoff:.0f} s ({counted})"[:300],
             )
             notice = ("requeued", {"reason": why, "resume_step": resume_step})
     Job.objects.filter(pk=job.pk).update(**update)
     notify(job_id=job.pk, event=notice[0], payload=notice[1])
     queue_cycle()
     return True
+
+
+def _failed_on_its_own(ranks: list[Rank]) -> bool:
+    """True when a rank exited non-zero before anyone asked it to stop, and no
+    rank was lost: the job's own failure, not the cluster's or the portal's.
+    A rank the reconciler signalled (a preemption, a cancel, the gang guard
+    stopping the rest, the deadline's kill) does not count, whatever its code."""
+    if any(rank.state == "lost" for rank in ranks):
+        return False
+    return any(
+        rank.state == "exited" and rank.exit_code not in (0, None) and rank.signal_sent_at is None
+        for rank in ranks
+    )
 
 
 def _close_event(

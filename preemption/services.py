@@ -21,6 +21,7 @@ from quotas.selectors import priority_allowance, team_tree
 MAX_RANKS = 4096
 MAX_COMMAND = job_rules.MAX_COMMAND
 MAX_ATTEMPTS = 100
+MAX_RETRIES = 20
 
 
 def job_submit(
@@ -36,13 +37,15 @@ def job_submit(
     image: str = "",
     env: dict[str, str] | None = None,
     max_attempts: int | None = None,
+    retries: int = 0,
 ) -> Job:
     """Queue a job of `ranks` × `gpus_per_rank` GPUs for a leaf team.
 
     Refuses, naming each field and why, what can never run: a class the team
     may not use, more GPUs than the flavor's nodes have, a rank larger than
     any node, environment names execve() or the runtime cannot accept, an
-    image that is not a reference, and oversized text.
+    image that is not a reference, oversized text, and more than MAX_RETRIES
+    retries (how often a job that fails on its own runs again).
     """
     errors: dict[str, list[str]] = {}
     if not team_tree().is_leaf(team.pk):
@@ -75,6 +78,8 @@ def job_submit(
         or not 1 <= max_attempts <= MAX_ATTEMPTS
     ):
         errors["max_attempts"] = [f"Must be a whole number from 1 to {MAX_ATTEMPTS}."]
+    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
+        errors["retries"] = [f"Must be a whole number from 0 to {MAX_RETRIES} (got {retries})."]
     allowance = priority_allowance(team=team)
     if priority_class is None:
         priority_class = allowance.default
@@ -104,7 +109,9 @@ def job_submit(
             command=command,
             image=image,
             env=env or {},
-            max_attempts=max_attempts or settings.QM_MAX_ATTEMPTS,
+            # The retries asked for are all run unless max_attempts says otherwise.
+            max_attempts=max_attempts or max(settings.QM_MAX_ATTEMPTS, retries + 1),
+            retries=retries,
             waiting_reason="waiting for the next scheduling cycle",
         )
         job.checkpoint_dir = checkpoint_dir_for(job.pk)

@@ -3,9 +3,12 @@ the rows."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from datetime import datetime
+from datetime import datetime, timedelta
 
+from django.conf import settings
+from django.db import models
 from django.db.models import Max
 from django.utils import timezone
 
@@ -57,6 +60,45 @@ def held_jobs() -> dict[int, str]:
     return held
 
 
+# Attempts that ended more than this many half-lives ago weigh under a thousandth
+# and are left out of decayed usage.
+USAGE_HALF_LIVES_KEPT = 10
+
+
+def decayed_usage(*, now: datetime, half_life_seconds: float) -> dict[str, dict[str, float]]:
+    """Each team's GPU-seconds per flavor, every second weighed down by half each
+    ``half_life_seconds`` before ``now`` (Slurm's PriorityDecayHalfLife).
+
+    Computed from the attempts, which record when each admission held its GPUs, rather
+    than kept as a running counter: the figure then follows a changed half-life at once
+    and cannot drift. An attempt held ``gpus`` over [start, end] adds
+    ``gpus * h / ln 2 * (2^-((now - end) / h) - 2^-((now - start) / h))``.
+    """
+    horizon = half_life_seconds / math.log(2)
+    oldest = now - timedelta(seconds=half_life_seconds * USAGE_HALF_LIVES_KEPT)
+    usage: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    rows = (
+        Attempt.objects.filter(admitted_at__lte=now)
+        .filter(models.Q(ended_at__isnull=True) | models.Q(ended_at__gte=oldest))
+        .values_list(
+            "job__team__slug",
+            "job__flavor__name",
+            "job__ranks",
+            "job__gpus_per_rank",
+            "admitted_at",
+            "ended_at",
+        )
+    )
+    for team, flavor, ranks, gpus_per_rank, admitted_at, ended_at in rows:
+        end = min(ended_at or now, now)
+        start = min(admitted_at, end)
+        weight = 2 ** (-(now - end).total_seconds() / half_life_seconds) - 2 ** (
+            -(now - start).total_seconds() / half_life_seconds
+        )
+        usage[team][flavor] += ranks * gpus_per_rank * horizon * weight
+    return {team: dict(flavors) for team, flavors in usage.items()}
+
+
 def build_snapshot(
     *, now: datetime | None = None, held: dict[int, str] | None = None
 ) -> fairshare.Snapshot:
@@ -64,11 +106,21 @@ def build_snapshot(
     (`held_jobs`, computed here unless given) are left out: they cannot start."""
     now = now or timezone.now()
     held = held_jobs() if held is None else held
+    levels = settings.QM_TOPOLOGY_LABELS
     nodes = tuple(
-        fairshare.Node(name=name, flavor=flavor, gpus=gpus)
-        for name, flavor, gpus in Node.objects.filter(schedulable=True)
+        fairshare.Node(
+            name=name,
+            flavor=flavor,
+            gpus=gpus,
+            topology={
+                level: str(labels[key])
+                for level, key in levels.items()
+                if isinstance(labels, dict) and key in labels
+            },
+        )
+        for name, flavor, gpus, labels in Node.objects.filter(schedulable=True)
         .order_by("name")
-        .values_list("name", "flavor__name", "gpus")
+        .values_list("name", "flavor__name", "gpus", "labels")
     )
     quotas: dict[int, dict[str, fairshare.FlavorQuota]] = defaultdict(dict)
     for team_id, flavor, guarantee, borrow_limit, lend_limit in Quota.objects.values_list(
@@ -78,8 +130,18 @@ def build_snapshot(
             guarantee=guarantee, borrow_limit=borrow_limit, lend_limit=lend_limit
         )
     teams = list(Team.objects.values_list("id", "slug", "parent__slug", "weight"))
+    strength = settings.QM_USAGE_STRENGTH
+    half_life = settings.QM_USAGE_HALF_LIFE_SECONDS
+    # Without a strength the engine ignores usage: spare the query.
+    recent = decayed_usage(now=now, half_life_seconds=half_life) if strength > 0 else {}
     queues = tuple(
-        fairshare.Queue(name=slug, parent=parent, weight=weight, quotas=quotas.get(team_id, {}))
+        fairshare.Queue(
+            name=slug,
+            parent=parent,
+            weight=weight,
+            quotas=quotas.get(team_id, {}),
+            recent_usage=recent.get(slug, {}),
+        )
         for team_id, slug, parent, weight in teams
     )
     classes = tuple(
@@ -90,6 +152,7 @@ def build_snapshot(
             preemptible=pc.preemptible,
             grace_seconds=float(pc.grace_seconds),
             min_runtime_seconds=float(pc.min_runtime_seconds),
+            min_runtime_by_reason=pc.min_runtime_by_reason(),
         )
         for pc in PriorityClass.objects.all()
     )
@@ -105,6 +168,8 @@ def build_snapshot(
             "gpus_per_rank",
             "state",
             "submitted_at",
+            "topology_level",
+            "topology_required",
         )
     )
     active_ids = [job[0] for job in jobs if ENGINE_STATE[job[6]] != "pending"]
@@ -121,7 +186,18 @@ def build_snapshot(
         .values_list("job_id", "last")
     )
     workloads = []
-    for job_id, team, pc, flavor, ranks, gpus_per_rank, state, submitted_at in jobs:
+    for (
+        job_id,
+        team,
+        pc,
+        flavor,
+        ranks,
+        gpus_per_rank,
+        state,
+        submitted_at,
+        topology_level,
+        topology_required,
+    ) in jobs:
         if job_id in held:
             continue
         engine_state = ENGINE_STATE[state]
@@ -152,6 +228,8 @@ def build_snapshot(
                 admitted_at=admitted_at,
                 placement=placement,
                 last_checkpoint_at=last_checkpoint_at,
+                topology_level=topology_level or None,
+                topology_required=topology_required,
             )
         )
     return fairshare.Snapshot(
@@ -160,4 +238,10 @@ def build_snapshot(
         queues=queues,
         priority_classes=classes,
         workloads=tuple(workloads),
+        priority_min_runtime_seconds=settings.QM_PRIORITY_MIN_RUNTIME_SECONDS,
+        fair_share_min_runtime_seconds=settings.QM_FAIR_SHARE_MIN_RUNTIME_SECONDS,
+        reclaim_min_runtime_seconds=settings.QM_RECLAIM_MIN_RUNTIME_SECONDS,
+        consolidation_min_runtime_seconds=settings.QM_CONSOLIDATION_MIN_RUNTIME_SECONDS,
+        usage_strength=strength,
+        usage_half_life_seconds=half_life,
     )

@@ -292,6 +292,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         body["priority_class"] = args.priority_class
     if args.image:
         body["image"] = args.image
+    if args.retries:
+        body["retries"] = args.retries
     job = Client.from_environment().call("POST", "jobs/", json=body)
     if args.json:
         print_json(job)
@@ -547,6 +549,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--priority-class", help="one the team may use; default: the team's default class"
     )
     submit.add_argument("--name")
+    submit.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the job again up to N times if it fails on its own (default 0); "
+        "preemptions always requeue",
+    )
     submit.add_argument("--image", help="container image (Kubernetes runtime)")
     submit.add_argument("--env", action="append", metavar="NAME=VALUE", help="repeatable")
     submit.add_argument("--command", dest="command_text", help="the command as one string")

@@ -129,6 +129,10 @@ class PriorityClass(models.Model):
 
     `preemption_policy` decides only whether this class preempts lower ones
     inside its own team; `preemptible` decides whether it may ever be a victim.
+    `min_runtime_seconds` protects a fresh job from priority, fair-share and
+    consolidation preemption; the four `*_min_runtime_seconds` fields set this
+    class's own minimum for one preemption reason (empty: the cluster's setting
+    `QM_<REASON>_MIN_RUNTIME_SECONDS`, raised to `min_runtime_seconds`).
     """
 
     class Policy(models.TextChoices):
@@ -143,6 +147,10 @@ class PriorityClass(models.Model):
     preemptible = models.BooleanField(default=True)
     grace_seconds = models.PositiveIntegerField(default=60)
     min_runtime_seconds = models.PositiveIntegerField(default=0)
+    priority_min_runtime_seconds = models.PositiveIntegerField(null=True, blank=True)
+    fair_share_min_runtime_seconds = models.PositiveIntegerField(null=True, blank=True)
+    reclaim_min_runtime_seconds = models.PositiveIntegerField(null=True, blank=True)
+    consolidation_min_runtime_seconds = models.PositiveIntegerField(null=True, blank=True)
     description = models.CharField(max_length=300, blank=True)
     is_default = models.BooleanField(default=False)
 
@@ -163,6 +171,16 @@ class PriorityClass(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def min_runtime_by_reason(self) -> dict[str, float]:
+        """This class's own minimum runtime per preemption reason, in the engine's terms."""
+        fields = (
+            ("priority", self.priority_min_runtime_seconds),
+            ("fair-share", self.fair_share_min_runtime_seconds),
+            ("reclaim", self.reclaim_min_runtime_seconds),
+            ("consolidate", self.consolidation_min_runtime_seconds),
+        )
+        return {reason: float(value) for reason, value in fields if value is not None}
 
 
 class Membership(models.Model):

@@ -448,6 +448,14 @@ def quota_delete(*, actor: AbstractBaseUser | None, quota: Quota) -> None:
 
 # --- priority classes and memberships ----------------------------------------
 
+# A class's own minimum runtime per preemption reason; None: the cluster's setting.
+MIN_RUNTIME_FIELDS = (
+    "priority_min_runtime_seconds",
+    "fair_share_min_runtime_seconds",
+    "reclaim_min_runtime_seconds",
+    "consolidation_min_runtime_seconds",
+)
+
 
 def _priority_values(pc: PriorityClass) -> dict[str, Any]:
     return {
@@ -457,6 +465,7 @@ def _priority_values(pc: PriorityClass) -> dict[str, Any]:
         "preemptible": pc.preemptible,
         "grace_seconds": pc.grace_seconds,
         "min_runtime_seconds": pc.min_runtime_seconds,
+        **{field: getattr(pc, field) for field in MIN_RUNTIME_FIELDS},
         "is_default": pc.is_default,
     }
 
@@ -468,8 +477,10 @@ def priority_class_save(
     """Create or update a priority class; a new default replaces the old one."""
     if priority_class.preemption_policy not in PriorityClass.Policy.values:
         raise ValidationError({"preemption_policy": ["Must be PreemptLowerPriority or Never."]})
-    for field in ("grace_seconds", "min_runtime_seconds"):
+    for field in ("grace_seconds", "min_runtime_seconds", *MIN_RUNTIME_FIELDS):
         value = getattr(priority_class, field)
+        if value is None and field in MIN_RUNTIME_FIELDS:
+            continue
         if value is None or value < 0 or value > 7 * 24 * 3600:
             raise ValidationError({field: [f"Must be between 0 and 604800 seconds (got {value})."]})
     if abs(priority_class.value) > 1_000_000_000:

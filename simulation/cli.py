@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
+import fairshare
 from simulation.engine import POLICIES, Progress, SimulationConfig, simulate
 from simulation.report import Report
 from simulation.traces import (
@@ -55,6 +56,9 @@ DEFAULTS: dict[str, Any] = {
     "arrival_scale": 1.0,
     "json": None,
     "seed": 0,
+    "min_runtime": None,
+    "usage_strength": 0.0,
+    "half_life": 7 * 86_400.0,
     "progress": True,
 }
 
@@ -107,6 +111,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULTS["arrival_scale"],
         help="multiply submit times by this factor (below 1 compresses the trace)",
     )
+    parser.add_argument(
+        "--min-runtime",
+        action="append",
+        metavar="REASON=SECONDS",
+        help=(
+            "the priority class's minimum runtime before preemption for one reason "
+            f"({', '.join(fairshare.PREEMPTION_REASONS)}); may repeat"
+        ),
+    )
+    parser.add_argument(
+        "--usage-strength",
+        type=float,
+        default=DEFAULTS["usage_strength"],
+        help="how strongly a team's decayed usage beyond its guarantee lowers its share of "
+        "the spare GPUs (0: weight alone)",
+    )
+    parser.add_argument(
+        "--half-life",
+        type=float,
+        default=DEFAULTS["half_life"],
+        metavar="SECONDS",
+        help="half-life of decayed usage; default a week",
+    )
     parser.add_argument("--json", type=Path, help="write the JSON report here")
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     parser.add_argument(
@@ -157,6 +184,12 @@ def prepare(options: argparse.Namespace | Mapping[str, Any]) -> tuple[list[Trace
         raise TraceError("--arrival-scale must be > 0")
     if scale != 1.0:
         trace = [replace(job, submit_time=job.submit_time * scale) for job in trace]
+    usage_strength = float(opts["usage_strength"])
+    half_life = float(opts["half_life"])
+    if not 0 <= usage_strength < math.inf:
+        raise TraceError("--usage-strength must be 0 or more")
+    if not 0 < half_life < math.inf:
+        raise TraceError("--half-life must be > 0")
     nodes = _cluster(opts, guarantees)
     capacity = sum(node.gpus for node in nodes)
     if opts["derive_quotas"]:
@@ -171,8 +204,31 @@ def prepare(options: argparse.Namespace | Mapping[str, Any]) -> tuple[list[Trace
         cycle_seconds=float(opts["cycle_seconds"]),
         grace_seconds=float(opts["grace_seconds"]),
         seed=int(opts["seed"]),
+        min_runtimes=parse_min_runtimes(opts["min_runtime"] or ()),
+        usage_strength=usage_strength,
+        half_life_seconds=half_life,
     )
     return trace, config
+
+
+def parse_min_runtimes(entries: Sequence[str]) -> dict[str, float]:
+    """``REASON=SECONDS`` entries of ``--min-runtime`` as the engine's reason -> seconds."""
+    minimums: dict[str, float] = {}
+    for entry in entries:
+        reason, _, seconds = entry.partition("=")
+        if reason not in fairshare.PREEMPTION_REASONS:
+            raise TraceError(
+                f"--min-runtime {entry!r}: the reason must be one of "
+                f"{', '.join(fairshare.PREEMPTION_REASONS)}"
+            )
+        try:
+            value = float(seconds)
+        except ValueError:
+            raise TraceError(f"--min-runtime {entry!r}: seconds must be a number") from None
+        if not 0 <= value < math.inf:
+            raise TraceError(f"--min-runtime {entry!r}: seconds must be 0 or more")
+        minimums[reason] = value
+    return minimums
 
 
 def progress_bar(stream: TextIO, width: int = 30) -> Callable[[Progress], None]:

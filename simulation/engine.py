@@ -38,7 +38,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Any
 
@@ -81,6 +81,13 @@ class SimulationConfig:
     cycle_seconds: float = 1.0
     grace_seconds: float = 120.0
     seed: int = 0
+    # The priority class's minimum runtime per preemption reason ("priority",
+    # "fair-share", "reclaim", "consolidate"); a reason left out keeps the engine's default.
+    min_runtimes: Mapping[str, float] = field(default_factory=dict)
+    # Decayed usage: how strongly each team's recent GPU-seconds beyond its guarantee
+    # lower its share of the spare GPUs (0: weight alone), and their half-life.
+    usage_strength: float = 0.0
+    half_life_seconds: float = 7 * 86_400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +198,7 @@ class Simulation:
                 preemption_policy="PreemptLowerPriority",
                 preemptible=True,
                 grace_seconds=config.grace_seconds,
+                min_runtime_by_reason=config.min_runtimes,
             ),
         )
         self.period = config.checkpoint_interval + config.save_seconds
@@ -199,6 +207,9 @@ class Simulation:
         self._sequence = 0
         self.next_cycle = math.inf
         self.running: dict[str, Any] = {}
+        # Per team: decayed GPU-seconds up to ``recent_at`` (with decayed usage only).
+        self.recent: dict[str, float] = {}
+        self.recent_at = 0.0
         self.pending: dict[str, Any] = {}
         self.by_id = {job.id: job for job in self.jobs}
         self.plan_calls = 0
@@ -327,6 +338,7 @@ class Simulation:
         job.checkpoints_planned = max(0, math.ceil(remaining / interval) - 1) if interval > 0 else 0
         finish = job.work_from + remaining + job.checkpoints_planned * self.config.save_seconds
         job.workload = self._placed_workload(job, "running", tuple(placement), None)
+        self._decay_to(now)
         self.running[job.id] = job.workload
         self._push(finish, _FINISH, job)
         if job.checkpoints_planned:
@@ -364,6 +376,7 @@ class Simulation:
         self._push(exit_at, _EXIT, job)
 
     def _finish(self, job: SimJob, now: float) -> None:
+        self._decay_to(now)
         del self.running[job.id]
         job.state = "done"
         job.workload = None
@@ -374,6 +387,7 @@ class Simulation:
             self._want_cycle(self._cycle_after(now))
 
     def _exit(self, job: SimJob, now: float) -> None:
+        self._decay_to(now)
         del self.running[job.id]
         self.ledger.gpus_released(job.team, job.gpus, finished=False)
         self._make_pending(job, now, requeued=True)
@@ -397,13 +411,42 @@ class Simulation:
 
     # The scheduling cycle.
 
+    def _decay_to(self, now: float) -> None:
+        """Bring every team's decayed GPU-seconds up to ``now``: the GPUs held since the
+        last change count with the weight the half-life gives each second."""
+        if not self.config.usage_strength:
+            return
+        elapsed = now - self.recent_at
+        if elapsed <= 0:
+            return
+        half_life = self.config.half_life_seconds
+        factor = 2 ** (-elapsed / half_life)
+        gain = half_life / math.log(2) * (1 - factor)
+        held: dict[str, int] = {}
+        for workload in self.running.values():
+            held[workload.queue] = held.get(workload.queue, 0) + workload.gpus
+        for team in set(self.recent) | set(held):
+            self.recent[team] = self.recent.get(team, 0.0) * factor + held.get(team, 0) * gain
+        self.recent_at = now
+
     def _snapshot(self, now: float, pending: Sequence[Any]) -> Any:
+        queues = self.queues
+        if self.config.usage_strength:
+            self._decay_to(now)
+            queues = tuple(
+                replace(queue, recent_usage={FLAVOR: self.recent[queue.name]})
+                if queue.name in self.recent
+                else queue
+                for queue in queues
+            )
         return fairshare.Snapshot(
             now=now,
             nodes=self.nodes,
-            queues=self.queues,
+            queues=queues,
             priority_classes=self.priority_classes,
             workloads=tuple(chain(self.running.values(), pending)),
+            usage_strength=self.config.usage_strength,
+            usage_half_life_seconds=self.config.half_life_seconds,
         )
 
     def _call_plan(self, snapshot: Any) -> Any:
@@ -429,9 +472,25 @@ class Simulation:
             self._fifo_cycle(now)
             return
         self._refresh_checkpoints(now)
-        result = self._call_plan(self._snapshot(now, tuple(self.pending.values())))
+        snapshot = self._snapshot(now, tuple(self.pending.values()))
+        result = self._call_plan(snapshot)
         self._apply(result, now)
         self._remember_waiting(result)
+        if self.config.min_runtimes and self.pending:
+            self._wake_when_protection_ends(snapshot, now)
+
+    def _wake_when_protection_ends(self, snapshot: Any, now: float) -> None:
+        # Cycles run on events; a job that waits only because its victims have not run
+        # their minimum runtime would otherwise wait for an unrelated event.
+        minimums = set(fairshare.minimum_runtimes(snapshot, self.priority_classes[0]).values())
+        ends = [
+            workload.admitted_at + minimum
+            for workload in self.running.values()
+            for minimum in minimums
+            if workload.admitted_at is not None and workload.admitted_at + minimum > now
+        ]
+        if ends:
+            self._want_cycle(self._cycle_after(min(ends)))
 
     def _fifo_cycle(self, now: float) -> None:
         # Pending jobs are kept in arrival order (dicts keep insertion order and fifo never

@@ -158,6 +158,8 @@ class JobSerializer(serializers.ModelSerializer[Job]):
             "resume_step",
             "checkpoint_dir",
             "max_attempts",
+            "retries",
+            "retries_used",
         ]
         read_only_fields = fields
 
@@ -207,6 +209,15 @@ class JobSubmitSerializer(serializers.Serializer[Any]):
     )
     max_attempts = serializers.IntegerField(
         min_value=1, max_value=services.MAX_ATTEMPTS, required=False, allow_null=True
+    )
+    retries = serializers.IntegerField(
+        required=False,
+        default=0,
+        help_text=(
+            f"How often to run the job again when it fails on its own (a rank exits "
+            f"non-zero unasked), 0 to {services.MAX_RETRIES}. Preemptions and lost "
+            f"ranks always requeue and use none."
+        ),
     )
 
 

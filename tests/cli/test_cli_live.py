@@ -460,3 +460,22 @@ def test_show_says_why_a_job_was_preempted_and_how_its_failing_rank_ended(
     _, other = api_token_create(user=world.users["other_researcher"], name="ci")
     hidden = qm("show", str(job.pk), env={"QM_TOKEN": other})
     assert hidden.returncode == 4 and "rank 1 line" not in hidden.stdout + hidden.stderr
+
+
+def test_submit_asks_for_retries_within_bounds(world: Any, qm: Any) -> None:
+    _, token = api_token_create(user=world.users["researcher"], name="ci")
+    common = ["submit", "--team", "vision", "--flavor", "h100-80gb"]
+    asked = qm(
+        *common, "--name", "retried", "--retries", "2", "--", "true", env={"QM_TOKEN": token}
+    )
+    assert asked.returncode == 0, asked.stderr
+    assert Job.objects.get(name="retried").retries == 2
+    plain = qm(*common, "--name", "plain", "--", "true", env={"QM_TOKEN": token})
+    assert plain.returncode == 0 and Job.objects.get(name="plain").retries == 0
+
+    too_many = qm(
+        *common, "--name", "many", "--retries", "21", "--", "true", env={"QM_TOKEN": token}
+    )
+    assert too_many.returncode == 1
+    assert too_many.stderr.strip() == "qm: retries: Must be a whole number from 0 to 20 (got 21)."
+    assert not Job.objects.filter(name="many").exists()

@@ -31,6 +31,14 @@ CLASSES = (
     PriorityClass("polite", 0, "Never", True, 30.0),
     PriorityClass("low", -1, "PreemptLowerPriority", True, 10.0),
     PriorityClass("fresh", -1, "PreemptLowerPriority", True, 10.0, min_runtime_seconds=600.0),
+    # Protected from reclaim (and so from fair share) for its first 15 minutes.
+    PriorityClass(
+        "steady", -1, "PreemptLowerPriority", True, 10.0, min_runtime_by_reason={"reclaim": 900.0}
+    ),
+    # Asks to give way to fair share at once, which the plan's anti-flap margin refuses.
+    PriorityClass(
+        "nimble", -1, "PreemptLowerPriority", True, 10.0, min_runtime_by_reason={"fair-share": 0.0}
+    ),
     PriorityClass("pinned", -5, "PreemptLowerPriority", False, 60.0),
 )
 _CLASS_BY_VALUE = {-5: "pinned", -1: "low", 0: "normal", 100: "high", 1000: "critical"}
@@ -39,6 +47,14 @@ _CLASS_BY_VALUE = {-5: "pinned", -1: "low", 0: "normal", 100: "high", 1000: "cri
 def nodes(prefix: str, count: int, gpus: int, flavor: str = FLAVOR) -> list[Node]:
     """``count`` nodes named prefix0, prefix1, ... with ``gpus`` GPUs each."""
     return [Node(f"{prefix}{i}", flavor, gpus) for i in range(count)]
+
+
+def racks(count: int, nodes_per_rack: int, gpus: int, flavor: str = FLAVOR) -> list[Node]:
+    """``count`` racks r0, r1, ... of ``nodes_per_rack`` nodes each, named n0, n1, ..."""
+    return [
+        Node(f"n{i}", flavor, gpus, {"rack": f"r{i // nodes_per_rack}"})
+        for i in range(count * nodes_per_rack)
+    ]
 
 
 def team(
@@ -50,9 +66,16 @@ def team(
     lend_limit: int | None = None,
     weight: float = 1.0,
     flavor: str = FLAVOR,
+    recent: float = 0.0,
 ) -> Queue:
-    """A queue with one flavor's quota."""
-    return Queue(name, parent, weight, {flavor: FlavorQuota(guarantee, borrow_limit, lend_limit)})
+    """A queue with one flavor's quota and ``recent`` decayed GPU-seconds of it used."""
+    return Queue(
+        name,
+        parent,
+        weight,
+        {flavor: FlavorQuota(guarantee, borrow_limit, lend_limit)},
+        {flavor: recent} if recent else {},
+    )
 
 
 class WorkloadBuilder:
@@ -91,6 +114,10 @@ class WorkloadBuilder:
 
     def submitted(self, seconds_ago: float) -> WorkloadBuilder:
         return self._with(submitted_at=NOW - seconds_ago)
+
+    def within(self, level: str, *, required: bool = True) -> WorkloadBuilder:
+        """All ranks in one domain of topology ``level`` (required, or only preferred)."""
+        return self._with(topology_level=level, topology_required=required)
 
     def flavor(self, name: str) -> WorkloadBuilder:
         return self._with(flavor=name)

@@ -13,7 +13,18 @@ from fairshare_builders import CLASSES, NOW
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fairshare import FlavorQuota, Node, Plan, Queue, Snapshot, Workload, plan
+from fairshare import (
+    PREEMPTION_REASONS,
+    FlavorQuota,
+    Node,
+    Plan,
+    Queue,
+    Snapshot,
+    Workload,
+    minimum_runtimes,
+    plan,
+    plan_to_dict,
+)
 
 FLAVORS = ("h100", "a100")
 CLASS_BY_NAME = {c.name: c for c in CLASSES}
@@ -483,3 +494,132 @@ def test_a_queue_at_or_under_its_guarantee_never_loses_work(snapshot: Snapshot) 
     this plan nor in the next one (victims gone and requeued, admissions running)."""
     first = checked_plan(snapshot)
     checked_plan(apply_plan(snapshot, first, NOW + 1))
+
+
+@st.composite
+def protected_snapshots(draw: st.DrawFn) -> Snapshot:
+    """A random cluster whose plan thresholds and classes set random minimum runtimes per
+    preemption reason, on the same scale as the runtimes of the running work."""
+    snapshot = draw(snapshots())
+    minimum = st.sampled_from((0.0, 30.0, 300.0, 1000.0, 3000.0))
+    classes = tuple(
+        dataclasses.replace(
+            c,
+            min_runtime_by_reason=draw(
+                st.dictionaries(st.sampled_from(PREEMPTION_REASONS), minimum, max_size=4)
+            ),
+        )
+        for c in snapshot.priority_classes
+    )
+    return dataclasses.replace(
+        snapshot,
+        priority_classes=classes,
+        priority_min_runtime_seconds=draw(minimum),
+        fair_share_min_runtime_seconds=draw(minimum),
+        reclaim_min_runtime_seconds=draw(minimum),
+        consolidation_min_runtime_seconds=draw(minimum),
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(protected_snapshots())
+def test_protected_jobs_are_never_victims_before_their_time(snapshot: Snapshot) -> None:
+    p = checked_plan(snapshot)
+    classes = {c.name: c for c in snapshot.priority_classes}
+    by_id = {x.id: x for x in snapshot.workloads}
+    for victim in p.preempt:
+        workload = by_id[victim.id]
+        assert workload.admitted_at is not None
+        minimum = minimum_runtimes(snapshot, classes[workload.priority_class])[victim.reason]
+        assert snapshot.now - workload.admitted_at >= minimum, (victim, minimum, p)
+    # A waiting reason that names a moment names one after now.
+    for waiting in p.waiting:
+        if "minimum runtime" in waiting.reason:
+            seconds = float(waiting.reason.rsplit("(in ", 1)[1].split(" s)", 1)[0])
+            assert seconds > 0, waiting
+
+
+@st.composite
+def used_snapshots(draw: st.DrawFn) -> Snapshot:
+    """A random cluster whose queues carry random decayed usage (from none to a week of
+    the whole cluster) for each flavor."""
+    snapshot = draw(snapshots())
+    week = 7 * 86_400.0
+    capacity = sum(node.gpus for node in snapshot.nodes)
+    usage = st.sampled_from((0.0, 0.5, 2.0, 10.0, capacity * 1.5))
+    queues = tuple(
+        dataclasses.replace(
+            q,
+            recent_usage={flavor: draw(usage) * week for flavor in FLAVORS if draw(st.booleans())},
+        )
+        for q in snapshot.queues
+    )
+    return dataclasses.replace(snapshot, queues=queues)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(used_snapshots(), st.sampled_from((0.5, 1.0, 3.0)))
+def test_guarantees_never_change_with_usage(snapshot: Snapshot, strength: float) -> None:
+    """Decayed usage moves only the surplus: every guarantee stays, the part of a fair
+    share that the guarantee covers stays, and the guarantee line holds in every plan."""
+    without = checked_plan(snapshot)
+    used = checked_plan(dataclasses.replace(snapshot, usage_strength=strength))
+    for queue, flavors in without.queues.items():
+        for flavor, before in flavors.items():
+            after = used.queues[queue][flavor]
+            assert after.guarantee == before.guarantee
+            assert after.fair_share >= min(before.fair_share, before.guarantee) - 1e-6, (
+                queue,
+                flavor,
+                before,
+                after,
+            )
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(used_snapshots())
+def test_usage_strength_zero_gives_todays_plans(snapshot: Snapshot) -> None:
+    forgotten = tuple(dataclasses.replace(q, recent_usage={}) for q in snapshot.queues)
+    today = plan(dataclasses.replace(snapshot, queues=forgotten))
+    assert plan_to_dict(plan(snapshot)) == plan_to_dict(today)
+
+
+@st.composite
+def racked_snapshots(draw: st.DrawFn) -> Snapshot:
+    """A random cluster whose nodes sit in racks (some without one), where some pending
+    gangs require or prefer one rack."""
+    snapshot = draw(snapshots())
+    rack_count = draw(st.integers(1, 3))
+    nodes = tuple(
+        dataclasses.replace(
+            node,
+            topology=(
+                {}
+                if draw(st.integers(0, 5)) == 0
+                else {"rack": f"r{draw(st.integers(0, rack_count - 1))}"}
+            ),
+        )
+        for node in snapshot.nodes
+    )
+    workloads = tuple(
+        dataclasses.replace(
+            x, topology_level="rack", topology_required=draw(st.sampled_from((True, True, False)))
+        )
+        if x.state == "pending" and draw(st.booleans())
+        else x
+        for x in snapshot.workloads
+    )
+    return dataclasses.replace(snapshot, nodes=nodes, workloads=workloads)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(racked_snapshots())
+def test_topology_required_gangs_are_never_split_across_domains(snapshot: Snapshot) -> None:
+    p = checked_plan(snapshot)
+    rack = {node.name: node.topology.get("rack") for node in snapshot.nodes}
+    by_id = {x.id: x for x in snapshot.workloads}
+    for admission in p.admit:
+        workload = by_id[admission.id]
+        if workload.topology_level == "rack" and workload.topology_required:
+            racks_used = {rack[node] for node, _ in admission.placement}
+            assert len(racks_used) == 1 and None not in racks_used, (admission, rack)

@@ -6,6 +6,8 @@ preemptions (with reasons) and, for waiting workloads, words their reason must c
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -16,6 +18,7 @@ from fairshare_builders import (
     cluster,
     nodes,
     preempted,
+    racks,
     reasons,
     run_plan,
     team,
@@ -106,7 +109,30 @@ class Case:
     fair_share: Mapping[str, float] = field(default_factory=dict)
     placement: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     borrowed: Mapping[str, int] = field(default_factory=dict)
+    usage_strength: float = 0.0
 
+
+# Decayed usage: a used the spare node for three days of the last week, b nothing; both
+# wait for the one free node with equal demand, a's job submitted first.
+WEEK = 7 * 86_400
+N1 = nodes("n", 1, 8)
+HEAVY_A = [team("a", recent=8 * 3 * 86_400), team("b")]
+BOTH_WAIT = [w("a1").gpus(8).submitted(900), w("b1").queue("b").gpus(8).submitted(10)]
+# Guaranteed GPUs used all week do not count as borrowing: a's 4 GPUs held for the week
+# (in decayed GPU-seconds) are its own, so it keeps its place.
+OWN_A = [team("a", guarantee=4, recent=4 * WEEK / math.log(2)), team("b", guarantee=4)]
+
+# Kueue #10815: b borrows a's guarantee with one job on each of four nodes in two racks;
+# a's gang needs one whole rack. Its cheapest victims (least work lost) are b0 and b2, one
+# in each rack; the fix clears one rack instead.
+RACKS = racks(2, 2, 8)
+KUEUE_10815 = [
+    w("b0").queue("b").gpus(8).running("n0", since=100),
+    w("b1").queue("b").gpus(8).running("n1", since=3000),
+    w("b2").queue("b").gpus(8).running("n2", since=200),
+    w("b3").queue("b").gpus(8).running("n3", since=300),
+    w("gang").gang(2, 8).within("rack"),
+]
 
 # One line per case, as in a table.
 # fmt: off
@@ -154,6 +180,14 @@ CASES = [
     Case("min_runtime_protects_from_priority", N2, [team("a", guarantee=16)], [w("f").cls("fresh").gpus(8).running("n0", since=60), w("x").priority(100).gpus(8).running("n1"), w("hi").priority(100).gpus(8)], wait={"hi": "free GPUs"}),
     Case("min_runtime_expired_allows_priority", N2, [team("a", guarantee=16)], [w("f").cls("fresh").gpus(8).running("n0", since=3600), w("x").gpus(8).running("n1"), w("hi").priority(100).gpus(8)], preempt={"f": "priority"}),
     Case("min_runtime_never_protects_borrowed_gpus", N2, AB, [w("b1").queue("b").gpus(8).running("n0"), w("f").queue("b").cls("fresh").gpus(8).running("n1", since=60), w("a1").gpus(8)], preempt={"f": "reclaim"}),
+    Case("min_runtime_per_class_protects_from_reclaim", N2, AB, [w("b1").queue("b").cls("low").gpus(8).running("n0"), w("s").queue("b").cls("steady").gpus(8).running("n1", since=60), w("a1").gpus(8)], preempt={"b1": "reclaim"}),
+    Case("min_runtime_reclaim_protected_says_until_when", N2, AB, [w("s0").queue("b").cls("steady").gpus(8).running("n0", since=60), w("s1").queue("b").cls("steady").gpus(8).running("n1", since=300), w("a1").gpus(8)], wait={"a1": "job s0 may be preempted (reclaim) only after their minimum runtime, at 1970-01-01 03:00:40 UTC (in 840 s)"}),
+    Case("min_runtime_shielded_victim_waits_for_protected_lower_work", N2, AB, [w("b1").queue("b").gpus(8).running("n0"), w("s").queue("b").cls("steady").gpus(8).running("n1", since=60), w("a1").gpus(8)], wait={"a1": "job s may be preempted (reclaim) only after their minimum runtime"}),
+    Case("min_runtime_reclaim_expired_allows_reclaim", N2, AB, [w("s0").queue("b").cls("steady").gpus(8).running("n0", since=900), w("s1").queue("b").cls("steady").gpus(8).running("n1", since=300), w("a1").gpus(8)], preempt={"s0": "reclaim"}),
+    Case("min_runtime_per_class_never_below_the_anti_flap_margin", N2, AB0, [w("f0").cls("nimble").gpus(8).running("n0", since=30), w("f1").cls("nimble").gpus(8).running("n1", since=30), w("b1").queue("b").gpus(8)], wait={"b1": "job f0 may be preempted (fair-share) only after their minimum runtime"}),
+    Case("min_runtime_per_class_raises_fair_share", N2, AB0, [w("f0").cls("steady").gpus(8).running("n0", since=300), w("f1").cls("steady").gpus(8).running("n1", since=300), w("b1").queue("b").gpus(8)], wait={"b1": "(in 600 s)"}),
+    Case("min_runtime_fair_share_says_until_when", N2, AB0, [w("f0").cls("low").gpus(8).running("n0", since=30), w("f1").cls("low").gpus(8).running("n1", since=20), w("b1").queue("b").gpus(8)], wait={"b1": "no node of flavor h100 has 8 free GPUs; job f1 may be preempted (fair-share) only after their minimum runtime"}),
+    Case("min_runtime_priority_says_until_when", N2, [team("a", guarantee=16)], [w("f").cls("fresh").gpus(8).running("n0", since=60), w("g").cls("fresh").gpus(8).running("n1", since=120), w("hi").priority(100).gpus(8)], wait={"hi": "job f may be preempted (priority) only after their minimum runtime, at 1970-01-01 02:55:40 UTC (in 540 s)"}),
     Case("min_runtime_protects_from_fair_share", N2, AB0, [w("f0").cls("fresh").gpus(8).running("n0", since=60), w("f1").cls("fresh").gpus(8).running("n1", since=60), w("b1").queue("b").gpus(8)], wait={"b1": "free GPUs"}),
     Case("blocked_job_does_not_block_others", N2, AB, [w("big").gpus(16).submitted(500), w("small").gpus(4)], admit={"small"}, wait={"big": "no node of flavor h100 has 16 GPUs"}),
     Case("no_node_has_enough_free_gpus", [Node("m0", "h100", 16)], [team("a", guarantee=16)], [w("x").gpus(4).running("m0"), w("big").gpus(16)], wait={"big": "no node of flavor h100 has 16 free GPUs"}),
@@ -165,6 +199,14 @@ CASES = [
     Case("priority_victim_returns_quota_held_by_lend_limit", [Node("big", "h100", 16), Node("small", "h100", 8)], [team("a"), team("lender", guarantee=16, lend_limit=0)], [w("lo").priority(-1).gpus(8).running("big"), w("hi").priority(100).gpus(8)], preempt={"lo": "priority"}, wait={"hi": "waiting for job lo to exit and return quota"}),
     Case("guarantee_no_fair_share_victim_because_of_own_reservation", N1_4, BORROWER_QUEUES, BORROWER, admit={"p9", "p10"}, wait={"p13": "released by job r1", "p11": "released by job r1", "p14": "team q1 at its borrow limit of 2", "p8": "team q1 at its borrow limit of 2", "p7": "waiting for 1 GPUs being released by job r2", "p12": "no node of flavor h100 has 1 free GPUs"}, fair_share={"q0": 8, "q1": 13, "q2": 11}),
     Case("guarantee_no_reclaim_because_of_own_new_admission", N1_6, RECLAIM_QUEUES, RECLAIM, admit={"p11", "p12", "p15", "p16", "p17"}, preempt={"r8": "priority"}, wait={"p13": "no node of flavor h100 has 8 free GPUs", "p14": "no node of flavor h100 has 8 free GPUs", "p9": "no node of flavor h100 has 8 free GPUs", "p10": "waiting for 8 GPUs being released by job r8"}, fair_share={"q0": 25, "q1": 23}),
+    Case("decayed_usage_orders_teams_below_fair_share", N1, HEAVY_A, BOTH_WAIT, admit={"b1"}, wait={"a1": "team a used 2.0× its share of the spare h100 GPUs over the last week: its fair share is 0.5 GPUs instead of 4.0"}, fair_share={"a": 0.5 / 8.5 * 8, "b": 8 / 8.5 * 8}, usage_strength=1.0),
+    Case("decayed_usage_strength_zero_is_weight_alone", N1, HEAVY_A, BOTH_WAIT, admit={"a1"}, wait={"b1": "no node of flavor h100 has 8 free GPUs"}, fair_share={"a": 4, "b": 4}),
+    Case("decayed_usage_of_the_own_guarantee_is_not_borrowing", N1, OWN_A, BOTH_WAIT, admit={"a1"}, wait={"b1": "no node of flavor h100 has 8 free GPUs"}, fair_share={"a": 4, "b": 4}, usage_strength=1.0),
+    Case("topology_reclaim_clears_one_whole_rack", RACKS, [team("a", guarantee=16), team("b", guarantee=16)], KUEUE_10815, admit=set(), preempt={"b2": "reclaim", "b3": "reclaim"}, wait={"gang": "waiting for"}),
+    Case("topology_blind_reclaim_scatters_victims", RACKS, [team("a", guarantee=16), team("b", guarantee=16)], [*KUEUE_10815[:-1], w("gang").gang(2, 8)], preempt={"b0": "reclaim", "b2": "reclaim"}),
+    Case("topology_free_gpus_tightest_rack_first", RACKS, AB, [w("x").queue("b").gpus(4).running("n0"), w("g").gang(2, 4).within("rack")], admit={"g"}, placement={"g": (("n1", 2),)}),
+    Case("topology_required_waits_when_no_rack_has_room", RACKS, AB, [w("x").queue("b").gpus(4).running("n0"), w("y").queue("b").gpus(4).running("n2"), w("g").gang(3, 8).within("rack")], wait={"g": "no rack of flavor h100 has room for 3 ranks of 8 GPUs together"}),
+    Case("topology_preferred_falls_back_to_any_nodes", RACKS, AB, [w("x").queue("b").gpus(8).running("n0"), w("y").queue("b").gpus(8).running("n2"), w("g").gang(2, 8).within("rack", required=False)], admit={"g"}, placement={"g": (("n1", 1), ("n3", 1))}),
     Case("unknown_flavor_waits_with_reason", N2, AB, [w("x").flavor("a100").gpus(1)], wait={"x": "no node of flavor a100 exists"}),
 ]
 # fmt: on
@@ -172,7 +214,8 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_scenario(case: Case) -> None:
-    p = run_plan(cluster(case.nodes, case.queues, case.workloads))
+    snapshot = cluster(case.nodes, case.queues, case.workloads)
+    p = run_plan(dataclasses.replace(snapshot, usage_strength=case.usage_strength))
     assert admitted(p) == case.admit
     assert preempted(p) == dict(case.preempt)
     waiting = reasons(p)

@@ -103,6 +103,29 @@ class Gang:
             time.sleep(0.05)
         raise AssertionError(f"no rank reached step {step} in {timeout} s:\n{self.tail()}")
 
+    def wait_for_event(self, name: str, timeout: float, **fields: Any) -> list[dict[str, Any]]:
+        """Wait until every rank logged event ``name`` with ``fields``; return one per rank."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [
+                next(
+                    (
+                        event
+                        for event in rank.events()
+                        if event["event"] == name
+                        and all(event.get(key) == value for key, value in fields.items())
+                    ),
+                    None,
+                )
+                for rank in self.ranks
+            ]
+            if all(event is not None for event in found):
+                return [event for event in found if event is not None]
+            if any(rank.process.poll() is not None for rank in self.ranks):
+                raise AssertionError(f"a rank exited early:\n{self.tail()}")
+            time.sleep(0.05)
+        raise AssertionError(f"no {name} {fields} on every rank in {timeout} s:\n{self.tail()}")
+
     def wait(self, timeout: float) -> list[int | None]:
         """Reap every rank; on timeout kill the gang and fail (nothing may hang)."""
         deadline = time.monotonic() + timeout

@@ -41,9 +41,9 @@ def _preempt_one_rank(tmp_path: Path, world_size: int, victim: int, timeout: flo
     for rank in gang.ranks:
         events = rank.events()
         names = [event["event"] for event in events]
-        expected = ["checkpoint_started", "checkpoint_committed", "exiting"]
+        expected = ["trap_ready", "checkpoint_started", "checkpoint_committed", "exiting"]
         if rank.rank == victim:
-            expected.insert(0, "signal_received")
+            expected.insert(1, "signal_received")
         assert names == expected, (rank.rank, names)
         committed = events[names.index("checkpoint_committed")]
         assert committed["step"] == stop_step
@@ -170,7 +170,13 @@ def test_events_are_posted_workers_survive_and_a_second_signal_is_harmless(
     assert codes == [0], gang.tail()
     events = gang.ranks[0].events()
     names = [event["event"] for event in events]
-    assert names == ["signal_received", "checkpoint_started", "checkpoint_committed", "exiting"]
+    assert names == [
+        "trap_ready",
+        "signal_received",
+        "checkpoint_started",
+        "checkpoint_committed",
+        "exiting",
+    ]
     assert "Traceback" not in gang.ranks[0].text()
     assert all(step_dirs(checkpoint_dir).values()) and len(step_dirs(checkpoint_dir)) == 1
     # Every logged event was POSTed with the bearer token, the very same object. POSTs
@@ -194,7 +200,8 @@ def test_a_signal_that_arrives_during_the_final_save_is_still_reported(tmp_path:
         gang.kill()
 
     assert codes == [0, 0], gang.tail()
-    late = gang.ranks[1].events()
+    ready, *late = gang.ranks[1].events()
+    assert ready["event"] == "trap_ready"
     names = [event["event"] for event in late]
     assert names == [
         "checkpoint_started",
@@ -204,4 +211,4 @@ def test_a_signal_that_arrives_during_the_final_save_is_still_reported(tmp_path:
     ], names
     started, committed = late[0]["at"], late[1]["at"]
     assert started <= late[2]["at"] <= committed
-    assert gang.ranks[0].events()[0]["event"] == "signal_received"
+    assert gang.ranks[0].events()[1]["event"] == "signal_received"

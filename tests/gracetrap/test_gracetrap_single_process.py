@@ -7,6 +7,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -115,7 +117,8 @@ def test_signal_sets_a_flag_and_the_event_carries_the_handler_time(tmp_path: Pat
         after = time.time()
         assert trap.should_stop(1)
         assert trap.should_stop(2)
-    events = _events(stream)
+    ready, *events = _events(stream)
+    assert ready["event"] == "trap_ready" and ready["notice_signal"] == "SIGUSR2"
     assert [e["event"] for e in events] == ["signal_received"]
     assert isinstance(events[0]["at"], float) and before <= events[0]["at"] <= after - 0.04
     # Closing the trap puts the previous handler back.
@@ -137,7 +140,7 @@ def test_save_and_exit_skips_when_the_grace_left_is_shorter_than_a_save(tmp_path
             trap.save_and_exit(3)
     assert exited.value.code == 7
     assert list_checkpoints(tmp_path) == []
-    events = _events(stream)
+    events = _events(stream)[1:]
     assert [e["event"] for e in events] == ["signal_received", "checkpoint_skipped", "exiting"]
     assert "a save takes about 5.000 s" in str(events[1]["reason"])
     assert events[2]["code"] == 7
@@ -180,8 +183,9 @@ def test_an_unreachable_portal_never_slows_or_breaks_training(tmp_path: Path) ->
             trap.save(1)
             assert time.monotonic() - started < 1.5
             trap.events.flush(timeout=3.0)
-        assert trap.events.posts_failed == 4 and trap.events.posts_sent == 0
-        assert len(_events(stream)) == 4
+        # trap_ready, then started and committed for each save.
+        assert trap.events.posts_failed == 5 and trap.events.posts_sent == 0
+        assert len(_events(stream)) == 5
     finally:
         silent.close()
 
@@ -199,6 +203,20 @@ def test_registering_an_object_without_state_dict_is_refused(tmp_path: Path) -> 
 def test_events_are_json_lines_with_the_protocol_fields() -> None:
     stream = io.StringIO()
     trap = Trap(None, stream=stream, job_id=5, attempt=2, signals=())
+    ready = json.loads(stream.getvalue().split(" ", 1)[1])
+    assert ready == {
+        "event": "trap_ready",
+        "job_id": 5,
+        "attempt": 2,
+        "rank": 0,
+        "at": ready["at"],
+        "protocol": 1,
+        "notice_signal": "SIGUSR2",
+        "async_saves": False,
+        "mtbp_seconds": None,
+    }
+    stream.seek(0)
+    stream.truncate()
     trap.events.emit("exiting", code=0)
     line = stream.getvalue()
     assert line.startswith("QM_EVENT {") and line.endswith("}\n")
@@ -241,3 +259,276 @@ def test_a_signal_during_a_save_is_remembered(tmp_path: Path) -> None:
     names = [e["event"] for e in _events(stream)]
     assert names.count("checkpoint_committed") == 2 and "signal_received" in names
     assert [info.step for info in complete_checkpoints(tmp_path)] == [1, 0]
+
+
+class _SlowToWrite:
+    """A state entry whose serialisation takes ``seconds``: a write that is still running.
+
+    It is written as the plain integer 7, which loads anywhere; staging keeps the
+    object itself, so only the background write pays the delay.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _SlowToWrite:
+        return self
+
+    def __reduce__(self) -> tuple[type[int], tuple[int]]:
+        time.sleep(self.seconds)
+        return (int, (7,))
+
+
+class _SlowState:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.loaded: Any = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"slow": _SlowToWrite(self.seconds)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded = state_dict["slow"]
+
+
+def test_a_background_save_returns_at_once_and_commits_the_state_of_its_step(
+    tmp_path: Path,
+) -> None:
+    model, optimizer = _model_and_optimizer()
+    slow = _SlowState(3.0)
+    stream = io.StringIO()
+    state = {"model": model, "optimizer": optimizer, "slow": slow}
+    with Trap(tmp_path, state, stream=stream, async_saves=True, signals=()) as trap:
+        _train(model, optimizer)
+        trap.save(0, background=False)
+        _train(model, optimizer)
+        snapshot = {name: value.clone() for name, value in model.state_dict().items()}
+        started = time.monotonic()
+        info = trap.save(1)
+        stall = time.monotonic() - started
+        assert info is not None and not info.complete
+        # The write takes 3 s; the save returned long before (with room for a busy CPU).
+        assert stall < 2.0, f"the save stalled training for {stall:.3f} s"
+        # Training changes the parameters while the write runs; the checkpoint must not.
+        _train(model, optimizer)
+        assert trap.save_in_flight
+        assert read_pointer(tmp_path)["step"] == 0  # type: ignore[index]
+        assert not trap.should_stop(2)
+        assert trap.wait_for_save(timeout=30)
+        assert read_pointer(tmp_path)["step"] == 1  # type: ignore[index]
+    committed = [e for e in _events(stream) if e["event"] == "checkpoint_committed"]
+    assert [(e["step"], e["background"]) for e in committed] == [(0, False), (1, True)]
+    assert committed[1]["seconds"] >= 3.0 > 2.0 > committed[1]["stall"]
+
+    fresh, fresh_optimizer = _model_and_optimizer()
+    restored = _SlowState(0.0)
+    with Trap(
+        tmp_path, {"model": fresh, "optimizer": fresh_optimizer, "slow": restored}, signals=()
+    ) as resumed:
+        assert resumed.resume() == 2
+    assert restored.loaded == 7
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, snapshot[name]), name
+
+
+def test_a_new_save_waits_for_the_previous_background_save(tmp_path: Path) -> None:
+    stream = io.StringIO()
+    with Trap(tmp_path, {"slow": _SlowState(0.5)}, stream=stream, async_saves=True) as trap:
+        trap.save(0)
+        started = time.monotonic()
+        trap.save(1)
+        waited = time.monotonic() - started
+        assert trap.wait_for_save()
+    assert waited >= 0.3
+    names = [e["event"] for e in _events(stream)][1:]
+    assert names == [
+        "checkpoint_started",
+        "checkpoint_committed",
+        "checkpoint_started",
+        "checkpoint_committed",
+    ]
+    assert [info.step for info in complete_checkpoints(tmp_path)] == [1, 0]
+
+
+def test_a_stop_during_a_background_write_finishes_it_then_saves_the_last_steps(
+    tmp_path: Path,
+) -> None:
+    stream = io.StringIO()
+    with Trap(
+        tmp_path,
+        {"slow": _SlowState(1.0)},
+        stream=stream,
+        async_saves=True,
+        grace_seconds=60,
+        signals=(signal.SIGUSR1,),
+    ) as trap:
+        trap.save(4)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert trap.should_stop(5)
+        with pytest.raises(SystemExit) as exited:
+            trap.save_and_exit(5)
+    assert exited.value.code == 0
+    events = [(e["event"], e.get("step"), e.get("background")) for e in _events(stream)]
+    assert events[1:] == [
+        ("checkpoint_started", 4, None),
+        ("signal_received", None, None),
+        ("checkpoint_committed", 4, True),
+        ("checkpoint_started", 5, None),
+        ("checkpoint_committed", 5, False),
+        ("exiting", None, None),
+    ]
+    assert read_pointer(tmp_path)["step"] == 5  # type: ignore[index]
+
+
+_OUTLASTS_THE_GRACE = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[2])
+from test_gracetrap_single_process import _SlowState
+from gracetrap import Trap
+state = _SlowState(0.0)
+trap = Trap(sys.argv[1], {"slow": state}, async_saves=True, grace_seconds=1.5, exit_code=3)
+trap.save(0)
+trap.wait_for_save()
+state.seconds = 30.0
+trap.save(1)
+started = time.monotonic()
+os.kill(os.getpid(), signal.SIGTERM)
+assert trap.should_stop(2)
+try:
+    trap.save_and_exit(2)
+finally:
+    print("NOT REACHED", time.monotonic() - started, flush=True)
+"""
+
+
+def test_a_background_write_that_outlasts_the_grace_leaves_the_previous_checkpoint(
+    tmp_path: Path,
+) -> None:
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", _OUTLASTS_THE_GRACE, str(tmp_path), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    took = time.monotonic() - started
+    assert result.returncode == 3, result.stderr
+    assert "NOT REACHED" not in result.stdout
+    events = [parse_event_line(line) for line in result.stdout.splitlines()]
+    names = [(e["event"], e.get("step")) for e in events if e is not None]
+    assert names[-3:] == [("signal_received", None), ("checkpoint_skipped", 2), ("exiting", None)]
+    skipped = next(e for e in events if e is not None and e["event"] == "checkpoint_skipped")
+    assert "background save of step 1 did not finish within the grace window" in skipped["reason"]
+    # It left within the window instead of waiting 30 s for the write.
+    assert took < 25, took
+    assert read_pointer(tmp_path)["step"] == 0  # type: ignore[index]
+    assert [(i.step, i.complete) for i in list_checkpoints(tmp_path)] == [(1, False), (0, True)]
+    with Trap(tmp_path, {"slow": _SlowState(0.0)}, signals=()) as trap:
+        assert trap.resume() == 1
+
+
+def test_a_notice_checkpoints_once_and_a_stop_with_no_step_since_saves_nothing(
+    tmp_path: Path,
+) -> None:
+    before = signal.getsignal(signal.SIGUSR2)
+    trap, stream, model = _trap(tmp_path, signals=(signal.SIGUSR1,), exit_code=4)
+    with trap:
+        assert signal.getsignal(signal.SIGUSR2) == trap._on_notice
+        assert not trap.should_stop(2)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert not trap.should_stop(3)
+        # The scheduler sends the notice to each rank; a copy within a second is the same one.
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert not trap.should_stop(4)
+        assert [info.step for info in complete_checkpoints(tmp_path)] == [3]
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert trap.should_stop(3)
+        with pytest.raises(SystemExit) as exited:
+            trap.save_and_exit(3)
+    assert exited.value.code == 4
+    assert signal.getsignal(signal.SIGUSR2) is before
+    events = _events(stream)
+    names = [(e["event"], e.get("step")) for e in events]
+    assert names == [
+        ("trap_ready", None),
+        ("notice_received", None),
+        ("checkpoint_started", 3),
+        ("checkpoint_committed", 3),
+        ("signal_received", None),
+        ("checkpoint_skipped", 3),
+        ("exiting", None),
+    ]
+    assert events[3]["notice"] is True and events[3]["background"] is False
+    assert "already checkpointed" in str(events[5]["reason"])
+    assert [info.step for info in complete_checkpoints(tmp_path)] == [3]
+    del model
+
+
+def test_the_notice_can_be_moved_or_turned_off_and_never_doubles_as_a_stop_signal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QM_NOTICE_SIGNAL", "off")
+    before = signal.getsignal(signal.SIGUSR2)
+    stream = io.StringIO()
+    with Trap(tmp_path, stream=stream, signals=()) as off:
+        assert off.notice_signal is None
+        assert signal.getsignal(signal.SIGUSR2) is before
+    assert _events(stream)[0]["notice_signal"] is None
+    monkeypatch.setenv("QM_NOTICE_SIGNAL", "SIGHUP")
+    with Trap(tmp_path, signals=()) as moved:
+        assert moved.notice_signal == signal.SIGHUP
+    monkeypatch.setenv("QM_NOTICE_SIGNAL", "SIGTERM")
+    with pytest.raises(ValueError, match="both the checkpoint notice and a stop signal"):
+        Trap(tmp_path)
+    monkeypatch.setenv("QM_NOTICE_SIGNAL", "SIGBOGUS")
+    with pytest.raises(ValueError, match="QM_NOTICE_SIGNAL"):
+        Trap(tmp_path, signals=())
+
+
+def test_the_cadence_follows_the_hint_and_the_measured_cost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hint = tmp_path / "mtbp"
+    monkeypatch.setenv("QM_PREEMPTION_MTBP_FILE", str(hint))
+    trap, _, _ = _trap(tmp_path / "checkpoints", signals=())
+    with trap:
+        # No hint: no regular checkpoints.
+        assert trap.checkpoint_interval() is None and not trap.should_checkpoint(0)
+        hint.write_text("3600")
+        # Cost not measured yet: checkpoint now, which measures it.
+        assert trap.should_checkpoint(1)
+        trap.save(1)
+        cost = trap.checkpoint_cost()
+        assert cost > 0
+        assert trap.checkpoint_interval() == pytest.approx((2 * cost * 3600) ** 0.5)
+        assert not trap.should_checkpoint(2)
+        replacement = tmp_path / "mtbp.new"
+        replacement.write_text(f"{1e-4 / cost}")
+        os.replace(replacement, hint)
+        # sqrt(2 * cost * 1e-4 / cost) = 0.014 s: due again almost at once.
+        time.sleep(0.05)
+        assert trap.should_checkpoint(3)
+
+
+@pytest.mark.parametrize(("setting", "notice"), [("", "SIGUSR2"), ("SIGHUP", "SIGHUP")])
+def test_dataloader_workers_ignore_the_stop_signals_and_the_notice(
+    setting: str, notice: str
+) -> None:
+    code = (
+        "import signal\n"
+        "from gracetrap import worker_init_fn\n"
+        "worker_init_fn(0)\n"
+        f"names = ['SIGTERM', 'SIGINT', 'SIGUSR1', {notice!r}]\n"
+        "print([signal.getsignal(getattr(signal, n)) is signal.SIG_IGN for n in names])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "QM_NOTICE_SIGNAL": setting},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[True, True, True, True]"

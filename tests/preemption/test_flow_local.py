@@ -226,7 +226,9 @@ def test_gang_guard_stops_the_rest_and_retries_then_fails(
         pc=world.batch,
         name="gang",
     )
-    Job.objects.filter(pk=job.pk).update(max_attempts=2)
+    # A rank killed by someone else is a failure of the job's own, so the job
+    # asks for retries; the attempts run out first.
+    Job.objects.filter(pk=job.pk).update(max_attempts=2, retries=5)
     for attempt_number in (1, 2):
         drive(
             lambda n=attempt_number: (
@@ -332,6 +334,8 @@ def test_webhook_receives_preempted_requeued_and_finished_with_retries(
             pc=world.batch,
             name="w",
         )
+        # The killed rank below is a failure of the job's own: it is retried only if asked.
+        Job.objects.filter(pk=job.pk).update(retries=1)
         drive(
             lambda: (
                 Rank.objects.filter(attempt__job=job, state="running", pid__isnull=False).count()

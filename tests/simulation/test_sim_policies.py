@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 import fairshare
+from simulation.cli import parse_min_runtimes, prepare
 from simulation.engine import (
     MAX_PREEMPTIONS_PER_JOB,
     Simulation,
@@ -21,7 +22,7 @@ from simulation.engine import (
     gang_shape,
     simulate,
 )
-from simulation.traces import ClusterNode, TraceJob
+from simulation.traces import ClusterNode, TraceError, TraceJob
 
 ONE_NODE = (ClusterNode("node-0", 4),)
 
@@ -192,3 +193,60 @@ def test_a_flapping_engine_stops_the_replay_with_an_error() -> None:
     replay = Simulation(trace, config("fairshare"), plan=flapping_plan)
     with pytest.raises(SimulationError, match=f"preempted {MAX_PREEMPTIONS_PER_JOB} times"):
         replay.run()
+
+
+def test_a_reclaim_minimum_runtime_delays_the_guarantee_by_that_long() -> None:
+    # As above, but no job may be reclaimed before it has run 20 s. b1 arrives at 10 and
+    # waits; a1 (admitted at 0) is the first to pass its minimum, so the cycle at t=20
+    # (planned for that moment) reclaims it, and it saves 5 s and exits at 25, when b1
+    # starts: 15 s below the line instead of 5.
+    minimums = {"reclaim": 20.0}
+    report = simulate(LENDING_TRACE, config("fairshare", min_runtimes=minimums)).to_dict()  # type: ignore[arg-type]
+
+    assert report["run"]["jobs_completed"] == 3
+    assert report["preemptions"] == 1
+    assert report["teams"]["b"]["seconds_below_guarantee_line"] == pytest.approx(15)
+    baseline = simulate(LENDING_TRACE, config("fairshare")).to_dict()
+    assert baseline["teams"]["b"]["seconds_below_guarantee_line"] == pytest.approx(5)
+
+
+@pytest.mark.parametrize(
+    ("entry", "words"),
+    [
+        ("eviction=30", "reason must be one of"),
+        ("reclaim=soon", "a number"),
+        ("reclaim=-1", "0 or more"),
+    ],
+)
+def test_a_bad_minimum_runtime_option_is_refused(entry: str, words: str) -> None:
+    with pytest.raises(TraceError, match=words):
+        parse_min_runtimes([entry])
+    assert parse_min_runtimes(["reclaim=20", "priority=0"]) == {"reclaim": 20.0, "priority": 0.0}
+
+
+def test_decayed_usage_gives_the_freed_node_to_the_team_that_used_less() -> None:
+    # a runs a1 on the whole node 0-1000; a2 (t=500) and b1 (t=600) wait for it. By weight
+    # alone the older a2 goes first (1000-1100, b1 1100-1200); with decayed usage a has
+    # used all the spare GPUs of the last hour and b none, so b1 goes first.
+    trace = [job("a1", 0, 4, 1000), job("a2", 500, 4, 100), job("b1", 600, 4, 100, team="b")]
+
+    def waits(strength: float) -> dict[str, float]:
+        settings = SimulationConfig(
+            nodes=ONE_NODE,
+            guarantees={"a": 0, "b": 0},
+            checkpoint_interval=1000.0,
+            usage_strength=strength,
+            half_life_seconds=3600.0,
+        )
+        teams = simulate(trace, settings).to_dict()["teams"]
+        return {team: teams[team]["queueing_delay_seconds"]["max"] for team in ("a", "b")}
+
+    assert waits(0.0) == {"a": pytest.approx(500), "b": pytest.approx(500)}
+    assert waits(1.0) == {"a": pytest.approx(600), "b": pytest.approx(400)}
+
+
+def test_bad_decayed_usage_options_are_refused() -> None:
+    with pytest.raises(TraceError, match="--usage-strength"):
+        prepare({"format": "openb", "usage_strength": -1})
+    with pytest.raises(TraceError, match="--half-life"):
+        prepare({"format": "openb", "half_life": 0})

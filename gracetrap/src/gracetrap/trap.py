@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import copy
 import math
 import os
 import signal
@@ -24,7 +26,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from gracetrap import checkpoints
+from gracetrap import checkpoints, protocol
 from gracetrap.events import POST_TIMEOUT_SECONDS, EventReporter
 from gracetrap.ports import release_rendezvous_port
 from gracetrap.state import Stateful, adapt_state, capture_rng_state, restore_rng_state
@@ -95,6 +97,111 @@ def _crc32(enabled: bool) -> Iterator[None]:
         torch.serialization.set_crc32_options(previous)
 
 
+def _stage(
+    value: Any, buffers: dict[tuple[Any, ...], torch.Tensor], key: tuple[Any, ...] = ()
+) -> Any:
+    """A copy of a state dict in host memory that training can no longer change.
+
+    Tensors are copied to the CPU (the copy is the staging buffer), containers are
+    rebuilt, and anything else is deep-copied, so that the background write sees the
+    state exactly as it was when the save was called. ``buffers`` keeps the staging
+    tensors by their place in the state: the next save copies into them instead of
+    allocating afresh, because touching new memory page by page costs more than the
+    copy itself (0.9 s against a fraction of that for 0.2 GB on a busy machine). A
+    save waits for the previous background write, so a buffer is never refilled
+    while it is being written.
+    """
+    if isinstance(value, torch.Tensor):
+        source = value.detach()
+        held = buffers.get(key)
+        if (
+            held is not None
+            and held.shape == source.shape
+            and held.dtype == source.dtype
+            and source.layout == torch.strided
+        ):
+            held.copy_(source)
+            return held
+        staged = source.to("cpu", copy=True)
+        buffers[key] = staged
+        return staged
+    if isinstance(value, dict):
+        return {name: _stage(item, buffers, (*key, name)) for name, item in value.items()}
+    if isinstance(value, list | tuple):
+        items = [_stage(item, buffers, (*key, index)) for index, item in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    return copy.deepcopy(value)
+
+
+class _BackgroundSave:
+    """One save being written by a background thread; the main thread reads the outcome."""
+
+    def __init__(self, step: int, path: Path, notice: bool, stall: float) -> None:
+        self.step = step
+        self.path = path
+        self.notice = notice
+        self.stall = stall
+        self.done = threading.Event()
+        self.seconds = 0.0
+        self.nbytes = 0
+        self.error: BaseException | None = None
+        self.committed_at: float | None = None
+        self.reported = False
+        self.thread: threading.Thread | None = None
+
+
+_GLOO_WORKER = "pt_gloo_runloop"
+_settle_registered = False
+
+
+def _gloo_workers_running() -> bool:
+    """True while a gloo worker thread of this process is running or runnable."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as handle:
+                if handle.read().strip() != _GLOO_WORKER:
+                    continue
+            with open(f"/proc/self/task/{task}/stat") as handle:
+                state = handle.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state == "R":
+            return True
+    return False
+
+
+def _let_gloo_workers_settle(timeout: float = 2.0) -> None:
+    """At interpreter exit, wait (at most ``timeout``) until gloo's worker threads sleep.
+
+    A gloo worker thread goes on handling a collective's tensors for a moment after
+    the rank has seen the result (it completes the future, then drops the work). For
+    a tensor Python knows, those reference-count changes take the GIL. On a loaded
+    machine that moment can come after the interpreter began shutting down, when
+    taking the GIL ends the thread by a forced unwind through a ``noexcept`` frame:
+    the rank dies with "terminate called without an active exception". Exit handlers
+    run before that phase, so this one waits for the workers to go back to sleep.
+    It reads ``/proc`` (threads are found by name); elsewhere it returns at once. A
+    collective still in flight at exit is not waited for: that is the program's to end.
+    """
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    # Three quiet looks in a row: a worker between two steps of its loop is runnable.
+    while quiet < 3 and time.monotonic() < deadline:
+        quiet = 0 if _gloo_workers_running() else quiet + 1
+        time.sleep(0.005)
+
+
+def _register_settle() -> None:
+    global _settle_registered
+    if not _settle_registered:
+        _settle_registered = True
+        atexit.register(_let_gloo_workers_settle)
+
+
 def _prune_after(previous: threading.Thread | None, root: Path, keep: int) -> None:
     # Runs in the pruning thread: wait for the previous pruning, then prune.
     if previous is not None:
@@ -105,7 +212,8 @@ def _prune_after(previous: threading.Thread | None, root: Path, keep: int) -> No
 def worker_init_fn(worker_id: int) -> None:
     """Pass as ``DataLoader(worker_init_fn=...)``: workers ignore the preemption signals.
 
-    The runtime signals a rank's whole process group, DataLoader workers included.
+    The runtime signals a rank's whole process group, DataLoader workers included
+    (the checkpoint notice as well).
     A worker that died of SIGTERM would make the DataLoader raise in the middle of
     the step the ranks are about to agree on, so workers leave the signal to the
     training process.
@@ -113,6 +221,14 @@ def worker_init_fn(worker_id: int) -> None:
     del worker_id
     for signum in DEFAULT_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    # The checkpoint notice reaches the whole process group too, and its default
+    # action (SIGUSR2's) would end the worker.
+    try:
+        notice = protocol.parse_notice_signal(_env(protocol.NOTICE_SIGNAL_ENV))
+    except ValueError:
+        notice = protocol.DEFAULT_NOTICE_SIGNAL
+    if notice is not None:
+        signal.signal(notice, signal.SIG_IGN)
 
 
 class Trap:
@@ -152,6 +268,9 @@ class Trap:
         save_threads: int = 1,
         checksums: bool = False,
         stream: TextIO | None = None,
+        async_saves: bool | None = None,
+        notice_signal: int | str | None = None,
+        mtbp_seconds: float | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError("keep must be at least 1: the newest checkpoint is never deleted")
@@ -168,6 +287,21 @@ class Trap:
         self.save_threads = save_threads
         self.checksums = checksums
         self.signals = tuple(signal.Signals(s) for s in signals)
+        if async_saves is None:
+            async_saves = protocol.parse_flag(
+                protocol.ASYNC_SAVES_ENV, os.environ.get(protocol.ASYNC_SAVES_ENV)
+            )
+        self.async_saves = bool(async_saves)
+        self.notice_signal = protocol.parse_notice_signal(
+            notice_signal if notice_signal is not None else _env(protocol.NOTICE_SIGNAL_ENV)
+        )
+        if self.notice_signal is not None and self.notice_signal in self.signals:
+            raise ValueError(
+                f"{self.notice_signal.name} cannot be both the checkpoint notice and a stop "
+                "signal: choose another notice signal or set it off"
+            )
+        self._mtbp_fixed = mtbp_seconds
+        self._mtbp_hint = protocol.MtbpHint()
         self.events = EventReporter(
             job_id=job_id if job_id is not None else _job_id_from_env(),
             attempt=attempt if attempt is not None else _env_int("QM_ATTEMPT"),
@@ -182,13 +316,36 @@ class Trap:
         self._signal_reported = False
         self._stop_agreed_at: float | None = None
         self._save_seconds: list[float] = []
-        self._collective: torch.Tensor | None = None
         self._previous_handlers: dict[signal.Signals, Any] = {}
         self._closed = False
         self._pruner: threading.Thread | None = None
+        self._notice_at: float | None = None
+        self._notice_reported = False
+        self._notice_answered_at = -math.inf
+        self._pending: _BackgroundSave | None = None
+        self._save_group: Any = None
+        self._stall_seconds: list[float] = []
+        self._collective: torch.Tensor | None = None
+        self._staging: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._last_checkpoint_at = time.monotonic()
+        self._agreed_due: tuple[int, bool] | None = None
+        self._committed_step: int | None = None
+        _register_settle()
         for signum in self.signals:
             self._previous_handlers[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_signal)
+        if self.notice_signal is not None:
+            self._previous_handlers[self.notice_signal] = signal.getsignal(self.notice_signal)
+            signal.signal(self.notice_signal, self._on_notice)
+        # Tells the scheduler which parts of the protocol this trap speaks: only a trap
+        # that announced a notice signal is sent one (its default action would kill).
+        self.events.emit(
+            "trap_ready",
+            protocol=protocol.PROTOCOL_VERSION,
+            notice_signal=self.notice_signal.name if self.notice_signal is not None else None,
+            async_saves=self.async_saves,
+            mtbp_seconds=self.mtbp_seconds(),
+        )
 
     # ----------------------------------------------------------------- signals
 
@@ -202,6 +359,23 @@ class Trap:
         del signum
         if self._signal_at is None:
             self._signal_at = time.time()
+
+    def _on_notice(self, signum: int, frame: FrameType | None) -> None:
+        del signum, frame
+        if os.getpid() != self._pid:
+            return
+        now = time.time()
+        if now <= self._notice_answered_at + protocol.NOTICE_COALESCE_SECONDS:
+            # A copy of the notice the ranks have just answered (one per rank is sent).
+            return
+        if self._notice_at is None:
+            self._notice_at = now
+            self._notice_reported = False
+
+    def _report_notice(self) -> None:
+        if self._notice_at is not None and not self._notice_reported:
+            self._notice_reported = True
+            self.events.emit("notice_received", at=self._notice_at)
 
     @property
     def signalled(self) -> bool:
@@ -263,23 +437,93 @@ class Trap:
         """Call after every step on every rank: True on all ranks once any rank was signalled.
 
         Ranks agree through an all-reduce (MAX) of the flag, so they all stop after
-        the same ``step`` even when the signal reached only one of them.
+        the same ``step`` even when the signal reached only one of them. The same
+        all-reduce carries the checkpoint notice: when any rank received one, every
+        rank saves ``step`` here (in the background when asynchronous saves are on)
+        and training goes on. It also settles ``should_checkpoint(step)``.
         """
-        del step
         self._report_signal()
-        if not self._distributed():
-            stop = self._signal_at is not None
-            if stop:
-                self._stop_agreed_at = self._signal_at
-            return stop
+        self._report_notice()
+        self._poll_background()
+        due = 1.0 if self._due_locally() else 0.0
+        notice_at = self._notice_at if self._notice_at is not None else -math.inf
         # Negated time: the maximum of -t is the earliest signal of any rank, which
         # starts the grace window for all of them.
         signal_at = -self._signal_at if self._signal_at is not None else -math.inf
-        flag, earliest = self._reduce_max([1.0 if self._signal_at is not None else 0.0, signal_at])
+        flag = 1.0 if self._signal_at is not None else 0.0
+        values = [flag, signal_at, notice_at, time.time(), due]
+        flag, earliest, notice_at, now, due = self._reduce_max(values)
+        self._agreed_due = (step, due > 0)
         if flag > 0:
             self._stop_agreed_at = -earliest
             return True
+        if notice_at > self._notice_answered_at + protocol.NOTICE_COALESCE_SECONDS:
+            self._answer_notice(step, now)
+        if (
+            self._notice_at is not None
+            and self._notice_at <= self._notice_answered_at + protocol.NOTICE_COALESCE_SECONDS
+        ):
+            # This rank's copy of a notice the ranks already answered.
+            self._notice_at = None
         return False
+
+    def _answer_notice(self, step: int, agreed_at: float) -> None:
+        self._notice_answered_at = agreed_at
+        if self.checkpoint_dir is None:
+            self.events.emit(
+                "checkpoint_skipped", step=step, notice=True, reason="no checkpoint directory"
+            )
+            return
+        try:
+            self.save(step, notice=True)
+        except (Exception, CheckpointException) as error:
+            # A notice is a courtesy: training goes on, the eviction saves as before.
+            self.events.emit(
+                "checkpoint_skipped", step=step, notice=True, reason=f"save failed: {error}"
+            )
+        # The notice's checkpoint restarts the cadence's clock: no regular one now.
+        self._agreed_due = (step, False)
+
+    def mtbp_seconds(self) -> float | None:
+        """The scheduler's mean time between preemptions for this job, or None without a hint."""
+        if self._mtbp_fixed is not None:
+            return self._mtbp_fixed
+        return self._mtbp_hint.seconds()
+
+    def checkpoint_cost(self) -> float:
+        """Seconds of training a checkpoint costs: the stall of the latest saves, else the
+        expected save time."""
+        if self._stall_seconds:
+            recent = self._stall_seconds[-3:]
+            return sum(recent) / len(recent)
+        return self.expected_save_time()
+
+    def checkpoint_interval(self) -> float | None:
+        """Seconds between regular checkpoints by the Young/Daly rule, None without a hint."""
+        return protocol.checkpoint_interval(
+            self.checkpoint_cost(),
+            self.mtbp_seconds(),
+            write_seconds=self.expected_save_time() if self.async_saves else 0.0,
+        )
+
+    def _due_locally(self) -> bool:
+        interval = self.checkpoint_interval()
+        return interval is not None and time.monotonic() - self._last_checkpoint_at >= interval
+
+    def should_checkpoint(self, step: int) -> bool:
+        """True on every rank when a regular checkpoint is due after ``step``.
+
+        The interval follows the preemption-risk hint (``QM_PREEMPTION_MTBP`` or the
+        file named by ``QM_PREEMPTION_MTBP_FILE``) and the measured cost of this job's
+        saves: ``sqrt(2 * cost * MTBP)``. Without a hint it is always False. After
+        ``should_stop(step)`` it costs nothing (that all-reduce carried the answer);
+        otherwise it runs one all-reduce of its own.
+        """
+        if self._agreed_due is not None and self._agreed_due[0] == step:
+            return self._agreed_due[1]
+        (due,) = self._reduce_max([1.0 if self._due_locally() else 0.0])
+        self._agreed_due = (step, due > 0)
+        return due > 0
 
     def expected_save_time(self) -> float:
         """Seconds a save is expected to take, from the latest saves of this job."""
@@ -325,17 +569,28 @@ class Trap:
             _rng_key(self.rank()): capture_rng_state(),
         }
 
-    def save(self, step: int) -> checkpoints.CheckpointInfo | None:
+    def save(
+        self, step: int, *, background: bool | None = None, notice: bool = False
+    ) -> checkpoints.CheckpointInfo | None:
         """Checkpoint the state after ``step`` completed; every rank must call it.
 
-        Returns the committed checkpoint, or None when ``step`` was already
-        checkpointed (the existing checkpoint is kept as it is).
+        With ``background`` (default: the trap's ``async_saves``) the state is copied
+        to host memory and written by a background thread while training goes on; the
+        returned checkpoint is then not complete yet (``complete=False``) and the
+        ``latest`` pointer moves once the files and folders are fsynced. A save first
+        waits for the previous background save. Returns None when ``step`` was
+        already checkpointed (the existing checkpoint is kept as it is).
         """
         if self.checkpoint_dir is None:
             raise ValueError(
                 "no checkpoint directory: pass checkpoint_dir or set QM_CHECKPOINT_DIR"
             )
+        entered = time.monotonic()
+        background = self.async_saves if background is None else background
         self._report_signal()
+        self._report_notice()
+        # One background write at a time: it also settles what is already on disk.
+        self.wait_for_save()
         root = self.checkpoint_dir
         path = checkpoints.step_dir(root, step)
         leader = self.rank() == 0
@@ -363,6 +618,9 @@ class Trap:
             )
             return None
         self.events.emit("checkpoint_started", step=step)
+        self._last_checkpoint_at = entered
+        if background:
+            return self._save_in_background(step, path, notice, entered)
         started = time.monotonic()
         writer = FileSystemWriter(path, sync_files=True, thread_count=self.save_threads)
         with _single_process_quietly(), _crc32(self.checksums):
@@ -377,23 +635,162 @@ class Trap:
             checkpoints.write_pointer(
                 root, step=step, seconds=seconds, nbytes=int(nbytes), world_size=self.world_size()
             )
+        stall = time.monotonic() - entered
         self._save_seconds.append(seconds)
+        self._stall_seconds.append(stall)
+        self._committed_step = step
         self.events.emit(
-            "checkpoint_committed", step=step, bytes=int(nbytes), seconds=round(seconds, 6)
+            "checkpoint_committed",
+            step=step,
+            bytes=int(nbytes),
+            seconds=round(seconds, 6),
+            stall=round(stall, 6),
+            background=False,
+            notice=notice,
         )
         if leader:
-            # Deleting old checkpoints is slow on big files and never needed for safety,
-            # so it runs beside training instead of inside the save (or the grace window).
-            # A kill in the middle leaves only renamed remnants that the next prune removes.
-            # One deletion at a time: the new one starts once the previous one ended.
-            self._pruner = threading.Thread(
-                target=_prune_after,
-                args=(self._pruner, root, self.keep),
-                name="gracetrap-prune",
-            )
-            self._pruner.daemon = True
-            self._pruner.start()
+            self._start_pruning()
         return checkpoints.CheckpointInfo(step, path, True)
+
+    def _start_pruning(self) -> None:
+        # Deleting old checkpoints is slow on big files and never needed for safety,
+        # so it runs beside training instead of inside the save (or the grace window).
+        # A kill in the middle leaves only renamed remnants that the next prune removes.
+        # One deletion at a time: the new one starts once the previous one ended.
+        assert self.checkpoint_dir is not None
+        self._pruner = threading.Thread(
+            target=_prune_after,
+            args=(self._pruner, self.checkpoint_dir, self.keep),
+            name="gracetrap-prune",
+        )
+        self._pruner.daemon = True
+        self._pruner.start()
+
+    # ------------------------------------------------------ background saves
+
+    def _background_group(self) -> Any:
+        """A gloo group of its own for background saves, created on first use.
+
+        DCP runs collectives (plan exchange, the commit) inside the save; on the
+        default group they would race with training's own collectives from another
+        thread, so background saves talk over a separate group.
+        """
+        if not self._distributed():
+            return None
+        if self._save_group is None:
+            self._save_group = dist.new_group(backend="gloo")
+        return self._save_group
+
+    def _save_in_background(
+        self, step: int, path: Path, notice: bool, entered: float
+    ) -> checkpoints.CheckpointInfo:
+        staged = _stage(self._dcp_state(step), self._staging)
+        group = self._background_group()
+        pending = _BackgroundSave(step, path, notice, stall=0.0)
+        # Not a daemon: an interpreter that exits normally lets the write finish
+        # rather than cutting it off (or unwinding it out of C++ frames).
+        pending.thread = threading.Thread(
+            target=self._write_in_background,
+            args=(pending, staged, group),
+            name="gracetrap-save",
+        )
+        self._pending = pending
+        pending.thread.start()
+        pending.stall = time.monotonic() - entered
+        self._stall_seconds.append(pending.stall)
+        return checkpoints.CheckpointInfo(step, path, False)
+
+    def _write_in_background(self, pending: _BackgroundSave, staged: Any, group: Any) -> None:
+        assert self.checkpoint_dir is not None
+        root = self.checkpoint_dir
+        started = time.monotonic()
+        try:
+            writer = FileSystemWriter(pending.path, sync_files=True, thread_count=self.save_threads)
+            with _crc32(self.checksums):
+                if self._initialised():
+                    dcp_save(staged, storage_writer=writer, process_group=group)
+                else:
+                    with _single_process_quietly():
+                        dcp_save(staged, storage_writer=writer, no_dist=True)
+            leader = self.rank() == 0
+            nbytes = 0.0
+            if leader:
+                checkpoints.fsync_dir(pending.path)
+                checkpoints.fsync_dir(root)
+                nbytes = float(checkpoints.folder_bytes(pending.path))
+            values = torch.tensor([time.monotonic() - started, nbytes], dtype=torch.float64)
+            if group is not None:
+                dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+            seconds, nbytes = (float(v) for v in values.tolist())
+            if leader:
+                # Only now, with every rank's files and both folders fsynced, does the
+                # pointer move.
+                checkpoints.write_pointer(
+                    root,
+                    step=pending.step,
+                    seconds=seconds,
+                    nbytes=int(nbytes),
+                    world_size=self.world_size(),
+                )
+            pending.seconds = seconds
+            pending.nbytes = int(nbytes)
+            pending.committed_at = time.time()
+        except BaseException as error:
+            # Reported by the training thread at its next call into the trap.
+            pending.error = error
+        finally:
+            pending.done.set()
+
+    def _poll_background(self) -> None:
+        """Report a background save that has finished (on the training thread)."""
+        pending = self._pending
+        if pending is None or pending.reported or not pending.done.is_set():
+            return
+        pending.reported = True
+        if pending.error is not None:
+            self.events.emit(
+                "checkpoint_skipped",
+                step=pending.step,
+                notice=pending.notice,
+                reason=f"background save failed: {pending.error}",
+            )
+            return
+        self._save_seconds.append(pending.seconds)
+        self._committed_step = pending.step
+        self.events.emit(
+            "checkpoint_committed",
+            at=pending.committed_at,
+            step=pending.step,
+            bytes=pending.nbytes,
+            seconds=round(pending.seconds, 6),
+            stall=round(pending.stall, 6),
+            background=True,
+            notice=pending.notice,
+        )
+        if self.rank() == 0:
+            self._start_pruning()
+
+    @property
+    def save_in_flight(self) -> bool:
+        """True while a background save is being written."""
+        return self._pending is not None and not self._pending.done.is_set()
+
+    def wait_for_save(self, timeout: float | None = None) -> bool:
+        """Wait for the background save in flight, if any, and report it.
+
+        Returns True when no background save is in flight any more, False when
+        ``timeout`` seconds passed first.
+        """
+        pending = self._pending
+        if pending is None:
+            return True
+        if not pending.done.wait(timeout):
+            return False
+        assert pending.thread is not None
+        pending.thread.join()
+        self._poll_background()
+        self._pending = None
+        return True
 
     def _wait_for_pruning(self) -> None:
         if self._pruner is not None:
@@ -428,6 +825,7 @@ class Trap:
                     flush=True,
                 )
                 continue
+            self._committed_step = step
             self.events.emit("resumed", step=step + 1)
             return step + 1
         return 0
@@ -472,12 +870,20 @@ class Trap:
         cut off by the kill at the deadline.
         """
         self._report_signal()
+        self._report_notice()
+        self._finish_background_or_exit(step)
         reason = self._skip_reason()
-        if reason is not None:
+        if self._committed_step == step:
+            # A notice (or a regular save) already committed this very step: nothing
+            # has run since, so there is nothing to save.
+            self.events.emit(
+                "checkpoint_skipped", step=step, reason=f"step {step} is already checkpointed"
+            )
+        elif reason is not None:
             self.events.emit("checkpoint_skipped", step=step, reason=reason)
         else:
             try:
-                self.save(step)
+                self.save(step, background=False)
             except (Exception, CheckpointException) as error:
                 # The job is being preempted either way; the previous checkpoint stands.
                 self.events.emit("checkpoint_skipped", step=step, reason=f"save failed: {error}")
@@ -492,11 +898,46 @@ class Trap:
         sys.stderr.flush()
         sys.exit(self.exit_code)
 
+    def _finish_background_or_exit(self, step: int) -> None:
+        """Give a background save in flight the grace time left; exit if it needs more.
+
+        If any rank's write is still running when the window is about to close, the
+        ranks exit at once: the unfinished folder has no metadata file, so the previous
+        complete checkpoint (and ``latest``, which still names it) stands.
+        """
+        if self._pending is None:
+            finished = True
+        else:
+            left = self.grace_left()
+            # Half a second of the window is kept for the barrier and the exit.
+            finished = self.wait_for_save(None if left is None else max(0.0, left - 0.5))
+        (unfinished,) = self._reduce_max([0.0 if finished else 1.0])
+        if not unfinished:
+            return
+        pending_step = self._pending.step if self._pending is not None else step
+        self.events.emit(
+            "checkpoint_skipped",
+            step=step,
+            reason=(
+                f"the background save of step {pending_step} did not finish within the "
+                "grace window; the previous complete checkpoint stands"
+            ),
+        )
+        self.events.emit("exiting", code=self.exit_code)
+        self.events.flush(0.0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # The write thread may be inside a collective or a file write: neither Python's
+        # exit nor destroy_process_group() could stop it cleanly, so leave at once.
+        os._exit(self.exit_code)
+
     def shutdown(self) -> None:
-        """Barrier with a timeout, then ``destroy_process_group()``; rank 0 goes last.
+        """Wait for a background save, barrier with a timeout, then ``destroy_process_group()``;
+        rank 0 goes last.
 
         Safe to call without a process group and more than once.
         """
+        self.wait_for_save()
         if not (dist.is_available() and dist.is_initialized()):
             return
         leader = dist.get_rank() == 0
@@ -526,13 +967,15 @@ class Trap:
         """Resume, then yield each step still to do; checkpoint and exit when signalled.
 
         After the body of each iteration, the trap asks ``should_stop`` and exits
-        gracefully if so; otherwise it saves every ``save_every`` steps.
+        gracefully if so; otherwise it saves every ``save_every`` steps, or, without
+        ``save_every``, whenever ``should_checkpoint`` says the cadence hint wants one.
         """
         for step in range(self.resume(), total_steps):
             yield step
             if self.should_stop(step):
                 self.save_and_exit(step)
-            if save_every and (step + 1) % save_every == 0:
+            due = (step + 1) % save_every == 0 if save_every else self.should_checkpoint(step)
+            if due:
                 self.save(step)
 
     def close(self) -> None:
@@ -541,6 +984,7 @@ class Trap:
         if self._closed:
             return
         self._closed = True
+        self.wait_for_save()
         self._wait_for_pruning()
         self.restore_signal_handlers()
         self._report_signal()

@@ -11,6 +11,8 @@ from __future__ import annotations
 EVENT_PREFIX = "QM_EVENT "
 
 EVENT_NAMES = (
+    "trap_ready",
+    "notice_received",
     "signal_received",
     "checkpoint_started",
     "checkpoint_committed",

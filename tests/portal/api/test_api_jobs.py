@@ -60,6 +60,38 @@ def test_submit_records_the_job_with_the_default_class_and_no_events_token(
     assert critical.json()["priority_class"] == "ai-prod-critical"
 
 
+@pytest.mark.parametrize(
+    ("retries", "accepted"),
+    [(0, True), (20, True), (21, False), (-1, False), ("two", False), (True, False)],
+)
+def test_submit_takes_retries_within_bounds(world: Any, retries: Any, accepted: bool) -> None:
+    before = Job.objects.count()
+    response = submit(world.client("researcher"), retries=retries)
+    if accepted:
+        assert response.status_code == 201, response.json()
+        assert response.json()["retries"] == retries and response.json()["retries_used"] == 0
+        assert Job.objects.get(pk=response.json()["id"]).retries == retries
+    else:
+        assert response.status_code == 400, response.content
+        assert list(response.json()) == ["retries"]
+        assert Job.objects.count() == before
+
+
+def test_submit_without_retries_asks_for_none(world: Any) -> None:
+    response = submit(world.client("researcher"))
+    assert response.status_code == 201 and response.json()["retries"] == 0
+
+
+def test_retries_beyond_the_default_attempts_raise_them(world: Any, settings: Any) -> None:
+    settings.QM_MAX_ATTEMPTS = 5
+    many = submit(world.client("researcher"), retries=12)
+    assert many.status_code == 201 and many.json()["max_attempts"] == 13
+    few = submit(world.client("researcher"), retries=2)
+    assert few.json()["max_attempts"] == 5
+    capped = submit(world.client("researcher"), retries=12, max_attempts=3)
+    assert capped.json()["max_attempts"] == 3
+
+
 def test_job_list_filters(world: Any) -> None:
     researcher, admin = world.client("researcher"), world.client("admin")
     first = submit(researcher, name="first").json()["id"]

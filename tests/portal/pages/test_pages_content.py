@@ -486,3 +486,13 @@ def test_simulations_page_compares_stored_runs(world: Any) -> None:
     teams = json.loads(re.search(r'id="figure-teams">(.*?)</script>', chosen, re.S)[1])
     assert [trace["y"] for trace in teams["data"]] == [[80.0], [30.0], [5.0]]
     assert page_client(world, "anonymous").get(reverse("simulations")).status_code == 302
+
+
+def test_job_page_says_how_many_retries_the_job_asked_for_and_used(world: Any) -> None:
+    asked = builders.job(world, world.vision, retries=2, retries_used=1)
+    none = builders.job(world, world.vision)
+    client = page_client(world, "researcher")
+    body = client.get(reverse("job-detail", args=[asked.pk])).content.decode()
+    assert '<span data-field="retries">1 of 2 retries used</span>' in body
+    body = client.get(reverse("job-detail", args=[none.pk])).content.decode()
+    assert '<span data-field="retries">no retries on failure</span>' in body

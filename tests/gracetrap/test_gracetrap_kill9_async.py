@@ -1,0 +1,168 @@
+"""SIGKILL of a real two-rank gang at any moment of its background saves, many times:
+``latest`` always names a complete checkpoint that loads, and every resumed step is
+bit-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from gracetrap.checkpoints import is_complete, step_dir
+from gracetrap_gang import free_port, load_example, step_dirs
+
+from gracetrap import Trap
+
+train_ddp = load_example()
+
+WORLD_SIZE = 2
+MODEL_ARGS = ["--hidden", "1024", "--layers", "3"]
+STEPS = 200
+TRIALS = 12
+SERVER = Path(__file__).with_name("gracetrap_rank_forkserver.py")
+
+
+class RankServer:
+    """gracetrap_rank_forkserver.py for one rank, its output read line by line."""
+
+    def __init__(self, rank: int, args: list[str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(SERVER), str(rank), str(WORLD_SIZE), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+            text=True,
+            cwd=SERVER.parent,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def start(self, checkpoint_dir: Path, port: int, steps: int, extra: str, more: str = "") -> int:
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{checkpoint_dir} {port} {steps} {extra} {more}\n")
+        self.process.stdin.flush()
+        return int(self.expect("CHILD ", timeout=60)[0].split()[1])
+
+    def expect(self, prefix: str, timeout: float) -> tuple[str, list[str]]:
+        """Wait for the line starting with ``prefix``; return it and the lines before it."""
+        seen: list[str] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {prefix!r} line in {timeout} s: {seen[-20:]}") from None
+            if line.startswith(prefix):
+                return line, seen
+            seen.append(line)
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+
+
+def _losses(lines: list[str]) -> dict[int, str]:
+    found = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 8 and parts[0] == "STEP":
+            found[int(parts[1])] = parts[7]
+    return found
+
+
+def _latest_loads(checkpoint_dir: Path) -> int:
+    """Load exactly the checkpoint ``latest`` names, in this process; return its step.
+
+    Before the first commit there is no ``latest`` and no complete checkpoint: -1.
+    """
+    if not (checkpoint_dir / "latest").exists():
+        assert not any(step_dirs(checkpoint_dir).values()), step_dirs(checkpoint_dir)
+        return -1
+    latest = json.loads((checkpoint_dir / "latest").read_text())
+    path = step_dir(checkpoint_dir, latest["step"])
+    assert path.name == latest["path"] and is_complete(path), latest
+    arguments = train_ddp.parse_args(MODEL_ARGS)
+    model = train_ddp.build_model(arguments)
+    optimizer = train_ddp.torch.optim.Adam(model.parameters(), lr=arguments.lr)
+    with Trap(checkpoint_dir, {"model": model, "optimizer": optimizer}, signals=()) as trap:
+        trap._load(path, latest["step"])
+    return int(latest["step"])
+
+
+@pytest.mark.slow
+def test_sigkill_during_background_saves_always_leaves_a_loadable_latest(
+    tmp_path: Path,
+) -> None:
+    servers = [RankServer(rank, MODEL_ARGS) for rank in range(WORLD_SIZE)]
+    try:
+        # The uninterrupted run, without saves: the loss of every step on every rank.
+        reference: list[dict[int, str]] = []
+        port = free_port()
+        for server in servers:
+            server.start(tmp_path / "reference", port, STEPS, "-")
+        for server in servers:
+            line, lines = server.expect("EXIT ", timeout=300)
+            assert line == "EXIT 0", lines[-20:]
+            reference.append(_losses(lines))
+        assert all(len(losses) == STEPS for losses in reference)
+
+        checkpoint_dir = tmp_path / "checkpoints"
+        # A background save after every step, each waiting for the previous one.
+        extra = "QM_ASYNC_SAVES=1,QM_GRACE_SECONDS=60"
+        in_flight_at_kill = 0
+        resumed_from = []
+        for trial in range(TRIALS):
+            port = free_port()
+            children = [
+                server.start(checkpoint_dir, port, STEPS, extra, "--save-every 1")
+                for server in servers
+            ]
+            early = []
+            for server in servers:
+                line, lines = server.expect("STEP ", timeout=120)
+                early.append([*lines, line])
+            # Kills spread over two seconds after the first step of the attempt.
+            time.sleep(2.0 * (trial % TRIALS) / TRIALS)
+            for child in children:
+                os.kill(child, signal.SIGKILL)
+            for rank, server in enumerate(servers):
+                line, lines = server.expect("EXIT ", timeout=60)
+                lines = early[rank] + lines
+                assert line == f"EXIT {-signal.SIGKILL}", lines[-20:]
+                assert not any("Traceback" in text for text in lines), lines
+                # Every step this attempt trained is bit-identical to the reference.
+                for step, loss in _losses(lines).items():
+                    assert loss == reference[rank][step], (trial, rank, step)
+                events = [json.loads(t.split(" ", 1)[1]) for t in lines if t.startswith("QM_EVENT")]
+                resumed = [e["step"] for e in events if e["event"] == "resumed"]
+                if rank == 0:
+                    resumed_from.append(resumed[0] if resumed else 0)
+            dirs = step_dirs(checkpoint_dir)
+            in_flight_at_kill += any(not complete for complete in dirs.values())
+            latest = _latest_loads(checkpoint_dir)
+            print(f"trial {trial:2d}: latest {latest}, folders {sorted(dirs.items())}")
+        # Each attempt went on from where the previous one's latest checkpoint was.
+        assert resumed_from == sorted(resumed_from) and resumed_from[-1] > 0, resumed_from
+        print(f"{in_flight_at_kill} of {TRIALS} kills came while a write was in flight")
+        assert in_flight_at_kill >= TRIALS // 3
+    finally:
+        for server in servers:
+            server.close()

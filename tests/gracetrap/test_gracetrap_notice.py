@@ -1,0 +1,235 @@
+"""The checkpoint notice, background saves and the cadence hint with real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gracetrap_gang import Gang, launch, step_dirs
+
+STEPS = 40
+WORLD_SIZE = 2
+MODEL = ["--steps", str(STEPS), "--hidden", "512", "--layers", "3"]
+
+
+def _finish(gang: Gang, timeout: float = 180) -> list[int | None]:
+    try:
+        return gang.wait(timeout=timeout)
+    finally:
+        gang.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """An uninterrupted run: the losses of every step and the final state of every rank."""
+    folder = tmp_path_factory.mktemp("reference")
+    gang = launch(
+        WORLD_SIZE,
+        folder / "checkpoints",
+        folder / "logs",
+        [*MODEL, "--dump", str(folder / "final-{rank}.pt")],
+    )
+    assert _finish(gang) == [0] * WORLD_SIZE, gang.tail()
+    return {
+        "steps": [rank.steps() for rank in gang.ranks],
+        "final": [torch.load(folder / f"final-{rank}.pt", weights_only=False) for rank in range(2)],
+    }
+
+
+def _resume_and_compare(
+    tmp_path: Path, checkpoint_dir: Path, first: Gang, reference: dict[str, Any]
+) -> None:
+    """A second attempt resumes from ``latest`` and ends bit-identical to the reference."""
+    latest = json.loads((checkpoint_dir / "latest").read_text())
+    second = launch(
+        WORLD_SIZE,
+        checkpoint_dir,
+        tmp_path / "logs",
+        [*MODEL, "--dump", str(tmp_path / "resumed-{rank}.pt")],
+        attempt=2,
+    )
+    assert _finish(second) == [0] * WORLD_SIZE, second.tail()
+    for rank in range(WORLD_SIZE):
+        resumed = [e["step"] for e in second.ranks[rank].events() if e["event"] == "resumed"]
+        assert resumed == [latest["step"] + 1]
+        done_first = [s for s in first.ranks[rank].steps() if s[0] <= latest["step"]]
+        assert done_first + second.ranks[rank].steps() == reference["steps"][rank]
+        mine = torch.load(tmp_path / f"resumed-{rank}.pt", weights_only=False)
+        theirs = reference["final"][rank]
+        assert mine["loss_hex"] == theirs["loss_hex"]
+        for name, tensor in theirs["model"].items():
+            assert torch.equal(tensor, mine["model"][name]), name
+        for index, moments in theirs["optimizer"]["state"].items():
+            for key, value in moments.items():
+                assert torch.equal(value, mine["optimizer"]["state"][index][key]), (index, key)
+        assert mine["rng"]["python"] == theirs["rng"]["python"]
+        assert torch.equal(mine["rng"]["torch"], theirs["rng"]["torch"])
+
+
+def _names(events: list[dict[str, Any]]) -> list[str]:
+    return [event["event"] for event in events]
+
+
+def test_notice_commits_while_training_goes_on_and_the_eviction_saves_only_the_rest(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    checkpoint_dir = tmp_path / "checkpoints"
+    first = launch(
+        WORLD_SIZE,
+        checkpoint_dir,
+        tmp_path / "logs",
+        [*MODEL, "--step-sleep", "0.05"],
+        env={"QM_ASYNC_SAVES": "1", "QM_GRACE_SECONDS": "60"},
+    )
+    try:
+        ready = first.wait_for_event("trap_ready", timeout=120)
+        assert {(e["notice_signal"], e["async_saves"], e["protocol"]) for e in ready} == {
+            ("SIGUSR2", True, 1)
+        }
+        first.wait_for_step(3, timeout=120)
+        # The scheduler's notice: one signal to every rank.
+        for rank in first.ranks:
+            rank.signal(signal.SIGUSR2)
+        committed = first.wait_for_event("checkpoint_committed", timeout=120, notice=True)
+        notice_step = committed[0]["step"]
+        assert {e["step"] for e in committed} == {notice_step}
+        assert all(e["background"] for e in committed)
+        # Training went on: nobody stopped, and steps past the notice's step follow.
+        first.wait_for_step(notice_step + 3, timeout=120)
+        assert all(rank.process.poll() is None for rank in first.ranks)
+        assert step_dirs(checkpoint_dir) == {notice_step: True}
+        first.ranks[1].signal(signal.SIGTERM)
+    finally:
+        codes = _finish(first)
+    assert codes == [0] * WORLD_SIZE, first.tail()
+
+    stop_step = first.ranks[0].steps()[-1][0]
+    assert stop_step >= notice_step + 3
+    for rank in first.ranks:
+        events = rank.events()
+        names = _names(events)
+        expected = ["trap_ready", "notice_received", "checkpoint_started", "checkpoint_committed"]
+        if rank.rank == 1:
+            expected.append("signal_received")
+        expected += ["checkpoint_started", "checkpoint_committed", "exiting"]
+        assert names == expected, (rank.rank, names)
+        final = events[-2]
+        assert (final["step"], final["notice"], final["background"]) == (stop_step, False, False)
+    assert json.loads((checkpoint_dir / "latest").read_text())["step"] == stop_step
+    _resume_and_compare(tmp_path, checkpoint_dir, first, reference)
+
+
+def test_a_sigterm_during_background_writes_finishes_the_write_then_saves(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    checkpoint_dir = tmp_path / "checkpoints"
+    # A background save after every step: each waits for the previous one, so a
+    # write is in flight almost all the time.
+    first = launch(
+        WORLD_SIZE,
+        checkpoint_dir,
+        tmp_path / "logs",
+        [*MODEL, "--save-every", "1", "--keep", "2"],
+        env={"QM_ASYNC_SAVES": "1", "QM_GRACE_SECONDS": "60"},
+    )
+    try:
+        first.wait_for_step(5, timeout=120)
+        first.ranks[0].signal(signal.SIGTERM)
+    finally:
+        codes = _finish(first)
+    assert codes == [0] * WORLD_SIZE, first.tail()
+
+    events = first.ranks[0].events()
+    received = next(e for e in events if e["event"] == "signal_received")
+    in_flight = [
+        e["step"] for e in events if e["event"] == "checkpoint_started" and e["at"] < received["at"]
+    ][-1]
+    finished = next(
+        e for e in events if e["event"] == "checkpoint_committed" and e["step"] == in_flight
+    )
+    # The signal came while the write of `in_flight` ran; that write still committed.
+    assert finished["background"] and finished["at"] > received["at"], (received, finished)
+    stop_step = first.ranks[0].steps()[-1][0]
+    assert _names(events)[-3:] == ["checkpoint_started", "checkpoint_committed", "exiting"]
+    assert events[-2]["step"] == stop_step and not events[-2]["background"]
+    assert all(step_dirs(checkpoint_dir).values())
+    _resume_and_compare(tmp_path, checkpoint_dir, first, reference)
+
+
+@pytest.mark.parametrize("notice", ["off", "ignored"])
+def test_without_an_answered_notice_the_eviction_is_as_before(tmp_path: Path, notice: str) -> None:
+    checkpoint_dir = tmp_path / "checkpoints"
+    env = {"QM_GRACE_SECONDS": "60"}
+    if notice == "off":
+        env["QM_NOTICE_SIGNAL"] = "off"
+    gang = launch(
+        WORLD_SIZE, checkpoint_dir, tmp_path / "logs", [*MODEL, "--step-sleep", "0.05"], env=env
+    )
+    try:
+        gang.wait_for_step(3, timeout=120)
+        for rank in gang.ranks:
+            if notice == "ignored":
+                # The eviction follows the notice before any step ends: the ranks
+                # agree to stop, which wins over the notice.
+                rank.signal(signal.SIGUSR2)
+            rank.signal(signal.SIGTERM)
+    finally:
+        codes = _finish(gang)
+    assert codes == [0] * WORLD_SIZE, gang.tail()
+    stop_step = gang.ranks[0].steps()[-1][0]
+    assert step_dirs(checkpoint_dir) == {stop_step: True}
+    for rank in gang.ranks:
+        events = rank.events()
+        expected = ["trap_ready", "signal_received", "checkpoint_started"]
+        expected += ["checkpoint_committed", "exiting"]
+        if notice == "ignored":
+            expected.insert(1, "notice_received")
+        assert sorted(_names(events)) == sorted(expected), _names(events)
+        assert events[0]["notice_signal"] == (None if notice == "off" else "SIGUSR2")
+        committed = next(e for e in events if e["event"] == "checkpoint_committed")
+        assert committed["step"] == stop_step and committed["notice"] is False
+
+
+def test_a_higher_risk_hint_checkpoints_more_often(tmp_path: Path) -> None:
+    hint = tmp_path / "mtbp"
+    hint.write_text("1000000")  # a job well inside its guarantee
+    checkpoint_dir = tmp_path / "checkpoints"
+    gang = launch(
+        WORLD_SIZE,
+        checkpoint_dir,
+        tmp_path / "logs",
+        ["--steps", "100000", "--step-sleep", "0.05", "--cadence", "--keep", "100"],
+        env={"QM_PREEMPTION_MTBP_FILE": str(hint)},
+    )
+    try:
+        gang.wait_for_step(20, timeout=120)
+        calm_until = max(step for step, _ in gang.ranks[0].steps())
+        # The scheduler now expects a preemption every second (it is borrowing).
+        replacement = tmp_path / "mtbp.new"
+        replacement.write_text("1")
+        os.replace(replacement, hint)
+        gang.wait_for_step(calm_until + 40, timeout=180)
+        for rank in gang.ranks:
+            rank.signal(signal.SIGTERM)
+    finally:
+        codes = _finish(gang)
+    assert codes == [0] * WORLD_SIZE, gang.tail()
+    saved = sorted(
+        {e["step"] for e in gang.ranks[0].events() if e["event"] == "checkpoint_committed"}
+    )
+    # The step printed last before the rewrite may already have read the new hint.
+    calm = [step for step in saved if step < calm_until]
+    risky = [step for step in saved if step > calm_until]
+    # Calm: only the first checkpoint, which measures the cost (sqrt(2 * cost * 1e6) is
+    # minutes). Risky: sqrt(2 * cost * 1) is well under a second, i.e. a few steps.
+    assert calm == [0], saved
+    assert len(risky) >= 3, saved
+    # Both ranks checkpointed the same steps.
+    assert saved == sorted(
+        {e["step"] for e in gang.ranks[1].events() if e["event"] == "checkpoint_committed"}
+    )
