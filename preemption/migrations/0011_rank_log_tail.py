@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('preemption', '0008_preemption_outcome_forced_past_budget'),
+        ('preemption', '0010_preemption_outcome_forced_past_budget'),
     ]
 
     operations = [

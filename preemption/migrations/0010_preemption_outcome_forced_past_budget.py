@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('preemption', '0007_attempt_pending_action'),
+        ('preemption', '0009_job_topology_level'),
     ]
 
     operations = [
