@@ -68,6 +68,22 @@ def env_list(name: str, default: list[str]) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
+def env_mapping(name: str, default: dict[str, str]) -> dict[str, str]:
+    """``key=value`` pairs separated by commas."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    pairs: dict[str, str] = {}
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip() or not text.strip():
+            raise ImproperlyConfigured(f"{name} must be key=value pairs, got {item!r}")
+        pairs[key.strip()] = text.strip()
+    return pairs
+
+
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     value = os.environ.get(name, default)
     if value not in choices:

@@ -37,3 +37,9 @@ def _schedule(sender: Celery, **_: object) -> None:
     sender.add_periodic_task(
         5.0, sender.signature("preemption.tasks.deliver_webhooks"), name="deliver webhooks"
     )
+    # Undo edits to the cluster's PriorityClasses (Kubernetes runtime only).
+    sender.add_periodic_task(
+        60.0,
+        sender.signature("preemption.tasks.sync_priority_classes"),
+        name="sync priority classes",
+    )

@@ -24,6 +24,7 @@ from core.env import (
     env_float,
     env_int,
     env_list,
+    env_mapping,
     env_str,
     parse_database_url,
     private_file,
@@ -251,7 +252,46 @@ QM_LOCAL_NODES = env_str("QM_LOCAL_NODES", "") or ""
 QM_K8S_NAMESPACE = env_str("QM_K8S_NAMESPACE", "quartermaster") or "quartermaster"
 QM_K8S_NAMESPACE_PER_TEAM = env_bool("QM_K8S_NAMESPACE_PER_TEAM", False)
 QM_K8S_KUBECONFIG = env_str("QM_K8S_KUBECONFIG", "") or ""
+# The ReadWriteMany PersistentVolumeClaim (one of this name in the jobs
+# namespace, or in each team's namespace) that every rank mounts for its
+# checkpoints. Required in production: without it checkpoints die with pods.
+QM_K8S_CHECKPOINT_CLAIM = env_str("QM_K8S_CHECKPOINT_CLAIM", "") or ""
+QM_K8S_CHECKPOINT_MOUNT_PATH = env_str("QM_K8S_CHECKPOINT_MOUNT_PATH", "/checkpoints") or ""
+if not QM_K8S_CHECKPOINT_MOUNT_PATH.startswith("/") or QM_K8S_CHECKPOINT_MOUNT_PATH == "/":
+    raise ImproperlyConfigured(
+        f"QM_K8S_CHECKPOINT_MOUNT_PATH must be an absolute path below /, "
+        f"got {QM_K8S_CHECKPOINT_MOUNT_PATH!r}"
+    )
+# Observe gang pods through a watch (one listing, then changes; re-listed on
+# 410 Gone) instead of listing every pod on every reconcile cycle.
+QM_K8S_WATCH_PODS = env_bool("QM_K8S_WATCH_PODS", True)
+QM_K8S_RUN_AS_USER = env_int("QM_K8S_RUN_AS_USER", 1000, minimum=1)
+# CPU and memory each rank requests (and is limited to) per GPU it holds:
+# "flavor=quantity" pairs, and a default for flavors not named.
+QM_K8S_CPU_PER_GPU = env_mapping("QM_K8S_CPU_PER_GPU", {})
+QM_K8S_MEMORY_PER_GPU = env_mapping("QM_K8S_MEMORY_PER_GPU", {})
+QM_K8S_DEFAULT_CPU_PER_GPU = env_str("QM_K8S_DEFAULT_CPU_PER_GPU", "4") or "4"
+QM_K8S_DEFAULT_MEMORY_PER_GPU = env_str("QM_K8S_DEFAULT_MEMORY_PER_GPU", "16Gi") or "16Gi"
+# Per-team image allow-list, "team=prefix|prefix,team2=prefix": a team named
+# here may run only images starting with one of its prefixes.
+QM_K8S_IMAGE_ALLOWLIST = {
+    team: tuple(prefix for prefix in prefixes.split("|") if prefix)
+    for team, prefixes in env_mapping("QM_K8S_IMAGE_ALLOWLIST", {}).items()
+}
+# Where ranks reach the portal's events URL (CIDRs and port), the only egress
+# the jobs namespace's NetworkPolicy allows beyond the gang itself and DNS.
+QM_K8S_EVENTS_CIDRS = env_list("QM_K8S_EVENTS_CIDRS", [])
+QM_K8S_EVENTS_PORT = env_int("QM_K8S_EVENTS_PORT", 443, minimum=1)
 QM_PUBLIC_URL = env_str("QM_PUBLIC_URL", "http://127.0.0.1:8000") or "http://127.0.0.1:8000"
+# A rank still waiting this long after launch on something that will not come
+# (an image it cannot pull, a node that cannot take it) fails the attempt.
+QM_START_TIMEOUT_SECONDS = env_float("QM_START_TIMEOUT_SECONDS", 300.0, minimum=1.0)
+# How much of the end of each rank's log is kept once its attempt ends, for
+# runtimes that forget logs with their pods (Kubernetes).
+QM_LOG_TAIL_BYTES = env_int("QM_LOG_TAIL_BYTES", 4 << 20, minimum=0)
+# How far into a live Kubernetes log a read may reach (the pod log API has no
+# offset, so a read streams from the start).
+QM_K8S_LOG_SCAN_BYTES = env_int("QM_K8S_LOG_SCAN_BYTES", 64 << 20, minimum=1 << 20)
 QM_MAX_ATTEMPTS = env_int("QM_MAX_ATTEMPTS", 5, minimum=1)
 QM_RETRY_BACKOFF_SECONDS = env_float("QM_RETRY_BACKOFF_SECONDS", 10.0, minimum=0.0)
 # A runtime call that failed for a reason that may pass (a launcher that did

@@ -33,6 +33,7 @@ from portal.models import ApiToken, TokenScope
 from portal.services import api_token_create, api_token_revoke
 from preemption.models import ACTIVE_STATES, WAITING_STATES
 from preemption.reasons import describe_preemption
+from preemption.runtime import runtime_problems
 from preemption.selectors import job_list, preemption_event_list
 from quotas.selectors import access_for, priority_class_list
 from telemetry.selectors import UsageNow, flavors_now, overview_teams, pending_jobs, team_rows
@@ -298,7 +299,12 @@ def gracetrap_download(request: HttpRequest, filename: str) -> FileResponse:
 @never_cache
 @require_GET
 def healthz(request: HttpRequest) -> HttpResponse:
-    """200 "ok" once the database answers; 503 otherwise."""
+    """200 "ok" once the database answers and, in production, the runtime is
+    safe to run jobs on (a checkpoint volume on Kubernetes); 503 with the reason
+    otherwise, so a deployment without one never becomes ready."""
+    problems = runtime_problems()
+    if problems and settings.PRODUCTION:
+        return HttpResponse("\n".join(problems) + "\n", status=503, content_type="text/plain")
     try:
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")

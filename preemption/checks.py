@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, register
+from django.core.checks import CheckMessage, Error, Warning, register
 
-from preemption.runtime import runner_lookup
+from preemption.runtime import runner_lookup, runtime_problems
 
 
 @register()
@@ -29,3 +29,10 @@ def local_runtime_runner_check(app_configs: Any, **kwargs: Any) -> list[CheckMes
             id="preemption.E001",
         )
     ]
+
+
+@register()
+def runtime_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """A runtime that would lose checkpoints is an error in production, a warning otherwise."""
+    kind = Error if settings.PRODUCTION else Warning
+    return [kind(problem, id="preemption.E002") for problem in runtime_problems()]

@@ -36,6 +36,7 @@ from django.utils import timezone
 from gracetrap_protocol import EVENT_NAMES
 
 from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, TrapEvent
+from preemption.runtime import checkpoint_is_durable
 
 MAX_EVENT_BYTES = 8192
 # Steps are stored in 32-bit columns and resume_step is the step after the last
@@ -227,14 +228,19 @@ def _apply(job: Job, attempt: Attempt, stored: TrapEvent) -> None:
             attempt=attempt, index=stored.rank, signal_received_at__isnull=True
         ).update(signal_received_at=at)
     elif stored.event == "checkpoint_committed" and stored.step is not None:
+        # The folder the trap saves this step to; what the client names is
+        # never recorded as a checkpoint's path.
+        path = f"{job.checkpoint_dir}/step_{stored.step}" if job.checkpoint_dir else ""
+        if not checkpoint_is_durable(path):
+            # Written where the next attempt cannot find it (a pod's own
+            # filesystem): kept as a trap event, never offered for resume.
+            return
         Checkpoint.objects.get_or_create(
             job=job,
             attempt=attempt,
             step=stored.step,
             defaults={
-                # The folder the trap saves this step to; what the client
-                # names is never recorded as a checkpoint's path.
-                "path": f"{job.checkpoint_dir}/step_{stored.step}" if job.checkpoint_dir else "",
+                "path": path,
                 "bytes": int(payload.get("bytes") or 0),
                 "seconds": float(payload.get("seconds") or 0.0),
                 "committed_at": at,

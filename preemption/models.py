@@ -205,6 +205,26 @@ class Rank(models.Model):
         return f"{self.attempt} rank {self.index}"
 
 
+class RankLogTail(models.Model):
+    """The end of one rank's log, saved when its attempt ended, for runtimes
+    whose logs go away with the pods (Kubernetes). ``first_byte`` is where
+    ``content`` starts in the whole log: earlier output was not kept."""
+
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="log_tails")
+    rank = models.PositiveIntegerField()
+    first_byte = models.BigIntegerField(default=0)
+    content = models.BinaryField()
+    saved_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["attempt", "rank"], name="rank_log_tail_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"log tail of {self.attempt} rank {self.rank}"
+
+
 class StopQuerySet(models.QuerySet["PreemptionEvent"]):
     """Graceful stops split into preemptions and cancels.
 
@@ -242,6 +262,7 @@ class PreemptionEvent(models.Model):
         GRACEFUL = "graceful", "Graceful"
         KILLED = "killed", "Killed at the deadline"
         CHECKPOINT_SKIPPED = "checkpoint-skipped", "Checkpoint skipped"
+        FORCED = "forced-past-budget", "Forced past a disruption budget"
 
     victim_attempt = models.OneToOneField(
         Attempt, on_delete=models.CASCADE, related_name="preemption"

@@ -51,6 +51,7 @@ from django.utils import timezone
 
 from preemption.event_tokens import attempt_events_token
 from preemption.ingest import ingest_trap_event
+from preemption.logs import save_log_tails
 from preemption.models import (
     ACTIVE_STATES,
     Attempt,
@@ -64,6 +65,7 @@ from preemption.models import (
 from preemption.runtime import get_runtime
 from preemption.runtimes import iter_trap_events, read_whole_log
 from preemption.runtimes.base import (
+    STUCK_REASONS,
     GangId,
     GangSpec,
     RankObservation,
@@ -161,6 +163,9 @@ class Step:
     # since ranks receive it while the call runs and the record must not say it
     # was sent after they received it.
     called_at: datetime | None = None
+    # A kill whose gang's evictions a disruption budget still refused: the
+    # preemption's outcome says it was forced past the budget.
+    forced: bool = False
 
     @property
     def gang(self) -> GangId:
@@ -360,6 +365,17 @@ def _decide(
             state=JobState.RUNNING, running_at=now
         )
 
+    if event is None and alive:
+        stuck = _stuck_at_start(attempt, observations, now)
+        if stuck:
+            event = request_stop(job=job, reason="gang-guard", cause=stuck, grace_seconds=0)
+            if event is not None:
+                notify(
+                    job_id=job.pk,
+                    event="preempted",
+                    payload={"reason": "gang-guard", "cause": event.cause},
+                )
+
     if event is None:
         broken = [
             r
@@ -384,6 +400,15 @@ def _decide(
 
     if event is not None and alive:
         if event.signal_sent_at is None:
+            if (
+                now >= event.deadline
+                and attempt.action == Attempt.Action.SIGNAL
+                and attempt.action_tries > 0
+            ):
+                # The signal has not got through by the deadline (a
+                # PodDisruptionBudget refusing the evictions): the deadline wins,
+                # as it does for a rank that ignores SIGTERM.
+                return _intend(Step(Attempt.Action.KILL, attempt, event, alive=alive))
             return _intend(Step(Attempt.Action.SIGNAL, attempt, event, alive=alive))
         if now >= event.deadline:
             return _intend(Step(Attempt.Action.KILL, attempt, event, alive=alive))
@@ -471,6 +496,8 @@ def _call(step: Step, runtime: Runtime) -> Exception | None:
             remaining = max(0.0, (step.event.deadline - timezone.now()).total_seconds())
             runtime.signal(step.gang, remaining)
         elif step.action == Attempt.Action.KILL:
+            if step.event is not None and step.event.signal_sent_at is None:
+                step.forced = _eviction_refused(runtime, step.gang)
             runtime.kill(step.gang)
         elif step.action == Attempt.Action.FORGET:
             runtime.forget(step.gang)
@@ -542,8 +569,11 @@ def _record_outcome(step: Step, claim: datetime, error: Exception | None) -> Non
             _signal_sent(step, step.called_at or now)
         elif step.action == Attempt.Action.KILL:
             assert step.event is not None
+            killed: dict[str, Any] = {"killed_at": now}
+            if step.forced:
+                killed["outcome"] = PreemptionEvent.Outcome.FORCED
             PreemptionEvent.objects.filter(pk=step.event.pk, killed_at__isnull=True).update(
-                killed_at=now
+                **killed
             )
 
 
@@ -592,6 +622,42 @@ def _forget_finished(job_ids: list[int] | None, runtime: Runtime) -> None:
     steps = [Step(Attempt.Action.FORGET, attempt) for attempt in attempts[:100]]
     if steps:
         act(steps, runtime)
+
+
+def _stuck_at_start(attempt: Attempt, observations: list[RankObservation], now: datetime) -> str:
+    """Why the attempt must fail: a rank waiting on something that will not come
+    (an image it cannot pull, a node that cannot take it) past the start timeout."""
+    if attempt.launched_at is None:
+        return ""
+    waited = (now - attempt.launched_at).total_seconds()
+    if waited < settings.QM_START_TIMEOUT_SECONDS:
+        return ""
+    for obs in sorted(observations, key=lambda o: o.rank):
+        if obs.phase == "starting" and obs.waiting_reason in STUCK_REASONS:
+            return (
+                f"rank {obs.rank} could not start: {obs.waiting_reason} for over "
+                f"{settings.QM_START_TIMEOUT_SECONDS:g} s"
+            )
+    return ""
+
+
+def _eviction_refused(runtime: Runtime, gang: GangId) -> bool:
+    """Whether a disruption budget still refuses the gang's evictions at its
+    deadline. The signal may have been tried by another worker process, whose
+    runtime alone remembers the refusal, so a runtime that can be refused and
+    remembers nothing is asked once more, with no grace left."""
+    blocked = getattr(runtime, "eviction_blocked", None)
+    if blocked is None:
+        return False
+    if blocked(gang):
+        return True
+    try:
+        runtime.signal(gang, 0.0)
+    except RuntimeTemporaryError:
+        return bool(blocked(gang))
+    except RuntimePermanentError:
+        return False
+    return False
 
 
 def _record_observations(ranks: dict[int, Rank], observations: list[RankObservation]) -> None:
@@ -687,7 +753,7 @@ def _finish(steps: list[Step], runtime: Runtime) -> None:
         read = _guarded(step.attempt, functools.partial(_read_ends, step, runtime))
         if read is not None:
             closing.append((step, *read))
-    closed: list[Step] = []
+    closed: list[tuple[Step, list[Rank]]] = []
     with transaction.atomic():
         for step, ranks, orphaned in closing:
             attempt = step.attempt
@@ -696,8 +762,12 @@ def _finish(steps: list[Step], runtime: Runtime) -> None:
             )
             if _guarded(attempt, close, savepoint=True):
                 attempt.action, attempt.action_tries = Attempt.Action.FORGET, 0
-                closed.append(Step(Attempt.Action.FORGET, attempt))
-    _carry_out(closed, runtime)
+                closed.append((Step(Attempt.Action.FORGET, attempt), ranks))
+    # Runtimes whose logs go away with the gang (Kubernetes) keep each rank's
+    # last lines first: log reads are runtime calls, so no transaction is open.
+    for step, ranks in closed:
+        _guarded(step.attempt, functools.partial(save_log_tails, step.attempt, ranks, runtime))
+    _carry_out([step for step, _ in closed], runtime)
 
 
 def _read_ends(step: Step, runtime: Runtime) -> tuple[list[Rank], list[int]]:
@@ -848,7 +918,9 @@ def _close_event(
     skipped = TrapEvent.objects.filter(
         job=job, attempt=attempt.number, event="checkpoint_skipped"
     ).exists()
-    if event.killed_at is not None:
+    if event.outcome == PreemptionEvent.Outcome.FORCED:
+        outcome = PreemptionEvent.Outcome.FORCED
+    elif event.killed_at is not None:
         outcome = PreemptionEvent.Outcome.KILLED
     elif skipped:
         outcome = PreemptionEvent.Outcome.CHECKPOINT_SKIPPED

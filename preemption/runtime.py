@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
+from celery import current_app
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from preemption.k8s_sync import priority_classes_sync
 from preemption.runtimes import parse_inventory
 from preemption.runtimes.base import NodeInventory, Runtime
-from preemption.runtimes.kubernetes import KubernetesRuntime, KubernetesRuntimeConfig
+from preemption.runtimes.kubernetes import (
+    NO_CHECKPOINT_VOLUME,
+    KubernetesRuntime,
+    KubernetesRuntimeConfig,
+    on_checkpoint_volume,
+)
 from preemption.runtimes.local import LocalRuntime
 from preemption.runtimes.runner import RunnerAccount, RunnerLookup, find_runner
 from quotas.models import Node
+
+SYNC_PRIORITY_CLASSES_TASK = "preemption.tasks.sync_priority_classes"
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +77,68 @@ def use_runtime(runtime: Runtime | None) -> None:
     _override = runtime
 
 
+def kubernetes_config() -> KubernetesRuntimeConfig:
+    """The Kubernetes runtime's settings; in production a checkpoint volume is required."""
+    return KubernetesRuntimeConfig(
+        namespace=settings.QM_K8S_NAMESPACE,
+        namespace_per_team=settings.QM_K8S_NAMESPACE_PER_TEAM,
+        checkpoint_claim=settings.QM_K8S_CHECKPOINT_CLAIM or None,
+        checkpoint_mount_path=settings.QM_K8S_CHECKPOINT_MOUNT_PATH,
+        require_checkpoint_claim=settings.PRODUCTION,
+        run_as_user=settings.QM_K8S_RUN_AS_USER,
+        cpu_per_gpu=settings.QM_K8S_CPU_PER_GPU,
+        memory_per_gpu=settings.QM_K8S_MEMORY_PER_GPU,
+        default_cpu_per_gpu=settings.QM_K8S_DEFAULT_CPU_PER_GPU,
+        default_memory_per_gpu=settings.QM_K8S_DEFAULT_MEMORY_PER_GPU,
+        image_allowlist=settings.QM_K8S_IMAGE_ALLOWLIST,
+        events_cidrs=tuple(settings.QM_K8S_EVENTS_CIDRS),
+        events_port=settings.QM_K8S_EVENTS_PORT,
+        log_scan_bytes=settings.QM_K8S_LOG_SCAN_BYTES,
+        watch_pods=settings.QM_K8S_WATCH_PODS,
+    )
+
+
+def runtime_problems() -> list[str]:
+    """Why the configured runtime cannot run jobs safely; empty when it can.
+
+    Shown on the health check and by ``manage.py check``, so a deployment
+    that would lose every checkpoint says so before the first job.
+    """
+    if settings.QM_RUNTIME == "kubernetes" and not settings.QM_K8S_CHECKPOINT_CLAIM:
+        severity = "refusing to start" if settings.PRODUCTION else "development only"
+        return [f"Kubernetes runtime {severity}: {NO_CHECKPOINT_VOLUME}"]
+    return []
+
+
+def checkpoint_dir_for(job_id: int) -> str:
+    """Where a job's ranks write checkpoints, as the ranks see it.
+
+    On Kubernetes that is the checkpoint volume's mount path; locally, the
+    shared checkpoints folder.
+    """
+    if settings.QM_RUNTIME == "kubernetes":
+        return f"{settings.QM_K8S_CHECKPOINT_MOUNT_PATH.rstrip('/')}/job-{job_id}"
+    return str(Path(settings.QM_CHECKPOINTS_DIR) / f"job-{job_id}")
+
+
+def checkpoint_is_durable(path: str) -> bool:
+    """Whether a committed checkpoint at ``path`` can be offered for resume.
+
+    A runtime that can tell (Kubernetes: the path lies on the checkpoint
+    volume) decides; a runtime whose ranks share the host's disk always can.
+    Decided from settings, without building a runtime, since the web process
+    ingests events.
+    """
+    if _override is not None:
+        check = getattr(_override, "checkpoint_is_durable", None)
+        return True if check is None else bool(check(path))
+    if settings.QM_RUNTIME == "kubernetes":
+        return on_checkpoint_volume(
+            path, settings.QM_K8S_CHECKPOINT_CLAIM, settings.QM_K8S_CHECKPOINT_MOUNT_PATH
+        )
+    return True
+
+
 def get_runtime() -> Runtime:
     if _override is not None:
         return _override
@@ -83,18 +153,15 @@ def _kubernetes_runtime() -> Runtime:
     global _kubernetes
     if _kubernetes is None:
         _kubernetes = KubernetesRuntime.from_kubeconfig(
-            settings.QM_K8S_KUBECONFIG or None,
-            KubernetesRuntimeConfig(
-                namespace=settings.QM_K8S_NAMESPACE,
-                namespace_per_team=settings.QM_K8S_NAMESPACE_PER_TEAM,
-            ),
+            settings.QM_K8S_KUBECONFIG or None, kubernetes_config()
         )
         # Pods name their priority class: make sure the classes exist before
-        # the first launch rather than waiting for the periodic sync.
+        # the first launch rather than waiting for the periodic sync. Queued,
+        # not called: only the worker may write PriorityClasses (deploy/rbac.yaml),
+        # and the web process builds a runtime too, to read logs. The task is an
+        # interface module (portal.tasks) above this domain, so it is sent by name.
         try:
-            priority_classes_sync(api_client=_kubernetes.api_client)  # type: ignore[attr-defined]
+            current_app.send_task(SYNC_PRIORITY_CLASSES_TASK, retry=False, expires=60)
         except Exception:
-            import logging
-
-            logging.getLogger(__name__).warning("first PriorityClass sync failed", exc_info=True)
+            logger.warning("could not queue the first PriorityClass sync", exc_info=True)
     return _kubernetes

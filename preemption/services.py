@@ -3,8 +3,6 @@ reconcilers, which act for the system, live in cycle.py and reconcile.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
@@ -14,6 +12,7 @@ from django.utils import timezone
 from preemption import job_rules
 from preemption.models import FINAL_STATES, WAITING_STATES, Job, JobState
 from preemption.reconcile import request_stop
+from preemption.runtime import checkpoint_dir_for
 from preemption.wakeup import queue_cycle
 from preemption.webhooks import notify
 from quotas.models import Node, PriorityClass, ResourceFlavor, Team
@@ -115,7 +114,7 @@ def job_submit(
             retries=retries,
             waiting_reason="waiting for the next scheduling cycle",
         )
-        job.checkpoint_dir = str(Path(settings.QM_CHECKPOINTS_DIR) / f"job-{job.pk}")
+        job.checkpoint_dir = checkpoint_dir_for(job.pk)
         job.save(update_fields=["checkpoint_dir"])
         queue_cycle()
     return job

@@ -164,7 +164,16 @@ def build_timeline(
         steps.append(
             TimelineStep(_moment(skipped[0].at), "Checkpoint skipped", str(reason), "warn")
         )
-    if event.killed_at:
+    if event.killed_at and event.outcome == "forced-past-budget":
+        steps.append(
+            TimelineStep(
+                event.killed_at,
+                "Deadline passed: forced past a disruption budget",
+                "a PodDisruptionBudget still refused the eviction, so every rank was deleted",
+                "bad",
+            )
+        )
+    elif event.killed_at:
         steps.append(
             TimelineStep(event.killed_at, "Deadline passed: remaining ranks killed", "", "bad")
         )
@@ -177,7 +186,11 @@ def build_timeline(
         else:
             if event.outcome:
                 detail += f"; outcome {event.get_outcome_display().lower()}"
-            kind = "good" if codes == [0] and event.outcome != "killed" else "bad"
+            kind = (
+                "good"
+                if codes == [0] and event.outcome not in ("killed", "forced-past-budget")
+                else "bad"
+            )
         steps.append(
             TimelineStep(event.all_exited_at or max(exits), "Every rank exited", detail, kind)
         )

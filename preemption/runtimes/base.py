@@ -68,7 +68,9 @@ class RankObservation:
 
     `phase` is one of "starting", "running", "terminating", "exited" or "lost" (the rank
     is gone and nothing recorded how it ended). `handle` is the pid (local) or the pod
-    name (kubernetes). Times are Unix times from time.time().
+    name (kubernetes). Times are Unix times from time.time(). `waiting_reason` says why
+    a starting rank is not running yet when the runtime knows (Kubernetes:
+    "ImagePullBackOff", "Unschedulable", ...).
     """
 
     job_id: int
@@ -81,6 +83,21 @@ class RankObservation:
     started_at: float | None
     exited_at: float | None
     signal_sent_at: float | None
+    waiting_reason: str = ""
+
+
+# Reasons a starting rank may wait for ever (Kubernetes' names): past the start
+# timeout the attempt fails with them instead of holding its GPUs.
+STUCK_REASONS = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "Unschedulable",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)

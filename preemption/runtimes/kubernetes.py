@@ -7,13 +7,19 @@ Objects of one gang (job id, attempt), all in one namespace:
   what must survive a restart of the worker: when the gang was launched and
   when it was signalled or killed;
 * a Secret ``qm-<job>-<attempt>-events`` holding ``QM_EVENTS_TOKEN``;
+* a NetworkPolicy ``qm-<job>-<attempt>`` letting the gang's ranks reach each
+  other; the namespace's default-deny policy (``network_policy``) shuts out
+  everything else but DNS and the portal's events URL;
 * a headless Service ``qm-<job>-<attempt>`` (``publishNotReadyAddresses``), so
   rank 0 resolves as ``rank-0.qm-<job>-<attempt>.<namespace>.svc.<domain>``
   before it is ready: that is ``MASTER_ADDR``;
 * a Pod per rank ``qm-<job>-<attempt>-r<rank>``: restartPolicy Never, the
   gang's PriorityClass, terminationGracePeriodSeconds from the class's grace,
   a required node affinity to the node the engine placed it on, and the
-  finalizer ``quartermaster.dev/exit-code``. The finalizer keeps a deleted
+  finalizer ``quartermaster.dev/exit-code``. Pods meet the "restricted" Pod
+  Security Standard (non-root, no privilege escalation, no capabilities,
+  seccomp RuntimeDefault, no service-account token), request and limit CPU
+  and memory by flavor, and mount the checkpoint volume at its mount path. The finalizer keeps a deleted
   pod's object (with its final container status) until ``forget()``, so an
   exit code is never lost between the kubelet reporting it and a worker
   reading it, even across a worker restart. kube-scheduler stops counting a
@@ -22,7 +28,9 @@ Objects of one gang (job id, attempt), all in one namespace:
 Signalling is the ``policy/v1`` Eviction API for every rank concurrently with
 ``deleteOptions.gracePeriodSeconds``; a 429 (a PodDisruptionBudget says no) is
 retried with backoff, and a gang still blocked raises RuntimeTemporaryError
-and shows in ``eviction_blocked()``. Killing deletes every pod with grace 0.
+and shows in ``eviction_blocked()``; the reconciler retries each cycle and,
+once the grace deadline has passed, kills the gang (the preemption is then
+"forced past a disruption budget"). Killing deletes every pod with grace 0.
 
 This module imports nothing from Django: the portal hands it plain values.
 """
@@ -30,8 +38,11 @@ This module imports nothing from Django: the portal hands it plain values.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
+import posixpath
+import re
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -68,6 +79,7 @@ SIGNALLED_ANNOTATION = "quartermaster.dev/signalled-at"
 GRACE_ANNOTATION = "quartermaster.dev/grace-seconds"
 KILLED_ANNOTATION = "quartermaster.dev/killed-at"
 GPU_RESOURCE = "nvidia.com/gpu"
+LOG_CHUNK_BYTES = 64 * 1024
 EVENTS_TOKEN_KEY = "QM_EVENTS_TOKEN"
 CONTAINER_NAME = "rank"
 
@@ -99,7 +111,20 @@ class KubernetesRuntimeConfig:
     ``namespace`` holds every gang unless ``namespace_per_team`` is set, in which
     case team ``t`` runs in ``<team_namespace_prefix><t>`` (created on demand).
     ``pod_annotations`` are copied onto every rank pod. ``checkpoint_claim``
-    mounts that PersistentVolumeClaim at ``checkpoint_mount_path`` in every rank.
+    mounts that PersistentVolumeClaim (ReadWriteMany, one of that name in each
+    namespace gangs run in) at ``checkpoint_mount_path`` in every rank; with
+    ``require_checkpoint_claim`` (production) the runtime refuses to start
+    without one, since checkpoints in a container's own filesystem vanish
+    with its pod. Ranks run as ``run_as_user`` under the "restricted" Pod
+    Security Standard, with ``cpu_per_gpu``/``memory_per_gpu`` (by flavor,
+    else the defaults) times the rank's GPUs as requests and limits.
+    ``image_allowlist`` maps a team to the image prefixes it may run; a team
+    not named may run any image. ``events_cidrs``/``events_port`` are where
+    the portal's events URL is reached: the only egress the jobs namespace's
+    NetworkPolicy allows besides the gang itself and DNS.
+    With ``watch_pods`` observe() reads gang pods from a cache a watch keeps
+    (one listing, then changes, listed again on 410 Gone) instead of listing
+    them on every call.
     A 429 from the Eviction API is retried for ``eviction_retry_seconds`` before
     the call gives up with RuntimeTemporaryError.
     """
@@ -115,8 +140,19 @@ class KubernetesRuntimeConfig:
     pod_annotations: Mapping[str, str] = field(default_factory=dict)
     checkpoint_claim: str | None = None
     checkpoint_mount_path: str = "/checkpoints"
+    require_checkpoint_claim: bool = False
+    run_as_user: int = 1000
+    cpu_per_gpu: Mapping[str, str] = field(default_factory=dict)
+    memory_per_gpu: Mapping[str, str] = field(default_factory=dict)
+    default_cpu_per_gpu: str = "4"
+    default_memory_per_gpu: str = "16Gi"
+    image_allowlist: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    events_cidrs: tuple[str, ...] = ()
+    events_port: int = 443
     eviction_retry_seconds: float = 2.0
     api_workers: int = 32
+    log_scan_bytes: int = 64 << 20
+    watch_pods: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +197,46 @@ def pod_name(gang: GangId, rank: int) -> str:
     return f"{gang_name(gang)}-r{rank}"
 
 
+NO_CHECKPOINT_VOLUME = (
+    "no checkpoint volume is configured (QM_K8S_CHECKPOINT_CLAIM): ranks would write "
+    "checkpoints into their pods' own filesystems, which vanish with the pods, so no "
+    "preempted job could resume; create a ReadWriteMany PersistentVolumeClaim "
+    "(deploy/checkpoints.yaml) and name it in QM_K8S_CHECKPOINT_CLAIM"
+)
+DNS_LABEL_MAX = 63
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def team_namespace(prefix: str, team: str) -> str:
+    """The namespace of a team's gangs: a valid DNS-1123 label, distinct per slug.
+
+    A slug that already makes a valid label with the prefix is used as it is.
+    Any other (upper case, ``_``, too long) is lowered, its other characters
+    become ``-``, and a hash of the exact slug is appended, so ``Team_A`` and
+    ``team_a`` land in different namespaces and neither takes ``team-a``'s.
+    """
+    plain = f"{prefix}{team}"
+    if team and len(plain) <= DNS_LABEL_MAX and _DNS_LABEL.match(plain):
+        return plain
+    digest = hashlib.sha256(team.encode()).hexdigest()[:8]
+    cleaned = re.sub(r"[^a-z0-9]+", "-", f"{prefix}{team}".lower()).strip("-")
+    room = DNS_LABEL_MAX - len(digest) - 1
+    cleaned = cleaned[:room].rstrip("-") or "qm"
+    return f"{cleaned}-{digest}"
+
+
+def on_checkpoint_volume(path: str, claim: str | None, mount_path: str) -> bool:
+    """Whether ``path`` lies on the checkpoint volume ``claim`` mounted at ``mount_path``.
+
+    Only such a path survives the pod and is visible from the node the next
+    attempt lands on. ``..`` is resolved first, so it cannot climb out.
+    """
+    if not claim or not posixpath.isabs(path):
+        return False
+    mount = posixpath.normpath(mount_path).rstrip("/")
+    return posixpath.normpath(path).startswith(mount + "/")
+
+
 def _parse_time(value: Any) -> float | None:
     if value is None:
         return None
@@ -197,6 +273,8 @@ class KubernetesRuntime:
         self, api_client: client.ApiClient, settings: KubernetesRuntimeConfig | None = None
     ) -> None:
         self.settings = settings or KubernetesRuntimeConfig()
+        if self.settings.require_checkpoint_claim and not self.settings.checkpoint_claim:
+            raise RuntimePermanentError(NO_CHECKPOINT_VOLUME)
         self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
         self._pool = ThreadPoolExecutor(
@@ -208,6 +286,12 @@ class KubernetesRuntime:
         self._signalled: dict[GangId, float] = {}
         self._blocked: dict[GangId, dict[int, str]] = {}
         self.relists = 0
+        # The pod watch (watch_pods): a cache of every gang pod, kept by one
+        # thread, so a reconcile cycle lists gang records and nodes but no pods.
+        self._pod_cache: dict[str, Any] = {}
+        self._pod_cache_ready = threading.Event()
+        self._pod_watch: threading.Thread | None = None
+        self._closing = threading.Event()
         # (job, attempt, rank) of pods carrying a DisruptionTarget condition at
         # the latest observe(): something other than the rank itself ended it.
         self._disrupted: set[tuple[int, int, int]] = set()
@@ -232,6 +316,7 @@ class KubernetesRuntime:
 
     def close(self) -> None:
         """Release the worker threads and connections."""
+        self._closing.set()
         self._pool.shutdown(wait=True)
         self.api_client.close()
 
@@ -239,8 +324,14 @@ class KubernetesRuntime:
     def namespace_for(self, team: str) -> str:
         """The namespace a team's gangs run in."""
         if self.settings.namespace_per_team and team:
-            return f"{self.settings.team_namespace_prefix}{team}".lower()
+            return team_namespace(self.settings.team_namespace_prefix, team)
         return self.settings.namespace
+
+    def checkpoint_is_durable(self, path: str) -> bool:
+        """Whether a checkpoint at ``path`` (as a rank sees it) is on the shared volume."""
+        return on_checkpoint_volume(
+            path, self.settings.checkpoint_claim, self.settings.checkpoint_mount_path
+        )
 
     def _labels(self, gang: GangId) -> dict[str, str]:
         return {
@@ -263,9 +354,11 @@ class KubernetesRuntime:
         short half-way is completed by the next call.
         """
         gang = spec.gang
+        self._check_image(spec)
         namespace = self.namespace_for(spec.team)
         if self.settings.namespace_per_team and spec.team:
             self._ensure_namespace(namespace)
+            self.ensure_network_policy(namespace)
         name = gang_name(gang)
         owner = self._ensure_gang_record(spec, namespace)
         with self._lock:
@@ -317,6 +410,11 @@ class KubernetesRuntime:
                 },
             },
         )
+        self._create_ignoring_conflict(
+            client.NetworkingV1Api(self.api_client).create_namespaced_network_policy,
+            namespace,
+            gang_network_policy(gang, owner_references),
+        )
         existing = {
             pod.metadata.name
             for pod in self.core.list_namespaced_pod(
@@ -347,14 +445,33 @@ class KubernetesRuntime:
             {"metadata": {"annotations": {LAUNCHED_ANNOTATION: f"{time.time():.6f}"}}},
         )
 
+    def _check_image(self, spec: GangSpec) -> None:
+        allowed = self.settings.image_allowlist.get(spec.team)
+        image = spec.image or self.settings.default_image
+        if allowed is not None and not any(image.startswith(prefix) for prefix in allowed):
+            raise RuntimePermanentError(
+                f"image {image} is not allowed for team {spec.team}: "
+                f"allowed are {', '.join(allowed) or 'none'}"
+            )
+
     def _ensure_namespace(self, namespace: str) -> None:
         try:
             self.core.create_namespace(
-                {"metadata": {"name": namespace, "labels": {MANAGED_BY_LABEL: MANAGED_BY}}}
+                {"metadata": {"name": namespace, "labels": namespace_labels()}}
             )
         except ApiException as error:
             if error.status != 409:
                 raise self._translate(error, f"create namespace {namespace}") from error
+
+    def ensure_network_policy(self, namespace: str) -> None:
+        """Create the jobs namespace's default-deny NetworkPolicy if it is missing."""
+        networking = client.NetworkingV1Api(self.api_client)
+        body = network_policy(self.settings)
+        try:
+            networking.create_namespaced_network_policy(namespace, body)
+        except ApiException as error:
+            if error.status != 409:
+                raise self._translate(error, f"create network policy in {namespace}") from error
 
     def _ensure_gang_record(self, spec: GangSpec, namespace: str) -> Any:
         gang = spec.gang
@@ -413,18 +530,33 @@ class KubernetesRuntime:
         labels = self._labels(gang) | {RANK_LABEL: str(rank), NODE_LABEL: placement.node}
         if spec.team:
             labels[TEAM_LABEL] = spec.team
+        resources = self.rank_resources(spec)
         container: dict[str, Any] = {
             "name": CONTAINER_NAME,
             "image": spec.image or self.settings.default_image,
             "command": ["/bin/sh", "-c", RANK_ENTRYPOINT, "qm-rank", spec.command],
             "env": env,
-            "resources": {
-                "limits": {GPU_RESOURCE: str(spec.gpus_per_rank)},
-                "requests": {GPU_RESOURCE: str(spec.gpus_per_rank)},
+            "resources": {"limits": resources, "requests": resources},
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "capabilities": {"drop": ["ALL"]},
+                "runAsNonRoot": True,
+                "seccompProfile": {"type": "RuntimeDefault"},
             },
         }
         pod_spec: dict[str, Any] = {
             "restartPolicy": "Never",
+            # The Pod Security Standard "restricted": no root, no escalation, no
+            # capabilities, the runtime's seccomp profile; and no API token, since
+            # a rank has no business with the API server.
+            "automountServiceAccountToken": False,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": self.settings.run_as_user,
+                "runAsGroup": self.settings.run_as_user,
+                "fsGroup": self.settings.run_as_user,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
             "priorityClassName": spec.priority_class,
             "terminationGracePeriodSeconds": max(0, math.ceil(spec.grace_seconds)),
             "hostname": f"rank-{rank}",
@@ -471,6 +603,17 @@ class KubernetesRuntime:
                 "finalizers": [EXIT_CODE_FINALIZER],
             },
             "spec": pod_spec,
+        }
+
+    def rank_resources(self, spec: GangSpec) -> dict[str, str]:
+        """One rank's requests and limits: its GPUs and the flavor's CPU and memory per GPU."""
+        gpus = spec.gpus_per_rank
+        cpu = self.settings.cpu_per_gpu.get(spec.flavor, self.settings.default_cpu_per_gpu)
+        memory = self.settings.memory_per_gpu.get(spec.flavor, self.settings.default_memory_per_gpu)
+        return {
+            GPU_RESOURCE: str(gpus),
+            "cpu": _scaled(cpu, gpus),
+            "memory": _scaled(memory, gpus),
         }
 
     def _create_ignoring_conflict(
@@ -668,13 +811,11 @@ class KubernetesRuntime:
                 records = self.core.list_config_map_for_all_namespaces(
                     label_selector=selector
                 ).items
-                pods = self.core.list_pod_for_all_namespaces(label_selector=selector).items
             else:
-                namespace = self.settings.namespace
                 records = self.core.list_namespaced_config_map(
-                    namespace, label_selector=selector
+                    self.settings.namespace, label_selector=selector
                 ).items
-                pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
+            pods = self._pods_for(records, gang)
             ready_nodes = self._ready_nodes()
         except ApiException as error:
             raise self._translate(error, "observe") from error
@@ -734,6 +875,110 @@ class KubernetesRuntime:
                     observations.append(rank_observation(pod, signalled_at, ready_nodes))
         observations.sort(key=lambda o: (o.job_id, o.attempt, o.rank))
         return observations
+
+    def _list_pods(self, selector: str) -> list[Any]:
+        if self.settings.namespace_per_team:
+            return list(self.core.list_pod_for_all_namespaces(label_selector=selector).items)
+        return list(
+            self.core.list_namespaced_pod(self.settings.namespace, label_selector=selector).items
+        )
+
+    def _pods_for(self, records: list[Any], gang: GangId | None) -> list[Any]:
+        """The gangs' pods: from the watch cache when it is in sync, else a listing.
+
+        The cache may lag the records just listed: a launched gang whose pods
+        are not all in it yet is listed afresh, so a lag never reads as lost
+        ranks.
+        """
+        if not self.settings.watch_pods:
+            return self._list_pods(self._selector(gang))
+        self._start_pod_watch()
+        if not self._pod_cache_ready.is_set():
+            return self._list_pods(self._selector(gang))
+        with self._lock:
+            cached = [
+                pod
+                for pod in self._pod_cache.values()
+                if gang is None or (pod.metadata.labels or {}).get(GANG_LABEL) == gang_name(gang)
+            ]
+        present: dict[str, int] = {}
+        for pod in cached:
+            name = (pod.metadata.labels or {}).get(GANG_LABEL, "")
+            present[name] = present.get(name, 0) + 1
+        pods = cached
+        for record in records:
+            annotations = record.metadata.annotations or {}
+            world_size = int((record.data or {}).get("world_size", "0"))
+            name = record.metadata.name
+            if LAUNCHED_ANNOTATION in annotations and present.get(name, 0) < world_size:
+                fresh = self._list_pods(f"{MANAGED_BY_LABEL}={MANAGED_BY},{GANG_LABEL}={name}")
+                pods = [p for p in pods if p.metadata.labels.get(GANG_LABEL) != name] + fresh
+        return pods
+
+    def pod_watch_in_sync(self) -> bool:
+        """Whether observe() reads pods from the watch cache right now."""
+        return self._pod_cache_ready.is_set()
+
+    def _start_pod_watch(self) -> None:
+        with self._lock:
+            if self._pod_watch is not None:
+                return
+            self._pod_watch = threading.Thread(
+                target=self._pod_watch_loop, name="qm-k8s-pod-watch", daemon=True
+            )
+        self._pod_watch.start()
+
+    def _pod_watch_loop(self) -> None:
+        """Keep ``_pod_cache`` in line with the cluster: list, then watch from
+        the listing's version; list again on 410 Gone or any error."""
+        selector = f"{MANAGED_BY_LABEL}={MANAGED_BY},{GANG_LABEL}"
+        namespace = None if self.settings.namespace_per_team else self.settings.namespace
+        method: Callable[..., Any]
+        kwargs: dict[str, Any] = {"label_selector": selector}
+        if namespace is None:
+            method = self.core.list_pod_for_all_namespaces
+        else:
+            method = self.core.list_namespaced_pod
+            kwargs["namespace"] = namespace
+        version: str | None = None
+        while not self._closing.is_set():
+            try:
+                if version is None:
+                    self._pod_cache_ready.clear()
+                    listing = method(**kwargs)
+                    with self._lock:
+                        self.relists += 1
+                        self._pod_cache = {_pod_key(p): p for p in listing.items}
+                    version = listing.metadata.resource_version
+                    self._pod_cache_ready.set()
+                for event in watch.Watch().stream(
+                    method,
+                    resource_version=version,
+                    timeout_seconds=30,
+                    allow_watch_bookmarks=True,
+                    **kwargs,
+                ):
+                    obj = event["object"]
+                    if event["type"] == "ERROR":
+                        version = None
+                        break
+                    if event["type"] == "BOOKMARK":
+                        version = obj["metadata"]["resourceVersion"]
+                        continue
+                    version = obj.metadata.resource_version
+                    with self._lock:
+                        if event["type"] == "DELETED":
+                            self._pod_cache.pop(_pod_key(obj), None)
+                        else:
+                            self._pod_cache[_pod_key(obj)] = obj
+                    if self._closing.is_set():
+                        return
+            except Exception:
+                # 410 Gone or a broken connection: start over from a listing,
+                # and meanwhile let observe() list for itself.
+                version = None
+                self._pod_cache_ready.clear()
+                self._closing.wait(0.5)
 
     def _ready_nodes(self) -> set[str]:
         ready = set()
@@ -859,24 +1104,71 @@ class KubernetesRuntime:
         return sorted(inventory, key=lambda n: n.name)
 
     def read_log(self, gang: GangId, rank: int, offset: int = 0, limit: int = 1 << 20) -> bytes:
-        """A slice of one rank's container log, through the API server."""
+        """A slice of one rank's container log, through the API server.
+
+        The pod log API has no offset, so the log is streamed and the bytes
+        before ``offset`` are dropped as they arrive: memory holds one chunk
+        and the slice, never the log. An offset past ``log_scan_bytes`` is
+        refused, so no request makes a process stream a huge log.
+        """
+        if offset < 0 or limit < 0:
+            raise RuntimePermanentError(f"bad log range: offset {offset}, limit {limit}")
+        if offset + limit > self.settings.log_scan_bytes:
+            raise RuntimePermanentError(
+                f"a live log is read up to byte {self.settings.log_scan_bytes} only; "
+                "the end of every rank's log is kept when its attempt ends"
+            )
+        kept = bytearray()
+        for position, chunk in self._stream_log(gang, rank, offset + limit):
+            start = max(0, offset - position)
+            if start < len(chunk):
+                kept += chunk[start : start + limit - len(kept)]
+        return bytes(kept)
+
+    def read_log_tail(self, gang: GangId, rank: int, max_bytes: int) -> tuple[bytes, int]:
+        """The last ``max_bytes`` of a rank's log and the offset they start at.
+
+        Streams the whole log once, keeping at most about twice ``max_bytes``.
+        """
+        tail = bytearray()
+        total = 0
+        for _, chunk in self._stream_log(gang, rank, None):
+            total += len(chunk)
+            tail += chunk
+            if len(tail) > 2 * max_bytes:
+                del tail[: len(tail) - max_bytes]
+        kept = bytes(tail[-max_bytes:]) if max_bytes else b""
+        return kept, total - len(kept)
+
+    def _stream_log(
+        self, gang: GangId, rank: int, up_to: int | None
+    ) -> Iterator[tuple[int, bytes]]:
+        """(offset, chunk) pairs of a rank's log, up to byte ``up_to`` when given."""
         location = self._gang_location(gang)
         if location is None:
-            return b""
+            return
         try:
             response = self.core.read_namespaced_pod_log(
                 pod_name(gang, rank),
                 location[0],
                 container=CONTAINER_NAME,
-                limit_bytes=offset + limit,
+                limit_bytes=up_to,
                 _preload_content=False,
+                # Uncompressed: a gzipped log of repeated bytes would inflate
+                # far past one chunk on the first read.
+                _headers={"Accept-Encoding": "identity"},
             )
         except ApiException as error:
             if error.status in (400, 404):
-                return b""
+                return
             raise self._translate(error, f"read log of {pod_name(gang, rank)}") from error
-        content: bytes = response.data
-        return content[offset : offset + limit]
+        position = 0
+        try:
+            for chunk in response.stream(LOG_CHUNK_BYTES, decode_content=True):
+                yield position, chunk
+                position += len(chunk)
+        finally:
+            response.release_conn()
 
     def released_ports(self, gang: GangId) -> list[int]:
         """The rendezvous port while any rank pod still runs; empty once all have ended.
@@ -958,6 +1250,93 @@ class KubernetesRuntime:
         return victims
 
 
+def _scaled(quantity: str, times: int) -> str:
+    """``quantity`` (a Kubernetes quantity such as ``4``, ``500m`` or ``16Gi``) times ``times``."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", quantity.strip())
+    if match is None:
+        raise ValueError(f"not a Kubernetes quantity: {quantity!r}")
+    number = float(match.group(1)) * times
+    text = f"{number:.3f}".rstrip("0").rstrip(".")
+    return f"{text}{match.group(2)}"
+
+
+def namespace_labels() -> dict[str, str]:
+    """Labels of a jobs namespace: managed by Quartermaster, Pod Security "restricted".
+
+    The API server's PodSecurity admission then refuses any pod there that
+    is not hardened, whoever creates it.
+    """
+    return {
+        MANAGED_BY_LABEL: MANAGED_BY,
+        "pod-security.kubernetes.io/enforce": "restricted",
+        "pod-security.kubernetes.io/enforce-version": "latest",
+    }
+
+
+NETWORK_POLICY_NAME = "quartermaster-ranks"
+
+
+def network_policy(settings: KubernetesRuntimeConfig) -> dict[str, Any]:
+    """The default-deny NetworkPolicy of a jobs namespace.
+
+    It selects every rank pod and allows no ingress, and egress only to DNS
+    (so rank 0's name resolves) and to the portal's events URL
+    (``events_cidrs``). NetworkPolicies add up, and a policy cannot say "pods
+    with the same label value as mine", so each gang gets its own policy from
+    ``gang_network_policy`` that lets its ranks, and only them, reach each other.
+    """
+    egress: list[dict[str, Any]] = [
+        {
+            "to": [
+                {"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+            ],
+            "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+        }
+    ]
+    if settings.events_cidrs:
+        egress.append(
+            {
+                "to": [{"ipBlock": {"cidr": cidr}} for cidr in settings.events_cidrs],
+                "ports": [{"protocol": "TCP", "port": settings.events_port}],
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": NETWORK_POLICY_NAME, "labels": {MANAGED_BY_LABEL: MANAGED_BY}},
+        "spec": {
+            "podSelector": {"matchLabels": {MANAGED_BY_LABEL: MANAGED_BY}},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [],
+            "egress": egress,
+        },
+    }
+
+
+def gang_network_policy(gang: GangId, owner_references: list[dict[str, Any]]) -> dict[str, Any]:
+    """The NetworkPolicy that lets one gang's ranks reach each other (and no one else them)."""
+    same_gang = [{"podSelector": {"matchLabels": {GANG_LABEL: gang_name(gang)}}}]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": gang_name(gang),
+            "labels": {MANAGED_BY_LABEL: MANAGED_BY, GANG_LABEL: gang_name(gang)},
+            "ownerReferences": owner_references,
+        },
+        "spec": {
+            "podSelector": {"matchLabels": {GANG_LABEL: gang_name(gang)}},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": same_gang}],
+            "egress": [{"to": same_gang}],
+        },
+    }
+
+
+def _pod_key(pod: Any) -> str:
+    return f"{pod.metadata.namespace}/{pod.metadata.name}"
+
+
 def _message(error: ApiException) -> str:
     return str(error.body or "")[:300]
 
@@ -1026,6 +1405,7 @@ def rank_observation(
     else:
         phase = "starting"
     return RankObservation(
+        waiting_reason=_waiting_reason(pod) if phase == "starting" else "",
         job_id=int(labels[JOB_LABEL]),
         attempt=int(labels[ATTEMPT_LABEL]),
         rank=int(labels[RANK_LABEL]),
@@ -1037,6 +1417,17 @@ def rank_observation(
         exited_at=exited_at,
         signal_sent_at=signalled_at,
     )
+
+
+def _waiting_reason(pod: Any) -> str:
+    """Why a pod that has not started is waiting: its container's reason, else unschedulable."""
+    for status in pod.status.container_statuses or []:
+        if status.state is not None and status.state.waiting is not None:
+            return str(status.state.waiting.reason or "")
+    for condition in pod.status.conditions or []:
+        if condition.type == "PodScheduled" and condition.status == "False":
+            return str(condition.reason or "Unschedulable")
+    return ""
 
 
 def gang_guard_victims(

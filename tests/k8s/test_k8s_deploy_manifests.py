@@ -23,7 +23,15 @@ from tools.k8s.node_agent import NodeAgent
 from tools.k8s.wait import wait_for
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-MANIFESTS = ("namespaces.yaml", "rbac.yaml", "config.yaml", "web.yaml", "worker.yaml", "beat.yaml")
+MANIFESTS = (
+    "namespaces.yaml",
+    "rbac.yaml",
+    "config.yaml",
+    "checkpoints.yaml",
+    "web.yaml",
+    "worker.yaml",
+    "beat.yaml",
+)
 
 
 def documents(name: str) -> list[dict[str, Any]]:
@@ -64,10 +72,10 @@ def installed(k8s_api: client.ApiClient, node_agent: NodeAgent) -> Iterator[None
 
 
 def service_account_client(k8s_api: client.ApiClient, kubeconfig_ca: str) -> client.ApiClient:
-    """An API client that authenticates as the portal's service account."""
+    """An API client that authenticates as the portal worker's service account."""
     core = client.CoreV1Api(k8s_api)
     token = core.create_namespaced_service_account_token(
-        "quartermaster",
+        "quartermaster-worker",
         "quartermaster-system",
         {"spec": {"expirationSeconds": 3600}},
     ).status.token
@@ -80,7 +88,7 @@ def service_account_client(k8s_api: client.ApiClient, kubeconfig_ca: str) -> cli
 
 
 def test_workload_manifests_pass_server_side_validation(k8s_api: client.ApiClient, installed: None):
-    for name in ("config.yaml", "web.yaml", "worker.yaml", "beat.yaml"):
+    for name in ("config.yaml", "checkpoints.yaml", "web.yaml", "worker.yaml", "beat.yaml"):
         for doc in documents(name):
             # A dry run goes through defaulting, validation and admission.
             utils.create_from_dict(k8s_api, doc, dry_run="All")

@@ -18,10 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kubernetes import client
 
 from tests.k8s.conftest import running_agent
 from tools.k8s.controlplane import ControlPlane
 from tools.k8s.node_agent import NodeAgent, NodeSpec
+from tools.k8s.volumes import bound_claim, delete_claim
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The drill places a borrower of up to 8 ranks on drill-node-0, flavor drill-gpu.
@@ -49,8 +51,16 @@ def drill_agent(
         yield agent
 
 
+@pytest.fixture
+def checkpoint_claim(k8s_api: client.ApiClient, namespace: str) -> Iterator[str]:
+    """The checkpoint volume the drill's ranks resume from."""
+    volume = bound_claim(k8s_api, namespace, "qm-checkpoints")
+    yield "qm-checkpoints"
+    delete_claim(k8s_api, namespace, "qm-checkpoints", volume)
+
+
 def test_drill_on_kubernetes(
-    drill_agent: NodeAgent, kubeconfig: str, namespace: str, tmp_path: Path
+    drill_agent: NodeAgent, kubeconfig: str, namespace: str, checkpoint_claim: str, tmp_path: Path
 ) -> None:
     var_dir = tmp_path / "var"
     var_dir.mkdir()
@@ -59,6 +69,7 @@ def test_drill_on_kubernetes(
         "QM_RUNTIME": "kubernetes",
         "QM_K8S_KUBECONFIG": kubeconfig,
         "QM_K8S_NAMESPACE": namespace,
+        "QM_K8S_CHECKPOINT_CLAIM": checkpoint_claim,
         "DATABASE_URL": f"sqlite:///{tmp_path / 'drill.sqlite3'}",
         "QM_VAR_DIR": str(var_dir),
         "CELERY_BROKER_URL": "redis://127.0.0.1:6379/7",

@@ -15,6 +15,19 @@ renewing their Leases, and runs the pods kube-scheduler binds to them:
   ``agent.quartermaster.dev/run-seconds`` it exits by itself with
   ``agent.quartermaster.dev/exit-code`` (default 0) after that long.
 
+Each node has its own root filesystem, a folder ``<work_dir>/nodes/<node>/root``,
+as real machines do: an absolute path a process pod gets through its
+environment (``QM_CHECKPOINT_DIR``, say) is taken inside that folder, unless it
+lies under one of the container's volume mounts of a PersistentVolumeClaim,
+whose files live in one folder per claim (``<work_dir>/volumes/<namespace>/
+<claim>``) that every node sees. So a file written outside a declared volume
+on one node is not there on another. (The command itself and its
+interpreter are the host's: the agent's "image" is the host.)
+
+An image must be in ``pullable_images`` (by prefix) when that is given: any
+other pod is left waiting with ``ErrImagePull`` then ``ImagePullBackOff``, as
+a kubelet that cannot pull it would leave it.
+
 Deletion is honoured like the kubelet does: SIGTERM at once (to the main
 process only, as a container runtime does), SIGKILL to all its processes when the
 grace period ends (a later, shorter grace period moves the deadline), then the
@@ -116,8 +129,10 @@ class NodeAgent:
         heartbeat_seconds: float = 2.0,
         local_rendezvous: bool = True,
         run_processes: bool = False,
+        pullable_images: Iterable[str] | None = None,
     ) -> None:
         self.api_client = api_client
+        self.pullable_images = None if pullable_images is None else tuple(pullable_images)
         self.core = client.CoreV1Api(api_client)
         self.coordination = client.CoordinationV1Api(api_client)
         self.nodes = {spec.name: spec for spec in nodes}
@@ -131,6 +146,8 @@ class NodeAgent:
         self.run_processes = run_processes
         self._rendezvous_ports: dict[tuple[str, str], int] = {}
         self._containers: dict[tuple[str, str], Container] = {}
+        # Pods (by uid) whose image this agent cannot pull: they wait, never start.
+        self._pull_failed: set[str] = set()
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._lost_nodes: set[str] = set()
@@ -355,6 +372,11 @@ class NodeAgent:
                     self._signal(container, signal.SIGKILL)
                     self._containers.pop(key, None)
                 return
+            if container is None and pod.metadata.uid in self._pull_failed:
+                if pod.metadata.deletion_timestamp is not None:
+                    self._pull_failed.discard(pod.metadata.uid)
+                    self._writer.submit(self._report_never_started, pod)
+                return
             if container is None:
                 if pod.metadata.deletion_timestamp is not None:
                     # Never started here (or finished before this agent
@@ -386,10 +408,48 @@ class NodeAgent:
                     )
 
     # -- containers ----------------------------------------------------------
+    def node_root(self, node: str) -> Path:
+        """The folder that is ``/`` on ``node``."""
+        return self.work_dir / "nodes" / node / "root"
+
+    def claim_folder(self, namespace: str, claim: str) -> Path:
+        """The shared folder behind a PersistentVolumeClaim, the same from every node."""
+        return self.work_dir / "volumes" / namespace / claim
+
+    def host_path(self, pod: Any, spec: Any, path: str) -> str:
+        """Where a path inside ``pod``'s container lives on this host."""
+        claims = {
+            volume.name: volume.persistent_volume_claim.claim_name
+            for volume in pod.spec.volumes or []
+            if volume.persistent_volume_claim is not None
+        }
+        mounts = sorted(
+            (m for m in spec.volume_mounts or [] if m.name in claims),
+            key=lambda m: len(m.mount_path),
+            reverse=True,
+        )
+        normal = os.path.normpath(path)
+        for mount in mounts:
+            base = os.path.normpath(mount.mount_path)
+            if normal == base or normal.startswith(base.rstrip("/") + "/"):
+                folder = self.claim_folder(pod.metadata.namespace, claims[mount.name])
+                folder.mkdir(parents=True, exist_ok=True)
+                return str(folder / os.path.relpath(normal, base))
+        return str(self.node_root(pod.spec.node_name) / normal.lstrip("/"))
+
+    def _pullable(self, image: str) -> bool:
+        return self.pullable_images is None or any(
+            image.startswith(prefix) for prefix in self.pullable_images
+        )
+
     def _start(self, pod: Any) -> Container | None:
         annotations = pod.metadata.annotations or {}
         spec = pod.spec.containers[0]
         namespace, name = pod.metadata.namespace, pod.metadata.name
+        if not self._pullable(spec.image or ""):
+            self._pull_failed.add(pod.metadata.uid)
+            self._writer.submit(self._report_pull_failure, pod, spec)
+            return None
         log_dir = self.work_dir / "logs" / namespace
         log_dir.mkdir(parents=True, exist_ok=True)
         container = Container(
@@ -416,13 +476,13 @@ class NodeAgent:
                 self._writer.submit(self._report_failed_start, pod, f"env: {error.reason}")
                 return None
             argv = list(spec.command or []) + list(spec.args or [])
-            work = self.work_dir / "pods" / namespace / name
+            work = Path(self.host_path(pod, spec, spec.working_dir or f"/tmp/{name}"))
             work.mkdir(parents=True, exist_ok=True)
             with open(container.log_path, "ab") as out:
                 container.process = subprocess.Popen(
                     argv,
                     env=env,
-                    cwd=spec.working_dir or str(work),
+                    cwd=str(work),
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
@@ -453,7 +513,9 @@ class NodeAgent:
             "HOSTNAME": pod.spec.hostname or pod.metadata.name,
         }
         for var in spec.env or []:
-            if var.value is not None:
+            if var.value is not None and var.value.startswith("/"):
+                env[var.name] = self.host_path(pod, spec, var.value)
+            elif var.value is not None:
                 env[var.name] = var.value
             elif var.value_from is not None and var.value_from.secret_key_ref is not None:
                 ref = var.value_from.secret_key_ref
@@ -605,6 +667,68 @@ class NodeAgent:
             if error.status != 404:
                 log.warning("running status of %s failed: %s", container.pod, error)
 
+    def _report_pull_failure(self, pod: Any, spec: Any) -> None:
+        """Leave the pod Pending with its container waiting on an image it cannot pull."""
+        for reason in ("ErrImagePull", "ImagePullBackOff"):
+            body = {
+                "status": {
+                    "phase": "Pending",
+                    "containerStatuses": [
+                        {
+                            "name": spec.name,
+                            "image": spec.image or "",
+                            "imageID": "",
+                            "ready": False,
+                            "started": False,
+                            "restartCount": 0,
+                            "state": {
+                                "waiting": {
+                                    "reason": reason,
+                                    "message": f'failed to pull image "{spec.image}": not found',
+                                }
+                            },
+                        }
+                    ],
+                }
+            }
+            with contextlib.suppress(ApiException):
+                self.core.patch_namespaced_pod_status(
+                    pod.metadata.name, pod.metadata.namespace, body
+                )
+
+    def _report_never_started(self, pod: Any) -> None:
+        """A deleted pod whose container never ran: terminal, as the kubelet reports it."""
+        spec = pod.spec.containers[0]
+        now = _now_rfc3339()
+        body = {
+            "status": {
+                "phase": "Failed",
+                "containerStatuses": [
+                    {
+                        "name": spec.name,
+                        "image": spec.image or "",
+                        "imageID": "",
+                        "ready": False,
+                        "started": False,
+                        "restartCount": 0,
+                        "state": {
+                            "terminated": {
+                                "exitCode": 137,
+                                "reason": "ContainerStatusUnknown",
+                                "message": "The container could not be located when the pod "
+                                "was deleted.",
+                                "startedAt": now,
+                                "finishedAt": now,
+                            }
+                        },
+                    }
+                ],
+            }
+        }
+        with contextlib.suppress(ApiException):
+            self.core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, body)
+        self._delete_now(pod.metadata.namespace, pod.metadata.name, pod.metadata.uid)
+
     def _report_failed_start(self, pod: Any, reason: str) -> None:
         body = {
             "status": {"phase": "Failed", "reason": "CreateContainerConfigError", "message": reason}
@@ -683,8 +807,26 @@ class NodeAgent:
                 if not path.exists():
                     self.send_error(404)
                     return
-                content = path.read_bytes()
                 query = urllib.parse.parse_qs(parsed.query)
+                if "tailLines" not in query:
+                    # Streamed from the file, as a kubelet does: a reader of the
+                    # first bytes of a big log never makes the agent hold it all.
+                    size = path.stat().st_size
+                    if "limitBytes" in query:
+                        size = min(size, int(query["limitBytes"][0]))
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(size))
+                    self.end_headers()
+                    with open(path, "rb") as log:
+                        while size > 0:
+                            chunk = log.read(min(size, 64 * 1024))
+                            if not chunk:
+                                break
+                            self.wfile.write(chunk)
+                            size -= len(chunk)
+                    return
+                content = path.read_bytes()
                 if "tailLines" in query:
                     lines = content.splitlines(keepends=True)
                     content = b"".join(lines[-int(query["tailLines"][0]) :])
