@@ -15,6 +15,7 @@ from preemption.models import (
     Job,
     PreemptionEvent,
     Rank,
+    RankLogTail,
     TrapEvent,
     Webhook,
     WebhookDelivery,
@@ -110,6 +111,14 @@ class AttemptAdmin(ReadOnlyAdmin):
 class RankAdmin(ReadOnlyAdmin):
     list_display = ["attempt", "index", "node", "state", "exit_code", "exited_at"]
     list_filter = ["state"]
+
+
+@admin.register(RankLogTail)
+class RankLogTailAdmin(ReadOnlyAdmin):
+    list_display = ["attempt", "rank", "first_byte", "saved_at"]
+    # The saved log itself is read on the job page, where every log read is
+    # scoped and bounded; the admin lists only which tails were kept.
+    exclude = ["content"]
 
 
 @admin.register(PreemptionEvent)
