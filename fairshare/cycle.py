@@ -5,8 +5,9 @@ Decides, for every pending workload of one flavor, whether it starts now on free
 waits for GPUs already being released (R11), takes victims (reclaim, priority or fair
 share; consolidation when free GPUs are scattered) and waits for them, or waits with a
 reason. Workloads are taken from a heap of queues: work that fits inside its queue's
-guarantee first, then the queue furthest below its fair share (ties: older submission);
-inside a queue, higher priority first, then older submission. Work admitted earlier in
+guarantee (its own or an ancestor's) first, then the queue furthest below its fair
+share (ties: older submission); inside a queue, higher priority first, then older
+submission. Work admitted earlier in
 the same plan may be taken back before it starts, and workloads still waiting get more
 passes, so that the next cycle does not undo the plan.
 """
@@ -230,6 +231,7 @@ class FlavorPlanner:
         fair_share = ledger.fair_share
         boost = ledger.order_boost
         names = self.tree.names
+        path = self.tree.path
         plan_job = self._plan_job
         while heap:
             queue = heappop(heap)[4]
@@ -243,10 +245,12 @@ class FlavorPlanner:
                 head = jobs[at]
                 used = usage[queue]
                 below = used - fair_share[queue]
+                gpus = head.gpus
                 heappush(
                     heap,
                     (
-                        used + head.gpus > guarantee[queue],
+                        used + gpus > guarantee[queue]
+                        and all(usage[x] + gpus > guarantee[x] for x in path[queue]),
                         below * boost[queue] if below < 0 else below,
                         head.workload.submitted_at,
                         names[queue],
@@ -256,14 +260,19 @@ class FlavorPlanner:
 
     def _queue_key(self, queue: int, head: PendingJob) -> QueueKey:
         # Work that fits inside its queue's guarantee goes before any borrowing: otherwise
-        # a borrower would take GPUs that the guarantee reclaims in the next cycle. Then
+        # a borrower would take GPUs that the guarantee reclaims in the next cycle. A job
+        # beyond its leaf's guarantee but inside an ancestor's still counts as inside:
+        # queues outside that ancestor would lose to it by reclaim or fair share once the
+        # borrower's admission runs, a preemption the next cycle would add. Then
         # the queue furthest below its fair share goes first, the distance weighed by
         # how little it used recently (decayed usage); ties by older submission.
-        usage = self.ledger.usage[queue]
-        below = usage - self.ledger.fair_share[queue]
+        ledger = self.ledger
+        usage = ledger.usage[queue]
+        below = usage - ledger.fair_share[queue]
+        gpus = head.gpus
         return (
-            usage + head.gpus > self.ledger.guarantee[queue],
-            below * self.ledger.order_boost[queue] if below < 0 else below,
+            all(ledger.usage[x] + gpus > ledger.guarantee[x] for x in self.tree.path[queue]),
+            below * ledger.order_boost[queue] if below < 0 else below,
             head.workload.submitted_at,
             self.tree.names[queue],
             queue,
