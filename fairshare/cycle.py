@@ -231,7 +231,7 @@ class FlavorPlanner:
         fair_share = ledger.fair_share
         boost = ledger.order_boost
         names = self.tree.names
-        path = self.tree.path
+        beyond = self._beyond_guarantee
         plan_job = self._plan_job
         while heap:
             queue = heappop(heap)[4]
@@ -249,8 +249,7 @@ class FlavorPlanner:
                 heappush(
                     heap,
                     (
-                        used + gpus > guarantee[queue]
-                        and all(usage[x] + gpus > guarantee[x] for x in path[queue]),
+                        used + gpus > guarantee[queue] and beyond(queue, gpus),
                         below * boost[queue] if below < 0 else below,
                         head.workload.submitted_at,
                         names[queue],
@@ -260,10 +259,7 @@ class FlavorPlanner:
 
     def _queue_key(self, queue: int, head: PendingJob) -> QueueKey:
         # Work that fits inside its queue's guarantee goes before any borrowing: otherwise
-        # a borrower would take GPUs that the guarantee reclaims in the next cycle. A job
-        # beyond its leaf's guarantee but inside an ancestor's still counts as inside:
-        # queues outside that ancestor would lose to it by reclaim or fair share once the
-        # borrower's admission runs, a preemption the next cycle would add. Then
+        # a borrower would take GPUs that the guarantee reclaims in the next cycle. Then
         # the queue furthest below its fair share goes first, the distance weighed by
         # how little it used recently (decayed usage); ties by older submission.
         ledger = self.ledger
@@ -271,12 +267,43 @@ class FlavorPlanner:
         below = usage - ledger.fair_share[queue]
         gpus = head.gpus
         return (
-            all(ledger.usage[x] + gpus > ledger.guarantee[x] for x in self.tree.path[queue]),
+            usage + gpus > ledger.guarantee[queue] and self._beyond_guarantee(queue, gpus),
             below * ledger.order_boost[queue] if below < 0 else below,
             head.workload.submitted_at,
             self.tree.names[queue],
             queue,
         )
+
+    def _beyond_guarantee(self, queue: int, gpus: int) -> bool:
+        """Whether ``gpus`` more would take ``queue`` beyond every guarantee on its path.
+
+        A job beyond its own queue's guarantee may still fit inside an ancestor's, in the
+        part that the ancestor's other children neither use nor hold as their own
+        guarantee. It then counts as inside: planned after another team's borrowing, it
+        would take that borrowing back by reclaim or fair share in the next cycle, once
+        the borrower runs (an admit-then-preempt flap).
+        """
+        usage = self.ledger.usage
+        guarantee = self.ledger.guarantee
+        parent = self.tree.parent
+        children = self.tree.children
+        child = queue
+        above = parent[queue]
+        while above >= 0:
+            # The ancestor's own usage counts its children's, so the job fits nowhere
+            # inside a guarantee that it would exceed; most ancestors of a full cluster
+            # stop here without looking at the siblings.
+            room = guarantee[above] - gpus
+            if usage[above] <= room:
+                held = usage[child]
+                for other in children[above]:
+                    if other != child:
+                        held += max(guarantee[other], usage[other])
+                if held <= room:
+                    return False
+            child = above
+            above = parent[above]
+        return True
 
     def _plan_job(self, job: PendingJob) -> None:
         workload = job.workload
