@@ -5,8 +5,9 @@ Decides, for every pending workload of one flavor, whether it starts now on free
 waits for GPUs already being released (R11), takes victims (reclaim, priority or fair
 share; consolidation when free GPUs are scattered) and waits for them, or waits with a
 reason. Workloads are taken from a heap of queues: work that fits inside its queue's
-guarantee first, then the queue furthest below its fair share (ties: older submission);
-inside a queue, higher priority first, then older submission. Work admitted earlier in
+guarantee (its own or an ancestor's) first, then the queue furthest below its fair
+share (ties: older submission); inside a queue, higher priority first, then older
+submission. Work admitted earlier in
 the same plan may be taken back before it starts, and workloads still waiting get more
 passes, so that the next cycle does not undo the plan.
 """
@@ -230,6 +231,7 @@ class FlavorPlanner:
         fair_share = ledger.fair_share
         boost = ledger.order_boost
         names = self.tree.names
+        beyond = self._beyond_guarantee
         plan_job = self._plan_job
         while heap:
             queue = heappop(heap)[4]
@@ -243,10 +245,11 @@ class FlavorPlanner:
                 head = jobs[at]
                 used = usage[queue]
                 below = used - fair_share[queue]
+                gpus = head.gpus
                 heappush(
                     heap,
                     (
-                        used + head.gpus > guarantee[queue],
+                        used + gpus > guarantee[queue] and beyond(queue, gpus),
                         below * boost[queue] if below < 0 else below,
                         head.workload.submitted_at,
                         names[queue],
@@ -259,15 +262,48 @@ class FlavorPlanner:
         # a borrower would take GPUs that the guarantee reclaims in the next cycle. Then
         # the queue furthest below its fair share goes first, the distance weighed by
         # how little it used recently (decayed usage); ties by older submission.
-        usage = self.ledger.usage[queue]
-        below = usage - self.ledger.fair_share[queue]
+        ledger = self.ledger
+        usage = ledger.usage[queue]
+        below = usage - ledger.fair_share[queue]
+        gpus = head.gpus
         return (
-            usage + head.gpus > self.ledger.guarantee[queue],
-            below * self.ledger.order_boost[queue] if below < 0 else below,
+            usage + gpus > ledger.guarantee[queue] and self._beyond_guarantee(queue, gpus),
+            below * ledger.order_boost[queue] if below < 0 else below,
             head.workload.submitted_at,
             self.tree.names[queue],
             queue,
         )
+
+    def _beyond_guarantee(self, queue: int, gpus: int) -> bool:
+        """Whether ``gpus`` more would take ``queue`` beyond every guarantee on its path.
+
+        A job beyond its own queue's guarantee may still fit inside an ancestor's, in the
+        part that the ancestor's other children neither use nor hold as their own
+        guarantee. It then counts as inside: planned after another team's borrowing, it
+        would take that borrowing back by reclaim or fair share in the next cycle, once
+        the borrower runs (an admit-then-preempt flap).
+        """
+        usage = self.ledger.usage
+        guarantee = self.ledger.guarantee
+        parent = self.tree.parent
+        children = self.tree.children
+        child = queue
+        above = parent[queue]
+        while above >= 0:
+            # The ancestor's own usage counts its children's, so the job fits nowhere
+            # inside a guarantee that it would exceed; most ancestors of a full cluster
+            # stop here without looking at the siblings.
+            room = guarantee[above] - gpus
+            if usage[above] <= room:
+                held = usage[child]
+                for other in children[above]:
+                    if other != child:
+                        held += max(guarantee[other], usage[other])
+                if held <= room:
+                    return False
+            child = above
+            above = parent[above]
+        return True
 
     def _plan_job(self, job: PendingJob) -> None:
         workload = job.workload

@@ -207,6 +207,7 @@ CASES = [
     Case("topology_free_gpus_tightest_rack_first", RACKS, AB, [w("x").queue("b").gpus(4).running("n0"), w("g").gang(2, 4).within("rack")], admit={"g"}, placement={"g": (("n1", 2),)}),
     Case("topology_required_waits_when_no_rack_has_room", RACKS, AB, [w("x").queue("b").gpus(4).running("n0"), w("y").queue("b").gpus(4).running("n2"), w("g").gang(3, 8).within("rack")], wait={"g": "no rack of flavor h100 has room for 3 ranks of 8 GPUs together"}),
     Case("topology_preferred_falls_back_to_any_nodes", RACKS, AB, [w("x").queue("b").gpus(8).running("n0"), w("y").queue("b").gpus(8).running("n2"), w("g").gang(2, 8).within("rack", required=False)], admit={"g"}, placement={"g": (("n1", 1), ("n3", 1))}),
+    Case("inside_parent_guarantee_before_borrowing", N1, [team("a", guarantee=4), team("b", guarantee=4), team("bx", "b", guarantee=2), team("by", "b")], [w("hi").cls("high").gpus(1).running("n0", since=60), w("pin").cls("critical").gpus(4), w("bx0").queue("bx").cls("critical").gpus(2).running("n0"), w("x").queue("bx").cls("high").gpus(2)], admit={"x"}, preempt={"hi": "priority"}, wait={"pin": "waiting for 1 GPUs being released by job hi"}),
     Case("unknown_flavor_waits_with_reason", N2, AB, [w("x").flavor("a100").gpus(1)], wait={"x": "no node of flavor a100 exists"}),
 ]
 # fmt: on
