@@ -424,7 +424,11 @@ def _manage(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     base = {
         key: value
         for key, value in os.environ.items()
-        if not key.startswith(("QM_", "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS"))
+        # The browser tests set DJANGO_ALLOW_ASYNC_UNSAFE in this process; a
+        # deployment never has it, and the deploy checks refuse it.
+        if not key.startswith(
+            ("QM_", "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "DJANGO_ALLOW_ASYNC_UNSAFE")
+        )
     }
     base["QM_VAR_DIR"] = os.environ.get("QM_VAR_DIR", str(ROOT / "var" / "test"))
     return subprocess.run(
@@ -442,6 +446,8 @@ STRONG_KEY = "k3J9-vQ_x2Lm8pR7tY1wZ4nB6cD0eF5gH3jK8lM2nP9qR4sT7uV1wX6yZ0aB5cD8eF
 PRODUCTION = {
     "QM_PRODUCTION": "1",
     "QM_RUNTIME": "kubernetes",
+    # As deploy/config.yaml names it: production refuses Kubernetes without a checkpoint volume.
+    "QM_K8S_CHECKPOINT_CLAIM": "qm-checkpoints",
     "SECRET_KEY": STRONG_KEY,
     "ALLOWED_HOSTS": "qm.example.org",
     "CSRF_TRUSTED_ORIGINS": "https://qm.example.org",
