@@ -331,6 +331,11 @@ class Trap:
         self._agreed_due: tuple[int, bool] | None = None
         self._committed_step: int | None = None
         _register_settle()
+        # Registered after the settle wait, so it runs before it (atexit is last in,
+        # first out): a rank's own signal that arrives after its last report (on
+        # Kubernetes each pod is evicted by its own call, often after the gang already
+        # stopped on another rank's signal) is still reported on the way out.
+        atexit.register(self._report_signal_at_exit)
         for signum in self.signals:
             self._previous_handlers[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_signal)
@@ -386,6 +391,12 @@ class Trap:
         if self._signal_at is not None and not self._signal_reported:
             self._signal_reported = True
             self.events.emit("signal_received", at=self._signal_at)
+
+    def _report_signal_at_exit(self) -> None:
+        if self._signal_at is not None and not self._signal_reported and os.getpid() == self._pid:
+            self._report_signal()
+            self.events.flush(POST_TIMEOUT_SECONDS)
+            sys.stdout.flush()
 
     def restore_signal_handlers(self) -> None:
         """Put back the handlers that were installed before this trap."""
@@ -894,6 +905,8 @@ class Trap:
         self.events.emit("exiting", code=self.exit_code)
         left = self.grace_left()
         self.events.flush(POST_TIMEOUT_SECONDS if left is None else min(POST_TIMEOUT_SECONDS, left))
+        # And once more for a signal that came while the events went out.
+        self._report_signal()
         sys.stdout.flush()
         sys.stderr.flush()
         sys.exit(self.exit_code)
