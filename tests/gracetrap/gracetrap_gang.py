@@ -10,10 +10,12 @@ import contextlib
 import importlib.util
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,3 +207,55 @@ def step_dirs(checkpoint_dir: Path) -> dict[int, bool]:
     for path in checkpoint_dir.glob("step_*"):
         found[int(path.name.split("_")[1])] = (path / ".metadata").is_file()
     return found
+
+
+class LineServer:
+    """A fork server (a script that forks one child per line it reads) with its
+    output read line by line on a thread, so a test can wait for a given line."""
+
+    def __init__(self, args: list[str], *, cwd: Path, env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+            text=True,
+            cwd=cwd,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def send(self, line: str) -> int:
+        """Ask for one child; returns its pid from the ``CHILD <pid>`` answer."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{line}\n")
+        self.process.stdin.flush()
+        return int(self.expect("CHILD ", timeout=60)[0].split()[1])
+
+    def expect(self, prefix: str, timeout: float) -> tuple[str, list[str]]:
+        """Wait for the line starting with ``prefix``; return it and the lines before it."""
+        seen: list[str] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {prefix!r} line in {timeout} s: {seen[-20:]}") from None
+            if line.startswith(prefix):
+                return line, seen
+            seen.append(line)
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()

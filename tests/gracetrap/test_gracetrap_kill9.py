@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from gracetrap_gang import load_example, step_dirs
+from gracetrap_gang import LineServer, load_example, step_dirs
 
 from gracetrap import Trap
 
@@ -26,44 +22,14 @@ MAX_TRIALS = 40
 FORKSERVER = Path(__file__).with_name("gracetrap_forkserver.py")
 
 
-class ForkServer:
+class ForkServer(LineServer):
     """The trial server of gracetrap_forkserver.py, with its output read line by line."""
 
     def __init__(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, str(FORKSERVER), *MODEL_ARGS],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            text=True,
-            cwd=FORKSERVER.parent,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.put(line.rstrip("\n"))
+        super().__init__([str(FORKSERVER), *MODEL_ARGS], cwd=FORKSERVER.parent, env={})
 
     def start_trial(self, checkpoint_dir: Path) -> int:
-        assert self.process.stdin is not None
-        self.process.stdin.write(f"{checkpoint_dir}\n")
-        self.process.stdin.flush()
-        return int(self.expect("CHILD ", timeout=60)[0].split()[1])
-
-    def expect(self, prefix: str, timeout: float) -> tuple[str, list[str]]:
-        """Wait for the line starting with ``prefix``; return it and the lines before it."""
-        seen: list[str] = []
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no {prefix!r} line in {timeout} s: {seen}") from None
-            if line.startswith(prefix):
-                return line, seen
-            seen.append(line)
+        return self.send(str(checkpoint_dir))
 
     def started_event(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -72,16 +38,6 @@ class ForkServer:
             event: dict[str, Any] = json.loads(line.split(" ", 1)[1])
             if event["event"] == "checkpoint_started":
                 return event
-
-    def close(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.close()
-        try:
-            self.process.wait(timeout=30)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-                self.process.wait()
 
 
 def _resume_in_this_process(checkpoint_dir: Path) -> int:

@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from gracetrap.checkpoints import is_complete, step_dir
-from gracetrap_gang import free_port, load_example, step_dirs
+from gracetrap_gang import LineServer, free_port, load_example, step_dirs
 
 from gracetrap import Trap
 
@@ -29,54 +25,18 @@ TRIALS = 12
 SERVER = Path(__file__).with_name("gracetrap_rank_forkserver.py")
 
 
-class RankServer:
+class RankServer(LineServer):
     """gracetrap_rank_forkserver.py for one rank, its output read line by line."""
 
     def __init__(self, rank: int, args: list[str]) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, str(SERVER), str(rank), str(WORLD_SIZE), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-            text=True,
+        super().__init__(
+            [str(SERVER), str(rank), str(WORLD_SIZE), *args],
             cwd=SERVER.parent,
+            env={"PYTHONUNBUFFERED": "1"},
         )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.put(line.rstrip("\n"))
 
     def start(self, checkpoint_dir: Path, port: int, steps: int, extra: str, more: str = "") -> int:
-        assert self.process.stdin is not None
-        self.process.stdin.write(f"{checkpoint_dir} {port} {steps} {extra} {more}\n")
-        self.process.stdin.flush()
-        return int(self.expect("CHILD ", timeout=60)[0].split()[1])
-
-    def expect(self, prefix: str, timeout: float) -> tuple[str, list[str]]:
-        """Wait for the line starting with ``prefix``; return it and the lines before it."""
-        seen: list[str] = []
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no {prefix!r} line in {timeout} s: {seen[-20:]}") from None
-            if line.startswith(prefix):
-                return line, seen
-            seen.append(line)
-
-    def close(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.close()
-        try:
-            self.process.wait(timeout=30)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-                self.process.wait()
+        return self.send(f"{checkpoint_dir} {port} {steps} {extra} {more}")
 
 
 def _losses(lines: list[str]) -> dict[int, str]:
