@@ -17,7 +17,7 @@ Celery worker and beat, and the real web endpoint for the trap's events:
 a second SIGTERM, a grace shorter than the save, the Celery worker killed
 mid-preemption) and counts corrupt checkpoints, orphaned ranks, double
 preemptions and lost events, each by a check independent of the code under
-test: resume and compare, a scan of /proc, log lines against database rows.
+test: resume and compare, a scan of every process, log lines against database rows.
 
 Everything the drill sets up (flavor, nodes, teams, quotas, priority classes)
 goes through the quotas services as the `drill-bot` user, so each change is
@@ -65,7 +65,7 @@ from preemption.models import (
     TrapEvent,
 )
 from preemption.runtime import get_runtime, local_runner
-from preemption.runtimes import iter_trap_events, procfs, read_whole_log
+from preemption.runtimes import iter_trap_events, processes, read_whole_log
 from preemption.runtimes.base import GangId
 from preemption.services import job_cancel, job_submit
 from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team
@@ -85,6 +85,9 @@ STEP_SLEEP = 0.2
 SAVE_EVERY = 10
 CRITICAL_SECONDS = 30.0
 DISTURBANCES = ("kill-rank", "second-sigterm", "short-grace", "kill-worker")
+# One kill-rank round needs one retry; the second leaves room for a disturbance that
+# lands during the restart.
+BORROWER_RETRIES = 2
 
 
 class DrillError(RuntimeError):
@@ -410,6 +413,10 @@ class Drill:
             command=self.train_command(dump=dump),
             priority_class=priority,
             name=name,
+            # A chaos round kills a rank as a failing machine would (exit 137); a job
+            # runs again after its own failures only when it asks to, as a training
+            # job meant to survive lost machines does.
+            retries=BORROWER_RETRIES,
         )
 
     def submit_critical(self, *, name: str) -> Job:
@@ -673,28 +680,28 @@ class Drill:
         """Whether a process was started for a job of this drill: it reports its
         events to this drill's web server (job ids repeat across installations
         sharing a machine)."""
-        url = procfs.read_environ_value(pid, "QM_EVENTS_URL") or ""
+        url = processes.environ_value(pid, "QM_EVENTS_URL") or ""
         return url.startswith(f"{self.public_url}/")
 
     def _gang_pids(self, attempt: Attempt) -> list[int]:
         """Live processes on this machine started for one attempt of a drill job."""
         pids = []
-        for pid in procfs.iter_pids():
-            if procfs.read_environ_value(pid, "QM_JOB_ID") != str(attempt.job_id):
+        for process in processes.live_processes(skip=os.getpid()):
+            pid = process.pid
+            if processes.environ_value(pid, "QM_JOB_ID") != str(attempt.job_id):
                 continue
-            if procfs.read_environ_value(pid, "QM_ATTEMPT") != str(attempt.number):
+            if processes.environ_value(pid, "QM_ATTEMPT") != str(attempt.number):
                 continue
-            if self._ours(pid) and procfs.is_alive(pid, None):
+            if self._ours(pid):
                 pids.append(pid)
         return pids
 
     def _leftover_ports(self, attempt: Attempt) -> list[int]:
         """Independent of the runtime: TCP ports still listened on by any process
-        of the gang left on this machine (a /proc scan)."""
-        listening = procfs.listening_tcp_ports()
+        of the gang left on this machine (a scan of every process)."""
         ports: set[int] = set()
         for pid in self._gang_pids(attempt):
-            ports |= {listening[i] for i in procfs.socket_inodes(pid) if i in listening}
+            ports |= processes.listening_ports(pid)
         return sorted(ports)
 
     def _master_port(self, attempt: Attempt) -> int | None:
@@ -709,8 +716,8 @@ class Drill:
             port = json.loads(path.read_text()).get("master_port")
             return int(port) if port else None
         for pid in self._gang_pids(attempt):
-            address = procfs.read_environ_value(pid, "MASTER_ADDR")
-            port = procfs.read_environ_value(pid, "MASTER_PORT")
+            address = processes.environ_value(pid, "MASTER_ADDR")
+            port = processes.environ_value(pid, "MASTER_PORT")
             # A port in another network namespace (a real pod) cannot be probed here.
             if address in ("127.0.0.1", "localhost") and port and port.isdigit():
                 return int(port)
@@ -719,23 +726,16 @@ class Drill:
     # -- chaos checks ----------------------------------------------------------------
 
     def chaos_checks(self, jobs: list[int]) -> dict[str, int]:
-        """Orphaned ranks (a /proc scan), double preemptions and lost events
-        (log lines against database rows)."""
+        """Orphaned ranks (a scan of every process), double preemptions and lost
+        events (log lines against database rows)."""
         orphans = 0
         wanted = {str(j) for j in jobs}
-        for pid_dir in Path("/proc").iterdir():
-            if not pid_dir.name.isdigit():
-                continue
-            try:
-                environ = (pid_dir / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if not self._ours(int(pid_dir.name)):
-                continue
-            for item in environ:
-                if item.startswith(b"QM_JOB_ID=") and item[10:].decode() in wanted:
-                    orphans += 1
-                    break
+        for process in processes.live_processes(skip=os.getpid()):
+            if (
+                self._ours(process.pid)
+                and processes.environ_value(process.pid, "QM_JOB_ID") in wanted
+            ):
+                orphans += 1
         double = 0
         for job_id in jobs:
             per_attempt = PreemptionEvent.objects.filter(job_id=job_id).values_list(

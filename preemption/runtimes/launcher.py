@@ -30,7 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from preemption.runtimes import procfs
+from preemption.runtimes import processes
 from preemption.runtimes.records import (
     EXIT_FILE,
     GANG_FILE,
@@ -179,7 +179,7 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
     pid = os.getpid()
     write_record(
         rank_dir / KEEPER_FILE,
-        {"pid": pid, "start_ticks": procfs.start_ticks(pid), "at": time.time()},
+        {"pid": pid, "created_at": processes.created_at(pid), "at": time.time()},
     )
     # A gang stopped before this rank started loses nothing by never starting it.
     requested = _stop_requested(rank_dir)
@@ -214,7 +214,7 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
         {
             "pid": process.pid,
             "pgid": process.pid,
-            "start_ticks": procfs.start_ticks(process.pid),
+            "created_at": processes.created_at(process.pid),
             "started_at": started_at,
         },
     )

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from preemption.runtimes import procfs
+from preemption.runtimes import processes
 from preemption.runtimes.base import (
     GangGuard,
     GangId,
@@ -262,7 +262,7 @@ class LocalRuntime:
     def observe(self, gang: GangId | None = None) -> list[RankObservation]:
         """Observe the ranks of one gang, or of every gang under the root.
 
-        Reads only the records on disk and /proc, so it is correct from any process.
+        Reads only the records on disk and the process table, so it is correct from any process.
         """
         gangs = [gang] if gang is not None else self._known_gangs()
         observations: list[RankObservation] = []
@@ -316,11 +316,8 @@ class LocalRuntime:
         master_port = int(record["master_port"])
         if not _port_is_free(master_port):
             bound.add(master_port)
-        listening = procfs.listening_tcp_ports()
         for process in self.gang_processes(gang):
-            for inode in procfs.socket_inodes(process.pid):
-                if inode in listening:
-                    bound.add(listening[inode])
+            bound |= processes.listening_ports(process.pid)
         return sorted(bound)
 
     def forget(self, gang: GangId) -> None:
@@ -345,7 +342,7 @@ class LocalRuntime:
         return self.root / str(gang.job_id) / str(gang.attempt)
 
     def gang_processes(self, gang: GangId) -> list[GangProcess]:
-        """Every live process of the gang, found by scanning /proc.
+        """Every live process of the gang, found by scanning the process table.
 
         A process belongs to a rank when it is in the rank's process group or session
         (and started no earlier than the rank, so a reused pid is not mistaken for it), or
@@ -360,38 +357,33 @@ class LocalRuntime:
         for rank in range(len(record["ranks"])):
             started = read_record(gang_dir / str(rank) / STARTED_FILE)
             if started is not None:
-                groups[int(started["pgid"])] = (rank, int(started["start_ticks"] or 0))
+                groups[int(started["pgid"])] = (rank, float(started.get("created_at") or 0))
         marker_prefix = str(gang_dir) + os.sep
-        own_pid = os.getpid()
-        processes: list[GangProcess] = []
-        for pid in procfs.iter_pids():
-            if pid == own_pid:
-                continue
-            stat = procfs.read_stat(pid)
-            if stat is None or stat.is_zombie:
-                continue
+        found: list[GangProcess] = []
+        for process in processes.live_processes(skip=os.getpid()):
+            pid = process.pid
             rank_of: int | None = None
-            for group in (stat.pgid, stat.sid):
-                if group in groups and stat.start_ticks >= groups[group][1]:
+            for group in (process.pgid, process.sid):
+                if group in groups and process.created_at >= groups[group][1]:
                     rank_of = groups[group][0]
                     break
             if rank_of is None:
-                marker = procfs.read_environ_value(pid, RANK_DIR_ENV)
+                marker = processes.environ_value(pid, RANK_DIR_ENV)
                 if marker is not None and marker.startswith(marker_prefix):
                     tail = marker[len(marker_prefix) :]
                     if tail.isdigit():
                         rank_of = int(tail)
             if rank_of is not None:
-                processes.append(
+                found.append(
                     GangProcess(
                         pid=pid,
-                        pgid=stat.pgid,
-                        sid=stat.sid,
+                        pgid=process.pgid,
+                        sid=process.sid,
                         rank=rank_of,
-                        cmdline=procfs.read_cmdline(pid),
+                        cmdline=processes.command_line(pid),
                     )
                 )
-        return processes
+        return found
 
     def find_orphans(self, gang: GangId) -> list[GangProcess]:
         """Live processes of ranks that have already exited or been lost.
@@ -579,10 +571,12 @@ class LocalRuntime:
         rank_dir: Path, started: dict[str, Any] | None, stopping: bool, launched_at: float
     ) -> str:
         live_phase = "terminating" if stopping else "running"
-        if started is not None and procfs.is_alive(int(started["pid"]), started["start_ticks"]):
+        if started is not None and processes.is_alive(
+            int(started["pid"]), started.get("created_at")
+        ):
             return live_phase
         keeper = read_record(rank_dir / KEEPER_FILE)
-        if keeper is not None and procfs.is_alive(int(keeper["pid"]), keeper["start_ticks"]):
+        if keeper is not None and processes.is_alive(int(keeper["pid"]), keeper.get("created_at")):
             # Either the rank is about to start, or it has just exited and its keeper is
             # writing the exit record.
             if started is None:

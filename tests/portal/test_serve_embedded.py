@@ -3,7 +3,7 @@
 `serve_embedded` runs as a real process on a free port with a folder of its
 own (SQLite, the disk broker, the local runtime); a job of two real rank
 processes runs; SIGINT (Ctrl-C) must leave none of them behind. Processes are
-counted by a scan of /proc (the runtime's own procfs module, no extra package).
+counted by a scan of every process (the runtime's own process inspection).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from preemption.runtimes import procfs
+from preemption.runtimes import processes
 from preemption.runtimes.runner import RunnerAccount
 
 pytestmark = pytest.mark.timeout(400)
@@ -35,12 +35,11 @@ def _free_port() -> int:
 
 
 def _ranks(marker: str) -> list[int]:
-    """Live processes (zombies aside) whose command line holds `marker`, by a /proc scan."""
+    """Live processes (zombies aside) whose command line holds `marker`, by a scan of every process."""
     found = []
-    for pid in procfs.iter_pids():
-        stat = procfs.read_stat(pid)
-        if stat is not None and not stat.is_zombie and marker in procfs.read_cmdline(pid):
-            found.append(pid)
+    for process in processes.live_processes():
+        if marker in processes.command_line(process.pid):
+            found.append(process.pid)
     return found
 
 

@@ -7,7 +7,9 @@ minute. When rank 0 exits while other ranks are still connected, those entries s
 every other rank has disconnected, and then resets (rather than closes) its own
 remaining connections on that port, which leaves no TIME_WAIT entry anywhere.
 
-This reads ``/proc``; on systems without it the functions do nothing.
+This reads ``/proc``; on systems without it the functions do nothing. The trap is
+installed into training images beside torch and brings no compiled dependency of its
+own, so it reads the two socket tables itself rather than through psutil.
 """
 
 from __future__ import annotations

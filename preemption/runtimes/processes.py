@@ -1,0 +1,90 @@
+"""Process inspection for the local runtime and the drills, through psutil.
+
+A pid alone does not identify a process, since pids are reused; a pid together with the
+process's creation time does, so records keep both and every liveness check compares
+them. The creation time is psutil's (boot time plus the start in clock ticks), which is
+the same number in every process that asks on one boot of the machine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psutil
+
+ZOMBIE_STATES = frozenset({psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD})
+# The errors psutil raises for a process that exited meanwhile or is not ours to read.
+GONE_OR_DENIED = (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError, PermissionError)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    """What the runtime needs to know of one live process."""
+
+    pid: int
+    pgid: int
+    sid: int
+    created_at: float
+
+
+def created_at(pid: int) -> float | None:
+    """When a process was created (seconds since the epoch), or None when it is gone."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except GONE_OR_DENIED:
+        return None
+
+
+def is_alive(pid: int, expected_created_at: float | None) -> bool:
+    """True while the process with this pid (and creation time, when given) runs and is
+    not a zombie."""
+    try:
+        process = psutil.Process(pid)
+        if process.status() in ZOMBIE_STATES:
+            return False
+        return expected_created_at is None or process.create_time() == expected_created_at
+    except GONE_OR_DENIED:
+        return False
+
+
+def live_processes(skip: int | None = None) -> Iterator[ProcessInfo]:
+    """Every live, non-zombie process at the moment of the call, with its process group
+    and session (which psutil does not expose, so os.getpgid and os.getsid are asked)."""
+    for process in psutil.process_iter(["status", "create_time"]):
+        if process.pid == skip or process.info["status"] in ZOMBIE_STATES:
+            continue
+        try:
+            pgid, sid = os.getpgid(process.pid), os.getsid(process.pid)
+        except GONE_OR_DENIED:
+            continue
+        created = process.info["create_time"]
+        if created is None:
+            continue
+        yield ProcessInfo(pid=process.pid, pgid=pgid, sid=sid, created_at=float(created))
+
+
+def environ_value(pid: int, name: str) -> str | None:
+    """The value of one environment variable of a process as it was started, if readable."""
+    try:
+        return psutil.Process(pid).environ().get(name)
+    except GONE_OR_DENIED:
+        return None
+
+
+def command_line(pid: int) -> str:
+    """The command line of a process, arguments joined by spaces ("" when unreadable)."""
+    try:
+        return " ".join(psutil.Process(pid).cmdline()).strip()
+    except GONE_OR_DENIED:
+        return ""
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports (IPv4 and IPv6) a process listens on."""
+    try:
+        connections = psutil.Process(pid).net_connections(kind="tcp")
+    except GONE_OR_DENIED:
+        return set()
+    return {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN and c.laddr}
