@@ -179,10 +179,11 @@ class Drill:
         if runtime == "local":
             runner = local_runner()
             if runner is not None:
-                # The borrower's ranks run as the runner user and write their final state
-                # here: they may pass through the drill's folder and write in this one.
+                # The borrowers' ranks run as users of their jobs' own and write their
+                # final state here: they may pass through the drill's folder and add files
+                # to this one, but neither list it nor remove another job's files.
                 self.work.chmod(0o711)
-                os.chown(self.dumps, runner.uid, -1)
+                self.dumps.chmod(0o1733)
         self.train = settings.BASE_DIR / "examples" / "train_ddp.py"
         self.sleeper = settings.BASE_DIR / "examples" / "sleeper.py"
         self.started = time.monotonic()

@@ -140,7 +140,7 @@ def _no_new_privileges() -> None:
 
 
 def rank_identity(run_as: dict[str, Any] | None) -> dict[str, Any]:
-    """Popen's arguments that start the rank as the runner user in the job's group only."""
+    """Popen's arguments that start the rank as the job's user, in the job's group only."""
     if run_as is None:
         return {}
     return {

@@ -24,22 +24,22 @@ scratch (launcher.rank_environment). The folders, all made by this runtime:
     <root>/<job>/<attempt>/<rank>/    control plane, 0711: the records and rank.log are
                                       0600; the keeper hands the log to the rank as an
                                       open file, so the rank cannot forge its records
-    .../<rank>/work/                  runner user, group = the job's, 0700: the private
+    .../<rank>/work/                  the job's user and group, 0700: the private
                                       folder the rank works in
     $QM_CHECKPOINT_DIR                control plane, group = the job's, 0770: the ranks
                                       of every attempt of the job write checkpoints there;
                                       the control plane (root) reads them
 
-Every rank of every job shares the runner's uid, so permission bits for the owner would
-not keep two jobs apart; the job's group does: another job's rank is neither the owner
-nor in the group of `<root>/<job>/` or of the checkpoint folder, so the kernel refuses
-it at the door, whatever lies behind. The same group also keeps jobs out of each other's
-processes: the kernel lets one process read another's /proc/<pid>/environ (where the
-events token is) only when uid and gid both match. The control plane's own processes
-run as another uid altogether. What the shared uid still allows is a signal from one
-job's rank to another's, and files a rank leaves in world-writable places such as /tmp
-(its TMPDIR is its own folder); where tenants must not be able to disturb each other at
-all, the Kubernetes runtime puts every rank in a container of its own.
+Every job's ranks run as a uid and gid of the job's own (runner.py), so another job's
+rank is neither the owner nor in the group of `<root>/<job>/` or of the checkpoint
+folder, and the kernel refuses it at the door, whatever lies behind. The same ids keep
+jobs out of each other's processes: the kernel lets one process read another's
+/proc/<pid>/environ (where the events token is) only when uid and gid both match, and
+an unprivileged process may signal only processes of its own uid. The control plane's
+own processes run as another uid altogether. What remains shared is the host network
+and world-writable places such as /tmp (a rank's TMPDIR is its own folder); where
+tenants must not be able to disturb each other at all, the Kubernetes runtime puts every
+rank in a container of its own.
 
 Running ranks as another user needs root: the keeper switches uid and gid, folders are
 handed to a job's group, and the control plane signals and inspects processes of
@@ -47,8 +47,9 @@ another uid. (The capabilities that adds up to, CAP_SETUID, CAP_SETGID, CAP_CHOW
 CAP_FOWNER, CAP_KILL, CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE, are most of root anyway,
 so root is the one setup supported and tested; runner.find_runner checks for it.) Without a runner account the ranks run as the control plane's user, in the
 same folders and with the same clean environment; `preemption.runtime` refuses that in
-production and warns once elsewhere. The runner user must be able to reach the Python
-interpreter and the code the commands name; `bin/runner-user` checks and grants that.
+production and warns once elsewhere. The ranks must be able to reach the Python interpreter
+and the code the commands name, as any other user; `bin/runner-user` checks that with
+the runner account and grants it.
 """
 
 from __future__ import annotations
@@ -436,7 +437,7 @@ class LocalRuntime:
             if self.runner is None
             else {
                 "user": self.runner.name,
-                "uid": self.runner.uid,
+                "uid": self.runner.job_uid(spec.job_id),
                 "gid": self.runner.job_gid(spec.job_id),
             },
             "launched_at": time.time(),

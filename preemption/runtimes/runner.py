@@ -1,13 +1,14 @@
-"""Who the local runtime runs ranks as: the runner user, with a group of the job's own.
+"""Who the local runtime runs ranks as: a user and a group of the job's own.
 
-Every rank of every job runs as one unprivileged OS user (QM_RUNNER_USER, `qm-runner` by
-default, created by `bin/runner-user`). Sharing that uid, two jobs would be each other's
-owners, so each job also gets a group id of its own, `gid_base + job_id`, as the rank's
-only group. Nothing needs to exist in /etc/group for that: the kernel checks numbers.
-The job's group is what keeps jobs apart (see local.py for the folders it guards), and it
-also makes the kernel refuse a rank that opens /proc/<pid>/environ, /proc/<pid>/mem or
-/proc/<pid>/cwd of another job's rank, since such access needs the same uid *and* the
-same gid (ptrace_may_access).
+The runner account (QM_RUNNER_USER, `qm-runner` by default, created by `bin/runner-user`)
+is the name ranks carry (USER, LOGNAME) and the unprivileged user whose reach to the
+interpreter and the repository `bin/runner-user` checks. Each job's ranks run with ids of
+their own: job N as uid and gid `gid_base + N`, its only group. Nothing needs to exist in
+/etc/passwd or /etc/group for that: the kernel checks numbers. Two jobs are then neither
+each other's owner nor in each other's group, so the kernel keeps them apart: the folders
+(see local.py for the ones the group guards), /proc/<pid>/environ, /proc/<pid>/mem and
+/proc/<pid>/cwd of another job's rank (ptrace_may_access needs the same uid and gid), and
+signals, which an unprivileged process may send only to processes of its own uid.
 
 Switching users, handing folders to the job's group and signalling the ranks needs root:
 without it there is no runner, and the reason says why.
@@ -19,18 +20,20 @@ import os
 import pwd
 from dataclasses import dataclass
 
-# The first group id handed to jobs: job N runs with group DEFAULT_GID_BASE + N. It sits
+# The first id handed to jobs: job N runs as uid and gid DEFAULT_GID_BASE + N. It sits
 # above the ranges that distributions, systemd and directory services hand out (all
-# below 2**31), so no job's group is some real group that files elsewhere belong to.
+# below 2**31), so no job's ids are those of some real user or group that files
+# elsewhere belong to.
 DEFAULT_GID_BASE = 2**31
 
-# The largest group id the kernel accepts; (gid_t)-1 means "unchanged" to setgid().
+# The largest user or group id the kernel accepts; (uid_t)-1 means "unchanged" to
+# setuid() and setgid().
 MAX_GID = 2**32 - 2
 
 
 @dataclass(frozen=True, slots=True)
 class RunnerAccount:
-    """The unprivileged user ranks run as, and where the per-job groups start."""
+    """The unprivileged user ranks are named after, and where the per-job ids start."""
 
     name: str
     uid: int
@@ -44,6 +47,10 @@ class RunnerAccount:
                 f"job {job_id} has no group id: {self.gid_base} + {job_id} is past {MAX_GID}"
             )
         return gid
+
+    def job_uid(self, job_id: int) -> int:
+        """The user every rank of this job runs as: the same number as its group."""
+        return self.job_gid(job_id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,7 @@ VICTIM_TOKEN = "victim-events-token-must-not-leak"
 # The attacker's program: the job's ordinary work, then one attack, then exit 0.
 ATTACK = textwrap.dedent(
     """
-    import errno, os, sys
+    import errno, os, signal, sys
     action, target = sys.argv[1], sys.argv[2]
     with open(os.path.join(os.environ["HOME"], "notes.txt"), "w") as notes:
         notes.write("my own work")
@@ -61,6 +61,9 @@ ATTACK = textwrap.dedent(
                 got = handle.read()
         elif action == "list":
             got = os.listdir(target)
+        elif action == "signal":
+            os.kill(int(target), signal.SIGTERM)
+            got = "signalled"
         else:
             with open(target, "w") as handle:
                 handle.write('{"exit_code": 99}')
@@ -163,7 +166,8 @@ def victim_folder(scene: Scene) -> Path:
 
 
 # One line per attack: what the rank tries, how, on which path, and the kernel's answer.
-ATTACKS: list[tuple[str, str, Callable[[Scene, int], Path], str]] = [
+ATTACKS: list[tuple[str, str, Callable[[Scene, int], Path | int], str]] = [
+    ("signal another job's rank", "signal", lambda s, job: s.victim_pid, "EPERM"),
     ("read the secret key", "read", lambda s, job: s.var / "secret_key", "EACCES"),
     ("read the SQLite database", "read", lambda s, job: s.var / "quartermaster.sqlite3", "EACCES"),
     ("list the control plane's var folder", "list", lambda s, job: s.var, "EACCES"),
@@ -223,7 +227,7 @@ def test_a_rank_is_refused(
     scene: Scene,
     what: str,
     action: str,
-    target: Callable[[Scene, int], Path],
+    target: Callable[[Scene, int], Path | int],
     expected: str,
 ) -> None:
     job_id = 200 + [attack[0] for attack in ATTACKS].index(what)
@@ -246,7 +250,7 @@ def test_a_rank_is_refused(
     assert (work / "notes.txt").read_text() == "my own work"
     saved = scene.checkpoints(job_id) / "step_1.pt"
     assert saved.read_text() == f"checkpoint of job {job_id}"
-    assert saved.stat().st_uid == scene.runtime.runner.uid  # type: ignore[union-attr]
+    assert saved.stat().st_uid == scene.runtime.runner.job_uid(job_id)  # type: ignore[union-attr]
     assert stat.S_IMODE(saved.stat().st_mode) == 0o600
     # Nothing the attack aimed at changed: the victim runs on with its secret.
     assert scene.runtime.observe(GangId(VICTIM_JOB, 1))[0].phase == "running"
@@ -279,7 +283,7 @@ def test_the_control_plane_keeps_its_var_folder_to_itself(scene: Scene) -> None:
     assert (scene.runtime.root / str(VICTIM_JOB)).stat().st_gid == job_gid
     assert scene.checkpoints(VICTIM_JOB).stat().st_gid == job_gid
     assert (victim_folder(scene).stat().st_uid, victim_folder(scene).stat().st_gid) == (
-        runner.uid,
+        job_gid,
         job_gid,
     )
     # SQLite gives its write-ahead log the database's mode.
@@ -287,7 +291,7 @@ def test_the_control_plane_keeps_its_var_folder_to_itself(scene: Scene) -> None:
     assert not wal.exists() or stat.S_IMODE(wal.stat().st_mode) == 0o600
 
 
-def test_the_victim_rank_runs_as_the_runner_in_its_job_group_without_new_privileges(
+def test_the_victim_rank_runs_as_its_job_user_and_group_without_new_privileges(
     scene: Scene,
 ) -> None:
     status = Path(f"/proc/{scene.victim_pid}/status").read_text().splitlines()
@@ -295,7 +299,7 @@ def test_the_victim_rank_runs_as_the_runner_in_its_job_group_without_new_privile
     runner = scene.runtime.runner
     assert runner is not None
     gid = runner.job_gid(VICTIM_JOB)
-    assert fields["Uid"].split() == [str(runner.uid)] * 4
+    assert fields["Uid"].split() == [str(runner.job_uid(VICTIM_JOB))] * 4
     assert fields["Gid"].split() == [str(gid)] * 4
     assert fields["Groups"].split() == []
     # No setuid program (su, sudo, newgrp) can hand privileges back.

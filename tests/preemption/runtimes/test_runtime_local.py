@@ -199,7 +199,8 @@ def test_every_rank_sees_rendezvous_and_trap_environment(
         assert "DATABASE_URL" not in seen and "SECRET_KEY" not in seen
         assert "PYTHONPATH" not in seen
         gid = runtime.runner.job_gid(2)
-        assert f"uid={runtime.runner.uid} gid={gid} groups={gid} cwd={rank_dir / 'work'}" in lines
+        # The job's own user as well as its own group.
+        assert f"uid={gid} gid={gid} groups={gid} cwd={rank_dir / 'work'}" in lines
         master_ports.add(int(seen["MASTER_PORT"]))
     assert master_ports == {gang_record["master_port"]}
 
