@@ -143,7 +143,20 @@ class CheckpointAdmin(ReadOnlyAdmin):
 
 
 class WebhookAdminForm(forms.ModelForm):  # type: ignore[type-arg]
-    """The admin's webhook form refuses the destinations the API refuses."""
+    """The admin's webhook form refuses the destinations the API refuses, and treats the
+    signing secret as write-only: the page never shows it (as the API only says whether
+    one is set), a blank field keeps the current one, and removing it is explicit."""
+
+    secret = forms.CharField(
+        required=False,
+        max_length=64,
+        strip=False,
+        widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"}),
+        help_text="Write-only. Leave blank to keep the current secret.",
+    )
+    remove_secret = forms.BooleanField(
+        required=False, label="Remove the secret", help_text="Deliveries go out unsigned."
+    )
 
     class Meta:
         model = Webhook
@@ -156,11 +169,22 @@ class WebhookAdminForm(forms.ModelForm):  # type: ignore[type-arg]
             raise forms.ValidationError(refusal)
         return url
 
+    def clean(self) -> dict[str, Any]:
+        cleaned: dict[str, Any] = super().clean() or {}
+        if cleaned.get("remove_secret"):
+            if cleaned.get("secret"):
+                self.add_error("secret", "Either a new secret or its removal, not both.")
+            cleaned["secret"] = ""
+        elif not cleaned.get("secret"):
+            cleaned["secret"] = self.instance.secret if self.instance.pk else ""
+        return cleaned
+
 
 @admin.register(Webhook)
 class WebhookAdmin(admin.ModelAdmin):
     form = WebhookAdminForm
-    list_display = ["team", "url", "active", "created_at"]
+    # The origin only: a webhook URL may carry a credential in its path.
+    list_display = ["team", "origin", "active", "created_at"]
     list_filter = ["active"]
 
 

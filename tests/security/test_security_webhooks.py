@@ -393,3 +393,41 @@ def test_a_failing_receiver_keeps_its_other_notices_without_spending_their_tries
     assert (first.tries, first.last_error) == (1, "HTTP 500")
     assert (second.tries, second.last_error) == (0, "") and second.next_try_at <= timezone.now()
     assert len(receiver.hits) == 1
+
+
+def test_the_admin_never_shows_the_signing_secret_and_keeps_it_unless_told(
+    world: Any, receivers: list[Receiver]
+) -> None:
+    from django.test import Client
+    from django.urls import reverse
+
+    receiver = _serve(receivers, ok)
+    hook = webhook_create(
+        actor=world.users["admin"], team=world.vision, url=receiver.url(), secret="kept-s3cret"
+    )
+    browser = Client()
+    browser.force_login(world.users["admin"])
+    change = reverse("admin:preemption_webhook_change", args=[hook.pk])
+    listing = browser.get(reverse("admin:preemption_webhook_changelist"))
+    page = browser.get(change)
+    assert page.status_code == 200 and listing.status_code == 200
+    assert b"kept-s3cret" not in page.content and b"kept-s3cret" not in listing.content
+    form = {"team": world.vision.pk, "url": hook.url, "events": '["finished"]', "active": "on"}
+
+    # A blank secret field keeps the secret; the edit of another field goes through.
+    kept = browser.post(change, {**form, "secret": ""})
+    assert kept.status_code == 302, kept.context["adminform"].form.errors
+    hook.refresh_from_db()
+    assert hook.secret == "kept-s3cret"
+    # A new secret and its removal at once: refused, nothing changed.
+    page = browser.post(change, {**form, "secret": "new", "remove_secret": "on"})
+    assert page.status_code == 200 and b"not both" in page.content
+    hook.refresh_from_db()
+    assert hook.secret == "kept-s3cret"
+    # A new secret replaces it; removal clears it.
+    assert browser.post(change, {**form, "secret": "rotated"}).status_code == 302
+    hook.refresh_from_db()
+    assert hook.secret == "rotated"
+    assert browser.post(change, {**form, "remove_secret": "on"}).status_code == 302
+    hook.refresh_from_db()
+    assert hook.secret == ""
