@@ -19,6 +19,7 @@ from portal.rest.quotas import (
     NodeViewSet,
     PriorityClassViewSet,
     QuotaViewSet,
+    SchedulingPolicyView,
     TeamViewSet,
 )
 from portal.rest.tokens import ApiTokenViewSet
@@ -52,5 +53,6 @@ def api_not_found(request: HttpRequest, unmatched: str) -> JsonResponse:
 urlpatterns = [
     *router.urls,
     path("usage/", UsageView.as_view(), name="usage"),
+    path("scheduling-policy/", SchedulingPolicyView.as_view(), name="scheduling-policy"),
     re_path(r"^(?P<unmatched>[\s\S]*)$", api_not_found),
 ]
