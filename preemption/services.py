@@ -86,7 +86,7 @@ def job_submit(
         errors["max_attempts"] = [f"Must be a whole number from 1 to {MAX_ATTEMPTS}."]
     if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
         errors["retries"] = [f"Must be a whole number from 0 to {MAX_RETRIES} (got {retries})."]
-    errors.update(_topology_errors(topology_level, topology_required))
+    errors.update(topology_errors(topology_level, topology_required))
     allowance = priority_allowance(team=team)
     if priority_class is None:
         priority_class = allowance.default
@@ -129,7 +129,7 @@ def job_submit(
     return job
 
 
-def _topology_errors(level: object, required: object) -> dict[str, list[str]]:
+def topology_errors(level: object, required: object) -> dict[str, list[str]]:
     errors: dict[str, list[str]] = {}
     levels = topology_levels()
     if not isinstance(level, str):
@@ -153,7 +153,7 @@ def job_topology_set(
     its placement, so only a waiting one may change. The caller checks that the
     actor may act on the job (its submitter, a manager above its team, an admin)."""
     job = Job.objects.select_for_update().get(pk=job.pk)
-    errors = _topology_errors(level, required)
+    errors = topology_errors(level, required)
     if job.state not in WAITING_STATES:
         errors["state"] = [
             f"Job {job.pk} is {job.state}; only a waiting job's topology may change."

@@ -635,7 +635,7 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _policy_errors(changes: dict[str, Any]) -> dict[str, list[str]]:
+def scheduling_policy_errors(changes: dict[str, Any]) -> dict[str, list[str]]:
     errors: dict[str, list[str]] = {}
     for field, value in changes.items():
         if field == "usage_strength":
@@ -677,7 +677,7 @@ def scheduling_policy_update(
     """
     if actor is not None and not (actor.is_authenticated and getattr(actor, "is_staff", False)):
         raise PermissionDenied("Only platform admins change the cluster's scheduling policy.")
-    if errors := _policy_errors(changes):
+    if errors := scheduling_policy_errors(changes):
         raise ValidationError(errors)
     SchedulingPolicy.objects.select_for_update().filter(pk=SchedulingPolicy.SINGLETON).first()
     policy = scheduling_policy()
