@@ -43,7 +43,7 @@ from preemption.models import (
     Rank,
     Webhook,
 )
-from preemption.reasons import describe_preemption
+from preemption.reasons import describe_preemption, why_waiting
 from preemption.runtimes.base import RuntimePermanentError
 from preemption.webhooks import webhook_create, webhook_delete
 from quotas.models import PriorityClass, ResourceFlavor, Team
@@ -129,6 +129,9 @@ class JobSerializer(serializers.ModelSerializer[Job]):
     flavor = serializers.SlugRelatedField(slug_field="name", read_only=True)
     gpus = serializers.IntegerField(read_only=True)
     env = serializers.DictField(child=serializers.CharField(), read_only=True)
+    why_waiting = serializers.SerializerMethodField(
+        help_text="Why a waiting job waits, as its page says it; empty otherwise."
+    )
 
     class Meta:
         model = Job
@@ -162,8 +165,13 @@ class JobSerializer(serializers.ModelSerializer[Job]):
             "retries_used",
             "topology_level",
             "topology_required",
+            "protected_until",
+            "why_waiting",
         ]
         read_only_fields = fields
+
+    def get_why_waiting(self, job: Job) -> str:
+        return why_waiting(job)
 
 
 class JobDetailSerializer(JobSerializer):

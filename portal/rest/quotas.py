@@ -288,6 +288,11 @@ class QuotaPreviewResultSerializer(serializers.Serializer[Any]):
     fair_share = serializers.DictField(
         help_text="Per team and flavor: the fair share before and after."
     )
+    decayed_usage = serializers.ListField(
+        child=serializers.DictField(),
+        help_text="Teams whose fair share of the flavor recent usage makes smaller after "
+        "the change: `team`, `usage_ratio`, `fair_share`, `weight_fair_share` and `why`.",
+    )
     non_preemptible = serializers.DictField(
         help_text=(
             "Jobs of never-preempted classes in the team's subtree: `running` (their GPUs, "
