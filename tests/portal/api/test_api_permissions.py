@@ -363,6 +363,11 @@ case("GET", "/api/v1/flavors/", Case("list", "GET", lambda w, o: f"{V1}/flavors/
 case("GET", "/api/v1/usage/", Case("now", "GET", lambda w, o: f"{V1}/usage/", EVERYONE))
 case(
     "GET",
+    "/api/v1/fragmentation/",
+    Case("now", "GET", lambda w, o: f"{V1}/fragmentation/", EVERYONE),
+)
+case(
+    "GET",
     "/api/v1/scheduling-policy/",
     Case("read", "GET", lambda w, o: f"{V1}/scheduling-policy/", EVERYONE),
 )
