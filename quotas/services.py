@@ -202,6 +202,44 @@ def node_upsert(
 
 
 @transaction.atomic
+def node_topology_sync(*, topology_by_node: dict[str, dict[str, str]]) -> list[str]:
+    """Write each node's topology as the runtime reports it (the Kubernetes nodes'
+    labels, the local runtime's inventory) into its labels, under the level's label key;
+    a level the runtime no longer reports is removed. Nodes the runtime does not report
+    keep theirs. Returns the names of the nodes that changed, each audited as the
+    system's change. A level the cluster does not have or a domain that is not a label
+    value refuses the whole sync (ValidationError naming the node)."""
+    levels = topology_levels()
+    changed = []
+    for node in Node.objects.select_for_update().filter(name__in=topology_by_node).order_by("name"):
+        reported = topology_by_node[node.name]
+        topology: dict[str, str | None] = {level: None for level in levels}
+        topology.update(reported)
+        labels = node.labels if isinstance(node.labels, dict) else {}
+        try:
+            merged = topology_to_labels(labels=labels, topology=topology)
+        except ValidationError as error:
+            raise ValidationError(
+                {"topology": [f"node {node.name}: {m}" for m in error.message_dict["topology"]]}
+            ) from None
+        if merged == labels:
+            continue
+        before = _node_values(node)
+        node.labels = merged
+        node.save(update_fields=["labels"])
+        _audit(
+            actor=None,
+            action="node.topology",
+            obj=node,
+            team=None,
+            before=before,
+            after=_node_values(node),
+        )
+        changed.append(node.name)
+    return changed
+
+
+@transaction.atomic
 def node_delete(*, actor: AbstractBaseUser | None, node: Node) -> None:
     if job_ledger().node_runs_active_ranks(node.name):
         raise ValidationError({"node": [f"Node {node.name} still runs ranks of active jobs."]})
