@@ -21,44 +21,16 @@ from preemption.cycle import schedule_cycle
 from preemption.models import Attempt, Job, JobState, Rank
 from preemption.quota_preview import quota_preview
 from preemption.services import job_submit
-from quotas.models import PriorityClass, Quota
+from quotas.models import PriorityClass
 from quotas.services import scheduling_policy_update
-from tests import builders
-from tests.portal.pages.conftest import page_client
+from tests.portal.pages.conftest import page_client, seed_decayed_usage
 
 pytestmark = pytest.mark.django_db
-
-WEEK = 7 * 86_400.0
 
 
 @pytest.fixture
 def heavy_vision(world: Any) -> Any:
-    """vision used 8 GPUs for the whole last week, nlp nothing; both now want 16.
-
-    By hand, with a half-life h of a week: the attempt adds 8 · h/ln 2 · (1 - 1/2) =
-    4h/ln 2 decayed GPU-seconds, of which vision's guarantee of 2 held all the time
-    accounts for 2h/ln 2, so vision borrowed 2h/ln 2 and nlp nothing. With equal
-    weights each sibling's share of what they borrowed is h/ln 2: vision used 2.0×
-    its share. At strength 1 vision's weight for the surplus becomes 1/2 and nlp's
-    (ratio 0, bounded to 1/8) becomes 8. By weight alone each gets 2 + 20/2 = 12; with
-    usage nlp's share (2 + 20 · 8/8.5) is more than the 16 it wants, so it gets 16 and
-    vision the other 8.
-    """
-    Quota.objects.filter(team__in=[world.vision, world.nlp]).update(guarantee=2)
-    scheduling_policy_update(
-        actor=world.users["admin"], usage_strength=1.0, usage_half_life_seconds=WEEK
-    )
-    now = timezone.now()
-    past = builders.job(world, world.vision, state=JobState.SUCCEEDED, ranks=2, gpus_per_rank=4)
-    Attempt.objects.create(
-        job=past,
-        number=1,
-        admitted_at=now - timedelta(seconds=WEEK),
-        ended_at=now,
-        placement=[{"node": "h100-node-0", "ranks": 2}],
-    )
-    for team in (world.vision, world.nlp):
-        builders.job(world, team, state=JobState.PENDING, ranks=2, gpus_per_rank=8)
+    seed_decayed_usage(world)
     return world
 
 
