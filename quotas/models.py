@@ -131,8 +131,8 @@ class PriorityClass(models.Model):
     inside its own team; `preemptible` decides whether it may ever be a victim.
     `min_runtime_seconds` protects a fresh job from priority, fair-share and
     consolidation preemption; the four `*_min_runtime_seconds` fields set this
-    class's own minimum for one preemption reason (empty: the cluster's setting
-    `QM_<REASON>_MIN_RUNTIME_SECONDS`, raised to `min_runtime_seconds`).
+    class's own minimum for one preemption reason (empty: the cluster's scheduling
+    policy, `SchedulingPolicy`, raised to `min_runtime_seconds`).
     """
 
     class Policy(models.TextChoices):
