@@ -23,6 +23,7 @@ from preemption.quota_preview import quota_preview
 from preemption.services import job_submit
 from quotas.models import PriorityClass
 from quotas.services import scheduling_policy_update
+from tests import builders
 from tests.portal.pages.conftest import page_client, seed_decayed_usage
 
 pytestmark = pytest.mark.django_db
@@ -174,3 +175,21 @@ def test_a_job_whose_only_victims_are_protected_says_until_when(world: Any) -> N
     Job.objects.filter(pk=waiting.pk).update(protected_until=timezone.now() - timedelta(seconds=1))
     api = world.client("researcher").get(f"/api/v1/jobs/{waiting.pk}/").json()
     assert api["why_waiting"] == waiting.waiting_reason
+
+
+def test_the_job_page_says_where_its_ranks_must_sit(world: Any) -> None:
+    required = builders.job(world, world.vision, state=JobState.PENDING, topology_level="rack")
+    preferred = builders.job(
+        world,
+        world.vision,
+        state=JobState.PENDING,
+        topology_level="block",
+        topology_required=False,
+    )
+    client = page_client(world, "researcher")
+    page = client.get(reverse("job-detail", args=[required.pk])).content.decode()
+    assert '<span id="topology">all ranks in one rack</span>' in page
+    page = client.get(reverse("job-detail", args=[preferred.pk])).content.decode()
+    assert (
+        '<span id="topology">all ranks in one block if one has room, else anywhere</span>'
+    ) in page
