@@ -39,6 +39,7 @@ from .scenario import (
     snapshot_from_dict,
     snapshot_to_dict,
 )
+from .shares import usage_words
 from .whatif import apply_changes, diff
 
 __all__ = [
@@ -76,4 +77,5 @@ __all__ = [
     "plan_to_dict",
     "snapshot_from_dict",
     "snapshot_to_dict",
+    "usage_words",
 ]

@@ -153,7 +153,7 @@ class FlavorPlanner:
         # candidates' version and what protects its victims, as found by
         # _protected_until.
         self.protection_by_kind: dict[
-            tuple[int, int, int, int, bool], tuple[tuple[int, int], str]
+            tuple[int, int, int, int, bool], tuple[tuple[int, int], tuple[str, float | None]]
         ] = {}
         self.node_searches_left = NODE_SEARCHES_PER_PLAN
         self.consolidations_left = CONSOLIDATIONS_PER_PLAN
@@ -400,13 +400,14 @@ class FlavorPlanner:
                 nodes.unplaceable_in_domain.clear()
                 self._take(job, victims, placement)
                 return
+        protected_until: float | None = None
         if quota_reason is None:
             shape = (ranks, gpus_per_rank)
             quota_reason = self.reason_by_shape.get(shape)
             if quota_reason is None:
                 quota_reason = self._physical_reason(ranks, gpus_per_rank)
                 self.reason_by_shape[shape] = quota_reason
-            protection = self._protected_until(job, modes)
+            protection, protected_until = self._protected_until(job, modes)
             if protection:
                 quota_reason = f"{quota_reason}; {protection}"
             if self.usage_matters:
@@ -415,7 +416,7 @@ class FlavorPlanner:
                     quota_reason = f"{quota_reason}; {usage_reason}"
         known = self.waits.get(workload.id)
         if known is None or known.reason != quota_reason:
-            self.waits[workload.id] = Waiting(workload.id, quota_reason)
+            self.waits[workload.id] = Waiting(workload.id, quota_reason, protected_until)
 
     def _take(self, job: PendingJob, victims: Victims, placement: Placement) -> None:
         """Make ``victims`` give way to ``job``, which starts or waits on ``placement``."""
@@ -648,8 +649,9 @@ class FlavorPlanner:
             f"{workload.gpus_per_rank} GPUs together"
         )
 
-    def _protected_until(self, job: PendingJob, modes: list[str]) -> str:
-        """Until when the victims that would let ``job`` in are protected, or "".
+    def _protected_until(self, job: PendingJob, modes: list[str]) -> tuple[str, float | None]:
+        """Until when the victims that would let ``job`` in are protected, in words and
+        as a moment, or ("", None).
 
         Asked only of a workload that found no victims while some candidates were passed
         over for their minimum runtime: its searches run again with that protection
@@ -672,7 +674,7 @@ class FlavorPlanner:
         if known is not None and known[0] == version:
             return known[1]
         if not victims.protected or self.protection_searches_left <= 0:
-            return ""
+            return "", None
         self.protection_searches_left -= 1
         victims.ignore_protection = True
         try:
@@ -691,6 +693,7 @@ class FlavorPlanner:
         finally:
             victims.ignore_protection = False
         phrase = ""
+        moment_at: float | None = None
         if found is not None:
             chosen, _ = found
             for run, _ in chosen:
@@ -703,6 +706,7 @@ class FlavorPlanner:
             ]
             if protected:
                 until = max(at for _, _, at in protected)
+                moment_at = until
                 ids = [run.workload.id for run, _, _ in protected]
                 reasons = sorted({reason for _, reason, _ in protected})
                 moment = datetime.fromtimestamp(until, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -710,8 +714,8 @@ class FlavorPlanner:
                     f"{_jobs_phrase(ids)} may be preempted ({', '.join(reasons)}) only after "
                     f"their minimum runtime, at {moment} (in {until - self.now:.0f} s)"
                 )
-        self.protection_by_kind[kind] = (version, phrase)
-        return phrase
+        self.protection_by_kind[kind] = (version, (phrase, moment_at))
+        return phrase, moment_at
 
     def _modes(self, job: PendingJob) -> list[str]:
         """The kinds of preemption that could let ``job`` in: reclaim, priority, fair share."""

@@ -14,7 +14,13 @@ from collections.abc import Sequence
 
 from .model import PriorityClass, Snapshot
 from .rules import r3_guarantee_line, r4_within_borrow_limit, r5_may_use_borrowed
-from .shares import USAGE_RATIO_BOUNDS, fair_shares, usage_adjusted_weights, usage_ratios
+from .shares import (
+    USAGE_RATIO_BOUNDS,
+    fair_shares,
+    usage_adjusted_weights,
+    usage_ratios,
+    usage_words,
+)
 from .tree import QueueTree
 
 
@@ -209,11 +215,12 @@ class QuotaLedger:
             plain = self.plain_fair_share[x]
             ratio = self.usage_ratio[x]
             if ratio > 1 and fair < plain - 1e-9 and after > fair + 1e-9:
-                days = self.half_life_seconds / 86_400
-                period = "the last week" if days == 7 else f"a half-life of {days:g} days"
-                return (
-                    f"team {self.tree.names[x]} used {ratio:.1f}× its share of the spare "
-                    f"{self.flavor} GPUs over {period}: its fair share is {fair:.1f} GPUs "
-                    f"instead of {plain:.1f}"
+                return usage_words(
+                    team=self.tree.names[x],
+                    flavor=self.flavor,
+                    ratio=ratio,
+                    fair_share=fair,
+                    weight_fair_share=plain,
+                    half_life_seconds=self.half_life_seconds,
                 )
         return None

@@ -304,10 +304,15 @@ class Preemption:
 
 @dataclass(frozen=True, slots=True)
 class Waiting:
-    """A pending workload that stays pending, with a sentence saying why."""
+    """A pending workload that stays pending, with a sentence saying why.
+
+    ``protected_until`` is set when victims that would let it in exist but are protected
+    by their minimum runtime: the moment the last of them may go.
+    """
 
     id: str
     reason: str
+    protected_until: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,7 +322,9 @@ class QueueStatus:
     ``usage`` counts GPUs held by running, terminating and newly admitted workloads;
     ``fair_share`` is the demand-capped share from hierarchical water-filling;
     ``borrowed`` is usage beyond the guarantee and ``lent`` the part of the idle
-    guarantee that other queues use.
+    guarantee that other queues use. With decayed usage, ``weight_fair_share`` is the
+    fair share by weight alone and ``usage_ratio`` what the queue used recently beyond
+    its guarantee relative to its weight's share of its siblings' (1: exactly its share).
     """
 
     guarantee: int
@@ -325,6 +332,8 @@ class QueueStatus:
     fair_share: float
     borrowed: int
     lent: int
+    weight_fair_share: float = 0.0
+    usage_ratio: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,6 +112,26 @@ def usage_ratios(
     return ratios
 
 
+def usage_words(
+    *,
+    team: str,
+    flavor: str,
+    ratio: float,
+    fair_share: float,
+    weight_fair_share: float,
+    half_life_seconds: float,
+) -> str:
+    """Decayed usage as the reason a team's fair share is smaller, in one sentence
+    (lower case, no full stop): the engine's waiting reasons and the portal's pages
+    both word it here, so the figures read the same everywhere."""
+    days = half_life_seconds / 86_400
+    period = "the last week" if days == 7 else f"a half-life of {days:g} days"
+    return (
+        f"team {team} used {ratio:.1f}× its share of the spare {flavor} GPUs over "
+        f"{period}: its fair share is {fair_share:.1f} GPUs instead of {weight_fair_share:.1f}"
+    )
+
+
 def usage_adjusted_weights(
     tree: QueueTree, ratios: Sequence[float], strength: float
 ) -> list[float]:

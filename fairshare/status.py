@@ -61,6 +61,8 @@ def queue_statuses(
             fair_share=round(ledger.fair_share[queue], 6),
             borrowed=max(0, held[queue] - guarantee[queue]),
             lent=round(lent[queue]),
+            weight_fair_share=round(ledger.plain_fair_share[queue], 6),
+            usage_ratio=round(ledger.usage_ratio[queue], 6),
         )
         for queue in range(count)
     }

@@ -11,7 +11,6 @@ from .model import (
     FairShareMove,
     FlavorQuota,
     FrozenMap,
-    Queue,
     QuotaChange,
     ScenarioError,
     Snapshot,
@@ -36,9 +35,8 @@ def apply_changes(snapshot: Snapshot, changes: Sequence[QuotaChange]) -> Snapsho
         quotas: dict[str, FlavorQuota] = dict(queue.quotas)
         quotas[change.flavor] = quota
         weight = queue.weight if isinstance(change.weight, Unset) else change.weight
-        queues[change.queue] = Queue(
-            name=queue.name, parent=queue.parent, weight=weight, quotas=FrozenMap(quotas)
-        )
+        # Everything else about the queue, its recent usage included, stays as it is.
+        queues[change.queue] = dataclasses.replace(queue, weight=weight, quotas=FrozenMap(quotas))
     return dataclasses.replace(snapshot, queues=tuple(queues[q.name] for q in snapshot.queues))
 
 

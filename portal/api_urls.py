@@ -19,10 +19,11 @@ from portal.rest.quotas import (
     NodeViewSet,
     PriorityClassViewSet,
     QuotaViewSet,
+    SchedulingPolicyView,
     TeamViewSet,
 )
 from portal.rest.tokens import ApiTokenViewSet
-from portal.rest.usage import UsageView
+from portal.rest.usage import FragmentationView, UsageView
 
 router = DefaultRouter()
 router.register("flavors", FlavorViewSet, basename="flavor")
@@ -52,5 +53,7 @@ def api_not_found(request: HttpRequest, unmatched: str) -> JsonResponse:
 urlpatterns = [
     *router.urls,
     path("usage/", UsageView.as_view(), name="usage"),
+    path("fragmentation/", FragmentationView.as_view(), name="fragmentation"),
+    path("scheduling-policy/", SchedulingPolicyView.as_view(), name="scheduling-policy"),
     re_path(r"^(?P<unmatched>[\s\S]*)$", api_not_found),
 ]

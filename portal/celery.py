@@ -37,6 +37,12 @@ def _schedule(sender: Celery, **_: object) -> None:
     sender.add_periodic_task(
         5.0, sender.signature("preemption.tasks.deliver_webhooks"), name="deliver webhooks"
     )
+    # Topology labels change rarely (a node moved to another rack): once a minute is soon.
+    sender.add_periodic_task(
+        60.0,
+        sender.signature("preemption.tasks.sync_node_topology"),
+        name="sync node topology",
+    )
     # Undo edits to the cluster's PriorityClasses (Kubernetes runtime only).
     sender.add_periodic_task(
         60.0,

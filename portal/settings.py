@@ -300,7 +300,8 @@ QM_RETRY_BACKOFF_SECONDS = env_float("QM_RETRY_BACKOFF_SECONDS", 10.0, minimum=0
 QM_RUNTIME_RETRY_SECONDS = env_float("QM_RUNTIME_RETRY_SECONDS", 2.0, minimum=0.0)
 QM_RUNTIME_TRIES = env_int("QM_RUNTIME_TRIES", 8, minimum=1)
 # How long a job runs before the scheduler may preempt it, per reason; a priority
-# class may set its own. Priority and reclaim: none, so that urgent work and
+# class may set its own. These and QM_USAGE_* are the scheduling policy until an admin
+# first changes it (quotas.models.SchedulingPolicy, /api/v1/scheduling-policy/). Priority and reclaim: none, so that urgent work and
 # guarantees come first; fair share: a minute, so that GPUs handed out in one
 # cycle are not taken back in the next; consolidation: ten minutes, so that no
 # job is moved twice in quick succession.

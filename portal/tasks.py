@@ -14,7 +14,7 @@ from django.utils import timezone
 from preemption.cycle import schedule_cycle as run_cycle
 from preemption.k8s_sync import priority_classes_sync
 from preemption.reconcile import reconcile_jobs
-from preemption.runtime import get_runtime
+from preemption.runtime import get_runtime, sync_node_topology
 from preemption.wakeup import SCHEDULE_CYCLE_TASK
 from preemption.webhooks import deliver_due
 from telemetry.services import utilization_sample
@@ -48,6 +48,12 @@ def sync_priority_classes() -> int:
     if settings.QM_RUNTIME != "kubernetes":
         return 0
     return priority_classes_sync(api_client=get_runtime().api_client)  # type: ignore[attr-defined]
+
+
+@shared_task(name="preemption.tasks.sync_node_topology", expires=60, **COMMON)
+def sync_node_topology_task() -> int:
+    """Read the nodes' topology from the runtime into the database; how many changed."""
+    return len(sync_node_topology())
 
 
 @shared_task(name="telemetry.tasks.sample_utilization", expires=30, **COMMON)

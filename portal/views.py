@@ -36,7 +36,14 @@ from preemption.reasons import describe_preemption
 from preemption.runtime import runtime_problems
 from preemption.selectors import job_list, preemption_event_list
 from quotas.selectors import access_for, priority_class_list
-from telemetry.selectors import UsageNow, flavors_now, overview_teams, pending_jobs, team_rows
+from telemetry.selectors import (
+    UsageNow,
+    flavors_now,
+    free_blocks,
+    overview_teams,
+    pending_jobs,
+    team_rows,
+)
 
 RECENT_PREEMPTIONS = 10
 PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
@@ -89,6 +96,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
             "pending": pending,
             "pending_count": pending_count,
             "preemptions": preemptions,
+            "free_blocks": free_blocks(),
             "nav": "dashboard",
         },
     )

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
@@ -154,7 +154,7 @@ def _apply(
         job_id = int(admission.id)
         claimed = Job.objects.filter(
             pk=job_id, state__in=[JobState.PENDING, JobState.REQUEUED]
-        ).update(state=JobState.ADMITTED, admitted_at=now, waiting_reason="")
+        ).update(state=JobState.ADMITTED, admitted_at=now, waiting_reason="", protected_until=None)
         if claimed != 1:
             continue
         attempt = Attempt.objects.create(
@@ -212,14 +212,31 @@ def _apply(
 
 
 def _store_waiting(plan: fairshare.Plan, held: dict[int, str]) -> None:
-    """Write each waiting job's reason, only where it changed."""
-    reasons = {int(w.id): w.reason[:300] for w in plan.waiting}
-    reasons.update({job_id: reason[:300] for job_id, reason in held.items()})
+    """Write each waiting job's reason and until when its victims are protected, only
+    where they changed."""
+    reasons: dict[int, tuple[str, datetime | None]] = {
+        int(w.id): (
+            w.reason[:300],
+            datetime.fromtimestamp(w.protected_until, UTC)
+            if w.protected_until is not None
+            else None,
+        )
+        for w in plan.waiting
+    }
+    reasons.update({job_id: (reason[:300], None) for job_id, reason in held.items()})
     if not reasons:
         return
-    current = dict(Job.objects.filter(pk__in=reasons).values_list("id", "waiting_reason"))
-    changed = [job_id for job_id, reason in reasons.items() if current.get(job_id) != reason]
+    current = {
+        job_id: (reason, until)
+        for job_id, reason, until in Job.objects.filter(pk__in=reasons).values_list(
+            "id", "waiting_reason", "protected_until"
+        )
+    }
+    changed = [job_id for job_id, values in reasons.items() if current.get(job_id) != values]
     if not changed:
         return
-    rows = [Job(pk=job_id, waiting_reason=reasons[job_id]) for job_id in changed]
-    Job.objects.bulk_update(rows, ["waiting_reason"], batch_size=500)
+    rows = [
+        Job(pk=job_id, waiting_reason=reasons[job_id][0], protected_until=reasons[job_id][1])
+        for job_id in changed
+    ]
+    Job.objects.bulk_update(rows, ["waiting_reason", "protected_until"], batch_size=500)

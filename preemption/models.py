@@ -56,6 +56,9 @@ class Job(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True, db_index=True)
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
     waiting_reason = models.CharField(max_length=300, blank=True)
+    # Set while the job's only possible victims are protected by their minimum
+    # runtime: when the last of them may go (the engine's Waiting.protected_until).
+    protected_until = models.DateTimeField(null=True, blank=True)
     failure_reason = models.CharField(max_length=300, blank=True)
     resume_step = models.PositiveIntegerField(null=True, blank=True)
     # All ranks inside one domain of this topology level (a key of QM_TOPOLOGY_LABELS,

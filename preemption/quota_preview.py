@@ -12,7 +12,7 @@ from django.db import models
 
 import fairshare
 from preemption.models import ACTIVE_STATES, WAITING_STATES, Job
-from preemption.reasons import Preemptor, preemption_words
+from preemption.reasons import Preemptor, preemption_words, usage_lowers_share, usage_words
 from preemption.snapshot import build_snapshot
 from quotas.models import Quota, ResourceFlavor, Team
 from quotas.selectors import team_tree
@@ -102,8 +102,12 @@ def quota_preview(
         lend_limit=new_lend,
         **({} if weight is UNSET else {"weight": float(weight)}),
     )
-    consequences = fairshare.diff(build_snapshot(), [change])
+    snapshot = build_snapshot()
+    consequences = fairshare.diff(snapshot, [change])
     result = fairshare.consequences_to_dict(consequences)
+    result["decayed_usage"] = decayed_usage_effects(
+        fairshare.apply_changes(snapshot, [change]), flavor=quota.flavor.name
+    )
     _describe_reclaimed(result.get("reclaimed", []))
     result["non_preemptible"] = non_preemptible_work(
         team=quota.team, flavor=quota.flavor, guarantee=new_guarantee
@@ -116,6 +120,34 @@ def quota_preview(
         "lend_limit": {"before": quota.lend_limit, "after": new_lend},
     }
     return result
+
+
+def decayed_usage_effects(snapshot: fairshare.Snapshot, *, flavor: str) -> list[dict[str, Any]]:
+    """Each team whose fair share of `flavor` decayed usage makes smaller in the plan
+    of `snapshot`: its usage ratio, fair share with and without it, and the sentence
+    that says so (the one the job pages use). Empty while usage does not count."""
+    if snapshot.usage_strength <= 0:
+        return []
+    effects = []
+    for team, flavors in sorted(fairshare.plan(snapshot).queues.items()):
+        status = flavors.get(flavor)
+        if status is None or not usage_lowers_share(status):
+            continue
+        effects.append(
+            {
+                "team": team,
+                "usage_ratio": round(status.usage_ratio, 2),
+                "fair_share": round(status.fair_share, 2),
+                "weight_fair_share": round(status.weight_fair_share, 2),
+                "why": usage_words(
+                    team=team,
+                    flavor=flavor,
+                    status=status,
+                    half_life_seconds=snapshot.usage_half_life_seconds,
+                ),
+            }
+        )
+    return effects
 
 
 def _job_key(value: Any) -> int | None:

@@ -1,6 +1,6 @@
 """Why a job was (or would be) preempted, in words a researcher understands.
 
-The one place that words a preemption's reason. The scheduling cycle stores
+The one place that words a preemption's reason, and why a job waits. The scheduling cycle stores
 these words as the event's `cause` when it decides; the job page, the
 dashboard, the API's `why` field (which `qm show` prints) and the quota
 preview all word the same facts through `preemption_words`, so a page never
@@ -10,8 +10,12 @@ shows two wordings or two numbers for one preemption.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
-from preemption.models import Job, PreemptionEvent
+from django.utils import timezone
+
+import fairshare
+from preemption.models import WAITING_STATES, Job, PreemptionEvent
 
 Reason = PreemptionEvent.Reason
 
@@ -84,3 +88,46 @@ def describe_preemption(event: PreemptionEvent) -> str:
         victim_gpus=event.job.gpus if event.job_id else 0,
         cause=event.cause,
     )
+
+
+def protection_words(until: datetime) -> str:
+    """A waiting job whose only possible victims are protected by their minimum runtime,
+    said with the moment the protection ends (hours and minutes, UTC)."""
+    return (
+        f"until {until.astimezone(UTC):%H:%M} UTC: the only jobs it could preempt are "
+        "protected by their minimum runtime until then"
+    )
+
+
+def why_waiting(job: Job, *, now: datetime | None = None) -> str:
+    """Why a waiting job waits, as every page and the API say it: the scheduler's reason,
+    led by until when it waits where minimum runtimes are all that keep it out. Empty
+    for a job that does not wait."""
+    if job.state not in WAITING_STATES:
+        return ""
+    reason = job.waiting_reason or "waiting for the next scheduling cycle"
+    now = now or timezone.now()
+    if job.protected_until is not None and job.protected_until > now:
+        return f"{protection_words(job.protected_until)} ({reason})"
+    return reason
+
+
+def usage_words(
+    *, team: str, flavor: str, status: fairshare.QueueStatus, half_life_seconds: float
+) -> str:
+    """Decayed usage as the reason a team's fair share of one flavor is smaller, from its
+    status in a plan; worded by the engine's own sentence, so the quota preview and a
+    waiting job's reason read alike."""
+    return fairshare.usage_words(
+        team=team,
+        flavor=flavor,
+        ratio=status.usage_ratio,
+        fair_share=status.fair_share,
+        weight_fair_share=status.weight_fair_share,
+        half_life_seconds=half_life_seconds,
+    )
+
+
+def usage_lowers_share(status: fairshare.QueueStatus) -> bool:
+    """Whether decayed usage made this queue's fair share smaller than its weight's."""
+    return status.usage_ratio > 1 and status.fair_share < status.weight_fair_share - 1e-6

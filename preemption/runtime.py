@@ -20,6 +20,7 @@ from preemption.runtimes.kubernetes import (
 from preemption.runtimes.local import LocalRuntime
 from preemption.runtimes.runner import RunnerAccount, RunnerLookup, find_runner
 from quotas.models import Node
+from quotas.services import node_topology_sync
 
 SYNC_PRIORITY_CLASSES_TASK = "preemption.tasks.sync_priority_classes"
 
@@ -34,6 +35,18 @@ def inventory() -> list[NodeInventory]:
         NodeInventory(name=name, flavor=flavor, gpus=gpus)
         for name, flavor, gpus in Node.objects.values_list("name", "flavor__name", "gpus")
     ]
+
+
+def sync_node_topology() -> list[str]:
+    """Bring the nodes' topology in the database in line with what the runtime reports
+    (on Kubernetes the nodes' labels at QM_TOPOLOGY_LABELS' keys, on the local runtime
+    the QM_LOCAL_NODES inventory), so that the engine reads it; returns the nodes that
+    changed. Without an inventory of its own the local runtime's nodes are the
+    database's, and nothing changes."""
+    if settings.QM_RUNTIME == "local" and not settings.QM_LOCAL_NODES:
+        return []
+    reported = {node.name: dict(node.topology) for node in get_runtime().nodes()}
+    return node_topology_sync(topology_by_node=reported)
 
 
 _override: Runtime | None = None
@@ -95,6 +108,7 @@ def kubernetes_config() -> KubernetesRuntimeConfig:
         events_port=settings.QM_K8S_EVENTS_PORT,
         log_scan_bytes=settings.QM_K8S_LOG_SCAN_BYTES,
         watch_pods=settings.QM_K8S_WATCH_PODS,
+        topology_labels=dict(settings.QM_TOPOLOGY_LABELS),
     )
 
 

@@ -16,7 +16,7 @@ from preemption.runtime import checkpoint_dir_for
 from preemption.wakeup import queue_cycle
 from preemption.webhooks import notify
 from quotas.models import Node, PriorityClass, ResourceFlavor, Team
-from quotas.selectors import priority_allowance, team_tree
+from quotas.selectors import priority_allowance, team_tree, topology_levels
 
 MAX_RANKS = 4096
 MAX_COMMAND = job_rules.MAX_COMMAND
@@ -38,14 +38,20 @@ def job_submit(
     env: dict[str, str] | None = None,
     max_attempts: int | None = None,
     retries: int = 0,
+    topology_level: str = "",
+    topology_required: bool = True,
 ) -> Job:
     """Queue a job of `ranks` × `gpus_per_rank` GPUs for a leaf team.
 
     Refuses, naming each field and why, what can never run: a class the team
     may not use, more GPUs than the flavor's nodes have, a rank larger than
     any node, environment names execve() or the runtime cannot accept, an
-    image that is not a reference, oversized text, and more than MAX_RETRIES
-    retries (how often a job that fails on its own runs again).
+    image that is not a reference, oversized text, more than MAX_RETRIES
+    retries (how often a job that fails on its own runs again), and a topology
+    level the cluster does not have.
+
+    `topology_level` asks for all ranks inside one domain of that level (a rack,
+    say); with `topology_required` False the engine only prefers it.
     """
     errors: dict[str, list[str]] = {}
     if not team_tree().is_leaf(team.pk):
@@ -80,6 +86,7 @@ def job_submit(
         errors["max_attempts"] = [f"Must be a whole number from 1 to {MAX_ATTEMPTS}."]
     if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
         errors["retries"] = [f"Must be a whole number from 0 to {MAX_RETRIES} (got {retries})."]
+    errors.update(topology_errors(topology_level, topology_required))
     allowance = priority_allowance(team=team)
     if priority_class is None:
         priority_class = allowance.default
@@ -112,11 +119,51 @@ def job_submit(
             # The retries asked for are all run unless max_attempts says otherwise.
             max_attempts=max_attempts or max(settings.QM_MAX_ATTEMPTS, retries + 1),
             retries=retries,
+            topology_level=topology_level,
+            topology_required=topology_required,
             waiting_reason="waiting for the next scheduling cycle",
         )
         job.checkpoint_dir = checkpoint_dir_for(job.pk)
         job.save(update_fields=["checkpoint_dir"])
         queue_cycle()
+    return job
+
+
+def topology_errors(level: object, required: object) -> dict[str, list[str]]:
+    errors: dict[str, list[str]] = {}
+    levels = topology_levels()
+    if not isinstance(level, str):
+        errors["topology_level"] = ["Must be the name of a topology level, or empty."]
+    elif level and level not in levels:
+        known = ", ".join(levels) or "none"
+        errors["topology_level"] = [
+            f"Unknown topology level {level!r}; this cluster's levels are: {known}."
+        ]
+    if not isinstance(required, bool):
+        errors["topology_required"] = ["Must be true or false."]
+    return errors
+
+
+@transaction.atomic
+def job_topology_set(
+    *, actor: AbstractBaseUser | None, job: Job, level: str, required: bool
+) -> Job:
+    """Change where a waiting job's ranks must (or should) sit: one domain of
+    `level`, or anywhere with an empty level. A job that already holds GPUs keeps
+    its placement, so only a waiting one may change. The caller checks that the
+    actor may act on the job (its submitter, a manager above its team, an admin)."""
+    job = Job.objects.select_for_update().get(pk=job.pk)
+    errors = topology_errors(level, required)
+    if job.state not in WAITING_STATES:
+        errors["state"] = [
+            f"Job {job.pk} is {job.state}; only a waiting job's topology may change."
+        ]
+    if errors:
+        raise ValidationError(errors)
+    job.topology_level = level
+    job.topology_required = required
+    job.save(update_fields=["topology_level", "topology_required"])
+    queue_cycle()
     return job
 
 

@@ -15,7 +15,7 @@ from django.utils import timezone
 import fairshare
 from preemption.models import WAITING_STATES, Attempt, Checkpoint, Job, JobState
 from quotas.models import Node, PriorityClass, Quota, Team
-from quotas.selectors import priority_allowances
+from quotas.selectors import priority_allowances, scheduling_policy
 
 ENGINE_STATE = {
     JobState.PENDING: "pending",
@@ -130,8 +130,9 @@ def build_snapshot(
             guarantee=guarantee, borrow_limit=borrow_limit, lend_limit=lend_limit
         )
     teams = list(Team.objects.values_list("id", "slug", "parent__slug", "weight"))
-    strength = settings.QM_USAGE_STRENGTH
-    half_life = settings.QM_USAGE_HALF_LIFE_SECONDS
+    policy = scheduling_policy()
+    strength = policy.usage_strength
+    half_life = policy.usage_half_life_seconds
     # Without a strength the engine ignores usage: spare the query.
     recent = decayed_usage(now=now, half_life_seconds=half_life) if strength > 0 else {}
     queues = tuple(
@@ -238,10 +239,10 @@ def build_snapshot(
         queues=queues,
         priority_classes=classes,
         workloads=tuple(workloads),
-        priority_min_runtime_seconds=settings.QM_PRIORITY_MIN_RUNTIME_SECONDS,
-        fair_share_min_runtime_seconds=settings.QM_FAIR_SHARE_MIN_RUNTIME_SECONDS,
-        reclaim_min_runtime_seconds=settings.QM_RECLAIM_MIN_RUNTIME_SECONDS,
-        consolidation_min_runtime_seconds=settings.QM_CONSOLIDATION_MIN_RUNTIME_SECONDS,
+        priority_min_runtime_seconds=float(policy.priority_min_runtime_seconds),
+        fair_share_min_runtime_seconds=float(policy.fair_share_min_runtime_seconds),
+        reclaim_min_runtime_seconds=float(policy.reclaim_min_runtime_seconds),
+        consolidation_min_runtime_seconds=float(policy.consolidation_min_runtime_seconds),
         usage_strength=strength,
         usage_half_life_seconds=half_life,
     )

@@ -334,7 +334,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"{job['ranks']}x{job['gpus_per_rank']}",
             job["priority_class"],
             short_time(job["submitted_at"]),
-            job["waiting_reason"] if job["state"] in ("pending", "requeued") else "",
+            # why_waiting: the portal's words (with until when); older portals lack it.
+            job.get("why_waiting") or job["waiting_reason"]
+            if job["state"] in ("pending", "requeued")
+            else "",
         )
         for job in jobs
     ]
@@ -372,8 +375,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("Submitted", short_time(job["submitted_at"])),
         ("Finished", short_time(job["finished_at"])),
     ]
-    if job["waiting_reason"]:
-        fields.append(("Waiting for", job["waiting_reason"]))
+    if job.get("why_waiting") or job["waiting_reason"]:
+        fields.append(("Waiting for", job.get("why_waiting") or job["waiting_reason"]))
     if job["failure_reason"]:
         fields.append(("Failed because", job["failure_reason"]))
     if job["resume_step"] is not None:

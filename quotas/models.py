@@ -131,8 +131,8 @@ class PriorityClass(models.Model):
     inside its own team; `preemptible` decides whether it may ever be a victim.
     `min_runtime_seconds` protects a fresh job from priority, fair-share and
     consolidation preemption; the four `*_min_runtime_seconds` fields set this
-    class's own minimum for one preemption reason (empty: the cluster's setting
-    `QM_<REASON>_MIN_RUNTIME_SECONDS`, raised to `min_runtime_seconds`).
+    class's own minimum for one preemption reason (empty: the cluster's scheduling
+    policy, `SchedulingPolicy`, raised to `min_runtime_seconds`).
     """
 
     class Policy(models.TextChoices):
@@ -234,3 +234,45 @@ class AuditEntry(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M} {self.actor} {self.action} {self.object_repr}"
+
+
+class SchedulingPolicy(models.Model):
+    """The cluster-wide scheduling settings an admin may change while it runs: decayed
+    usage (half-life and strength) and the minimum runtime per preemption reason.
+
+    There is at most one row (pk 1); until an admin saves it, the deployment's settings
+    (`QM_USAGE_*`, `QM_*_MIN_RUNTIME_SECONDS`) are the policy, and the first save
+    starts from them (`quotas.selectors.scheduling_policy`). A priority class's own
+    `*_min_runtime_seconds` replace the minimum for its jobs.
+    """
+
+    SINGLETON = 1
+
+    usage_strength = models.FloatField(
+        help_text="How much recent use beyond a guarantee lowers a team's share of spare "
+        "GPUs; 0: weight alone."
+    )
+    usage_half_life_seconds = models.FloatField(
+        help_text="Every second of use counts half as much after this long."
+    )
+    priority_min_runtime_seconds = models.PositiveIntegerField()
+    fair_share_min_runtime_seconds = models.PositiveIntegerField()
+    reclaim_min_runtime_seconds = models.PositiveIntegerField()
+    consolidation_min_runtime_seconds = models.PositiveIntegerField()
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "scheduling policy"
+        constraints = [
+            models.CheckConstraint(condition=Q(pk=1), name="scheduling_policy_single_row"),
+            models.CheckConstraint(
+                condition=Q(usage_strength__gte=0), name="scheduling_policy_strength_nonnegative"
+            ),
+            models.CheckConstraint(
+                condition=Q(usage_half_life_seconds__gt=0),
+                name="scheduling_policy_half_life_positive",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return "scheduling policy"

@@ -11,10 +11,20 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.db.models import QuerySet
 
 from core.access import Access, TeamTree, User, access_of_memberships
-from quotas.models import AuditEntry, Membership, Node, PriorityClass, Quota, ResourceFlavor, Team
+from quotas.models import (
+    AuditEntry,
+    Membership,
+    Node,
+    PriorityClass,
+    Quota,
+    ResourceFlavor,
+    SchedulingPolicy,
+    Team,
+)
 
 
 def team_tree() -> TeamTree:
@@ -63,6 +73,39 @@ def node_list(*, user: User) -> QuerySet[Node]:
 
 def priority_class_list(*, user: User) -> QuerySet[PriorityClass]:
     return PriorityClass.objects.all()
+
+
+def scheduling_policy() -> SchedulingPolicy:
+    """The cluster's scheduling policy: the saved row, or (unsaved) the deployment's
+    settings until an admin first changes it. Every signed-in user may read it: it
+    explains why jobs wait."""
+    saved = SchedulingPolicy.objects.filter(pk=SchedulingPolicy.SINGLETON).first()
+    if saved is not None:
+        return saved
+    return SchedulingPolicy(
+        pk=SchedulingPolicy.SINGLETON,
+        usage_strength=settings.QM_USAGE_STRENGTH,
+        usage_half_life_seconds=settings.QM_USAGE_HALF_LIFE_SECONDS,
+        priority_min_runtime_seconds=round(settings.QM_PRIORITY_MIN_RUNTIME_SECONDS),
+        fair_share_min_runtime_seconds=round(settings.QM_FAIR_SHARE_MIN_RUNTIME_SECONDS),
+        reclaim_min_runtime_seconds=round(settings.QM_RECLAIM_MIN_RUNTIME_SECONDS),
+        consolidation_min_runtime_seconds=round(settings.QM_CONSOLIDATION_MIN_RUNTIME_SECONDS),
+    )
+
+
+def topology_levels() -> dict[str, str]:
+    """The topology levels, outermost first, each with the node label it is read from."""
+    return dict(settings.QM_TOPOLOGY_LABELS)
+
+
+def node_topology(node: Node) -> dict[str, str]:
+    """The node's domain at each topology level its labels name."""
+    labels = node.labels if isinstance(node.labels, dict) else {}
+    return {
+        level: str(labels[key])
+        for level, key in settings.QM_TOPOLOGY_LABELS.items()
+        if key in labels
+    }
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from django.db.models import Case, Count, F, IntegerField, Q, QuerySet, Sum, Val
 from core.access import Access, TeamTree
 from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Job, PreemptionEvent, Rank
 from quotas.models import Node, Quota, ResourceFlavor, Team
-from quotas.selectors import team_tree
+from quotas.selectors import team_tree, topology_levels
 from telemetry.mission import MISSION
 from telemetry.models import DrillRun, SimulationRun, UtilizationSample
 
@@ -304,6 +304,87 @@ def team_rows(
         ordered.append(rows[team_id])
         stack.extend(reversed(children.get(team_id, [])))
     return ordered
+
+
+# --- fragmentation ---------------------------------------------------------
+
+# The level of a single node, beside the topology levels of QM_TOPOLOGY_LABELS.
+NODE_LEVEL = "node"
+
+
+@dataclass(frozen=True)
+class FreeBlock:
+    """The largest block of free GPUs of one flavor inside one domain of a level: what
+    the biggest gang that needs that level could get now without preempting.
+
+    `domain` names the domain that has it ("" where none has a free GPU); `domains`
+    counts the flavor's domains at the level and `free` its free GPUs in all, so that
+    `largest` far below `free` shows the free GPUs scattered across domains.
+    """
+
+    flavor: str
+    level: str
+    largest: int
+    domain: str
+    domains: int
+    free: int
+
+
+def free_gpus_by_node() -> dict[str, int]:
+    """Every schedulable node's GPUs not held by an open attempt of an active job."""
+    held: dict[str, int] = defaultdict(int)
+    attempts = Attempt.objects.filter(
+        ended_at__isnull=True, job__state__in=ACTIVE_STATES
+    ).values_list("placement", "job__gpus_per_rank")
+    for placement, gpus_per_rank in attempts:
+        for entry in placement or []:
+            held[str(entry["node"])] += int(entry["ranks"]) * gpus_per_rank
+    return {
+        name: max(0, gpus - held[name])
+        for name, gpus in Node.objects.filter(schedulable=True).values_list("name", "gpus")
+    }
+
+
+def free_blocks() -> list[FreeBlock]:
+    """Per flavor and level (each node, then each topology level from the innermost
+    out): the largest free block, from the nodes' labels and the open attempts'
+    placements. A node without a label at a level is in no domain of it, since a gang
+    that needs that level cannot use it. Cluster-wide figures without team names."""
+    free = free_gpus_by_node()
+    levels = list(topology_levels().items())
+    by_flavor: dict[str, list[tuple[str, int, dict[str, str]]]] = defaultdict(list)
+    for name, flavor, labels in (
+        Node.objects.filter(schedulable=True)
+        .order_by("name")
+        .values_list("name", "flavor__name", "labels")
+    ):
+        by_flavor[flavor].append((name, free[name], labels if isinstance(labels, dict) else {}))
+    blocks = []
+    for flavor, nodes in sorted(by_flavor.items()):
+        total = sum(gpus for _, gpus, _ in nodes)
+        domain_levels = [(NODE_LEVEL, None), *reversed(levels)]
+        for level, key in domain_levels:
+            room: dict[str, int] = defaultdict(int)
+            for name, gpus, labels in nodes:
+                if key is None:
+                    room[name] += gpus
+                elif key in labels:
+                    room[str(labels[key])] += gpus
+            # The fullest domain; ties go to the first name, so the figure is stable.
+            domain, largest = min(
+                room.items(), key=lambda item: (-item[1], item[0]), default=("", 0)
+            )
+            blocks.append(
+                FreeBlock(
+                    flavor=flavor,
+                    level=level,
+                    largest=largest,
+                    domain=domain if largest else "",
+                    domains=len(room),
+                    free=total,
+                )
+            )
+    return blocks
 
 
 # --- the queue and preemptions -----------------------------------------------

@@ -20,6 +20,7 @@ from preemption.models import (
     Webhook,
     WebhookDelivery,
 )
+from preemption.services import topology_errors
 from preemption.webhooks import destination_refusal
 
 
@@ -45,8 +46,23 @@ class AttemptInline(admin.TabularInline):
         return False
 
 
+class JobAdminForm(forms.ModelForm):  # type: ignore[type-arg]
+    # No Meta: the admin builds it with every field that is not read-only.
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        # The submission's rule: only a level this cluster's nodes are labelled with.
+        for field, messages in topology_errors(
+            cleaned.get("topology_level", ""), cleaned.get("topology_required", True)
+        ).items():
+            for message in messages:
+                self.add_error(field, message)
+        return cleaned
+
+
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):
+    form = JobAdminForm
     list_display = [
         "id",
         "name",

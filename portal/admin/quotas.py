@@ -11,7 +11,17 @@ from django.core.exceptions import ValidationError
 from django.http import HttpRequest
 
 from quotas import services
-from quotas.models import AuditEntry, Membership, Node, PriorityClass, Quota, ResourceFlavor, Team
+from quotas.models import (
+    AuditEntry,
+    Membership,
+    Node,
+    PriorityClass,
+    Quota,
+    ResourceFlavor,
+    SchedulingPolicy,
+    Team,
+)
+from quotas.selectors import node_topology, scheduling_policy, topology_levels
 
 
 @admin.register(ResourceFlavor)
@@ -20,11 +30,68 @@ class ResourceFlavorAdmin(admin.ModelAdmin):
     search_fields = ["name"]
 
 
+class NodeAdminForm(forms.ModelForm):  # type: ignore[type-arg]
+    """A node with one field per topology level (`NodeAdmin.get_form` adds them), written
+    into its labels by the same rule as the API (`services.topology_to_labels`)."""
+
+    class Meta:
+        model = Node
+        fields = ["name", "flavor", "gpus", "labels", "schedulable"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.instance.pk:
+            for level, domain in node_topology(self.instance).items():
+                self.initial[f"topology_{level}"] = domain
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        topology = {level: cleaned.get(f"topology_{level}") or None for level in topology_levels()}
+        labels = cleaned.get("labels") if isinstance(cleaned.get("labels"), dict) else {}
+        try:
+            cleaned["labels"] = services.topology_to_labels(labels=labels, topology=topology)
+        except ValidationError as error:
+            raise forms.ValidationError(error.message_dict["topology"]) from None
+        return cleaned
+
+
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
-    list_display = ["name", "flavor", "gpus", "schedulable"]
+    form = NodeAdminForm
+    list_display = ["name", "flavor", "gpus", "topology", "schedulable"]
     list_filter = ["flavor", "schedulable"]
     search_fields = ["name"]
+
+    @admin.display(description="topology")
+    def topology(self, obj: Node) -> str:
+        return " / ".join(f"{level} {domain}" for level, domain in node_topology(obj).items())
+
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> Any:
+        # One field per level of this deployment's QM_TOPOLOGY_LABELS.
+        fields = {
+            f"topology_{level}": forms.CharField(
+                required=False,
+                max_length=63,
+                label=f"{level} domain",
+                help_text=f"Stored as the node label {key}; empty: none.",
+            )
+            for level, key in topology_levels().items()
+        }
+        kwargs["form"] = type("NodeTopologyForm", (NodeAdminForm,), fields)
+        return super().get_form(request, obj, change, **kwargs)
+
+    def save_model(self, request: HttpRequest, obj: Node, form: Any, change: bool) -> None:
+        saved = services.node_upsert(
+            actor=request.user,
+            name=obj.name,
+            flavor=obj.flavor,
+            gpus=obj.gpus,
+            labels=obj.labels,
+            schedulable=obj.schedulable,
+        )
+        obj.pk = saved.pk
 
 
 class QuotaInline(admin.TabularInline):
@@ -165,6 +232,60 @@ class PriorityClassAdmin(admin.ModelAdmin):
         "is_default",
     ]
     list_filter = ["preemptible", "preemption_policy"]
+
+
+class SchedulingPolicyAdminForm(forms.ModelForm):  # type: ignore[type-arg]
+    class Meta:
+        model = SchedulingPolicy
+        fields = [
+            "usage_strength",
+            "usage_half_life_seconds",
+            *services.MIN_RUNTIME_FIELDS,
+        ]
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        # The service's rules, so the admin cannot save what the API refuses.
+        for field, messages in services.scheduling_policy_errors(
+            {field: cleaned[field] for field in self.Meta.fields if field in cleaned}
+        ).items():
+            for message in messages:
+                self.add_error(field, message)
+        return cleaned
+
+
+@admin.register(SchedulingPolicy)
+class SchedulingPolicyAdmin(admin.ModelAdmin):
+    """The one row of the cluster's scheduling policy. Before it is first saved the
+    deployment's settings are in force, and the add form starts from them."""
+
+    form = SchedulingPolicyAdminForm
+    list_display = [
+        "__str__",
+        "usage_strength",
+        "usage_half_life_seconds",
+        *services.MIN_RUNTIME_FIELDS,
+        "updated_at",
+    ]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return super().has_add_permission(request) and not SchedulingPolicy.objects.exists()
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
+        policy = scheduling_policy()
+        return {field: getattr(policy, field) for field in SchedulingPolicyAdminForm.Meta.fields}
+
+    def save_model(
+        self, request: HttpRequest, obj: SchedulingPolicy, form: Any, change: bool
+    ) -> None:
+        saved = services.scheduling_policy_update(
+            actor=request.user,
+            **{field: form.cleaned_data[field] for field in SchedulingPolicyAdminForm.Meta.fields},
+        )
+        obj.pk = saved.pk
 
 
 @admin.register(Membership)

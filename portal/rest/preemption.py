@@ -43,7 +43,7 @@ from preemption.models import (
     Rank,
     Webhook,
 )
-from preemption.reasons import describe_preemption
+from preemption.reasons import describe_preemption, why_waiting
 from preemption.runtimes.base import RuntimePermanentError
 from preemption.webhooks import webhook_create, webhook_delete
 from quotas.models import PriorityClass, ResourceFlavor, Team
@@ -129,6 +129,9 @@ class JobSerializer(serializers.ModelSerializer[Job]):
     flavor = serializers.SlugRelatedField(slug_field="name", read_only=True)
     gpus = serializers.IntegerField(read_only=True)
     env = serializers.DictField(child=serializers.CharField(), read_only=True)
+    why_waiting = serializers.SerializerMethodField(
+        help_text="Why a waiting job waits, as its page says it; empty otherwise."
+    )
 
     class Meta:
         model = Job
@@ -160,8 +163,15 @@ class JobSerializer(serializers.ModelSerializer[Job]):
             "max_attempts",
             "retries",
             "retries_used",
+            "topology_level",
+            "topology_required",
+            "protected_until",
+            "why_waiting",
         ]
         read_only_fields = fields
+
+    def get_why_waiting(self, job: Job) -> str:
+        return why_waiting(job)
 
 
 class JobDetailSerializer(JobSerializer):
@@ -219,6 +229,24 @@ class JobSubmitSerializer(serializers.Serializer[Any]):
             f"ranks always requeue and use none."
         ),
     )
+    topology_level = serializers.CharField(
+        required=False,
+        allow_blank=True,
+        default="",
+        max_length=63,
+        help_text="All ranks inside one domain of this topology level (e.g. rack); "
+        "empty: anywhere.",
+    )
+    topology_required = serializers.BooleanField(
+        required=False,
+        default=True,
+        help_text="False: only prefer one domain, and fall back to any nodes.",
+    )
+
+
+class JobTopologySerializer(serializers.Serializer[Any]):
+    topology_level = serializers.CharField(allow_blank=True, max_length=63)
+    topology_required = serializers.BooleanField(default=True)
 
 
 class JobLogSerializer(serializers.Serializer[Any]):
@@ -520,6 +548,27 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
             raise deny("Only the submitter, a manager of the team or an admin may cancel this job.")
         job = services.job_cancel(actor=request.user, job=job)
         return Response(JobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(
+        summary="Change a waiting job's topology",
+        description="Where its ranks must sit (or, with topology_required false, should).",
+        request=JobTopologySerializer,
+        responses=responses(JobSerializer, 400, 401, 403, 404),
+    )
+    @action(detail=True, methods=["post"])
+    def topology(self, request: Request, pk: str | None = None) -> Response:
+        job = self.get_object()
+        if not access_of(request).can_cancel(team_id=job.team_id, submitter_id=job.submitter_id):
+            raise deny("Only the submitter, a manager of the team or an admin may change this job.")
+        incoming = JobTopologySerializer(data=request.data)
+        incoming.is_valid(raise_exception=True)
+        job = services.job_topology_set(
+            actor=request.user,
+            job=job,
+            level=incoming.validated_data["topology_level"],
+            required=incoming.validated_data["topology_required"],
+        )
+        return Response(JobSerializer(job).data)
 
     @extend_schema(
         summary="Read a rank's log",

@@ -17,6 +17,7 @@ from rest_framework.decorators import action
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from core.api import IsAdminOrReadOnly, NamedRelatedField, Pagination, deny, responses
 from portal.rest.access import access_of
@@ -46,12 +47,26 @@ class NodeSerializer(serializers.ModelSerializer[Node]):
     labels = serializers.DictField(
         child=serializers.CharField(max_length=253, allow_blank=True), required=False
     )
+    # Written into the labels under each level's key (QM_TOPOLOGY_LABELS); read back
+    # from them, so that a label set on Kubernetes and a domain set here are one fact.
+    topology = serializers.DictField(
+        child=serializers.CharField(max_length=63, allow_blank=True, allow_null=True),
+        required=False,
+        write_only=True,
+        help_text='The node\'s domain at each topology level, e.g. {"rack": "r3"}; '
+        "null or an empty string removes one.",
+    )
 
     class Meta:
         model = Node
-        fields = ["id", "name", "flavor", "gpus", "labels", "schedulable"]
+        fields = ["id", "name", "flavor", "gpus", "labels", "topology", "schedulable"]
         read_only_fields = ["id"]
         extra_kwargs = {"name": {"validators": []}}
+
+    def to_representation(self, instance: Node) -> dict[str, Any]:
+        body = super().to_representation(instance)
+        body["topology"] = selectors.node_topology(instance)
+        return body
 
     def validate_labels(self, labels: dict[str, str]) -> dict[str, str]:
         for key in labels:
@@ -200,6 +215,7 @@ class PriorityClassSerializer(serializers.ModelSerializer[PriorityClass]):
             "preemptible",
             "grace_seconds",
             "min_runtime_seconds",
+            *services.MIN_RUNTIME_FIELDS,
             "description",
             "is_default",
         ]
@@ -216,6 +232,19 @@ class PriorityClassWriteSerializer(serializers.Serializer[Any]):
     grace_seconds = serializers.IntegerField(min_value=0, max_value=7 * 24 * 3600, required=False)
     min_runtime_seconds = serializers.IntegerField(
         min_value=0, max_value=7 * 24 * 3600, required=False
+    )
+    # This class's own minimum per preemption reason; null: the scheduling policy's.
+    priority_min_runtime_seconds = serializers.IntegerField(
+        min_value=0, max_value=7 * 24 * 3600, required=False, allow_null=True
+    )
+    fair_share_min_runtime_seconds = serializers.IntegerField(
+        min_value=0, max_value=7 * 24 * 3600, required=False, allow_null=True
+    )
+    reclaim_min_runtime_seconds = serializers.IntegerField(
+        min_value=0, max_value=7 * 24 * 3600, required=False, allow_null=True
+    )
+    consolidation_min_runtime_seconds = serializers.IntegerField(
+        min_value=0, max_value=7 * 24 * 3600, required=False, allow_null=True
     )
     description = serializers.CharField(max_length=300, allow_blank=True, required=False)
     is_default = serializers.BooleanField(required=False)
@@ -258,6 +287,11 @@ class QuotaPreviewResultSerializer(serializers.Serializer[Any]):
     )
     fair_share = serializers.DictField(
         help_text="Per team and flavor: the fair share before and after."
+    )
+    decayed_usage = serializers.ListField(
+        child=serializers.DictField(),
+        help_text="Teams whose fair share of the flavor recent usage makes smaller after "
+        "the change: `team`, `usage_ratio`, `fair_share`, `weight_fair_share` and `why`.",
     )
     non_preemptible = serializers.DictField(
         help_text=(
@@ -690,3 +724,78 @@ class AuditEntryViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base)
 
     def get_queryset(self) -> Any:
         return selectors.audit_list(user=self.request.user)
+
+
+# --- the cluster-wide scheduling policy ------------------------------------------
+
+
+class SchedulingPolicySerializer(serializers.Serializer[Any]):
+    usage_strength = serializers.FloatField(
+        help_text="How much recent use beyond a guarantee lowers a team's share of spare "
+        f"GPUs, 0 (weight alone) to {services.MAX_USAGE_STRENGTH:g}."
+    )
+    usage_half_life_seconds = serializers.FloatField(
+        help_text="Every second of use counts half as much after this long "
+        f"({services.MIN_HALF_LIFE_SECONDS:g} s to a year)."
+    )
+    priority_min_runtime_seconds = serializers.IntegerField()
+    fair_share_min_runtime_seconds = serializers.IntegerField()
+    reclaim_min_runtime_seconds = serializers.IntegerField()
+    consolidation_min_runtime_seconds = serializers.IntegerField()
+    topology_levels = serializers.DictField(
+        child=serializers.CharField(),
+        read_only=True,
+        help_text="Each topology level, outermost first, with the node label it is read "
+        "from; set by the deployment (QM_TOPOLOGY_LABELS), since runtimes read it too.",
+    )
+
+
+def _policy_body() -> dict[str, Any]:
+    policy = selectors.scheduling_policy()
+    body: dict[str, Any] = {
+        field: getattr(policy, field)
+        for field in ("usage_strength", "usage_half_life_seconds", *services.MIN_RUNTIME_FIELDS)
+    }
+    body["topology_levels"] = selectors.topology_levels()
+    return body
+
+
+class SchedulingPolicyView(APIView):
+    """Decayed usage and the minimum runtime per preemption reason, for the whole
+    cluster: everyone signed in reads it, only platform admins change it."""
+
+    permission_classes = [IsAdminOrReadOnly]
+
+    @extend_schema(
+        summary="The cluster's scheduling policy",
+        responses=responses(SchedulingPolicySerializer, 401),
+    )
+    def get(self, request: Request) -> Response:
+        return Response(SchedulingPolicySerializer(_policy_body()).data)
+
+    @extend_schema(
+        summary="Change the cluster's scheduling policy (admins)",
+        request=SchedulingPolicySerializer(partial=True),
+        responses=responses(SchedulingPolicySerializer, 400, 401, 403),
+    )
+    def patch(self, request: Request) -> Response:
+        if not isinstance(request.data, dict):
+            raise serializers.ValidationError(
+                {"non_field_errors": ["Send an object of the settings to change."]}
+            )
+        writable = set(SchedulingPolicySerializer().fields) - {"topology_levels"}
+        unknown = {
+            field: [
+                "Set by the deployment (QM_TOPOLOGY_LABELS), not through the API."
+                if field == "topology_levels"
+                else "Not a setting of the scheduling policy."
+            ]
+            for field in request.data
+            if field not in writable
+        }
+        if unknown:
+            raise serializers.ValidationError(unknown)
+        incoming = SchedulingPolicySerializer(data=request.data, partial=True)
+        incoming.is_valid(raise_exception=True)
+        services.scheduling_policy_update(actor=request.user, **incoming.validated_data)
+        return Response(SchedulingPolicySerializer(_policy_body()).data)

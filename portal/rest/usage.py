@@ -12,7 +12,7 @@ from rest_framework.views import APIView
 
 from core.api import responses
 from portal.rest.access import access_of
-from telemetry.selectors import UsageNow, flavors_now, team_rows
+from telemetry.selectors import UsageNow, flavors_now, free_blocks, team_rows
 
 
 class FlavorUsageSerializer(serializers.Serializer[object]):
@@ -63,3 +63,24 @@ class UsageView(APIView):
         ]
         body = {"flavors": flavors_now(usage), "teams": teams}
         return Response(UsageSerializer(body).data)
+
+
+class FreeBlockSerializer(serializers.Serializer[object]):
+    flavor = serializers.CharField()
+    level = serializers.CharField(help_text="`node`, or a topology level such as rack.")
+    largest = serializers.IntegerField(help_text="The most free GPUs inside one domain.")
+    domain = serializers.CharField(help_text="The domain that has them; empty: none free.")
+    domains = serializers.IntegerField(help_text="The flavor's domains at this level.")
+    free = serializers.IntegerField(help_text="The flavor's free GPUs in all.")
+
+
+class FragmentationView(APIView):
+    """The largest block of free GPUs per flavor and level (each node, each rack,
+    each block...): cluster-wide figures without team names, as the dashboard shows."""
+
+    @extend_schema(
+        summary="Largest free block per flavor and topology level",
+        responses=responses(FreeBlockSerializer(many=True), 401),
+    )
+    def get(self, request: Request) -> Response:
+        return Response(FreeBlockSerializer(free_blocks(), many=True).data)

@@ -102,11 +102,13 @@ STUCK_REASONS = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class NodeInventory:
-    """A node the runtime can place ranks on, with its GPU flavor and GPU count."""
+    """A node the runtime can place ranks on, with its GPU flavor and GPU count, and
+    its domain at each topology level it has, as (level, domain) pairs."""
 
     name: str
     flavor: str
     gpus: int
+    topology: tuple[tuple[str, str], ...] = ()
 
 
 class RuntimeTemporaryError(Exception):

@@ -6,12 +6,15 @@ from preemption.runtimes.base import NodeInventory
 
 
 def parse_inventory(text: str) -> list[NodeInventory]:
-    """Parse `name:flavor:gpus` entries separated by commas into nodes.
+    """Parse `name:flavor:gpus[:level=domain/level=domain...]` entries separated by
+    commas into nodes.
 
-    Example: "gpu-a:h100-80gb:8,gpu-b:h100-80gb:8". Whitespace around entries and fields
-    is ignored. Raises ValueError naming the faulty entry for an empty inventory, an entry
-    without exactly three fields, an empty name or flavor, a GPU count that is not a
-    positive integer, or a node name given twice.
+    Example: "gpu-a:h100-80gb:8:block=b0/rack=r1,gpu-b:h100-80gb:8". The optional
+    fourth field is the node's topology, one domain per level. Whitespace around entries
+    and fields is ignored. Raises ValueError naming the faulty entry for an empty
+    inventory, an entry without three or four fields, an empty name or flavor, a GPU
+    count that is not a positive integer, a topology pair without a level or a domain
+    or with a level given twice, or a node name given twice.
     """
     nodes: list[NodeInventory] = []
     seen: set[str] = set()
@@ -20,11 +23,13 @@ def parse_inventory(text: str) -> list[NodeInventory]:
         raise ValueError("node inventory is empty: expected name:flavor:gpus[,name:flavor:gpus...]")
     for position, entry in enumerate(entries, start=1):
         fields = [field.strip() for field in entry.split(":")]
-        if len(fields) != 3:
+        if len(fields) not in (3, 4):
             raise ValueError(
-                f"node inventory entry {position} ({entry!r}) must be name:flavor:gpus"
+                f"node inventory entry {position} ({entry!r}) must be "
+                "name:flavor:gpus[:level=domain/...]"
             )
-        name, flavor, gpus_text = fields
+        name, flavor, gpus_text = fields[:3]
+        topology = _topology(position, entry, fields[3]) if len(fields) == 4 else ()
         if not name or not flavor:
             raise ValueError(
                 f"node inventory entry {position} ({entry!r}) needs a node name and a flavor"
@@ -38,5 +43,20 @@ def parse_inventory(text: str) -> list[NodeInventory]:
         if name in seen:
             raise ValueError(f"node inventory names node {name!r} twice")
         seen.add(name)
-        nodes.append(NodeInventory(name=name, flavor=flavor, gpus=gpus))
+        nodes.append(NodeInventory(name=name, flavor=flavor, gpus=gpus, topology=topology))
     return nodes
+
+
+def _topology(position: int, entry: str, text: str) -> tuple[tuple[str, str], ...]:
+    pairs: dict[str, str] = {}
+    for pair in text.split("/"):
+        level, _, domain = (part.strip() for part in pair.partition("="))
+        if not level or not domain:
+            raise ValueError(
+                f"node inventory entry {position} ({entry!r}): topology {pair.strip()!r} "
+                "must be level=domain"
+            )
+        if level in pairs:
+            raise ValueError(f"node inventory entry {position} ({entry!r}) gives the {level} twice")
+        pairs[level] = domain
+    return tuple(pairs.items())

@@ -136,6 +136,8 @@ class KubernetesRuntimeConfig:
     cluster_domain: str = "cluster.local"
     master_port: int = 29500
     flavor_label: str = "quartermaster.dev/flavor"
+    # Topology level -> the node label its domain is read from, outermost level first.
+    topology_labels: Mapping[str, str] = field(default_factory=dict)
     service_account: str | None = None
     pod_annotations: Mapping[str, str] = field(default_factory=dict)
     checkpoint_claim: str | None = None
@@ -1089,7 +1091,8 @@ class KubernetesRuntime:
 
     # -- nodes, logs, ports, forget -----------------------------------------------
     def nodes(self) -> list[NodeInventory]:
-        """Nodes with allocatable GPUs, their flavor from the flavor label."""
+        """Nodes with allocatable GPUs, their flavor from the flavor label and their
+        topology from the configured topology labels."""
         try:
             items = self.core.list_node().items
         except ApiException as error:
@@ -1099,8 +1102,16 @@ class KubernetesRuntime:
             gpus = int((node.status.allocatable or {}).get(GPU_RESOURCE, "0"))
             if gpus <= 0:
                 continue
-            flavor = (node.metadata.labels or {}).get(self.settings.flavor_label, "")
-            inventory.append(NodeInventory(name=node.metadata.name, flavor=flavor, gpus=gpus))
+            labels = node.metadata.labels or {}
+            flavor = labels.get(self.settings.flavor_label, "")
+            topology = tuple(
+                (level, labels[key])
+                for level, key in self.settings.topology_labels.items()
+                if labels.get(key)
+            )
+            inventory.append(
+                NodeInventory(name=node.metadata.name, flavor=flavor, gpus=gpus, topology=topology)
+            )
         return sorted(inventory, key=lambda n: n.name)
 
     def read_log(self, gang: GangId, rank: int, offset: int = 0, limit: int = 1 << 20) -> bytes:

@@ -6,7 +6,16 @@ from datetime import timedelta
 
 from django import template
 
+from preemption.models import Job
+from preemption.reasons import why_waiting as waiting_words
+
 register = template.Library()
+
+
+@register.filter
+def why_waiting(job: Job) -> str:
+    """Why a waiting job waits, worded by `preemption.reasons.why_waiting`."""
+    return waiting_words(job)
 
 
 @register.filter

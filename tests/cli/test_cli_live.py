@@ -115,6 +115,16 @@ def test_login_submit_ls_show_cancel_teams(world: Any, qm: Any) -> None:
     assert "python train.py --steps 10" in shown.stdout
     assert "2 ranks x 2 h100-80gb = 4" in shown.stdout
     assert json.loads(qm("show", str(job.pk), "--json").stdout)["state"] == "pending"
+    # Where only minimum runtimes keep it out, qm says until when, in the page's words.
+    until = timezone.now() + timedelta(minutes=20)
+    Job.objects.filter(pk=job.pk).update(
+        waiting_reason="no node of flavor h100-80gb has 4 free GPUs", protected_until=until
+    )
+    shown = qm("show", str(job.pk))
+    assert (
+        f"until {until.astimezone(UTC):%H:%M} UTC: the only jobs it could preempt are "
+        "protected by their minimum runtime until then"
+    ) in " ".join(shown.stdout.split())
 
     teams = qm("teams")
     assert teams.returncode == 0, teams.stderr

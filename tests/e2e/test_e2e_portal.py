@@ -15,7 +15,13 @@ import pytest
 from quotas.models import AuditEntry
 from tests.conftest import PASSWORD
 from tests.e2e.conftest import Session
-from tests.portal.pages.conftest import seed_drill, seed_jobs, seed_preemption, seed_samples
+from tests.portal.pages.conftest import (
+    seed_decayed_usage,
+    seed_drill,
+    seed_jobs,
+    seed_preemption,
+    seed_samples,
+)
 
 pytestmark = [
     pytest.mark.e2e,
@@ -57,6 +63,28 @@ def test_manager_previews_then_saves_a_quota_and_sees_the_audit_entry(
     entry = page.inner_text(".audit-entry")
     assert "manager" in entry and "quota.set" in entry and "6" in entry
     assert world.quota(world.vision).guarantee == 6
+    _clean(session)
+
+
+def test_the_preview_says_when_recent_usage_lowers_a_fair_share(
+    world: Any, browser_session: Session
+) -> None:
+    # vision used 2.0× its share of the spare GPUs last week (worked out by hand in
+    # seed_decayed_usage): its fair share is 8 instead of 12, and the live preview says so.
+    seed_decayed_usage(world)
+    session = browser_session
+    page = session.page
+    session.login("manager", PASSWORD)
+    session.go(f"/quotas/{world.quota(world.vision).pk}/edit/")
+    page.wait_for_selector("#quota-form")
+    assert "counts with strength 1.0" in " ".join(page.inner_text("#scheduling-policy").split())
+    page.fill("#id_lend_limit", "0")
+    page.wait_for_selector("#decayed-usage")
+    assert page.inner_text('#decayed-usage li[data-team="vision"]') == (
+        "Team vision used 2.0× its share of the spare h100-80gb GPUs over the last week: "
+        "its fair share is 8.0 GPUs instead of 12.0."
+    )
+    assert world.quota(world.vision).lend_limit is None  # the preview saved nothing
     _clean(session)
 
 

@@ -7,6 +7,7 @@ where `Access.can_edit_quota_of` allows, writes only through the services.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from django.contrib import messages
@@ -19,10 +20,17 @@ from django.views.decorators.http import require_POST
 from portal.web.quotas.forms import QuotaForm
 from preemption.quota_preview import quota_preview as preview_change
 from preemption.selectors import job_list
-from quotas.models import Membership, Quota
-from quotas.selectors import access_for, audit_list, priority_allowance, quota_list
+from preemption.templatetags.jobs import duration
+from quotas.models import Membership, Quota, Team
+from quotas.selectors import (
+    access_for,
+    audit_list,
+    priority_allowance,
+    quota_list,
+    scheduling_policy,
+)
 from quotas.selectors import team_list as team_selector
-from quotas.services import quota_update
+from quotas.services import MIN_RUNTIME_FIELDS, quota_update
 from telemetry.selectors import flavor_names, team_rows
 
 
@@ -142,6 +150,43 @@ def preview_context(consequences: dict[str, Any] | None) -> dict[str, Any]:
         "unchanged_queues": len(moves) - len(changed),
         "change": consequences.get("change") or {},
         "non_preemptible": consequences.get("non_preemptible") or {},
+        "decayed_usage": consequences.get("decayed_usage") or [],
+    }
+
+
+REASON_NAMES = ("priority", "fair share", "reclaim", "consolidation")
+
+
+def _seconds(value: float) -> str:
+    return duration(timedelta(seconds=value)) if value else "none"
+
+
+def scheduling_context(team: Team) -> dict[str, Any]:
+    """What the scheduler applies to the team that only platform admins change, for the
+    editor to show beside what a manager may edit: decayed usage and the minimum
+    runtime per preemption reason, the cluster's and each of the team's classes'."""
+    policy = scheduling_policy()
+    defaults = [getattr(policy, field) for field in MIN_RUNTIME_FIELDS]
+    classes = [
+        {
+            "name": pc.name,
+            "minimums": [
+                _seconds(own) if own is not None else f"{_seconds(default)} (cluster)"
+                for own, default in zip(
+                    (getattr(pc, field) for field in MIN_RUNTIME_FIELDS), defaults, strict=True
+                )
+            ],
+        }
+        for pc in priority_allowance(team=team).allowed
+    ]
+    return {
+        "policy": {
+            "usage_strength": policy.usage_strength,
+            "half_life": _seconds(policy.usage_half_life_seconds),
+            "minimums": [_seconds(value) for value in defaults],
+        },
+        "reason_names": REASON_NAMES,
+        "class_minimums": classes,
     }
 
 
@@ -175,7 +220,13 @@ def quota_edit(request: HttpRequest, pk: int) -> HttpResponse:
     else:
         form = QuotaForm.for_quota(quota)
         status = 200
-    context = {"quota": quota, "form": form, "nav": "teams", **preview_context(consequences)}
+    context = {
+        "quota": quota,
+        "form": form,
+        "nav": "teams",
+        **preview_context(consequences),
+        **scheduling_context(quota.team),
+    }
     return render(request, "quotas/quota_edit.html", context, status=status)
 
 

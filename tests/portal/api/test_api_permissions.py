@@ -362,6 +362,27 @@ case("GET", "/api/v1/flavors/", Case("list", "GET", lambda w, o: f"{V1}/flavors/
 # Which teams each persona sees here is checked in tests/portal/pages/test_pages_borrowed.py.
 case("GET", "/api/v1/usage/", Case("now", "GET", lambda w, o: f"{V1}/usage/", EVERYONE))
 case(
+    "GET",
+    "/api/v1/fragmentation/",
+    Case("now", "GET", lambda w, o: f"{V1}/fragmentation/", EVERYONE),
+)
+case(
+    "GET",
+    "/api/v1/scheduling-policy/",
+    Case("read", "GET", lambda w, o: f"{V1}/scheduling-policy/", EVERYONE),
+)
+case(
+    "PATCH",
+    "/api/v1/scheduling-policy/",
+    Case(
+        "change the half-life",
+        "PATCH",
+        lambda w, o: f"{V1}/scheduling-policy/",
+        _admin_only(200),
+        body=lambda w, o: {"usage_half_life_seconds": 86400},
+    ),
+)
+case(
     "POST",
     "/api/v1/flavors/",
     Case(
@@ -431,6 +452,24 @@ case(
         "POST",
         lambda w, o: f"{V1}/jobs/{o.job_v_by_manager.pk}/cancel/",
         _expect(202, 202, 404, 403, 404),
+    ),
+)
+case(
+    "POST",
+    "/api/v1/jobs/{id}/topology/",
+    Case(
+        "own pending job",
+        "POST",
+        lambda w, o: f"{V1}/jobs/{o.job_v_pending.pk}/topology/",
+        _expect(200, 200, 404, 200, 404),
+        body=lambda w, o: {"topology_level": "rack", "topology_required": False},
+    ),
+    Case(
+        "a teammate's job",
+        "POST",
+        lambda w, o: f"{V1}/jobs/{o.job_v_by_manager.pk}/topology/",
+        _expect(200, 200, 404, 403, 404),
+        body=lambda w, o: {"topology_level": "rack"},
     ),
 )
 case(

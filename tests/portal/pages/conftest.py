@@ -14,8 +14,10 @@ from django.test import Client
 from django.utils import timezone
 
 from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank, TrapEvent
-from quotas.models import Team
+from quotas.models import Quota, Team
+from quotas.services import scheduling_policy_update
 from telemetry.models import DrillRun, UtilizationSample
+from tests import builders
 
 STATES = [
     JobState.PENDING,
@@ -300,3 +302,37 @@ def history(world: Any) -> Any:
     seed_samples(world)
     seed_drill()
     return story
+
+
+WEEK = 7 * 86_400.0
+
+
+def seed_decayed_usage(world: Any) -> None:
+    """Decayed usage at strength 1 with a week's half-life: vision and nlp guarantee 2
+    GPUs each (ml keeps 16), vision used 8 GPUs for the whole last week and nlp nothing,
+    and both now want 16. Other and ops want nothing, so ml's teams share all 24 GPUs.
+
+    By hand, with a half-life h of a week: the attempt adds 8 · h/ln 2 · (1 - 1/2) =
+    4h/ln 2 decayed GPU-seconds, of which vision's guarantee of 2 held all the time
+    accounts for 2h/ln 2, so vision borrowed 2h/ln 2 and nlp nothing. With equal
+    weights each sibling's share of what they borrowed is h/ln 2: vision used 2.0×
+    its share. At strength 1 vision's weight for the surplus becomes 1/2 and nlp's
+    (ratio 0, bounded to 1/8) becomes 8. By weight alone each gets 2 + 20/2 = 12; with
+    usage nlp's share (2 + 20 · 8/8.5) is more than the 16 it wants, so it gets 16 and
+    vision the other 8.
+    """
+    Quota.objects.filter(team__in=[world.vision, world.nlp]).update(guarantee=2)
+    scheduling_policy_update(
+        actor=world.users["admin"], usage_strength=1.0, usage_half_life_seconds=WEEK
+    )
+    now = timezone.now()
+    past = builders.job(world, world.vision, state=JobState.SUCCEEDED, ranks=2, gpus_per_rank=4)
+    Attempt.objects.create(
+        job=past,
+        number=1,
+        admitted_at=now - timedelta(seconds=WEEK),
+        ended_at=now,
+        placement=[{"node": "h100-node-0", "ranks": 2}],
+    )
+    for team in (world.vision, world.nlp):
+        builders.job(world, team, state=JobState.PENDING, ranks=2, gpus_per_rank=8)

@@ -21,6 +21,30 @@ def test_inventory_parses_name_flavor_and_gpus() -> None:
     ]
 
 
+def test_inventory_parses_each_nodes_topology() -> None:
+    assert parse_inventory("gpu-a:h100:8:block=b0/rack=r1, gpu-b:h100:8: rack = r2 ") == [
+        NodeInventory(
+            name="gpu-a", flavor="h100", gpus=8, topology=(("block", "b0"), ("rack", "r1"))
+        ),
+        NodeInventory(name="gpu-b", flavor="h100", gpus=8, topology=(("rack", "r2"),)),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("gpu-a:h100:8:rack", r"topology 'rack' must be level=domain"),
+        ("gpu-a:h100:8:=r1", r"topology '=r1' must be level=domain"),
+        ("gpu-a:h100:8:rack=r1/", r"topology '' must be level=domain"),
+        ("gpu-a:h100:8:rack=r1/rack=r2", "gives the rack twice"),
+        ("gpu-a:h100:8:rack=r1:x", "must be name:flavor:gpus"),
+    ],
+)
+def test_inventory_rejects_a_bad_topology(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_inventory(text)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
