@@ -579,11 +579,12 @@ def _collect(
     )
     attempts: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for attempt in Attempt.objects.filter(job_id__in=[j["id"] for j in jobs]).values(
-        "job_id", "number", "admitted_at", "launched_at", "ended_at"
+        "job_id", "number", "admitted_at", "launched_at", "ended_at", "end_reason"
     ):
         attempts[attempt["job_id"]].append(attempt)
     admission: dict[str, list[float]] = defaultdict(list)
     launch_delay: list[float] = []
+    end_delay: list[float] = []
     held: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
     rows = []
     gpu_seconds = 0.0
@@ -593,7 +594,10 @@ def _collect(
         submitted = job["submitted_at"].timestamp()
         admitted = tries[-1]["admitted_at"].timestamp() if tries else None
         if admitted is not None:
-            admission[workload.class_name].append(admitted - submitted)
+            # A cycle stamps its decisions with the time it started, and its snapshot
+            # (read committed) also sees submissions that committed after that; a job
+            # admitted by the cycle already running when it arrived waited for nothing.
+            admission[workload.class_name].append(max(0.0, admitted - submitted))
         for attempt in tries:
             begin = attempt["admitted_at"].timestamp()
             end = attempt["ended_at"].timestamp() if attempt["ended_at"] else finished_at
@@ -601,7 +605,12 @@ def _collect(
             held[job["team__slug"]].append((begin, end, gpus))
             gpu_seconds += gpus * (end - begin)
             if attempt["launched_at"] is not None:
-                launch_delay.append(attempt["launched_at"].timestamp() - begin)
+                launched = attempt["launched_at"].timestamp()
+                launch_delay.append(launched - begin)
+                if attempt["end_reason"] == "succeeded" and attempt["ended_at"]:
+                    # The mimicked ranks exit `runtime` after the launch; the rest is
+                    # the reconciler noticing it.
+                    end_delay.append(end - launched - workload.runtime_ms / 1000)
         rows.append(
             {
                 "name": job["name"],
@@ -630,6 +639,11 @@ def _collect(
         "usage": gpu_seconds / (capacity * total_s) if total_s > 0 else 0.0,
         "preemptions": PreemptionEvent.objects.filter(job_id__in=[j["id"] for j in jobs]).count(),
         "launch_after_admission": _quantiles(launch_delay) if launch_delay else {},
+        "end_noticed_after_exit": _quantiles(end_delay) if end_delay else {},
+        "gpu_seconds": {
+            "held": gpu_seconds,
+            "work": sum(w.request * w.runtime_ms / 1000 for w in expansion.workloads),
+        },
         "teams": {
             slug: {**limit, "peak_gpus": _peak(held.get(slug, []))}
             for slug, limit in limits.items()
