@@ -23,7 +23,10 @@ admission. `run_quartermaster` does the same with Quartermaster:
 - a portal (gunicorn), a Celery worker and Celery beat run as separate processes
   with QM_RUNTIME=mimic (preemption/runtimes/mimic.py): a job holds its GPUs for its
   running time and succeeds, as Kueue's runner finishes a workload `runtimeMs` after
-  its admission; a preempted one stops at once, as the runner evicts at once.
+  its admission; a preempted one stops at once, as the runner evicts at once. One
+  difference: Kueue's runner counts the running time from the admission, the mimic
+  runtime from the launch that follows it (`launch_after_admission` says how long
+  after), as a real runtime would.
 
 The figures follow Kueue's recorder (runner/recorder): a workload's time to
 admission runs from its creation to its last admission (the recorder overwrites it
@@ -40,9 +43,10 @@ queues' arrivals over a shorter window.
 Kueue's own files are never copied here: `kueue_config_path()` finds the generator
 config in the Go module cache (`go mod download -json`).
 
-Usage (a database it may create and drop, and a Redis broker):
+Usage (a PostgreSQL server on which it creates and drops `test_<name>` of
+DATABASE_URL's database, and a Redis broker whose default queue it purges):
     DATABASE_URL=postgres://... CELERY_BROKER_URL=redis://... \\
-        .venv/bin/python bench/kueue_qm.py [CONFIG] [--scale 1.0] [--json out.json]
+        .venv/bin/python bench/kueue_qm.py [CONFIG] [--scale 1.0] [--probe 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ from typing import Any
 import django
 import yaml
 
+import fairshare
+
 ROOT = Path(__file__).resolve().parents[1]
 # Set up Django before its models are imported; a caller that already did (pytest) keeps its setup.
 sys.path.insert(0, str(ROOT))
@@ -80,13 +86,15 @@ django.setup()
 
 from django.conf import settings  # noqa: E402
 from django.contrib.auth import get_user_model  # noqa: E402
-from django.db import connection  # noqa: E402
+from django.db import connection, transaction  # noqa: E402
 from django.db.models import Max  # noqa: E402
+from django.utils import timezone  # noqa: E402
 
 from portal.celery import app  # noqa: E402
 from portal.processes import beat_command, web_command, worker_command  # noqa: E402
 from portal.services import api_token_create  # noqa: E402
 from preemption.models import FINAL_STATES, Attempt, Job, PreemptionEvent  # noqa: E402
+from preemption.snapshot import build_snapshot, held_jobs  # noqa: E402
 from quotas.models import PriorityClass  # noqa: E402
 from quotas.services import (  # noqa: E402
     flavor_create,
@@ -671,6 +679,39 @@ def _cycle_times(worker_log: Path) -> dict[str, Any]:
     }
 
 
+class _Probe(threading.Thread):
+    """Times the cycle's first two steps (the snapshot from the database and the plan)
+    on the live database every `every_s` seconds, reading only, so a run says where
+    its cycle time goes; the rest of a cycle is writing the decisions."""
+
+    def __init__(self, every_s: float, start: float) -> None:
+        super().__init__(daemon=True)
+        self.every_s, self.start_at = every_s, start
+        self.stop = threading.Event()
+        self.samples: list[dict[str, float]] = []
+
+    def run(self) -> None:
+        try:
+            while not self.stop.wait(self.every_s):
+                with transaction.atomic():
+                    began = time.perf_counter()
+                    snapshot = build_snapshot(now=timezone.now(), held=held_jobs())
+                    built = time.perf_counter()
+                    plan = fairshare.plan(snapshot)
+                    planned = time.perf_counter()
+                self.samples.append(
+                    {
+                        "at_s": time.time() - self.start_at,
+                        "workloads": len(snapshot.workloads),
+                        "admits": len(plan.admit),
+                        "snapshot_s": built - began,
+                        "plan_s": planned - built,
+                    }
+                )
+        finally:
+            connection.close()
+
+
 # ------------------------------------------------------------------------ run
 
 
@@ -682,6 +723,7 @@ def run_quartermaster(
     web_workers: int = 3,
     timeout_s: float = 3600.0,
     var_dir: Path | None = None,
+    probe_every_s: float | None = None,
 ) -> dict[str, Any]:
     """Run the config's workloads through the portal, the worker and the mimic runtime.
 
@@ -689,7 +731,8 @@ def run_quartermaster(
     reach (the caller's connection), and a Redis broker. Returns `total_s`,
     `admission` ({class: {"mean_s", "p50_s", "p99_s"}}), `usage`, `preemptions`, and
     beside them the submission's latency, each team's peak against its limits, the
-    worker's task times and one row per job.
+    worker's task times and one row per job. With `probe_every_s`, also timings of
+    the snapshot and the plan taken on the live database while the run goes on.
     """
     expansion = expand(load_config(Path(generator_config_path)), scale)
     token, limits = _setup_world(expansion)
@@ -701,6 +744,9 @@ def run_quartermaster(
             start = time.time() + 1.0
             cursor = iter(range(len(expansion.workloads)))
             lock = threading.Lock()
+            probe = _Probe(probe_every_s, start) if probe_every_s else None
+            if probe is not None:
+                probe.start()
             submitters = [
                 _Submitter(port, token, expansion.flavor, expansion.workloads, cursor, lock, start)
                 for _ in range(clients)
@@ -711,6 +757,9 @@ def run_quartermaster(
                 submitter.join()
             submitted_by = time.time() - start
             finished_at = _wait_finished(set(limits), start + timeout_s)
+            if probe is not None:
+                probe.stop.set()
+                probe.join()
         figures = _collect(expansion, limits, start, finished_at)
         figures["worker_tasks"] = _cycle_times(logs["worker"])
     finally:
@@ -724,6 +773,8 @@ def run_quartermaster(
         "late_max_s": max(x for s in submitters for x in s.late),
     }
     figures["scale"] = scale
+    if probe is not None:
+        figures["probes"] = probe.samples
     return figures
 
 
@@ -746,18 +797,27 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--keep", action="store_true", help="keep the database for a look")
+    parser.add_argument("--probe", type=float, help="time the snapshot and plan every N s")
     args = parser.parse_args()
 
     config = Path(args.config) if args.config else kueue_config_path()
     # A database of its own, created and migrated here and dropped at the end.
     name = connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
     try:
-        figures = run_quartermaster(config, scale=args.scale)
+        figures = run_quartermaster(config, scale=args.scale, probe_every_s=args.probe)
     finally:
         if not args.keep:
             connection.creation.destroy_test_db(name, verbosity=0)
     jobs = figures.pop("jobs")
-    print(json.dumps({k: v for k, v in figures.items() if k != "teams"}, indent=1))
+    shown = {k: v for k, v in figures.items() if k not in ("teams", "probes")}
+    print(json.dumps(shown, indent=1))
+    probes = figures.get("probes") or []
+    for sample in probes:
+        print(
+            f"probe at {sample['at_s']:6.1f} s: {sample['workloads']:5d} workloads, "
+            f"snapshot {sample['snapshot_s']:.3f} s, plan {sample['plan_s']:.3f} s, "
+            f"{sample['admits']} admits"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({**figures, "jobs": jobs}, indent=1))
     return 0
