@@ -791,6 +791,22 @@ def _wait_finished(teams: set[str], deadline: float) -> float:
         time.sleep(0.5)
 
 
+def run_on_fresh_database(
+    generator_config_path: Path, *, scale: float = 1.0, keep: bool = False, **options: Any
+) -> dict[str, Any]:
+    """`run_quartermaster` on a database of its own: `test_<name>` of DATABASE_URL's
+    database, created and migrated first and dropped at the end unless `keep`."""
+    name = connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
+    try:
+        return run_quartermaster(generator_config_path, scale=scale, **options)
+    finally:
+        # The started processes are gone; this process's own connection goes too, or
+        # the database could not be dropped.
+        connection.close()
+        if not keep:
+            connection.creation.destroy_test_db(name, verbosity=0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", help="a generator config (default: Kueue's baseline)")
@@ -801,13 +817,9 @@ def main() -> int:
     args = parser.parse_args()
 
     config = Path(args.config) if args.config else kueue_config_path()
-    # A database of its own, created and migrated here and dropped at the end.
-    name = connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
-    try:
-        figures = run_quartermaster(config, scale=args.scale, probe_every_s=args.probe)
-    finally:
-        if not args.keep:
-            connection.creation.destroy_test_db(name, verbosity=0)
+    figures = run_on_fresh_database(
+        config, scale=args.scale, keep=args.keep, probe_every_s=args.probe
+    )
     jobs = figures.pop("jobs")
     shown = {k: v for k, v in figures.items() if k not in ("teams", "probes")}
     print(json.dumps(shown, indent=1))
