@@ -234,7 +234,15 @@ QM_RECONCILE_SECONDS = env_float("QM_RECONCILE_SECONDS", 0.25, minimum=0.05)
 QM_SAMPLE_SECONDS = env_float("QM_SAMPLE_SECONDS", 15.0, minimum=1.0)
 
 # Runtimes.
-QM_RUNTIME = env_choice("QM_RUNTIME", "local", ("local", "kubernetes"))
+# "mimic" starts nothing: each job holds its GPUs for the seconds of its `sleep SECONDS`
+# command and then succeeds (preemption/runtimes/mimic.py). It measures the control plane
+# alone, as Kueue's performance test does, and is refused in production.
+QM_RUNTIME = env_choice("QM_RUNTIME", "local", ("local", "kubernetes", "mimic"))
+if PRODUCTION and QM_RUNTIME == "mimic":
+    raise ImproperlyConfigured(
+        "QM_RUNTIME=mimic runs no job (it only mimics their running time, for benchmarks) "
+        "and is refused while QM_PRODUCTION is on: use local or kubernetes."
+    )
 QM_RUNS_DIR = Path(env_str("QM_RUNS_DIR", str(VAR_DIR / "runs")) or VAR_DIR / "runs")
 QM_CHECKPOINTS_DIR = Path(
     env_str("QM_CHECKPOINTS_DIR", str(VAR_DIR / "checkpoints")) or VAR_DIR / "checkpoints"

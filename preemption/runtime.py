@@ -18,11 +18,16 @@ from preemption.runtimes.kubernetes import (
     on_checkpoint_volume,
 )
 from preemption.runtimes.local import LocalRuntime
+from preemption.runtimes.mimic import MimicRuntime
 from preemption.runtimes.runner import RunnerAccount, RunnerLookup, find_runner
 from quotas.models import Node
 from quotas.services import node_topology_sync
 
 SYNC_PRIORITY_CLASSES_TASK = "preemption.tasks.sync_priority_classes"
+MIMIC_RUNS_NOTHING = (
+    "QM_RUNTIME=mimic runs no job: each one only holds its GPUs for the seconds of its "
+    "'sleep SECONDS' command and then succeeds (for benchmarks of the control plane)"
+)
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +126,8 @@ def runtime_problems() -> list[str]:
     if settings.QM_RUNTIME == "kubernetes" and not settings.QM_K8S_CHECKPOINT_CLAIM:
         severity = "refusing to start" if settings.PRODUCTION else "development only"
         return [f"Kubernetes runtime {severity}: {NO_CHECKPOINT_VOLUME}"]
+    if settings.QM_RUNTIME == "mimic":
+        return [MIMIC_RUNS_NOTHING]
     return []
 
 
@@ -158,6 +165,8 @@ def get_runtime() -> Runtime:
         return _override
     if settings.QM_RUNTIME == "kubernetes":
         return _kubernetes_runtime()
+    if settings.QM_RUNTIME == "mimic":
+        return MimicRuntime(root=Path(settings.QM_RUNS_DIR) / "mimic", inventory=inventory())
     return LocalRuntime(root=settings.QM_RUNS_DIR, inventory=inventory(), runner=local_runner())
 
 

@@ -1,0 +1,839 @@
+"""Kueue's scheduler performance test, run through the whole Quartermaster control plane.
+
+Kueue's test (test/performance/scheduler in sigs.k8s.io/kueue) reads a generator
+config of cohorts, cluster queues and workload classes, creates the workloads at
+their arrival times, mimics their execution and records each workload's time to
+admission. `run_quartermaster` does the same with Quartermaster:
+
+- cohorts become parent teams and cluster queues their sub-teams, on one flavor
+  (Kueue's quota resource, "cpu" in its configs, counted as GPUs): each sub-team is
+  guaranteed its queue's nominal quota and may borrow up to its borrowing limit
+  (and lend up to its lending limit) inside its cohort; a cohort team holds the sum
+  of its queues' quotas and neither borrows nor lends, since Kueue's cohorts share
+  nothing with each other. The capacity is one node of that sum, because Kueue's
+  test has no nodes: its only limit is quota.
+- each distinct priority becomes a priority class of that value, preempting lower
+  ones where the queues' `withinClusterQueue` is `LowerPriority`; reclaim within a
+  cohort is Quartermaster's own rule (R6) and always on.
+- each workload is a one-rank job of `request` GPUs with the command
+  `sleep <runtimeMs / 1000>`, submitted through the REST API with an API token at
+  its arrival time: Kueue's generator runs every workload set of every queue as its
+  own stream that waits `creationIntervalMs` before each workload, so the n-th
+  workload of a set (counting from 1) arrives at n x creationIntervalMs.
+- a portal (gunicorn), a Celery worker and Celery beat run as separate processes
+  with QM_RUNTIME=mimic (preemption/runtimes/mimic.py): a job holds its GPUs for its
+  running time and succeeds, as Kueue's runner finishes a workload `runtimeMs` after
+  its admission; a preempted one stops at once, as the runner evicts at once. One
+  difference: Kueue's runner counts the running time from the admission, the mimic
+  runtime from the launch that follows it (`launch_after_admission` says how long
+  after), as a real runtime would.
+
+The figures follow Kueue's recorder (runner/recorder): a workload's time to
+admission runs from its creation to its last admission (the recorder overwrites it
+when an evicted workload is admitted again), here from `Job.submitted_at` to the
+last attempt's `admitted_at`; usage is GPU-seconds held (admission to the end of the
+attempt) over the quota's capacity for the run, as the recorder's CPU-milliseconds
+used over the nominal quota and the monitored time; total time runs from the first
+arrival's start to the last job's end.
+
+`scale` multiplies every workload set's count (at least one each), keeping the
+queues, quotas, intervals and running times, so a smaller run spreads the same
+queues' arrivals over a shorter window.
+
+Kueue's own files are never copied here: `kueue_config_path()` finds the generator
+config in the Go module cache (`go mod download -json`).
+
+Usage (a PostgreSQL server on which it creates and drops `test_<name>` of
+DATABASE_URL's database, and a Redis broker whose default queue it purges):
+    DATABASE_URL=postgres://... CELERY_BROKER_URL=redis://... \\
+        .venv/bin/python bench/kueue_qm.py [CONFIG] [--scale 1.0] [--probe 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import django
+import yaml
+
+import fairshare
+
+ROOT = Path(__file__).resolve().parents[1]
+# Set up Django before its models are imported; a caller that already did (pytest) keeps its setup.
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+django.setup()
+
+from django.conf import settings  # noqa: E402
+from django.contrib.auth import get_user_model  # noqa: E402
+from django.db import connection, transaction  # noqa: E402
+from django.db.models import Max  # noqa: E402
+from django.utils import timezone  # noqa: E402
+
+from portal.celery import app  # noqa: E402
+from portal.processes import beat_command, web_command, worker_command  # noqa: E402
+from portal.services import api_token_create  # noqa: E402
+from preemption.models import FINAL_STATES, Attempt, Job, PreemptionEvent  # noqa: E402
+from preemption.snapshot import build_snapshot, held_jobs  # noqa: E402
+from quotas.models import PriorityClass  # noqa: E402
+from quotas.services import (  # noqa: E402
+    flavor_create,
+    node_upsert,
+    priority_class_save,
+    quota_set,
+    team_create,
+    team_priority_classes_set,
+)
+
+KUEUE_MODULE = "sigs.k8s.io/kueue@v0.17.0"
+BASELINE = "test/performance/scheduler/configs/baseline/generator.yaml"
+FLAVOR = "rf"  # the resource flavor Kueue's generator creates when the config names none
+POLICIES = {"LowerPriority": "PreemptLowerPriority", "Never": "Never", "": "Never"}
+
+
+# --------------------------------------------------------------------- the config
+
+
+class ConfigError(ValueError):
+    """The generator config cannot be translated; the message says where and why."""
+
+
+@dataclass(frozen=True)
+class WorkloadClass:
+    name: str
+    runtime_ms: int
+    priority: int
+    request: int
+
+
+@dataclass(frozen=True)
+class WorkloadSet:
+    count: int
+    interval_ms: int
+    workloads: tuple[WorkloadClass, ...]
+
+
+@dataclass(frozen=True)
+class QueueSet:
+    class_name: str
+    count: int
+    nominal: int
+    borrowing_limit: int | None
+    lending_limit: int | None
+    within_cluster_queue: str
+    workload_sets: tuple[WorkloadSet, ...]
+
+
+@dataclass(frozen=True)
+class CohortSet:
+    class_name: str
+    count: int
+    queue_sets: tuple[QueueSet, ...]
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    flavor: str
+    cohorts: tuple[CohortSet, ...]
+
+
+def _whole(value: Any, where: str) -> int:
+    """A Kubernetes quantity that is a whole, non-negative number ("20", 20)."""
+    text = str(value).strip()
+    if not re.fullmatch(r"\d+", text):
+        raise ConfigError(f"{where}: expected a whole number of units, got {value!r}")
+    return int(text)
+
+
+def _optional_whole(value: Any, where: str) -> int | None:
+    return None if value is None or value == "" else _whole(value, where)
+
+
+def load_config(path: Path) -> GeneratorConfig:
+    """Read a Kueue scheduler performance generator config (runner/generator's Config).
+
+    Topology-aware fields (podCount, tasLevel, a topology section) are refused:
+    Quartermaster's translation of them is not the same test.
+    """
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict) or not data.get("cohorts"):
+        raise ConfigError(f"{path}: the config must contain at least one cohort")
+    if data.get("topology"):
+        raise ConfigError(f"{path}: topology-aware configs are not translated")
+    flavor = str((data.get("resourceFlavor") or {}).get("name") or FLAVOR)
+    cohorts = []
+    for c, cohort in enumerate(data["cohorts"]):
+        queue_sets = []
+        for q, qs in enumerate(cohort.get("queuesSets") or []):
+            where = f"cohorts[{c}].queuesSets[{q}]"
+            within = str(qs.get("withinClusterQueue") or "")
+            if within not in POLICIES:
+                raise ConfigError(f"{where}.withinClusterQueue: {within!r} is not translated")
+            workload_sets = []
+            for w, ws in enumerate(qs.get("workloadsSets") or []):
+                classes = []
+                for k, wl in enumerate(ws.get("workloads") or []):
+                    at = f"{where}.workloadsSets[{w}].workloads[{k}]"
+                    if wl.get("tasLevel") or int(wl.get("podCount") or 1) != 1:
+                        raise ConfigError(f"{at}: multi-pod and topology workloads are refused")
+                    classes.append(
+                        WorkloadClass(
+                            name=str(wl["className"]),
+                            runtime_ms=_whole(wl.get("runtimeMs", 0), f"{at}.runtimeMs"),
+                            priority=int(wl.get("priority", 0)),
+                            request=_whole(wl["request"], f"{at}.request"),
+                        )
+                    )
+                workload_sets.append(
+                    WorkloadSet(
+                        count=_whole(ws["count"], f"{where}.workloadsSets[{w}].count"),
+                        interval_ms=_whole(
+                            ws.get("creationIntervalMs", 0),
+                            f"{where}.workloadsSets[{w}].creationIntervalMs",
+                        ),
+                        workloads=tuple(classes),
+                    )
+                )
+            queue_sets.append(
+                QueueSet(
+                    class_name=str(qs["className"]),
+                    count=_whole(qs["count"], f"{where}.count"),
+                    nominal=_whole(qs["nominalQuota"], f"{where}.nominalQuota"),
+                    borrowing_limit=_optional_whole(
+                        qs.get("borrowingLimit"), f"{where}.borrowingLimit"
+                    ),
+                    lending_limit=_optional_whole(qs.get("lendingLimit"), f"{where}.lendingLimit"),
+                    within_cluster_queue=within,
+                    workload_sets=tuple(workload_sets),
+                )
+            )
+        cohorts.append(
+            CohortSet(
+                class_name=str(cohort["className"]),
+                count=_whole(cohort["count"], f"cohorts[{c}].count"),
+                queue_sets=tuple(queue_sets),
+            )
+        )
+    return GeneratorConfig(flavor=flavor, cohorts=tuple(cohorts))
+
+
+@dataclass(frozen=True)
+class Queue:
+    """One cluster queue: a sub-team of its cohort's team."""
+
+    name: str
+    cohort: str
+    class_name: str
+    nominal: int
+    borrowing_limit: int | None
+    lending_limit: int | None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One workload: a job submitted `arrival_s` after the start."""
+
+    name: str
+    queue: str
+    class_name: str
+    request: int
+    priority: int
+    runtime_ms: int
+    arrival_s: float
+
+
+@dataclass
+class Expansion:
+    flavor: str
+    cohorts: dict[str, list[Queue]] = field(default_factory=dict)
+    workloads: list[Workload] = field(default_factory=list)
+    policies: dict[int, str] = field(default_factory=dict)
+
+
+def expand(config: GeneratorConfig, scale: float = 1.0) -> Expansion:
+    """Every cohort, queue and workload of the config, named as Kueue's generator names them."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ConfigError(f"scale must be a positive number, got {scale!r}")
+    out = Expansion(flavor=config.flavor)
+    for cohort_set in config.cohorts:
+        for c in range(cohort_set.count):
+            cohort = f"{cohort_set.class_name}-{c}"
+            queues = out.cohorts.setdefault(cohort, [])
+            for qs_index, qs in enumerate(cohort_set.queue_sets):
+                for q in range(qs.count):
+                    queue = Queue(
+                        name=f"{qs.class_name}-{qs_index}-{q}-{cohort}",
+                        cohort=cohort,
+                        class_name=qs.class_name,
+                        nominal=qs.nominal,
+                        borrowing_limit=qs.borrowing_limit,
+                        lending_limit=qs.lending_limit,
+                    )
+                    queues.append(queue)
+                    for ws_index, ws in enumerate(qs.workload_sets):
+                        count = max(1, round(ws.count * scale))
+                        for s in range(count):
+                            for k, wl in enumerate(ws.workloads):
+                                policy = POLICIES[qs.within_cluster_queue]
+                                if out.policies.setdefault(wl.priority, policy) != policy:
+                                    raise ConfigError(
+                                        f"priority {wl.priority} is used by queues with different "
+                                        "withinClusterQueue policies; Quartermaster's priority "
+                                        "classes hold one policy each"
+                                    )
+                                order = s * len(ws.workloads) + k + 1
+                                out.workloads.append(
+                                    Workload(
+                                        name=f"{wl.name}-{ws_index}-{s}-{k}",
+                                        queue=queue.name,
+                                        class_name=wl.name,
+                                        request=wl.request,
+                                        priority=wl.priority,
+                                        runtime_ms=wl.runtime_ms,
+                                        arrival_s=order * ws.interval_ms / 1000.0,
+                                    )
+                                )
+    out.workloads.sort(key=lambda w: w.arrival_s)
+    return out
+
+
+def priority_class_name(value: int) -> str:
+    """The priority class that stands for one of the config's priorities."""
+    return f"kueue-{value}" if value >= 0 else f"kueue-minus-{-value}"
+
+
+def kueue_config_path(relative: str = BASELINE) -> Path:
+    """A file of Kueue's module, read from the Go module cache (downloaded when missing)."""
+    done = subprocess.run(
+        ["go", "mod", "download", "-json", KUEUE_MODULE],
+        env={**os.environ, "GOFLAGS": "-mod=mod"},
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return Path(json.loads(done.stdout)["Dir"]) / relative
+
+
+# ------------------------------------------------------------------- the world
+
+
+def _setup_world(expansion: Expansion) -> tuple[str, dict[str, Any]]:
+    """Teams, quotas, the node, priority classes and an admin's API token, through the
+    services; returns the token and the teams' limits."""
+    user = get_user_model().objects.create_superuser(
+        username="kueue-bench", email="kueue-bench@example.org", password=None
+    )
+    flavor = flavor_create(actor=None, name=expansion.flavor)
+    total = sum(q.nominal for queues in expansion.cohorts.values() for q in queues)
+    node_upsert(actor=None, name="kueue-quota", flavor=flavor, gpus=total)
+    classes = [
+        priority_class_save(
+            actor=None,
+            priority_class=PriorityClass(
+                name=priority_class_name(value),
+                value=value,
+                preemption_policy=policy,
+                preemptible=True,
+                grace_seconds=5,
+            ),
+        )
+        for value, policy in sorted(expansion.policies.items())
+    ]
+    limits: dict[str, Any] = {}
+    for cohort, queues in expansion.cohorts.items():
+        parent = team_create(actor=None, slug=cohort, name=cohort)
+        quota_set(
+            actor=None,
+            team=parent,
+            flavor=flavor,
+            guarantee=sum(q.nominal for q in queues),
+            borrow_limit=0,
+            lend_limit=0,
+        )
+        team_priority_classes_set(actor=None, team=parent, priority_classes=classes, may_widen=True)
+        for queue in queues:
+            team = team_create(actor=None, slug=queue.name, name=queue.name, parent=parent)
+            quota_set(
+                actor=None,
+                team=team,
+                flavor=flavor,
+                guarantee=queue.nominal,
+                borrow_limit=queue.borrowing_limit,
+                lend_limit=queue.lending_limit,
+            )
+            limits[queue.name] = {
+                "nominal": queue.nominal,
+                "borrowing_limit": queue.borrowing_limit,
+            }
+    return api_token_create(user=user, name="kueue-bench")[1], limits
+
+
+# --------------------------------------------------------------- the processes
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _database_url() -> str:
+    db = connection.settings_dict
+    return (
+        f"postgres://{db['USER']}:{db['PASSWORD']}@{db['HOST'] or '127.0.0.1'}:"
+        f"{db['PORT'] or 5432}/{db['NAME']}"
+    )
+
+
+@contextmanager
+def _control_plane(var_dir: Path, port: int, *, web_workers: int) -> Iterator[dict[str, Path]]:
+    """The portal, a Celery worker and beat, as `make run` starts them, on PostgreSQL
+    and Redis with the mimic runtime; stopped (and reaped) on the way out."""
+    if not settings.CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
+        raise SystemExit("the comparison runs on Redis: set CELERY_BROKER_URL=redis://...")
+    # Messages left in the broker by an earlier run would only cost the worker time.
+    app.control.purge()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("QM_")},
+        "DATABASE_URL": _database_url(),
+        "CELERY_BROKER_URL": settings.CELERY_BROKER_URL,
+        "QM_RUNTIME": "mimic",
+        "QM_VAR_DIR": str(var_dir),
+        "QM_PUBLIC_URL": f"http://127.0.0.1:{port}",
+        "PYTHONPATH": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+        "LOG_LEVEL": "WARNING",
+    }
+    commands = {
+        "web": web_command(bind=f"127.0.0.1:{port}", workers=web_workers, quiet=True),
+        "worker": [*worker_command(hostname="kueue-bench@%h"), "--loglevel", "INFO"],
+        "beat": beat_command(schedule=var_dir / "celerybeat-schedule", quiet=True),
+    }
+    logs = {name: var_dir / f"{name}.log" for name in commands}
+    children: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for name, command in commands.items():
+            with open(logs[name], "wb") as log:
+                children[name] = subprocess.Popen(
+                    command,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        _wait_healthy(port, children)
+        yield logs
+    finally:
+        for child in children.values():
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGTERM)
+        for child in children.values():
+            try:
+                child.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+
+
+def _wait_healthy(
+    port: int, children: dict[str, subprocess.Popen[bytes]], timeout: float = 60.0
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dead = [name for name, child in children.items() if child.poll() is not None]
+        if dead:
+            raise RuntimeError(f"the control plane's {dead} exited while starting")
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            connection.request("GET", "/healthz")
+            if connection.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("the portal did not answer /healthz in time")
+
+
+# ------------------------------------------------------------------ submission
+
+
+class _Submitter(threading.Thread):
+    """One API client: takes the next workload due, waits for its arrival time and
+    submits it on a keep-alive connection."""
+
+    def __init__(
+        self,
+        port: int,
+        token: str,
+        flavor: str,
+        workloads: list[Workload],
+        cursor: Iterator[int],
+        lock: threading.Lock,
+        start: float,
+    ) -> None:
+        super().__init__(daemon=True)
+        self.port, self.token, self.flavor = port, token, flavor
+        self.workloads, self.cursor, self.lock, self.start_at = workloads, cursor, lock, start
+        self.latencies: list[float] = []
+        self.late: list[float] = []
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        while True:
+            with self.lock:
+                index = next(self.cursor, None)
+            if index is None:
+                break
+            workload = self.workloads[index]
+            due = self.start_at + workload.arrival_s
+            time.sleep(max(0.0, due - time.time()))
+            body = json.dumps(
+                {
+                    "team": workload.queue,
+                    "flavor": self.flavor,
+                    "priority_class": priority_class_name(workload.priority),
+                    "ranks": 1,
+                    "gpus_per_rank": workload.request,
+                    "command": f"sleep {workload.runtime_ms / 1000:g}",
+                    "name": workload.name,
+                    "max_attempts": 100,
+                }
+            )
+            sent = time.time()
+            self.late.append(sent - due)
+            try:
+                connection.request("POST", "/api/v1/jobs/", body=body, headers=headers)
+                response = connection.getresponse()
+                text = response.read()
+                if response.status != 201:
+                    self.errors.append(
+                        f"{workload.queue}/{workload.name}: {response.status} {text[:200]!r}"
+                    )
+            except (OSError, http.client.HTTPException) as error:
+                self.errors.append(f"{workload.queue}/{workload.name}: {error!r}")
+                connection.close()
+                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+            self.latencies.append(time.time() - sent)
+        connection.close()
+
+
+# --------------------------------------------------------------------- figures
+
+
+def _quantiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+
+    def at(fraction: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))]
+
+    return {
+        "mean_s": statistics.fmean(ordered),
+        "p50_s": at(0.50),
+        "p99_s": at(0.99),
+    }
+
+
+def _peak(intervals: list[tuple[float, float, int]]) -> int:
+    """The most GPUs held at once by the given (start, end, gpus) intervals; an interval
+    ending at the instant another starts does not overlap it."""
+    points = sorted(
+        [(end, -gpus) for _, end, gpus in intervals] + [(s, g) for s, _, g in intervals]
+    )
+    held = peak = 0
+    for _, change in points:
+        held += change
+        peak = max(peak, held)
+    return peak
+
+
+def _collect(
+    expansion: Expansion, limits: dict[str, Any], start: float, finished_at: float
+) -> dict[str, Any]:
+    classes = {(w.queue, w.name): w for w in expansion.workloads}
+    jobs = list(
+        Job.objects.filter(team__slug__in=limits).values(
+            "id",
+            "name",
+            "team__slug",
+            "state",
+            "submitted_at",
+            "finished_at",
+            "ranks",
+            "gpus_per_rank",
+        )
+    )
+    attempts: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for attempt in Attempt.objects.filter(job_id__in=[j["id"] for j in jobs]).values(
+        "job_id", "number", "admitted_at", "launched_at", "ended_at", "end_reason"
+    ):
+        attempts[attempt["job_id"]].append(attempt)
+    admission: dict[str, list[float]] = defaultdict(list)
+    launch_delay: list[float] = []
+    end_delay: list[float] = []
+    held: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+    rows = []
+    gpu_seconds = 0.0
+    for job in jobs:
+        workload = classes[(job["team__slug"], job["name"])]
+        tries = sorted(attempts[job["id"]], key=lambda a: a["number"])
+        submitted = job["submitted_at"].timestamp()
+        admitted = tries[-1]["admitted_at"].timestamp() if tries else None
+        if admitted is not None:
+            # A cycle stamps its decisions with the time it started, and its snapshot
+            # (read committed) also sees submissions that committed after that; a job
+            # admitted by the cycle already running when it arrived waited for nothing.
+            admission[workload.class_name].append(max(0.0, admitted - submitted))
+        for attempt in tries:
+            begin = attempt["admitted_at"].timestamp()
+            end = attempt["ended_at"].timestamp() if attempt["ended_at"] else finished_at
+            gpus = job["ranks"] * job["gpus_per_rank"]
+            held[job["team__slug"]].append((begin, end, gpus))
+            gpu_seconds += gpus * (end - begin)
+            if attempt["launched_at"] is not None:
+                launched = attempt["launched_at"].timestamp()
+                launch_delay.append(launched - begin)
+                if attempt["end_reason"] == "succeeded" and attempt["ended_at"]:
+                    # The mimicked ranks exit `runtime` after the launch; the rest is
+                    # the reconciler noticing it.
+                    end_delay.append(end - launched - workload.runtime_ms / 1000)
+        rows.append(
+            {
+                "name": job["name"],
+                "queue": job["team__slug"],
+                "class": workload.class_name,
+                "priority": workload.priority,
+                "arrival_s": workload.arrival_s,
+                "submitted_s": submitted - start,
+                "admitted_s": None if admitted is None else admitted - start,
+                "first_admitted_s": tries[0]["admitted_at"].timestamp() - start if tries else None,
+                "state": job["state"],
+                "attempts": len(tries),
+            }
+        )
+    capacity = sum(q["nominal"] for q in limits.values())
+    total_s = finished_at - start
+    states: dict[str, int] = defaultdict(int)
+    for job in jobs:
+        states[job["state"]] += 1
+    return {
+        "workloads": len(expansion.workloads),
+        "submitted": len(jobs),
+        "states": dict(states),
+        "total_s": total_s,
+        "admission": {name: _quantiles(values) for name, values in sorted(admission.items())},
+        "usage": gpu_seconds / (capacity * total_s) if total_s > 0 else 0.0,
+        "preemptions": PreemptionEvent.objects.filter(job_id__in=[j["id"] for j in jobs]).count(),
+        "launch_after_admission": _quantiles(launch_delay) if launch_delay else {},
+        "end_noticed_after_exit": _quantiles(end_delay) if end_delay else {},
+        "gpu_seconds": {
+            "held": gpu_seconds,
+            "work": sum(w.request * w.runtime_ms / 1000 for w in expansion.workloads),
+        },
+        "teams": {
+            slug: {**limit, "peak_gpus": _peak(held.get(slug, []))}
+            for slug, limit in limits.items()
+        },
+        "jobs": rows,
+    }
+
+
+def _cycle_times(worker_log: Path) -> dict[str, Any]:
+    """The worker's own account of its tasks: how many ran and how long they took."""
+    pattern = re.compile(r"Task (preemption\.tasks\.\w+)\[[^\]]+\] succeeded in ([0-9.]+)s")
+    spent: dict[str, list[float]] = defaultdict(list)
+    for line in worker_log.read_text(errors="replace").splitlines():
+        match = pattern.search(line)
+        if match:
+            spent[match.group(1)].append(float(match.group(2)))
+    return {
+        task.rsplit(".", 1)[1]: {
+            "count": len(values),
+            "total_s": sum(values),
+            "mean_s": statistics.fmean(values),
+            "max_s": max(values),
+        }
+        for task, values in spent.items()
+    }
+
+
+class _Probe(threading.Thread):
+    """Times the cycle's first two steps (the snapshot from the database and the plan)
+    on the live database every `every_s` seconds, reading only, so a run says where
+    its cycle time goes; the rest of a cycle is writing the decisions."""
+
+    def __init__(self, every_s: float, start: float) -> None:
+        super().__init__(daemon=True)
+        self.every_s, self.start_at = every_s, start
+        self.stop = threading.Event()
+        self.samples: list[dict[str, float]] = []
+
+    def run(self) -> None:
+        try:
+            while not self.stop.wait(self.every_s):
+                with transaction.atomic():
+                    began = time.perf_counter()
+                    snapshot = build_snapshot(now=timezone.now(), held=held_jobs())
+                    built = time.perf_counter()
+                    plan = fairshare.plan(snapshot)
+                    planned = time.perf_counter()
+                self.samples.append(
+                    {
+                        "at_s": time.time() - self.start_at,
+                        "workloads": len(snapshot.workloads),
+                        "admits": len(plan.admit),
+                        "snapshot_s": built - began,
+                        "plan_s": planned - built,
+                    }
+                )
+        finally:
+            connection.close()
+
+
+# ------------------------------------------------------------------------ run
+
+
+def run_quartermaster(
+    generator_config_path: Path,
+    *,
+    scale: float = 1.0,
+    clients: int = 16,
+    web_workers: int = 3,
+    timeout_s: float = 3600.0,
+    var_dir: Path | None = None,
+    probe_every_s: float | None = None,
+) -> dict[str, Any]:
+    """Run the config's workloads through the portal, the worker and the mimic runtime.
+
+    Needs Django set up on an empty PostgreSQL database that the started processes can
+    reach (the caller's connection), and a Redis broker. Returns `total_s`,
+    `admission` ({class: {"mean_s", "p50_s", "p99_s"}}), `usage`, `preemptions`, and
+    beside them the submission's latency, each team's peak against its limits, the
+    worker's task times and one row per job. With `probe_every_s`, also timings of
+    the snapshot and the plan taken on the live database while the run goes on.
+    """
+    expansion = expand(load_config(Path(generator_config_path)), scale)
+    token, limits = _setup_world(expansion)
+    own_dir = var_dir is None
+    folder = Path(tempfile.mkdtemp(prefix="qm-kueue-")) if var_dir is None else Path(var_dir)
+    port = _free_port()
+    try:
+        with _control_plane(folder, port, web_workers=web_workers) as logs:
+            start = time.time() + 1.0
+            cursor = iter(range(len(expansion.workloads)))
+            lock = threading.Lock()
+            probe = _Probe(probe_every_s, start) if probe_every_s else None
+            if probe is not None:
+                probe.start()
+            submitters = [
+                _Submitter(port, token, expansion.flavor, expansion.workloads, cursor, lock, start)
+                for _ in range(clients)
+            ]
+            for submitter in submitters:
+                submitter.start()
+            for submitter in submitters:
+                submitter.join()
+            submitted_by = time.time() - start
+            finished_at = _wait_finished(set(limits), start + timeout_s)
+            if probe is not None:
+                probe.stop.set()
+                probe.join()
+        figures = _collect(expansion, limits, start, finished_at)
+        figures["worker_tasks"] = _cycle_times(logs["worker"])
+    finally:
+        if own_dir:
+            shutil.rmtree(folder, ignore_errors=True)
+    latencies = [x for s in submitters for x in s.latencies]
+    figures["submission"] = {
+        "done_s": submitted_by,
+        "errors": [e for s in submitters for e in s.errors],
+        **{f"request_{k}": v for k, v in _quantiles(latencies).items()},
+        "late_max_s": max(x for s in submitters for x in s.late),
+    }
+    figures["scale"] = scale
+    if probe is not None:
+        figures["probes"] = probe.samples
+    return figures
+
+
+def _wait_finished(teams: set[str], deadline: float) -> float:
+    """When the last job ended; raises when jobs are still open at the deadline."""
+    jobs = Job.objects.filter(team__slug__in=teams)
+    while True:
+        open_jobs = jobs.exclude(state__in=FINAL_STATES).count()
+        if open_jobs == 0:
+            last = jobs.aggregate(last=Max("finished_at"))["last"]
+            return float(last.timestamp()) if last else time.time()
+        if time.time() > deadline:
+            raise TimeoutError(f"{open_jobs} jobs were still open at the deadline")
+        time.sleep(0.5)
+
+
+def run_on_fresh_database(
+    generator_config_path: Path, *, scale: float = 1.0, keep: bool = False, **options: Any
+) -> dict[str, Any]:
+    """`run_quartermaster` on a database of its own: `test_<name>` of DATABASE_URL's
+    database, created and migrated first and dropped at the end unless `keep`."""
+    name = connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
+    try:
+        return run_quartermaster(generator_config_path, scale=scale, **options)
+    finally:
+        # The started processes are gone; this process's own connection goes too, or
+        # the database could not be dropped.
+        connection.close()
+        if not keep:
+            connection.creation.destroy_test_db(name, verbosity=0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", help="a generator config (default: Kueue's baseline)")
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--keep", action="store_true", help="keep the database for a look")
+    parser.add_argument("--probe", type=float, help="time the snapshot and plan every N s")
+    args = parser.parse_args()
+
+    config = Path(args.config) if args.config else kueue_config_path()
+    figures = run_on_fresh_database(
+        config, scale=args.scale, keep=args.keep, probe_every_s=args.probe
+    )
+    jobs = figures.pop("jobs")
+    shown = {k: v for k, v in figures.items() if k not in ("teams", "probes")}
+    print(json.dumps(shown, indent=1))
+    probes = figures.get("probes") or []
+    for sample in probes:
+        print(
+            f"probe at {sample['at_s']:6.1f} s: {sample['workloads']:5d} workloads, "
+            f"snapshot {sample['snapshot_s']:.3f} s, plan {sample['plan_s']:.3f} s, "
+            f"{sample['admits']} admits"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({**figures, "jobs": jobs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
