@@ -44,6 +44,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Max, Q, QuerySet
@@ -222,7 +223,9 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
     )
     if job_ids is not None:
         attempts = attempts.filter(job_id__in=job_ids)
-    attempts = list(attempts.order_by("id"))
+    # In the order of their jobs' ids, the order in which the scheduling cycle locks
+    # jobs too: two transactions that lock the same jobs in one order cannot deadlock.
+    attempts = list(attempts.order_by("job_id", "id"))
     if not attempts:
         return 0
     observed: dict[tuple[int, int], list[RankObservation]] = defaultdict(list)
@@ -285,15 +288,23 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
 
 def _guarded(attempt: Attempt, work: Callable[[], T], *, savepoint: bool = False) -> T | None:
     """One attempt's trouble is logged and never stops the pass for the others;
-    with `savepoint`, its writes so far are undone and the others' kept."""
+    with `savepoint`, its writes so far are undone and the others' kept.
+
+    Two kinds of trouble are not one attempt's and end the pass: the task's time
+    limit, and an error that left the enclosing transaction unusable (every later
+    query in it would fail); the next pass starts afresh."""
     try:
         if savepoint:
             with transaction.atomic():
                 return work()
         return work()
+    except SoftTimeLimitExceeded:
+        raise
     except (RuntimeTemporaryError, RuntimePermanentError):
         logger.warning("runtime error on %s; retrying next cycle", attempt, exc_info=True)
     except Exception:
+        if transaction.get_connection().needs_rollback:
+            raise
         logger.exception("reconciling %s failed; retrying next cycle", attempt)
     return None
 
@@ -314,6 +325,8 @@ def _decide(
     `launched_at` is the attempt's as read before the runtime was observed."""
     job = attempt.job
     now = timezone.now()
+    # The job's row first, as the scheduling cycle locks it before anything of the job.
+    list(Job.objects.select_for_update().filter(pk=job.pk).values_list("pk", flat=True))
     ranks = {rank.index: rank for rank in Rank.objects.select_for_update().filter(attempt=attempt)}
     attempt.refresh_from_db(
         fields=["launched_at", "ended_at", "action", "action_claimed_at", "action_tries"]

@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
 from django.db import connection, transaction
 from django.utils import timezone
 
+from preemption import reconcile
 from preemption.cycle import schedule_cycle
 from preemption.models import Attempt, Job, JobState, Rank
 from preemption.reconcile import reconcile_jobs
@@ -244,3 +246,31 @@ def test_a_launch_that_keeps_failing_gives_up_after_its_tries(
     assert job.failure_reason.startswith("launch gave up after 3 tries: ")
     assert "cannot start the launcher" in job.failure_reason
     assert Attempt.objects.get(job=job).end_reason == Attempt.EndReason.FAILED
+
+
+def test_the_task_time_limit_ends_the_pass_and_undoes_its_decisions(
+    world: Any, local_runtime: LocalRuntime, monkeypatch: Any
+) -> None:
+    """The soft time limit is the pass's, not one attempt's: it must not be logged
+    and skipped like an attempt's error (the pass would run on into the hard limit
+    and be killed without recording anything), and the decisions made so far in the
+    pass's transaction are undone, for the next pass to make again."""
+    first = submit(world, world.vision, name="first")
+    second = submit(world, world.ops, name="second")
+    schedule_cycle(act=False)
+    assert state_of(first) == state_of(second) == JobState.ADMITTED
+    decide = reconcile._decide
+
+    def decide_until_the_limit(attempt: Attempt, *args: Any, **kwargs: Any) -> Any:
+        if attempt.job_id == second.pk:
+            raise SoftTimeLimitExceeded()
+        return decide(attempt, *args, **kwargs)
+
+    monkeypatch.setattr(reconcile, "_decide", decide_until_the_limit)
+    with pytest.raises(SoftTimeLimitExceeded):
+        reconcile_jobs(job_ids=[first.pk, second.pk], runtime=local_runtime)
+    assert list(Attempt.objects.order_by("job_id").values_list("action", "launched_at")) == [
+        ("", None),
+        ("", None),
+    ]
+    assert local_runtime.observe(GangId(first.pk, 1)) == []
