@@ -461,7 +461,7 @@ class Trap:
         self._report_signal()
         self._report_notice()
         self._poll_background()
-        due = 1.0 if self._due_locally() else 0.0
+        due = 1.0 if self._due_locally(step) else 0.0
         notice_at = self._notice_at if self._notice_at is not None else -math.inf
         # Negated time: the maximum of -t is the earliest signal of any rank, which
         # starts the grace window for all of them.
@@ -522,13 +522,13 @@ class Trap:
             write_seconds=self.expected_save_time() if self.async_saves else 0.0,
         )
 
-    def _due_locally(self) -> bool:
+    def _due_locally(self, step: int) -> bool:
         interval = self.checkpoint_interval()
         if interval is not None:
-            self._report_cadence(interval)
+            self._report_cadence(step, interval)
         return interval is not None and time.monotonic() - self._last_checkpoint_at >= interval
 
-    def _report_cadence(self, interval: float) -> None:
+    def _report_cadence(self, step: int, interval: float) -> None:
         """Report the regular checkpoint interval when the hint changed or the interval
         moved by more than a tenth (each save measures the cost anew; smaller moves
         would only repeat the same figure)."""
@@ -545,6 +545,7 @@ class Trap:
         self._reported_cadence = (mtbp, interval)
         self.events.emit(
             "cadence",
+            step=step,
             mtbp_seconds=mtbp,
             save_cost=round(self.checkpoint_cost(), 6),
             interval_seconds=round(interval, 6),
@@ -561,7 +562,7 @@ class Trap:
         """
         if self._agreed_due is not None and self._agreed_due[0] == step:
             return self._agreed_due[1]
-        (due,) = self._reduce_max([1.0 if self._due_locally() else 0.0])
+        (due,) = self._reduce_max([1.0 if self._due_locally(step) else 0.0])
         self._agreed_due = (step, due > 0)
         return due > 0
 
