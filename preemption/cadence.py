@@ -107,8 +107,10 @@ def preemption_risk_refresh(
                 batch_size=500,
             )
     result.changed = len(changed)
-    runtime = runtime or get_runtime()
+    if deliver:
+        runtime = runtime or get_runtime()
     for gang, mtbp, team in deliver:
+        assert runtime is not None
         try:
             runtime.publish_preemption_risk(gang, mtbp, team=team)
             result.published += 1

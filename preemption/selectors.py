@@ -4,6 +4,7 @@ plane's own estimate of each running attempt's preemption risk."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -26,7 +27,16 @@ from django.db.models.functions import Coalesce, Now
 
 import fairshare
 from core.access import User
-from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank, Webhook
+from preemption.models import (
+    Attempt,
+    Checkpoint,
+    Job,
+    JobState,
+    PreemptionEvent,
+    Rank,
+    TrapEvent,
+    Webhook,
+)
 from preemption.risk import (
     HOUR,
     MeasuredRate,
@@ -360,3 +370,47 @@ def running_attempt_risks(*, now: datetime, window_seconds: float) -> dict[int, 
             measured=rates.get((team, flavor, borrowed > 0)),
         )
     return risks
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """A running job's checkpoint cadence: the control plane's risk estimate and
+    reasons, and the interval its trap last reported choosing from it (None until it
+    reported one: a trap of another version, or no checkpoint measured yet)."""
+
+    attempt: int
+    mtbp_seconds: float | None
+    reasons: list[str]
+    estimated_at: datetime | None
+    interval_seconds: float | None = None
+    save_cost: float | None = None
+    trap_mtbp_seconds: float | None = None
+    reported_at: float | None = None
+
+
+def job_cadence(*, attempts: list[Attempt]) -> Cadence | None:
+    """The cadence of the job's open attempt (from attempts already loaded and already
+    scoped to the reader), or None when no attempt is open. One query: rank 0's latest
+    `cadence` event."""
+    current = next((attempt for attempt in attempts if attempt.ended_at is None), None)
+    if current is None:
+        return None
+    reported = (
+        TrapEvent.objects.filter(
+            job_id=current.job_id, attempt=current.number, rank=0, event="cadence"
+        )
+        .order_by("-at", "-id")
+        .values_list("payload", "at")
+        .first()
+    )
+    payload, at = reported if reported is not None else ({}, None)
+    return Cadence(
+        attempt=current.number,
+        mtbp_seconds=current.preemption_mtbp_seconds,
+        reasons=list(current.preemption_risk_reasons or []),
+        estimated_at=current.preemption_risk_at,
+        interval_seconds=payload.get("interval_seconds"),
+        save_cost=payload.get("save_cost"),
+        trap_mtbp_seconds=payload.get("mtbp_seconds"),
+        reported_at=at,
+    )
