@@ -7,8 +7,11 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.utils import timezone
 
+from portal.celery import app
+from portal.tasks import refresh_preemption_risk
 from preemption import risk
 from preemption.models import Attempt, JobState, PreemptionEvent
 from preemption.risk import MeasuredRate, Reclaimer, RunningJob, Standing, estimate_mtbp
@@ -160,3 +163,20 @@ def test_a_borrower_whose_owner_waits_gets_a_short_mtbp_a_guaranteed_job_a_long_
     assert of(guaranteed).reasons[0].startswith("team nlp is inside its guarantee (6 of 8")
     assert of(steady).mtbp_seconds == risk.NEVER
     assert len(risks) == 3
+
+
+def test_the_beat_runs_the_refresh_which_stores_each_estimate(world: Any) -> None:
+    app.finalize()
+    entry = app.conf.beat_schedule["refresh preemption risk"]
+    assert entry["task"] == "preemption.tasks.refresh_preemption_risk"
+    assert entry["schedule"] == settings.QM_RISK_SECONDS
+    running = builders.running_job(world, world.vision, gpus_per_rank=4)
+
+    assert refresh_preemption_risk.run() == 1
+
+    attempt = Attempt.objects.get(job=running)
+    assert attempt.preemption_mtbp_seconds == risk.CALM
+    assert attempt.preemption_risk_reasons == [
+        f"team vision is inside its guarantee (4 of 8 {world.h100.name} GPUs)"
+    ]
+    assert attempt.preemption_risk_at is not None
