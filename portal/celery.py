@@ -43,6 +43,12 @@ def _schedule(sender: Celery, **_: object) -> None:
         sender.signature("preemption.tasks.sync_node_topology"),
         name="sync node topology",
     )
+    # The running jobs' cadence hints (preemption.cadence).
+    sender.add_periodic_task(
+        settings.QM_RISK_SECONDS,
+        sender.signature("preemption.tasks.refresh_preemption_risk"),
+        name="refresh preemption risk",
+    )
     # Undo edits to the cluster's PriorityClasses (Kubernetes runtime only).
     sender.add_periodic_task(
         60.0,

@@ -232,6 +232,10 @@ QM_CYCLE_SECONDS = env_float("QM_CYCLE_SECONDS", 1.0, minimum=0.1)
 # gangs that changed nothing writes nothing.
 QM_RECONCILE_SECONDS = env_float("QM_RECONCILE_SECONDS", 0.25, minimum=0.05)
 QM_SAMPLE_SECONDS = env_float("QM_SAMPLE_SECONDS", 15.0, minimum=1.0)
+# How often each running job's preemption risk (its cadence hint) is estimated
+# again, and over how long a window the measured preemption rates are counted.
+QM_RISK_SECONDS = env_float("QM_RISK_SECONDS", 15.0, minimum=1.0)
+QM_RISK_WINDOW_SECONDS = env_float("QM_RISK_WINDOW_SECONDS", 86400.0, minimum=60.0)
 
 # Runtimes.
 # "mimic" starts nothing: each job holds its GPUs for the seconds of its `sleep SECONDS`

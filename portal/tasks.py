@@ -11,6 +11,7 @@ from celery import shared_task
 from django.conf import settings
 from django.utils import timezone
 
+from preemption.cadence import preemption_risk_refresh
 from preemption.cycle import schedule_cycle as run_cycle
 from preemption.k8s_sync import priority_classes_sync
 from preemption.reconcile import reconcile_jobs
@@ -35,6 +36,12 @@ def schedule_cycle() -> dict[str, int]:
 @shared_task(name="preemption.tasks.reconcile", expires=5, **COMMON)
 def reconcile() -> int:
     return reconcile_jobs()
+
+
+@shared_task(name="preemption.tasks.refresh_preemption_risk", expires=30, **COMMON)
+def refresh_preemption_risk() -> int:
+    """Estimate every running job's preemption risk and hand it to its ranks."""
+    return preemption_risk_refresh().changed
 
 
 @shared_task(name="preemption.tasks.deliver_webhooks", expires=30, **COMMON)

@@ -50,6 +50,11 @@ class EventLimitReached(Exception):
     """A rank of an attempt has reported as many events as it may."""
 
 
+CADENCE_FIELDS = ("mtbp_seconds", "save_cost", "interval_seconds")
+# Longer than any hint a scheduler gives (the control plane's longest is 30 days).
+MAX_CADENCE_SECONDS = 1e9
+
+
 def _int(event: dict[str, Any], name: str, *, low: int = 0, high: int = 2**53) -> int:
     value = event.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -103,6 +108,17 @@ def _validate(job: Job, event: Any) -> dict[str, Any]:
                 {"seconds": [f"Must be a duration in seconds (got {seconds!r})."]}
             )
         clean["seconds"] = float(seconds)
+    # The cadence the trap chose (a `cadence` event): kept for the job page.
+    for field in CADENCE_FIELDS:
+        if event.get(field) is not None:
+            value = event[field]
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0 <= value < MAX_CADENCE_SECONDS
+            ):
+                raise ValidationError({field: [f"Must be a duration in seconds (got {value!r})."]})
+            clean[field] = float(value)
     if event.get("reason") is not None:
         if not isinstance(event["reason"], str):
             raise ValidationError({"reason": ["Must be text."]})

@@ -146,6 +146,12 @@ class Attempt(models.Model):
     action_tries = models.PositiveIntegerField(default=0)
     action_error = models.CharField(max_length=300, blank=True)
     action_not_before = models.DateTimeField(null=True, blank=True)
+    # The control plane's latest estimate of this attempt's mean time between
+    # preemptions, the reasons in words, and when it was made (see preemption.risk).
+    # The ranks read it as the trap's cadence hint; the job page shows it.
+    preemption_mtbp_seconds = models.FloatField(null=True, blank=True)
+    preemption_risk_reasons = models.JSONField(default=list, blank=True)
+    preemption_risk_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["job_id", "number"]

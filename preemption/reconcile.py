@@ -121,6 +121,7 @@ def gang_spec(job: Job, attempt: Attempt, ranks: Iterable[Rank]) -> GangSpec:
         image=job.image or None,
         team=job.team.slug,
         flavor=job.flavor.name,
+        mtbp_seconds=attempt.preemption_mtbp_seconds,
     )
 
 

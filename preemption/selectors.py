@@ -1,7 +1,11 @@
-"""Every read of jobs and their history, scoped to the asking user."""
+"""Every read of jobs and their history, scoped to the asking user, and the control
+plane's own estimate of each running attempt's preemption risk."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db.models import (
@@ -21,8 +25,28 @@ from django.db.models import (
 )
 from django.db.models.functions import Coalesce, Now
 
+import fairshare
 from core.access import User
-from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, Webhook
+from preemption.models import (
+    Attempt,
+    Checkpoint,
+    Job,
+    JobState,
+    PreemptionEvent,
+    Rank,
+    TrapEvent,
+    Webhook,
+)
+from preemption.risk import (
+    HOUR,
+    MeasuredRate,
+    Reclaimer,
+    Risk,
+    RunningJob,
+    Standing,
+    estimate_mtbp,
+)
+from preemption.snapshot import build_snapshot
 from quotas.selectors import access_for
 
 
@@ -216,3 +240,177 @@ def stop_in_progress(attempts: list[Attempt]) -> PreemptionEvent | None:
         if event is not None and not event.outcome:
             return event
     return None
+
+
+# --- preemption risk -----------------------------------------------------------------
+
+# Stops that the engine decides. A person's cancel, the gang guard (a rank died) and
+# the embedded portal's shutdown say nothing about how often the engine takes GPUs back.
+ENGINE_PREEMPTION_REASONS = (
+    PreemptionEvent.Reason.RECLAIM,
+    PreemptionEvent.Reason.PRIORITY,
+    PreemptionEvent.Reason.FAIR_SHARE,
+    PreemptionEvent.Reason.CONSOLIDATE,
+)
+
+# (team slug, flavor name, whether the attempt borrowed GPUs when admitted)
+RateKey = tuple[str, str, bool]
+
+
+def measured_preemption_rates(
+    *, now: datetime, window_seconds: float
+) -> dict[RateKey, MeasuredRate]:
+    """Preempted GPUs per GPU-hour run over the window before ``now``, for each team,
+    flavor and borrowing state, from the recorded attempts and preemptions.
+
+    Two queries whatever the number of jobs; the GPU-hours are summed here rather than in
+    SQL so that the same code runs on SQLite (the embedded portal) and PostgreSQL.
+    """
+    since = now - timedelta(seconds=window_seconds)
+    gpu_seconds: dict[RateKey, float] = defaultdict(float)
+    rows = (
+        Attempt.objects.filter(admitted_at__lt=now)
+        .filter(Q(ended_at__isnull=True) | Q(ended_at__gt=since))
+        .values_list(
+            "job__team__slug",
+            "job__flavor__name",
+            "borrowed_gpus",
+            "job__ranks",
+            "job__gpus_per_rank",
+            "admitted_at",
+            "ended_at",
+        )
+    )
+    for team, flavor, borrowed, ranks, gpus_per_rank, admitted_at, ended_at in rows:
+        start = max(admitted_at, since)
+        end = min(ended_at or now, now)
+        if end > start:
+            gpu_seconds[(team, flavor, borrowed > 0)] += (
+                ranks * gpus_per_rank * (end - start).total_seconds()
+            )
+    preempted: dict[RateKey, int] = defaultdict(int)
+    for team, flavor, borrowed, ranks, gpus_per_rank in PreemptionEvent.objects.filter(
+        reason__in=ENGINE_PREEMPTION_REASONS, decided_at__gt=since, decided_at__lte=now
+    ).values_list(
+        "job__team__slug",
+        "job__flavor__name",
+        "victim_attempt__borrowed_gpus",
+        "job__ranks",
+        "job__gpus_per_rank",
+    ):
+        preempted[(team, flavor, borrowed > 0)] += ranks * gpus_per_rank
+    return {
+        key: MeasuredRate(
+            preempted_gpus=preempted.get(key, 0),
+            gpu_hours=gpu_seconds.get(key, 0.0) / HOUR,
+            window_hours=window_seconds / HOUR,
+        )
+        for key in set(gpu_seconds) | set(preempted)
+    }
+
+
+def running_attempt_risks(*, now: datetime, window_seconds: float) -> dict[int, Risk]:
+    """Each running attempt's preemption risk (see ``preemption.risk``), by attempt id.
+
+    The control plane's own read, for every team at once (it feeds the ranks' cadence
+    hint); people read the stored estimate through ``job_list``. A fixed number of
+    queries: the engine's snapshot, the running attempts and the measured rates.
+    """
+    snapshot = build_snapshot(now=now)
+    plan = fairshare.plan(snapshot)
+    workloads = {workload.id: workload for workload in snapshot.workloads}
+    waiting: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for wait in plan.waiting:
+        workload = workloads.get(wait.id)
+        if workload is not None:
+            waiting[(workload.queue, workload.flavor)].append(workload.gpus)
+
+    def standing(team: str, flavor: str) -> Standing:
+        status = plan.queues.get(team, {}).get(flavor)
+        if status is None:
+            return Standing(guarantee=0, usage=0, fair_share=0.0)
+        return Standing(
+            guarantee=status.guarantee, usage=status.usage, fair_share=status.fair_share
+        )
+
+    def reclaimers(team: str, flavor: str) -> tuple[Reclaimer, ...]:
+        found = []
+        for (queue, queue_flavor), sizes in sorted(waiting.items()):
+            if queue == team or queue_flavor != flavor:
+                continue
+            owner = standing(queue, flavor)
+            room = owner.guarantee - owner.usage
+            fitting = sum(1 for gpus in sizes if gpus <= room)
+            if fitting:
+                found.append(Reclaimer(team=queue, waiting_jobs=fitting))
+        return tuple(found)
+
+    rates = measured_preemption_rates(now=now, window_seconds=window_seconds)
+    risks: dict[int, Risk] = {}
+    for attempt_id, team, flavor, class_name, preemptible, borrowed in Attempt.objects.filter(
+        ended_at__isnull=True, job__state__in=[JobState.ADMITTED, JobState.RUNNING]
+    ).values_list(
+        "id",
+        "job__team__slug",
+        "job__flavor__name",
+        "job__priority_class__name",
+        "job__priority_class__preemptible",
+        "borrowed_gpus",
+    ):
+        team_standing = standing(team, flavor)
+        risks[attempt_id] = estimate_mtbp(
+            RunningJob(
+                team=team, flavor=flavor, preemptible=preemptible, priority_class=class_name
+            ),
+            standing=team_standing,
+            reclaimers=reclaimers(team, flavor) if team_standing.borrowed else (),
+            others_waiting=any(
+                sizes for (queue, f), sizes in waiting.items() if queue != team and f == flavor
+            ),
+            measured=rates.get((team, flavor, borrowed > 0)),
+        )
+    return risks
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """A running job's checkpoint cadence: the control plane's risk estimate and
+    reasons, and the interval its trap last reported choosing from it (None until it
+    reported one: a trap of another version, or no checkpoint measured yet)."""
+
+    attempt: int
+    mtbp_seconds: float | None
+    reasons: list[str]
+    estimated_at: datetime | None
+    interval_seconds: float | None = None
+    save_cost: float | None = None
+    trap_mtbp_seconds: float | None = None
+    reported_at: float | None = None
+
+
+def job_cadence(*, attempts: list[Attempt]) -> Cadence | None:
+    """The cadence of the job's open attempt (from attempts already loaded and already
+    scoped to the reader), or None when no attempt is open. One query: rank 0's latest
+    `cadence` event."""
+    current = next((attempt for attempt in attempts if attempt.ended_at is None), None)
+    if current is None:
+        return None
+    reported = (
+        TrapEvent.objects.filter(
+            job_id=current.job_id, attempt=current.number, rank=0, event="cadence"
+        )
+        .order_by("-at", "-id")
+        .values_list("payload", "at")
+        .first()
+    )
+    payload, at = reported if reported is not None else ({}, None)
+    return Cadence(
+        attempt=current.number,
+        mtbp_seconds=current.preemption_mtbp_seconds,
+        reasons=list(current.preemption_risk_reasons or []),
+        estimated_at=current.preemption_risk_at,
+        interval_seconds=payload.get("interval_seconds"),
+        save_cost=payload.get("save_cost"),
+        trap_mtbp_seconds=payload.get("mtbp_seconds"),
+        reported_at=at,
+    )

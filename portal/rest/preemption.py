@@ -17,7 +17,7 @@ from django.contrib.auth.models import AnonymousUser
 from django.db.models import Prefetch
 from django_filters.fields import IsoDateTimeField
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
-from drf_spectacular.utils import extend_schema, extend_schema_view
+from drf_spectacular.utils import extend_schema, extend_schema_field, extend_schema_view
 from gracetrap_protocol import EVENT_NAMES
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.authentication import BaseAuthentication
@@ -103,6 +103,9 @@ class AttemptSerializer(serializers.ModelSerializer[Attempt]):
             "ended_at",
             "end_reason",
             "orphaned_ports",
+            "preemption_mtbp_seconds",
+            "preemption_risk_reasons",
+            "preemption_risk_at",
         ]
         read_only_fields = fields
 
@@ -174,12 +177,48 @@ class JobSerializer(serializers.ModelSerializer[Job]):
         return why_waiting(job)
 
 
+class CadenceSerializer(serializers.Serializer[Any]):
+    attempt = serializers.IntegerField(help_text="The open attempt's number.")
+    mtbp_seconds = serializers.FloatField(
+        allow_null=True,
+        help_text="The control plane's estimate of the mean seconds between preemptions, "
+        "handed to the ranks as QM_PREEMPTION_MTBP_FILE; null before the first estimate.",
+    )
+    reasons = serializers.ListField(
+        child=serializers.CharField(), help_text="Why, the deciding cause first."
+    )
+    estimated_at = serializers.DateTimeField(allow_null=True)
+    interval_seconds = serializers.FloatField(
+        allow_null=True,
+        help_text="The regular checkpoint interval the trap last reported choosing "
+        "(its `cadence` event); null until it reported one.",
+    )
+    save_cost = serializers.FloatField(
+        allow_null=True, help_text="The cost of a checkpoint to training the trap measured."
+    )
+    trap_mtbp_seconds = serializers.FloatField(
+        allow_null=True, help_text="The estimate the trap had read when it chose the interval."
+    )
+    reported_at = serializers.FloatField(
+        allow_null=True, help_text="When the trap reported it (Unix time)."
+    )
+
+
 class JobDetailSerializer(JobSerializer):
     attempts = AttemptWithRanksSerializer(many=True, read_only=True)
+    cadence = serializers.SerializerMethodField(
+        help_text="The running job's preemption risk and the checkpoint interval its trap "
+        "chose from it; null when no attempt is open."
+    )
 
     class Meta(JobSerializer.Meta):
-        fields = [*JobSerializer.Meta.fields, "attempts"]
+        fields = [*JobSerializer.Meta.fields, "attempts", "cadence"]
         read_only_fields = fields
+
+    @extend_schema_field(CadenceSerializer(allow_null=True))
+    def get_cadence(self, job: Job) -> dict[str, Any] | None:
+        cadence = selectors.job_cadence(attempts=list(job.attempts.all()))
+        return CadenceSerializer(cadence).data if cadence is not None else None
 
 
 class JobSubmitSerializer(serializers.Serializer[Any]):

@@ -12,6 +12,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+# The trap's variable naming the file that holds the cadence hint (gracetrap's
+# protocol): every runtime sets it in the ranks' environment and keeps the file current.
+MTBP_FILE_ENV = "QM_PREEMPTION_MTBP_FILE"
+
+
+def mtbp_text(mtbp_seconds: float) -> str:
+    """The cadence hint as the trap reads it: seconds, one line."""
+    return f"{mtbp_seconds:.1f}\n"
+
 
 @dataclass(frozen=True, slots=True)
 class GangId:
@@ -50,6 +59,9 @@ class GangSpec:
     image: str | None = None
     team: str = ""
     flavor: str = ""
+    # The control plane's estimate of the gang's mean time between preemptions, handed
+    # to the ranks as the trap's cadence hint (None: none yet).
+    mtbp_seconds: float | None = None
 
     @property
     def gang(self) -> GangId:
@@ -176,6 +188,11 @@ class Runtime(Protocol):
         """Drop the bookkeeping of a finished gang; its logs stay readable."""
         ...
 
+    def publish_preemption_risk(self, gang: GangId, mtbp_seconds: float, *, team: str) -> None:
+        """Hand the running gang's ranks a new cadence hint (the file named by
+        QM_PREEMPTION_MTBP_FILE); a hint equal to the one they have costs nothing."""
+        ...
+
 
 PROTOCOL_CALLS = (
     "launch",
@@ -187,6 +204,7 @@ PROTOCOL_CALLS = (
     "released_ports",
     "forget",
     "guard_victims",
+    "publish_preemption_risk",
 )
 RuntimeClass = TypeVar("RuntimeClass", bound=type)
 Classify = Callable[[Exception], type[RuntimeTemporaryError] | type[RuntimePermanentError] | None]

@@ -7,6 +7,13 @@ Objects of one gang (job id, attempt), all in one namespace:
   what must survive a restart of the worker: when the gang was launched and
   when it was signalled or killed;
 * a Secret ``qm-<job>-<attempt>-events`` holding ``QM_EVENTS_TOKEN``;
+* a ConfigMap ``qm-<job>-<attempt>-risk`` holding the cadence hint (the gang's
+  mean time between preemptions, key ``mtbp``), mounted read-only in every rank at
+  ``/var/run/quartermaster/risk``, where ``QM_PREEMPTION_MTBP_FILE`` points. The
+  control plane patches it while the gang runs; kubelets refresh ConfigMap
+  volumes within about a minute, soon enough for a cadence. A ConfigMap of its
+  own rather than a key of the gang record: the record carries the placement
+  and the control plane's annotations, none of which a rank needs to read;
 * a NetworkPolicy ``qm-<job>-<attempt>`` letting the gang's ranks reach each
   other; the namespace's default-deny policy (``network_policy``) shuts out
   everything else but DNS and the portal's events URL;
@@ -55,6 +62,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from preemption.runtimes.base import (
+    MTBP_FILE_ENV,
     GangGuard,
     GangId,
     GangSpec,
@@ -62,6 +70,7 @@ from preemption.runtimes.base import (
     RankObservation,
     RuntimePermanentError,
     RuntimeTemporaryError,
+    mtbp_text,
     translate_errors,
 )
 
@@ -73,6 +82,7 @@ ATTEMPT_LABEL = "quartermaster.dev/attempt"
 RANK_LABEL = "quartermaster.dev/rank"
 NODE_LABEL = "quartermaster.dev/node"
 TEAM_LABEL = "quartermaster.dev/team"
+RISK_OF_LABEL = "quartermaster.dev/risk-of"
 EXIT_CODE_FINALIZER = "quartermaster.dev/exit-code"
 LAUNCHED_ANNOTATION = "quartermaster.dev/launched-at"
 SIGNALLED_ANNOTATION = "quartermaster.dev/signalled-at"
@@ -82,6 +92,10 @@ GPU_RESOURCE = "nvidia.com/gpu"
 LOG_CHUNK_BYTES = 64 * 1024
 EVENTS_TOKEN_KEY = "QM_EVENTS_TOKEN"
 CONTAINER_NAME = "rank"
+# The cadence hint's ConfigMap key and where its volume is mounted in every rank.
+RISK_KEY = "mtbp"
+RISK_VOLUME = "preemption-risk"
+RISK_MOUNT_PATH = "/var/run/quartermaster/risk"
 
 # The container's main process. The kubelet signals only PID 1, and a shell as
 # PID 1 neither passes SIGTERM on nor dies of it, so the workload would only
@@ -194,6 +208,11 @@ def gang_name(gang: GangId) -> str:
     return f"qm-{gang.job_id}-{gang.attempt}"
 
 
+def risk_config_map_name(gang: GangId) -> str:
+    """The name of the ConfigMap that holds a gang's cadence hint."""
+    return f"{gang_name(gang)}-risk"
+
+
 def pod_name(gang: GangId, rank: int) -> str:
     """The name of one rank's pod."""
     return f"{gang_name(gang)}-r{rank}"
@@ -287,6 +306,8 @@ class KubernetesRuntime:
         self._world_sizes: dict[GangId, tuple[str, int]] = {}
         self._signalled: dict[GangId, float] = {}
         self._blocked: dict[GangId, dict[int, str]] = {}
+        # The cadence hint last written to each gang's ConfigMap.
+        self._published_risk: dict[GangId, str] = {}
         self.relists = 0
         # The pod watch (watch_pods): a cache of every gang pod, kept by one
         # thread, so a reconcile cycle lists gang records and nodes but no pods.
@@ -392,6 +413,30 @@ class KubernetesRuntime:
                 "stringData": {EVENTS_TOKEN_KEY: token},
             },
         )
+        risk = mtbp_text(spec.mtbp_seconds) if spec.mtbp_seconds is not None else ""
+        self._create_ignoring_conflict(
+            self.core.create_namespaced_config_map,
+            namespace,
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {
+                    "name": risk_config_map_name(gang),
+                    # Not the gang label: listings of gang records select by it.
+                    "labels": {
+                        MANAGED_BY_LABEL: MANAGED_BY,
+                        JOB_LABEL: str(gang.job_id),
+                        ATTEMPT_LABEL: str(gang.attempt),
+                        RISK_OF_LABEL: gang_name(gang),
+                    },
+                    "ownerReferences": owner_references,
+                },
+                # Empty until the first estimate: the trap then has no hint.
+                "data": {RISK_KEY: risk},
+            },
+        )
+        with self._lock:
+            self._published_risk[gang] = risk
         self._create_ignoring_conflict(
             self.core.create_namespaced_service,
             namespace,
@@ -528,6 +573,7 @@ class KubernetesRuntime:
                 "name": EVENTS_TOKEN_KEY,
                 "valueFrom": {"secretKeyRef": {"name": f"{name}-events", "key": EVENTS_TOKEN_KEY}},
             },
+            {"name": MTBP_FILE_ENV, "value": posixpath.join(RISK_MOUNT_PATH, RISK_KEY)},
         ]
         labels = self._labels(gang) | {RANK_LABEL: str(rank), NODE_LABEL: placement.node}
         if spec.team:
@@ -584,16 +630,28 @@ class KubernetesRuntime:
         }
         if self.settings.service_account:
             pod_spec["serviceAccountName"] = self.settings.service_account
+        pod_spec["volumes"] = [
+            {
+                "name": RISK_VOLUME,
+                "configMap": {
+                    "name": risk_config_map_name(gang),
+                    "items": [{"key": RISK_KEY, "path": RISK_KEY}],
+                },
+            }
+        ]
+        container["volumeMounts"] = [
+            {"name": RISK_VOLUME, "mountPath": RISK_MOUNT_PATH, "readOnly": True}
+        ]
         if self.settings.checkpoint_claim:
-            pod_spec["volumes"] = [
+            pod_spec["volumes"].append(
                 {
                     "name": "checkpoints",
                     "persistentVolumeClaim": {"claimName": self.settings.checkpoint_claim},
                 }
-            ]
-            container["volumeMounts"] = [
+            )
+            container["volumeMounts"].append(
                 {"name": "checkpoints", "mountPath": self.settings.checkpoint_mount_path}
-            ]
+            )
         return {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -1192,6 +1250,29 @@ class KubernetesRuntime:
                 return [self.settings.master_port]
         return []
 
+    def publish_preemption_risk(self, gang: GangId, mtbp_seconds: float, *, team: str) -> None:
+        """Write the gang's cadence hint into its ConfigMap, unless this runtime already
+        wrote the same one (after a restart it writes each once more)."""
+        del team  # the gang record says where the gang runs
+        text = mtbp_text(mtbp_seconds)
+        with self._lock:
+            if self._published_risk.get(gang) == text:
+                return
+        location = self._gang_location(gang)
+        if location is None:
+            return
+        try:
+            self.core.patch_namespaced_config_map(
+                risk_config_map_name(gang), location[0], {"data": {RISK_KEY: text}}
+            )
+        except ApiException as error:
+            if _is_gone(error):
+                # A gang launched before the hint existed, or one being forgotten.
+                return
+            raise self._translate(error, f"write the cadence hint of {gang_name(gang)}") from error
+        with self._lock:
+            self._published_risk[gang] = text
+
     def forget(self, gang: GangId) -> None:
         """Release the pods' exit-code finalizers and delete the gang record.
 
@@ -1220,6 +1301,10 @@ class KubernetesRuntime:
                 )  # fmt: skip
 
         list(self._pool.map(release, pods))
+        # The garbage collector would remove it with the gang record; deleting it here
+        # does not leave that to a collector that may be slow or, in tests, absent.
+        with contextlib.suppress(ApiException):
+            self.core.delete_namespaced_config_map(risk_config_map_name(gang), namespace)
         with contextlib.suppress(ApiException):
             self.core.delete_namespaced_config_map(
                 gang_name(gang),
@@ -1230,6 +1315,7 @@ class KubernetesRuntime:
             self._world_sizes.pop(gang, None)
             self._signalled.pop(gang, None)
             self._blocked.pop(gang, None)
+            self._published_risk.pop(gang, None)
 
     # -- gang guard --------------------------------------------------------------
     @property

@@ -29,6 +29,16 @@ scratch (launcher.rank_environment). The folders, all made by this runtime:
     $QM_CHECKPOINT_DIR                control plane, group = the job's, 0770: the ranks
                                       of every attempt of the job write checkpoints there;
                                       the control plane (root) reads them
+    <root>/<job>/<attempt>/preemption-mtbp
+                                      control plane, group = the job's, 0640: the cadence
+                                      hint (QM_PREEMPTION_MTBP_FILE), replaced by rename
+
+The cadence hint is written by the control plane, which runs as root, into a folder a
+job's rank can pass through but not write; it is written through folder descriptors
+opened without following links, each checked to be the control plane's own, under a
+fresh name created exclusively, then renamed over the old file (a rename replaces a
+link in its place, never the file a link points to). So neither a link planted in
+the gang's path nor one at the file's name can turn the write to another job's files.
 
 Every job's ranks run as a uid and gid of the job's own (runner.py), so another job's
 rank is neither the owner nor in the group of `<root>/<job>/` or of the checkpoint
@@ -71,6 +81,7 @@ from typing import Any
 
 from preemption.runtimes import processes
 from preemption.runtimes.base import (
+    MTBP_FILE_ENV,
     GangGuard,
     GangId,
     GangSpec,
@@ -78,6 +89,7 @@ from preemption.runtimes.base import (
     RankObservation,
     RuntimePermanentError,
     RuntimeTemporaryError,
+    mtbp_text,
     os_errors_are_temporary,
     translate_errors,
 )
@@ -117,6 +129,9 @@ ENDED_PHASES = ("exited", "lost")
 
 # The lowest master port the runtime picks (see LocalRuntime._choose_master_port).
 MASTER_PORT_FLOOR = 20000
+
+# The cadence hint's file in the gang's folder (QM_PREEMPTION_MTBP_FILE).
+MTBP_FILE = "preemption-mtbp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +191,8 @@ class LocalRuntime:
                 # The first launch picks the master port; a concurrent one loses the race
                 # to write the record and uses the winner's port.
                 create_record(gang_dir / GANG_FILE, self._gang_record(spec))
+            if spec.mtbp_seconds is not None:
+                self.publish_preemption_risk(spec.gang, spec.mtbp_seconds, team=spec.team)
             launched = read_record(gang_dir / GANG_FILE)
             if launched is not None and not _same_gang(launched, spec):
                 # The same (job, attempt) launched with another command or placement
@@ -336,6 +353,45 @@ class LocalRuntime:
                 (gang_dir / str(rank) / name).unlink(missing_ok=True)
         (gang_dir / GANG_FILE).unlink(missing_ok=True)
 
+    def publish_preemption_risk(self, gang: GangId, mtbp_seconds: float, *, team: str) -> None:
+        """Write the gang's cadence hint file (see the module docstring), unless it
+        already says the same."""
+        del team  # one root holds every team's gangs
+        text = mtbp_text(mtbp_seconds).encode()
+        gid = None if self.runner is None else self.runner.job_gid(gang.job_id)
+        folder = _open_control_plane_path(self.root, (str(gang.job_id), str(gang.attempt)))
+        try:
+            with contextlib.suppress(OSError):
+                current = os.open(MTBP_FILE, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder)
+                try:
+                    if os.read(current, 64) == text:
+                        return
+                finally:
+                    os.close(current)
+            temporary = f".{MTBP_FILE}.{os.getpid()}.{random.getrandbits(32):08x}"
+            # O_EXCL never follows a link at the name: the file is a new one of ours.
+            out = os.open(
+                temporary,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                0o600,
+                dir_fd=folder,
+            )
+            try:
+                try:
+                    if gid is not None:
+                        os.fchown(out, -1, gid)
+                    os.fchmod(out, 0o600 if gid is None else 0o640)
+                    os.write(out, text)
+                finally:
+                    os.close(out)
+                os.replace(temporary, MTBP_FILE, src_dir_fd=folder, dst_dir_fd=folder)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary, dir_fd=folder)
+                raise
+        finally:
+            os.close(folder)
+
     # ------------------------------------------------------------- beyond the protocol
 
     def gang_dir(self, gang: GangId) -> Path:
@@ -427,7 +483,7 @@ class LocalRuntime:
             "gpus_per_rank": spec.gpus_per_rank,
             "grace_seconds": spec.grace_seconds,
             "priority_class": spec.priority_class,
-            "env": dict(spec.env),
+            "env": {**spec.env, MTBP_FILE_ENV: str(self.gang_dir(spec.gang) / MTBP_FILE)},
             "image": spec.image,
             "team": spec.team,
             "flavor": spec.flavor,
@@ -619,6 +675,42 @@ def _control_plane_folder(path: Path, mode: int, *, group: int | None = None) ->
             os.fchmod(fd, mode)
     finally:
         os.close(fd)
+
+
+def _open_control_plane_path(root: Path, names: Sequence[str]) -> int:
+    """A descriptor of ``root/names[0]/names[1]/...``, each step opened without following
+    a link and checked to be a folder this process owns; anything else is refused."""
+    try:
+        folder = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as error:
+        raise RuntimePermanentError(f"{root} is not a folder: {error}") from error
+    path = root
+    try:
+        for name in ("", *names):
+            if name:
+                path = path / name
+                try:
+                    inner = os.open(
+                        name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder
+                    )
+                except OSError as error:
+                    if error.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise RuntimePermanentError(
+                            f"refused to write under {path}: it is not a folder ({error.strerror})"
+                        ) from error
+                    raise
+                os.close(folder)
+                folder = inner
+            owner = os.fstat(folder).st_uid
+            if owner != os.geteuid():
+                raise RuntimePermanentError(
+                    f"refused to write under {path}: it belongs to uid {owner}, "
+                    f"not to the control plane ({os.geteuid()})"
+                )
+    except BaseException:
+        os.close(folder)
+        raise
+    return folder
 
 
 def _placement_records(spec: GangSpec) -> list[dict[str, Any]]:

@@ -38,6 +38,17 @@ def duration(value: timedelta | None) -> str:
 
 
 @register.filter
+def seconds(value: float | None) -> str:
+    """A number of seconds as `duration` writes it, with a tenth under a minute (a
+    checkpoint interval of 7.7 s); a dash for none."""
+    if value is None:
+        return "—"
+    if value < 60:
+        return f"{value:.1f} s"
+    return duration(timedelta(seconds=value))
+
+
+@register.filter
 def hours(value: timedelta | None) -> str:
     """GPU time in hours with two decimals; a dash when there is none."""
     if value is None:

@@ -111,6 +111,7 @@ def test_the_event_names_and_the_protocol_import_without_torch() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [
         "trap_ready",
+        "cadence",
         "notice_received",
         "signal_received",
         "checkpoint_started",

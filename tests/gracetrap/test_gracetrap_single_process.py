@@ -491,7 +491,7 @@ def test_the_cadence_follows_the_hint_and_the_measured_cost(
 ) -> None:
     hint = tmp_path / "mtbp"
     monkeypatch.setenv("QM_PREEMPTION_MTBP_FILE", str(hint))
-    trap, _, _ = _trap(tmp_path / "checkpoints", signals=())
+    trap, stream, _ = _trap(tmp_path / "checkpoints", signals=())
     with trap:
         # No hint: no regular checkpoints.
         assert trap.checkpoint_interval() is None and not trap.should_checkpoint(0)
@@ -509,6 +509,14 @@ def test_the_cadence_follows_the_hint_and_the_measured_cost(
         # sqrt(2 * cost * 1e-4 / cost) = 0.014 s: due again almost at once.
         time.sleep(0.05)
         assert trap.should_checkpoint(3)
+    # The chosen interval is reported when the hint is first read, once the first save
+    # measured the cost, and when the hint changes.
+    cadence = [e for e in _events(stream) if e["event"] == "cadence"]
+    assert [e["mtbp_seconds"] for e in cadence] == [3600.0, 3600.0, pytest.approx(1e-4 / cost)]
+    assert cadence[0]["interval_seconds"] == 0.0
+    assert cadence[1]["interval_seconds"] == pytest.approx((2 * cost * 3600) ** 0.5, rel=1e-4)
+    assert cadence[1]["save_cost"] == pytest.approx(cost, rel=1e-4)
+    assert cadence[2]["interval_seconds"] == pytest.approx(0.014142, rel=1e-3)
 
 
 @pytest.mark.parametrize(("setting", "notice"), [("", "SIGUSR2"), ("SIGHUP", "SIGHUP")])

@@ -70,6 +70,7 @@ def _gang_life(runtime: KubernetesRuntime, job_id: int, node: str) -> None:
     wait_for(lambda: all_in(runtime, gang, "running", 2), timeout=60, what="ranks running")
     runtime.guard_victims()
     runtime.disruptions(gang)
+    runtime.publish_preemption_risk(gang, 600.0, team=spec.team)
     runtime.signal(gang, 5)
     runtime.kill(gang)
     wait_for(lambda: all_in(runtime, gang, "exited", 2), timeout=30, what="ranks exited")

@@ -24,6 +24,13 @@ whose files live in one folder per claim (``<work_dir>/volumes/<namespace>/
 on one node is not there on another. (The command itself and its
 interpreter are the host's: the agent's "image" is the host.)
 
+A ConfigMap volume is written into the node's root filesystem at its mount
+path before the process starts (each key, or each of ``items``, a file), and
+rewritten by replacing the file whenever the ConfigMap changes, checked every
+``config_map_seconds`` (a real kubelet takes up to about a minute; tests want
+less). A ConfigMap that does not exist keeps the pod from starting
+(``CreateContainerConfigError``), as on a real node.
+
 An image must be in ``pullable_images`` (by prefix) when that is given: any
 other pod is left waiting with ``ErrImagePull`` then ``ImagePullBackOff``, as
 a kubelet that cannot pull it would leave it.
@@ -114,6 +121,8 @@ class Container:
     reported_final: bool = False
     deleted_object: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+    # (file on this host, ConfigMap name, key) of each ConfigMap volume file.
+    config_files: list[tuple[Path, str, str]] = field(default_factory=list)
 
 
 class NodeAgent:
@@ -130,6 +139,7 @@ class NodeAgent:
         local_rendezvous: bool = True,
         run_processes: bool = False,
         pullable_images: Iterable[str] | None = None,
+        config_map_seconds: float = 1.0,
     ) -> None:
         self.api_client = api_client
         self.pullable_images = None if pullable_images is None else tuple(pullable_images)
@@ -144,6 +154,7 @@ class NodeAgent:
         self.local_rendezvous = local_rendezvous
         # Run every pod's command as a process, annotation or not (drills).
         self.run_processes = run_processes
+        self.config_map_seconds = config_map_seconds
         self._rendezvous_ports: dict[tuple[str, str], int] = {}
         self._containers: dict[tuple[str, str], Container] = {}
         # Pods (by uid) whose image this agent cannot pull: they wait, never start.
@@ -163,7 +174,11 @@ class NodeAgent:
         self._start_log_server()
         for spec in self.nodes.values():
             self._register(spec)
-        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch")):
+        for target, name in (
+            (self._heartbeat_loop, "heartbeat"),
+            (self._watch_loop, "watch"),
+            (self._config_map_loop, "config-maps"),
+        ):
             thread = threading.Thread(target=target, name=f"agent-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -475,6 +490,14 @@ class NodeAgent:
             except ApiException as error:
                 self._writer.submit(self._report_failed_start, pod, f"env: {error.reason}")
                 return None
+            try:
+                container.config_files = self._config_map_files(pod, spec)
+                self._write_config_maps(container)
+            except ApiException as error:
+                self._writer.submit(
+                    self._report_failed_start, pod, f"configMap volume: {error.reason}"
+                )
+                return None
             argv = list(spec.command or []) + list(spec.args or [])
             work = Path(self.host_path(pod, spec, spec.working_dir or f"/tmp/{name}"))
             work.mkdir(parents=True, exist_ok=True)
@@ -505,6 +528,57 @@ class NodeAgent:
                 timer.start()
         self._writer.submit(self._report_running, pod, container)
         return container
+
+    def _config_map_files(self, pod: Any, spec: Any) -> list[tuple[Path, str, str]]:
+        """Where each file of the container's ConfigMap volumes lies on this host."""
+        volumes = {
+            volume.name: volume.config_map
+            for volume in pod.spec.volumes or []
+            if volume.config_map is not None
+        }
+        files = []
+        for mount in spec.volume_mounts or []:
+            source = volumes.get(mount.name)
+            if source is None:
+                continue
+            folder = self.node_root(pod.spec.node_name) / mount.mount_path.lstrip("/")
+            if source.items:
+                pairs = [(item.path, item.key) for item in source.items]
+            else:
+                data = self.core.read_namespaced_config_map(source.name, pod.metadata.namespace)
+                pairs = [(key, key) for key in sorted(data.data or {})]
+            files.extend((folder / path, source.name, key) for path, key in pairs)
+        return files
+
+    def _write_config_maps(self, container: Container) -> None:
+        """Write each ConfigMap volume file whose content changed, by rename, so a
+        reader sees the old file or the new one, never half of one."""
+        cache: dict[str, dict[str, str]] = {}
+        for path, name, key in container.config_files:
+            if name not in cache:
+                found = self.core.read_namespaced_config_map(name, container.namespace)
+                cache[name] = dict(found.data or {})
+            text = cache[name].get(key, "")
+            with contextlib.suppress(OSError):
+                if path.read_text() == text:
+                    continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fresh = path.with_name(f".{path.name}.{os.getpid()}")
+            fresh.write_text(text)
+            os.replace(fresh, path)
+
+    def _config_map_loop(self) -> None:
+        while not self._stop.wait(self.config_map_seconds):
+            with self._lock:
+                running = [
+                    c for c in self._containers.values() if c.config_files and not c.done.is_set()
+                ]
+            for container in running:
+                try:
+                    self._write_config_maps(container)
+                except (ApiException, OSError) as error:
+                    # As a kubelet does: the files keep their last content.
+                    log.warning("configMap refresh for %s failed: %s", container.pod, error)
 
     def _resolve_env(self, pod: Any, spec: Any) -> dict[str, str]:
         env = {

@@ -36,6 +36,8 @@ DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, si
 _STEP_KEY = "gracetrap_step"
 _WORLD_SIZE_KEY = "gracetrap_world_size"
 _STATE_KEY = "state"
+# A `cadence` event is sent again when the interval moved by more than this fraction.
+CADENCE_REPORT_FRACTION = 0.1
 
 
 def _rng_key(rank: int) -> str:
@@ -330,6 +332,9 @@ class Trap:
         self._last_checkpoint_at = time.monotonic()
         self._agreed_due: tuple[int, bool] | None = None
         self._committed_step: int | None = None
+        # The (MTBP, interval) of the latest `cadence` event, so that it is reported
+        # when it changes rather than at every step.
+        self._reported_cadence: tuple[float, float] | None = None
         _register_settle()
         # Registered after the settle wait, so it runs before it (atexit is last in,
         # first out): a rank's own signal that arrives after its last report (on
@@ -456,7 +461,7 @@ class Trap:
         self._report_signal()
         self._report_notice()
         self._poll_background()
-        due = 1.0 if self._due_locally() else 0.0
+        due = 1.0 if self._due_locally(step) else 0.0
         notice_at = self._notice_at if self._notice_at is not None else -math.inf
         # Negated time: the maximum of -t is the earliest signal of any rank, which
         # starts the grace window for all of them.
@@ -517,9 +522,34 @@ class Trap:
             write_seconds=self.expected_save_time() if self.async_saves else 0.0,
         )
 
-    def _due_locally(self) -> bool:
+    def _due_locally(self, step: int) -> bool:
         interval = self.checkpoint_interval()
+        if interval is not None:
+            self._report_cadence(step, interval)
         return interval is not None and time.monotonic() - self._last_checkpoint_at >= interval
+
+    def _report_cadence(self, step: int, interval: float) -> None:
+        """Report the regular checkpoint interval when the hint changed or the interval
+        moved by more than a tenth (each save measures the cost anew; smaller moves
+        would only repeat the same figure)."""
+        mtbp = self.mtbp_seconds()
+        if mtbp is None:
+            return
+        last = self._reported_cadence
+        if (
+            last is not None
+            and last[0] == mtbp
+            and abs(interval - last[1]) <= CADENCE_REPORT_FRACTION * max(last[1], 1e-9)
+        ):
+            return
+        self._reported_cadence = (mtbp, interval)
+        self.events.emit(
+            "cadence",
+            step=step,
+            mtbp_seconds=mtbp,
+            save_cost=round(self.checkpoint_cost(), 6),
+            interval_seconds=round(interval, 6),
+        )
 
     def should_checkpoint(self, step: int) -> bool:
         """True on every rank when a regular checkpoint is due after ``step``.
@@ -532,7 +562,7 @@ class Trap:
         """
         if self._agreed_due is not None and self._agreed_due[0] == step:
             return self._agreed_due[1]
-        (due,) = self._reduce_max([1.0 if self._due_locally() else 0.0])
+        (due,) = self._reduce_max([1.0 if self._due_locally(step) else 0.0])
         self._agreed_due = (step, due > 0)
         return due > 0
 

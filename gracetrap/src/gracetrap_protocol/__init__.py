@@ -12,6 +12,7 @@ EVENT_PREFIX = "QM_EVENT "
 
 EVENT_NAMES = (
     "trap_ready",
+    "cadence",
     "notice_received",
     "signal_received",
     "checkpoint_started",

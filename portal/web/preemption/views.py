@@ -25,8 +25,14 @@ from preemption.logs import read_rank_log
 from preemption.models import Job, PreemptionEvent, TrapEvent
 from preemption.reasons import describe_preemption
 from preemption.runtimes.base import RuntimePermanentError, RuntimeTemporaryError
+from preemption.selectors import (
+    job_cadence,
+    job_sort_headers,
+    job_sort_key,
+    job_table,
+    stop_in_progress,
+)
 from preemption.selectors import job_list as job_selector
-from preemption.selectors import job_sort_headers, job_sort_key, job_table, stop_in_progress
 from preemption.services import job_cancel as cancel_job
 from quotas.selectors import access_for
 from telemetry.timeline import Timeline, build_timeline
@@ -118,6 +124,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
     checkpoints = list(job.checkpoints.select_related("attempt").order_by("-committed_at")[:100])
     access = access_for(request.user)
     stopping = stop_in_progress(attempts)
+    cadence = job_cadence(attempts=attempts)
     return render(
         request,
         "preemption/job_detail.html",
@@ -131,6 +138,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "timelines": list(reversed(timelines)),
             "cancels": cancels,
             "checkpoints": checkpoints,
+            "cadence": cadence,
             "can_cancel": access.can_cancel(team_id=job.team_id, submitter_id=job.submitter_id),
             "nav": "jobs",
         },

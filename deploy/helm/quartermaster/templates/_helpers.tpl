@@ -118,7 +118,9 @@ reads logs (finding a gang's namespace through its record first).
 - apiGroups: [""]
   resources: [pods/log]
   verbs: [get]
-# The gang record that owns everything else and keeps launch/signal times.
+# The gang record that owns everything else and keeps launch/signal times,
+# and each gang's cadence hint (created at launch, patched while the gang runs,
+# deleted with it). Ranks have no token: they read the hint through a volume.
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [create, get, list, patch, delete]
