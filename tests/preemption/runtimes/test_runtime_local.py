@@ -32,8 +32,14 @@ from preemption.runtimes import (
     iter_trap_events,
     parse_inventory,
 )
-from preemption.runtimes.local import PROJECT_ROOT
-from preemption.runtimes.records import GANG_FILE, KEEPER_FILE, STARTED_FILE, read_record
+from preemption.runtimes.local import MASTER_PORT_FLOOR, PROJECT_ROOT, _ephemeral_port_floor
+from preemption.runtimes.records import (
+    GANG_FILE,
+    GANG_INDEX,
+    KEEPER_FILE,
+    STARTED_FILE,
+    read_record,
+)
 from preemption.runtimes.runner import RunnerAccount
 
 pytestmark = pytest.mark.timeout(90)
@@ -510,6 +516,55 @@ def test_forget_drops_a_finished_gang_but_keeps_its_logs(runtime: LocalRuntime) 
     time.sleep(0.3)
     assert runtime.observe(spec.gang) == []
     assert runtime.read_log(spec.gang, 1) == b"done\n"
+
+
+def test_the_gang_index_lists_each_live_gang_with_its_port_and_is_built_for_an_old_root(
+    runtime: LocalRuntime,
+) -> None:
+    running = gang_spec(21, f"exec {SLEEPER} --seconds 60", ranks=1)
+    done = gang_spec(22, "true", ranks=1)
+    runtime.launch(running)
+    runtime.launch(done)
+    wait_exited(runtime, done.gang)
+    ports = {}
+    for gang in (running.gang, done.gang):
+        record = read_record(runtime.gang_dir(gang) / GANG_FILE)
+        assert record is not None
+        ports[gang] = record["master_port"]
+    assert ports[running.gang] != ports[done.gang]
+    index = runtime.root / GANG_INDEX
+
+    def listed() -> list[str]:
+        return sorted(name for name in os.listdir(index) if not name.startswith("."))
+
+    assert listed() == sorted(f"{g.job_id}.1.{port}" for g, port in ports.items())
+    assert index.stat().st_mode & 0o777 == 0o700  # no rank may list the jobs
+
+    runtime.forget(done.gang)
+    assert listed() == [f"21.1.{ports[running.gang]}"]
+    assert {o.job_id for o in runtime.observe()} == {21}
+
+    # A root written before the index: a fresh runtime walks the job folders once.
+    shutil.rmtree(index)
+    fresh = LocalRuntime(runtime.root, parse_inventory(INVENTORY), runner=runtime.runner)
+    assert [(o.job_id, o.phase) for o in fresh.observe()] == [(21, "running")]
+    assert listed() == [f"21.1.{ports[running.gang]}"]
+    assert sorted(p.name for p in runtime.root.iterdir()) == sorted(["21", "22", GANG_INDEX])
+
+    # A launch never picks a port the index promised to another gang, even when the
+    # index holds all but one of the ports it picks from at random.
+    floor = _ephemeral_port_floor()
+    for port in range(MASTER_PORT_FLOOR, floor):
+        if port != floor - 1:
+            (index / f"9{port}.1.{port}").touch()
+    promised = set(range(MASTER_PORT_FLOOR, floor - 1)) | {ports[running.gang]}
+    spec = gang_spec(23, "true", ranks=1)
+    fresh.launch(spec)
+    record = read_record(fresh.gang_dir(spec.gang) / GANG_FILE)
+    assert record is not None
+    assert record["master_port"] not in promised
+    assert f"23.1.{record['master_port']}" in listed()
+    assert [o.job_id for o in fresh.observe()] == [21, 23]
 
 
 def test_launch_rejects_specs_it_can_never_run(runtime: LocalRuntime) -> None:
