@@ -325,8 +325,11 @@ class LocalRuntime:
         master_port = int(record["master_port"])
         if not _port_is_free(master_port):
             bound.add(master_port)
-        listening = procfs.listening_tcp_ports()
-        for process in self.gang_processes(gang):
+        processes = self.gang_processes(gang)
+        # The machine's table of sockets is read only when a process is left to hold
+        # one: after a clean exit none is, and the table holds every other program's.
+        listening = procfs.listening_tcp_ports() if processes else {}
+        for process in processes:
             for inode in procfs.socket_inodes(process.pid):
                 if inode in listening:
                     bound.add(listening[inode])
