@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+import preemption.runtimes as runtimes_package
 from preemption.runtimes import (
     GangId,
     GangSpec,
@@ -630,3 +631,27 @@ def test_read_log_of_a_rank_not_yet_started_is_empty(runtime: LocalRuntime) -> N
         runtime.read_log(spec.gang, 2)
     with pytest.raises(RuntimePermanentError):
         runtime.read_log(GangId(404, 1), 0)
+
+
+def test_the_launcher_starts_without_loading_the_runtimes() -> None:
+    # Every launch starts this interpreter: it loads the records and /proc readers
+    # it needs, not the runtimes (nor the trap protocol) the package offers.
+    probe = (
+        "import sys, preemption.runtimes.launcher; "
+        "print(sorted(m for m in sys.modules if m.startswith(('preemption', 'gracetrap'))))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert loaded == repr(
+        [
+            "preemption",
+            "preemption.runtimes",
+            "preemption.runtimes.launcher",
+            "preemption.runtimes.procfs",
+            "preemption.runtimes.records",
+        ]
+    )
+    assert runtimes_package.LocalRuntime is LocalRuntime
+    with pytest.raises(AttributeError, match="no attribute 'Kubelet'"):
+        runtimes_package.Kubelet  # noqa: B018
