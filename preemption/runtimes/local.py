@@ -374,10 +374,19 @@ class LocalRuntime:
         if record is None:
             return []
         groups: dict[int, tuple[int, int]] = {}
+        # Every process of a rank started after the rank's keeper, which recorded its
+        # own start before starting the rank: an older process cannot belong to the
+        # gang, and its environment is not read. (0, no bound, when no keeper has.)
+        keepers_started: list[int] = []
         for rank in range(len(record["ranks"])):
+            keeper = read_record(gang_dir / str(rank) / KEEPER_FILE)
+            if keeper is not None:
+                keepers_started.append(int(keeper["start_ticks"] or 0))
             started = read_record(gang_dir / str(rank) / STARTED_FILE)
             if started is not None:
                 groups[int(started["pgid"])] = (rank, int(started["start_ticks"] or 0))
+                keepers_started.append(int(started["start_ticks"] or 0))
+        earliest = min(keepers_started, default=0)
         marker_prefix = str(gang_dir) + os.sep
         own_pid = os.getpid()
         processes: list[GangProcess] = []
@@ -392,7 +401,7 @@ class LocalRuntime:
                 if group in groups and stat.start_ticks >= groups[group][1]:
                     rank_of = groups[group][0]
                     break
-            if rank_of is None:
+            if rank_of is None and stat.start_ticks >= earliest:
                 marker = procfs.read_environ_value(pid, RANK_DIR_ENV)
                 if marker is not None and marker.startswith(marker_prefix):
                     tail = marker[len(marker_prefix) :]

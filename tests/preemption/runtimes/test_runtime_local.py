@@ -32,6 +32,7 @@ from preemption.runtimes import (
     RuntimePermanentError,
     iter_trap_events,
     parse_inventory,
+    procfs,
 )
 from preemption.runtimes.local import MASTER_PORT_FLOOR, PROJECT_ROOT, _ephemeral_port_floor
 from preemption.runtimes.records import (
@@ -476,6 +477,34 @@ def test_orphan_scan_finds_a_child_left_in_the_rank_group(runtime: LocalRuntime)
     assert {o.pid for o in orphans} == children
     runtime.kill(spec.gang)
     wait_until(lambda: not runtime.find_orphans(spec.gang), what="the orphans to die")
+
+
+def test_the_process_scan_reads_no_environment_of_a_process_older_than_the_gang(
+    runtime: LocalRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scan runs for every finished gang, over every process of the machine: only
+    # processes started after the gang's keepers can be its own.
+    older = subprocess.Popen(["sleep", "60"])
+    try:
+        time.sleep(0.05)
+        spec = gang_spec(25, f"exec {SLEEPER} --seconds 60", ranks=2)
+        runtime.launch(spec)
+        wait_for_log(runtime, spec.gang, 2, b"ready")
+        read: list[int] = []
+        real = procfs.read_environ_value
+
+        def counted(pid: int, name: str) -> str | None:
+            read.append(pid)
+            return real(pid, name)
+
+        monkeypatch.setattr(procfs, "read_environ_value", counted)
+        processes = runtime.gang_processes(spec.gang)
+        assert sorted(process.rank for process in processes) == [0, 1]
+        assert older.pid not in read
+        assert os.getpid() not in read and 1 not in read
+    finally:
+        older.kill()
+        older.wait()
 
 
 def test_a_rank_whose_keeper_died_is_lost(runtime: LocalRuntime) -> None:
