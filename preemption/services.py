@@ -48,7 +48,9 @@ def job_submit(
     retries (how often a job that fails on its own runs again).
     """
     errors: dict[str, list[str]] = {}
-    if not team_tree().is_leaf(team.pk):
+    # One read of the tree serves both checks that walk it.
+    tree = team_tree()
+    if not tree.is_leaf(team.pk):
         errors["team"] = [f"Team {team.slug} has sub-teams; jobs are submitted to leaf teams."]
     ranks_ok = not isinstance(ranks, bool) and isinstance(ranks, int) and 1 <= ranks <= MAX_RANKS
     if not ranks_ok:
@@ -80,7 +82,7 @@ def job_submit(
         errors["max_attempts"] = [f"Must be a whole number from 1 to {MAX_ATTEMPTS}."]
     if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
         errors["retries"] = [f"Must be a whole number from 0 to {MAX_RETRIES} (got {retries})."]
-    allowance = priority_allowance(team=team)
+    allowance = priority_allowance(team=team, tree=tree)
     if priority_class is None:
         priority_class = allowance.default
         if priority_class is None:
