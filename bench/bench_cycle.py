@@ -4,8 +4,8 @@ engine benchmark's size.
 `bench/bench_fairshare.py` times `fairshare.plan` alone on its cluster (1,250
 nodes x 8 GPUs, 500 queues in a three-level tree, at least 95% allocated,
 50,000 pending). This benchmark writes that same cluster into a throwaway
-PostgreSQL database (`test_<name of DATABASE_URL's database>`, dropped at the
-end) as teams, quotas, nodes, priority classes, jobs and open attempts, and
+PostgreSQL database (`<name of DATABASE_URL's database>_bench_cycle`, dropped
+at the end) as teams, quotas, nodes, priority classes, jobs and open attempts, and
 times the cycle as `preemption.cycle.schedule_cycle` runs it, step by step:
 
 - held jobs: the waiting jobs whose class their team may no longer use;
@@ -246,6 +246,8 @@ def main() -> int:
     print(describe(snapshot), flush=True)
     creation = connection.creation
     own_database = connection.settings_dict["NAME"]
+    # A name of its own, so that it never meets the test suite's database.
+    connection.settings_dict["TEST"]["NAME"] = f"{own_database}_bench_cycle"
     database = creation.create_test_db(verbosity=0, autoclobber=True, serialize=False)
     try:
         start = time.perf_counter()
