@@ -161,15 +161,17 @@ def _apply(
 def _admit(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
     """Admit each planned job still waiting: its state, its attempt and ranks.
 
-    The rows are locked first (PostgreSQL; SQLite's write transaction holds the
-    whole database), so a cancel committed since the snapshot wins and the
-    job is left out, as the conditional update of one job at a time did."""
+    The rows are locked first, in the order of their ids as the reconciler
+    takes them (PostgreSQL; SQLite's write transaction holds the whole
+    database), so a cancel committed since the snapshot wins and the job is
+    left out, as the conditional update of one job at a time did."""
     admissions = {int(admission.id): admission for admission in plan.admit}
     if not admissions:
         return
     waiting = set(
         Job.objects.select_for_update()
         .filter(pk__in=admissions, state__in=[JobState.PENDING, JobState.REQUEUED])
+        .order_by("pk")
         .values_list("pk", flat=True)
     )
     admitted = [job_id for job_id in admissions if job_id in waiting]
@@ -224,6 +226,7 @@ def _preempt(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> Non
     running = set(
         Job.objects.select_for_update()
         .filter(pk__in=candidates, state__in=[JobState.ADMITTED, JobState.RUNNING])
+        .order_by("pk")
         .values_list("pk", flat=True)
     )
     preempted = [job_id for job_id in candidates if job_id in running]
