@@ -161,10 +161,10 @@ def _apply(
 def _admit(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
     """Admit each planned job still waiting: its state, its attempt and ranks.
 
-    The rows are locked first, in the order of their ids as the reconciler
-    takes them (PostgreSQL; SQLite's write transaction holds the whole
-    database), so a cancel committed since the snapshot wins and the job is
-    left out, as the conditional update of one job at a time did."""
+    The rows are locked first, in the order of their ids (PostgreSQL;
+    SQLite's write transaction holds the whole database), so a cancel
+    committed since the snapshot wins and the job is left out, as the
+    conditional update of one job at a time did."""
     admissions = {int(admission.id): admission for admission in plan.admit}
     if not admissions:
         return
