@@ -29,6 +29,7 @@ from django.utils import timezone
 
 import fairshare
 from preemption.models import (
+    WAITING_STATES,
     Attempt,
     Job,
     JobState,
@@ -280,13 +281,21 @@ def _preempt(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> Non
 
 
 def _store_waiting(plan: fairshare.Plan, held: dict[int, str]) -> None:
-    """Write each waiting job's reason, only where it changed."""
+    """Write each waiting job's reason, only where it changed and only while
+    the job still waits (a cancel since the snapshot keeps its own)."""
     reasons = {int(w.id): w.reason[:300] for w in plan.waiting}
     reasons.update({job_id: reason[:300] for job_id, reason in held.items()})
     if not reasons:
         return
-    current = dict(Job.objects.filter(pk__in=reasons).values_list("id", "waiting_reason"))
-    changed = [job_id for job_id, reason in reasons.items() if current.get(job_id) != reason]
+    # Read by state, not by a list of ids: tens of thousands of ids make one
+    # query that PostgreSQL's driver spends seconds preparing and that SQLite
+    # refuses outright past 32,766.
+    current = dict(Job.objects.filter(state__in=WAITING_STATES).values_list("id", "waiting_reason"))
+    changed = [
+        job_id
+        for job_id, reason in reasons.items()
+        if job_id in current and current[job_id] != reason
+    ]
     if not changed:
         return
     # Most waiting jobs share their reason with many others ("no node of flavor

@@ -90,6 +90,23 @@ def test_a_job_cancelled_after_the_snapshot_is_not_admitted(world: Any) -> None:
     assert cancelled.state == JobState.CANCELLED
 
 
+def test_a_job_cancelled_after_the_snapshot_keeps_its_own_waiting_reason(world: Any) -> None:
+    # 24 GPUs: three jobs of 8 run, the fourth waits.
+    jobs = submit(world, world.vision, 4, ranks=1, gpus_per_rank=8)
+    now = timezone.now()
+    held = held_jobs()
+    plan = fairshare.plan(build_snapshot(now=now, held=held))
+    (waiting,) = [job for job in jobs if job.pk in {int(w.id) for w in plan.waiting}]
+    Job.objects.filter(pk=waiting.pk).update(
+        state=JobState.CANCELLED, finished_at=now, waiting_reason=""
+    )
+
+    _apply(plan, now=now, result=CycleResult(), held=held)
+
+    waiting.refresh_from_db()
+    assert (waiting.state, waiting.waiting_reason) == (JobState.CANCELLED, "")
+
+
 def test_every_victim_of_a_cycle_gets_one_preemption_and_one_notice(world: Any) -> None:
     long_ago = timezone.now() - timedelta(days=1)
     victims = [
