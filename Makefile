@@ -56,6 +56,7 @@ bench: venv services k8s
 	$(PY) bench/bench_gracetrap.py
 	$(PY) bench/bench_simulation.py
 	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) bench/bench_pages.py
+	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) bench/bench_cycle.py
 	$(PY) bench/bench_submit.py
 	$(PY) bench/bench_k8s.py
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,22 +29,27 @@ from django.utils import timezone
 
 import fairshare
 from preemption.models import (
+    WAITING_STATES,
     Attempt,
     Job,
     JobState,
     PreemptionEvent,
     Rank,
-    next_attempt_number,
+    next_attempt_numbers,
 )
 from preemption.reasons import Preemptor, preemption_words
 from preemption.reconcile import reconcile_jobs
 from preemption.snapshot import build_snapshot, held_jobs
 from preemption.wakeup import take_cycle_request
-from preemption.webhooks import notify
+from preemption.webhooks import Notice, notify_each
 
 logger = logging.getLogger(__name__)
 
 CYCLE_LOCK_KEY = 0x514D_4359  # "QMCY"
+# Waiting reasons shared by at least this many jobs are written by one UPDATE
+# each; ids go into each UPDATE by the thousand (SQLite takes 32,766 at most).
+SHARED_REASON_JOBS = 8
+WRITE_BATCH = 1000
 
 
 @dataclass
@@ -143,77 +149,144 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
 def _apply(
     plan: fairshare.Plan, *, now: datetime, result: CycleResult, held: dict[int, str]
 ) -> None:
-    admit_ids = [int(a.id) for a in plan.admit]
-    preempt_ids = [int(p.id) for p in plan.preempt]
-    jobs = Job.objects.select_related("team", "priority_class").in_bulk(
-        admit_ids
-        + preempt_ids
-        + [int(p.preemptor) for p in plan.preempt if p.preemptor and str(p.preemptor).isdigit()]
-    )
-    for admission in plan.admit:
-        job_id = int(admission.id)
-        claimed = Job.objects.filter(
-            pk=job_id, state__in=[JobState.PENDING, JobState.REQUEUED]
-        ).update(state=JobState.ADMITTED, admitted_at=now, waiting_reason="", protected_until=None)
-        if claimed != 1:
-            continue
-        attempt = Attempt.objects.create(
-            job_id=job_id,
-            number=next_attempt_number(job_id),
-            admitted_at=now,
-            borrowed_gpus=admission.borrowed,
-            placement=[{"node": node, "ranks": count} for node, count in admission.placement],
-        )
-        ranks = []
-        index = 0
-        for node, count in admission.placement:
-            for _ in range(count):
-                ranks.append(Rank(attempt=attempt, index=index, node=node))
-                index += 1
-        Rank.objects.bulk_create(ranks)
-        result.admitted.append(job_id)
-    for preemption in plan.preempt:
-        victim_id = int(preemption.id)
-        attempt = Attempt.objects.filter(job_id=victim_id, ended_at__isnull=True).first()
-        if attempt is None or PreemptionEvent.objects.filter(victim_attempt=attempt).exists():
-            continue
-        claimed = Job.objects.filter(
-            pk=victim_id, state__in=[JobState.ADMITTED, JobState.RUNNING]
-        ).update(state=JobState.PREEMPTING, preempting_at=now)
-        if claimed != 1:
-            continue
-        victim = jobs.get(victim_id)
-        preemptor = (
-            jobs.get(int(preemption.preemptor)) if str(preemption.preemptor).isdigit() else None
-        )
-        grace = float(preemption.grace_seconds)
-        event = PreemptionEvent.objects.create(
-            victim_attempt=attempt,
-            job_id=victim_id,
-            preemptor=preemptor,
-            reason=preemption.reason,
-            cause=preemption_words(
-                reason=preemption.reason,
-                preemptor=Preemptor.of(preemptor) if preemptor is not None else None,
-                victim_gpus=victim.gpus if victim else 0,
-            ),
-            decided_at=now,
-            grace_seconds=grace,
-            deadline=now + timedelta(seconds=grace),
-        )
-        notify(
-            job_id=victim_id,
-            event="preempted",
-            payload={"reason": event.reason, "cause": event.cause},
-        )
-        result.preempted.append(victim_id)
+    """Record the plan's decisions in a fixed number of queries, however many
+    jobs it admits or preempts: on the embedded SQLite the cycle holds the
+    database's only write lock meanwhile, and a query each would keep every
+    submission waiting behind hundreds of them."""
+    _admit(plan, now=now, result=result)
+    _preempt(plan, now=now, result=result)
     _store_waiting(plan, held)
     result.waiting = len(plan.waiting) + len(held)
 
 
+def _admit(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
+    """Admit each planned job still waiting: its state, its attempt and ranks.
+
+    The rows are locked first, in the order of their ids (PostgreSQL;
+    SQLite's write transaction holds the whole database), so a cancel
+    committed since the snapshot wins and the job is left out, as the
+    conditional update of one job at a time did."""
+    admissions = {int(admission.id): admission for admission in plan.admit}
+    if not admissions:
+        return
+    waiting = set(
+        Job.objects.select_for_update()
+        .filter(pk__in=admissions, state__in=[JobState.PENDING, JobState.REQUEUED])
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+    admitted = [job_id for job_id in admissions if job_id in waiting]
+    if not admitted:
+        return
+    # Admitted when written, not when the cycle began: a job committed while the
+    # snapshot was read would otherwise be admitted before it was submitted.
+    admitted_at = max(now, timezone.now())
+    Job.objects.filter(pk__in=admitted).update(
+        state=JobState.ADMITTED, admitted_at=admitted_at, waiting_reason="", protected_until=None
+    )
+    numbers = next_attempt_numbers(admitted)
+    attempts = Attempt.objects.bulk_create(
+        Attempt(
+            job_id=job_id,
+            number=numbers[job_id],
+            admitted_at=admitted_at,
+            borrowed_gpus=admissions[job_id].borrowed,
+            placement=[
+                {"node": node, "ranks": count} for node, count in admissions[job_id].placement
+            ],
+        )
+        for job_id in admitted
+    )
+    ranks = []
+    for attempt in attempts:
+        index = 0
+        for node, count in admissions[attempt.job_id].placement:
+            for _ in range(count):
+                ranks.append(Rank(attempt=attempt, index=index, node=node))
+                index += 1
+    Rank.objects.bulk_create(ranks)
+    result.admitted.extend(admitted)
+
+
+def _preempt(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
+    """Start the graceful stop of each planned victim still admitted or running
+    whose open attempt has no stop recorded yet: one preemption per attempt."""
+    victims = {int(preemption.id): preemption for preemption in plan.preempt}
+    if not victims:
+        return
+    open_attempts: dict[int, Attempt] = {}
+    for attempt in Attempt.objects.filter(job_id__in=victims, ended_at__isnull=True).order_by("pk"):
+        open_attempts.setdefault(attempt.job_id, attempt)
+    stopping = set(
+        PreemptionEvent.objects.filter(
+            victim_attempt__in=[attempt.pk for attempt in open_attempts.values()]
+        ).values_list("victim_attempt_id", flat=True)
+    )
+    candidates = [
+        job_id
+        for job_id in victims
+        if job_id in open_attempts and open_attempts[job_id].pk not in stopping
+    ]
+    running = set(
+        Job.objects.select_for_update()
+        .filter(pk__in=candidates, state__in=[JobState.ADMITTED, JobState.RUNNING])
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+    preempted = [job_id for job_id in candidates if job_id in running]
+    if not preempted:
+        return
+    Job.objects.filter(pk__in=preempted).update(state=JobState.PREEMPTING, preempting_at=now)
+    preemptor_ids = [
+        int(victims[job_id].preemptor)
+        for job_id in preempted
+        if str(victims[job_id].preemptor).isdigit()
+    ]
+    jobs = Job.objects.select_related("team", "priority_class").in_bulk(
+        [*preempted, *preemptor_ids]
+    )
+    events = []
+    for job_id in preempted:
+        preemption = victims[job_id]
+        victim = jobs.get(job_id)
+        preemptor = (
+            jobs.get(int(preemption.preemptor)) if str(preemption.preemptor).isdigit() else None
+        )
+        grace = float(preemption.grace_seconds)
+        events.append(
+            PreemptionEvent(
+                victim_attempt=open_attempts[job_id],
+                job_id=job_id,
+                preemptor=preemptor,
+                reason=preemption.reason,
+                cause=preemption_words(
+                    reason=preemption.reason,
+                    preemptor=Preemptor.of(preemptor) if preemptor is not None else None,
+                    victim_gpus=victim.gpus if victim else 0,
+                ),
+                decided_at=now,
+                grace_seconds=grace,
+                deadline=now + timedelta(seconds=grace),
+            )
+        )
+    PreemptionEvent.objects.bulk_create(events)
+    notify_each(
+        [
+            Notice(
+                job_id=event.job_id,
+                event="preempted",
+                payload={"reason": event.reason, "cause": event.cause},
+            )
+            for event in events
+        ]
+    )
+    result.preempted.extend(preempted)
+
+
 def _store_waiting(plan: fairshare.Plan, held: dict[int, str]) -> None:
-    """Write each waiting job's reason and until when its victims are protected, only
-    where they changed."""
+    """Write each waiting job's reason, and until when its only victims are
+    protected, only where they changed and only while the job still waits (a
+    cancel since the snapshot keeps its own)."""
     reasons: dict[int, tuple[str, datetime | None]] = {
         int(w.id): (
             w.reason[:300],
@@ -226,17 +299,37 @@ def _store_waiting(plan: fairshare.Plan, held: dict[int, str]) -> None:
     reasons.update({job_id: (reason[:300], None) for job_id, reason in held.items()})
     if not reasons:
         return
+    # Read by state, not by a list of ids: tens of thousands of ids make one
+    # query that PostgreSQL's driver spends seconds preparing and that SQLite
+    # refuses outright past 32,766.
     current = {
         job_id: (reason, until)
-        for job_id, reason, until in Job.objects.filter(pk__in=reasons).values_list(
+        for job_id, reason, until in Job.objects.filter(state__in=WAITING_STATES).values_list(
             "id", "waiting_reason", "protected_until"
         )
     }
-    changed = [job_id for job_id, values in reasons.items() if current.get(job_id) != values]
+    changed = [
+        job_id
+        for job_id, values in reasons.items()
+        if job_id in current and current[job_id] != values
+    ]
     if not changed:
         return
-    rows = [
-        Job(pk=job_id, waiting_reason=reasons[job_id][0], protected_until=reasons[job_id][1])
-        for job_id in changed
-    ]
-    Job.objects.bulk_update(rows, ["waiting_reason", "protected_until"], batch_size=500)
+    # Most waiting jobs share their reason with many others ("no node of flavor
+    # h100 has 1 free GPUs"): one UPDATE per shared reason writes them far
+    # faster than a CASE over every row; the rare ones go in bulk.
+    by_reason: dict[tuple[str, datetime | None], list[int]] = defaultdict(list)
+    for job_id in changed:
+        by_reason[reasons[job_id]].append(job_id)
+    rare = []
+    for (reason, until), job_ids in by_reason.items():
+        if len(job_ids) < SHARED_REASON_JOBS:
+            rare += [
+                Job(pk=job_id, waiting_reason=reason, protected_until=until) for job_id in job_ids
+            ]
+            continue
+        for start in range(0, len(job_ids), WRITE_BATCH):
+            Job.objects.filter(pk__in=job_ids[start : start + WRITE_BATCH]).update(
+                waiting_reason=reason, protected_until=until
+            )
+    Job.objects.bulk_update(rare, ["waiting_reason", "protected_until"], batch_size=500)

@@ -54,7 +54,9 @@ def job_submit(
     say); with `topology_required` False the engine only prefers it.
     """
     errors: dict[str, list[str]] = {}
-    if not team_tree().is_leaf(team.pk):
+    # One read of the tree serves both checks that walk it.
+    tree = team_tree()
+    if not tree.is_leaf(team.pk):
         errors["team"] = [f"Team {team.slug} has sub-teams; jobs are submitted to leaf teams."]
     ranks_ok = not isinstance(ranks, bool) and isinstance(ranks, int) and 1 <= ranks <= MAX_RANKS
     if not ranks_ok:
@@ -87,7 +89,7 @@ def job_submit(
     if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
         errors["retries"] = [f"Must be a whole number from 0 to {MAX_RETRIES} (got {retries})."]
     errors.update(topology_errors(topology_level, topology_required))
-    allowance = priority_allowance(team=team)
+    allowance = priority_allowance(team=team, tree=tree)
     if priority_class is None:
         priority_class = allowance.default
         if priority_class is None:

@@ -59,21 +59,46 @@ MAX_PARALLEL_WEBHOOKS = 16
 
 def notify(*, job_id: int, event: str, payload: dict[str, Any]) -> int:
     """Queue a notice for every active webhook of the job's team that wants it."""
-    job = Job.objects.select_related("team").filter(pk=job_id).first()
-    if job is None:
+    return notify_each([Notice(job_id=job_id, event=event, payload=payload)])
+
+
+@dataclass(frozen=True)
+class Notice:
+    """One notice about a job, for `notify_each`."""
+
+    job_id: int
+    event: str
+    payload: dict[str, Any]
+
+
+def notify_each(notices: list[Notice]) -> int:
+    """`notify` for many jobs, in a fixed number of queries: the scheduling
+    cycle may preempt hundreds of jobs in one decision."""
+    if not notices:
         return 0
+    jobs = Job.objects.select_related("team").in_bulk({notice.job_id for notice in notices})
+    hooks: dict[int, list[Webhook]] = {}
+    for hook in Webhook.objects.filter(
+        team_id__in={job.team_id for job in jobs.values()}, active=True
+    ).order_by("pk"):
+        hooks.setdefault(hook.team_id, []).append(hook)
     now = timezone.now()
-    body = {
-        "event": event,
-        "job": {"id": job.pk, "name": job.name, "team": job.team.slug, "state": job.state},
-        "at": now.isoformat(),
-        **payload,
-    }
-    deliveries = [
-        WebhookDelivery(webhook=hook, event=event, payload=body, next_try_at=now)
-        for hook in Webhook.objects.filter(team_id=job.team_id, active=True)
-        if not hook.events or event in hook.events
-    ]
+    deliveries = []
+    for notice in notices:
+        job = jobs.get(notice.job_id)
+        if job is None:
+            continue
+        body = {
+            "event": notice.event,
+            "job": {"id": job.pk, "name": job.name, "team": job.team.slug, "state": job.state},
+            "at": now.isoformat(),
+            **notice.payload,
+        }
+        deliveries += [
+            WebhookDelivery(webhook=hook, event=notice.event, payload=body, next_try_at=now)
+            for hook in hooks.get(job.team_id, [])
+            if not hook.events or notice.event in hook.events
+        ]
     WebhookDelivery.objects.bulk_create(deliveries)
     return len(deliveries)
 

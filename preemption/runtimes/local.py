@@ -17,6 +17,8 @@ no way back to privileges through setuid programs (PR_SET_NO_NEW_PRIVS), `HOME`,
 scratch (launcher.rank_environment). The folders, all made by this runtime:
 
     <root>/                           control plane, 0711: nobody else may list the jobs
+    <root>/gangs/                     control plane, 0700: the index of live gangs and
+                                      their master ports (records.py)
     <root>/<job>/                     control plane, group = the job's, 0710: the job's
                                       ranks may pass through it, no other job's may
     <root>/<job>/<attempt>/           control plane, 0711: gang.json (which holds the
@@ -68,6 +70,8 @@ import contextlib
 import errno
 import os
 import random
+import secrets
+import shutil
 import signal as signals
 import socket
 import stat
@@ -97,6 +101,7 @@ from preemption.runtimes.records import (
     EXIT_FILE,
     FORGOTTEN_FILE,
     GANG_FILE,
+    GANG_INDEX,
     KEEPER_FILE,
     KILL_FILE,
     LAUNCHER_LOG,
@@ -187,6 +192,7 @@ class LocalRuntime:
         claimed: list[int] = []
         try:
             self._prepare_folders(spec)
+            index = self._gang_index()
             if not (gang_dir / GANG_FILE).exists():
                 # The first launch picks the master port; a concurrent one loses the race
                 # to write the record and uses the winner's port.
@@ -202,6 +208,9 @@ class LocalRuntime:
                     f"gang {spec.gang} was already launched under {gang_dir} "
                     "with another command or placement"
                 )
+            if launched is not None:
+                # Listed before any keeper starts, so a gang with a live rank is listed.
+                create_claim(index / _index_entry(spec.gang, int(launched["master_port"])))
             for placement in spec.ranks:
                 try:
                     (gang_dir / str(placement.rank)).mkdir(mode=0o700)
@@ -348,6 +357,11 @@ class LocalRuntime:
         if live:
             raise RuntimePermanentError(f"gang {gang} still has live ranks {live}")
         write_record(gang_dir / FORGOTTEN_FILE, {"forgotten_at": time.time()})
+        # Unlisted before its record goes: a forget cut short here is completed by the
+        # next one, which still finds the record.
+        (self.root / GANG_INDEX / _index_entry(gang, int(record["master_port"]))).unlink(
+            missing_ok=True
+        )
         for rank in range(len(record["ranks"])):
             for name in RANK_RECORDS:
                 (gang_dir / str(rank) / name).unlink(missing_ok=True)
@@ -410,11 +424,20 @@ class LocalRuntime:
         record = read_record(gang_dir / GANG_FILE)
         if record is None:
             return []
-        groups: dict[int, tuple[int, int]] = {}
+        groups: dict[int, tuple[int, float]] = {}
+        # Every process of a rank started after the rank's keeper, which recorded its
+        # own start before starting the rank: an older process cannot belong to the
+        # gang, and its environment is not read. (0, no bound, when no keeper has.)
+        keepers_started: list[float] = []
         for rank in range(len(record["ranks"])):
+            keeper = read_record(gang_dir / str(rank) / KEEPER_FILE)
+            if keeper is not None:
+                keepers_started.append(float(keeper.get("created_at") or 0))
             started = read_record(gang_dir / str(rank) / STARTED_FILE)
             if started is not None:
                 groups[int(started["pgid"])] = (rank, float(started.get("created_at") or 0))
+                keepers_started.append(float(started.get("created_at") or 0))
+        earliest = min(keepers_started, default=0.0)
         marker_prefix = str(gang_dir) + os.sep
         found: list[GangProcess] = []
         for process in processes.live_processes(skip=os.getpid()):
@@ -424,7 +447,7 @@ class LocalRuntime:
                 if group in groups and process.created_at >= groups[group][1]:
                     rank_of = groups[group][0]
                     break
-            if rank_of is None:
+            if rank_of is None and process.created_at >= earliest:
                 marker = processes.environ_value(pid, RANK_DIR_ENV)
                 if marker is not None and marker.startswith(marker_prefix):
                     tail = marker[len(marker_prefix) :]
@@ -523,11 +546,7 @@ class LocalRuntime:
         It comes from below the kernel's ephemeral range where that leaves room, so an
         outgoing connection cannot take it between launch and rank 0 binding it.
         """
-        promised: set[int] = set()
-        for gang in self._known_gangs():
-            record = read_record(self.gang_dir(gang) / GANG_FILE)
-            if record is not None:
-                promised.add(int(record["master_port"]))
+        promised = set(self._listed_gangs().values())
         ephemeral_floor = _ephemeral_port_floor()
         if ephemeral_floor - MASTER_PORT_FLOOR >= 1000:
             for _ in range(100):
@@ -580,9 +599,56 @@ class LocalRuntime:
                 continue
 
     def _known_gangs(self) -> list[GangId]:
-        gangs: list[GangId] = []
+        """The gangs launched and not yet forgotten, from the index."""
         if not self.root.is_dir():
-            return gangs
+            return []
+        return sorted(
+            (gang for gang in self._listed_gangs() if (self.gang_dir(gang) / GANG_FILE).exists()),
+            key=lambda gang: (gang.job_id, gang.attempt),
+        )
+
+    def _listed_gangs(self) -> dict[GangId, int]:
+        """Each gang in the index, with the master port it was promised."""
+        listed: dict[GangId, int] = {}
+        for name in os.listdir(self._gang_index()):
+            parts = name.split(".")
+            if len(parts) == 3 and all(part.isdigit() for part in parts):
+                listed[GangId(job_id=int(parts[0]), attempt=int(parts[1]))] = int(parts[2])
+        return listed
+
+    def _gang_index(self) -> Path:
+        """The index of gangs, made from a scan of every job folder if the root has none.
+
+        Every launch and every pass of the reconciler asks which gangs exist and which
+        ports they hold; the folder of every job ever run would take a walk through
+        thousands of folders for that, and the index takes one listing. A root written
+        before the index existed is listed once, in a folder of this process's own that
+        is then renamed into place: a process that loses that race keeps the winner's
+        index, which is never empty (its marker file stops a rename from replacing it).
+        """
+        index = self.root / GANG_INDEX
+        if index.is_dir():
+            return index
+        building = self.root / f".{GANG_INDEX}.{os.getpid()}.{secrets.token_hex(4)}"
+        building.mkdir(mode=0o700)
+        try:
+            create_claim(building / ".built")
+            for gang in self._scan_gangs():
+                record = read_record(self.gang_dir(gang) / GANG_FILE)
+                if record is not None:
+                    create_claim(building / _index_entry(gang, int(record["master_port"])))
+            try:
+                os.rename(building, index)
+            except OSError:
+                if not index.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+        return index
+
+    def _scan_gangs(self) -> list[GangId]:
+        """Every gang with a record, found by walking every job folder."""
+        gangs: list[GangId] = []
         for job_dir in self.root.iterdir():
             if not job_dir.name.isdigit() or not job_dir.is_dir():
                 continue
@@ -711,6 +777,10 @@ def _open_control_plane_path(root: Path, names: Sequence[str]) -> int:
         os.close(folder)
         raise
     return folder
+
+
+def _index_entry(gang: GangId, master_port: int) -> str:
+    return f"{gang.job_id}.{gang.attempt}.{master_port}"
 
 
 def _placement_records(spec: GangSpec) -> list[dict[str, Any]]:

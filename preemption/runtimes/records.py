@@ -13,6 +13,9 @@ Layout under the runtime's root (`var/runs` by default)::
     <job_id>/<attempt>/<rank>/exit.json     exit code (128+N for signal N), exit time, signal
     <job_id>/<attempt>/<rank>/rank.log      the rank's stdout and stderr
     <job_id>/<attempt>/<rank>/work/         the rank's private working folder (its HOME)
+    gangs/<job_id>.<attempt>.<master_port>  one empty entry per gang launched and not yet
+                                         forgotten: the runtime lists and the master ports
+                                         it has promised, read with one directory listing
 
 Every JSON record is written to a temporary file and renamed into place, so a reader sees
 either nothing or the whole record. Records that must be written once (the gang spec, the
@@ -29,6 +32,7 @@ from typing import Any
 
 GANG_FILE = "gang.json"
 FORGOTTEN_FILE = "forgotten.json"
+GANG_INDEX = "gangs"
 LAUNCHER_LOG = "launcher.log"
 KEEPER_FILE = "keeper.json"
 STARTED_FILE = "started.json"

@@ -60,6 +60,21 @@ def test_submit_records_the_job_with_the_default_class_and_no_events_token(
     assert critical.json()["priority_class"] == "ai-prod-critical"
 
 
+def test_a_submission_takes_a_fixed_budget_of_queries(
+    world: Any, django_assert_max_num_queries: Any
+) -> None:
+    # In a burst every query of a submission is paid thousands of times over:
+    # the token, the three names, the caller's roles, the team tree once for
+    # the service's checks, the nodes, the classes, the insert.
+    _, token = api_token_create(user=world.users["researcher"], name="burst")
+    client = world.client("anonymous")
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert submit(client).status_code == 201
+    with django_assert_max_num_queries(14):
+        response = submit(client, ranks=1, gpus_per_rank=1)
+    assert response.status_code == 201, response.json()
+
+
 @pytest.mark.parametrize(
     ("retries", "accepted"),
     [(0, True), (20, True), (21, False), (-1, False), ("two", False), (True, False)],

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+import preemption.runtimes as runtimes_package
 from preemption.runtimes import (
     GangId,
     GangSpec,
@@ -31,9 +32,16 @@ from preemption.runtimes import (
     RuntimePermanentError,
     iter_trap_events,
     parse_inventory,
+    procfs,
 )
-from preemption.runtimes.local import PROJECT_ROOT
-from preemption.runtimes.records import GANG_FILE, KEEPER_FILE, STARTED_FILE, read_record
+from preemption.runtimes.local import MASTER_PORT_FLOOR, PROJECT_ROOT, _ephemeral_port_floor
+from preemption.runtimes.records import (
+    GANG_FILE,
+    GANG_INDEX,
+    KEEPER_FILE,
+    STARTED_FILE,
+    read_record,
+)
 from preemption.runtimes.runner import RunnerAccount
 
 pytestmark = pytest.mark.timeout(90)
@@ -472,6 +480,34 @@ def test_orphan_scan_finds_a_child_left_in_the_rank_group(runtime: LocalRuntime)
     wait_until(lambda: not runtime.find_orphans(spec.gang), what="the orphans to die")
 
 
+def test_the_process_scan_reads_no_environment_of_a_process_older_than_the_gang(
+    runtime: LocalRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scan runs for every finished gang, over every process of the machine: only
+    # processes started after the gang's keepers can be its own.
+    older = subprocess.Popen(["sleep", "60"])
+    try:
+        time.sleep(0.05)
+        spec = gang_spec(25, f"exec {SLEEPER} --seconds 60", ranks=2)
+        runtime.launch(spec)
+        wait_for_log(runtime, spec.gang, 2, b"ready")
+        read: list[int] = []
+        real = procfs.read_environ_value
+
+        def counted(pid: int, name: str) -> str | None:
+            read.append(pid)
+            return real(pid, name)
+
+        monkeypatch.setattr(procfs, "read_environ_value", counted)
+        processes = runtime.gang_processes(spec.gang)
+        assert sorted(process.rank for process in processes) == [0, 1]
+        assert older.pid not in read
+        assert os.getpid() not in read and 1 not in read
+    finally:
+        older.kill()
+        older.wait()
+
+
 def test_a_rank_whose_keeper_died_is_lost(runtime: LocalRuntime) -> None:
     spec = gang_spec(16, f"exec {SLEEPER} --seconds 60", ranks=2)
     runtime.launch(spec)
@@ -511,6 +547,55 @@ def test_forget_drops_a_finished_gang_but_keeps_its_logs(runtime: LocalRuntime) 
     time.sleep(0.3)
     assert runtime.observe(spec.gang) == []
     assert runtime.read_log(spec.gang, 1) == b"done\n"
+
+
+def test_the_gang_index_lists_each_live_gang_with_its_port_and_is_built_for_an_old_root(
+    runtime: LocalRuntime,
+) -> None:
+    running = gang_spec(21, f"exec {SLEEPER} --seconds 60", ranks=1)
+    done = gang_spec(22, "true", ranks=1)
+    runtime.launch(running)
+    runtime.launch(done)
+    wait_exited(runtime, done.gang)
+    ports = {}
+    for gang in (running.gang, done.gang):
+        record = read_record(runtime.gang_dir(gang) / GANG_FILE)
+        assert record is not None
+        ports[gang] = record["master_port"]
+    assert ports[running.gang] != ports[done.gang]
+    index = runtime.root / GANG_INDEX
+
+    def listed() -> list[str]:
+        return sorted(name for name in os.listdir(index) if not name.startswith("."))
+
+    assert listed() == sorted(f"{g.job_id}.1.{port}" for g, port in ports.items())
+    assert index.stat().st_mode & 0o777 == 0o700  # no rank may list the jobs
+
+    runtime.forget(done.gang)
+    assert listed() == [f"21.1.{ports[running.gang]}"]
+    assert {o.job_id for o in runtime.observe()} == {21}
+
+    # A root written before the index: a fresh runtime walks the job folders once.
+    shutil.rmtree(index)
+    fresh = LocalRuntime(runtime.root, parse_inventory(INVENTORY), runner=runtime.runner)
+    assert [(o.job_id, o.phase) for o in fresh.observe()] == [(21, "running")]
+    assert listed() == [f"21.1.{ports[running.gang]}"]
+    assert sorted(p.name for p in runtime.root.iterdir()) == sorted(["21", "22", GANG_INDEX])
+
+    # A launch never picks a port the index promised to another gang, even when the
+    # index holds all but one of the ports it picks from at random.
+    floor = _ephemeral_port_floor()
+    for port in range(MASTER_PORT_FLOOR, floor):
+        if port != floor - 1:
+            (index / f"9{port}.1.{port}").touch()
+    promised = set(range(MASTER_PORT_FLOOR, floor - 1)) | {ports[running.gang]}
+    spec = gang_spec(23, "true", ranks=1)
+    fresh.launch(spec)
+    record = read_record(fresh.gang_dir(spec.gang) / GANG_FILE)
+    assert record is not None
+    assert record["master_port"] not in promised
+    assert f"23.1.{record['master_port']}" in listed()
+    assert [o.job_id for o in fresh.observe()] == [21, 23]
 
 
 def test_launch_rejects_specs_it_can_never_run(runtime: LocalRuntime) -> None:
@@ -576,3 +661,27 @@ def test_read_log_of_a_rank_not_yet_started_is_empty(runtime: LocalRuntime) -> N
         runtime.read_log(spec.gang, 2)
     with pytest.raises(RuntimePermanentError):
         runtime.read_log(GangId(404, 1), 0)
+
+
+def test_the_launcher_starts_without_loading_the_runtimes() -> None:
+    # Every launch starts this interpreter: it loads the records and /proc readers
+    # it needs, not the runtimes (nor the trap protocol) the package offers.
+    probe = (
+        "import sys, preemption.runtimes.launcher; "
+        "print(sorted(m for m in sys.modules if m.startswith(('preemption', 'gracetrap'))))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert loaded == repr(
+        [
+            "preemption",
+            "preemption.runtimes",
+            "preemption.runtimes.launcher",
+            "preemption.runtimes.procfs",
+            "preemption.runtimes.records",
+        ]
+    )
+    assert runtimes_package.LocalRuntime is LocalRuntime
+    with pytest.raises(AttributeError, match="no attribute 'Kubelet'"):
+        runtimes_package.Kubelet  # noqa: B018

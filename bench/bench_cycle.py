@@ -1,0 +1,279 @@
+"""The whole scheduling cycle on PostgreSQL, database to decisions written, at the
+engine benchmark's size.
+
+`bench/bench_fairshare.py` times `fairshare.plan` alone on its cluster (1,250
+nodes x 8 GPUs, 500 queues in a three-level tree, at least 95% allocated,
+50,000 pending). This benchmark writes that same cluster into a throwaway
+PostgreSQL database (`<name of DATABASE_URL's database>_bench_cycle`, dropped
+at the end) as teams, quotas, nodes, priority classes, jobs and open attempts, and
+times the cycle as `preemption.cycle.schedule_cycle` runs it, step by step:
+
+- held jobs: the waiting jobs whose class their team may no longer use;
+- snapshot: the rows read into a `fairshare.Snapshot`;
+- plan: `fairshare.plan`;
+- write: admissions, preemptions and changed waiting reasons recorded.
+
+Each step's time is split into the time the database took to answer (every
+query, timed at the driver) and the rest (Python: building rows and objects).
+The first cycle writes every pending job's waiting reason; the cycles after it
+(a steady state: nothing finished meanwhile) write only what changed, and are
+rolled back so each sees the same rows. Runtime actions are left out
+(`act=False`): they run after the cycle's transaction commits.
+
+Usage: DATABASE_URL=postgres://... .venv/bin/python bench/bench_cycle.py [--pending 50000] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+os.environ.setdefault("LOG_LEVEL", "WARNING")
+
+import django  # noqa: E402
+
+django.setup()
+
+from bench_fairshare import CLASSES, FLAVOR, NOW, build, describe  # noqa: E402
+from django.contrib.auth import get_user_model  # noqa: E402
+from django.db import connection, transaction  # noqa: E402
+
+import fairshare  # noqa: E402
+from preemption.cycle import CycleResult, _apply, _lock, schedule_cycle  # noqa: E402
+from preemption.models import Attempt, Checkpoint, Job, JobState  # noqa: E402
+from preemption.snapshot import build_snapshot, held_jobs  # noqa: E402
+from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team  # noqa: E402
+
+STEPS = ("held jobs", "snapshot", "plan", "write")
+
+
+@dataclass
+class QueryClock:
+    """Time spent waiting on the database, counted at the driver."""
+
+    seconds: float = 0.0
+    queries: int = 0
+
+    def __call__(
+        self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
+    ) -> Any:
+        start = time.perf_counter()
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.queries += 1
+
+
+@dataclass
+class StepTimes:
+    wall: dict[str, float] = field(default_factory=dict)
+    database: dict[str, float] = field(default_factory=dict)
+    queries: dict[str, int] = field(default_factory=dict)
+
+
+@contextmanager
+def step(times: StepTimes, name: str) -> Iterator[None]:
+    clock = QueryClock()
+    start = time.perf_counter()
+    with connection.execute_wrapper(clock):
+        yield
+    times.wall[name] = time.perf_counter() - start
+    times.database[name] = clock.seconds
+    times.queries[name] = clock.queries
+
+
+def populate(snapshot: fairshare.Snapshot) -> None:
+    """Write the engine benchmark's cluster as rows, its times moved to today."""
+    offset = time.time() - NOW
+
+    def moment(engine_time: float) -> datetime:
+        return datetime.fromtimestamp(engine_time + offset, tz=UTC)
+
+    user = get_user_model().objects.create_user("bench", password=None)
+    flavor = ResourceFlavor.objects.create(name=FLAVOR)
+    Node.objects.bulk_create(
+        Node(name=node.name, flavor=flavor, gpus=node.gpus) for node in snapshot.nodes
+    )
+    # The engine benchmark's classes replace the ones the migrations seed.
+    PriorityClass.objects.all().delete()
+    classes = {
+        pc.name: PriorityClass.objects.create(
+            name=pc.name,
+            value=pc.value,
+            preemption_policy=pc.preemption_policy,
+            preemptible=pc.preemptible,
+            grace_seconds=int(pc.grace_seconds),
+            min_runtime_seconds=int(pc.min_runtime_seconds),
+            is_default=pc.name == "normal",
+        )
+        for pc in CLASSES
+    }
+    teams: dict[str, Team] = {}
+    remaining = list(snapshot.queues)
+    while remaining:  # parents first
+        ready = [q for q in remaining if q.parent is None or q.parent in teams]
+        for queue, team in zip(
+            ready,
+            Team.objects.bulk_create(
+                Team(slug=q.name, name=q.name, weight=q.weight, parent=teams.get(q.parent or ""))
+                for q in ready
+            ),
+            strict=True,
+        ):
+            teams[queue.name] = team
+        remaining = [q for q in remaining if q.name not in teams]
+    Quota.objects.bulk_create(
+        Quota(
+            team=teams[q.name],
+            flavor=flavor,
+            guarantee=q.quota(FLAVOR).guarantee,
+            borrow_limit=q.quota(FLAVOR).borrow_limit,
+            lend_limit=q.quota(FLAVOR).lend_limit,
+        )
+        for q in snapshot.queues
+    )
+    for q in snapshot.queues:
+        if q.parent is None:  # every class allowed from the top down
+            teams[q.name].priority_classes.set(classes.values())
+    # The engine's submission times are kept, not replaced by the time of this insert.
+    submitted_at = Job._meta.get_field("submitted_at")
+    submitted_at.auto_now_add = False  # type: ignore[attr-defined]
+    try:
+        jobs = Job.objects.bulk_create(
+            (
+                Job(
+                    team=teams[w.queue],
+                    submitter=user,
+                    priority_class=classes[w.priority_class],
+                    flavor=flavor,
+                    ranks=w.ranks,
+                    gpus_per_rank=w.gpus_per_rank,
+                    command="true",
+                    state=JobState.PENDING if w.state == "pending" else JobState.RUNNING,
+                    submitted_at=moment(w.submitted_at),
+                    admitted_at=moment(w.admitted_at) if w.admitted_at is not None else None,
+                    running_at=moment(w.admitted_at) if w.admitted_at is not None else None,
+                )
+                for w in snapshot.workloads
+            ),
+            batch_size=5000,
+        )
+    finally:
+        submitted_at.auto_now_add = True  # type: ignore[attr-defined]
+    running = [
+        (job, w) for job, w in zip(jobs, snapshot.workloads, strict=True) if w.state == "running"
+    ]
+    attempts = Attempt.objects.bulk_create(
+        (
+            Attempt(
+                job=job,
+                number=1,
+                placement=[{"node": node, "ranks": ranks} for node, ranks in w.placement],
+                admitted_at=moment(w.admitted_at or NOW),
+                launched_at=moment(w.admitted_at or NOW),
+            )
+            for job, w in running
+        ),
+        batch_size=5000,
+    )
+    Checkpoint.objects.bulk_create(
+        (
+            Checkpoint(job=job, attempt=attempt, step=1, committed_at=moment(w.last_checkpoint_at))
+            for (job, w), attempt in zip(running, attempts, strict=True)
+            if w.last_checkpoint_at is not None
+        ),
+        batch_size=5000,
+    )
+
+
+def timed_cycle() -> tuple[StepTimes, CycleResult]:
+    """One cycle as schedule_cycle runs it on PostgreSQL, each step timed."""
+    times = StepTimes()
+    result = CycleResult()
+    with transaction.atomic():
+        _lock()
+        now = datetime.now(tz=UTC)
+        with step(times, "held jobs"):
+            held = held_jobs()
+        with step(times, "snapshot"):
+            snapshot = build_snapshot(now=now, held=held)
+        with step(times, "plan"):
+            plan = fairshare.plan(snapshot)
+        with step(times, "write"):
+            _apply(plan, now=now, result=result, held=held)
+    return times, result
+
+
+def report(label: str, runs: list[StepTimes], results: list[CycleResult]) -> None:
+    total = [sum(t.wall.values()) for t in runs]
+    print(f"{label}: whole cycle median {statistics.median(total):.3f} s over {len(runs)} run(s)")
+    print(f"  {'step':<10} {'wall s':>8} {'database s':>11} {'queries':>8} {'Python s':>9}")
+    for name in STEPS:
+        wall = statistics.median(t.wall[name] for t in runs)
+        database = statistics.median(t.database[name] for t in runs)
+        queries = int(statistics.median(t.queries[name] for t in runs))
+        print(f"  {name:<10} {wall:>8.3f} {database:>11.3f} {queries:>8} {wall - database:>9.3f}")
+    last = results[-1]
+    print(
+        f"  decided: {len(last.admitted)} admissions, {len(last.preempted)} preemptions, "
+        f"{last.waiting} waiting"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pending", type=int, default=50_000)
+    parser.add_argument("--runs", type=int, default=3, help="steady-state cycles to time")
+    args = parser.parse_args()
+    if connection.vendor != "postgresql":
+        raise SystemExit("DATABASE_URL must name a PostgreSQL database (the cluster's own)")
+
+    snapshot = build(1250, 10, 9, 5, None, args.pending)
+    print(describe(snapshot), flush=True)
+    creation = connection.creation
+    own_database = connection.settings_dict["NAME"]
+    # A name of its own, so that it never meets the test suite's database.
+    connection.settings_dict["TEST"]["NAME"] = f"{own_database}_bench_cycle"
+    database = creation.create_test_db(verbosity=0, autoclobber=True, serialize=False)
+    try:
+        start = time.perf_counter()
+        populate(snapshot)
+        print(f"wrote the cluster to {database} in {time.perf_counter() - start:.1f} s", flush=True)
+
+        first, result = timed_cycle()
+        report("first cycle (every waiting reason new)", [first], [result])
+        runs, results = [], []
+        for _ in range(args.runs):
+            with transaction.atomic():
+                times, result = timed_cycle()
+                transaction.set_rollback(True)
+            runs.append(times)
+            results.append(result)
+        report("steady state (nothing finished since the last cycle)", runs, results)
+        with transaction.atomic():
+            start = time.perf_counter()
+            schedule_cycle(act=False)
+            whole = time.perf_counter() - start
+            transaction.set_rollback(True)
+        print(f"schedule_cycle(act=False) itself, steady state: {whole:.3f} s")
+    finally:
+        creation.destroy_test_db(own_database, verbosity=0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

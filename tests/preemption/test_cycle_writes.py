@@ -1,0 +1,189 @@
+"""The scheduling cycle records its decisions in a fixed number of queries,
+however many jobs it admits or preempts, and records each decision as before:
+attempts numbered after the job's last, one rank per placed rank, one
+preemption and one webhook notice per victim, waiting reasons where they
+changed, and nothing for a job that left its state since the snapshot."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+import fairshare
+from preemption.cycle import CycleResult, _apply, schedule_cycle
+from preemption.models import (
+    Attempt,
+    Job,
+    JobState,
+    PreemptionEvent,
+    Rank,
+    Webhook,
+    WebhookDelivery,
+)
+from preemption.snapshot import build_snapshot, held_jobs
+from tests import builders
+
+pytestmark = pytest.mark.django_db
+
+
+def submit(world: Any, team: Any, count: int, **fields: Any) -> list[Job]:
+    return [
+        builders.job(world, team, state=JobState.PENDING, command="true", **fields)
+        for _ in range(count)
+    ]
+
+
+def cycle_queries() -> tuple[int, CycleResult]:
+    with CaptureQueriesContext(connection) as queries:
+        result = schedule_cycle(act=False)
+    return len(queries), result
+
+
+def test_admitting_many_jobs_takes_as_many_queries_as_admitting_two(world: Any) -> None:
+    # A first cycle, so that both measured ones read running jobs too.
+    first = submit(world, world.vision, 1)
+    schedule_cycle(act=False)
+    two = submit(world, world.vision, 2)
+    few_queries, few = cycle_queries()
+    assert sorted(few.admitted) == sorted(job.pk for job in two)
+
+    # A job that ran before gets the next attempt number, not 1.
+    again = builders.job(world, world.nlp, state=JobState.REQUEUED, command="true", ranks=2)
+    builders.attempt(again, ended_at=timezone.now(), end_reason=Attempt.EndReason.PREEMPTED)
+    many = [*submit(world, world.nlp, 13), again]
+    many_queries, most = cycle_queries()
+    assert sorted(most.admitted) == sorted(job.pk for job in many)
+    assert many_queries == few_queries
+
+    for job in [*first, *two, *many]:
+        job.refresh_from_db()
+        assert (job.state, job.waiting_reason) == (JobState.ADMITTED, "")
+        opened = Attempt.objects.get(job=job, ended_at__isnull=True)
+        assert opened.number == (2 if job == again else 1)
+        assert opened.admitted_at == job.admitted_at
+        placed = sum(entry["ranks"] for entry in opened.placement)
+        assert placed == job.ranks
+        assert sorted(Rank.objects.filter(attempt=opened).values_list("index", flat=True)) == list(
+            range(job.ranks)
+        )
+
+
+def test_a_job_cancelled_after_the_snapshot_is_not_admitted(world: Any) -> None:
+    kept, cancelled = submit(world, world.vision, 2)
+    now = timezone.now()
+    held = held_jobs()
+    plan = fairshare.plan(build_snapshot(now=now, held=held))
+    assert {int(a.id) for a in plan.admit} == {kept.pk, cancelled.pk}
+    Job.objects.filter(pk=cancelled.pk).update(state=JobState.CANCELLED, finished_at=now)
+
+    result = CycleResult()
+    _apply(plan, now=now, result=result, held=held)
+
+    assert result.admitted == [kept.pk]
+    assert not Attempt.objects.filter(job=cancelled).exists()
+    cancelled.refresh_from_db()
+    assert cancelled.state == JobState.CANCELLED
+
+
+def test_a_job_cancelled_after_the_snapshot_keeps_its_own_waiting_reason(world: Any) -> None:
+    # 24 GPUs: three jobs of 8 run, the fourth waits.
+    jobs = submit(world, world.vision, 4, ranks=1, gpus_per_rank=8)
+    now = timezone.now()
+    held = held_jobs()
+    plan = fairshare.plan(build_snapshot(now=now, held=held))
+    (waiting,) = [job for job in jobs if job.pk in {int(w.id) for w in plan.waiting}]
+    Job.objects.filter(pk=waiting.pk).update(
+        state=JobState.CANCELLED, finished_at=now, waiting_reason=""
+    )
+
+    _apply(plan, now=now, result=CycleResult(), held=held)
+
+    waiting.refresh_from_db()
+    assert (waiting.state, waiting.waiting_reason) == (JobState.CANCELLED, "")
+
+
+def test_every_victim_of_a_cycle_gets_one_preemption_and_one_notice(world: Any) -> None:
+    long_ago = timezone.now() - timedelta(days=1)
+    victims = [
+        builders.running_job(world, world.ops, node=f"h100-node-{n}", admitted_at=long_ago)
+        for n in range(3)
+        for _ in range(8)
+    ]
+    hook = Webhook.objects.create(team=world.ops, url="https://hooks.example.org/ops")
+    urgent = submit(world, world.vision, 1, priority_class=world.critical, ranks=1, gpus_per_rank=8)
+
+    _, result = cycle_queries()
+
+    assert len(result.preempted) == 8
+    assert set(result.preempted) <= {job.pk for job in victims}
+    events = PreemptionEvent.objects.filter(job_id__in=result.preempted)
+    assert sorted(events.values_list("job_id", flat=True)) == sorted(result.preempted)
+    for event in events.select_related("victim_attempt", "preemptor"):
+        assert event.victim_attempt.job_id == event.job_id
+        assert event.victim_attempt.ended_at is None
+        assert event.preemptor == urgent[0]
+        assert event.cause
+        assert event.deadline == event.decided_at + timedelta(seconds=event.grace_seconds)
+    assert set(Job.objects.filter(pk__in=result.preempted).values_list("state", flat=True)) == {
+        JobState.PREEMPTING
+    }
+    notices = WebhookDelivery.objects.filter(webhook=hook, event="preempted")
+    assert sorted(notice.payload["job"]["id"] for notice in notices) == sorted(result.preempted)
+    assert {notice.payload["job"]["state"] for notice in notices} == {JobState.PREEMPTING}
+
+    # The next cycle stops no victim twice.
+    _, again = cycle_queries()
+    assert not set(again.preempted) & set(result.preempted)
+    assert PreemptionEvent.objects.filter(job_id__in=result.preempted).count() == 8
+
+
+def test_waiting_reasons_are_written_where_they_changed(world: Any) -> None:
+    # 24 GPUs: three jobs of 8 fit, the other twelve wait with one shared reason,
+    # and a held job (a class its team may no longer use) waits with its own.
+    waiting = submit(world, world.vision, 15, ranks=1, gpus_per_rank=8)
+    held = builders.job(
+        world, world.ops, state=JobState.PENDING, command="true", priority_class=world.critical
+    )
+    world.other.priority_classes.set([world.batch])
+    _, result = cycle_queries()
+    assert len(result.admitted) == 3
+    reasons = dict(
+        Job.objects.filter(
+            pk__in=[job.pk for job in waiting if job.pk not in result.admitted]
+        ).values_list("pk", "waiting_reason")
+    )
+    assert len(reasons) == 12
+    assert len(set(reasons.values())) == 1
+    assert next(iter(reasons.values())).startswith(("no node", "waiting", "not enough"))
+    held.refresh_from_db()
+    assert held.waiting_reason.startswith("held: team ops may no longer use ai-prod-critical")
+
+    # Nothing changed: the next cycle writes no reason.
+    with CaptureQueriesContext(connection) as queries:
+        schedule_cycle(act=False)
+    assert not [
+        q for q in queries.captured_queries if "waiting_reason" in q["sql"] and "UPDATE" in q["sql"]
+    ]
+
+
+def test_a_job_committed_while_the_cycle_read_its_snapshot_is_not_admitted_before_it_was_submitted(
+    world: Any,
+) -> None:
+    # The cycle's clock was read before the job was committed, as when a submission
+    # lands while the snapshot is being built.
+    cycle_began = timezone.now()
+    (job,) = submit(world, world.vision, 1)
+    assert job.submitted_at > cycle_began
+    held = held_jobs()
+    plan = fairshare.plan(build_snapshot(now=cycle_began, held=held))
+    with transaction.atomic():
+        _apply(plan, now=cycle_began, result=CycleResult(), held=held)
+    job.refresh_from_db()
+    assert job.state == JobState.ADMITTED
+    assert job.admitted_at >= job.submitted_at
+    assert Attempt.objects.get(job=job).admitted_at == job.admitted_at
