@@ -32,7 +32,7 @@ from preemption.runtimes import (
     RuntimePermanentError,
     iter_trap_events,
     parse_inventory,
-    procfs,
+    processes,
 )
 from preemption.runtimes.local import MASTER_PORT_FLOOR, PROJECT_ROOT, _ephemeral_port_floor
 from preemption.runtimes.records import (
@@ -492,15 +492,15 @@ def test_the_process_scan_reads_no_environment_of_a_process_older_than_the_gang(
         runtime.launch(spec)
         wait_for_log(runtime, spec.gang, 2, b"ready")
         read: list[int] = []
-        real = procfs.read_environ_value
+        real = processes.environ_value
 
         def counted(pid: int, name: str) -> str | None:
             read.append(pid)
             return real(pid, name)
 
-        monkeypatch.setattr(procfs, "read_environ_value", counted)
-        processes = runtime.gang_processes(spec.gang)
-        assert sorted(process.rank for process in processes) == [0, 1]
+        monkeypatch.setattr(processes, "environ_value", counted)
+        found = runtime.gang_processes(spec.gang)
+        assert sorted(process.rank for process in found) == [0, 1]
         assert older.pid not in read
         assert os.getpid() not in read and 1 not in read
     finally:
@@ -678,7 +678,7 @@ def test_the_launcher_starts_without_loading_the_runtimes() -> None:
             "preemption",
             "preemption.runtimes",
             "preemption.runtimes.launcher",
-            "preemption.runtimes.procfs",
+            "preemption.runtimes.processes",
             "preemption.runtimes.records",
         ]
     )
