@@ -234,9 +234,18 @@ class Simulation:
         self._sequence = 0
         self.next_cycle = math.inf
         self.running: dict[str, Any] = {}
-        # Per team: decayed GPU-seconds up to ``recent_at`` (with decayed usage only).
-        self.recent: dict[str, float] = {}
-        self.recent_at = 0.0
+        # Per team: decayed GPU-seconds up to ``recent_at`` (with decayed usage only). The
+        # trace starts as if every team had held exactly its guarantee for ever before: the
+        # engine counts only usage beyond that as borrowing, and a team starting from nothing
+        # would first have to fill a whole guarantee's worth of decayed GPU-seconds before
+        # any borrowing of its counted, which in a run of a few half-lives is most of it.
+        horizon = config.half_life_seconds / math.log(2)
+        self.recent: dict[str, float] = (
+            {team: guarantee * horizon for team, guarantee in guarantees.items()}
+            if config.usage_strength
+            else {}
+        )
+        self.recent_at = min((job.submit_time for job in trace), default=0.0)
         self.pending: dict[str, Any] = {}
         self.by_id = {job.id: job for job in self.jobs}
         self.plan_calls = 0

@@ -9,6 +9,8 @@ grace saves and exits ``save_seconds`` later, and a resumed job first restores f
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import fairshare
@@ -324,3 +326,26 @@ def test_bad_topology_options_are_refused() -> None:
         Simulation([], SimulationConfig(nodes=ONE_NODE, guarantees={}, gang_topology="required"))
     with pytest.raises(ValueError, match="unknown gang topology"):
         Simulation([], SimulationConfig(nodes=RACKED, guarantees={}, gang_topology="block"))
+
+
+def test_decayed_usage_starts_as_if_every_team_had_held_its_guarantee() -> None:
+    # The engine counts only decayed usage beyond guarantee * half-life / ln 2 as borrowing.
+    # Teams start exactly there; a team holding its guarantee stays there, one holding
+    # nothing for a half-life drops to half of it.
+    half_life = 3600.0
+    horizon = half_life / math.log(2)
+    trace = [job("a1", 0, 2, 10_000)]
+    replay = Simulation(
+        trace,
+        SimulationConfig(
+            nodes=ONE_NODE, guarantees={"a": 2, "b": 2}, usage_strength=1.0,
+            half_life_seconds=half_life,
+        ),
+    )  # fmt: skip
+    assert replay.recent == {"a": pytest.approx(2 * horizon), "b": pytest.approx(2 * horizon)}
+    replay.running["a1"] = fairshare.Workload(
+        id="a1", queue="a", priority_class="batch", flavor="gpu", ranks=1, gpus_per_rank=2,
+        state="running", submitted_at=0.0, admitted_at=0.0, placement=(("node-0", 1),),
+    )  # fmt: skip
+    replay._decay_to(half_life)
+    assert replay.recent == {"a": pytest.approx(2 * horizon), "b": pytest.approx(horizon)}
