@@ -301,7 +301,7 @@ def main() -> int:
     parser.add_argument("--checkpoint-interval", type=float, default=1800.0)
     parser.add_argument("--restart-seconds", type=float, default=60.0)
     parser.add_argument("--usage-strength", type=float, default=1.0)
-    parser.add_argument("--half-life", type=float, default=6 * 3600.0)
+    parser.add_argument("--half-life", type=float, default=7 * 86_400.0)
     parser.add_argument("--helios-date", default="2020-04-01")
     parser.add_argument("--openb-arrival-scale", type=float, default=0.005)
     parser.add_argument("--figure-jobs", type=int, default=10000)
