@@ -286,7 +286,12 @@ def with_topology(snapshot: Snapshot) -> Snapshot:
     return dataclasses.replace(snapshot, nodes=nodes, workloads=workloads)
 
 
-def compare(feature: str, snapshot: Snapshot, variant: Snapshot, runs: int) -> None:
+# Issue 16: a plan with topology and decayed usage takes at most this much longer than one
+# without them.
+FEATURE_GOAL = 1.2
+
+
+def compare(feature: str, snapshot: Snapshot, variant: Snapshot, runs: int) -> float:
     """CPU time of plan() without and with ``feature``, runs interleaved in one process so
     that both see the same load on a shared machine."""
     plan(snapshot)
@@ -308,11 +313,17 @@ def compare(feature: str, snapshot: Snapshot, variant: Snapshot, runs: int) -> N
         )
     ratio = statistics.median(cpu["with"]) / statistics.median(cpu["without"])
     print(f"with / without: {ratio:.2f}")
+    return ratio
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer runs and sizes")
+    parser.add_argument(
+        "--features-only",
+        action="store_true",
+        help="only the issue's cluster with and without each feature",
+    )
     args = parser.parse_args()
     runs = 3 if args.quick else 5
 
@@ -342,6 +353,16 @@ def main() -> None:
     print()
     print("== Topology (gangs of several ranks require one rack): with and without ==")
     compare("rack of flavor", snapshot, with_topology(snapshot), runs)
+    print()
+    print("== Topology and decayed usage together: the goal of issue 16 ==")
+    both = with_topology(with_decayed_usage(snapshot))
+    ratio = compare("rack of flavor", snapshot, both, runs)
+    print(
+        f"goal, plan time with topology and usage within {FEATURE_GOAL - 1:.0%} of without: "
+        f"{ratio:.2f} -> {'met' if ratio <= FEATURE_GOAL else 'NOT met'}"
+    )
+    if args.features_only:
+        return
 
     print()
     print("== Running-heavy: 20,000 running + 50,000 pending on a cluster large enough ==")

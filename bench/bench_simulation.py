@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_simulation.py                 # goals, comparison and speed
     .venv/bin/python bench/bench_simulation.py --skip-speed    # goals only
     .venv/bin/python bench/bench_simulation.py --profile       # cProfile of the speed run
+    .venv/bin/python bench/bench_simulation.py --skip-goals --skip-speed   # issue 16's figures
 
 Goals (on a synthetic trace fitted to ../shared/data/README.md, policy fairshare):
 
@@ -10,6 +11,15 @@ Goals (on a synthetic trace fitted to ../shared/data/README.md, policy fairshare
   allocation over those periods and the share of that time spent below 90%.
 * No team with demand stays below min(guarantee, admissible demand) longer than one scheduling
   cycle plus the grace window: printed as the longest stretch against that bound.
+
+Decayed usage (issue 16): on the openb trace with the Helios Venus quotas of one day, and on
+the synthetic generator, each team's share of the surplus GPU-hours against its weight, as
+Jain's index over the teams that wanted surplus in either run, with decayed usage against
+today's engine (strength 0).
+
+Topology (issue 16): on a synthetic trace with racks of ``--rack-size`` nodes, how long gangs
+(more than one node) wait and the allocation, when they require one rack against placed
+blind to racks.
 
 Speed: wall time of 100,000 jobs on 1,000 GPUs (125 nodes of 8), with the part spent inside
 ``fairshare.plan``.
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import sys
 import time
@@ -26,26 +37,46 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulation.cli import progress_bar
+from simulation.cli import DEFAULT_HELIOS_QUOTAS, DEFAULT_OPENB_TRACE, progress_bar
 from simulation.engine import SimulationConfig, simulate
+from simulation.fairness import surplus_fairness, teams_wanting_surplus
 from simulation.report import ALLOCATION_GOAL, Report
 from simulation.synthetic import generate, make_teams
-from simulation.traces import TraceJob, derive_quotas, uniform_cluster
+from simulation.traces import (
+    ClusterNode,
+    TraceJob,
+    derive_quotas,
+    load_helios_quotas,
+    load_trace,
+    rack_layout,
+    uniform_cluster,
+)
 
 
 def run(
-    trace: list[TraceJob], gpus: int, policy: str, args: argparse.Namespace, progress: bool
+    trace: list[TraceJob],
+    gpus: int,
+    policy: str,
+    args: argparse.Namespace,
+    progress: bool,
+    *,
+    nodes: list[ClusterNode] | None = None,
+    guarantees: dict[str, int] | None = None,
+    usage_strength: float = 0.0,
+    gang_topology: str = "none",
 ) -> Report:
-    nodes = uniform_cluster(gpus // 8, 8)
     config = SimulationConfig(
-        nodes=nodes,
-        guarantees=derive_quotas(trace, gpus),
+        nodes=nodes if nodes is not None else uniform_cluster(gpus // 8, 8),
+        guarantees=guarantees if guarantees is not None else derive_quotas(trace, gpus),
         policy=policy,
         cycle_seconds=args.cycle_seconds,
         grace_seconds=args.grace_seconds,
         save_seconds=args.save_seconds,
         checkpoint_interval=args.checkpoint_interval,
         restart_seconds=args.restart_seconds,
+        usage_strength=usage_strength,
+        half_life_seconds=args.half_life,
+        gang_topology=gang_topology,
     )
     return simulate(trace, config, progress_bar(sys.stderr) if progress else None)
 
@@ -121,6 +152,110 @@ def goals(args: argparse.Namespace) -> None:
             print_report(policy, run(trace, args.gpus, policy, args, args.progress))
 
 
+def compare_surplus(
+    title: str,
+    trace: list[TraceJob],
+    gpus: int,
+    args: argparse.Namespace,
+    *,
+    nodes: list[ClusterNode] | None = None,
+    guarantees: dict[str, int] | None = None,
+) -> None:
+    reports = {
+        strength: run(
+            trace, gpus, "fairshare", args, args.progress, nodes=nodes, guarantees=guarantees,
+            usage_strength=strength,
+        )
+        for strength in (0.0, args.usage_strength)
+    }  # fmt: skip
+    # Both runs are judged over the same teams: those that wanted surplus in either.
+    wanting = set().union(*(teams_wanting_surplus(r.teams) for r in reports.values()))
+    print(f"  {title}: {len(trace)} jobs on {gpus} GPUs, {len(wanting)} teams wanted surplus")
+    shares: dict[float, dict[str, float]] = {}
+    for strength, report in reports.items():
+        index, shares[strength] = surplus_fairness(report.teams, wanting)
+        borrowed = sum(float(report.teams[t]["gpu_hours_borrowed"]) for t in report.teams)
+        gang = report.gang_queueing_delay_seconds
+        print(
+            f"    strength {strength:g}: Jain's index of surplus share / weight {index:.3f}; "
+            f"{borrowed:.0f} surplus GPU-h; allocation "
+            f"{share(report.allocation['until_last_submission'])} until the last submission, "
+            f"{share(report.allocation['while_demand_exceeds_capacity'])} while demand exceeds "
+            f"capacity; queueing mean {report.queueing_delay_seconds['mean']:.0f} s "
+            f"(gangs {gang['mean']:.0f} s); preemptions {report.preemptions}; "
+            f"{report.run['cpu_seconds']:.0f} s CPU"
+        )
+    spread = sorted(wanting, key=lambda team: -shares[0.0][team])
+    print(
+        "    share of surplus / weight, strength 0 -> "
+        f"{args.usage_strength:g}: "
+        + ", ".join(
+            f"{team} {shares[0.0][team]:.2f}->{shares[args.usage_strength][team]:.2f}"
+            for team in spread
+        )
+    )
+
+
+def fairness(args: argparse.Namespace) -> None:
+    print(
+        f"Decayed usage: strength {args.usage_strength:g} against 0, half-life "
+        f"{args.half_life:.0f} s, cycle {args.cycle_seconds} s, grace {args.grace_seconds} s"
+    )
+    guarantees = load_helios_quotas(DEFAULT_HELIOS_QUOTAS, args.helios_date)
+    capacity = sum(guarantees.values())
+    openb = [
+        dataclasses.replace(job, submit_time=job.submit_time * args.openb_arrival_scale)
+        for job in load_trace(DEFAULT_OPENB_TRACE, "openb", guarantees, args.seed)
+    ]
+    compare_surplus(
+        f"openb trace, arrivals x {args.openb_arrival_scale:g}, Helios Venus quotas of "
+        f"{args.helios_date}",
+        openb,
+        capacity,
+        args,
+        nodes=uniform_cluster(capacity // 8, 8),
+        guarantees=guarantees,
+    )
+    synthetic = generate(
+        args.figure_jobs, args.figure_gpus, teams=make_teams(args.teams, args.seed),
+        load=args.load, seed=args.seed,
+    )  # fmt: skip
+    compare_surplus(
+        f"synthetic trace, offered load {args.load}, guarantees by GPU time",
+        synthetic,
+        args.figure_gpus,
+        args,
+    )
+
+
+def topology(args: argparse.Namespace) -> None:
+    gpus = args.figure_gpus
+    nodes = rack_layout(uniform_cluster(gpus // 8, 8), args.rack_size)
+    trace = generate(
+        args.figure_jobs, gpus, teams=make_teams(args.teams, args.seed), load=args.load,
+        seed=args.seed,
+    )  # fmt: skip
+    gangs = sum(1 for job in trace if job.gpus > 8)
+    print(
+        f"Topology: {len(trace)} synthetic jobs ({gangs} gangs of more than one node) on "
+        f"{gpus} GPUs in racks of {args.rack_size} nodes of 8, offered load {args.load}"
+    )
+    for gang_topology, title in (("none", "placed blind to racks"), ("required", "one rack")):
+        report = run(trace, gpus, "fairshare", args, args.progress, nodes=nodes,
+                     gang_topology=gang_topology)  # fmt: skip
+        gang = report.gang_queueing_delay_seconds
+        print(
+            f"  gangs {title}: gang wait mean {gang['mean']:.0f} s, p50 {gang['p50']:.0f} s, "
+            f"p99 {gang['p99']:.0f} s, max {gang['max']:.0f} s; all jobs' wait mean "
+            f"{report.queueing_delay_seconds['mean']:.0f} s; allocation "
+            f"{share(report.allocation['until_last_submission'])} until the last submission, "
+            f"{share(report.allocation['while_demand_exceeds_capacity'])} while demand exceeds "
+            f"capacity; preemptions {report.preemptions}; {report.run['jobs_completed']}/"
+            f"{report.run['jobs']} completed, {report.run['jobs_unfit']} unfit; "
+            f"{report.run['cpu_seconds']:.0f} s CPU"
+        )
+
+
 def speed(args: argparse.Namespace) -> None:
     trace = generate(
         args.speed_jobs, args.gpus, teams=make_teams(args.teams, args.seed), load=args.load,
@@ -165,7 +300,16 @@ def main() -> int:
     parser.add_argument("--save-seconds", type=float, default=30.0)
     parser.add_argument("--checkpoint-interval", type=float, default=1800.0)
     parser.add_argument("--restart-seconds", type=float, default=60.0)
+    parser.add_argument("--usage-strength", type=float, default=1.0)
+    parser.add_argument("--half-life", type=float, default=7 * 86_400.0)
+    parser.add_argument("--helios-date", default="2020-04-01")
+    parser.add_argument("--openb-arrival-scale", type=float, default=0.005)
+    parser.add_argument("--figure-jobs", type=int, default=10000)
+    parser.add_argument("--figure-gpus", type=int, default=512)
+    parser.add_argument("--rack-size", type=int, default=8, help="nodes per rack")
     parser.add_argument("--skip-goals", action="store_true")
+    parser.add_argument("--skip-fairness", action="store_true")
+    parser.add_argument("--skip-topology", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--compare", action="store_true", help="also run static and fifo")
     parser.add_argument("--profile", action="store_true")
@@ -173,6 +317,10 @@ def main() -> int:
     args = parser.parse_args()
     if not args.skip_goals:
         goals(args)
+    if not args.skip_fairness:
+        fairness(args)
+    if not args.skip_topology:
+        topology(args)
     if not args.skip_speed:
         speed(args)
     return 0

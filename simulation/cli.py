@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import fairshare
-from simulation.engine import POLICIES, Progress, SimulationConfig, simulate
+from simulation.engine import GANG_TOPOLOGIES, POLICIES, Progress, SimulationConfig, simulate
 from simulation.report import Report
 from simulation.traces import (
     FORMATS,
@@ -29,6 +29,7 @@ from simulation.traces import (
     load_helios_quotas,
     load_quotas,
     load_trace,
+    rack_layout,
     uniform_cluster,
 )
 
@@ -59,6 +60,8 @@ DEFAULTS: dict[str, Any] = {
     "min_runtime": None,
     "usage_strength": 0.0,
     "half_life": 7 * 86_400.0,
+    "rack_size": None,
+    "gang_topology": "none",
     "progress": True,
 }
 
@@ -134,6 +137,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="half-life of decayed usage; default a week",
     )
+    parser.add_argument(
+        "--rack-size",
+        type=int,
+        metavar="NODES",
+        help="group the nodes into racks of this many (the openb node list: inside each GPU "
+        "model); without it nodes have no topology",
+    )
+    parser.add_argument(
+        "--gang-topology",
+        choices=GANG_TOPOLOGIES,
+        default=DEFAULTS["gang_topology"],
+        help="gangs of more than one rank require one rack, prefer one, or ask nothing",
+    )
     parser.add_argument("--json", type=Path, help="write the JSON report here")
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     parser.add_argument(
@@ -168,6 +184,10 @@ def _cluster(opts: Mapping[str, Any], guarantees: Mapping[str, int] | None) -> l
 def prepare(options: argparse.Namespace | Mapping[str, Any]) -> tuple[list[TraceJob], Any]:
     """Read every input the options name; return the trace and its SimulationConfig."""
     opts = _options(options)
+    if opts["gang_topology"] != "none" and opts["rack_size"] is None:
+        raise TraceError("--gang-topology required or preferred needs --rack-size")
+    if opts["rack_size"] is not None and int(opts["rack_size"]) < 1:
+        raise TraceError("--rack-size must be >= 1")
     guarantees: dict[str, int] | None = None
     if opts["quotas"] is not None:
         guarantees = load_quotas(Path(opts["quotas"]))
@@ -191,6 +211,8 @@ def prepare(options: argparse.Namespace | Mapping[str, Any]) -> tuple[list[Trace
     if not 0 < half_life < math.inf:
         raise TraceError("--half-life must be > 0")
     nodes = _cluster(opts, guarantees)
+    if opts["rack_size"] is not None:
+        nodes = rack_layout(nodes, int(opts["rack_size"]))
     capacity = sum(node.gpus for node in nodes)
     if opts["derive_quotas"]:
         guarantees = derive_quotas(trace, capacity)
@@ -207,6 +229,7 @@ def prepare(options: argparse.Namespace | Mapping[str, Any]) -> tuple[list[Trace
         min_runtimes=parse_min_runtimes(opts["min_runtime"] or ()),
         usage_strength=usage_strength,
         half_life_seconds=half_life,
+        gang_topology=str(opts["gang_topology"]),
     )
     return trace, config
 

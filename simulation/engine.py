@@ -47,6 +47,10 @@ from simulation.report import Ledger, Report
 from simulation.traces import ClusterNode, TraceJob
 
 POLICIES = ("fifo", "static", "fairshare")
+# What a gang of more than one rank asks of the topology: nothing, all its ranks in one rack
+# (it waits until one rack has room), or one rack if any has room (else any nodes).
+GANG_TOPOLOGIES = ("none", "required", "preferred")
+TOPOLOGY_LEVEL = "rack"
 FLAVOR = "gpu"
 ROOT_QUEUE = "cluster"
 FIFO_QUEUE = "fifo"
@@ -88,6 +92,8 @@ class SimulationConfig:
     # lower its share of the spare GPUs (0: weight alone), and their half-life.
     usage_strength: float = 0.0
     half_life_seconds: float = 7 * 86_400.0
+    # One of GANG_TOPOLOGIES; "required" and "preferred" need nodes with a rack.
+    gang_topology: str = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +142,18 @@ def gang_shape(gpus: int, largest_node: int) -> tuple[int, int]:
     return gpus // per_rank, per_rank
 
 
-def gang_fits(ranks: int, gpus_per_rank: int, nodes: Sequence[ClusterNode]) -> bool:
-    """True when an empty cluster can hold the gang (ranks never split across nodes)."""
-    return sum(node.gpus // gpus_per_rank for node in nodes) >= ranks
+def gang_fits(
+    ranks: int, gpus_per_rank: int, nodes: Sequence[ClusterNode], *, one_rack: bool = False
+) -> bool:
+    """True when an empty cluster can hold the gang (ranks never split across nodes);
+    with ``one_rack``, inside a single rack."""
+    if not one_rack:
+        return sum(node.gpus // gpus_per_rank for node in nodes) >= ranks
+    room: dict[str, int] = {}
+    for node in nodes:
+        rack = node.topology.get(TOPOLOGY_LEVEL, node.name)
+        room[rack] = room.get(rack, 0) + node.gpus // gpus_per_rank
+    return max(room.values(), default=0) >= ranks
 
 
 class Simulation:
@@ -155,6 +170,14 @@ class Simulation:
             raise ValueError(f"unknown policy {config.policy!r} (one of {', '.join(POLICIES)})")
         if not config.nodes:
             raise ValueError("the cluster has no node")
+        if config.gang_topology not in GANG_TOPOLOGIES:
+            raise ValueError(
+                f"unknown gang topology {config.gang_topology!r} (one of {', '.join(GANG_TOPOLOGIES)})"
+            )
+        if config.gang_topology != "none" and any(
+            TOPOLOGY_LEVEL not in node.topology for node in config.nodes
+        ):
+            raise ValueError(f"gangs that ask for one {TOPOLOGY_LEVEL} need a rack on every node")
         self.config = config
         self.progress = progress
         self._plan = plan or fairshare.plan
@@ -183,13 +206,17 @@ class Simulation:
                 )
             )
         fits_cache: dict[tuple[int, int], bool] = {}
+        one_rack = config.gang_topology == "required"
         for sim_job in self.jobs:
             shape = (sim_job.ranks, sim_job.gpus_per_rank)
             if shape not in fits_cache:
-                fits_cache[shape] = gang_fits(*shape, config.nodes)
+                fits_cache[shape] = gang_fits(*shape, config.nodes, one_rack=one_rack)
             if not fits_cache[shape]:
                 sim_job.state = "unfit"
-        self.nodes = tuple(fairshare.Node(node.name, FLAVOR, node.gpus) for node in config.nodes)
+        self.nodes = tuple(
+            fairshare.Node(node.name, FLAVOR, node.gpus, topology=node.topology)
+            for node in config.nodes
+        )
         self.queues = self._queues()
         self.priority_classes = (
             fairshare.PriorityClass(
@@ -207,9 +234,18 @@ class Simulation:
         self._sequence = 0
         self.next_cycle = math.inf
         self.running: dict[str, Any] = {}
-        # Per team: decayed GPU-seconds up to ``recent_at`` (with decayed usage only).
-        self.recent: dict[str, float] = {}
-        self.recent_at = 0.0
+        # Per team: decayed GPU-seconds up to ``recent_at`` (with decayed usage only). The
+        # trace starts as if every team had held exactly its guarantee for ever before: the
+        # engine counts only usage beyond that as borrowing, and a team starting from nothing
+        # would first have to fill a whole guarantee's worth of decayed GPU-seconds before
+        # any borrowing of its counted, which in a run of a few half-lives is most of it.
+        horizon = config.half_life_seconds / math.log(2)
+        self.recent: dict[str, float] = (
+            {team: guarantee * horizon for team, guarantee in guarantees.items()}
+            if config.usage_strength
+            else {}
+        )
+        self.recent_at = min((job.submit_time for job in trace), default=0.0)
         self.pending: dict[str, Any] = {}
         self.by_id = {job.id: job for job in self.jobs}
         self.plan_calls = 0
@@ -249,6 +285,13 @@ class Simulation:
     def _queue_of(self, job: SimJob) -> str:
         return FIFO_QUEUE if self.config.policy == "fifo" else job.team
 
+    def _topology(self, job: SimJob) -> dict[str, Any]:
+        """The workload fields that ask a gang's ranks into one rack (none for one rank)."""
+        wanted = self.config.gang_topology
+        if wanted == "none" or job.ranks == 1:
+            return {}
+        return {"topology_level": TOPOLOGY_LEVEL, "topology_required": wanted == "required"}
+
     def _pending_workload(self, job: SimJob) -> Any:
         return fairshare.Workload(
             id=job.id,
@@ -259,6 +302,7 @@ class Simulation:
             gpus_per_rank=job.gpus_per_rank,
             state="pending",
             submitted_at=job.submitted_at,
+            **self._topology(job),
         )
 
     def _placed_workload(
@@ -276,6 +320,7 @@ class Simulation:
             admitted_at=job.admitted_at,
             placement=placement,
             last_checkpoint_at=last_checkpoint_at,
+            **self._topology(job),
         )
 
     # Events.
@@ -382,7 +427,9 @@ class Simulation:
         job.workload = None
         self.jobs_done += 1
         self.ledger.gpus_released(job.team, job.gpus, finished=True)
-        self.ledger.job_finished(job.team, now - job.submitted_at, job.pending_seconds)
+        self.ledger.job_finished(
+            job.team, now - job.submitted_at, job.pending_seconds, gang=job.ranks > 1
+        )
         if self.pending:
             self._want_cycle(self._cycle_after(now))
 
@@ -570,6 +617,9 @@ class Simulation:
             cycle_seconds=self.config.cycle_seconds,
             grace_seconds=self.config.grace_seconds,
             seed=self.config.seed,
+            usage_strength=self.config.usage_strength,
+            half_life_seconds=self.config.half_life_seconds,
+            gang_topology=self.config.gang_topology,
             plan_calls=self.plan_calls,
             plan_wall_seconds=round(self.plan_seconds, 3),
             wall_seconds=round(time.perf_counter() - wall_started, 3),

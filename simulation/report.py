@@ -54,7 +54,9 @@ class TeamLedger:
     below_since: float | None = None
     seconds_below_line: float = 0.0
     longest_below_line_seconds: float = 0.0
+    seconds_wanting_surplus: float = 0.0
     pending_sizes: dict[int, int] = field(default_factory=dict)
+    pending_gpus: int = 0
     completion_seconds: list[float] = field(default_factory=list)
     queueing_seconds: list[float] = field(default_factory=list)
 
@@ -68,6 +70,10 @@ class TeamLedger:
         """
         headroom = self.guarantee - self.used
         return headroom > 0 and bool(self.pending_sizes) and min(self.pending_sizes) <= headroom
+
+    def wants_surplus(self) -> bool:
+        """True while what the team holds and waits for together exceeds its guarantee."""
+        return self.pending_gpus > 0 and self.used + self.pending_gpus > self.guarantee
 
 
 class Ledger:
@@ -101,6 +107,7 @@ class Ledger:
         self.lost_gpu_seconds = 0.0
         self.completion_seconds: list[float] = []
         self.queueing_seconds: list[float] = []
+        self.gang_queueing_seconds: list[float] = []
 
     def team(self, name: str) -> TeamLedger:
         """The ledger of a team, created with a zero guarantee if the quotas did not name it."""
@@ -135,6 +142,8 @@ class Ledger:
         idle_total = 0
         for ledger in self.teams.values():
             ledger.gpu_seconds_used += ledger.used * elapsed
+            if ledger.pending_gpus and ledger.used + ledger.pending_gpus > ledger.guarantee:
+                ledger.seconds_wanting_surplus += elapsed
             if ledger.used > ledger.guarantee:
                 borrowed = ledger.used - ledger.guarantee
                 borrowed_total += borrowed
@@ -182,6 +191,7 @@ class Ledger:
         if not requeued:
             self.demand += gpus
         ledger.pending_sizes[gpus] = ledger.pending_sizes.get(gpus, 0) + 1
+        ledger.pending_gpus += gpus
         self._check_line(ledger)
 
     def job_admitted(self, team: str, gpus: int) -> None:
@@ -193,6 +203,7 @@ class Ledger:
             ledger.pending_sizes[gpus] = count
         else:
             del ledger.pending_sizes[gpus]
+        ledger.pending_gpus -= gpus
         self.held += gpus
         ledger.used += gpus
         self._check_line(ledger)
@@ -214,12 +225,17 @@ class Ledger:
             self.demand -= gpus
         self._check_line(ledger)
 
-    def job_finished(self, team: str, completion_seconds: float, queueing_seconds: float) -> None:
-        """A job completed its work; record its completion time and total time spent pending."""
+    def job_finished(
+        self, team: str, completion_seconds: float, queueing_seconds: float, *, gang: bool = False
+    ) -> None:
+        """A job completed its work; record its completion time and total time spent pending
+        (``gang``: it ran as more than one rank)."""
         ledger = self.team(team)
         ledger.jobs_completed += 1
         self.completion_seconds.append(completion_seconds)
         self.queueing_seconds.append(queueing_seconds)
+        if gang:
+            self.gang_queueing_seconds.append(queueing_seconds)
         ledger.completion_seconds.append(completion_seconds)
         ledger.queueing_seconds.append(queueing_seconds)
 
@@ -249,6 +265,7 @@ class Ledger:
                 "gpu_hours_lent": round(ledger.gpu_seconds_lent / 3600, 3),
                 "seconds_below_guarantee_line": round(ledger.seconds_below_line, 3),
                 "longest_below_guarantee_line_seconds": round(ledger.longest_below_line_seconds, 3),
+                "seconds_wanting_surplus": round(ledger.seconds_wanting_surplus, 3),
                 "preemptions": ledger.preemptions,
                 "lost_gpu_hours": round(ledger.lost_gpu_seconds / 3600, 3),
                 "completion_time_seconds": _summary(ledger.completion_seconds),
@@ -277,6 +294,7 @@ class Ledger:
             },
             completion_time_seconds=_summary(self.completion_seconds),
             queueing_delay_seconds=_summary(self.queueing_seconds),
+            gang_queueing_delay_seconds=_summary(self.gang_queueing_seconds),
             preemptions=self.preemptions,
             lost_gpu_hours=round(self.lost_gpu_seconds / 3600, 3),
             longest_below_guarantee_line_seconds=round(
@@ -299,6 +317,8 @@ class Report:
     lost_gpu_hours: float
     longest_below_guarantee_line_seconds: float
     teams: dict[str, dict[str, Any]]
+    # Queueing delay of the jobs that ran as more than one rank (the gangs topology concerns).
+    gang_queueing_delay_seconds: dict[str, float] = field(default_factory=lambda: _summary(()))
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain JSON-able data (names documented in simulation/README.md)."""
@@ -308,6 +328,7 @@ class Report:
             "allocation": self.allocation,
             "completion_time_seconds": self.completion_time_seconds,
             "queueing_delay_seconds": self.queueing_delay_seconds,
+            "gang_queueing_delay_seconds": self.gang_queueing_delay_seconds,
             "preemptions": self.preemptions,
             "lost_gpu_hours": self.lost_gpu_hours,
             "longest_below_guarantee_line_seconds": self.longest_below_guarantee_line_seconds,

@@ -45,6 +45,17 @@ SIZE_MIX: dict[str, tuple[tuple[int, float], ...]] = {
     "large": ((8, 0.45), (16, 0.30), (32, 0.18), (64, 0.07)),
 }
 TEAM_KINDS = ("small", "mixed", "large")
+# The size mix of the real traces taken alone (``kind="trace"`` for every team): 93% of the
+# jobs take one GPU while gangs of 8 GPUs or more hold more than half of the GPU time.
+SIZE_MIX["trace"] = (
+    (1, 0.93),
+    (2, 0.01),
+    (4, 0.01),
+    (8, 0.02),
+    (16, 0.014),
+    (32, 0.01),
+    (64, 0.006),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +77,17 @@ def mean_gpus(kind: str) -> float:
     return sum(gpus * p for gpus, p in SIZE_MIX[kind]) / sum(p for _, p in SIZE_MIX[kind])
 
 
-def make_teams(count: int, seed: int = 0, zipf_exponent: float = 1.1) -> list[SyntheticTeam]:
+def make_teams(
+    count: int, seed: int = 0, zipf_exponent: float = 1.1, kind: str | None = None
+) -> list[SyntheticTeam]:
     """Make ``count`` teams with Zipf submission shares and kinds cycling small, mixed, large.
 
     The busiest team is a ``small`` one: it submits the most jobs, nearly all of one GPU, while
-    ``large`` teams submit few jobs of many GPUs, as in the published traces.
+    ``large`` teams submit few jobs of many GPUs, as in the published traces. ``kind`` gives
+    every team the same kind instead (``"trace"``: the real traces' size mix).
     """
+    if kind is not None and kind not in SIZE_MIX:
+        raise ValueError(f"unknown team kind {kind!r} (one of {', '.join(SIZE_MIX)})")
     rng = random.Random(seed)
     raw = [1.0 / (rank**zipf_exponent) for rank in range(1, count + 1)]
     total = sum(raw)
@@ -80,6 +96,8 @@ def make_teams(count: int, seed: int = 0, zipf_exponent: float = 1.1) -> list[Sy
     tail = kinds[1:]
     rng.shuffle(tail)
     kinds = kinds[:1] + tail
+    if kind is not None:
+        kinds = [kind] * count
     return [
         SyntheticTeam(f"team-{index:02d}", kinds[index], raw[index] / total)
         for index in range(count)
@@ -133,12 +151,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--teams", type=int, default=12)
     parser.add_argument("--load", type=float, default=1.1, help="offered load / capacity")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--size-mix",
+        choices=("teams", "trace"),
+        default="teams",
+        help="teams: small, mixed and large teams; trace: every team with the real traces' mix",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     trace = generate(
         args.jobs,
         args.gpus,
-        teams=make_teams(args.teams, args.seed),
+        teams=make_teams(args.teams, args.seed, kind="trace" if args.size_mix == "trace" else None),
         load=args.load,
         seed=args.seed,
     )

@@ -21,7 +21,7 @@ import csv
 import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 FORMATS = ("generic", "openb", "sia")
@@ -60,10 +60,16 @@ class TraceJob:
 
 @dataclass(frozen=True, slots=True)
 class ClusterNode:
-    """One node of the simulated cluster (every node holds GPUs of the single flavor ``gpu``)."""
+    """One node of the simulated cluster (every node holds GPUs of the single flavor ``gpu``).
+
+    ``model`` is the GPU model a node list names (empty when it names none); ``topology``
+    maps a level ("block", "rack") to the node's domain there, as the engine's nodes do.
+    """
 
     name: str
     gpus: int
+    model: str = ""
+    topology: Mapping[str, str] = field(default_factory=dict)
 
 
 def _rows(path: Path, required: Sequence[str]) -> Iterable[tuple[int, dict[str, str]]]:
@@ -229,7 +235,8 @@ def load_cluster(path: Path) -> list[ClusterNode]:
     for line, row in _rows(path, (name_column, gpus_column)):
         gpus = _number(path, line, row, gpus_column)
         if gpus >= 1:
-            nodes.append(ClusterNode(row[name_column] or f"node-{line - 1}", int(gpus)))
+            name = row[name_column] or f"node-{line - 1}"
+            nodes.append(ClusterNode(name, int(gpus), model=row.get("model", "")))
     if not nodes:
         raise TraceError(f"{path}: no node with GPUs")
     return nodes
@@ -241,6 +248,32 @@ def uniform_cluster(nodes: int, gpus_per_node: int) -> list[ClusterNode]:
         raise TraceError("--nodes and --gpus-per-node must be >= 1")
     width = max(4, len(str(nodes - 1)))
     return [ClusterNode(f"node-{index:0{width}d}", gpus_per_node) for index in range(nodes)]
+
+
+def rack_layout(nodes: Sequence[ClusterNode], nodes_per_rack: int) -> list[ClusterNode]:
+    """Give every node a block and a rack: ``nodes_per_rack`` consecutive nodes form a rack.
+
+    A node list that names GPU models (the openb list) gets one block per model and racks
+    inside each block, since a rack holds one kind of server and a gang never spans models
+    with different interconnects; a list without models (or a uniform cluster) is one block.
+    Nodes keep their order inside a model; the last rack of a block may be smaller.
+    """
+    if nodes_per_rack < 1:
+        raise TraceError("--rack-size must be >= 1")
+    by_model: dict[str, list[int]] = {}
+    for index, node in enumerate(nodes):
+        by_model.setdefault(node.model, []).append(index)
+    placed = list(nodes)
+    rack = 0
+    for block, (model, members) in enumerate(by_model.items()):
+        block_name = f"block-{model}" if model else f"block-{block}"
+        for start in range(0, len(members), nodes_per_rack):
+            for index in members[start : start + nodes_per_rack]:
+                placed[index] = replace(
+                    nodes[index], topology={"block": block_name, "rack": f"rack-{rack:04d}"}
+                )
+            rack += 1
+    return placed
 
 
 def derive_quotas(jobs: Sequence[TraceJob], capacity: int) -> dict[str, int]:

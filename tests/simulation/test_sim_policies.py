@@ -9,6 +9,8 @@ grace saves and exits ``save_seconds`` later, and a resumed job first restores f
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import fairshare
@@ -22,7 +24,7 @@ from simulation.engine import (
     gang_shape,
     simulate,
 )
-from simulation.traces import ClusterNode, TraceError, TraceJob
+from simulation.traces import ClusterNode, TraceError, TraceJob, rack_layout, uniform_cluster
 
 ONE_NODE = (ClusterNode("node-0", 4),)
 
@@ -250,3 +252,100 @@ def test_bad_decayed_usage_options_are_refused() -> None:
         prepare({"format": "openb", "usage_strength": -1})
     with pytest.raises(TraceError, match="--half-life"):
         prepare({"format": "openb", "half_life": 0})
+
+
+def test_racks_follow_the_node_list_models_or_one_block() -> None:
+    listed = [
+        ClusterNode("p0", 2, model="P100"),
+        ClusterNode("g0", 8, model="G2"),
+        ClusterNode("p1", 2, model="P100"),
+        ClusterNode("g1", 8, model="G2"),
+        ClusterNode("p2", 2, model="P100"),
+    ]
+    racked = {node.name: dict(node.topology) for node in rack_layout(listed, 2)}
+    assert racked == {
+        "p0": {"block": "block-P100", "rack": "rack-0000"},
+        "p1": {"block": "block-P100", "rack": "rack-0000"},
+        "p2": {"block": "block-P100", "rack": "rack-0001"},
+        "g0": {"block": "block-G2", "rack": "rack-0002"},
+        "g1": {"block": "block-G2", "rack": "rack-0002"},
+    }
+    uniform = rack_layout(uniform_cluster(3, 8), 2)
+    assert [node.topology["rack"] for node in uniform] == ["rack-0000", "rack-0000", "rack-0001"]
+    assert {node.topology["block"] for node in uniform} == {"block-0"}
+    with pytest.raises(TraceError, match="--rack-size"):
+        rack_layout(uniform, 0)
+
+
+# Two racks of two 4-GPU nodes. s1 (100 s), s2 and s3 (1000 s) start at t=0 on n0, n1, n2
+# (the engine fills nodes in order); the gang g (8 GPUs: 2 ranks of 4) arrives at t=1.
+# At t=100 s1 ends: n0 and n3 are free, one in each rack. Placed blindly g starts then
+# (99 s of waiting); required to sit in one rack it waits until s2 ends at t=1000 and frees
+# rack 0 (999 s); preferring one rack it takes the two free nodes at t=100 like a blind gang.
+RACKED = tuple(rack_layout([ClusterNode(f"n{i}", 4) for i in range(4)], 2))
+GANG_TRACE = [
+    job("s1", 0, 4, 100),
+    job("s2", 0, 4, 1000),
+    job("s3", 0, 4, 1000),
+    job("g", 1, 8, 100),
+]
+
+
+@pytest.mark.parametrize(
+    ("gang_topology", "wait"), [("none", 99), ("required", 999), ("preferred", 99)]
+)
+def test_a_gang_that_requires_one_rack_waits_for_a_whole_rack(
+    gang_topology: str, wait: float
+) -> None:
+    settings = SimulationConfig(
+        nodes=RACKED, guarantees={"a": 16}, checkpoint_interval=0, gang_topology=gang_topology
+    )
+    report = simulate(GANG_TRACE, settings).to_dict()
+
+    assert report["run"]["jobs_completed"] == 4
+    assert report["run"]["gang_topology"] == gang_topology
+    assert report["gang_queueing_delay_seconds"]["max"] == pytest.approx(wait)
+    assert report["queueing_delay_seconds"]["max"] == pytest.approx(wait)
+
+
+def test_a_gang_no_rack_can_hold_is_unfit_only_when_it_requires_one() -> None:
+    trace = [job("g", 0, 12, 100)]  # 3 ranks of 4: the cluster holds it, no rack does
+    for gang_topology, unfit in (("required", 1), ("preferred", 0), ("none", 0)):
+        settings = SimulationConfig(nodes=RACKED, guarantees={"a": 16}, gang_topology=gang_topology)
+        assert simulate(trace, settings).to_dict()["run"]["jobs_unfit"] == unfit
+    assert gang_fits(3, 4, RACKED)
+    assert not gang_fits(3, 4, RACKED, one_rack=True)
+
+
+def test_bad_topology_options_are_refused() -> None:
+    with pytest.raises(TraceError, match="needs --rack-size"):
+        prepare({"format": "openb", "gang_topology": "required"})
+    with pytest.raises(TraceError, match="--rack-size must be >= 1"):
+        prepare({"format": "openb", "nodes": 2, "rack_size": 0})
+    with pytest.raises(ValueError, match="need a rack on every node"):
+        Simulation([], SimulationConfig(nodes=ONE_NODE, guarantees={}, gang_topology="required"))
+    with pytest.raises(ValueError, match="unknown gang topology"):
+        Simulation([], SimulationConfig(nodes=RACKED, guarantees={}, gang_topology="block"))
+
+
+def test_decayed_usage_starts_as_if_every_team_had_held_its_guarantee() -> None:
+    # The engine counts only decayed usage beyond guarantee * half-life / ln 2 as borrowing.
+    # Teams start exactly there; a team holding its guarantee stays there, one holding
+    # nothing for a half-life drops to half of it.
+    half_life = 3600.0
+    horizon = half_life / math.log(2)
+    trace = [job("a1", 0, 2, 10_000)]
+    replay = Simulation(
+        trace,
+        SimulationConfig(
+            nodes=ONE_NODE, guarantees={"a": 2, "b": 2}, usage_strength=1.0,
+            half_life_seconds=half_life,
+        ),
+    )  # fmt: skip
+    assert replay.recent == {"a": pytest.approx(2 * horizon), "b": pytest.approx(2 * horizon)}
+    replay.running["a1"] = fairshare.Workload(
+        id="a1", queue="a", priority_class="batch", flavor="gpu", ranks=1, gpus_per_rank=2,
+        state="running", submitted_at=0.0, admitted_at=0.0, placement=(("node-0", 1),),
+    )  # fmt: skip
+    replay._decay_to(half_life)
+    assert replay.recent == {"a": pytest.approx(2 * horizon), "b": pytest.approx(horizon)}

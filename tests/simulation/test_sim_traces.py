@@ -151,3 +151,17 @@ def test_synthetic_trace_matches_the_published_facts() -> None:
     assert 0.005 < longer_than_70h < 0.02  # about 1% longer than 70 hours
     per_team = Counter(j.team for j in jobs)
     assert max(per_team.values()) > 10 * min(per_team.values())  # teams differ a lot
+
+
+def test_synthetic_trace_with_the_real_traces_size_mix() -> None:
+    # Every team draws from the real traces' mix: 93% of jobs on one GPU, gangs of 8 GPUs
+    # or more holding most of the GPU time.
+    teams = make_teams(15, seed=2, kind="trace")
+    assert {team.kind for team in teams} == {"trace"}
+    jobs = generate(20000, 512, teams=teams, load=1.0, seed=2)
+    one_gpu = sum(1 for j in jobs if j.gpus == 1) / len(jobs)
+    assert 0.92 < one_gpu < 0.94
+    gpu_time = sum(j.gpus * j.duration for j in jobs)
+    assert sum(j.gpus * j.duration for j in jobs if j.gpus >= 8) / gpu_time > 0.5
+    with pytest.raises(ValueError, match="unknown team kind"):
+        make_teams(3, kind="huge")
