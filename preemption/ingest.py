@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -44,6 +45,7 @@ MAX_EVENT_BYTES = 8192
 MAX_STEP = 2**31 - 2
 MAX_BYTES = 2**53
 MAX_REASON_CHARS = 300
+SIGNAL_NAME = re.compile(r"SIG[A-Z0-9+]{1,12}")
 
 
 class EventLimitReached(Exception):
@@ -107,6 +109,30 @@ def _validate(job: Job, event: Any) -> dict[str, Any]:
         if not isinstance(event["reason"], str):
             raise ValidationError({"reason": ["Must be text."]})
         clean["reason"] = event["reason"][:MAX_REASON_CHARS]
+    if name == "trap_ready":
+        # What the trap speaks decides whether its ranks are sent a checkpoint notice.
+        notice_signal = event.get("notice_signal")
+        if notice_signal is not None:
+            if not isinstance(notice_signal, str) or not SIGNAL_NAME.fullmatch(notice_signal):
+                raise ValidationError(
+                    {"notice_signal": [f"Must be a signal's name or null (got {notice_signal!r})."]}
+                )
+            clean["notice_signal"] = notice_signal
+        clean["notice_poll"] = event.get("notice_poll") is True
+    if name == "checkpoint_committed":
+        clean["notice"] = event.get("notice") is True
+        clean["background"] = event.get("background") is True
+        stall = event.get("stall")
+        if stall is not None:
+            if (
+                isinstance(stall, bool)
+                or not isinstance(stall, int | float)
+                or not 0 <= stall < 1e7
+            ):
+                raise ValidationError(
+                    {"stall": [f"Must be a duration in seconds (got {stall!r})."]}
+                )
+            clean["stall"] = float(stall)
     return clean
 
 

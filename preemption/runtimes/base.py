@@ -185,6 +185,7 @@ PROTOCOL_CALLS = (
     "released_ports",
     "forget",
     "guard_victims",
+    "notice",
 )
 RuntimeClass = TypeVar("RuntimeClass", bound=type)
 Classify = Callable[[Exception], type[RuntimeTemporaryError] | type[RuntimePermanentError] | None]
