@@ -117,7 +117,7 @@ def test_a_poll_with_any_other_token_is_refused_and_learns_nothing(world: Any, w
 
 
 def test_a_poll_of_a_job_that_does_not_exist_is_refused_alike(world: Any) -> None:
-    job, attempt = victim(world, world.ops)
+    _job, attempt = victim(world, world.ops)
     token = attempt_events_token(attempt)
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
