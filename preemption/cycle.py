@@ -35,7 +35,7 @@ from preemption.models import (
     Rank,
     next_attempt_number,
 )
-from preemption.reasons import Preemptor, preemption_words
+from preemption.reasons import Preemptor, preemption_words, release_words
 from preemption.reconcile import reconcile_jobs
 from preemption.snapshot import build_snapshot, held_jobs
 from preemption.wakeup import take_cycle_request
@@ -207,13 +207,33 @@ def _apply(
             payload={"reason": event.reason, "cause": event.cause},
         )
         result.preempted.append(victim_id)
-    _store_waiting(plan, held)
+    _store_waiting(plan, held, now)
     result.waiting = len(plan.waiting) + len(held)
 
 
-def _store_waiting(plan: fairshare.Plan, held: dict[int, str]) -> None:
+def _add_release_times(reasons: dict[int, str], now: datetime) -> None:
+    """A job that waits for the victims it preempted to stop is told when the
+    last of them frees its GPUs at the latest, notice window included."""
+    events = (
+        PreemptionEvent.objects.filter(
+            preemptor_id__in=list(reasons), victim_attempt__ended_at__isnull=True
+        )
+        .exclude(reason=PreemptionEvent.Reason.MANUAL)
+        .order_by("deadline")
+    )
+    last: dict[int, PreemptionEvent] = {}
+    for event in events:
+        if event.preemptor_id is not None:
+            last[event.preemptor_id] = event
+    for job_id, event in last.items():
+        reasons[job_id] = f"{reasons[job_id]}; {release_words(event, now)}"
+
+
+def _store_waiting(plan: fairshare.Plan, held: dict[int, str], now: datetime) -> None:
     """Write each waiting job's reason, only where it changed."""
-    reasons = {int(w.id): w.reason[:300] for w in plan.waiting}
+    reasons = {int(w.id): w.reason for w in plan.waiting}
+    _add_release_times(reasons, now)
+    reasons = {job_id: reason[:300] for job_id, reason in reasons.items()}
     reasons.update({job_id: reason[:300] for job_id, reason in held.items()})
     if not reasons:
         return

@@ -322,6 +322,7 @@ class Trap:
         self._notice_at: float | None = None
         self._notice_reported = False
         self._notice_answered_at = -math.inf
+        self._notice_by_poll = False
         self._pending: _BackgroundSave | None = None
         self._save_group: Any = None
         self._stall_seconds: list[float] = []
@@ -349,7 +350,7 @@ class Trap:
             "trap_ready",
             protocol=protocol.PROTOCOL_VERSION,
             notice_signal=self.notice_signal.name if self.notice_signal is not None else None,
-            notice_poll=self._poller is not None,
+            notice_poll=self._notice_by_poll,
             async_saves=self.async_saves,
             mtbp_seconds=self.mtbp_seconds(),
         )
@@ -385,6 +386,8 @@ class Trap:
         to the other ranks, so one asking rank per gang is enough."""
         interval = protocol.parse_poll_seconds(_env(protocol.NOTICE_POLL_ENV))
         url, token = self.events.events_url, self.events.events_token
+        # Every rank takes a polled notice (from rank 0, through the all-reduce).
+        self._notice_by_poll = interval is not None and url is not None and token is not None
         if interval is None or url is None or token is None or (_env_int("RANK") or 0) != 0:
             return None
         return NoticePoller(
