@@ -91,7 +91,8 @@ FLAVOR = "drill-gpu"
 STEPS = 60
 STEP_SLEEP = 0.2
 SAVE_EVERY = 50
-# The step the borrower has reached when the critical job is submitted.
+# The step the borrower has reached when the critical job is submitted: 5 steps
+# before its next regular checkpoint, or three quarters through a shorter run.
 STEADY_STEP = SAVE_EVERY - 5
 NOTICE_MODES = {"on": (True,), "off": (False,), "both": (False, True)}
 CRITICAL_SECONDS = 30.0
@@ -178,6 +179,7 @@ class Drill:
         self.runtime = runtime
         self.say = say
         self.steps = steps
+        self.steady_step = min(STEADY_STEP, steps * 3 // 4)
         self.critical_seconds = critical_seconds
         self.random = random.Random(seed)
         if notice not in NOTICE_MODES:
@@ -541,7 +543,7 @@ class Drill:
             lambda: self._state(borrower) == JobState.RUNNING, "the borrower to run", timeout=300
         )
         self._wait(
-            lambda: self._rank0_step(borrower) >= STEADY_STEP,
+            lambda: self._rank0_step(borrower) >= self.steady_step,
             "the borrower's steady state",
             timeout=300,
         )
@@ -550,7 +552,7 @@ class Drill:
             self._wait(
                 lambda: (
                     self._state(borrower) == JobState.RUNNING
-                    and self._rank0_step(borrower) >= STEADY_STEP
+                    and self._rank0_step(borrower) >= self.steady_step
                     and Attempt.objects.filter(job=borrower).count() >= 2
                 ),
                 "the gang guard to restart the borrower",
