@@ -17,9 +17,10 @@ Celery worker and beat, and the real web endpoint for the trap's events:
   stop), the decision -> GPUs free, and the training stall per checkpoint
   (synchronous saves without the notice, background saves with it).
 
-The borrower checkpoints every SAVE_EVERY steps and the critical job arrives
-5 steps before the next regular checkpoint: 9 s of work unsaved, a small
-stand-in for the tens of minutes a real job has between its checkpoints.
+The borrower's regular checkpoints (every SAVE_EVERY steps) are further apart
+than the drill runs before the critical job arrives, three quarters through
+the run: some 18 s of work unsaved, a small stand-in for the tens of minutes a
+real job has between its checkpoints.
 
 `--chaos N` repeats it with a random disturbance per round (SIGKILL of a rank,
 a second SIGTERM, a grace shorter than the save, the Celery worker killed
@@ -88,12 +89,9 @@ from quotas.services import (
 from telemetry.services import drill_run_record
 
 FLAVOR = "drill-gpu"
-STEPS = 60
 STEP_SLEEP = 0.2
-SAVE_EVERY = 50
-# The step the borrower has reached when the critical job is submitted: 5 steps
-# before its next regular checkpoint, or three quarters through a shorter run.
-STEADY_STEP = SAVE_EVERY - 5
+STEPS = 120
+SAVE_EVERY = 200
 NOTICE_MODES = {"on": (True,), "off": (False,), "both": (False, True)}
 CRITICAL_SECONDS = 30.0
 DISTURBANCES = ("kill-rank", "second-sigterm", "short-grace", "kill-worker")
@@ -179,7 +177,8 @@ class Drill:
         self.runtime = runtime
         self.say = say
         self.steps = steps
-        self.steady_step = min(STEADY_STEP, steps * 3 // 4)
+        # The step the borrower has reached when the critical job is submitted.
+        self.steady_step = steps * 3 // 4
         self.critical_seconds = critical_seconds
         self.random = random.Random(seed)
         if notice not in NOTICE_MODES:
@@ -852,7 +851,8 @@ def lost_gpu_seconds(
     A rank stops training when it answers the eviction: its first `checkpoint_started`,
     `checkpoint_skipped` or `exiting` after the eviction was sent (or its exit, if it
     was killed). A checkpoint's work ends when its save began (`checkpoint_started` of
-    its step); without a committed checkpoint the work since the attempt started counts.
+    its step); without a committed checkpoint the work since the rank's trap was
+    ready (training began) counts.
     """
     if event.signal_sent_at is None:
         return None
@@ -875,7 +875,8 @@ def lost_gpu_seconds(
         else:
             return None
         committed = [e.step for e in mine if e.event == "checkpoint_committed" and e.at <= stop]
-        base = started
+        ready = [e.at for e in mine if e.event == "trap_ready"]
+        base = ready[0] if ready else started
         if committed:
             step = max(s for s in committed if s is not None)
             began = [e.at for e in mine if e.event == "checkpoint_started" and e.step == step]

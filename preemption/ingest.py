@@ -37,7 +37,9 @@ from django.utils import timezone
 from gracetrap_protocol import EVENT_NAMES
 
 from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, TrapEvent
+from preemption.notice import notice_committed_at
 from preemption.runtime import checkpoint_is_durable
+from preemption.wakeup import queue_reconcile
 
 MAX_EVENT_BYTES = 8192
 # Steps are stored in 32-bit columns and resume_step is the step after the last
@@ -246,6 +248,16 @@ def ingest_trap_events(*, attempt: Attempt, events: list[Any], source: str) -> t
     return accepted, duplicates
 
 
+def _evict_once_answered(attempt: Attempt) -> None:
+    """The last rank's commit of a notice's checkpoint: the eviction is due now."""
+    event = PreemptionEvent.objects.filter(
+        victim_attempt=attempt, notice_sent_at__isnull=False, signal_sent_at__isnull=True
+    ).first()
+    sent = event.notice_sent_at if event is not None else None
+    if sent is not None and notice_committed_at(attempt, sent) is not None:
+        queue_reconcile()
+
+
 def _apply(job: Job, attempt: Attempt, stored: TrapEvent) -> None:
     at = datetime.fromtimestamp(stored.at, tz=UTC)
     payload = stored.payload
@@ -254,6 +266,8 @@ def _apply(job: Job, attempt: Attempt, stored: TrapEvent) -> None:
             attempt=attempt, index=stored.rank, signal_received_at__isnull=True
         ).update(signal_received_at=at)
     elif stored.event == "checkpoint_committed" and stored.step is not None:
+        if payload.get("notice"):
+            _evict_once_answered(attempt)
         # The folder the trap saves this step to; what the client names is
         # never recorded as a checkpoint's path.
         path = f"{job.checkpoint_dir}/step_{stored.step}" if job.checkpoint_dir else ""

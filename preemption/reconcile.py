@@ -266,17 +266,7 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
         pending.append((attempt, observations, key in taken))
     delivery = notice_delivery(runtime)
     if delivery is not None:
-        # A victim that may get, or got, a checkpoint notice: what its trap
-        # announced and committed decides when it is evicted, and an event whose
-        # POST was lost is still in the log.
-        for attempt, _, _ in pending:
-            if _awaits_eviction(attempt):
-                _guarded(
-                    attempt,
-                    functools.partial(
-                        ingest_logs, attempt.job, attempt, attempt.rank_set.all(), runtime
-                    ),
-                )
+        _read_victims_logs([attempt for attempt, _, _ in pending], runtime)
     # One short transaction decides for every attempt, each in a savepoint of its
     # own: on SQLite each transaction waits its turn for the write lock.
     steps: list[Step] = []
@@ -304,6 +294,32 @@ def notice_delivery(runtime: Runtime) -> str | None:
     """How the runtime delivers a checkpoint notice ("signal" or "poll"), or None."""
     delivery = getattr(runtime, "notice_delivery", None)
     return delivery if delivery in ("signal", "poll") else None
+
+
+# When each victim's logs were last read while its eviction waited (monotonic clock).
+_victim_logs_read: dict[int, float] = {}
+# Each victim's logs are read at most this often: most events arrive by POST anyway,
+# and a Kubernetes log read is an API call per rank.
+VICTIM_LOG_SECONDS = 1.0
+
+
+def _read_victims_logs(attempts: list[Attempt], runtime: Runtime) -> None:
+    """A victim that may get, or got, a checkpoint notice: what its trap announced
+    and committed decides when it is evicted, and an event whose POST was lost is
+    still in the log."""
+    now = time.monotonic()
+    waiting = [attempt for attempt in attempts if _awaits_eviction(attempt)]
+    last = {a.pk: _victim_logs_read[a.pk] for a in waiting if a.pk in _victim_logs_read}
+    _victim_logs_read.clear()
+    _victim_logs_read.update(last)
+    for attempt in waiting:
+        if now - _victim_logs_read.get(attempt.pk, float("-inf")) < VICTIM_LOG_SECONDS:
+            continue
+        _victim_logs_read[attempt.pk] = now
+        _guarded(
+            attempt,
+            functools.partial(ingest_logs, attempt.job, attempt, attempt.rank_set.all(), runtime),
+        )
 
 
 def _awaits_eviction(attempt: Attempt) -> bool:

@@ -35,7 +35,7 @@ class Command(BaseCommand):
             help="repeat N times with random disturbances",
         )
         parser.add_argument(
-            "--steps", type=int, default=60, help="training steps of the borrower's job"
+            "--steps", type=int, default=120, help="training steps of the borrower's job"
         )
         parser.add_argument(
             "--critical-seconds", type=float, default=30.0, help="how long the critical job runs"
