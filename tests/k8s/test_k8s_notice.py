@@ -22,6 +22,7 @@ from preemption.runtimes.base import GangId
 from preemption.runtimes.kubernetes import KubernetesRuntime
 from quotas.models import PriorityClass
 from tests import builders
+from tests.k8s.conftest import LOW_PRIORITY
 from tools.k8s.node_agent import ANNOTATION_RUN, NodeAgent
 
 MakeRuntime = Callable[..., KubernetesRuntime]
@@ -36,8 +37,14 @@ def reconcile_until(
     deadline = time.monotonic() + 180
     while not condition():
         if time.monotonic() > deadline:
-            logs = [runtime.read_log(GangId(job.pk, 1), rank)[-3000:] for rank in range(2)]
-            raise AssertionError(f"timed out waiting for {what}; the ranks' logs: {logs}")
+            gang = GangId(job.pk, 1)
+            logs = [runtime.read_log(gang, rank)[-3000:] for rank in range(2)]
+            state = Job.objects.values_list("state", "failure_reason").get(pk=job.pk)
+            action = Attempt.objects.values_list("action", "action_error").get(job=job, number=1)
+            raise AssertionError(
+                f"timed out waiting for {what}: job {state}, action {action}, "
+                f"ranks {runtime.observe(gang)}, logs {logs}"
+            )
         reconcile_jobs(runtime=runtime)
         time.sleep(0.2)
 
@@ -52,8 +59,9 @@ def test_a_polled_notice_reaches_the_ranks_and_their_commit_precedes_the_evictio
     settings.QM_PUBLIC_URL = live_server.url
     runtime = make_runtime(pod_annotations={ANNOTATION_RUN: "process"})
     assert runtime.notice_delivery == "poll"
+    # A class the test cluster knows (the pods name it), with a notice window.
     noticed = PriorityClass.objects.create(
-        name="qm-test-noticed",
+        name=LOW_PRIORITY,
         value=100,
         preemption_policy="Never",
         grace_seconds=60,
