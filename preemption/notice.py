@@ -12,8 +12,9 @@ later than the kill deadline, so the GPUs are free by the same time either way.
 Delivery depends on the runtime (its `notice_delivery`):
 
 * ``"signal"`` (local): the notice signal the ranks announced goes to every rank's
-  process group. Only SIGUSR1 and SIGUSR2 are sent: the rank's shell wrapper
-  survives those (launcher.SHELL_PREFIX), and any other signal could end it.
+  process group. Only SIGUSR2, the protocol's default, is sent: the rank's shell
+  wrapper survives it (launcher.SHELL_PREFIX), and another signal could end it; ranks
+  that chose another are evicted as before.
 * ``"poll"`` (Kubernetes, whose pods cannot be signalled but by their eviction): the
   runtime sets QM_NOTICE_POLL_SECONDS, and the trap asks the events endpoint with
   its attempt's token whether a notice was sent. `notice_answer` gives that answer.
@@ -46,7 +47,7 @@ NOTICE_REASONS = frozenset(
 )
 
 # Signals the local runtime sends as a notice (see the module docstring).
-SENDABLE_SIGNALS = frozenset({"SIGUSR1", "SIGUSR2"})
+SENDABLE_SIGNALS = frozenset({"SIGUSR2"})
 
 # Tokens whose attempt is remembered per process.
 TOKEN_CACHE_SIZE = 4096

@@ -114,8 +114,8 @@ LAUNCHER_TIMEOUT_SECONDS = 60.0
 
 ENDED_PHASES = ("exited", "lost")
 
-# The notice signals the rank's shell wrapper survives (launcher.SHELL_PREFIX traps them).
-NOTICE_SIGNALS = frozenset({"SIGUSR1", "SIGUSR2"})
+# The notice signal the rank's shell wrapper survives (launcher.SHELL_PREFIX traps it).
+NOTICE_SIGNALS = frozenset({"SIGUSR2"})
 
 # The lowest master port the runtime picks (see LocalRuntime._choose_master_port).
 MASTER_PORT_FLOOR = 20000

@@ -207,3 +207,31 @@ def test_only_admins_change_the_notice_window(world: Any) -> None:
     )
     assert answer.status_code == 403
     assert database_state() == before
+
+
+def test_the_admin_refuses_a_notice_window_outside_the_grace_budget(
+    world: Any, client: Any
+) -> None:
+    client.force_login(world.users["admin"])
+    world.batch.refresh_from_db()
+    url = f"/admin/quotas/priorityclass/{world.batch.pk}/change/"
+    form = {
+        "name": world.batch.name,
+        "value": world.batch.value,
+        "preemption_policy": world.batch.preemption_policy,
+        "preemptible": "on",
+        "grace_seconds": 20,
+        "notice_seconds": 20,
+        "min_runtime_seconds": 0,
+        "description": "",
+    }
+    before = database_state()
+    refused = client.post(url, form)
+    assert refused.status_code == 200
+    assert "shorter than the grace period" in refused.content.decode()
+    assert database_state() == before
+    form["notice_seconds"] = 5
+    assert client.post(url, form).status_code == 302
+    assert PriorityClass.objects.values_list("grace_seconds", "notice_seconds").get(
+        pk=world.batch.pk
+    ) == (20, 5)
