@@ -669,12 +669,18 @@ class Drill:
         victim_events = list(
             TrapEvent.objects.filter(job=borrower, attempt=event.victim_attempt.number)
         )
-        noticed = {e.rank: e.at for e in victim_events if e.event == "notice_received"}
         propagation = max((x for x in latencies if x is not None), default=None)
         if notice:
-            # The notice is the first word that reaches the ranks.
+            # The notice is the first word that reaches the ranks. Where it is polled,
+            # only rank 0 receives it; the others know at the step boundary where the
+            # notice's save begins.
+            sent = event.notice_sent_at.timestamp() if event.notice_sent_at else math.inf
+            knew: dict[int, float] = {}
+            for e in sorted(victim_events, key=lambda e: e.at):
+                if e.event in ("notice_received", "checkpoint_started") and e.at >= sent:
+                    knew.setdefault(e.rank, e.at)
             propagation = (
-                round(max(noticed.values()) - decided, 4) if len(noticed) == len(ranks) else None
+                round(max(knew.values()) - decided, 4) if len(knew) == len(ranks) else None
             )
         critical_exit = (
             Rank.objects.filter(attempt__job=critical)
