@@ -62,7 +62,7 @@ bench: venv services k8s
 
 drill: venv
 	$(PY) manage.py migrate --noinput -v0
-	$(PY) manage.py drill --ranks 16 --json var/drill.json
+	$(PY) manage.py drill --ranks 16 --notice both --json var/drill.json
 
 clean:
 	rm -rf var/test var/runs var/broker

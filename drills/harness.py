@@ -11,7 +11,16 @@ Celery worker and beat, and the real web endpoint for the trap's events:
 - orphaned sockets: ports of the gang still bound after exit;
 - restart integrity: the resumed job's final parameters, Adam moments, RNG
   states and loss against an uninterrupted reference run (bit for bit);
-- recovery: the critical job's last rank exit -> the borrower's `resumed`.
+- recovery: the critical job's last rank exit -> the borrower's `resumed`;
+- with the checkpoint notice on and off (`--notice both`, the same round twice):
+  lost GPU-seconds (work since the last committed checkpoint when the ranks
+  stop), the decision -> GPUs free, and the training stall per checkpoint
+  (synchronous saves without the notice, background saves with it).
+
+The borrower's regular checkpoints (every SAVE_EVERY steps) are further apart
+than the drill runs before the critical job arrives, three quarters through
+the run: some 18 s of work unsaved, a small stand-in for the tens of minutes a
+real job has between its checkpoints.
 
 `--chaos N` repeats it with a random disturbance per round (SIGKILL of a rank,
 a second SIGTERM, a grace shorter than the save, the Celery worker killed
@@ -80,9 +89,10 @@ from quotas.services import (
 from telemetry.services import drill_run_record
 
 FLAVOR = "drill-gpu"
-STEPS = 60
 STEP_SLEEP = 0.2
-SAVE_EVERY = 10
+STEPS = 120
+SAVE_EVERY = 200
+NOTICE_MODES = {"on": (True,), "off": (False,), "both": (False, True)}
 CRITICAL_SECONDS = 30.0
 DISTURBANCES = ("kill-rank", "second-sigterm", "short-grace", "kill-worker")
 # One kill-rank round needs one retry; the second leaves room for a disturbance that
@@ -161,6 +171,7 @@ class Drill:
         steps: int = STEPS,
         critical_seconds: float = CRITICAL_SECONDS,
         seed: int | None = None,
+        notice: str = "on",
     ) -> None:
         if ranks < 1 or ranks > 256:
             raise DrillError("--ranks must be between 1 and 256")
@@ -169,8 +180,13 @@ class Drill:
         self.runtime = runtime
         self.say = say
         self.steps = steps
+        # The step the borrower has reached when the critical job is submitted.
+        self.steady_step = steps * 3 // 4
         self.critical_seconds = critical_seconds
         self.random = random.Random(seed)
+        if notice not in NOTICE_MODES:
+            raise DrillError("--notice must be on, off or both")
+        self.notice_modes = NOTICE_MODES[notice]
         self.nodes = max(1, math.ceil(ranks / 8))
         self.capacity = self.nodes * 8
         self.work = Path(tempfile.mkdtemp(prefix="qm-drill-", dir=settings.VAR_DIR))
@@ -245,14 +261,34 @@ class Drill:
             actor=actor,
             name="drill-short-grace",
             grace_seconds=1,
+            notice_seconds=0,
             description="Drill only: a grace shorter than a checkpoint save.",
         )
+        self.classes = {True: self.batch, False: self._without_notice(actor, self.batch)}
+        if self.grace is not None:
+            grace = max(1, int(self.grace))
+            self.classes = {
+                True: self._priority_class(
+                    actor=actor,
+                    name="drill-grace",
+                    grace_seconds=grace,
+                    notice_seconds=min(30, grace // 2),
+                    description="Drill only: --grace",
+                ),
+                False: self._priority_class(
+                    actor=actor,
+                    name="drill-grace-no-notice",
+                    grace_seconds=grace,
+                    notice_seconds=0,
+                    description="Drill only: --grace, no checkpoint notice",
+                ),
+            }
         # The owner runs the critical job, the borrower the preemptible ones; the
         # root must hold every class its sub-teams narrow to, so it is set first.
         for team, classes in (
-            (root, [self.critical, self.batch, self.short_grace]),
+            (root, [self.critical, self.batch, self.short_grace, *self.classes.values()]),
             (owner, [self.critical]),
-            (borrower, [self.batch, self.short_grace]),
+            (borrower, [self.batch, self.short_grace, *self.classes.values()]),
         ):
             if set(team.priority_classes.all()) != set(classes):
                 team_priority_classes_set(
@@ -289,17 +325,33 @@ class Drill:
         quota_set(actor=actor, team=root, flavor=flavor, guarantee=self.capacity)
         quota_set(actor=actor, team=owner, flavor=flavor, guarantee=self.capacity)
 
+    def _without_notice(self, actor: AbstractBaseUser, like: PriorityClass) -> PriorityClass:
+        """The borrower's class with its grace window and no checkpoint notice."""
+        return self._priority_class(
+            actor=actor,
+            name="drill-no-notice",
+            grace_seconds=like.grace_seconds,
+            notice_seconds=0,
+            description=f"Drill only: {like.name} without the checkpoint notice",
+        )
+
     @staticmethod
     def _priority_class(
-        *, actor: AbstractBaseUser, name: str, grace_seconds: int, description: str
+        *,
+        actor: AbstractBaseUser,
+        name: str,
+        grace_seconds: int,
+        notice_seconds: int,
+        description: str,
     ) -> PriorityClass:
-        """A preemptible class of the drill's own with the given grace, saved (and
-        audited) only when it is new or differs."""
+        """A preemptible class of the drill's own with the given grace and notice
+        windows, saved (and audited) only when it is new or differs."""
         wanted = {
             "value": 10_000,
             "preemption_policy": "Never",
             "preemptible": True,
             "grace_seconds": grace_seconds,
+            "notice_seconds": notice_seconds,
             "description": description,
         }
         priority_class = PriorityClass.objects.filter(name=name).first() or PriorityClass(name=name)
@@ -404,14 +456,21 @@ class Drill:
                 raise DrillError(f"the reference run failed (logs in {self.work})")
         return dump
 
-    def submit_borrower(self, *, name: str, priority: PriorityClass, dump: Path) -> Job:
+    def submit_borrower(
+        self, *, name: str, priority: PriorityClass, dump: Path, background: bool = False
+    ) -> Job:
+        command = self.train_command(dump=dump)
+        if background:
+            # With the notice the borrower writes its checkpoints in the background,
+            # so that answering the notice does not stall training.
+            command = f"QM_ASYNC_SAVES=1 {command}"
         return job_submit(
             submitter=self.user,
             team=self.borrower,
             flavor=self.flavor,
             ranks=self.ranks,
             gpus_per_rank=1,
-            command=self.train_command(dump=dump),
+            command=command,
             priority_class=priority,
             name=name,
             # A chaos round kills a rank as a failing machine would (exit 137); a job
@@ -472,18 +531,18 @@ class Drill:
 
     # -- one round ---------------------------------------------------------------
 
-    def round(self, *, services: Services, label: str, disturbance: str | None) -> RoundFigures:
-        """Borrower runs, critical job reclaims, borrower resumes and finishes."""
+    def round(
+        self, *, services: Services, label: str, disturbance: str | None, notice: bool = True
+    ) -> RoundFigures:
+        """Borrower runs, critical job reclaims, borrower resumes and finishes; with
+        `notice`, the borrower's class sends the checkpoint notice first."""
         dump = self.dumps / f"{label}-{{rank}}.pt"
-        priority = self.short_grace if disturbance == "short-grace" else self.batch
-        if self.grace is not None and disturbance != "short-grace":
-            priority = self._priority_class(
-                actor=self.user,
-                name="drill-grace",
-                grace_seconds=max(1, int(self.grace)),
-                description="Drill only: --grace",
-            )
-        borrower = self.submit_borrower(name=f"{label}-borrower", priority=priority, dump=dump)
+        priority = self.classes[notice]
+        if disturbance == "short-grace":
+            priority = self.short_grace
+        borrower = self.submit_borrower(
+            name=f"{label}-borrower", priority=priority, dump=dump, background=notice
+        )
         self.log(
             f"submitted borrower job {borrower.pk}: {self.ranks} ranks × 1 GPU on borrowed GPUs"
         )
@@ -491,7 +550,7 @@ class Drill:
             lambda: self._state(borrower) == JobState.RUNNING, "the borrower to run", timeout=300
         )
         self._wait(
-            lambda: self._rank0_step(borrower) >= SAVE_EVERY + 5,
+            lambda: self._rank0_step(borrower) >= self.steady_step,
             "the borrower's steady state",
             timeout=300,
         )
@@ -500,7 +559,7 @@ class Drill:
             self._wait(
                 lambda: (
                     self._state(borrower) == JobState.RUNNING
-                    and self._rank0_step(borrower) >= SAVE_EVERY + 5
+                    and self._rank0_step(borrower) >= self.steady_step
                     and Attempt.objects.filter(job=borrower).count() >= 2
                 ),
                 "the gang guard to restart the borrower",
@@ -574,6 +633,7 @@ class Drill:
             event_id=event.pk,
             dump=dump,
             master_port=master_port,
+            notice=priority.notice_seconds > 0,
         )
 
     def _kill_random_rank(self, job: Job) -> None:
@@ -597,7 +657,14 @@ class Drill:
     # -- measuring -----------------------------------------------------------------
 
     def _measure(
-        self, *, borrower: Job, critical: Job, event_id: int, dump: Path, master_port: int | None
+        self,
+        *,
+        borrower: Job,
+        critical: Job,
+        event_id: int,
+        dump: Path,
+        master_port: int | None,
+        notice: bool = False,
     ) -> RoundFigures:
         borrower.refresh_from_db()
         event = PreemptionEvent.objects.select_related("victim_attempt").get(pk=event_id)
@@ -607,6 +674,22 @@ class Drill:
             round(r.signal_received_at.timestamp() - decided, 4) if r.signal_received_at else None
             for r in ranks
         ]
+        victim_events = list(
+            TrapEvent.objects.filter(job=borrower, attempt=event.victim_attempt.number)
+        )
+        propagation = max((x for x in latencies if x is not None), default=None)
+        if notice:
+            # The notice is the first word that reaches the ranks. Where it is polled,
+            # only rank 0 receives it; the others know at the step boundary where the
+            # notice's save begins.
+            sent = event.notice_sent_at.timestamp() if event.notice_sent_at else math.inf
+            knew: dict[int, float] = {}
+            for e in sorted(victim_events, key=lambda e: e.at):
+                if e.event in ("notice_received", "checkpoint_started") and e.at >= sent:
+                    knew.setdefault(e.rank, e.at)
+            propagation = (
+                round(max(knew.values()) - decided, 4) if len(knew) == len(ranks) else None
+            )
         critical_exit = (
             Rank.objects.filter(attempt__job=critical)
             .order_by("-exited_at")
@@ -646,7 +729,7 @@ class Drill:
             borrower_job=borrower.pk,
             critical_job=critical.pk,
             borrower_state=borrower.state,
-            signal_propagation_seconds=max((x for x in latencies if x is not None), default=None),
+            signal_propagation_seconds=propagation,
             signal_latency_seconds=latencies,
             signals_received=sum(1 for x in latencies if x is not None),
             checkpoint_seconds=event.checkpoint_seconds,
@@ -664,6 +747,14 @@ class Drill:
             if resumed and critical_exit
             else None,
             utilization=round(used / (self.capacity * span), 4),
+            notice=notice,
+            notice_committed=event.notice_committed_at is not None,
+            lost_gpu_seconds=lost_gpu_seconds(event, ranks, victim_events, gpus_per_rank=1),
+            time_to_free_seconds=round(event.all_exited_at.timestamp() - decided, 3)
+            if event.all_exited_at
+            else None,
+            stall_sync_seconds=_mean_stall(victim_events, background=False),
+            stall_async_seconds=_mean_stall(victim_events, background=True),
         )
 
     def _bound_ports(self, port: int | None) -> list[int]:
@@ -758,6 +849,61 @@ class Drill:
         return {"orphaned_ranks": orphans, "double_preemptions": double, "lost_events": lost}
 
 
+def lost_gpu_seconds(
+    event: PreemptionEvent, ranks: list[Rank], events: list[TrapEvent], *, gpus_per_rank: int
+) -> float | None:
+    """GPU-seconds of work each rank had done since its last committed checkpoint
+    when it stopped training, summed over the ranks.
+
+    A rank stops training when it answers the eviction: its first `checkpoint_started`,
+    `checkpoint_skipped` or `exiting` after the eviction was sent (or its exit, if it
+    was killed). A checkpoint's work ends when its save began (`checkpoint_started` of
+    its step); without a committed checkpoint the work since the rank's trap was
+    ready (training began) counts.
+    """
+    if event.signal_sent_at is None:
+        return None
+    evicted = event.signal_sent_at.timestamp()
+    attempt = event.victim_attempt
+    started = (attempt.launched_at or attempt.admitted_at).timestamp()
+    total = 0.0
+    for rank in ranks:
+        mine = sorted((e for e in events if e.rank == rank.index), key=lambda e: e.at)
+        answers = [
+            e.at
+            for e in mine
+            if e.at >= evicted
+            and e.event in ("checkpoint_started", "checkpoint_skipped", "exiting")
+        ]
+        if answers:
+            stop = answers[0]
+        elif rank.exited_at is not None:
+            stop = rank.exited_at.timestamp()
+        else:
+            return None
+        committed = [e.step for e in mine if e.event == "checkpoint_committed" and e.at <= stop]
+        ready = [e.at for e in mine if e.event == "trap_ready"]
+        base = ready[0] if ready else started
+        if committed:
+            step = max(s for s in committed if s is not None)
+            began = [e.at for e in mine if e.event == "checkpoint_started" and e.step == step]
+            base = min(began) if began else base
+        total += max(0.0, stop - base) * gpus_per_rank
+    return round(total, 3)
+
+
+def _mean_stall(events: list[TrapEvent], *, background: bool) -> float | None:
+    """Mean training stall of the committed saves of one kind (the trap reports it)."""
+    stalls = [
+        float(e.payload["stall"])
+        for e in events
+        if e.event == "checkpoint_committed"
+        and "stall" in e.payload
+        and bool(e.payload.get("background")) == background
+    ]
+    return round(sum(stalls) / len(stalls), 4) if stalls else None
+
+
 def run_drill(
     *,
     ranks: int = 16,
@@ -768,8 +914,11 @@ def run_drill(
     seed: int | None = None,
     steps: int = STEPS,
     critical_seconds: float = CRITICAL_SECONDS,
+    notice: str = "on",
 ) -> DrillResult:
-    """Run the drill (or `chaos` rounds of it) and store a DrillRun row."""
+    """Run the drill (or `chaos` rounds of it) and store a DrillRun row. `notice`
+    is on, off or both: with both, the round runs without the checkpoint notice,
+    then with it, and the result compares them; chaos rounds alternate."""
     if runtime != settings.QM_RUNTIME:
         raise DrillError(
             f"--runtime {runtime} needs QM_RUNTIME={runtime} in the environment (this process uses {settings.QM_RUNTIME})"
@@ -783,21 +932,37 @@ def run_drill(
         seed=seed,
         steps=steps,
         critical_seconds=critical_seconds,
+        notice=notice,
     )
     drill.setup()
     drill.log(f"reference run first ({ranks} ranks)")
     drill.reference_run()
     services = drill.start_services()
     figures: RoundFigures | None = None
+    without_notice: RoundFigures | None = None
     chaos_rounds: list[ChaosRound] = []
     try:
         if chaos <= 0:
-            figures = drill.round(services=services, label="drill", disturbance=None)
+            for mode in drill.notice_modes:
+                drill.log(f"round with the checkpoint notice {'on' if mode else 'off'}")
+                measured = drill.round(
+                    services=services,
+                    label=f"drill-notice-{'on' if mode else 'off'}",
+                    disturbance=None,
+                    notice=mode,
+                )
+                if mode or len(drill.notice_modes) == 1:
+                    figures = measured
+                else:
+                    without_notice = measured
         for number in range(1, chaos + 1):
             disturbance = drill.random.choice(DISTURBANCES)
-            drill.log(f"chaos round {number}/{chaos}: {disturbance}")
+            mode = drill.notice_modes[number % len(drill.notice_modes)]
+            drill.log(
+                f"chaos round {number}/{chaos}: {disturbance}, notice {'on' if mode else 'off'}"
+            )
             outcome = drill.round(
-                services=services, label=f"chaos{number}", disturbance=disturbance
+                services=services, label=f"chaos{number}", disturbance=disturbance, notice=mode
             )
             time.sleep(1.0)
             checks = drill.chaos_checks([outcome.borrower_job, outcome.critical_job])
@@ -810,6 +975,9 @@ def run_drill(
                     restart_max_abs_diff=outcome.restart_max_abs_diff,
                     exit_codes=outcome.exit_codes,
                     outcome=outcome.outcome,
+                    notice=outcome.notice,
+                    lost_gpu_seconds=outcome.lost_gpu_seconds,
+                    time_to_free_seconds=outcome.time_to_free_seconds,
                 )
             )
             drill.log(f"round {number}: {json.dumps(checks)}")
@@ -821,6 +989,7 @@ def run_drill(
         grace_seconds=grace if grace is not None else float(drill.batch.grace_seconds),
         figures=figures,
         chaos=chaos_rounds,
+        without_notice=without_notice,
     )
     drill_run_record(
         started_at=started,

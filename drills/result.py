@@ -40,6 +40,19 @@ class RoundFigures:
     recovery_seconds: float | None
     # GPU-seconds used by both jobs over the capacity and time of the round.
     utilization: float
+    # Whether the borrower's class sent a checkpoint notice before the eviction.
+    # With it, `signal_propagation_seconds` is the decision -> the slowest rank's
+    # `notice_received`, the first word that reaches the ranks.
+    notice: bool = False
+    notice_committed: bool = False
+    # GPU-seconds of work done since the last committed checkpoint when the ranks
+    # stopped training (the work the eviction's own save has to rescue).
+    lost_gpu_seconds: float | None = None
+    # The decision -> the victim's last rank exited.
+    time_to_free_seconds: float | None = None
+    # Mean training stall per checkpoint of the round, synchronous and background saves.
+    stall_sync_seconds: float | None = None
+    stall_async_seconds: float | None = None
 
     def missed(
         self, *, ranks: int, grace_seconds: float, targets: MissionTargets = MISSION
@@ -82,6 +95,9 @@ class ChaosRound:
     restart_max_abs_diff: float | None
     exit_codes: list[int | None]
     outcome: str
+    notice: bool = False
+    lost_gpu_seconds: float | None = None
+    time_to_free_seconds: float | None = None
 
     @property
     def failures(self) -> int:
@@ -105,10 +121,49 @@ class DrillResult:
     grace_seconds: float
     figures: RoundFigures | None = None
     chaos: list[ChaosRound] = field(default_factory=list)
+    # The same round without the checkpoint notice, when the drill ran both.
+    without_notice: RoundFigures | None = None
 
     @property
     def passed(self) -> bool:
         return not self.missed()
+
+    def notice_figures(self, targets: MissionTargets = MISSION) -> dict[str, Any] | None:
+        """The notice against none: lost work and time to free of both rounds."""
+        on, off = self.figures, self.without_notice
+        if on is None or off is None:
+            return None
+        lost_share = None
+        if on.lost_gpu_seconds is not None and off.lost_gpu_seconds:
+            lost_share = round(on.lost_gpu_seconds / off.lost_gpu_seconds, 4)
+        lost_met = (
+            on.lost_gpu_seconds is not None
+            and off.lost_gpu_seconds is not None
+            and targets.notice_lost_work_met(on.lost_gpu_seconds, off.lost_gpu_seconds)
+        )
+        free_met = (
+            on.time_to_free_seconds is not None
+            and off.time_to_free_seconds is not None
+            and targets.notice_time_to_free_met(on.time_to_free_seconds, off.time_to_free_seconds)
+        )
+        return {
+            "lost_gpu_seconds": {"with": on.lost_gpu_seconds, "without": off.lost_gpu_seconds},
+            "lost_work_share": lost_share,
+            "lost_work_met": lost_met,
+            "time_to_free_seconds": {
+                "with": on.time_to_free_seconds,
+                "without": off.time_to_free_seconds,
+            },
+            "time_to_free_met": free_met,
+            "stall_sync_seconds": {
+                "with": on.stall_sync_seconds,
+                "without": off.stall_sync_seconds,
+            },
+            "stall_async_seconds": {
+                "with": on.stall_async_seconds,
+                "without": off.stall_async_seconds,
+            },
+        }
 
     def missed(self) -> list[str]:
         """The criteria the drill did not meet; empty when it passed."""
@@ -125,7 +180,21 @@ class DrillResult:
             ]
         if self.figures is None:
             return ["no round was measured"]
-        return self.figures.missed(ranks=self.ranks, grace_seconds=self.grace_seconds)
+        missed = self.figures.missed(ranks=self.ranks, grace_seconds=self.grace_seconds)
+        if self.without_notice is not None:
+            missed += [
+                f"without notice: {m}"
+                for m in self.without_notice.missed(
+                    ranks=self.ranks, grace_seconds=self.grace_seconds
+                )
+            ]
+            compared = self.notice_figures()
+            assert compared is not None
+            if not compared["lost_work_met"]:
+                missed.append(f"lost work with the notice {MISSION.notice_lost_work_text}")
+            if not compared["time_to_free_met"]:
+                missed.append(f"time to free with the notice {MISSION.notice_time_to_free_text}")
+        return missed
 
     def to_json(self) -> dict[str, Any]:
         document: dict[str, Any] = {
@@ -136,6 +205,9 @@ class DrillResult:
         }
         if self.figures is not None:
             document.update(asdict(self.figures))
+        if self.without_notice is not None:
+            document["without_notice"] = asdict(self.without_notice)
+            document["notice_comparison"] = self.notice_figures()
         if self.chaos:
             document["chaos_rounds"] = len(self.chaos)
             document["rounds"] = [asdict(r) for r in self.chaos]

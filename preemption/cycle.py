@@ -37,7 +37,7 @@ from preemption.models import (
     Rank,
     next_attempt_numbers,
 )
-from preemption.reasons import Preemptor, preemption_words
+from preemption.reasons import Preemptor, preemption_words, release_words
 from preemption.reconcile import reconcile_jobs
 from preemption.snapshot import build_snapshot, held_jobs
 from preemption.wakeup import take_cycle_request
@@ -155,7 +155,7 @@ def _apply(
     submission waiting behind hundreds of them."""
     _admit(plan, now=now, result=result)
     _preempt(plan, now=now, result=result)
-    _store_waiting(plan, held)
+    _store_waiting(plan, held, now)
     result.waiting = len(plan.waiting) + len(held)
 
 
@@ -283,13 +283,33 @@ def _preempt(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> Non
     result.preempted.extend(preempted)
 
 
-def _store_waiting(plan: fairshare.Plan, held: dict[int, str]) -> None:
+def _add_release_times(reasons: dict[int, str], now: datetime) -> None:
+    """A job that waits for the victims it preempted to stop is told when the
+    last of them frees its GPUs at the latest, notice window included."""
+    events = (
+        PreemptionEvent.objects.filter(
+            preemptor_id__in=list(reasons), victim_attempt__ended_at__isnull=True
+        )
+        .exclude(reason=PreemptionEvent.Reason.MANUAL)
+        .order_by("deadline")
+    )
+    last: dict[int, PreemptionEvent] = {}
+    for event in events:
+        if event.preemptor_id is not None:
+            last[event.preemptor_id] = event
+    for job_id, event in last.items():
+        reasons[job_id] = f"{reasons[job_id]}; {release_words(event, now)}"
+
+
+def _store_waiting(plan: fairshare.Plan, held: dict[int, str], now: datetime) -> None:
     """Write each waiting job's reason, and until when its only victims are
     protected, only where they changed and only while the job still waits (a
     cancel since the snapshot keeps its own)."""
+    words = {int(w.id): w.reason for w in plan.waiting}
+    _add_release_times(words, now)
     reasons: dict[int, tuple[str, datetime | None]] = {
         int(w.id): (
-            w.reason[:300],
+            words[int(w.id)][:300],
             datetime.fromtimestamp(w.protected_until, UTC)
             if w.protected_until is not None
             else None,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -36,7 +37,9 @@ from django.utils import timezone
 from gracetrap_protocol import EVENT_NAMES
 
 from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, TrapEvent
+from preemption.notice import notice_committed_at
 from preemption.runtime import checkpoint_is_durable
+from preemption.wakeup import queue_reconcile
 
 MAX_EVENT_BYTES = 8192
 # Steps are stored in 32-bit columns and resume_step is the step after the last
@@ -44,6 +47,7 @@ MAX_EVENT_BYTES = 8192
 MAX_STEP = 2**31 - 2
 MAX_BYTES = 2**53
 MAX_REASON_CHARS = 300
+SIGNAL_NAME = re.compile(r"SIG[A-Z0-9+]{1,12}")
 
 
 class EventLimitReached(Exception):
@@ -123,6 +127,30 @@ def _validate(job: Job, event: Any) -> dict[str, Any]:
         if not isinstance(event["reason"], str):
             raise ValidationError({"reason": ["Must be text."]})
         clean["reason"] = event["reason"][:MAX_REASON_CHARS]
+    if name == "trap_ready":
+        # What the trap speaks decides whether its ranks are sent a checkpoint notice.
+        notice_signal = event.get("notice_signal")
+        if notice_signal is not None:
+            if not isinstance(notice_signal, str) or not SIGNAL_NAME.fullmatch(notice_signal):
+                raise ValidationError(
+                    {"notice_signal": [f"Must be a signal's name or null (got {notice_signal!r})."]}
+                )
+            clean["notice_signal"] = notice_signal
+        clean["notice_poll"] = event.get("notice_poll") is True
+    if name == "checkpoint_committed":
+        clean["notice"] = event.get("notice") is True
+        clean["background"] = event.get("background") is True
+        stall = event.get("stall")
+        if stall is not None:
+            if (
+                isinstance(stall, bool)
+                or not isinstance(stall, int | float)
+                or not 0 <= stall < 1e7
+            ):
+                raise ValidationError(
+                    {"stall": [f"Must be a duration in seconds (got {stall!r})."]}
+                )
+            clean["stall"] = float(stall)
     return clean
 
 
@@ -236,6 +264,16 @@ def ingest_trap_events(*, attempt: Attempt, events: list[Any], source: str) -> t
     return accepted, duplicates
 
 
+def _evict_once_answered(attempt: Attempt) -> None:
+    """The last rank's commit of a notice's checkpoint: the eviction is due now."""
+    event = PreemptionEvent.objects.filter(
+        victim_attempt=attempt, notice_sent_at__isnull=False, signal_sent_at__isnull=True
+    ).first()
+    sent = event.notice_sent_at if event is not None else None
+    if sent is not None and notice_committed_at(attempt, sent) is not None:
+        queue_reconcile()
+
+
 def _apply(job: Job, attempt: Attempt, stored: TrapEvent) -> None:
     at = datetime.fromtimestamp(stored.at, tz=UTC)
     payload = stored.payload
@@ -244,6 +282,8 @@ def _apply(job: Job, attempt: Attempt, stored: TrapEvent) -> None:
             attempt=attempt, index=stored.rank, signal_received_at__isnull=True
         ).update(signal_received_at=at)
     elif stored.event == "checkpoint_committed" and stored.step is not None:
+        if payload.get("notice"):
+            _evict_once_answered(attempt)
         # The folder the trap saves this step to; what the client names is
         # never recorded as a checkpoint's path.
         path = f"{job.checkpoint_dir}/step_{stored.step}" if job.checkpoint_dir else ""

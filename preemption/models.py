@@ -118,6 +118,7 @@ class Attempt(models.Model):
     class Action(models.TextChoices):
         NONE = "", "None"
         LAUNCH = "launch", "Launch"
+        NOTICE = "notice", "Checkpoint notice"
         SIGNAL = "signal", "Signal"
         KILL = "kill", "Kill"
         FORGET = "forget", "Forget"
@@ -292,6 +293,13 @@ class PreemptionEvent(models.Model):
     decided_at = models.DateTimeField(db_index=True)
     grace_seconds = models.FloatField()
     deadline = models.DateTimeField()
+    # The checkpoint notice, for a victim whose trap speaks it and whose class has
+    # a notice window: the eviction (signal_sent_at) waits until every rank has
+    # committed a checkpoint after the notice (notice_committed_at) or until
+    # notice_deadline, which is never later than the kill deadline.
+    notice_deadline = models.DateTimeField(null=True, blank=True)
+    notice_sent_at = models.DateTimeField(null=True, blank=True)
+    notice_committed_at = models.DateTimeField(null=True, blank=True)
     signal_sent_at = models.DateTimeField(null=True, blank=True)
     killed_at = models.DateTimeField(null=True, blank=True)
     all_exited_at = models.DateTimeField(null=True, blank=True)

@@ -131,3 +131,35 @@ def usage_words(
 def usage_lowers_share(status: fairshare.QueueStatus) -> bool:
     """Whether decayed usage made this queue's fair share smaller than its weight's."""
     return status.usage_ratio > 1 and status.fair_share < status.weight_fair_share - 1e-6
+
+
+def free_by(event: PreemptionEvent) -> datetime:
+    """When the victim's GPUs are free at the latest.
+
+    A victim that is sent a checkpoint notice first waits for its commit at most
+    until the notice deadline, then gets what is left of its grace window after the
+    eviction. The kill deadline bounds both, so the notice never frees the GPUs
+    later than the grace window alone would.
+    """
+    return event.deadline
+
+
+def _clock(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%H:%M:%S UTC")
+
+
+def release_words(event: PreemptionEvent, now: datetime) -> str:
+    """How the victim is giving its GPUs back and when they are free at the latest,
+    lower case and without a full stop. Absolute times, so that the words stay the
+    same from one cycle to the next."""
+    free = f"its GPUs are free by {_clock(free_by(event))} at the latest"
+    if (
+        event.signal_sent_at is None
+        and event.notice_deadline is not None
+        and event.notice_deadline > now
+    ):
+        return (
+            f"job {event.job_id} is checkpointing on notice until {_clock(event.notice_deadline)} "
+            f"at the latest, then stops; {free}"
+        )
+    return f"job {event.job_id} is stopping; {free}"

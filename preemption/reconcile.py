@@ -63,6 +63,7 @@ from preemption.models import (
     Rank,
     TrapEvent,
 )
+from preemption.notice import announced_notice, notice_committed_at, notice_plan
 from preemption.runtime import get_runtime
 from preemption.runtimes import iter_trap_events, read_whole_log
 from preemption.runtimes.base import (
@@ -168,6 +169,8 @@ class Step:
     # A kill whose gang's evictions a disruption budget still refused: the
     # preemption's outcome says it was forced past the budget.
     forced: bool = False
+    # A checkpoint notice: the signal to send ("" where the runtime answers polls).
+    notice_signal: str = ""
 
     @property
     def gang(self) -> GangId:
@@ -265,6 +268,9 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
                 logger.warning("observing %s failed; retrying next cycle", attempt, exc_info=True)
                 continue
         pending.append((attempt, observations, key in taken))
+    delivery = notice_delivery(runtime)
+    if delivery is not None:
+        _read_victims_logs([attempt for attempt, _, _ in pending], runtime)
     # One short transaction decides for every attempt, each in a savepoint of its
     # own: on SQLite each transaction waits its turn for the write lock.
     steps: list[Step] = []
@@ -278,6 +284,7 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
                     observations,
                     launched_at=attempt.launched_at,
                     taken=was_taken,
+                    delivery=delivery,
                 ),
                 savepoint=True,
             )
@@ -285,6 +292,47 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
                 steps.append(step)
     act(steps, runtime)
     return len(attempts)
+
+
+def notice_delivery(runtime: Runtime) -> str | None:
+    """How the runtime delivers a checkpoint notice ("signal" or "poll"), or None."""
+    delivery = getattr(runtime, "notice_delivery", None)
+    return delivery if delivery in ("signal", "poll") else None
+
+
+# When each victim's logs were last read while its eviction waited (monotonic clock).
+_victim_logs_read: dict[int, float] = {}
+# Each victim's logs are read at most this often: most events arrive by POST anyway,
+# and a Kubernetes log read is an API call per rank.
+VICTIM_LOG_SECONDS = 1.0
+
+
+def _read_victims_logs(attempts: list[Attempt], runtime: Runtime) -> None:
+    """A victim that may get, or got, a checkpoint notice: what its trap announced
+    and committed decides when it is evicted, and an event whose POST was lost is
+    still in the log."""
+    now = time.monotonic()
+    waiting = [attempt for attempt in attempts if _awaits_eviction(attempt)]
+    last = {a.pk: _victim_logs_read[a.pk] for a in waiting if a.pk in _victim_logs_read}
+    _victim_logs_read.clear()
+    _victim_logs_read.update(last)
+    for attempt in waiting:
+        if now - _victim_logs_read.get(attempt.pk, float("-inf")) < VICTIM_LOG_SECONDS:
+            continue
+        _victim_logs_read[attempt.pk] = now
+        _guarded(
+            attempt,
+            functools.partial(ingest_logs, attempt.job, attempt, attempt.rank_set.all(), runtime),
+        )
+
+
+def _awaits_eviction(attempt: Attempt) -> bool:
+    """A launched attempt picked as a victim whose eviction has not been sent."""
+    try:
+        event = attempt.preemption
+    except PreemptionEvent.DoesNotExist:
+        return False
+    return attempt.launched_at is not None and event.signal_sent_at is None
 
 
 def _guarded(attempt: Attempt, work: Callable[[], T], *, savepoint: bool = False) -> T | None:
@@ -319,6 +367,7 @@ def _decide(
     *,
     launched_at: datetime | None,
     taken: bool,
+    delivery: str | None = None,
 ) -> Step | None:
     """Record what the runtime observed, move the job on, and record the runtime
     action the attempt needs next. Runs inside the pass's decide transaction.
@@ -423,6 +472,9 @@ def _decide(
                 # PodDisruptionBudget refusing the evictions): the deadline wins,
                 # as it does for a rank that ignores SIGTERM.
                 return _intend(Step(Attempt.Action.KILL, attempt, event, alive=alive))
+            held, notice = _notice_first(attempt, event, alive, delivery, now)
+            if held:
+                return notice
             return _intend(Step(Attempt.Action.SIGNAL, attempt, event, alive=alive))
         if now >= event.deadline:
             return _intend(Step(Attempt.Action.KILL, attempt, event, alive=alive))
@@ -430,6 +482,45 @@ def _decide(
     if not alive:
         return Step(FINISH, attempt, event)
     return None
+
+
+def _notice_first(
+    attempt: Attempt,
+    event: PreemptionEvent,
+    alive: list[int],
+    delivery: str | None,
+    now: datetime,
+) -> tuple[bool, Step | None]:
+    """Whether the eviction still waits for the checkpoint notice, and the notice
+    to deliver now if any (see preemption.notice). The eviction goes ahead when
+    the victim gets no notice, when every rank committed a checkpoint that
+    answered it, or at the notice deadline."""
+    if event.notice_deadline is None:
+        plan = notice_plan(event=event, attempt=attempt, delivery=delivery, now=now)
+        if plan is None:
+            return False, None
+        PreemptionEvent.objects.filter(pk=event.pk, notice_deadline__isnull=True).update(
+            notice_deadline=plan.deadline
+        )
+        event.notice_deadline = plan.deadline
+        step = Step(Attempt.Action.NOTICE, attempt, event, alive=alive, notice_signal=plan.signal)
+        return True, _intend(step)
+    if now >= event.notice_deadline:
+        return False, None
+    if event.notice_sent_at is None:
+        # Not delivered yet: a temporary runtime error is tried again until the deadline.
+        signal = announced_notice(attempt, delivery)
+        if signal is None:
+            return False, None
+        step = Step(Attempt.Action.NOTICE, attempt, event, alive=alive, notice_signal=signal)
+        return True, _intend(step)
+    committed = notice_committed_at(attempt, event.notice_sent_at)
+    if committed is None:
+        return True, None
+    PreemptionEvent.objects.filter(pk=event.pk, notice_committed_at__isnull=True).update(
+        notice_committed_at=committed
+    )
+    return False, None
 
 
 def _intend(step: Step) -> Step:
@@ -505,6 +596,10 @@ def _call(step: Step, runtime: Runtime) -> Exception | None:
         if step.action == Attempt.Action.LAUNCH:
             assert step.spec is not None
             runtime.launch(step.spec)
+        elif step.action == Attempt.Action.NOTICE:
+            deliver = getattr(runtime, "notice", None)
+            if deliver is not None:
+                deliver(step.gang, step.notice_signal)
         elif step.action == Attempt.Action.SIGNAL:
             assert step.event is not None
             remaining = max(0.0, (step.event.deadline - timezone.now()).total_seconds())
@@ -578,6 +673,11 @@ def _record_outcome(step: Step, claim: datetime, error: Exception | None) -> Non
             Attempt.objects.filter(pk=step.attempt.pk, launched_at__isnull=True).update(
                 launched_at=now
             )
+        elif step.action == Attempt.Action.NOTICE:
+            assert step.event is not None
+            PreemptionEvent.objects.filter(pk=step.event.pk, notice_sent_at__isnull=True).update(
+                notice_sent_at=step.called_at or now
+            )
         elif step.action == Attempt.Action.SIGNAL:
             assert step.event is not None
             _signal_sent(step, step.called_at or now)
@@ -614,6 +714,14 @@ def _permanent(
         return
     if step.action == Attempt.Action.FORGET:
         mine.update(**{**done, "action_error": f"forget failed: {message}"[:300]})
+        return
+    if step.action == Attempt.Action.NOTICE:
+        # A courtesy that cannot be delivered: the eviction follows at once.
+        if mine.update(**{**done, "action_error": f"notice failed: {message}"[:300]}) == 1:
+            assert step.event is not None
+            PreemptionEvent.objects.filter(pk=step.event.pk, notice_sent_at__isnull=True).update(
+                notice_deadline=now
+            )
         return
     if mine.update(**done) != 1:
         return

@@ -26,6 +26,7 @@ from django.conf import settings
 from django.db import transaction
 
 SCHEDULE_CYCLE_TASK = "preemption.tasks.schedule_cycle"
+RECONCILE_TASK = "preemption.tasks.reconcile"
 REQUEST_OVERDUE_SECONDS = 2.0
 
 logger = logging.getLogger(__name__)
@@ -78,3 +79,17 @@ def _send_if_first() -> None:
         current_app.send_task(SCHEDULE_CYCLE_TASK, retry=False, expires=5)
     except Exception:
         logger.warning("could not queue an extra scheduling cycle", exc_info=True)
+
+
+def queue_reconcile() -> None:
+    """Ask for a reconcile pass once the current transaction commits: the last
+    rank of a victim committed the checkpoint its notice asked for, and its
+    eviction should not wait for the next periodic pass."""
+    transaction.on_commit(_send_reconcile)
+
+
+def _send_reconcile() -> None:
+    try:
+        current_app.send_task(RECONCILE_TASK, retry=False, expires=5)
+    except Exception:
+        logger.warning("could not queue a reconcile pass", exc_info=True)

@@ -124,6 +124,11 @@ class Quota(models.Model):
         return f"{self.team.slug}/{self.flavor.name}"
 
 
+# The checkpoint notice window a priority class gets unless it says otherwise: long
+# enough for a background save of a few GB, short against the default grace window.
+DEFAULT_NOTICE_SECONDS = 30
+
+
 class PriorityClass(models.Model):
     """How much a job matters and how it may be stopped.
 
@@ -133,6 +138,10 @@ class PriorityClass(models.Model):
     consolidation preemption; the four `*_min_runtime_seconds` fields set this
     class's own minimum for one preemption reason (empty: the cluster's scheduling
     policy, `SchedulingPolicy`, raised to `min_runtime_seconds`).
+    `notice_seconds` is the checkpoint notice window: how long a victim whose
+    trap speaks the notice protocol may take to commit a checkpoint before it
+    is evicted (0: no notice). It is part of the grace budget, so the GPUs are
+    free by the same deadline with or without it.
     """
 
     class Policy(models.TextChoices):
@@ -146,6 +155,7 @@ class PriorityClass(models.Model):
     )
     preemptible = models.BooleanField(default=True)
     grace_seconds = models.PositiveIntegerField(default=60)
+    notice_seconds = models.PositiveIntegerField(default=DEFAULT_NOTICE_SECONDS)
     min_runtime_seconds = models.PositiveIntegerField(default=0)
     priority_min_runtime_seconds = models.PositiveIntegerField(null=True, blank=True)
     fair_share_min_runtime_seconds = models.PositiveIntegerField(null=True, blank=True)

@@ -16,6 +16,7 @@ from django.db.models import Sum
 from core.access import TeamTree
 from quotas.job_ledger import job_ledger
 from quotas.models import (
+    DEFAULT_NOTICE_SECONDS,
     AuditEntry,
     Membership,
     Node,
@@ -571,10 +572,32 @@ def _priority_values(pc: PriorityClass) -> dict[str, Any]:
         "preemption_policy": pc.preemption_policy,
         "preemptible": pc.preemptible,
         "grace_seconds": pc.grace_seconds,
+        "notice_seconds": pc.notice_seconds,
         "min_runtime_seconds": pc.min_runtime_seconds,
         **{field: getattr(pc, field) for field in MIN_RUNTIME_FIELDS},
         "is_default": pc.is_default,
     }
+
+
+def notice_window_validate(*, notice_seconds: int, grace_seconds: int) -> None:
+    """The checkpoint notice is part of the grace budget: the eviction that follows
+    it needs some of the budget left for its own (short) save, so a window must be
+    shorter than the grace period, or 0 for no notice."""
+    if notice_seconds and notice_seconds >= grace_seconds:
+        raise ValidationError(
+            {
+                "notice_seconds": [
+                    f"Must be shorter than the grace period ({grace_seconds} s), since the notice "
+                    f"is part of it, or 0 for no notice (got {notice_seconds})."
+                ]
+            }
+        )
+
+
+def default_notice_seconds(grace_seconds: int) -> int:
+    """The notice window of a new class that names none: the default, or half the
+    grace period where that is shorter, so that a short grace period stays valid."""
+    return min(DEFAULT_NOTICE_SECONDS, grace_seconds // 2)
 
 
 @transaction.atomic
@@ -584,12 +607,15 @@ def priority_class_save(
     """Create or update a priority class; a new default replaces the old one."""
     if priority_class.preemption_policy not in PriorityClass.Policy.values:
         raise ValidationError({"preemption_policy": ["Must be PreemptLowerPriority or Never."]})
-    for field in ("grace_seconds", "min_runtime_seconds", *MIN_RUNTIME_FIELDS):
+    for field in ("grace_seconds", "notice_seconds", "min_runtime_seconds", *MIN_RUNTIME_FIELDS):
         value = getattr(priority_class, field)
         if value is None and field in MIN_RUNTIME_FIELDS:
             continue
         if value is None or value < 0 or value > 7 * 24 * 3600:
             raise ValidationError({field: [f"Must be between 0 and 604800 seconds (got {value})."]})
+    notice_window_validate(
+        notice_seconds=priority_class.notice_seconds, grace_seconds=priority_class.grace_seconds
+    )
     if abs(priority_class.value) > 1_000_000_000:
         raise ValidationError(
             {"value": ["Must be between -1000000000 and 1000000000 (as in Kubernetes)."]}

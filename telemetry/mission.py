@@ -27,6 +27,13 @@ class MissionTargets:
     # The checkpoint must take at most this share of the grace window: all of it,
     # since SIGKILL follows at the deadline.
     checkpoint_share_of_grace: float = 1.0
+    # With the checkpoint notice, a preemption loses under this share of the work
+    # (GPU-seconds since the last committed checkpoint when the ranks stop) that the
+    # same preemption loses without it.
+    notice_lost_work_share: float = 0.05
+    # ... and frees the GPUs no later than without it, give or take one reconcile
+    # pass and a step boundary (measured on a busy machine).
+    notice_time_to_free_slack_seconds: float = 1.0
 
     def signal_met(self, seconds: float) -> bool:
         return seconds < self.signal_propagation_seconds
@@ -36,6 +43,25 @@ class MissionTargets:
 
     def checkpoint_met(self, checkpoint_seconds: float, grace_seconds: float) -> bool:
         return checkpoint_seconds <= grace_seconds * self.checkpoint_share_of_grace
+
+    def notice_lost_work_met(self, with_notice: float, without: float) -> bool:
+        if without <= 0:
+            return with_notice <= 0
+        return with_notice < without * self.notice_lost_work_share
+
+    def notice_time_to_free_met(self, with_notice: float, without: float) -> bool:
+        return with_notice <= without + self.notice_time_to_free_slack_seconds
+
+    @property
+    def notice_lost_work_text(self) -> str:
+        return f"under {self.notice_lost_work_share:.0%} of the work lost without the notice"
+
+    @property
+    def notice_time_to_free_text(self) -> str:
+        return (
+            f"no later than without the notice "
+            f"(+{self.notice_time_to_free_slack_seconds:g} s for one reconcile pass)"
+        )
 
     @property
     def signal_text(self) -> str:

@@ -221,14 +221,34 @@ class QuotaAdmin(admin.ModelAdmin):
             self.message_user(request, "; ".join(error.messages), level="error")
 
 
+class PriorityClassForm(forms.ModelForm):  # type: ignore[type-arg]
+    """The notice window is checked against the grace period as the API checks it."""
+
+    class Meta:
+        model = PriorityClass
+        exclude: list[str] = []
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        notice, grace = cleaned.get("notice_seconds"), cleaned.get("grace_seconds")
+        if notice is not None and grace is not None:
+            try:
+                services.notice_window_validate(notice_seconds=notice, grace_seconds=grace)
+            except ValidationError as error:
+                self.add_error(None, error)
+        return cleaned
+
+
 @admin.register(PriorityClass)
 class PriorityClassAdmin(admin.ModelAdmin):
+    form = PriorityClassForm
     list_display = [
         "name",
         "value",
         "preemption_policy",
         "preemptible",
         "grace_seconds",
+        "notice_seconds",
         "is_default",
     ]
     list_filter = ["preemptible", "preemption_policy"]

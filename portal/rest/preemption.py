@@ -43,6 +43,7 @@ from preemption.models import (
     Rank,
     Webhook,
 )
+from preemption.notice import NoticeAnswer, notice_answer
 from preemption.reasons import describe_preemption, why_waiting
 from preemption.runtimes.base import RuntimePermanentError
 from preemption.webhooks import webhook_create, webhook_delete
@@ -328,6 +329,15 @@ class TrapEventSerializer(serializers.Serializer[Any]):
     reason = serializers.CharField(required=False, allow_blank=True)
 
 
+class NoticeAnswerSerializer(serializers.Serializer[Any]):
+    attempt = serializers.IntegerField(help_text="The attempt the token belongs to.")
+    notice = serializers.BooleanField(help_text="Whether a checkpoint notice was sent.")
+    sent_at = serializers.DateTimeField(allow_null=True)
+    deadline = serializers.DateTimeField(
+        allow_null=True, help_text="When the eviction follows if not every rank has committed."
+    )
+
+
 class TrapEventAcceptedSerializer(serializers.Serializer[Any]):
     accepted = serializers.IntegerField(help_text="Events stored now.")
     duplicates = serializers.IntegerField(help_text="Events already known, ignored.")
@@ -357,6 +367,9 @@ class PreemptionEventSerializer(serializers.ModelSerializer[PreemptionEvent]):
             "decided_at",
             "grace_seconds",
             "deadline",
+            "notice_deadline",
+            "notice_sent_at",
+            "notice_committed_at",
             "signal_sent_at",
             "killed_at",
             "all_exited_at",
@@ -440,13 +453,20 @@ class JobEventsTokenAuthentication(BaseAuthentication):
     """The trap's credentials: `Authorization: Bearer <QM_EVENTS_TOKEN>`, the token
     of one attempt of one job, valid only on that job's events endpoint and only
     while that attempt is open. Authenticates no user: `request.auth` is the
-    attempt."""
+    attempt, or for a GET (the trap's poll for a checkpoint notice, asked twice a
+    second) the notice answer, which is found without reading the job's attempts
+    (preemption.notice)."""
 
-    def authenticate(self, request: Request) -> tuple[AnonymousUser, Attempt] | None:
+    def authenticate(self, request: Request) -> tuple[AnonymousUser, Attempt | NoticeAnswer] | None:
         header = request.META.get("HTTP_AUTHORIZATION", "").split()
         if len(header) != 2 or header[0].lower() != "bearer":
             return None
         pk = (request.parser_context or {}).get("kwargs", {}).get("pk")
+        if request.method == "GET":
+            if not isinstance(pk, str) or not pk.isdigit() or int(pk) > MAX_ID:
+                return None
+            answer = notice_answer(job_id=int(pk), token=header[1])
+            return None if answer is None else (AnonymousUser(), answer)
         job = _job_by_id(pk)
         if job is None:
             return None
@@ -682,6 +702,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
             offset = next_offset
 
     @extend_schema(
+        methods=["POST"],
         summary="Report a trap event (called by the trap inside the job)",
         description=(
             "Authenticated by `Authorization: Bearer <QM_EVENTS_TOKEN>`, the open attempt's own "
@@ -692,8 +713,33 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
         responses=responses(TrapEventAcceptedSerializer, 400, 403, 404, 429, status_code=202),
         auth=[{"jobEventsToken": []}],
     )
-    @action(detail=True, methods=["post"], authentication_classes=[JobEventsTokenAuthentication])
+    @extend_schema(
+        methods=["GET"],
+        summary="Ask for a checkpoint notice (called by the trap inside the job)",
+        description=(
+            "Authenticated by the open attempt's own `QM_EVENTS_TOKEN`. Says whether the "
+            "control plane sent this attempt's ranks a checkpoint notice. A token of another "
+            "attempt or job, an ended attempt's or none at all gets 403 and learns nothing."
+        ),
+        request=None,
+        responses=responses(NoticeAnswerSerializer, 403),
+        auth=[{"jobEventsToken": []}],
+    )
+    @action(
+        detail=True,
+        methods=["get", "post"],
+        authentication_classes=[JobEventsTokenAuthentication],
+        filter_backends=[],
+        pagination_class=None,
+    )
     def events(self, request: Request, pk: str | None = None) -> Response:
+        if request.method == "GET":
+            if not isinstance(request.auth, NoticeAnswer):
+                raise deny(
+                    "This endpoint needs the open attempt's events token "
+                    "(Authorization: Bearer <QM_EVENTS_TOKEN>)."
+                )
+            return Response(NoticeAnswerSerializer(request.auth).data)
         if not isinstance(request.auth, Attempt):
             if _job_by_id(pk) is None:
                 raise NotFound(f"No job {pk}.")

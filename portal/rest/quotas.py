@@ -214,6 +214,7 @@ class PriorityClassSerializer(serializers.ModelSerializer[PriorityClass]):
             "preemption_policy",
             "preemptible",
             "grace_seconds",
+            "notice_seconds",
             "min_runtime_seconds",
             *services.MIN_RUNTIME_FIELDS,
             "description",
@@ -230,6 +231,16 @@ class PriorityClassWriteSerializer(serializers.Serializer[Any]):
     )
     preemptible = serializers.BooleanField(required=False)
     grace_seconds = serializers.IntegerField(min_value=0, max_value=7 * 24 * 3600, required=False)
+    notice_seconds = serializers.IntegerField(
+        min_value=0,
+        max_value=7 * 24 * 3600,
+        required=False,
+        help_text=(
+            "The checkpoint notice window: a victim whose trap speaks the notice protocol gets "
+            "this long to commit a checkpoint before its eviction; part of the grace period, so "
+            "shorter than it; 0 for no notice. Default: 30 s, or half the grace period if shorter."
+        ),
+    )
     min_runtime_seconds = serializers.IntegerField(
         min_value=0, max_value=7 * 24 * 3600, required=False
     )
@@ -671,8 +682,13 @@ class PriorityClassViewSet(
     def create(self, request: Request) -> Response:
         incoming = PriorityClassWriteSerializer(data=request.data)
         incoming.is_valid(raise_exception=True)
+        values = dict(incoming.validated_data)
+        if "notice_seconds" not in values:
+            values["notice_seconds"] = services.default_notice_seconds(
+                values.get("grace_seconds", PriorityClass._meta.get_field("grace_seconds").default)
+            )
         saved = services.priority_class_save(
-            actor=request.user, priority_class=PriorityClass(**incoming.validated_data)
+            actor=request.user, priority_class=PriorityClass(**values)
         )
         return Response(PriorityClassSerializer(saved).data, status=status.HTTP_201_CREATED)
 

@@ -205,6 +205,7 @@ PROTOCOL_CALLS = (
     "forget",
     "guard_victims",
     "publish_preemption_risk",
+    "notice",
 )
 RuntimeClass = TypeVar("RuntimeClass", bound=type)
 Classify = Callable[[Exception], type[RuntimeTemporaryError] | type[RuntimePermanentError] | None]

@@ -74,6 +74,11 @@ from preemption.runtimes.base import (
     translate_errors,
 )
 
+# The trap's notice poll (gracetrap.protocol.NOTICE_POLL_ENV and NOTICE_POLL_SECONDS):
+# pods cannot be signalled, so the trap asks the events URL for the notice this often.
+NOTICE_POLL_ENV = "QM_NOTICE_POLL_SECONDS"
+NOTICE_POLL_SECONDS = 0.5
+
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "quartermaster"
 GANG_LABEL = "quartermaster.dev/gang"
@@ -289,6 +294,10 @@ class KubernetesRuntime:
     """Runs gangs as pods on a Kubernetes cluster through the API server."""
 
     name = "kubernetes"
+    # Pods cannot be signalled but by their eviction, so the checkpoint notice is
+    # an answer on the trap's events channel, which the ranks poll (see
+    # preemption.notice); launch() tells them to.
+    notice_delivery = "poll"
 
     def __init__(
         self, api_client: client.ApiClient, settings: KubernetesRuntimeConfig | None = None
@@ -569,6 +578,7 @@ class KubernetesRuntime:
             {"name": "MASTER_ADDR", "value": master_addr},
             {"name": "MASTER_PORT", "value": str(self.settings.master_port)},
             {"name": "OMP_NUM_THREADS", "value": "1"},
+            {"name": NOTICE_POLL_ENV, "value": f"{NOTICE_POLL_SECONDS:g}"},
             {
                 "name": EVENTS_TOKEN_KEY,
                 "valueFrom": {"secretKeyRef": {"name": f"{name}-events", "key": EVENTS_TOKEN_KEY}},
@@ -738,7 +748,12 @@ class KubernetesRuntime:
                 gang_name(gang), namespace, {"metadata": {"annotations": annotations}}
             )
 
-    # -- signal and kill -------------------------------------------------------
+    # -- notice, signal and kill ----------------------------------------------
+    def notice(self, gang: GangId, signal_name: str) -> None:
+        """Nothing to send: the ranks learn of the notice when they next poll the
+        events endpoint, which answers from the notice the reconciler recorded."""
+        del gang, signal_name
+
     def signal(self, gang: GangId, grace_seconds: float) -> None:
         """Evict every rank at once with ``gracePeriodSeconds``; retry 429 with backoff.
 

@@ -53,7 +53,10 @@ from preemption.runtimes.records import (
 # then exits with that command's status, so a workload that stops cleanly records 0 and
 # later commands of the same line do not run. Caught signals are reset on exec, so the
 # workload still gets the default SIGTERM behaviour unless it installs a handler.
-SHELL_PREFIX = "trap 'exit $?' TERM\n"
+# The checkpoint notice (SIGUSR2, sent to the whole process group) would end the shell
+# too; caught with a no-op, it leaves the shell waiting, and its children still start
+# with the default action, which the trap replaces with its own handler.
+SHELL_PREFIX = "trap 'exit $?' TERM\ntrap : USR2\n"
 
 # Exit code recorded when the command could not even be started (as the shell does).
 EXIT_NOT_STARTED = 127

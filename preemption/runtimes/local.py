@@ -132,6 +132,9 @@ LAUNCHER_TIMEOUT_SECONDS = 60.0
 
 ENDED_PHASES = ("exited", "lost")
 
+# The notice signal the rank's shell wrapper survives (launcher.SHELL_PREFIX traps it).
+NOTICE_SIGNALS = frozenset({"SIGUSR2"})
+
 # The lowest master port the runtime picks (see LocalRuntime._choose_master_port).
 MASTER_PORT_FLOOR = 20000
 
@@ -158,6 +161,8 @@ class LocalRuntime:
     name = "local"
     # A local rank ends only by itself or by the control plane's own signal.
     gang_guard: GangGuard | None = None
+    # The checkpoint notice reaches a rank as the signal its trap announced.
+    notice_delivery = "signal"
 
     def __init__(
         self,
@@ -262,6 +267,35 @@ class LocalRuntime:
             # nobody else will send it.
             for pgid in groups:
                 _signal_group(pgid, signals.SIGTERM)
+
+    def notice(self, gang: GangId, signal_name: str) -> None:
+        """Send the checkpoint notice signal to every started, live rank's process group.
+
+        Unlike SIGTERM it is neither recorded nor claimed: a repeat is harmless (the
+        trap treats copies within a second of its answer as the same notice), and a
+        rank that has not started yet has nothing to checkpoint.
+        """
+        if signal_name not in NOTICE_SIGNALS:
+            raise RuntimePermanentError(
+                f"{signal_name!r} is not a notice signal this runtime sends "
+                f"({', '.join(sorted(NOTICE_SIGNALS))})"
+            )
+        signum = getattr(signals, signal_name)
+        gang_dir = self.gang_dir(gang)
+        record = read_record(gang_dir / GANG_FILE)
+        if record is None:
+            return
+        groups: list[int] = []
+        for rank in range(len(record["ranks"])):
+            rank_dir = gang_dir / str(rank)
+            if not rank_dir.is_dir() or (rank_dir / EXIT_FILE).exists():
+                continue
+            started = read_record(rank_dir / STARTED_FILE)
+            if started is not None:
+                groups.append(int(started["pgid"]))
+        # Read every record first, then signal in one tight loop, as signal() does.
+        for pgid in groups:
+            _signal_group(pgid, signum)
 
     def kill(self, gang: GangId) -> None:
         """SIGKILL every live rank's process group and every leftover process of the gang."""

@@ -163,6 +163,9 @@ class MimicRuntime:
         """Mimicked ranks bind no ports."""
         return []
 
+    def publish_preemption_risk(self, gang: GangId, mtbp_seconds: float, *, team: str) -> None:
+        """Nothing runs, so no rank reads a cadence hint: there is nothing to hand over."""
+
     def forget(self, gang: GangId) -> None:
         """Move a finished gang's record aside; a gang still running cannot be forgotten."""
         record = read_record(self._live(gang))

@@ -123,6 +123,13 @@ def test_the_json_document_keeps_its_schema() -> None:
         "restart_max_abs_diff": 0.0,
         "recovery_seconds": 12.0,
         "utilization": 0.8,
+        # Added with the checkpoint notice; older documents lack them.
+        "notice": False,
+        "notice_committed": False,
+        "lost_gpu_seconds": None,
+        "time_to_free_seconds": None,
+        "stall_sync_seconds": None,
+        "stall_async_seconds": None,
         "passed": True,
     }
 

@@ -144,6 +144,7 @@ def test_the_admin_edits_a_class_minimum_per_reason(world: Any, client: Any) -> 
         "preemption_policy": world.batch.preemption_policy,
         "preemptible": "on",
         "grace_seconds": world.batch.grace_seconds,
+        "notice_seconds": world.batch.notice_seconds,
         "min_runtime_seconds": 0,
         "reclaim_min_runtime_seconds": "-5",
         "description": "",

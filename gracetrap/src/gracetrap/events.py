@@ -4,6 +4,10 @@ The stdout line is the record that counts: after a rank exits, the runtime inges
 the ``QM_EVENT`` lines from its log, so an event whose POST was lost still arrives.
 The POST only makes the portal learn about it sooner, which is why it runs in a
 background thread with a short timeout and why its failures are swallowed.
+
+The same channel carries the checkpoint notice the other way where the runtime cannot
+signal its ranks (``QM_NOTICE_POLL_SECONDS``): ``NoticePoller`` asks the events URL
+by GET, with the same token, until the answer says a notice was sent.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any, TextIO
 
 from gracetrap_protocol import EVENT_NAMES, EVENT_PREFIX
 
-__all__ = ["EVENT_NAMES", "EVENT_PREFIX", "EventReporter", "parse_event_line"]
+__all__ = ["EVENT_NAMES", "EVENT_PREFIX", "EventReporter", "NoticePoller", "parse_event_line"]
 
 POST_TIMEOUT_SECONDS = 2.0
 
@@ -115,3 +119,61 @@ class EventReporter:
                     self.posts_sent += 1
                 else:
                     self.posts_failed += 1
+
+
+class NoticePoller:
+    """Asks the events URL for a checkpoint notice every ``interval`` seconds, in a
+    daemon thread, and calls ``on_notice`` once, with the time the answer came, when
+    the answer is ``{"notice": true, ...}``; then it stops. An answer that fails or
+    says anything else is asked again at the next tick: a poll never stops training.
+    """
+
+    def __init__(
+        self,
+        *,
+        events_url: str,
+        events_token: str,
+        interval: float,
+        on_notice: Callable[[float], None],
+    ) -> None:
+        if interval <= 0:
+            raise ValueError("the poll interval must be positive")
+        self.events_url = events_url
+        self.events_token = events_token
+        self.interval = interval
+        self.polls = 0
+        self._on_notice = on_notice
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gracetrap-notice", daemon=True)
+
+    def start(self) -> NoticePoller:
+        """Start polling; returns self."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop polling (a poll in flight ends within its timeout, unseen)."""
+        self._stopped.set()
+
+    def ask(self) -> bool:
+        """One poll: True when the answer says a notice was sent."""
+        request = urllib.request.Request(
+            self.events_url,
+            headers={"Authorization": f"Bearer {self.events_token}", "Accept": "application/json"},
+            method="GET",
+        )
+        self.polls += 1
+        try:
+            with urllib.request.urlopen(request, timeout=POST_TIMEOUT_SECONDS) as response:
+                answer = json.loads(response.read() or b"null")
+        except Exception:
+            # The portal may be restarting or the token refused: ask again next time.
+            return False
+        return isinstance(answer, dict) and answer.get("notice") is True
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            if self.ask():
+                if not self._stopped.is_set():
+                    self._on_notice(time.time())
+                return

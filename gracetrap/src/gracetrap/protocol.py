@@ -23,6 +23,11 @@ NOTICE_SIGNAL_ENV = "QM_NOTICE_SIGNAL"
 MTBP_ENV = "QM_PREEMPTION_MTBP"
 MTBP_FILE_ENV = "QM_PREEMPTION_MTBP_FILE"
 ASYNC_SAVES_ENV = "QM_ASYNC_SAVES"
+# Set by a runtime that cannot signal its ranks (Kubernetes): the trap asks for the
+# checkpoint notice by GET on QM_EVENTS_URL, with QM_EVENTS_TOKEN, every this many
+# seconds. Twice a second keeps the notice within the second the protocol promises.
+NOTICE_POLL_ENV = "QM_NOTICE_POLL_SECONDS"
+NOTICE_POLL_SECONDS = 0.5
 
 DEFAULT_NOTICE_SIGNAL = signal.SIGUSR2
 _OFF = frozenset({"0", "off", "no", "none", "false"})
@@ -57,6 +62,20 @@ def parse_notice_signal(value: str | int | None) -> signal.Signals | None:
         return signal.Signals[name]
     except KeyError:
         raise ValueError(f"{NOTICE_SIGNAL_ENV}={value!r} is not a signal name") from None
+
+
+def parse_poll_seconds(value: str | None) -> float | None:
+    """The notice poll interval from ``QM_NOTICE_POLL_SECONDS``: None (no polling) when
+    unset, empty or ``off``; otherwise a positive number of seconds."""
+    if value is None or not value.strip() or value.strip().lower() in _OFF:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{NOTICE_POLL_ENV}={value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{NOTICE_POLL_ENV}={value!r} must be a positive number of seconds")
+    return seconds
 
 
 def parse_flag(name: str, value: str | None) -> bool | None:

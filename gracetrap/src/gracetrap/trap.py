@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from gracetrap import checkpoints, protocol
-from gracetrap.events import POST_TIMEOUT_SECONDS, EventReporter
+from gracetrap.events import POST_TIMEOUT_SECONDS, EventReporter, NoticePoller
 from gracetrap.ports import release_rendezvous_port
 from gracetrap.state import Stateful, adapt_state, capture_rng_state, restore_rng_state
 
@@ -324,6 +324,7 @@ class Trap:
         self._notice_at: float | None = None
         self._notice_reported = False
         self._notice_answered_at = -math.inf
+        self._notice_by_poll = False
         self._pending: _BackgroundSave | None = None
         self._save_group: Any = None
         self._stall_seconds: list[float] = []
@@ -347,12 +348,14 @@ class Trap:
         if self.notice_signal is not None:
             self._previous_handlers[self.notice_signal] = signal.getsignal(self.notice_signal)
             signal.signal(self.notice_signal, self._on_notice)
+        self._poller = self._start_notice_poll()
         # Tells the scheduler which parts of the protocol this trap speaks: only a trap
         # that announced a notice signal is sent one (its default action would kill).
         self.events.emit(
             "trap_ready",
             protocol=protocol.PROTOCOL_VERSION,
             notice_signal=self.notice_signal.name if self.notice_signal is not None else None,
+            notice_poll=self._notice_by_poll,
             async_saves=self.async_saves,
             mtbp_seconds=self.mtbp_seconds(),
         )
@@ -380,6 +383,28 @@ class Trap:
             return
         if self._notice_at is None:
             self._notice_at = now
+            self._notice_reported = False
+
+    def _start_notice_poll(self) -> NoticePoller | None:
+        """Where the runtime cannot signal the ranks (``QM_NOTICE_POLL_SECONDS``), rank 0
+        asks the events URL for the notice; the all-reduce in ``should_stop`` takes it
+        to the other ranks, so one asking rank per gang is enough."""
+        interval = protocol.parse_poll_seconds(_env(protocol.NOTICE_POLL_ENV))
+        url, token = self.events.events_url, self.events.events_token
+        # Every rank takes a polled notice (from rank 0, through the all-reduce).
+        self._notice_by_poll = interval is not None and url is not None and token is not None
+        if interval is None or url is None or token is None or (_env_int("RANK") or 0) != 0:
+            return None
+        return NoticePoller(
+            events_url=url, events_token=token, interval=interval, on_notice=self._notice_polled
+        ).start()
+
+    def _notice_polled(self, at: float) -> None:
+        # Runs in the poll thread: the same path as the notice signal's handler.
+        if at <= self._notice_answered_at + protocol.NOTICE_COALESCE_SECONDS:
+            return
+        if self._notice_at is None:
+            self._notice_at = at
             self._notice_reported = False
 
     def _report_notice(self) -> None:
@@ -980,6 +1005,8 @@ class Trap:
 
         Safe to call without a process group and more than once.
         """
+        if self._poller is not None:
+            self._poller.stop()
         self.wait_for_save()
         if not (dist.is_available() and dist.is_initialized()):
             return
@@ -1027,6 +1054,8 @@ class Trap:
         if self._closed:
             return
         self._closed = True
+        if self._poller is not None:
+            self._poller.stop()
         self.wait_for_save()
         self._wait_for_pruning()
         self.restore_signal_handlers()

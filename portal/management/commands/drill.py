@@ -35,12 +35,19 @@ class Command(BaseCommand):
             help="repeat N times with random disturbances",
         )
         parser.add_argument(
-            "--steps", type=int, default=60, help="training steps of the borrower's job"
+            "--steps", type=int, default=120, help="training steps of the borrower's job"
         )
         parser.add_argument(
             "--critical-seconds", type=float, default=30.0, help="how long the critical job runs"
         )
         parser.add_argument("--seed", type=int, default=None, help="seed of the chaos choices")
+        parser.add_argument(
+            "--notice",
+            choices=["on", "off", "both"],
+            default="on",
+            help="the checkpoint notice before the eviction: on, off, or both to compare "
+            "(chaos rounds alternate)",
+        )
         parser.add_argument(
             "--json", dest="json_path", default=None, help="write the result as JSON here"
         )
@@ -56,6 +63,7 @@ class Command(BaseCommand):
                 seed=options["seed"],
                 steps=options["steps"],
                 critical_seconds=options["critical_seconds"],
+                notice=options["notice"],
                 say=lambda line: self.stdout.write(line),
             )
         except DrillError as exc:
@@ -65,6 +73,21 @@ class Command(BaseCommand):
             Path(options["json_path"]).parent.mkdir(parents=True, exist_ok=True)
             Path(options["json_path"]).write_text(text + "\n")
         self.stdout.write(text)
+        compared = result.notice_figures()
+        if compared is not None:
+            lost, free = compared["lost_gpu_seconds"], compared["time_to_free_seconds"]
+            stall_sync, stall_async = (
+                compared["stall_sync_seconds"],
+                compared["stall_async_seconds"],
+            )
+            self.stdout.write(
+                "checkpoint notice, with vs without: "
+                f"lost GPU-seconds {lost['with']} vs {lost['without']} "
+                f"(share {compared['lost_work_share']}); "
+                f"decision to GPUs free {free['with']} s vs {free['without']} s; "
+                f"stall per checkpoint {stall_async['with']} s in the background "
+                f"vs {stall_sync['without']} s synchronous"
+            )
         verdict = "PASSED" if result.passed else "FAILED"
         style = self.style.SUCCESS if result.passed else self.style.ERROR
         self.stdout.write(style(f"drill {verdict}"))

@@ -506,6 +506,35 @@ case(
 )
 case(
     "GET",
+    "/api/v1/jobs/{id}/events/",
+    Case(
+        "the notice poll with the job's token",
+        "GET",
+        lambda w, o: f"{V1}/jobs/{o.job_v.pk}/events/",
+        {p: 200 for p in PERSONAS},
+        headers=lambda w, o: {"HTTP_AUTHORIZATION": f"Bearer {attempt_events_token(o.attempt_v)}"},
+        session=True,
+    ),
+    Case(
+        "the notice poll with another job's token",
+        "GET",
+        lambda w, o: f"{V1}/jobs/{o.job_v.pk}/events/",
+        {p: 403 for p in PERSONAS},
+        headers=lambda w, o: {
+            "HTTP_AUTHORIZATION": f"Bearer {attempt_events_token(o.attempt_ops)}"
+        },
+        session=True,
+    ),
+    Case(
+        "the notice poll without a token",
+        "GET",
+        lambda w, o: f"{V1}/jobs/{o.job_v.pk}/events/",
+        {p: 403 for p in PERSONAS},
+        session=True,
+    ),
+)
+case(
+    "GET",
     "/api/v1/jobs/{id}/logs/",
     Case("vision job", "GET", lambda w, o: f"{V1}/jobs/{o.job_v.pk}/logs/?rank=0", VISION_READ),
 )
