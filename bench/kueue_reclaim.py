@@ -176,11 +176,11 @@ class WorkloadWatch:
         by_class: dict[str, dict[str, float]] = {}
         for h in victims:
             entry = by_class.setdefault(
-                h.class_name, {"victims": 0, "evictions": 0, "lost_unit_s": 0.0}
+                h.class_name, {"victims": 0, "evictions": 0, "lost_gpu_seconds": 0.0}
             )
             entry["victims"] += 1
             entry["evictions"] += len(h.evictions)
-            entry["lost_unit_s"] += sum(e.ran_s * e.request for e in h.evictions)
+            entry["lost_gpu_seconds"] += sum(e.ran_s * e.request for e in h.evictions)
         reasons: dict[str, int] = {}
         for e in evictions:
             reasons[e.reason] = reasons.get(e.reason, 0) + 1
@@ -188,7 +188,7 @@ class WorkloadWatch:
             "workloads_seen": len(self.workloads),
             "evictions": len(evictions),
             "victims": len(victims),
-            "lost_unit_s": round(sum(e.ran_s * e.request for e in evictions), 1),
+            "lost_gpu_seconds": round(sum(e.ran_s * e.request for e in evictions), 1),
             "eviction_reasons": reasons,
             "by_class": by_class,
         }

@@ -257,6 +257,8 @@ def run_kueue(
         output_dir = (
             REPO_ROOT / "var" / "bench" / "kueue" / f"{generator_config.parent.name}-{stamp}"
         )
+    # The runner works in the module's folder: it must get an absolute output folder.
+    output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     src = kueue_dir / "src"
     command = [

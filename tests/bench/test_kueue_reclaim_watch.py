@@ -60,9 +60,9 @@ def test_work_since_admission_is_lost_at_each_eviction() -> None:
     assert figures["workloads_seen"] == 2
     assert figures["victims"] == 1
     assert figures["evictions"] == 2
-    assert figures["lost_unit_s"] == pytest.approx((12 + 3) * 10)
+    assert figures["lost_gpu_seconds"] == pytest.approx((12 + 3) * 10)
     assert figures["eviction_reasons"] == {"Preempted": 2}
-    assert figures["by_class"]["borrower"]["lost_unit_s"] == pytest.approx(150)
+    assert figures["by_class"]["borrower"]["lost_gpu_seconds"] == pytest.approx(150)
 
 
 def test_an_eviction_before_any_admission_loses_nothing() -> None:
@@ -75,4 +75,4 @@ def test_requests_in_millicores_are_read_as_units() -> None:
     watch = WorkloadWatch(Path("kubeconfig-never-read"))
     watch.observe(workload("a", ADMITTED, cpu="2500m"), 10.0)
     watch.observe(workload("a", ADMITTED, EVICTED, cpu="2500m"), 14.0)
-    assert watch.figures()["lost_unit_s"] == pytest.approx(10.0)
+    assert watch.figures()["lost_gpu_seconds"] == pytest.approx(10.0)
