@@ -88,3 +88,34 @@ def test_configs_are_found_by_name_in_the_module_or_by_path(tmp_path: Path) -> N
         resolve_config(kueue_dir, "large-scale")
     with pytest.raises(KueueRunError, match="does not exist"):
         resolve_config(kueue_dir, str(tmp_path / "absent.yaml"))
+
+
+def test_usage_over_several_queue_classes_uses_the_whole_window(tmp_path: Path) -> None:
+    # Borrowers hold 80 of the owners' 40 + borrowers' 10 units for 10 s of a 20-s run.
+    summary = SUMMARY.replace(
+        """  cq:
+    cpuAverageUsage: 43584
+    cpuUsed: 1500000000
+    firstEventTime: "2026-12-01T17:11:45.000000000Z"
+    lastEventTime: "2026-12-01T17:12:35.123456789Z"
+    nominalQuota: 60000
+""",
+        """  borrower:
+    cpuUsed: 800000000
+    firstEventTime: "2026-12-01T17:00:00Z"
+    lastEventTime: "2026-12-01T17:00:10Z"
+    nominalQuota: 10000
+  owner:
+    cpuUsed: 400000000
+    firstEventTime: "2026-12-01T17:00:00Z"
+    lastEventTime: "2026-12-01T17:00:20Z"
+    nominalQuota: 40000
+""",
+    )
+    lay_out(tmp_path)
+    (tmp_path / "summary.yaml").write_text(summary)
+    result = parse_results(tmp_path)
+    assert result["usage_by_class"]["borrower"] == pytest.approx(8.0)  # 80 units on a quota of 10
+    assert result["usage_by_class"]["owner"] == pytest.approx(0.5)
+    # 1.2e9 mCPU·ms over 50 units for 20 s.
+    assert result["usage"] == pytest.approx(1.2e9 / (50000 * 20000))
