@@ -3,7 +3,7 @@
 Builds Kueue's runner and minimalkueue (tools/kueue/build.sh) and the test
 control plane (tools/k8s/build.sh), runs Kueue's test on a generator config it
 ships, then the same config through the whole Quartermaster control plane
-(bench/kueue_qm.py), one after the other so neither competes with the other for
+(bench/kueue_qm.py, on a fresh database), one after the other so neither competes with the other for
 the CPU, and prints one table with both sides' figures and their ratio
 (bench/README.md says how to read it).
 
@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.kueue_qm import run_quartermaster  # noqa: E402
+from bench.kueue_qm import run_on_fresh_database  # noqa: E402
 
 from bench.kueue_side import (  # noqa: E402
     KueueRunError,
@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"Kueue done in {time.monotonic() - started:.0f} s; {_load()}", flush=True)
     started = time.monotonic()
-    quartermaster = run_quartermaster(config)
+    # A database of its own, created, migrated and dropped around the run.
+    quartermaster = run_on_fresh_database(config)
     print(f"Quartermaster done in {time.monotonic() - started:.0f} s; {_load()}", flush=True)
 
     print()
