@@ -9,7 +9,7 @@ TEST_DATABASE_URL ?= postgres://quartermaster:quartermaster@127.0.0.1:5432/quart
 TEST_BROKER_URL ?= redis://127.0.0.1:6379/0
 TEST_ENV := DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) QM_VAR_DIR=$(CURDIR)/var/test
 
-.PHONY: run test lint bench venv services k8s wheel drill clean
+.PHONY: run test lint bench bench-kueue venv services k8s wheel drill clean
 
 $(STAMP): pyproject.toml gracetrap/pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -59,6 +59,14 @@ bench: venv services k8s
 	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) bench/bench_cycle.py
 	$(PY) bench/bench_submit.py
 	$(PY) bench/bench_k8s.py
+
+## bench-kueue: Kueue's own scalability test (built from the Go module proxy) and Quartermaster
+## on the same generator config, in one run, as one side-by-side table (bench/README.md);
+## KUEUE_CONFIG=large-scale or KUEUE_CONFIG=path/to/generator.yaml picks another config
+KUEUE_CONFIG ?= baseline
+bench-kueue: venv services k8s
+	@bash tools/kueue/build.sh
+	$(TEST_ENV) $(PY) bench/bench_kueue.py --config $(KUEUE_CONFIG)
 
 drill: venv
 	$(PY) manage.py migrate --noinput -v0

@@ -1,0 +1,158 @@
+"""The side-by-side table of ``make bench-kueue``: Kueue's figures, Quartermaster's, and their ratio.
+
+Both sides hand in a dict of the same shape (``bench/kueue_side.py`` for Kueue,
+``bench/kueue_qm.py`` for Quartermaster)::
+
+    {"total_s": float, "usage": float (0..1), "preemptions": int,
+     "admission": {class_name: {"mean_s": float, "p50_s": float, "p99_s": float}}}
+
+The ratio column is always Quartermaster / Kueue, so below 1 means Quartermaster
+took less time (or, for usage, kept less of the quota busy). Rows with a goal
+(issue 18: total time and each class's mean time to admission at most half of
+Kueue's) say whether the goal was met.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Quartermaster / Kueue at or below this meets the goal of a timed row.
+TIME_GOAL_RATIO = 0.5
+MISSING = "-"
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    kueue: float | None
+    quartermaster: float | None
+    unit: str
+    # The largest Quartermaster / Kueue ratio that meets the row's goal, if it has one.
+    goal_ratio: float | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        if self.kueue is None or self.quartermaster is None:
+            return None
+        if not _finite(self.kueue) or not _finite(self.quartermaster):
+            return None
+        if self.kueue == 0:
+            return None
+        return self.quartermaster / self.kueue
+
+    @property
+    def verdict(self) -> str:
+        if self.goal_ratio is None:
+            return ""
+        ratio = self.ratio
+        if ratio is None:
+            return "no figure"
+        return "met" if ratio <= self.goal_ratio else "missed"
+
+
+def _finite(value: float) -> bool:
+    return not math.isnan(value) and not math.isinf(value)
+
+
+def _admission(side: dict[str, Any], cls: str, key: str) -> float | None:
+    figures = (side.get("admission") or {}).get(cls)
+    if figures is None or figures.get(key) is None:
+        return None
+    return float(figures[key])
+
+
+def _class_order(kueue: dict[str, Any], quartermaster: dict[str, Any]) -> list[str]:
+    """Classes from both sides, those Kueue reports first and in its order."""
+    ordered = list(kueue.get("admission") or {})
+    ordered += [c for c in (quartermaster.get("admission") or {}) if c not in ordered]
+    return ordered
+
+
+def comparison_rows(kueue: dict[str, Any], quartermaster: dict[str, Any]) -> list[Row]:
+    rows = [
+        Row(
+            "total time",
+            kueue.get("total_s"),
+            quartermaster.get("total_s"),
+            "s",
+            TIME_GOAL_RATIO,
+        )
+    ]
+    for cls in _class_order(kueue, quartermaster):
+        for key, name, goal in (
+            ("mean_s", "mean", TIME_GOAL_RATIO),
+            ("p50_s", "p50", None),
+            ("p99_s", "p99", None),
+        ):
+            rows.append(
+                Row(
+                    f"{cls}: time to admission, {name}",
+                    _admission(kueue, cls, key),
+                    _admission(quartermaster, cls, key),
+                    "s",
+                    goal,
+                )
+            )
+    usage_k = kueue.get("usage")
+    usage_q = quartermaster.get("usage")
+    rows.append(
+        Row(
+            "cluster usage",
+            None if usage_k is None else usage_k * 100,
+            None if usage_q is None else usage_q * 100,
+            "%",
+        )
+    )
+    rows.append(Row("preemptions", kueue.get("preemptions"), quartermaster.get("preemptions"), ""))
+    return rows
+
+
+def _cell(value: float | None, unit: str) -> str:
+    if value is None or not _finite(value):
+        return MISSING
+    if unit == "":
+        return f"{value:.0f}"
+    if unit == "%":
+        return f"{value:.1f} %"
+    return f"{value:.2f} {unit}" if value < 10 else f"{value:.1f} {unit}"
+
+
+def format_table(
+    kueue: dict[str, Any],
+    quartermaster: dict[str, Any],
+    *,
+    title: str = "",
+) -> str:
+    """The table as text, one row per figure, with the ratio and the goal's verdict."""
+    header = ("figure", "Kueue", "Quartermaster", "QM / Kueue", "goal")
+    body = []
+    for row in comparison_rows(kueue, quartermaster):
+        ratio = row.ratio
+        goal = ""
+        if row.goal_ratio is not None:
+            goal = f"<= {row.goal_ratio:.2f}: {row.verdict}"
+        body.append(
+            (
+                row.label,
+                _cell(row.kueue, row.unit),
+                _cell(row.quartermaster, row.unit),
+                MISSING if ratio is None else f"{ratio:.2f}",
+                goal,
+            )
+        )
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+
+    def line(cells: tuple[str, ...]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = [cell.rjust(width) for cell, width in zip(cells[1:4], widths[1:4], strict=True)]
+        return "  ".join([first, *rest, cells[4]]).rstrip()
+
+    out = []
+    if title:
+        out.append(title)
+    out.append(line(header))
+    out.append("  ".join("-" * w for w in widths))
+    out.extend(line(cells) for cells in body)
+    return "\n".join(out)

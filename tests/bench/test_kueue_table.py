@@ -1,0 +1,104 @@
+"""The side-by-side table of bench/bench_kueue.py: pure logic over the two sides' dicts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.kueue_side import percentile
+from bench.kueue_table import comparison_rows, format_table
+
+KUEUE = {
+    "total_s": 368.0,
+    "usage": 0.57,
+    "preemptions": 12,
+    "admission": {
+        "large": {"mean_s": 9.4, "p50_s": 8.0, "p99_s": 30.0},
+        "medium": {"mean_s": 81.9, "p50_s": 80.0, "p99_s": 160.0},
+        "small": {"mean_s": 223.8, "p50_s": 220.0, "p99_s": 330.0},
+    },
+}
+QUARTERMASTER = {
+    "total_s": 120.0,
+    "usage": 0.80,
+    "preemptions": 3,
+    "admission": {
+        "large": {"mean_s": 6.0, "p50_s": 5.0, "p99_s": 20.0},
+        "medium": {"mean_s": 30.0, "p50_s": 29.0, "p99_s": 70.0},
+        "small": {"mean_s": 150.0, "p50_s": 140.0, "p99_s": 200.0},
+    },
+}
+
+
+def rows_by_label() -> dict[str, object]:
+    return {row.label: row for row in comparison_rows(KUEUE, QUARTERMASTER)}
+
+
+def test_ratios_are_quartermaster_over_kueue() -> None:
+    rows = rows_by_label()
+    assert rows["total time"].ratio == pytest.approx(120 / 368)
+    assert rows["medium: time to admission, p99"].ratio == pytest.approx(70 / 160)
+    assert rows["cluster usage"].kueue == pytest.approx(57.0)
+    assert rows["cluster usage"].ratio == pytest.approx(0.80 / 0.57)
+    assert rows["preemptions"].ratio == pytest.approx(3 / 12)
+
+
+def test_goal_verdicts_on_total_and_mean_times_only() -> None:
+    rows = rows_by_label()
+    assert rows["total time"].verdict == "met"  # 0.33
+    assert rows["large: time to admission, mean"].verdict == "missed"  # 0.64
+    assert rows["medium: time to admission, mean"].verdict == "met"  # 0.37
+    assert rows["small: time to admission, mean"].verdict == "missed"  # 0.67
+    assert rows["small: time to admission, p99"].verdict == ""
+    assert rows["cluster usage"].verdict == ""
+
+
+def test_a_class_only_one_side_reports_shows_no_ratio() -> None:
+    quartermaster = {
+        **QUARTERMASTER,
+        "admission": {**QUARTERMASTER["admission"], "owner": {"mean_s": 1.0}},
+    }
+    rows = {row.label: row for row in comparison_rows(KUEUE, quartermaster)}
+    owner = rows["owner: time to admission, mean"]
+    assert owner.kueue is None and owner.quartermaster == 1.0
+    assert owner.ratio is None and owner.verdict == "no figure"
+    # Kueue's classes come first, in Kueue's order.
+    labels = [row.label for row in comparison_rows(KUEUE, quartermaster)]
+    assert labels.index("small: time to admission, p99") < labels.index(
+        "owner: time to admission, mean"
+    )
+
+
+def test_zero_or_missing_kueue_figure_gives_no_ratio() -> None:
+    rows = {row.label: row for row in comparison_rows({**KUEUE, "preemptions": 0}, QUARTERMASTER)}
+    assert rows["preemptions"].ratio is None
+    rows = {
+        row.label: row for row in comparison_rows({**KUEUE, "total_s": math.nan}, QUARTERMASTER)
+    }
+    assert rows["total time"].ratio is None
+    assert rows["total time"].verdict == "no figure"
+
+
+def test_format_table_lines_up_and_names_both_systems() -> None:
+    text = format_table(KUEUE, QUARTERMASTER, title="baseline")
+    lines = text.splitlines()
+    assert lines[0] == "baseline"
+    assert lines[1].split()[:3] == ["figure", "Kueue", "Quartermaster"]
+    total = next(line for line in lines if line.startswith("total time"))
+    assert "368.0 s" in total and "120.0 s" in total and "0.33" in total and "<= 0.50: met" in total
+    usage = next(line for line in lines if line.startswith("cluster usage"))
+    assert "57.0 %" in usage and "80.0 %" in usage
+    # The figure columns are right-aligned under their headers on every row.
+    header_end = lines[1].index("Quartermaster") + len("Quartermaster")
+    for line in lines[3:]:
+        assert line[header_end - 1] != " ", line
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.50) == 50.0
+    assert percentile(values, 0.99) == 99.0
+    assert percentile([7.0], 0.99) == 7.0
+    with pytest.raises(ValueError):
+        percentile([], 0.5)
