@@ -26,7 +26,6 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.kueue_qm import run_on_fresh_database  # noqa: E402
-
 from bench.kueue_side import (  # noqa: E402
     KueueRunError,
     build_k8s,
