@@ -355,6 +355,8 @@ def _setup_world(expansion: Expansion) -> tuple[str, dict[str, Any]]:
                 preemption_policy=policy,
                 preemptible=True,
                 grace_seconds=5,
+                # Kueue evicts at once and its workloads keep no checkpoints.
+                notice_seconds=0,
             ),
         )
         for value, policy in sorted(expansion.policies.items())

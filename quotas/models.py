@@ -155,7 +155,11 @@ class PriorityClass(models.Model):
     )
     preemptible = models.BooleanField(default=True)
     grace_seconds = models.PositiveIntegerField(default=60)
-    notice_seconds = models.PositiveIntegerField(default=DEFAULT_NOTICE_SECONDS)
+    # A database default as well, so that code of the release before (which knows no
+    # such column) can still add classes during a deploy or after a rollback.
+    notice_seconds = models.PositiveIntegerField(
+        default=DEFAULT_NOTICE_SECONDS, db_default=DEFAULT_NOTICE_SECONDS
+    )
     min_runtime_seconds = models.PositiveIntegerField(default=0)
     priority_min_runtime_seconds = models.PositiveIntegerField(null=True, blank=True)
     fair_share_min_runtime_seconds = models.PositiveIntegerField(null=True, blank=True)

@@ -19,7 +19,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name="priorityclass",
             name="notice_seconds",
-            field=models.PositiveIntegerField(default=30),
+            field=models.PositiveIntegerField(db_default=30, default=30),
         ),
         migrations.RunPython(fit_inside_grace, migrations.RunPython.noop),
     ]
