@@ -54,9 +54,10 @@ DOMAIN_SEARCHES_PER_MODE = 2
 # by their minimum runtime: each repeats the workload's preemption searches.
 PROTECTION_SEARCHES_PER_PLAN = 16
 
-# The key of a queue in a pass's heap: (beyond its guarantee with its next job, usage
-# minus fair share, the next job's submission, queue name, queue index).
-QueueKey = tuple[bool, float, float, str, int]
+# The key of a queue in a pass's heap: (how far beyond the guarantees its next job goes,
+# as _guarantee_rank says, usage minus fair share, the next job's submission, queue
+# name, queue index).
+QueueKey = tuple[int, float, float, str, int]
 
 
 def _jobs_phrase(ids: list[str]) -> str:
@@ -227,11 +228,10 @@ class FlavorPlanner:
         heappush = heapq.heappush
         ledger = self.ledger
         usage = ledger.usage
-        guarantee = ledger.guarantee
         fair_share = ledger.fair_share
         boost = ledger.order_boost
         names = self.tree.names
-        beyond = self._beyond_guarantee
+        rank = self._guarantee_rank
         plan_job = self._plan_job
         while heap:
             queue = heappop(heap)[4]
@@ -249,7 +249,7 @@ class FlavorPlanner:
                 heappush(
                     heap,
                     (
-                        used + gpus > guarantee[queue] and beyond(queue, gpus),
+                        rank(queue, gpus),
                         below * boost[queue] if below < 0 else below,
                         head.workload.submitted_at,
                         names[queue],
@@ -267,12 +267,38 @@ class FlavorPlanner:
         below = usage - ledger.fair_share[queue]
         gpus = head.gpus
         return (
-            usage + gpus > ledger.guarantee[queue] and self._beyond_guarantee(queue, gpus),
+            self._guarantee_rank(queue, gpus),
             below * ledger.order_boost[queue] if below < 0 else below,
             head.workload.submitted_at,
             self.tree.names[queue],
             queue,
         )
+
+    def _guarantee_rank(self, queue: int, gpus: int) -> int:
+        """Where ``gpus`` more for ``queue`` stand in the order: 0 inside every
+        guarantee on its path (or inside an ancestor's unheld part, see
+        _beyond_guarantee), 1 inside the queue's own guarantee but beyond an
+        ancestor's, 2 beyond every guarantee.
+
+        A job inside its own guarantee can still take an ancestor beyond the ancestor's
+        guarantee when a sibling borrows that guarantee. Planned before another team's
+        job that fits inside all of its guarantees, it would take the free GPUs that
+        job needs; the other team could reclaim the sibling's borrowed work only in the
+        next cycle, once the new job runs (an admit-then-reclaim flap). Planned after
+        it, the job finds too few free GPUs and reclaims its sibling's work itself, in
+        this plan.
+        """
+        usage = self.ledger.usage
+        guarantee = self.ledger.guarantee
+        if usage[queue] + gpus <= guarantee[queue]:
+            parent = self.tree.parent
+            above = parent[queue]
+            while above >= 0:
+                if usage[above] + gpus > guarantee[above]:
+                    return 1
+                above = parent[above]
+            return 0
+        return 2 if self._beyond_guarantee(queue, gpus) else 0
 
     def _beyond_guarantee(self, queue: int, gpus: int) -> bool:
         """Whether ``gpus`` more would take ``queue`` beyond every guarantee on its path.

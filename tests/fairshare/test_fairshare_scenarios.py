@@ -96,6 +96,34 @@ RECLAIM = [
     w("p17").queue("q0").cls("high").submitted(862),
 ]
 
+# Found by test_no_flapping (shrunk): t1k0g1 runs w1 on the GPUs of its sibling t1k0g0's
+# idle guarantee; w3 terminates. t1k0g0's w8 fits inside its own guarantee but takes t1
+# beyond its guarantee, while t0k0g0's w6 fits inside every guarantee on its path. Planned
+# first (t1k0g0 is furthest below its fair share), w8 took n1's free GPUs and w3's; w6 then
+# found none and could not reclaim w1 in this plan (t1 ran only its guarantee before it),
+# so the next plan reclaimed w1 for w6 after all. Planned after w6, w8 reclaims w1 itself.
+N_4_16 = [Node("n0", "h100", 4), Node("n1", "h100", 16)]
+PARENT_OVER_LINE_QUEUES = [
+    team("t0"),
+    team("t0k0", "t0"),
+    team("t0k0g0", "t0k0", guarantee=5),
+    team("t0k0g1", "t0k0"),
+    team("t0k1", "t0"),
+    team("t0k2", "t0"),
+    team("t1"),
+    team("t1k0", "t1"),
+    team("t1k0g0", "t1k0", guarantee=8),
+    team("t1k0g1", "t1k0"),
+]
+PARENT_OVER_LINE = [
+    w("w0").queue("t0k0g0").cls("critical").submitted(1).running("n0", since=0),
+    w("w1").queue("t1k0g1").cls("high").gpus(8).submitted(1).running("n1", since=0),
+    w("w2").queue("t0k0g0").cls("critical").submitted(1),
+    w("w3").queue("t0k0g0").cls("critical").gpus(4).submitted(1).terminating("n1"),
+    *(w(f"w{i}").queue("t0k0g0").cls("critical").submitted(1) for i in (4, 5, 6, 7)),
+    w("w8").queue("t1k0g0").cls("critical").gpus(8).submitted(1),
+]
+
 
 @dataclass(frozen=True)
 class Case:
@@ -224,6 +252,7 @@ CASES = [
     Case("topology_required_waits_when_no_rack_has_room", RACKS, AB, [w("x").queue("b").gpus(4).running("n0"), w("y").queue("b").gpus(4).running("n2"), w("g").gang(3, 8).within("rack")], wait={"g": "no rack of flavor h100 has room for 3 ranks of 8 GPUs together"}),
     Case("topology_preferred_falls_back_to_any_nodes", RACKS, AB, [w("x").queue("b").gpus(8).running("n0"), w("y").queue("b").gpus(8).running("n2"), w("g").gang(2, 8).within("rack", required=False)], admit={"g"}, placement={"g": (("n1", 1), ("n3", 1))}),
     Case("inside_parent_guarantee_before_borrowing", N1, [team("a", guarantee=4), team("b", guarantee=4), team("bx", "b", guarantee=2), team("by", "b")], [w("hi").cls("high").gpus(1).running("n0", since=60), w("pin").cls("critical").gpus(4), w("bx0").queue("bx").cls("critical").gpus(2).running("n0"), w("x").queue("bx").cls("high").gpus(2)], admit={"x"}, preempt={"hi": "priority"}, wait={"pin": "waiting for 1 GPUs being released by job hi"}),
+    Case("inside_own_guarantee_beyond_parents_goes_after_work_inside_every_guarantee", N_4_16, PARENT_OVER_LINE_QUEUES, PARENT_OVER_LINE, admit={"w2", "w4", "w5", "w6"}, preempt={"w1": "reclaim"}, wait={"w8": "being released by jobs w3, w1", "w7": "non-preemptible work cannot run on borrowed GPUs"}),
     Case("unknown_flavor_waits_with_reason", N2, AB, [w("x").flavor("a100").gpus(1)], wait={"x": "no node of flavor a100 exists"}),
 ]
 # fmt: on
