@@ -212,6 +212,7 @@ def test_events_are_json_lines_with_the_protocol_fields() -> None:
         "at": ready["at"],
         "protocol": 1,
         "notice_signal": "SIGUSR2",
+        "notice_poll": False,
         "async_saves": False,
         "mtbp_seconds": None,
     }
