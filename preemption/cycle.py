@@ -170,7 +170,7 @@ def _admit(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
     if not admissions:
         return
     waiting = set(
-        Job.objects.select_for_update()
+        Job.objects.select_for_update(no_key=True)
         .filter(pk__in=admissions, state__in=[JobState.PENDING, JobState.REQUEUED])
         .order_by("pk")
         .values_list("pk", flat=True)
@@ -228,7 +228,7 @@ def _preempt(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> Non
         if job_id in open_attempts and open_attempts[job_id].pk not in stopping
     ]
     running = set(
-        Job.objects.select_for_update()
+        Job.objects.select_for_update(no_key=True)
         .filter(pk__in=candidates, state__in=[JobState.ADMITTED, JobState.RUNNING])
         .order_by("pk")
         .values_list("pk", flat=True)

@@ -376,7 +376,10 @@ def _decide(
     job = attempt.job
     now = timezone.now()
     # The job's row first, as the scheduling cycle locks it before anything of the job.
-    list(Job.objects.select_for_update().filter(pk=job.pk).values_list("pk", flat=True))
+    # FOR NO KEY UPDATE: it still lets trap events that refer to the job be written
+    # (their foreign key takes a KEY SHARE lock), which a full row lock would block
+    # while ingestion holds the ranks this pass waits for.
+    list(Job.objects.select_for_update(no_key=True).filter(pk=job.pk).values_list("pk", flat=True))
     ranks = {rank.index: rank for rank in Rank.objects.select_for_update().filter(attempt=attempt)}
     attempt.refresh_from_db(
         fields=["launched_at", "ended_at", "action", "action_claimed_at", "action_tries"]
