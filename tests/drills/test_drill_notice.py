@@ -10,27 +10,15 @@ from typing import Any
 import pytest
 
 from drills.harness import lost_gpu_seconds
-from drills.result import DrillResult, RoundFigures
+from drills.result import DrillResult
 from preemption.models import Attempt, PreemptionEvent, Rank, TrapEvent
 from telemetry.mission import MISSION
+from tests.drills.rounds import GOOD
 
-BASE = RoundFigures(
-    borrower_job=7,
-    critical_job=8,
-    borrower_state="succeeded",
-    signal_propagation_seconds=0.31,
-    signal_latency_seconds=[0.30, 0.31],
-    signals_received=2,
+BASE = replace(
+    GOOD,
     checkpoint_seconds=0.5,
     checkpoint_step=46,
-    checkpoint_committed=True,
-    outcome="graceful",
-    exit_codes=[0, 0],
-    orphaned_ports=0,
-    restart_integrity=True,
-    restart_max_abs_diff=0.0,
-    recovery_seconds=12.0,
-    utilization=0.8,
     lost_gpu_seconds=18.0,
     time_to_free_seconds=3.0,
     stall_sync_seconds=0.4,
