@@ -27,6 +27,7 @@ import hashlib
 import json
 import re
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 from django.conf import settings
@@ -39,7 +40,7 @@ from gracetrap_protocol import EVENT_NAMES
 from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, TrapEvent
 from preemption.notice import notice_committed_at
 from preemption.runtime import checkpoint_is_durable
-from preemption.wakeup import queue_reconcile
+from preemption.wakeup import send_reconcile
 
 MAX_EVENT_BYTES = 8192
 # Steps are stored in 32-bit columns and resume_step is the step after the last
@@ -264,14 +265,21 @@ def ingest_trap_events(*, attempt: Attempt, events: list[Any], source: str) -> t
     return accepted, duplicates
 
 
-def _evict_once_answered(attempt: Attempt) -> None:
-    """The last rank's commit of a notice's checkpoint: the eviction is due now."""
+def _evict_once_answered(attempt_id: int) -> None:
+    """After a notice's commit is stored: when every rank has committed, the eviction
+    is due now, not at the next periodic reconcile pass.
+
+    Checked once the storing transaction has committed: the ranks' commits arrive in
+    concurrent requests, and a check inside each transaction would not see the
+    others' rows, so the last two could each conclude that the other is missing.
+    """
     event = PreemptionEvent.objects.filter(
-        victim_attempt=attempt, notice_sent_at__isnull=False, signal_sent_at__isnull=True
+        victim_attempt_id=attempt_id, notice_sent_at__isnull=False, signal_sent_at__isnull=True
     ).first()
-    sent = event.notice_sent_at if event is not None else None
-    if sent is not None and notice_committed_at(attempt, sent) is not None:
-        queue_reconcile()
+    if event is None or event.notice_sent_at is None:
+        return
+    if notice_committed_at(event.victim_attempt, event.notice_sent_at) is not None:
+        send_reconcile()
 
 
 def _apply(job: Job, attempt: Attempt, stored: TrapEvent) -> None:
@@ -283,7 +291,7 @@ def _apply(job: Job, attempt: Attempt, stored: TrapEvent) -> None:
         ).update(signal_received_at=at)
     elif stored.event == "checkpoint_committed" and stored.step is not None:
         if payload.get("notice"):
-            _evict_once_answered(attempt)
+            transaction.on_commit(partial(_evict_once_answered, attempt.pk))
         # The folder the trap saves this step to; what the client names is
         # never recorded as a checkpoint's path.
         path = f"{job.checkpoint_dir}/step_{stored.step}" if job.checkpoint_dir else ""

@@ -81,14 +81,10 @@ def _send_if_first() -> None:
         logger.warning("could not queue an extra scheduling cycle", exc_info=True)
 
 
-def queue_reconcile() -> None:
-    """Ask for a reconcile pass once the current transaction commits: the last
-    rank of a victim committed the checkpoint its notice asked for, and its
-    eviction should not wait for the next periodic pass."""
-    transaction.on_commit(_send_reconcile)
-
-
-def _send_reconcile() -> None:
+def send_reconcile() -> None:
+    """Ask for a reconcile pass now: the last rank of a victim committed the
+    checkpoint its notice asked for, and its eviction should not wait for the next
+    periodic pass. Call it after the change it reports has committed."""
     try:
         current_app.send_task(RECONCILE_TASK, retry=False, expires=5)
     except Exception:

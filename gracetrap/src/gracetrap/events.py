@@ -63,6 +63,9 @@ class EventReporter:
         self._stream = stream
         self._in_flight = 0
         self._lock = threading.Lock()
+        # Background saves report their commit from their own thread: one line at a
+        # time on the stream. Reentrant, for a signal handler that runs in between.
+        self._write_lock = threading.RLock()
 
     def emit(self, event: str, *, at: float | None = None, **fields: Any) -> dict[str, Any]:
         """Record one event now; ``at`` defaults to the current Unix time."""
@@ -77,8 +80,9 @@ class EventReporter:
         text = json.dumps(payload)
         stream = self._stream if self._stream is not None else sys.stdout
         try:
-            stream.write(EVENT_PREFIX + text + "\n")
-            stream.flush()
+            with self._write_lock:
+                stream.write(EVENT_PREFIX + text + "\n")
+                stream.flush()
         except (OSError, ValueError):
             # A closed or broken stdout must not take training down with it.
             pass

@@ -801,6 +801,18 @@ class Trap:
             pending.seconds = seconds
             pending.nbytes = int(nbytes)
             pending.committed_at = time.time()
+            # Reported from here, not at the training thread's next step boundary:
+            # a scheduler waiting for a notice's commit evicts a step sooner.
+            self.events.emit(
+                "checkpoint_committed",
+                at=pending.committed_at,
+                step=pending.step,
+                bytes=pending.nbytes,
+                seconds=round(pending.seconds, 6),
+                stall=round(pending.stall, 6),
+                background=True,
+                notice=pending.notice,
+            )
         except BaseException as error:
             # Reported by the training thread at its next call into the trap.
             pending.error = error
@@ -808,7 +820,8 @@ class Trap:
             pending.done.set()
 
     def _poll_background(self) -> None:
-        """Report a background save that has finished (on the training thread)."""
+        """Take in a background save that has finished (on the training thread); its
+        commit was reported by the write thread, a failure is reported here."""
         pending = self._pending
         if pending is None or pending.reported or not pending.done.is_set():
             return
@@ -823,16 +836,6 @@ class Trap:
             return
         self._save_seconds.append(pending.seconds)
         self._committed_step = pending.step
-        self.events.emit(
-            "checkpoint_committed",
-            at=pending.committed_at,
-            step=pending.step,
-            bytes=pending.nbytes,
-            seconds=round(pending.seconds, 6),
-            stall=round(pending.stall, 6),
-            background=True,
-            notice=pending.notice,
-        )
         if self.rank() == 0:
             self._start_pruning()
 
