@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from pathlib import Path
 
 from celery import current_app
@@ -132,14 +133,19 @@ def runtime_problems() -> list[str]:
 
 
 def checkpoint_dir_for(job_id: int) -> str:
-    """Where a job's ranks write checkpoints, as the ranks see it.
+    """A new folder for a job's checkpoints, as the job's ranks see it: on
+    Kubernetes under the checkpoint volume's mount path; locally, in the shared
+    checkpoints folder.
 
-    On Kubernetes that is the checkpoint volume's mount path; locally, the
-    shared checkpoints folder.
+    The name carries a random part besides the job's id. The checkpoint store
+    outlives the database that numbers jobs (a restored backup, a reinstall that
+    keeps the volume), and a job must never resume from a `latest` that an
+    earlier job with the same number wrote, someone else's weights included.
     """
+    name = f"job-{job_id}-{secrets.token_hex(6)}"
     if settings.QM_RUNTIME == "kubernetes":
-        return f"{settings.QM_K8S_CHECKPOINT_MOUNT_PATH.rstrip('/')}/job-{job_id}"
-    return str(Path(settings.QM_CHECKPOINTS_DIR) / f"job-{job_id}")
+        return f"{settings.QM_K8S_CHECKPOINT_MOUNT_PATH.rstrip('/')}/{name}"
+    return str(Path(settings.QM_CHECKPOINTS_DIR) / name)
 
 
 def checkpoint_is_durable(path: str) -> bool:

@@ -6,6 +6,7 @@ path lies on the volume is pure, and ingestion asks the active runtime.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -69,10 +70,10 @@ def _committed(job: Job, step: int, **extra: Any) -> dict[str, Any]:
 
 def test_jobs_on_kubernetes_checkpoint_into_the_volume(world: Any, kubernetes: None) -> None:
     job = _job(world)
-    assert job.checkpoint_dir == f"/checkpoints/job-{job.pk}"
+    assert re.fullmatch(rf"/checkpoints/job-{job.pk}-[0-9a-f]{{12}}", job.checkpoint_dir)
     assert ingest_trap_event(attempt=_attempt(job), event=_committed(job, 7), source="post")
     checkpoint = Checkpoint.objects.get(job=job)
-    assert checkpoint.path == f"/checkpoints/job-{job.pk}/step_7"
+    assert checkpoint.path == f"{job.checkpoint_dir}/step_7"
     job.refresh_from_db()
     assert job.resume_step == 8
 
@@ -93,7 +94,7 @@ def test_a_path_the_rank_names_is_never_recorded(world: Any, kubernetes: None, w
         attempt=_attempt(job), event=_committed(job, 9, path=where), source="log"
     )
     [checkpoint] = Checkpoint.objects.filter(job=job)
-    assert checkpoint.path == f"/checkpoints/job-{job.pk}/step_9"
+    assert checkpoint.path == f"{job.checkpoint_dir}/step_9"
     assert where not in checkpoint.path
     # The event itself is kept: the job's history still shows what the rank said.
     assert job.trap_events.filter(event="checkpoint_committed").count() == 1
