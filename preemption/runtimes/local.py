@@ -211,7 +211,7 @@ class LocalRuntime:
                 # the old gang would mislead the control plane.
                 raise RuntimePermanentError(
                     f"gang {spec.gang} was already launched under {gang_dir} "
-                    "with another command or placement"
+                    "with another command, placement or checkpoint folder"
                 )
             if launched is not None:
                 # Listed before any keeper starts, so a gang with a live rank is listed.
@@ -823,9 +823,13 @@ def _placement_records(spec: GangSpec) -> list[dict[str, Any]]:
 
 
 def _same_gang(launched: dict[str, Any], spec: GangSpec) -> bool:
-    """True when the recorded gang has the spec's command and placement."""
+    """True when the recorded gang has the spec's command, placement and checkpoint
+    folder (whose name is new for every job, so that a job numbered like an old one
+    never passes for it)."""
     return bool(
-        launched["command"] == spec.command and launched["ranks"] == _placement_records(spec)
+        launched["command"] == spec.command
+        and launched["ranks"] == _placement_records(spec)
+        and launched.get("env", {}).get("QM_CHECKPOINT_DIR") == spec.env.get("QM_CHECKPOINT_DIR")
     )
 
 

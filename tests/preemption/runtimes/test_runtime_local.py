@@ -636,6 +636,25 @@ def test_signal_and_kill_of_an_unknown_gang_do_nothing(runtime: LocalRuntime) ->
     assert runtime.find_orphans(gang) == []
 
 
+def test_a_job_numbered_like_an_old_one_is_never_taken_for_its_gang(
+    runtime: LocalRuntime,
+) -> None:
+    """The runs folder outlived the database: the old gang's records stay its own."""
+    old = gang_spec(
+        18, "exec true", ranks=2, env={"QM_CHECKPOINT_DIR": str(runtime.root.parent / "checkpoints" / "job-18-aa")}
+    )
+    runtime.launch(old)
+    wait_exited(runtime, old.gang)
+    new = gang_spec(
+        18, "exec true", ranks=2, env={"QM_CHECKPOINT_DIR": str(runtime.root.parent / "checkpoints" / "job-18-bb")}
+    )
+    with pytest.raises(RuntimePermanentError, match="checkpoint folder"):
+        runtime.launch(new)
+    # The same gang launched again is still the same gang, and starts nothing.
+    runtime.launch(old)
+    assert [o.exit_code for o in runtime.observe(old.gang)] == [0, 0]
+
+
 def test_relaunching_a_gang_id_with_another_command_is_refused(runtime: LocalRuntime) -> None:
     first = gang_spec(20, "echo first", ranks=1)
     runtime.launch(first)
