@@ -641,12 +641,18 @@ def test_a_job_numbered_like_an_old_one_is_never_taken_for_its_gang(
 ) -> None:
     """The runs folder outlived the database: the old gang's records stay its own."""
     old = gang_spec(
-        18, "exec true", ranks=2, env={"QM_CHECKPOINT_DIR": str(runtime.root.parent / "checkpoints" / "job-18-aa")}
+        18,
+        "exec true",
+        ranks=2,
+        env={"QM_CHECKPOINT_DIR": str(runtime.root.parent / "checkpoints" / "job-18-aa")},
     )
     runtime.launch(old)
     wait_exited(runtime, old.gang)
     new = gang_spec(
-        18, "exec true", ranks=2, env={"QM_CHECKPOINT_DIR": str(runtime.root.parent / "checkpoints" / "job-18-bb")}
+        18,
+        "exec true",
+        ranks=2,
+        env={"QM_CHECKPOINT_DIR": str(runtime.root.parent / "checkpoints" / "job-18-bb")},
     )
     with pytest.raises(RuntimePermanentError, match="checkpoint folder"):
         runtime.launch(new)
