@@ -120,6 +120,9 @@ ERROR_RESPONSES = {
     429: OpenApiResponse(
         description="Over a limit (too many failed sign-ins, or too many trap events); the body says which, and `Retry-After` how long to wait where it applies."
     ),
+    503: OpenApiResponse(
+        description="Busy for a moment: nothing was stored; send the same request again after `Retry-After` seconds."
+    ),
 }
 
 

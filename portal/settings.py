@@ -362,6 +362,11 @@ if QM_WEBHOOK_DEADLINE_SECONDS > 15:
 # reported checkpoint step may run ahead of the job's last one.
 QM_TRAP_EVENTS_PER_RANK = env_int("QM_TRAP_EVENTS_PER_RANK", 10_000, minimum=1)
 QM_TRAP_MAX_STEPS_PER_SECOND = env_float("QM_TRAP_MAX_STEPS_PER_SECOND", 1000.0, minimum=1.0)
+# How long storing an event may wait for a row the reconciler holds before the
+# POST is answered 503 (the trap's log line still brings the event in later).
+QM_TRAP_EVENT_LOCK_TIMEOUT_SECONDS = env_float(
+    "QM_TRAP_EVENT_LOCK_TIMEOUT_SECONDS", 5.0, minimum=0.01
+)
 
 # Login throttling (portal/throttling.py): this many wrong passwords for one
 # account lock that account out (from every address), and this many from one

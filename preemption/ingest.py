@@ -26,13 +26,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db import transaction
+from django.db import OperationalError, connection, transaction
 from django.db.models import Max
 from django.utils import timezone
 from gracetrap_protocol import EVENT_NAMES
@@ -53,6 +54,19 @@ SIGNAL_NAME = re.compile(r"SIG[A-Z0-9+]{1,12}")
 
 class EventLimitReached(Exception):
     """A rank of an attempt has reported as many events as it may."""
+
+
+class IngestBusy(Exception):
+    """The events could not be stored now (a lock held too long, a conflict that
+    persisted); nothing was stored and the same request may be sent again."""
+
+
+# PostgreSQL's deadlock and serialization failures: the transaction lost a race and
+# may simply run again. A lock wait past lock_timeout (55P03) is not run again: the
+# row is busy, and the request is answered at once.
+RETRIED_SQLSTATES = {"40P01", "40001"}
+BUSY_SQLSTATES = {"55P03"}
+INGEST_TRIES = 3
 
 
 CADENCE_FIELDS = ("mtbp_seconds", "save_cost", "interval_seconds")
@@ -254,15 +268,57 @@ def ingest_trap_event(*, attempt: Attempt, event: Any, source: str) -> bool:
 
 def ingest_trap_events(*, attempt: Attempt, events: list[Any], source: str) -> tuple[int, int]:
     """Ingest a batch all or nothing: one refused event leaves every other
-    unstored too. Returns (accepted, duplicates)."""
+    unstored too. Returns (accepted, duplicates).
+
+    A deadlock or serialization failure runs the batch again (at most
+    INGEST_TRIES times); a row held past QM_TRAP_EVENT_LOCK_TIMEOUT_SECONDS, or a
+    conflict that persists, raises IngestBusy with nothing stored.
+    """
+    for tries in range(1, INGEST_TRIES + 1):
+        try:
+            return _ingest_once(attempt=attempt, events=events, source=source)
+        except OperationalError as error:
+            state = _sqlstate(error)
+            if state in RETRIED_SQLSTATES and tries < INGEST_TRIES and not _in_transaction():
+                time.sleep(0.02 * tries)
+                continue
+            if state in RETRIED_SQLSTATES | BUSY_SQLSTATES or _sqlite_busy(error):
+                raise IngestBusy(
+                    "The events could not be stored now (the job's rows are busy); "
+                    "nothing was stored, send them again."
+                ) from error
+            raise
+    raise AssertionError("unreachable")
+
+
+def _ingest_once(*, attempt: Attempt, events: list[Any], source: str) -> tuple[int, int]:
     accepted = duplicates = 0
     with transaction.atomic():
+        if connection.vendor == "postgresql":
+            timeout_ms = max(1, round(settings.QM_TRAP_EVENT_LOCK_TIMEOUT_SECONDS * 1000))
+            with connection.cursor() as cursor:
+                cursor.execute(f"SET LOCAL lock_timeout = {timeout_ms}")
         for event in events:
             if ingest_trap_event(attempt=attempt, event=event, source=source):
                 accepted += 1
             else:
                 duplicates += 1
     return accepted, duplicates
+
+
+def _sqlstate(error: BaseException) -> str | None:
+    cause = error.__cause__
+    state = getattr(cause, "sqlstate", None)
+    return state if isinstance(state, str) else None
+
+
+def _sqlite_busy(error: BaseException) -> bool:
+    return connection.vendor == "sqlite" and "locked" in str(error)
+
+
+def _in_transaction() -> bool:
+    """An outer transaction is aborted by the failure: running again inside it fails too."""
+    return connection.in_atomic_block
 
 
 def _evict_once_answered(attempt_id: int) -> None:

@@ -31,7 +31,7 @@ from core.api import NamedRelatedField, Pagination, deny, responses
 from portal.rest.access import access_of
 from preemption import selectors, services
 from preemption.event_tokens import attempt_for_token
-from preemption.ingest import EventLimitReached, ingest_trap_events
+from preemption.ingest import EventLimitReached, IngestBusy, ingest_trap_events
 from preemption.logs import read_rank_log
 from preemption.models import (
     FINAL_STATES,
@@ -710,7 +710,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
             "already known are ignored. A refused event changes nothing and the answer says why."
         ),
         request=TrapEventSerializer,
-        responses=responses(TrapEventAcceptedSerializer, 400, 403, 404, 429, status_code=202),
+        responses=responses(TrapEventAcceptedSerializer, 400, 403, 404, 429, 503, status_code=202),
         auth=[{"jobEventsToken": []}],
     )
     @extend_schema(
@@ -764,6 +764,12 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
             )
         except EventLimitReached as exc:
             return Response({"event": [str(exc)]}, status=status.HTTP_429_TOO_MANY_REQUESTS)
+        except IngestBusy as exc:
+            return Response(
+                {"detail": str(exc)},
+                status=status.HTTP_503_SERVICE_UNAVAILABLE,
+                headers={"Retry-After": "1"},
+            )
         return Response(
             {"accepted": accepted, "duplicates": duplicates}, status=status.HTTP_202_ACCEPTED
         )

@@ -1,5 +1,6 @@
 """The ranks' answers to a checkpoint notice arrive in concurrent requests: the last
-one to commit asks for the eviction at once, whatever order the requests end in."""
+one to commit asks for the eviction at once, whatever order the requests end in; a
+request that cannot get its rank's row in time is told to send again."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import close_old_connections, transaction
+from django.db import OperationalError, close_old_connections, connection, transaction
 from django.utils import timezone
+from rest_framework.test import APIClient
 
 from preemption import ingest
+from preemption.event_tokens import attempt_events_token
 from preemption.ingest import ingest_trap_event
-from preemption.models import Attempt, PreemptionEvent
+from preemption.models import Attempt, PreemptionEvent, Rank, TrapEvent
 from tests import builders
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -112,3 +115,100 @@ def test_an_answer_after_the_eviction_was_sent_asks_for_nothing(
     PreemptionEvent.objects.filter(victim_attempt=attempt).update(signal_sent_at=timezone.now())
     assert ingest_trap_event(attempt=attempt, event=_commit(0), source="post")
     assert sent == []
+
+
+def test_a_post_that_finds_its_rank_locked_past_the_timeout_is_told_to_retry(
+    world: Any, settings: Any
+) -> None:
+    """The reconciler holds a rank's row (a long pass): the event POST waits at most
+    the lock timeout, answers 503 with Retry-After, stores nothing, and the same
+    POST succeeds once the row is free."""
+    settings.QM_TRAP_EVENT_LOCK_TIMEOUT_SECONDS = 0.2
+    attempt = _noticed_victim(world, ranks=1)
+    url = f"/api/v1/jobs/{attempt.job_id}/events/"
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {attempt_events_token(attempt)}"}
+    body = _commit(0)
+    locked = threading.Event()
+    release = threading.Event()
+
+    def hold_the_rank() -> None:
+        try:
+            with transaction.atomic():
+                list(Rank.objects.select_for_update().filter(attempt=attempt, index=0))
+                locked.set()
+                release.wait(timeout=30)
+        finally:
+            close_old_connections()
+
+    holder = threading.Thread(target=hold_the_rank)
+    holder.start()
+    try:
+        assert locked.wait(timeout=30)
+        busy = APIClient().post(url, body, format="json", **headers)
+    finally:
+        release.set()
+        holder.join(timeout=30)
+    assert busy.status_code == 503, busy.content
+    assert busy["Retry-After"] == "1"
+    assert "send them again" in busy.json()["detail"]
+    assert not TrapEvent.objects.filter(job_id=attempt.job_id).exists()
+
+    stored = APIClient().post(url, body, format="json", **headers)
+    assert stored.status_code == 202, stored.content
+    assert stored.json() == {"accepted": 1, "duplicates": 0}
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's deadlock detector")
+def test_a_post_that_loses_a_deadlock_is_run_again_and_stored(world: Any) -> None:
+    """The POST takes rank 0's row, then waits for rank 1's, which another transaction
+    holds and then asks for rank 0's at once. PostgreSQL's detector runs in the session
+    that has waited deadlock_timeout first, the POST's, and aborts it; the POST runs
+    again once the other transaction has committed. Should the other transaction be
+    the one aborted (its wait began too late on a busy machine), the round is played
+    again, since only the POST losing shows the retry."""
+    for _ in range(3):
+        attempt = _noticed_victim(world, ranks=2)
+        url = f"/api/v1/jobs/{attempt.job_id}/events/"
+        headers = {"HTTP_AUTHORIZATION": f"Bearer {attempt_events_token(attempt)}"}
+        answers: list[Any] = []
+
+        def post(
+            url: str = url, headers: dict[str, str] = headers, answers: list[Any] = answers
+        ) -> None:
+            body = [_commit(0, notice=False), _commit(1, notice=False)]
+            try:
+                answers.append(APIClient().post(url, body, format="json", **headers))
+            finally:
+                close_old_connections()
+
+        poster = threading.Thread(target=post)
+        try:
+            with transaction.atomic():
+                list(Rank.objects.select_for_update().filter(attempt=attempt, index=1))
+                poster.start()
+                _wait_for_a_lock_wait()
+                list(Rank.objects.select_for_update().filter(attempt=attempt, index=0))
+        except OperationalError as error:
+            assert "deadlock" in str(error)
+            poster.join(timeout=60)
+            continue
+        poster.join(timeout=60)
+        [answer] = answers
+        assert answer.status_code == 202, answer.content
+        assert answer.json() == {"accepted": 2, "duplicates": 0}
+        assert TrapEvent.objects.filter(job_id=attempt.job_id).count() == 2
+        return
+    pytest.fail("the other transaction lost the deadlock three times in a row")
+
+
+def _wait_for_a_lock_wait(timeout: float = 30) -> None:
+    """Until another session waits for a lock (pg_locks is read live, unlike
+    pg_stat_activity, whose values stay as first read in a transaction)."""
+    deadline = time.monotonic() + timeout
+    with connection.cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+            if cursor.fetchone()[0]:
+                return
+            time.sleep(0.005)
+    raise AssertionError("the POST never waited for rank 1's row")
