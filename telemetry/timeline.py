@@ -76,6 +76,69 @@ def _signal_sent_at(event: PreemptionEvent, ranks: list[Rank]) -> datetime | Non
     return min(known) if known else None
 
 
+def _saved(payload: dict[str, object], step: int | None) -> str:
+    """ "step 41, 50.0 MB in 2.00 s" from a commit's payload."""
+    detail = f"step {step}"
+    size = payload.get("bytes")
+    if isinstance(size, int | float) and size:
+        detail += f", {size / 1e6:.1f} MB"
+    seconds = payload.get("seconds")
+    if isinstance(seconds, int | float):
+        detail += f" in {seconds:.2f} s"
+    return detail
+
+
+def _notice_steps(
+    timeline: Timeline,
+    event: PreemptionEvent,
+    origin: datetime,
+    ranks: list[Rank],
+    answers: list[TrapEvent],
+) -> None:
+    """The checkpoint notice, when one was sent: sent, then answered by every rank
+    (or by some, and the window ran out)."""
+    sent = _since(event.notice_sent_at, origin)
+    if sent is None:
+        return
+    window = (
+        f"; the eviction follows their commits, at the latest at {event.notice_deadline:%H:%M:%S}"
+        if event.notice_deadline is not None
+        else ""
+    )
+    timeline.steps.append(
+        TimelineStep(
+            sent,
+            f"Checkpoint notice sent to all {len(ranks)} ranks",
+            f"they checkpoint while training goes on{window}",
+        )
+    )
+    first_answer: dict[int, TrapEvent] = {}
+    for answer in sorted(answers, key=lambda e: e.at):
+        first_answer.setdefault(answer.rank, answer)
+    if len(first_answer) == len(ranks) and ranks:
+        last = max(first_answer.values(), key=lambda e: e.at)
+        detail = _saved(last.payload or {}, last.step)
+        if (last.payload or {}).get("background"):
+            detail += ", written in the background"
+        timeline.steps.append(
+            TimelineStep(
+                _moment(last.at),
+                f"Every rank answered the notice ({len(ranks)} of {len(ranks)})",
+                detail,
+                "good",
+            )
+        )
+    elif event.notice_deadline is not None and event.signal_sent_at is not None:
+        timeline.steps.append(
+            TimelineStep(
+                event.notice_deadline,
+                f"Notice window over: {len(first_answer)} of {len(ranks)} ranks had answered",
+                "the eviction went ahead as without a notice",
+                "warn",
+            )
+        )
+
+
 def build_timeline(
     *,
     event: PreemptionEvent,
@@ -130,6 +193,21 @@ def build_timeline(
                 "good" if heard == len(ranks) else "warn",
             )
         )
+    # A checkpoint notice's saves (taken while training went on) are told apart from
+    # the eviction's own save: the notice's commits say so, and their steps name the
+    # saves that started for them.
+    answers = [
+        e for e in mine if e.event == "checkpoint_committed" and (e.payload or {}).get("notice")
+    ]
+    notice_steps = {e.step for e in answers}
+    _notice_steps(timeline, event, origin, ranks, answers)
+    mine = [
+        e
+        for e in mine
+        if not (
+            e.event in ("checkpoint_started", "checkpoint_committed") and e.step in notice_steps
+        )
+    ]
     started = [e for e in mine if e.event == "checkpoint_started"]
     if started:
         steps.append(
@@ -141,13 +219,7 @@ def build_timeline(
         )
     committed = [e for e in mine if e.event == "checkpoint_committed"]
     if committed:
-        payload = committed[-1].payload or {}
-        size = payload.get("bytes")
-        detail = f"step {committed[-1].step}"
-        if size:
-            detail += f", {int(size) / 1e6:.1f} MB"
-        if payload.get("seconds") is not None:
-            detail += f" in {float(payload['seconds']):.2f} s"
+        detail = _saved(committed[-1].payload or {}, committed[-1].step)
         steps.append(
             TimelineStep(
                 _moment(max(e.at for e in committed)), "Checkpoint committed", detail, "good"

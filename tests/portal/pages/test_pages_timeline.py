@@ -201,3 +201,148 @@ def test_each_timeline_tells_its_own_preemption(world: Any) -> None:
     offsets = [float(x) for x in re.findall(r"\+(-?[\d.]+) s", body)]
     assert offsets and min(offsets) >= 0.0
     assert "+-" not in body
+
+
+def _event(job: Job, rank: int, name: str, at: datetime, step: int | None, **extra: Any) -> None:
+    TrapEvent.objects.create(
+        job=job,
+        attempt=1,
+        rank=rank,
+        event=name,
+        at=at.timestamp(),
+        step=step,
+        payload={"event": name, "step": step, **extra},
+        fingerprint=f"{job.pk}-{rank}-{name}-{step}-{at.timestamp()}",
+        source="post",
+    )
+
+
+def _noticed(world: Any, decided: datetime, *, answered: int) -> Job:
+    """A reclaim with a checkpoint notice at +0.1 s (window until +30 s). `answered`
+    ranks commit step 90 in the background (+2.3 s and +2.4 s); the signal follows
+    at +2.6 s when both answered, else at +30.1 s; the final save of step 93 runs
+    from 0.4 s to 0.9 s after the signal; the ranks exit 2.4 s and 3.4 s after it."""
+    job = Job.objects.create(
+        name="noticed",
+        team=world.ops,
+        submitter=world.users["other_researcher"],
+        priority_class=world.batch,
+        flavor=world.h100,
+        ranks=2,
+        gpus_per_rank=4,
+        command="python train.py",
+        state=JobState.RUNNING,
+    )
+    signal = decided + timedelta(seconds=2.6 if answered == 2 else 30.1)
+    attempt = _attempt(job, 1, decided - timedelta(hours=1), signal + timedelta(seconds=4))
+    for rank in range(2):
+        Rank.objects.create(
+            attempt=attempt,
+            index=rank,
+            node="h100-node-0",
+            state="exited",
+            exit_code=0,
+            signal_sent_at=signal,
+            signal_received_at=signal + timedelta(milliseconds=100 + 100 * rank),
+            exited_at=signal + timedelta(seconds=2.4 + rank),
+        )
+        _event(job, rank, "notice_received", decided + timedelta(seconds=0.1), None)
+        _event(job, rank, "checkpoint_started", decided + timedelta(seconds=0.3), 90)
+        if rank < answered:
+            _event(
+                job,
+                rank,
+                "checkpoint_committed",
+                decided + timedelta(seconds=2.3 + 0.1 * rank),
+                90,
+                bytes=50_000_000,
+                seconds=2.0,
+                background=True,
+                notice=True,
+            )
+        _event(job, rank, "checkpoint_started", signal + timedelta(seconds=0.4), 93)
+        _event(
+            job,
+            rank,
+            "checkpoint_committed",
+            signal + timedelta(seconds=0.9),
+            93,
+            bytes=50_000_000,
+            seconds=0.5,
+            background=False,
+            notice=False,
+        )
+    PreemptionEvent.objects.create(
+        victim_attempt=attempt,
+        job=job,
+        reason="reclaim",
+        cause="reclaimed by vision",
+        decided_at=decided,
+        grace_seconds=60.0,
+        deadline=decided + timedelta(seconds=60),
+        notice_deadline=decided + timedelta(seconds=30),
+        notice_sent_at=decided + timedelta(seconds=0.1),
+        notice_committed_at=decided + timedelta(seconds=2.4) if answered == 2 else None,
+        signal_sent_at=signal,
+        all_exited_at=signal + timedelta(seconds=3.4),
+        checkpoint_step=93,
+        outcome="graceful",
+        requeued_at=signal + timedelta(seconds=4.4),
+        resume_step=94,
+    )
+    return job
+
+
+def test_a_noticed_preemption_shows_the_notice_apart_from_the_final_save(world: Any) -> None:
+    decided = timezone.now() - timedelta(hours=1)
+    job = _noticed(world, decided, answered=2)
+    body = (
+        page_client(world, "other_researcher")
+        .get(reverse("job-detail", args=[job.pk]))
+        .content.decode()
+    )
+    window = f"{decided + timedelta(seconds=30):%H:%M:%S}"
+    assert _timelines(body)[1][1:] == [
+        (
+            "+0.10 s",
+            "Checkpoint notice sent to all 2 ranks",
+            "they checkpoint while training goes on; the eviction follows their commits, "
+            f"at the latest at {window}",
+        ),
+        (
+            "+2.40 s",
+            "Every rank answered the notice (2 of 2)",
+            "step 90, 50.0 MB in 2.00 s, written in the background",
+        ),
+        ("+2.60 s", "Signal sent to all 2 ranks", ""),
+        (
+            "+2.80 s",
+            "Every rank received the signal (2 of 2)",
+            "first after 2.70 s, spread 0.10 s",
+        ),
+        ("+3.00 s", "Checkpoint started", "step 93"),
+        ("+3.50 s", "Checkpoint committed", "step 93, 50.0 MB in 0.50 s"),
+        ("+6.00 s", "Every rank exited", "exit codes 0; outcome graceful"),
+        ("+7.00 s", "Requeued", "resumes from step 94"),
+    ]
+
+
+def test_a_notice_not_every_rank_answered_says_the_window_ran_out(world: Any) -> None:
+    decided = timezone.now() - timedelta(hours=1)
+    job = _noticed(world, decided, answered=1)
+    body = (
+        page_client(world, "other_researcher")
+        .get(reverse("job-detail", args=[job.pk]))
+        .content.decode()
+    )
+    lines = _timelines(body)[1]
+    assert lines[1][:2] == ("+0.10 s", "Checkpoint notice sent to all 2 ranks")
+    assert lines[2] == (
+        "+30.00 s",
+        "Notice window over: 1 of 2 ranks had answered",
+        "the eviction went ahead as without a notice",
+    )
+    assert lines[3] == ("+30.10 s", "Signal sent to all 2 ranks", "")
+    # The eviction's own save, not the notice's, is the checkpoint the timeline shows.
+    assert ("+30.50 s", "Checkpoint started", "step 93") in lines
+    assert ("+31.00 s", "Checkpoint committed", "step 93, 50.0 MB in 0.50 s") in lines
