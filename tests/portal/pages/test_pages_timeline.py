@@ -43,6 +43,21 @@ def _trap(job: Job, attempt: int, rank: int, name: str, at: datetime, step: int 
     )
 
 
+def _job(world: Any, name: str) -> Job:
+    """A running two-rank job of ops, read by other_researcher."""
+    return Job.objects.create(
+        name=name,
+        team=world.ops,
+        submitter=world.users["other_researcher"],
+        priority_class=world.batch,
+        flavor=world.h100,
+        ranks=2,
+        gpus_per_rank=4,
+        command="python train.py",
+        state=JobState.RUNNING,
+    )
+
+
 def _attempt(job: Job, number: int, admitted: datetime, ended: datetime | None) -> Attempt:
     attempt = Attempt.objects.create(
         job=job,
@@ -142,17 +157,7 @@ def _timelines(body: str) -> dict[int, list[tuple[str, str, str]]]:
 
 def test_each_timeline_tells_its_own_preemption(world: Any) -> None:
     start = timezone.now() - timedelta(hours=2)
-    job = Job.objects.create(
-        name="twice",
-        team=world.ops,
-        submitter=world.users["other_researcher"],
-        priority_class=world.batch,
-        flavor=world.h100,
-        ranks=2,
-        gpus_per_rank=4,
-        command="python train.py",
-        state=JobState.RUNNING,
-    )
+    job = _job(world, "twice")
     # Attempt 1: a regular checkpoint of step 19, then the first reclaim at
     # step 45, requeued to resume from 46.
     first = _attempt(job, 1, start, start + timedelta(seconds=209))
@@ -222,17 +227,7 @@ def _noticed(world: Any, decided: datetime, *, answered: int) -> Job:
     ranks commit step 90 in the background (+2.3 s and +2.4 s); the signal follows
     at +2.6 s when both answered, else at +30.1 s; the final save of step 93 runs
     from 0.4 s to 0.9 s after the signal; the ranks exit 2.4 s and 3.4 s after it."""
-    job = Job.objects.create(
-        name="noticed",
-        team=world.ops,
-        submitter=world.users["other_researcher"],
-        priority_class=world.batch,
-        flavor=world.h100,
-        ranks=2,
-        gpus_per_rank=4,
-        command="python train.py",
-        state=JobState.RUNNING,
-    )
+    job = _job(world, "noticed")
     signal = decided + timedelta(seconds=2.6 if answered == 2 else 30.1)
     attempt = _attempt(job, 1, decided - timedelta(hours=1), signal + timedelta(seconds=4))
     for rank in range(2):
