@@ -9,7 +9,9 @@ elsewhere clears a node for the gang, and each moved job's queue loses only the 
 
 from __future__ import annotations
 
-from collections import defaultdict
+from bisect import bisect_left, insort
+from collections import Counter, defaultdict
+from collections.abc import Iterable
 
 from .candidates import PendingJob, RunningWork, VictimCandidates
 from .model import CONSOLIDATE
@@ -18,6 +20,76 @@ from .preemption import Victims, room_on
 
 # How many consolidation searches a plan may run: each is a pass over the running work.
 CONSOLIDATIONS_PER_PLAN = 8
+
+
+def restart_in_any_order(
+    room: Iterable[int], moved: Iterable[int], gang: tuple[int, int] | None
+) -> bool:
+    """Whether the next plan starts every moved job (``moved``: GPUs of each, one node
+    each) and the gang (``gang``: ranks, GPUs per rank), whatever order it plans them in.
+
+    The holes a consolidation keeps for the moved jobs bind only this plan. In the next
+    one the moved jobs are pending work like any other: each goes, in queue order, to
+    the node with the least room that holds it (R10), not to its hole. Best fit depends
+    on the order: with 1, 2 and 3 GPUs free elsewhere, jobs of 2, 2, 1 and 1 GPUs all fit
+    when the larger go first, but a 1-GPU job planned first takes the single free GPU,
+    the second the node with 2, and one 2-GPU job is left without room; it then waits or
+    preempts, and its queue loses more than the restart. The queue order of the next
+    plan depends on what it admits, so every order is tried here, on ``room`` (each
+    node's GPUs free once the plan's victims exit). The moved jobs are few, and the
+    search only counts how many of each size are left, so it stays small.
+    """
+    sizes = Counter(moved)
+    kinds = sorted(sizes)
+    settled: set[tuple[tuple[int, ...], tuple[int, ...], bool]] = set()
+
+    def place(rooms: tuple[int, ...], gpus: int) -> tuple[int, ...] | None:
+        # R10 for one rank: the node with the least room that holds it.
+        at = bisect_left(rooms, gpus)
+        if at == len(rooms):
+            return None
+        left = list(rooms[:at] + rooms[at + 1 :])
+        insort(left, rooms[at] - gpus)
+        return tuple(left)
+
+    def place_gang(
+        rooms: tuple[int, ...], ranks: int, gpus_per_rank: int
+    ) -> tuple[int, ...] | None:
+        # R10 for a gang (NodeMap.place_free): best fit when one node holds all the
+        # ranks left, else the node with the most room takes as many as it holds.
+        left = list(rooms)
+        while True:
+            at = bisect_left(left, ranks * gpus_per_rank)
+            if at < len(left):
+                left[at] -= ranks * gpus_per_rank
+                return tuple(sorted(left))
+            if not left or left[-1] < gpus_per_rank:
+                return None
+            fit = left[-1] // gpus_per_rank
+            left[-1] -= fit * gpus_per_rank
+            ranks -= fit
+            left.sort()
+
+    def starts(rooms: tuple[int, ...], counts: tuple[int, ...], gang_left: bool) -> bool:
+        key = (rooms, counts, gang_left)
+        if key in settled:
+            return True
+        for i, count in enumerate(counts):
+            if count:
+                after = place(rooms, kinds[i])
+                if after is None:
+                    return False
+                if not starts(after, (*counts[:i], count - 1, *counts[i + 1 :]), gang_left):
+                    return False
+        if gang_left and gang is not None:
+            after = place_gang(rooms, *gang)
+            if after is None or not starts(after, counts, False):
+                return False
+        settled.add(key)
+        return True
+
+    rooms = tuple(sorted(gpus for gpus in room if gpus > 0))
+    return starts(rooms, tuple(sizes[kind] for kind in kinds), gang is not None)
 
 
 def consolidate(
@@ -96,6 +168,12 @@ def consolidate(
             found[id(run)] = (best, run.gpus)
         if len(found) < len(runs):
             continue
+        moving = [*moved_jobs, *runs]
+        if not restart_in_any_order(
+            _room_once_exited(nodes, moving), (run.gpus for run in moving), None
+        ):
+            # The next plan might not start them all, whatever the holes kept here.
+            continue
         for other, gpus in filled.items():
             spare[other] -= gpus
         spare.pop(node, None)
@@ -120,7 +198,19 @@ def consolidate(
     used = {node for node, _ in placement}
     # Jobs on a cleared node the placement does not use stay where they are.
     kept = [run for run in moved_jobs if run.nodes[0][0] in used]
-    if not kept:
+    if not kept or not restart_in_any_order(
+        _room_once_exited(nodes, kept), (run.gpus for run in kept), (ranks, gpus_per_rank)
+    ):
         return None
     holes = [hole_of[id(run)] for run in kept]
     return [(run, CONSOLIDATE) for run in kept], placement, holes
+
+
+def _room_once_exited(nodes: NodeMap, victims: Iterable[RunningWork]) -> list[int]:
+    """Each node's GPUs free in the next plan, once ``victims`` and the releasing work
+    have exited."""
+    room = [free + releasing for free, releasing in zip(nodes.free, nodes.releasing, strict=True)]
+    for run in victims:
+        for node, gpus in run.nodes:
+            room[node] += gpus
+    return room
