@@ -14,9 +14,10 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 
 from .candidates import PendingJob, RunningWork, VictimCandidates
-from .model import CONSOLIDATE
+from .ledger import QuotaLedger
+from .model import CONSOLIDATE, RECLAIM
 from .nodes import NodeMap, Placement
-from .preemption import Victims, room_on
+from .preemption import Victims, r3_budget, reclaimable_by_node, room_on
 
 # How many consolidation searches a plan may run: each is a pass over the running work.
 CONSOLIDATIONS_PER_PLAN = 8
@@ -214,3 +215,154 @@ def _room_once_exited(nodes: NodeMap, victims: Iterable[RunningWork]) -> list[in
         for node, gpus in run.nodes:
             room[node] += gpus
     return room
+
+
+def reclaim_and_move(
+    ledger: QuotaLedger, nodes: NodeMap, victims: VictimCandidates, job: PendingJob
+) -> tuple[Victims, Placement, list[tuple[int, int]]] | None:
+    """Reclaim and consolidation together, when no node can be cleared by either alone.
+
+    On a full cluster of small jobs the queues above their lines may hold most of every
+    node while each node also runs a small job of a queue at or under its line: reclaim
+    cannot take that job and consolidation finds no free hole to move it to, so a job
+    inside its guarantee would wait until one of them ends. Here a node is cleared of the
+    donors' work (reclaim) and of such small jobs, each of which moves to the GPUs of one
+    more donor job reclaimed on another node (its hole, kept for it in this plan); every
+    donor victim keeps its queue on or above its line (R3). A job moves only when its
+    queue stays inside its own guarantee with the gang started, and only when
+    the next plan restarts all the moved jobs whatever order it plans them in
+    (``restart_in_any_order``). Returns the victims with their reasons, the placement and
+    the holes as (node, GPUs), or None.
+    """
+    workload = job.workload
+    gpus_per_rank = workload.gpus_per_rank
+    ranks = workload.ranks
+    chains, on_node = reclaimable_by_node(ledger, victims, job.queue)
+    if not on_node:
+        return None
+    donor_runs = {id(run) for runs in on_node.values() for run in runs}
+    # Only work of queues that, with the gang started, stay inside their own guarantee
+    # moves: the next plan restarts it before the donors' reclaimed work, which goes
+    # beyond the donors' guarantees, and so before that work can take its hole. (An
+    # ancestor's usage counts the donors' GPUs that this plan reclaims, so it says
+    # nothing yet about the next plan.)
+    usage = ledger.usage
+    guarantee = ledger.guarantee
+    inside = [
+        usage[queue] + (job.gpus if queue == job.queue else 0) <= guarantee[queue]
+        for queue in range(len(usage))
+    ]
+    movable: dict[int, list[RunningWork]] = defaultdict(list)
+    for runs in victims.by_queue:
+        for run in runs:
+            if (
+                id(run) in donor_runs
+                or not inside[run.queue]
+                or run.victim
+                or run.planned
+                or len(run.nodes) != 1
+                or run.gpus >= gpus_per_rank
+                or run.runtime < run.minimum[CONSOLIDATE]
+            ):
+                continue
+            movable[run.nodes[0][0]].append(run)
+    free = nodes.free
+    releasing = nodes.releasing
+    # Nodes that need the fewest moved GPUs first: each move costs a restart and a hole.
+    candidates = sorted(movable, key=lambda node: (sum(run.gpus for run in movable[node]), node))
+    taken_from: dict[int, int] = defaultdict(int)
+    chosen: dict[int, tuple[RunningWork, str]] = {}
+    holes: list[tuple[int, int]] = []
+    hole_nodes: set[int] = set()
+    room_after: dict[int, int] = {}
+    hostable = nodes.hostable_ranks(gpus_per_rank)
+    for node in candidates:
+        if node in hole_nodes or node in room_after:
+            continue
+        most = min(ranks, nodes.gpus[node] // gpus_per_rank)
+        room = free[node] + releasing[node]
+        before = room // gpus_per_rank
+        if before >= most:
+            continue
+        reclaimed: list[RunningWork] = []
+        for run in sorted(on_node.get(node, ()), key=lambda run: run.order):
+            if id(run) in chosen or victims.shielded(run) or len(run.nodes) != 1:
+                continue
+            reclaimed.append(run)
+            room += run.gpus
+            if room // gpus_per_rank >= most:
+                break
+        moved: list[RunningWork] = []
+        for run in sorted(movable[node], key=lambda run: -run.gpus):
+            if room // gpus_per_rank >= most:
+                break
+            moved.append(run)
+            room += run.gpus
+        if room // gpus_per_rank < most or not moved:
+            continue
+        # A hole for each moved job: the GPUs of a donor job on another node.
+        hole_victims: list[tuple[RunningWork, RunningWork]] = []
+        used: set[int] = set()
+        for run in moved:
+            hole = min(
+                (
+                    other
+                    for other_node, runs in on_node.items()
+                    if other_node != node and other_node not in room_after
+                    for other in runs
+                    if id(other) not in chosen
+                    and id(other) not in used
+                    and len(other.nodes) == 1
+                    and other.gpus >= run.gpus
+                    and not victims.shielded(other)
+                ),
+                key=lambda other: (other.gpus, other.order),
+                default=None,
+            )
+            if hole is None:
+                break
+            used.add(id(hole))
+            hole_victims.append((run, hole))
+        if len(hole_victims) < len(moved):
+            continue
+        exiting = [
+            *(run for run, _ in chosen.values()),
+            *reclaimed,
+            *(run for pair in hole_victims for run in pair),
+        ]
+        moving = [run for run, reason in chosen.values() if reason == CONSOLIDATE]
+        if not restart_in_any_order(
+            _room_once_exited(nodes, exiting), (run.gpus for run in [*moving, *moved]), None
+        ):
+            # The next plan might not start them all, whatever the holes kept here.
+            continue
+        extra = r3_budget(
+            ledger, chains, taken_from, [*reclaimed, *(hole for _, hole in hole_victims)]
+        )
+        if extra is None:
+            continue
+        for x, gpus in extra.items():
+            taken_from[x] += gpus
+        for run in reclaimed:
+            chosen[id(run)] = (run, RECLAIM)
+        for run, hole in hole_victims:
+            chosen[id(run)] = (run, CONSOLIDATE)
+            chosen[id(hole)] = (hole, RECLAIM)
+            holes.append((hole.nodes[0][0], run.gpus))
+            hole_nodes.add(hole.nodes[0][0])
+        room_after[node] = room
+        hostable += room // gpus_per_rank - before
+        if hostable >= ranks:
+            break
+    if hostable < ranks:
+        return None
+    placement = nodes.place_on(ranks, gpus_per_rank, room_after)
+    if placement is None or not any(node in room_after for node, _ in placement):
+        return None
+    if not restart_in_any_order(
+        _room_once_exited(nodes, (run for run, _ in chosen.values())),
+        (run.gpus for run, reason in chosen.values() if reason == CONSOLIDATE),
+        (ranks, gpus_per_rank),
+    ):
+        return None
+    return list(chosen.values()), placement, holes

@@ -162,6 +162,19 @@ KUEUE_10815 = [
     w("gang").gang(2, 8).within("rack"),
 ]
 
+# A full cluster of small jobs (found replaying the openb trace): b borrows 11 GPUs on both
+# nodes, but each node also runs work of c, which is under its guarantee. Reclaim alone
+# clears no node for a's 8-GPU job, and consolidation finds no free GPU to move c0 to:
+# reclaim b0 on n0 and b1 on n1, where c0 restarts, so a's job gets n0 in one grace window.
+AC_B = [team("a", guarantee=8), team("b"), team("c", guarantee=8)]
+NO_HOLE = [
+    w("b0").queue("b").gpus(7).running("n0"),
+    w("c0").queue("c").gpus(1).running("n0"),
+    w("b1").queue("b").gpus(4).running("n1"),
+    w("c1").queue("c").gpus(4).running("n1"),
+    w("a1").gpus(8),
+]
+
 # Moving n0's four small jobs would give a's 8-GPU job n0, and holes for them exist (1, 2
 # and 3 GPUs free on n1-n3, the 2-GPU jobs first). But the next plan restarts them in queue
 # order, each on the node with the least room that holds it: with b2 and b3 (1 GPU each)
@@ -250,6 +263,9 @@ CASES = [
     Case("decayed_usage_orders_teams_below_fair_share", N1, HEAVY_A, BOTH_WAIT, admit={"b1"}, wait={"a1": "team a used 2.0× its share of the spare h100 GPUs over the last week: its fair share is 0.5 GPUs instead of 4.0"}, fair_share={"a": 0.5 / 8.5 * 8, "b": 8 / 8.5 * 8}, usage_strength=1.0),
     Case("decayed_usage_strength_zero_is_weight_alone", N1, HEAVY_A, BOTH_WAIT, admit={"a1"}, wait={"b1": "no node of flavor h100 has 8 free GPUs"}, fair_share={"a": 4, "b": 4}),
     Case("decayed_usage_of_the_own_guarantee_is_not_borrowing", N1, OWN_A, BOTH_WAIT, admit={"a1"}, wait={"b1": "no node of flavor h100 has 8 free GPUs"}, fair_share={"a": 4, "b": 4}, usage_strength=1.0),
+    Case("reclaim_and_move_when_no_node_can_be_cleared_by_either", N2, AC_B, NO_HOLE, preempt={"b0": "reclaim", "c0": "consolidate", "b1": "reclaim"}, wait={"a1": "waiting for 8 GPUs being released"}),
+    Case("reclaim_and_move_clears_the_other_node_when_one_small_job_is_young", N2, AC_B, [NO_HOLE[0], w("c0").queue("c").gpus(1).running("n0", since=60), *NO_HOLE[2:]], preempt={"b1": "reclaim", "c1": "consolidate", "b0": "reclaim"}, wait={"a1": "waiting for 8 GPUs being released"}),
+    Case("reclaim_and_move_spares_young_small_jobs", N2, AC_B, [NO_HOLE[0], w("c0").queue("c").gpus(1).running("n0", since=60), NO_HOLE[2], w("c1").queue("c").gpus(4).running("n1", since=60), NO_HOLE[4]], wait={"a1": "no node of flavor h100 has 8 free GPUs"}),
     Case("topology_reclaim_clears_one_whole_rack", RACKS, [team("a", guarantee=16), team("b", guarantee=16)], KUEUE_10815, admit=set(), preempt={"b2": "reclaim", "b3": "reclaim"}, wait={"gang": "waiting for"}),
     Case("topology_blind_reclaim_scatters_victims", RACKS, [team("a", guarantee=16), team("b", guarantee=16)], [*KUEUE_10815[:-1], w("gang").gang(2, 8)], preempt={"b0": "reclaim", "b2": "reclaim"}),
     Case("topology_free_gpus_tightest_rack_first", RACKS, AB, [w("x").queue("b").gpus(4).running("n0"), w("g").gang(2, 4).within("rack")], admit={"g"}, placement={"g": (("n1", 2),)}),
