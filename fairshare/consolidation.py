@@ -9,15 +9,88 @@ elsewhere clears a node for the gang, and each moved job's queue loses only the 
 
 from __future__ import annotations
 
-from collections import defaultdict
+from bisect import bisect_left, insort
+from collections import Counter, defaultdict
+from collections.abc import Iterable
 
 from .candidates import PendingJob, RunningWork, VictimCandidates
-from .model import CONSOLIDATE
+from .ledger import QuotaLedger
+from .model import CONSOLIDATE, RECLAIM
 from .nodes import NodeMap, Placement
-from .preemption import Victims, room_on
+from .preemption import Victims, r3_budget, reclaimable_by_node, room_on
 
 # How many consolidation searches a plan may run: each is a pass over the running work.
 CONSOLIDATIONS_PER_PLAN = 8
+
+
+def restart_in_any_order(
+    room: Iterable[int], moved: Iterable[int], gang: tuple[int, int] | None
+) -> bool:
+    """Whether the next plan starts every moved job (``moved``: GPUs of each, one node
+    each) and the gang (``gang``: ranks, GPUs per rank), whatever order it plans them in.
+
+    The holes a consolidation keeps for the moved jobs bind only this plan. In the next
+    one the moved jobs are pending work like any other: each goes, in queue order, to
+    the node with the least room that holds it (R10), not to its hole. Best fit depends
+    on the order: with 1, 2 and 3 GPUs free elsewhere, jobs of 2, 2, 1 and 1 GPUs all fit
+    when the larger go first, but a 1-GPU job planned first takes the single free GPU,
+    the second the node with 2, and one 2-GPU job is left without room; it then waits or
+    preempts, and its queue loses more than the restart. The queue order of the next
+    plan depends on what it admits, so every order is tried here, on ``room`` (each
+    node's GPUs free once the plan's victims exit). The moved jobs are few, and the
+    search only counts how many of each size are left, so it stays small.
+    """
+    sizes = Counter(moved)
+    kinds = sorted(sizes)
+    settled: set[tuple[tuple[int, ...], tuple[int, ...], bool]] = set()
+
+    def place(rooms: tuple[int, ...], gpus: int) -> tuple[int, ...] | None:
+        # R10 for one rank: the node with the least room that holds it.
+        at = bisect_left(rooms, gpus)
+        if at == len(rooms):
+            return None
+        left = list(rooms[:at] + rooms[at + 1 :])
+        insort(left, rooms[at] - gpus)
+        return tuple(left)
+
+    def place_gang(
+        rooms: tuple[int, ...], ranks: int, gpus_per_rank: int
+    ) -> tuple[int, ...] | None:
+        # R10 for a gang (NodeMap.place_free): best fit when one node holds all the
+        # ranks left, else the node with the most room takes as many as it holds.
+        left = list(rooms)
+        while True:
+            at = bisect_left(left, ranks * gpus_per_rank)
+            if at < len(left):
+                left[at] -= ranks * gpus_per_rank
+                return tuple(sorted(left))
+            if not left or left[-1] < gpus_per_rank:
+                return None
+            fit = left[-1] // gpus_per_rank
+            left[-1] -= fit * gpus_per_rank
+            ranks -= fit
+            left.sort()
+
+    def starts(rooms: tuple[int, ...], counts: tuple[int, ...], gang_left: bool) -> bool:
+        key = (rooms, counts, gang_left)
+        if key in settled:
+            return True
+        for i, count in enumerate(counts):
+            if count:
+                after = place(rooms, kinds[i])
+                if after is None:
+                    return False
+                if not starts(after, (*counts[:i], count - 1, *counts[i + 1 :]), gang_left):
+                    return False
+        if gang_left and gang is not None:
+            after = place_gang(rooms, *gang)
+            if after is None or not starts(after, counts, False):
+                return False
+        settled.add(key)
+        return True
+
+    rooms = tuple(sorted(gpus for gpus in room if gpus > 0))
+    return starts(rooms, tuple(sizes[kind] for kind in kinds), gang is not None)
 
 
 def consolidate(
@@ -96,6 +169,12 @@ def consolidate(
             found[id(run)] = (best, run.gpus)
         if len(found) < len(runs):
             continue
+        moving = [*moved_jobs, *runs]
+        if not restart_in_any_order(
+            _room_once_exited(nodes, moving), (run.gpus for run in moving), None
+        ):
+            # The next plan might not start them all, whatever the holes kept here.
+            continue
         for other, gpus in filled.items():
             spare[other] -= gpus
         spare.pop(node, None)
@@ -120,7 +199,170 @@ def consolidate(
     used = {node for node, _ in placement}
     # Jobs on a cleared node the placement does not use stay where they are.
     kept = [run for run in moved_jobs if run.nodes[0][0] in used]
-    if not kept:
+    if not kept or not restart_in_any_order(
+        _room_once_exited(nodes, kept), (run.gpus for run in kept), (ranks, gpus_per_rank)
+    ):
         return None
     holes = [hole_of[id(run)] for run in kept]
     return [(run, CONSOLIDATE) for run in kept], placement, holes
+
+
+def _room_once_exited(nodes: NodeMap, victims: Iterable[RunningWork]) -> list[int]:
+    """Each node's GPUs free in the next plan, once ``victims`` and the releasing work
+    have exited."""
+    room = [free + releasing for free, releasing in zip(nodes.free, nodes.releasing, strict=True)]
+    for run in victims:
+        for node, gpus in run.nodes:
+            room[node] += gpus
+    return room
+
+
+def reclaim_and_move(
+    ledger: QuotaLedger, nodes: NodeMap, victims: VictimCandidates, job: PendingJob
+) -> tuple[Victims, Placement, list[tuple[int, int]]] | None:
+    """Reclaim and consolidation together, when no node can be cleared by either alone.
+
+    On a full cluster of small jobs the queues above their lines may hold most of every
+    node while each node also runs a small job of a queue at or under its line: reclaim
+    cannot take that job and consolidation finds no free hole to move it to, so a job
+    inside its guarantee would wait until one of them ends. Here a node is cleared of the
+    donors' work (reclaim) and of such small jobs, each of which moves to the GPUs of one
+    more donor job reclaimed on another node (its hole, kept for it in this plan); every
+    donor victim keeps its queue on or above its line (R3). A job moves only when its
+    queue stays inside its own guarantee with the gang started, and only when
+    the next plan restarts all the moved jobs whatever order it plans them in
+    (``restart_in_any_order``). Returns the victims with their reasons, the placement and
+    the holes as (node, GPUs), or None.
+    """
+    workload = job.workload
+    gpus_per_rank = workload.gpus_per_rank
+    ranks = workload.ranks
+    chains, on_node = reclaimable_by_node(ledger, victims, job.queue)
+    if not on_node:
+        return None
+    donor_runs = {id(run) for runs in on_node.values() for run in runs}
+    # Only work of queues that, with the gang started, stay inside their own guarantee
+    # moves: the next plan restarts it before the donors' reclaimed work, which goes
+    # beyond the donors' guarantees, and so before that work can take its hole. (An
+    # ancestor's usage counts the donors' GPUs that this plan reclaims, so it says
+    # nothing yet about the next plan.)
+    usage = ledger.usage
+    guarantee = ledger.guarantee
+    inside = [
+        usage[queue] + (job.gpus if queue == job.queue else 0) <= guarantee[queue]
+        for queue in range(len(usage))
+    ]
+    movable: dict[int, list[RunningWork]] = defaultdict(list)
+    for runs in victims.by_queue:
+        for run in runs:
+            if (
+                id(run) in donor_runs
+                or not inside[run.queue]
+                or run.victim
+                or run.planned
+                or len(run.nodes) != 1
+                or run.gpus >= gpus_per_rank
+                or run.runtime < run.minimum[CONSOLIDATE]
+            ):
+                continue
+            movable[run.nodes[0][0]].append(run)
+    free = nodes.free
+    releasing = nodes.releasing
+    # Nodes that need the fewest moved GPUs first: each move costs a restart and a hole.
+    candidates = sorted(movable, key=lambda node: (sum(run.gpus for run in movable[node]), node))
+    taken_from: dict[int, int] = defaultdict(int)
+    chosen: dict[int, tuple[RunningWork, str]] = {}
+    holes: list[tuple[int, int]] = []
+    hole_nodes: set[int] = set()
+    room_after: dict[int, int] = {}
+    hostable = nodes.hostable_ranks(gpus_per_rank)
+    for node in candidates:
+        if node in hole_nodes or node in room_after:
+            continue
+        most = min(ranks, nodes.gpus[node] // gpus_per_rank)
+        room = free[node] + releasing[node]
+        before = room // gpus_per_rank
+        if before >= most:
+            continue
+        reclaimed: list[RunningWork] = []
+        for run in sorted(on_node.get(node, ()), key=lambda run: run.order):
+            if id(run) in chosen or victims.shielded(run) or len(run.nodes) != 1:
+                continue
+            reclaimed.append(run)
+            room += run.gpus
+            if room // gpus_per_rank >= most:
+                break
+        moved: list[RunningWork] = []
+        for run in sorted(movable[node], key=lambda run: -run.gpus):
+            if room // gpus_per_rank >= most:
+                break
+            moved.append(run)
+            room += run.gpus
+        if room // gpus_per_rank < most or not moved:
+            continue
+        # A hole for each moved job: the GPUs of a donor job on another node.
+        hole_victims: list[tuple[RunningWork, RunningWork]] = []
+        used: set[int] = set()
+        for run in moved:
+            hole = min(
+                (
+                    other
+                    for other_node, runs in on_node.items()
+                    if other_node != node and other_node not in room_after
+                    for other in runs
+                    if id(other) not in chosen
+                    and id(other) not in used
+                    and len(other.nodes) == 1
+                    and other.gpus >= run.gpus
+                    and not victims.shielded(other)
+                ),
+                key=lambda other: (other.gpus, other.order),
+                default=None,
+            )
+            if hole is None:
+                break
+            used.add(id(hole))
+            hole_victims.append((run, hole))
+        if len(hole_victims) < len(moved):
+            continue
+        exiting = [
+            *(run for run, _ in chosen.values()),
+            *reclaimed,
+            *(run for pair in hole_victims for run in pair),
+        ]
+        moving = [run for run, reason in chosen.values() if reason == CONSOLIDATE]
+        if not restart_in_any_order(
+            _room_once_exited(nodes, exiting), (run.gpus for run in [*moving, *moved]), None
+        ):
+            # The next plan might not start them all, whatever the holes kept here.
+            continue
+        extra = r3_budget(
+            ledger, chains, taken_from, [*reclaimed, *(hole for _, hole in hole_victims)]
+        )
+        if extra is None:
+            continue
+        for x, gpus in extra.items():
+            taken_from[x] += gpus
+        for run in reclaimed:
+            chosen[id(run)] = (run, RECLAIM)
+        for run, hole in hole_victims:
+            chosen[id(run)] = (run, CONSOLIDATE)
+            chosen[id(hole)] = (hole, RECLAIM)
+            holes.append((hole.nodes[0][0], run.gpus))
+            hole_nodes.add(hole.nodes[0][0])
+        room_after[node] = room
+        hostable += room // gpus_per_rank - before
+        if hostable >= ranks:
+            break
+    if hostable < ranks:
+        return None
+    placement = nodes.place_on(ranks, gpus_per_rank, room_after)
+    if placement is None or not any(node in room_after for node, _ in placement):
+        return None
+    if not restart_in_any_order(
+        _room_once_exited(nodes, (run for run, _ in chosen.values())),
+        (run.gpus for run, reason in chosen.values() if reason == CONSOLIDATE),
+        (ranks, gpus_per_rank),
+    ):
+        return None
+    return list(chosen.values()), placement, holes

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 
 from .candidates import PendingJob, RunningWork, VictimCandidates
-from .consolidation import CONSOLIDATIONS_PER_PLAN, consolidate
+from .consolidation import CONSOLIDATIONS_PER_PLAN, consolidate, reclaim_and_move
 from .ledger import QuotaLedger
 from .model import (
     FAIR_SHARE,
@@ -425,6 +425,29 @@ class FlavorPlanner:
                 nodes.unplaceable_on_free.clear()
                 nodes.unplaceable_in_domain.clear()
                 self._take(job, victims, placement)
+                return
+        if (
+            quota_reason is None
+            and RECLAIM in modes
+            and self.consolidations_left > 0
+            and gpus > nodes.free_total
+        ):
+            # No node can be cleared by reclaim alone (each also runs a small job of a
+            # queue at or under its line) nor by moving jobs (no GPU is free): reclaim
+            # one more donor job elsewhere for each small job to move to.
+            self.consolidations_left -= 1
+            moved = reclaim_and_move(ledger, nodes, self.victims, job)
+            if moved is not None:
+                victims, placement, holes = moved
+                for run, reason in victims:
+                    if reason == RECLAIM:
+                        ledger.add_usage(run.queue, -run.gpus)
+                self._take(job, victims, placement)
+                for node, hole in holes:
+                    # Kept for the moved jobs: nothing else in this plan claims them.
+                    nodes.releasing[node] -= hole
+                    if nodes.releasing[node] == 0:
+                        nodes.releasing_nodes.pop(node, None)
                 return
         protected_until: float | None = None
         if quota_reason is None:

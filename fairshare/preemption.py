@@ -170,31 +170,9 @@ def reclaim_by_node(
     queues on or above the line as R3 asks, until the gang fits. The victims then
     go through the trimming and placement of every other search.
     """
-    queue = job.queue
     gpus_per_rank = job.workload.gpus_per_rank
     ranks = job.workload.ranks
-    tree = ledger.tree
-    usage = ledger.usage
-    waiting = ledger.waiting_usage
-    line = ledger.line
-    planned = ledger.planned_usage
-    lca_row = tree.lca_row(queue)
-    chains: dict[int, tuple[int, ...]] = {}
-    on_node: dict[int, list[RunningWork]] = defaultdict(list)
-    for donor in ledger.over_guarantee:
-        if donor == queue or usage[donor] - waiting[donor] <= line[donor]:
-            continue
-        found = lca_row[donor]
-        chain = (found if found is not None else tree.lca_chains(queue, donor))[0]
-        if any(usage[x] - waiting[x] <= line[x] for x in chain):
-            continue
-        chains[donor] = chain
-        runs = victims.by_queue[donor]
-        for i in range(victims.first_live[donor], len(runs)):
-            run = runs[i]
-            if not run.victim and not victims.is_protected(run, RECLAIM):
-                for node, _ in run.nodes:
-                    on_node[node].append(run)
+    chains, on_node = reclaimable_by_node(ledger, victims, job.queue)
 
     offers: list[tuple[tuple[float, float, float, int], list[RunningWork], int]] = []
     for node, runs in on_node.items():
@@ -218,23 +196,8 @@ def reclaim_by_node(
     chosen: dict[int, RunningWork] = {}
     for _, runs, gained in offers:
         new = [run for run in runs if id(run) not in chosen]
-        extra: dict[int, int] = defaultdict(int)
-        eligible = True
-        for run in new:
-            for x in chains[run.queue]:
-                left = usage[x] - waiting[x] - taken_from[x] - extra[x]
-                if r3_guarantee_overshoot(left, line[x], run.gpus) is None:
-                    eligible = False
-                    break
-                # Running work leaves only a queue that runs above its line without
-                # this plan's own admissions (see VictimCandidates.reclaim).
-                if not run.planned and left - planned[x] <= line[x]:
-                    eligible = False
-                    break
-                extra[x] += run.gpus
-            if not eligible:
-                break
-        if not eligible:
+        extra = r3_budget(ledger, chains, taken_from, new)
+        if extra is None:
             continue
         for x, gpus in extra.items():
             taken_from[x] += gpus
@@ -244,3 +207,62 @@ def reclaim_by_node(
         if hostable >= ranks:
             return preempt_for(ledger, nodes, job, ((run, RECLAIM) for run in chosen.values()))
     return None
+
+
+def reclaimable_by_node(
+    ledger: QuotaLedger, victims: VictimCandidates, queue: int
+) -> tuple[dict[int, tuple[int, ...]], dict[int, list[RunningWork]]]:
+    """The running work ``queue`` may reclaim (R6), by node, and for each donor queue the
+    chain of queues up to the common ancestor that must stay on their lines (R3).
+
+    Donors are queues that run above their line without the GPUs reserved for their own
+    waiting jobs; protected work (minimum runtime) is left out.
+    """
+    tree = ledger.tree
+    usage = ledger.usage
+    waiting = ledger.waiting_usage
+    line = ledger.line
+    lca_row = tree.lca_row(queue)
+    chains: dict[int, tuple[int, ...]] = {}
+    on_node: dict[int, list[RunningWork]] = defaultdict(list)
+    for donor in ledger.over_guarantee:
+        if donor == queue or usage[donor] - waiting[donor] <= line[donor]:
+            continue
+        found = lca_row[donor]
+        chain = (found if found is not None else tree.lca_chains(queue, donor))[0]
+        if any(usage[x] - waiting[x] <= line[x] for x in chain):
+            continue
+        chains[donor] = chain
+        runs = victims.by_queue[donor]
+        for i in range(victims.first_live[donor], len(runs)):
+            run = runs[i]
+            if not run.victim and not victims.is_protected(run, RECLAIM):
+                for node, _ in run.nodes:
+                    on_node[node].append(run)
+    return chains, on_node
+
+
+def r3_budget(
+    ledger: QuotaLedger,
+    chains: dict[int, tuple[int, ...]],
+    taken_from: dict[int, int],
+    runs: Sequence[RunningWork],
+) -> dict[int, int] | None:
+    """The GPUs ``runs`` would take from each queue of their chains, or None when one of
+    them would take a queue below its line (R3) beyond what ``taken_from`` already takes."""
+    usage = ledger.usage
+    waiting = ledger.waiting_usage
+    line = ledger.line
+    planned = ledger.planned_usage
+    extra: dict[int, int] = defaultdict(int)
+    for run in runs:
+        for x in chains[run.queue]:
+            left = usage[x] - waiting[x] - taken_from[x] - extra[x]
+            if r3_guarantee_overshoot(left, line[x], run.gpus) is None:
+                return None
+            # Running work leaves only a queue that runs above its line without
+            # this plan's own admissions (see VictimCandidates.reclaim).
+            if not run.planned and left - planned[x] <= line[x]:
+                return None
+            extra[x] += run.gpus
+    return extra

@@ -371,16 +371,78 @@ def fragmented(draw: st.DrawFn) -> Snapshot:
     return Snapshot(NOW, tuple(node_list), tuple(queues), CLASSES, tuple(workloads))
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(fragmented())
-def test_a_job_moved_for_a_gang_restarts_in_the_next_cycle(snapshot: Snapshot) -> None:
+@st.composite
+def crowded(draw: st.DrawFn) -> Snapshot:
+    """A full cluster of small one-node jobs (at most two GPUs free per node) of three
+    teams whose guarantees add up to the cluster, and one pending gang of 8-GPU ranks in
+    team t0: where neither reclaim nor consolidation alone clears a node, and the engine
+    reclaims and moves together."""
+    count = draw(st.integers(2, 6))
+    node_list = [Node(f"n{i}", "h100", 8) for i in range(count)]
+    capacity = 8 * count
+    ranks = draw(st.integers(1, 2))
+    own = draw(st.integers(8 * ranks, max(8 * ranks, capacity)))
+    rest = max(0, capacity - own)
+    cut = draw(st.integers(0, rest))
+    guarantees = [own, cut, rest - cut]
+    guarantees[-1] += capacity - sum(guarantees)
+    queues = [
+        Queue(f"t{t}", None, 1.0, {"h100": FlavorQuota(guarantee)})
+        for t, guarantee in enumerate(guarantees)
+    ]
+    workloads: list[Workload] = []
+    for node in node_list:
+        room = 8 - draw(st.integers(0, 2))
+        while room > 0:
+            gpus = min(room, draw(st.sampled_from((1, 1, 2, 2, 4, 4, 6))))
+            room -= gpus
+            admitted = NOW - draw(st.integers(0, 4000))
+            workloads.append(
+                Workload(
+                    id=f"r{len(workloads)}",
+                    queue=f"t{draw(st.sampled_from((1, 1, 2, 0)))}",
+                    priority_class=draw(
+                        st.sampled_from(("normal", "normal", "low", "high", "pinned"))
+                    ),
+                    flavor="h100",
+                    ranks=1,
+                    gpus_per_rank=gpus,
+                    state="running",
+                    submitted_at=admitted - 10,
+                    admitted_at=admitted,
+                    placement=((node.name, 1),),
+                )
+            )
+    workloads.append(
+        Workload(
+            id="gang",
+            queue="t0",
+            priority_class="normal",
+            flavor="h100",
+            ranks=ranks,
+            gpus_per_rank=8,
+            state="pending",
+            submitted_at=NOW - 5,
+        )
+    )
+    return Snapshot(NOW, tuple(node_list), tuple(queues), CLASSES, tuple(workloads))
+
+
+def moved_jobs_restart(snapshot: Snapshot) -> None:
     """Consolidation moves only small, preemptible jobs that ran long enough, for a gang
     inside its guarantee; once they exit, the next plan starts the gang and every moved
-    job at once, and preempts nothing."""
+    job at once, and neither they nor any other job preempts anything for them.
+
+    When no GPU is free, the plan reclaims donor work besides (reclaim and move). A job
+    reclaimed there is requeued as after any reclaim, and the next plan may start it by
+    preempting under the usual rules (lower work of its own queue, or a queue above its
+    fair share); only such a job may preempt in the next plan.
+    """
     first = checked_plan(snapshot)
     moved = [e for e in first.preempt if e.reason == "consolidate"]
     if not moved:
         return
+    reclaimed = {e.id for e in first.preempt if e.reason == "reclaim"}
     by_id = {w.id: w for w in snapshot.workloads}
     gang = by_id["gang"]
     guarantee = next(q for q in snapshot.queues if q.name == gang.queue).quota("h100").guarantee
@@ -393,9 +455,21 @@ def test_a_job_moved_for_a_gang_restarts_in_the_next_cycle(snapshot: Snapshot) -
         assert victim.gpus < gang.gpus_per_rank
         assert victim.admitted_at is not None and NOW - victim.admitted_at >= 600
     second = checked_plan(apply_plan(snapshot, first, NOW + 1))
-    assert second.preempt == ()
+    assert {e.preemptor for e in second.preempt} <= reclaimed, (first, second)
     started = {a.id for a in second.admit}
     assert {"gang", *(e.id for e in moved)} <= started, (first, second)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fragmented())
+def test_a_job_moved_for_a_gang_restarts_in_the_next_cycle(snapshot: Snapshot) -> None:
+    moved_jobs_restart(snapshot)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(crowded())
+def test_a_job_moved_on_a_full_cluster_restarts_in_the_next_cycle(snapshot: Snapshot) -> None:
+    moved_jobs_restart(snapshot)
 
 
 # Gang shapes (ranks, GPUs per rank) from single GPUs to whole nodes and multi-node gangs.

@@ -7,6 +7,7 @@ from fairshare_builders import CLASSES, cluster, nodes, run_plan, team
 from fairshare_builders import workload as w
 
 from fairshare import Node, QuotaChange, consequences_to_dict, diff
+from fairshare.consolidation import restart_in_any_order
 from fairshare.nodes import NodeMap
 from fairshare.rules import (
     r1_capacity_free_gpus,
@@ -126,6 +127,19 @@ def test_r10_place_best_fit_and_packing() -> None:
     assert r10_place(1, 4, {"a": 8, "b": 4, "c": 6}) == (("b", 1),)
     assert r10_place(3, 4, {"a": 8, "b": 4, "c": 2}) == (("a", 2), ("b", 1))
     assert r10_place(2, 8, {"a": 8, "b": 7}) is None
+
+
+def test_r10_moved_jobs_restart_in_any_order() -> None:
+    # Largest first fits 2, 2, 1 and 1 into 1, 2 and 3 free GPUs; two 1-GPU jobs first
+    # leave a 2-GPU job without room.
+    assert not restart_in_any_order([1, 2, 3], [2, 2, 1, 1], None)
+    assert restart_in_any_order([1, 2, 4], [2, 2, 1, 1], None)
+    # The gang counts in the order too: a moved job planned before it must not take the
+    # node cleared for it.
+    assert not restart_in_any_order([8, 1, 2, 3], [2, 2, 1, 1], (1, 8))
+    assert restart_in_any_order([8, 1, 2, 4], [2, 2, 1, 1], (1, 8))
+    assert restart_in_any_order([8, 8, 4], [4], (2, 8))
+    assert not restart_in_any_order([8, 8, 3], [4], (2, 8))
 
 
 def test_r11_releasing_gpus_counted_first() -> None:

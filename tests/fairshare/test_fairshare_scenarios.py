@@ -162,6 +162,37 @@ KUEUE_10815 = [
     w("gang").gang(2, 8).within("rack"),
 ]
 
+# A full cluster of small jobs (found replaying the openb trace): b borrows 11 GPUs on both
+# nodes, but each node also runs work of c, which is under its guarantee. Reclaim alone
+# clears no node for a's 8-GPU job, and consolidation finds no free GPU to move c0 to:
+# reclaim b0 on n0 and b1 on n1, where c0 restarts, so a's job gets n0 in one grace window.
+AC_B = [team("a", guarantee=8), team("b"), team("c", guarantee=8)]
+NO_HOLE = [
+    w("b0").queue("b").gpus(7).running("n0"),
+    w("c0").queue("c").gpus(1).running("n0"),
+    w("b1").queue("b").gpus(4).running("n1"),
+    w("c1").queue("c").gpus(4).running("n1"),
+    w("a1").gpus(8),
+]
+
+# Moving n0's four small jobs would give a's 8-GPU job n0, and holes for them exist (1, 2
+# and 3 GPUs free on n1-n3, the 2-GPU jobs first). But the next plan restarts them in queue
+# order, each on the node with the least room that holds it: with b2 and b3 (1 GPU each)
+# first, b3 takes n2's 2 GPUs and one 2-GPU job has no room. No move, then; with 4 GPUs
+# free on n3, every order restarts them all.
+B_AT_LINE = [team("a", guarantee=8), team("b", guarantee=24)]
+# b's jobs that started a minute ago (too young to move), as (node, GPUs).
+YOUNG = [("n1", 1), ("n1", 2), ("n1", 2), ("n1", 2), ("n2", 4), ("n2", 1), ("n2", 1), ("n3", 1)]
+ORDER_BOUND = [
+    w("b0").queue("b").gpus(2).running("n0", since=3000),
+    w("b1").queue("b").gpus(2).running("n0", since=3000),
+    w("b2").queue("b").gpus(1).running("n0", since=3000).submitted(4000),
+    w("b3").queue("b").gpus(1).running("n0", since=3000).submitted(4000),
+    *(w(f"y{i}").queue("b").gpus(g).running(n, since=60) for i, (n, g) in enumerate(YOUNG)),
+    w("y8").queue("b").gpus(4).running("n3", since=60),
+    w("a1").gpus(8),
+]
+
 # One line per case, as in a table.
 # fmt: off
 CASES = [
@@ -197,6 +228,8 @@ CASES = [
     Case("consolidate_moves_the_smallest_job_for_a_gang_inside_its_guarantee", N2, AB, [w("b1").queue("b").gpus(4).running("n0"), w("b2").queue("b").gpus(2).running("n1"), w("a1").gpus(8)], preempt={"b2": "consolidate"}, wait={"a1": "released by job b2"}),
     Case("consolidate_never_moves_a_job_that_just_started", N2, AB, [w("b1").queue("b").gpus(4).running("n0", since=300), w("b2").queue("b").gpus(2).running("n1", since=300), w("a1").gpus(8)], wait={"a1": "no node of flavor h100 has 8 free GPUs"}),
     Case("consolidate_only_inside_the_guarantee", N2, [team("a", guarantee=4), team("b", guarantee=12)], [w("b1").queue("b").gpus(4).running("n0"), w("b2").queue("b").gpus(2).running("n1"), w("a1").gpus(8)], wait={"a1": "no node of flavor h100 has 8 free GPUs"}),
+    Case("consolidate_only_when_every_moved_job_restarts_in_any_order", N4, B_AT_LINE, ORDER_BOUND, wait={"a1": "no node of flavor h100 has 8 free GPUs"}),
+    Case("consolidate_moves_when_every_order_restarts_the_moved_jobs", N4, B_AT_LINE, [*ORDER_BOUND[:-2], w("y8").queue("b").gpus(3).running("n3", since=60), w("a1").gpus(8)], preempt={"b0": "consolidate", "b1": "consolidate", "b2": "consolidate", "b3": "consolidate"}, wait={"a1": "released by jobs"}),
     Case("consolidate_keeps_the_hole_for_the_moved_job", N2, AB, [w("b1").queue("b").gpus(4).running("n0"), w("b2").queue("b").gpus(2).running("n1"), w("a1").gpus(8), w("b3").queue("b").gpus(4).submitted(50)], preempt={"b2": "consolidate"}, wait={"a1": "released by job b2", "b3": "4 free GPUs"}),
     Case("terminating_victims_counted_first", N2, AB, [w("b1").queue("b").gpus(8).terminating("n0"), w("b2").queue("b").gpus(8).running("n1"), w("a1").gpus(8)], wait={"a1": "waiting for 8 GPUs being released by job b1"}),
     Case("releasing_gpus_never_promised_twice", N3, [team("a", guarantee=16), team("b", guarantee=8)], [w("b1").queue("b").gpus(8).terminating("n0"), w("b2").queue("b").gpus(8).running("n1"), w("b3").queue("b").gpus(8).running("n2", since=60), w("a1").gpus(8).submitted(50), w("a2").gpus(8).submitted(40)], preempt={"b3": "reclaim"}, wait={"a1": "released by job b1", "a2": "released by job b3"}),
@@ -230,6 +263,9 @@ CASES = [
     Case("decayed_usage_orders_teams_below_fair_share", N1, HEAVY_A, BOTH_WAIT, admit={"b1"}, wait={"a1": "team a used 2.0× its share of the spare h100 GPUs over the last week: its fair share is 0.5 GPUs instead of 4.0"}, fair_share={"a": 0.5 / 8.5 * 8, "b": 8 / 8.5 * 8}, usage_strength=1.0),
     Case("decayed_usage_strength_zero_is_weight_alone", N1, HEAVY_A, BOTH_WAIT, admit={"a1"}, wait={"b1": "no node of flavor h100 has 8 free GPUs"}, fair_share={"a": 4, "b": 4}),
     Case("decayed_usage_of_the_own_guarantee_is_not_borrowing", N1, OWN_A, BOTH_WAIT, admit={"a1"}, wait={"b1": "no node of flavor h100 has 8 free GPUs"}, fair_share={"a": 4, "b": 4}, usage_strength=1.0),
+    Case("reclaim_and_move_when_no_node_can_be_cleared_by_either", N2, AC_B, NO_HOLE, preempt={"b0": "reclaim", "c0": "consolidate", "b1": "reclaim"}, wait={"a1": "waiting for 8 GPUs being released"}),
+    Case("reclaim_and_move_clears_the_other_node_when_one_small_job_is_young", N2, AC_B, [NO_HOLE[0], w("c0").queue("c").gpus(1).running("n0", since=60), *NO_HOLE[2:]], preempt={"b1": "reclaim", "c1": "consolidate", "b0": "reclaim"}, wait={"a1": "waiting for 8 GPUs being released"}),
+    Case("reclaim_and_move_spares_young_small_jobs", N2, AC_B, [NO_HOLE[0], w("c0").queue("c").gpus(1).running("n0", since=60), NO_HOLE[2], w("c1").queue("c").gpus(4).running("n1", since=60), NO_HOLE[4]], wait={"a1": "no node of flavor h100 has 8 free GPUs"}),
     Case("topology_reclaim_clears_one_whole_rack", RACKS, [team("a", guarantee=16), team("b", guarantee=16)], KUEUE_10815, admit=set(), preempt={"b2": "reclaim", "b3": "reclaim"}, wait={"gang": "waiting for"}),
     Case("topology_blind_reclaim_scatters_victims", RACKS, [team("a", guarantee=16), team("b", guarantee=16)], [*KUEUE_10815[:-1], w("gang").gang(2, 8)], preempt={"b0": "reclaim", "b2": "reclaim"}),
     Case("topology_free_gpus_tightest_rack_first", RACKS, AB, [w("x").queue("b").gpus(4).running("n0"), w("g").gang(2, 4).within("rack")], admit={"g"}, placement={"g": (("n1", 2),)}),
