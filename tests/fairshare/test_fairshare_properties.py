@@ -333,17 +333,41 @@ def fragmented(draw: st.DrawFn) -> Snapshot:
         Queue(f"t{t}", None, 1.0, {"h100": FlavorQuota(guarantee)})
         for t, guarantee in enumerate(guarantees)
     ]
+    return _small_jobs_and_a_gang(
+        draw,
+        node_list,
+        queues,
+        ranks,
+        free=(1, 5),
+        sizes=(1, 1, 2, 2, 4),
+        teams=[1, 1, 1, 0][: teams + 1],
+    )
+
+
+def _small_jobs_and_a_gang(
+    draw: st.DrawFn,
+    node_list: list[Node],
+    queues: list[Queue],
+    ranks: int,
+    *,
+    free: tuple[int, int],
+    sizes: tuple[int, ...],
+    teams: list[int],
+) -> Snapshot:
+    """Each node filled with running one-node jobs of `sizes` GPUs (of queues t<teams>,
+    all but `free` GPUs of it, drawn in that range), and the pending gang of `ranks`
+    8-GPU ranks in t0."""
     workloads: list[Workload] = []
     for node in node_list:
-        room = 8 - draw(st.integers(1, 5))
+        room = 8 - draw(st.integers(*free))
         while room > 0:
-            gpus = min(room, draw(st.sampled_from((1, 1, 2, 2, 4))))
+            gpus = min(room, draw(st.sampled_from(sizes)))
             room -= gpus
             admitted = NOW - draw(st.integers(0, 4000))
             workloads.append(
                 Workload(
                     id=f"r{len(workloads)}",
-                    queue=f"t{draw(st.sampled_from([1, 1, 1, 0][: teams + 1]))}",
+                    queue=f"t{draw(st.sampled_from(teams))}",
                     priority_class=draw(
                         st.sampled_from(("normal", "normal", "low", "high", "pinned"))
                     ),
@@ -390,42 +414,9 @@ def crowded(draw: st.DrawFn) -> Snapshot:
         Queue(f"t{t}", None, 1.0, {"h100": FlavorQuota(guarantee)})
         for t, guarantee in enumerate(guarantees)
     ]
-    workloads: list[Workload] = []
-    for node in node_list:
-        room = 8 - draw(st.integers(0, 2))
-        while room > 0:
-            gpus = min(room, draw(st.sampled_from((1, 1, 2, 2, 4, 4, 6))))
-            room -= gpus
-            admitted = NOW - draw(st.integers(0, 4000))
-            workloads.append(
-                Workload(
-                    id=f"r{len(workloads)}",
-                    queue=f"t{draw(st.sampled_from((1, 1, 2, 0)))}",
-                    priority_class=draw(
-                        st.sampled_from(("normal", "normal", "low", "high", "pinned"))
-                    ),
-                    flavor="h100",
-                    ranks=1,
-                    gpus_per_rank=gpus,
-                    state="running",
-                    submitted_at=admitted - 10,
-                    admitted_at=admitted,
-                    placement=((node.name, 1),),
-                )
-            )
-    workloads.append(
-        Workload(
-            id="gang",
-            queue="t0",
-            priority_class="normal",
-            flavor="h100",
-            ranks=ranks,
-            gpus_per_rank=8,
-            state="pending",
-            submitted_at=NOW - 5,
-        )
+    return _small_jobs_and_a_gang(
+        draw, node_list, queues, ranks, free=(0, 2), sizes=(1, 1, 2, 2, 4, 4, 6), teams=[1, 1, 2, 0]
     )
-    return Snapshot(NOW, tuple(node_list), tuple(queues), CLASSES, tuple(workloads))
 
 
 def moved_jobs_restart(snapshot: Snapshot) -> None:
