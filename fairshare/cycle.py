@@ -445,9 +445,7 @@ class FlavorPlanner:
                 self._take(job, victims, placement)
                 for node, hole in holes:
                     # Kept for the moved jobs: nothing else in this plan claims them.
-                    nodes.releasing[node] -= hole
-                    if nodes.releasing[node] == 0:
-                        nodes.releasing_nodes.pop(node, None)
+                    nodes.take_releasing(node, hole)
                 return
         protected_until: float | None = None
         if quota_reason is None:
@@ -597,7 +595,6 @@ class FlavorPlanner:
                     self._wait_on(job, placement)
                     return True
             self.unplaceable_in_domain_releasing[shape] = min(ranks, known_failure or ranks)
-        ledger = self.ledger
         modes = self._modes(job)
         if modes:
             self.attempted_at_version[workload.id] = self.candidates_version
@@ -616,24 +613,22 @@ class FlavorPlanner:
             if failed is not None and failed[1] == self.candidates_version and ranks >= failed[0]:
                 continue
             best: tuple[tuple[float, float, str], str] | None = None
-            for name, members in self._promising_domains(domains, gpus_per_rank):
-                inside = set(members)
-                found = preempt_for(
-                    ledger,
-                    nodes,
-                    job,
-                    (
-                        (run, reason)
-                        for run, reason in self._candidates(job, mode)
-                        if any(node in inside for node, _ in run.nodes)
-                    ),
-                    members,
-                )
+            # The best search's victims and placement while their quota usage is still
+            # taken: given back before the next search, which must start from the same
+            # ledger, and searched again only if a later domain came in between.
+            held: tuple[Victims, Placement] | None = None
+            # Each search is a scan over the candidates: try the domains with the most
+            # room for ranks once their preemptible work is gone, a few of them.
+            for name in nodes.roomiest_domains(
+                level, gpus_per_rank, self.preemptible_on_node, DOMAIN_SEARCHES_PER_MODE
+            ):
+                if held is not None:
+                    self._give_back(held[0])
+                    held = None
+                found = self._search_domain(job, mode, level, name)
                 if found is None:
                     continue
                 victims, _ = found
-                for run, _ in victims:
-                    ledger.add_usage(run.queue, run.gpus)
                 cost = (
                     float(max(run.order[0] for run, _ in victims)),
                     sum(run.order[1] for run, _ in victims),
@@ -641,45 +636,41 @@ class FlavorPlanner:
                 )
                 if best is None or cost < best[0]:
                     best = (cost, name)
+                    held = found
+                else:
+                    self._give_back(victims)
             if best is None:
                 failed_attempts[attempt] = (ranks, self.candidates_version)
                 continue
-            inside = set(domains[best[1]])
-            found = preempt_for(
-                ledger,
-                nodes,
-                job,
-                (
-                    (run, reason)
-                    for run, reason in self._candidates(job, mode)
-                    if any(node in inside for node, _ in run.nodes)
-                ),
-                domains[best[1]],
-            )
-            if found is not None:
-                self._take(job, *found)
+            if held is None:
+                held = self._search_domain(job, mode, level, best[1])
+            if held is not None:
+                self._take(job, *held)
                 return True
         return False
 
-    def _promising_domains(
-        self, domains: Mapping[str, list[int]], gpus_per_rank: int
-    ) -> list[tuple[str, list[int]]]:
-        """The domains a victim search tries, most room for ranks once their preemptible
-        work is gone first; each search is a scan over the candidates, so a job tries
-        at most DOMAIN_SEARCHES_PER_MODE of them."""
-        nodes = self.nodes
-        preemptible = self.preemptible_on_node
-        ranked = sorted(
-            domains.items(),
-            key=lambda item: (
-                -sum(
-                    (nodes.free[n] + nodes.releasing[n] + preemptible[n]) // gpus_per_rank
-                    for n in item[1]
-                ),
-                item[0],
+    def _search_domain(
+        self, job: PendingJob, mode: str, level: str, name: str
+    ) -> tuple[Victims, Placement] | None:
+        """``preempt_for`` with ``mode``'s candidates that run in domain ``name`` of
+        ``level``, placing ``job`` inside that domain."""
+        domain_of = self.nodes.domain_of[level]
+        return preempt_for(
+            self.ledger,
+            self.nodes,
+            job,
+            (
+                (run, reason)
+                for run, reason in self._candidates(job, mode)
+                if any(domain_of[node] == name for node, _ in run.nodes)
             ),
+            self.nodes.domains[level][name],
         )
-        return ranked[:DOMAIN_SEARCHES_PER_MODE]
+
+    def _give_back(self, victims: Victims) -> None:
+        """Undo the quota usage a successful ``preempt_for`` left taken for ``victims``."""
+        for run, _ in victims:
+            self.ledger.add_usage(run.queue, run.gpus)
 
     def _candidates(self, job: PendingJob, mode: str) -> Iterator[tuple[RunningWork, str]]:
         if mode == RECLAIM:

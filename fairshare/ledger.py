@@ -107,6 +107,8 @@ class QuotaLedger:
         # surplus it used recently, and the factor by which that moves a queue below its
         # fair share ahead (1 everywhere without decayed usage).
         self.usage_ratio = [1.0] * count
+        # Per queue: usage_reason's words, or "" where its fair share was not lowered.
+        self.usage_reasons: dict[int, str] = {}
         self.order_boost = [1.0] * count
         strength = snapshot.usage_strength
         if strength > 0:
@@ -208,19 +210,26 @@ class QuotaLedger:
 
         Said when a queue on its path used more than its share of the surplus recently,
         which made its fair share smaller, and the GPUs take it beyond that fair share.
+        The fair shares do not change during a plan, so each queue's words are made once.
         """
         for x in self.tree.path[queue]:
-            after = self.usage[x] + gpus
             fair = self.fair_share[x]
-            plain = self.plain_fair_share[x]
-            ratio = self.usage_ratio[x]
-            if ratio > 1 and fair < plain - 1e-9 and after > fair + 1e-9:
-                return usage_words(
-                    team=self.tree.names[x],
-                    flavor=self.flavor,
-                    ratio=ratio,
-                    fair_share=fair,
-                    weight_fair_share=plain,
-                    half_life_seconds=self.half_life_seconds,
-                )
+            if self.usage[x] + gpus > fair + 1e-9 and self.usage_ratio[x] > 1:
+                words = self.usage_reasons.get(x)
+                if words is None:
+                    plain = self.plain_fair_share[x]
+                    words = self.usage_reasons[x] = (
+                        usage_words(
+                            team=self.tree.names[x],
+                            flavor=self.flavor,
+                            ratio=self.usage_ratio[x],
+                            fair_share=fair,
+                            weight_fair_share=plain,
+                            half_life_seconds=self.half_life_seconds,
+                        )
+                        if fair < plain - 1e-9
+                        else ""
+                    )
+                if words:
+                    return words
         return None

@@ -9,6 +9,8 @@ preemptor that waits for it.
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 from collections.abc import Mapping, Sequence
 
 from .model import Node
@@ -16,6 +18,16 @@ from .rules import r1_capacity_free_gpus, r10_place, r11_releasing_first
 
 # A placement: (node index, ranks on that node) pairs.
 Placement = list[tuple[int, int]]
+
+
+@dataclasses.dataclass
+class DomainRooms:
+    """The room in ranks of one size per domain of one topology level, as of
+    ``seen`` changes of the node map, and the roomiest domains found from it."""
+
+    rooms: dict[str, int]
+    seen: int
+    roomiest: list[str] = dataclasses.field(default_factory=list)
 
 
 class NodeMap:
@@ -26,9 +38,12 @@ class NodeMap:
         self.names: list[str] = [node.name for node in nodes]
         # Per topology level: its domains, each with its node indices.
         self.domains: dict[str, dict[str, list[int]]] = {}
+        # Per topology level: each node's domain (None where the node has no such level).
+        self.domain_of: dict[str, list[str | None]] = {}
         for i, node in enumerate(nodes):
             for level, domain in node.topology.items():
                 self.domains.setdefault(level, {}).setdefault(domain, []).append(i)
+                self.domain_of.setdefault(level, [None] * len(nodes))[i] = domain
         self.gpus: list[int] = [node.gpus for node in nodes]
         self.index = {name: i for i, name in enumerate(self.names)}
         self.capacity = sum(self.gpus)
@@ -42,6 +57,12 @@ class NodeMap:
         self.releasing = [0] * len(self.names)
         self.releasing_jobs: list[list[str]] = [[] for _ in self.names]
         self.releasing_nodes: dict[int, None] = {}
+        # The node of every change of the free or releasing GPUs, in order, so that a
+        # caller can tell whether an answer it computed from them still holds and which
+        # nodes to look at again.
+        self.changed: list[int] = []
+        # Per (topology level, rank size): what ``roomiest_domains`` counted.
+        self.domain_rooms: dict[tuple[str, int], DomainRooms] = {}
         # Per rank size: the fewest ranks that did not fit on free GPUs since the free
         # GPUs last grew (a gang of as many or more ranks cannot fit either).
         self.unplaceable_on_free: dict[int, int] = {}
@@ -70,6 +91,14 @@ class NodeMap:
         self.releasing[node] += gpus
         self.releasing_jobs[node].append(job)
         self.releasing_nodes[node] = None
+        self.changed.append(node)
+
+    def take_releasing(self, node: int, gpus: int) -> None:
+        """Claim ``gpus`` of the GPUs on their way back to ``node``."""
+        self.releasing[node] -= gpus
+        if self.releasing[node] == 0:
+            self.releasing_nodes.pop(node, None)
+        self.changed.append(node)
 
     def set_free(self, node: int, free: int) -> None:
         """Record that ``node`` now has ``free`` free GPUs."""
@@ -78,6 +107,7 @@ class NodeMap:
         self.by_free_gpus[free][node] = None
         self.free[node] = free
         self.free_total += free - old
+        self.changed.append(node)
 
     def may_place_free(self, ranks: int, gpus_per_rank: int) -> bool:
         """The cheap tests of ``place_free``: on a full cluster most gangs stop here."""
@@ -190,12 +220,48 @@ class NodeMap:
                 self.set_free(node, self.free[node] - from_free)
             rest = r11_releasing_first(self.releasing[node], need - from_free)
             if rest:
-                self.releasing[node] -= rest
                 from_releasing += rest
                 released_by.extend(self.releasing_jobs[node])
-                if self.releasing[node] == 0:
-                    self.releasing_nodes.pop(node, None)
+                self.take_releasing(node, rest)
         return from_releasing, released_by
+
+    def roomiest_domains(
+        self, level: str, gpus_per_rank: int, extra: Sequence[int], count: int
+    ) -> list[str]:
+        """The ``count`` domains of ``level`` with the most room for ranks of
+        ``gpus_per_rank`` GPUs, counting per node its free and releasing GPUs plus
+        ``extra`` (which must not change between calls); ties go by name.
+
+        Each domain's room is kept per (level, rank size) and counted again only for
+        the domains whose nodes changed since the last call: on a full cluster many
+        waiting gangs ask in a row while few nodes change.
+        """
+        domains = self.domains.get(level)
+        if not domains:
+            return []
+        free = self.free
+        releasing = self.releasing
+
+        def room(members: list[int]) -> int:
+            return sum((free[n] + releasing[n] + extra[n]) // gpus_per_rank for n in members)
+
+        key = (level, gpus_per_rank)
+        known = self.domain_rooms.get(key)
+        if known is None:
+            known = self.domain_rooms[key] = DomainRooms(
+                {name: room(members) for name, members in domains.items()}, len(self.changed)
+            )
+        elif known.seen < len(self.changed):
+            domain_of = self.domain_of[level]
+            for name in {domain_of[node] for node in self.changed[known.seen :]}:
+                if name is not None:
+                    known.rooms[name] = room(domains[name])
+            known.seen = len(self.changed)
+            known.roomiest.clear()
+        if len(known.roomiest) < count:
+            best = heapq.nsmallest(count, known.rooms.items(), key=lambda item: (-item[1], item[0]))
+            known.roomiest = [name for name, _ in best]
+        return known.roomiest[:count]
 
     def hostable_in(self, domain: Sequence[int], gpus_per_rank: int) -> int:
         """R2 inside one topology domain: ranks its free plus releasing GPUs could host."""

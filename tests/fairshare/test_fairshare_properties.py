@@ -25,6 +25,7 @@ from fairshare import (
     plan,
     plan_to_dict,
 )
+from fairshare.nodes import NodeMap
 
 FLAVORS = ("h100", "a100")
 CLASS_BY_NAME = {c.name: c for c in CLASSES}
@@ -688,3 +689,58 @@ def test_topology_required_gangs_are_never_split_across_domains(snapshot: Snapsh
         if workload.topology_level == "rack" and workload.topology_required:
             racks_used = {rack[node] for node, _ in admission.placement}
             assert len(racks_used) == 1 and None not in racks_used, (admission, rack)
+
+
+# A change of a node map: ("free", node, GPUs now free), ("release", node, GPUs) or
+# ("claim", node, GPUs wanted on it).
+_node_changes = st.lists(
+    st.tuples(
+        st.sampled_from(("free", "release", "claim")),
+        st.integers(0, 11),
+        st.integers(0, 8),
+    ),
+    max_size=30,
+)
+
+
+@FAST
+@given(
+    changes=_node_changes,
+    extra=st.lists(st.integers(0, 8), min_size=12, max_size=12),
+    gpus_per_rank=st.sampled_from((1, 2, 4, 8)),
+    asked_every=st.integers(1, 4),
+)
+def test_the_roomiest_domains_follow_every_change_of_the_nodes(
+    changes: list[tuple[str, int, int]], extra: list[int], gpus_per_rank: int, asked_every: int
+) -> None:
+    # Twelve nodes of 8 GPUs in racks of three, one node outside any rack.
+    node_map = NodeMap(
+        [
+            Node(f"n{i}", "h100", 8, topology={} if i == 11 else {"rack": f"r{i // 3}"})
+            for i in range(12)
+        ]
+    )
+    node_map.occupy([4] * 12, [])
+
+    def counted_afresh() -> list[str]:
+        rooms = {
+            name: sum(
+                (node_map.free[n] + node_map.releasing[n] + extra[n]) // gpus_per_rank
+                for n in members
+            )
+            for name, members in node_map.domains["rack"].items()
+        }
+        return sorted(rooms, key=lambda name: (-rooms[name], name))[:2]
+
+    assert node_map.roomiest_domains("rack", gpus_per_rank, extra, 2) == counted_afresh()
+    for step, (kind, node, gpus) in enumerate(changes):
+        if kind == "free":
+            node_map.set_free(node, gpus)
+        elif kind == "release":
+            node_map.release(node, gpus, f"job-{step}")
+        else:
+            wanted = min(gpus, node_map.free[node] + node_map.releasing[node])
+            node_map.claim([(node, wanted)], 1)
+        if step % asked_every == 0:
+            assert node_map.roomiest_domains("rack", gpus_per_rank, extra, 2) == counted_afresh()
+    assert node_map.roomiest_domains("rack", gpus_per_rank, extra, 2) == counted_afresh()
