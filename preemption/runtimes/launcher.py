@@ -1,11 +1,23 @@
 """Start ranks of a gang and wait on each, recording how it ends.
 
-Run as `python -m preemption.runtimes.launcher <gang_dir> <rank> [<rank> ...]` by
-LocalRuntime.launch. The launcher forks one keeper per rank, prints the rank numbers it
-forked and exits; the caller reaps it at once. Each keeper starts its own session, so a
-dying Celery worker, or a signal to the worker's process group, never reaches it. The
-keeper starts the rank in a new session (the rank's pid is its process group id), waits
-on it and records its pid, start time and exit code in the rank's folder (see records.py).
+Run as `python -m preemption.runtimes.launcher <gang_dir> <rank> [<rank> ...]`, the
+launcher forks one keeper per rank, prints the rank numbers it forked and exits. Each
+keeper starts its own session, so a dying Celery worker, or a signal to the worker's
+process group, never reaches it. The keeper starts the rank in a new session (the rank's
+pid is its process group id), waits on it and records its pid, start time and exit code
+in the rank's folder (see records.py).
+
+LocalRuntime.launch runs it as `python -m preemption.runtimes.launcher --serve` instead:
+one launcher per control-plane process, started at its first launch, that reads one gang
+per line on its standard input (a JSON object: the gang's folder, the ranks, and the part
+of the caller's environment a rank inherits, as the caller has it now) and answers each
+with the ranks it forked. Each request is served by a child forked from the server
+(which then forks the keepers and exits, as the one-shot launcher does), so a launch
+costs a fork instead of an interpreter's start-up and imports, which on a busy machine
+took a tenth of a second or more each. The server is single-threaded, so forking it is
+safe where forking the multi-threaded worker would not be; it exits when its standard
+input closes, that is when the process that started it is gone. Keepers never keep the
+server's pipes open.
 
 The keeper runs as the control plane's user (root when ranks run as the runner user), so
 it can write the records and signal the rank. Only the rank drops privileges: it starts
@@ -18,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import pwd
 import signal
@@ -25,7 +38,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -36,6 +49,7 @@ from preemption.runtimes.records import (
     GANG_FILE,
     KEEPER_FILE,
     KILL_FILE,
+    LAUNCHER_LOG,
     RANK_DIR_ENV,
     RANK_LOG,
     SIGNAL_FILE,
@@ -73,6 +87,10 @@ INHERITED_PREFIXES = ("LC_", "CUDA_", "NCCL_", "GLOO_", "TORCH_")
 
 # Files and folders a rank creates are its own alone unless it says otherwise.
 RANK_UMASK = 0o077
+
+# Descriptors a keeper closes as it starts: the pipe on which the server's child reports
+# the keepers it forked (see _serve_one).
+_KEEPER_CLOSES: list[int] = []
 
 # prctl(2): once set, execve never grants privileges (setuid bits, file capabilities).
 PR_SET_NO_NEW_PRIVS = 38
@@ -241,6 +259,8 @@ def _become_keeper(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
     """Run in the forked child: detach, then keep the rank. Never returns."""
     status = 0
     try:
+        for descriptor in _KEEPER_CLOSES:
+            os.close(descriptor)
         os.setsid()
         devnull = os.open(os.devnull, os.O_RDWR)
         os.dup2(devnull, 0)
@@ -257,25 +277,95 @@ def _become_keeper(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
         os._exit(status)
 
 
-def main(argv: list[str]) -> int:
-    """Fork a keeper for each rank named on the command line; print each rank forked."""
-    if len(argv) < 2:
-        print(
-            "usage: python -m preemption.runtimes.launcher GANG_DIR RANK [RANK ...]",
-            file=sys.stderr,
-        )
-        return 2
-    gang_dir = Path(argv[0])
+def fork_keepers(gang_dir: Path, ranks: list[int], report: Callable[[int], None]) -> None:
+    """Fork a keeper for each of ``ranks`` of the gang in ``gang_dir`` and ``report``
+    each rank forked."""
     gang = read_record(gang_dir / GANG_FILE)
     if gang is None:
         print(f"no {GANG_FILE} in {gang_dir}", file=sys.stderr)
-        return 2
-    for rank in (int(value) for value in argv[1:]):
+        return
+    for rank in ranks:
         sys.stdout.flush()
         sys.stderr.flush()
         if os.fork() == 0:
             _become_keeper(gang_dir, gang, rank)
-        print(rank, flush=True)
+        report(rank)
+
+
+def _serve_one(request: bytes) -> bytes:
+    """One request of ``serve``: fork a child that forks the keepers and exits, so the
+    keepers belong to init, not to the server; the ranks it forked, as a reply line."""
+    fields = json.loads(request)
+    gang_dir = Path(fields["gang_dir"])
+    ranks = [int(value) for value in fields["ranks"]]
+    environ = {str(name): str(value) for name, value in fields["environ"].items()}
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        status = 0
+        try:
+            os.close(read_end)
+            # The gang's own log for anything the keepers print; the server's pipes
+            # closed, so that no keeper holds them open.
+            log = os.open(gang_dir / LAUNCHER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(log, 2)
+            os.close(log)
+            devnull = os.open(os.devnull, os.O_RDWR)
+            os.dup2(devnull, 0)
+            os.dup2(devnull, 1)
+            os.close(devnull)
+            # What the ranks inherit is the caller's, not the server's (rank_environment).
+            os.environ.clear()
+            os.environ.update(inherited_environment(environ))
+            # Each keeper drops the pipe to the server first thing (see _become_keeper).
+            _KEEPER_CLOSES.append(write_end)
+            fork_keepers(gang_dir, ranks, lambda rank: os.write(write_end, f"{rank} ".encode()))
+        except BaseException:
+            traceback.print_exc()
+            status = 70
+        finally:
+            sys.stderr.flush()
+            os._exit(status)
+    os.close(write_end)
+    forked = b""
+    with open(read_end, "rb") as answers:
+        forked = answers.read()
+    os.waitpid(child, 0)
+    return forked.strip() + b"\n"
+
+
+def serve() -> int:
+    """Serve launches on standard input until it closes (see the module docstring)."""
+    requests = sys.stdin.buffer
+    replies = sys.stdout.buffer
+    while request := requests.readline():
+        try:
+            reply = _serve_one(request)
+        except (OSError, ValueError) as error:
+            print(f"launch {request!r} failed: {error}", file=sys.stderr, flush=True)
+            reply = b"\n"
+        replies.write(reply)
+        replies.flush()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """Fork a keeper for each rank named on the command line and print each rank forked;
+    or, with --serve, serve launches until standard input closes."""
+    if argv == ["--serve"]:
+        return serve()
+    if len(argv) < 2:
+        print(
+            "usage: python -m preemption.runtimes.launcher GANG_DIR RANK [RANK ...]\n"
+            "       python -m preemption.runtimes.launcher --serve",
+            file=sys.stderr,
+        )
+        return 2
+    gang_dir = Path(argv[0])
+    if read_record(gang_dir / GANG_FILE) is None:
+        print(f"no {GANG_FILE} in {gang_dir}", file=sys.stderr)
+        return 2
+    fork_keepers(gang_dir, [int(value) for value in argv[1:]], lambda rank: print(rank, flush=True))
     return 0
 
 

@@ -68,15 +68,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import random
 import secrets
+import select
 import shutil
 import signal as signals
 import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -97,6 +100,7 @@ from preemption.runtimes.base import (
     os_errors_are_temporary,
     translate_errors,
 )
+from preemption.runtimes.launcher import inherited_environment
 from preemption.runtimes.records import (
     EXIT_FILE,
     FORGOTTEN_FILE,
@@ -593,34 +597,17 @@ class LocalRuntime:
                 return port
 
     def _start_keepers(self, gang_dir: Path, ranks: list[int]) -> None:
-        command = [self.python, "-m", "preemption.runtimes.launcher", str(gang_dir)]
-        command += [str(rank) for rank in ranks]
         try:
-            log_fd = os.open(gang_dir / LAUNCHER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            with open(log_fd, "ab") as launcher_log:
-                launcher = subprocess.Popen(
-                    command,
-                    cwd=PROJECT_ROOT,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=launcher_log,
-                    start_new_session=True,
-                )
+            forked = launch_server(self.python).start_keepers(gang_dir, ranks)
         except OSError as error:
             self._release_claims(gang_dir, ranks)
             raise RuntimeTemporaryError(f"cannot start the launcher: {error}") from error
-        try:
-            forked_output, _ = launcher.communicate(timeout=LAUNCHER_TIMEOUT_SECONDS)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
-            forked_output, _ = launcher.communicate()
-        forked = {int(line) for line in forked_output.split()}
         missing = [rank for rank in ranks if rank not in forked]
         if missing:
             self._release_claims(gang_dir, missing)
             raise RuntimeTemporaryError(
                 f"the launcher started no keeper for ranks {missing} "
-                f"(exit {launcher.returncode}; see {gang_dir / LAUNCHER_LOG})"
+                f"(see {gang_dir / LAUNCHER_LOG})"
             )
 
     @staticmethod
@@ -749,6 +736,92 @@ class LocalRuntime:
             if time.time() - claimed_at < LAUNCH_TIMEOUT_SECONDS:
                 return "terminating" if stopping else "starting"
         return "lost"
+
+
+class LaunchServer:
+    """This process's launcher, started once and kept (launcher.py, `--serve`): it
+    forks the keepers of each gang it is sent. Launches from several threads take turns;
+    each costs a fork there. A launcher that died is started again at the next launch."""
+
+    def __init__(self, python: str) -> None:
+        self.python = python
+        self.lock = threading.Lock()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def _running(self) -> subprocess.Popen[bytes]:
+        if self.process is not None and self.process.poll() is None:
+            return self.process
+        self.stop()
+        self.process = subprocess.Popen(
+            [self.python, "-m", "preemption.runtimes.launcher", "--serve"],
+            cwd=PROJECT_ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        return self.process
+
+    def stop(self) -> None:
+        """Close the launcher's input, so that it exits; its keepers live on."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def start_keepers(self, gang_dir: Path, ranks: list[int]) -> set[int]:
+        """Have the launcher fork a keeper for each of ``ranks``; the ranks it forked.
+
+        Raises OSError when the launcher cannot be started or stops answering."""
+        request = json.dumps(
+            {
+                "gang_dir": str(gang_dir),
+                "ranks": ranks,
+                "environ": inherited_environment(os.environ),
+            }
+        ).encode()
+        request += b"\n"
+        with self.lock:
+            for fresh in (False, True):
+                process = self._running()
+                assert process.stdin is not None and process.stdout is not None
+                try:
+                    process.stdin.write(request)
+                    process.stdin.flush()
+                except BrokenPipeError:
+                    # It died since its last launch and never saw this one: start
+                    # another, once.
+                    self.stop()
+                    if fresh:
+                        raise
+                    continue
+                ready, _, _ = select.select([process.stdout], [], [], LAUNCHER_TIMEOUT_SECONDS)
+                reply = process.stdout.readline() if ready else b""
+                if not reply.endswith(b"\n"):
+                    # Silent or gone mid-launch: whatever it forked has its own records.
+                    self.stop()
+                    return set()
+                return {int(value) for value in reply.split()}
+        return set()
+
+
+# Per interpreter path: this process's launcher (a forked child starts its own).
+_LAUNCH_SERVERS: dict[tuple[int, str], LaunchServer] = {}
+
+
+def launch_server(python: str) -> LaunchServer:
+    key = (os.getpid(), python)
+    server = _LAUNCH_SERVERS.get(key)
+    if server is None:
+        server = _LAUNCH_SERVERS.setdefault(key, LaunchServer(python))
+    return server
 
 
 def _control_plane_folder(path: Path, mode: int, *, group: int | None = None) -> None:

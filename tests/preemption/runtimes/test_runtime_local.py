@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 
 import preemption.runtimes as runtimes_package
@@ -34,7 +35,12 @@ from preemption.runtimes import (
     parse_inventory,
     processes,
 )
-from preemption.runtimes.local import MASTER_PORT_FLOOR, PROJECT_ROOT, _ephemeral_port_floor
+from preemption.runtimes.local import (
+    MASTER_PORT_FLOOR,
+    PROJECT_ROOT,
+    _ephemeral_port_floor,
+    launch_server,
+)
 from preemption.runtimes.records import (
     GANG_FILE,
     GANG_INDEX,
@@ -686,6 +692,46 @@ def test_read_log_of_a_rank_not_yet_started_is_empty(runtime: LocalRuntime) -> N
         runtime.read_log(spec.gang, 2)
     with pytest.raises(RuntimePermanentError):
         runtime.read_log(GangId(404, 1), 0)
+
+
+def test_one_launcher_serves_every_launch_and_a_dead_one_is_replaced(
+    runtime: LocalRuntime,
+) -> None:
+    # Each launch is a fork of this process's launcher, not an interpreter's start-up.
+    first = gang_spec(21, "sleep 30", ranks=2)
+    runtime.launch(first)
+    wait_until(
+        lambda: [o.phase for o in runtime.observe(first.gang)] == ["running", "running"],
+        what="both ranks to run",
+    )
+    server = launch_server(runtime.python)
+    assert server.process is not None
+    launcher = psutil.Process(server.process.pid)
+    assert "--serve" in launcher.cmdline()
+    # The keepers belong to init, not to the launcher: it never reaps them, and a keeper
+    # never holds its pipes.
+    for rank in range(2):
+        keeper = read_record(runtime.gang_dir(first.gang) / str(rank) / KEEPER_FILE)
+        assert keeper is not None
+        assert psutil.Process(int(keeper["pid"])).ppid() != launcher.pid
+    second = gang_spec(22, "echo second", ranks=2)
+    runtime.launch(second)
+    assert [o.exit_code for o in wait_exited(runtime, second.gang)] == [0, 0]
+    assert server.process is not None and server.process.pid == launcher.pid
+
+    # Killed between two launches: the next launch starts another and runs its gang.
+    launcher.kill()
+    launcher.wait(timeout=10)
+    third = gang_spec(23, "echo third", ranks=2)
+    runtime.launch(third)
+    assert [o.exit_code for o in wait_exited(runtime, third.gang)] == [0, 0]
+    assert server.process is not None and server.process.pid != launcher.pid
+
+    # Its input closed, the launcher exits at once, though the first gang still runs.
+    replacement = server.process
+    server.stop()
+    assert replacement.returncode == 0
+    assert {o.phase for o in runtime.observe(first.gang)} == {"running"}
 
 
 def test_the_launcher_starts_without_loading_the_runtimes() -> None:
