@@ -12,7 +12,13 @@ def web_command(
     *, bind: str, workers: int = 2, threads: int = 4, timeout: int = 120, quiet: bool = False
 ) -> list[str]:
     """The web server; `quiet` drops the access log and gunicorn's own notices,
-    keeping warnings and errors."""
+    keeping warnings and errors.
+
+    Each connection serves one request (`--keep-alive 0`): a worker process runs one
+    thread at a time (the GIL), and kept-alive connections stay with the process that
+    accepted them, so in a burst of many clients one process served most of them while
+    the others idled. A new connection per request goes to whichever process is free to
+    accept it, which spreads the load over the processes and the machine's cores."""
     return [
         sys.executable,
         "-m",
@@ -29,6 +35,8 @@ def web_command(
         *(("--log-level", "warning") if quiet else ("--access-logfile", "-")),
         "--graceful-timeout",
         "5",
+        "--keep-alive",
+        "0",
     ]
 
 

@@ -214,7 +214,7 @@ if CELERY_BROKER_URL.startswith(("qmdisk://", "filesystem://")):
         "processed_folder": str(BROKER_DIR / "processed"),
         "control_folder": str(BROKER_DIR / "control"),
         "store_processed": False,
-        "polling_interval": 0.2,
+        "polling_interval": 0.05,
     }
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True

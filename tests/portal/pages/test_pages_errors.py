@@ -4,6 +4,7 @@ leaves one log line. These run with DEBUG off, as `make run` serves."""
 
 from __future__ import annotations
 
+import http.client
 import io
 import logging
 import os
@@ -181,7 +182,7 @@ def test_the_embedded_web_server_serves_static_files_and_plain_404s_with_debug_o
     env = {k: v for k, v in os.environ.items() if k not in {"QM_DEBUG", "DEBUG"}}
     root = Path(__file__).resolve().parents[3]
     server = subprocess.Popen(
-        web_command(bind=f"127.0.0.1:{port}", workers=1, threads=1),
+        web_command(bind=f"127.0.0.1:{port}", workers=1),
         cwd=root,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -206,6 +207,15 @@ def test_the_embedded_web_server_serves_static_files_and_plain_404s_with_debug_o
         assert 'id="reason">There is no page at /no/such/page/.<' in body
         for secret in _secrets():
             assert secret not in body, secret
+        # One request per connection, though the client would keep it: the next
+        # request goes to whichever web process is free (processes.web_command).
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        connection.request("GET", "/static/portal/portal.css")
+        answer = connection.getresponse()
+        answer.read()
+        assert answer.status == 200
+        assert answer.getheader("Connection") == "close"
+        connection.close()
     finally:
         server.terminate()
         server.wait(timeout=30)
