@@ -16,7 +16,7 @@ from preemption.cycle import schedule_cycle as run_cycle
 from preemption.k8s_sync import priority_classes_sync
 from preemption.reconcile import reconcile_jobs
 from preemption.runtime import get_runtime, sync_node_topology
-from preemption.wakeup import SCHEDULE_CYCLE_TASK
+from preemption.wakeup import SCHEDULE_CYCLE_TASK, cycle_started_since, cycle_waiting
 from preemption.webhooks import deliver_due
 from telemetry.services import utilization_sample
 
@@ -24,7 +24,11 @@ COMMON = {"acks_late": True, "soft_time_limit": 30, "time_limit": 60, "ignore_re
 
 
 @shared_task(name=SCHEDULE_CYCLE_TASK, expires=5, **COMMON)
-def schedule_cycle() -> dict[str, int]:
+def schedule_cycle(requested_at: float | None = None) -> dict[str, int]:
+    """A cycle: every period from the beat, and on request (``requested_at``, when it
+    was asked for) unless a cycle that started since then already served it."""
+    if requested_at is not None and cycle_started_since(requested_at):
+        return {"admitted": 0, "preempted": 0, "waiting": 0}
     result = run_cycle()
     return {
         "admitted": len(result.admitted),
@@ -35,7 +39,13 @@ def schedule_cycle() -> dict[str, int]:
 
 @shared_task(name="preemption.tasks.reconcile", expires=5, **COMMON)
 def reconcile() -> int:
-    return reconcile_jobs()
+    """A reconcile pass; when it ended jobs and so asked for a cycle, the cycle runs
+    here at once, so that their GPUs go to waiting jobs without another hop through
+    the broker (the request it sent finds the cycle done and does nothing)."""
+    looked = reconcile_jobs()
+    if cycle_waiting():
+        run_cycle()
+    return looked
 
 
 @shared_task(name="preemption.tasks.refresh_preemption_risk", expires=30, **COMMON)

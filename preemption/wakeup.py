@@ -67,7 +67,27 @@ def claim_cycle_request() -> bool:
 def take_cycle_request() -> None:
     """A cycle starts: requests from now on need a cycle of their own."""
     with contextlib.suppress(OSError):
+        _started_marker().touch()
+    with contextlib.suppress(OSError):
         _request_marker().unlink(missing_ok=True)
+
+
+def _started_marker() -> Path:
+    return Path(settings.VAR_DIR) / "cycle.started"
+
+
+def cycle_waiting() -> bool:
+    """Whether a cycle was asked for and none has started since."""
+    return _request_marker().exists()
+
+
+def cycle_started_since(moment: float) -> bool:
+    """Whether a cycle started after ``moment`` (a time.time()): it saw everything
+    committed before then, so a request made then is already served."""
+    try:
+        return _started_marker().stat().st_mtime > moment
+    except OSError:
+        return False
 
 
 def _send_if_first() -> None:
@@ -76,7 +96,9 @@ def _send_if_first() -> None:
     # The beat runs the cycle every second anyway: a broker hiccup while asking
     # for an extra run must not fail the request that asked.
     try:
-        current_app.send_task(SCHEDULE_CYCLE_TASK, retry=False, expires=5)
+        current_app.send_task(
+            SCHEDULE_CYCLE_TASK, kwargs={"requested_at": time.time()}, retry=False, expires=5
+        )
     except Exception:
         logger.warning("could not queue an extra scheduling cycle", exc_info=True)
 

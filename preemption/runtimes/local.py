@@ -81,7 +81,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +103,7 @@ from preemption.runtimes.base import (
 from preemption.runtimes.launcher import inherited_environment
 from preemption.runtimes.records import (
     EXIT_FILE,
+    EXITS_FIFO,
     FORGOTTEN_FILE,
     GANG_FILE,
     GANG_INDEX,
@@ -184,6 +185,42 @@ class LocalRuntime:
         self.master_addr = master_addr
         # Who ranks run as; None runs them as this process's own user (see the docstring).
         self.runner = runner
+
+    def watch_exits(self, stop: threading.Event, on_exit: Callable[[], None]) -> None:
+        """Call ``on_exit`` soon after a rank of this runtime exits, until ``stop`` is set.
+
+        Each keeper writes a line to the runtime's exits pipe once its rank has exited
+        (records.py); this reads them, so the control plane can look at once rather than
+        at its next periodic pass. Exits that arrive together are reported once. The
+        pipe is made here, the control plane's alone (0600 in a folder only it may
+        list), and is refused if something else sits at its name.
+        """
+        _control_plane_folder(self.root, 0o711)
+        path = self.root / EXITS_FIFO
+        with contextlib.suppress(FileExistsError):
+            os.mkfifo(path, 0o600)
+        reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        # A writer of its own keeps the pipe open between keepers, so an idle pipe
+        # reads as empty rather than at its end.
+        writer: int | None = None
+        try:
+            found = os.fstat(reader)
+            if not stat.S_ISFIFO(found.st_mode) or found.st_uid != os.geteuid():
+                raise RuntimePermanentError(f"{path} is not this control plane's exits pipe")
+            os.fchmod(reader, 0o600)
+            writer = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            while not stop.is_set():
+                ready, _, _ = select.select([reader], [], [], 0.5)
+                if not ready:
+                    continue
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(reader, 4096):
+                        pass
+                on_exit()
+        finally:
+            if writer is not None:
+                os.close(writer)
+            os.close(reader)
 
     # ----------------------------------------------------------------- the protocol
 

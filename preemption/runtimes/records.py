@@ -16,6 +16,9 @@ Layout under the runtime's root (`var/runs` by default)::
     gangs/<job_id>.<attempt>.<master_port>  one empty entry per gang launched and not yet
                                          forgotten: the runtime lists and the master ports
                                          it has promised, read with one directory listing
+    exits.fifo                           a named pipe, the control plane's only (0600): a
+                                         keeper writes a line to it when its rank has exited,
+                                         if someone listens (LocalRuntime.watch_exits)
 
 Every JSON record is written to a temporary file and renamed into place, so a reader sees
 either nothing or the whole record. Records that must be written once (the gang spec, the
@@ -33,6 +36,7 @@ from typing import Any
 GANG_FILE = "gang.json"
 FORGOTTEN_FILE = "forgotten.json"
 GANG_INDEX = "gangs"
+EXITS_FIFO = "exits.fifo"
 LAUNCHER_LOG = "launcher.log"
 KEEPER_FILE = "keeper.json"
 STARTED_FILE = "started.json"

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
+from portal import tasks
 from preemption.cycle import schedule_cycle
 from preemption.models import Attempt
 from preemption.services import job_submit
-from preemption.wakeup import REQUEST_OVERDUE_SECONDS, claim_cycle_request
+from preemption.wakeup import REQUEST_OVERDUE_SECONDS, claim_cycle_request, cycle_waiting
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -43,3 +44,51 @@ def test_a_request_waits_for_the_cycle_that_takes_it(
     os.utime(marker, (past, past))
     assert claim_cycle_request() is True
     assert claim_cycle_request() is False
+
+
+def _submit(world: Any, name: str, command: str = "true") -> Any:
+    return job_submit(
+        submitter=world.users["researcher"],
+        team=world.vision,
+        flavor=world.h100,
+        ranks=1,
+        gpus_per_rank=1,
+        command=command,
+        priority_class=world.batch,
+        name=name,
+    )
+
+
+def test_a_requested_cycle_that_another_cycle_served_does_nothing(
+    world: Any, settings: Any, tmp_path: Path
+) -> None:
+    settings.VAR_DIR = tmp_path
+    asked = time.time()
+    schedule_cycle(act=False)  # starts after the request: it saw what the request saw
+    job = _submit(world, "after")
+    assert tasks.schedule_cycle(requested_at=asked) == {
+        "admitted": 0,
+        "preempted": 0,
+        "waiting": 0,
+    }
+    assert not Attempt.objects.filter(job=job).exists()
+    # A request made after the last cycle started gets its cycle.
+    assert tasks.schedule_cycle(requested_at=time.time())["admitted"] == 1
+    assert Attempt.objects.filter(job=job).exists()
+
+
+def test_a_reconcile_pass_runs_the_cycle_that_was_asked_for(
+    world: Any, settings: Any, tmp_path: Path, local_runtime: Any
+) -> None:
+    settings.VAR_DIR = tmp_path
+    # Runs throughout, so that no job ends (and asks for a cycle) during the test.
+    job = _submit(world, "waiting", command="sleep 60")
+    assert cycle_waiting()  # the submission asked for a cycle; none has started
+    tasks.reconcile()
+    assert Attempt.objects.filter(job=job).exists()
+    # With no cycle asked for, a pass leaves waiting jobs to the periodic cycle.
+    other = _submit(world, "left")
+    (tmp_path / "cycle.requested").unlink(missing_ok=True)
+    assert not cycle_waiting()
+    tasks.reconcile()
+    assert not Attempt.objects.filter(job=other).exists()

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from preemption import runtime as runtime_settings
 from preemption.runtime import get_runtime, local_runner
 from preemption.runtimes import GangId, GangSpec, LocalRuntime, RankPlacement, parse_inventory
 from preemption.runtimes.local import PROJECT_ROOT
-from preemption.runtimes.records import STARTED_FILE, read_record
+from preemption.runtimes.records import EXITS_FIFO, STARTED_FILE, read_record
 from preemption.runtimes.runner import RunnerAccount, find_runner
 
 pytestmark = pytest.mark.timeout(120)
@@ -258,6 +259,39 @@ def test_a_rank_is_refused(
     if action == "write":
         forged = read_record(path)
         assert forged is not None and forged["exit_code"] == 0 and "exited_at" in forged
+
+
+def test_a_rank_cannot_write_to_the_control_planes_exits_pipe(scene: Scene) -> None:
+    # The keepers' pipe that wakes the reconciler: a rank that could write to it could
+    # make the control plane run passes without end.
+    stop = threading.Event()
+    announced: list[float] = []
+    watcher = threading.Thread(
+        target=scene.runtime.watch_exits, args=(stop, lambda: announced.append(time.time()))
+    )
+    watcher.start()
+    try:
+        fifo = scene.runtime.root / EXITS_FIFO
+        wait_until(fifo.exists, "the exits pipe")
+        command = f"{PYTHON} -c {shlex.quote(ATTACK)} write {shlex.quote(str(fifo))}"
+        spec = gang(299, command, runtime=scene.runtime, var=scene.var, token="token-299")
+        scene.runtime.launch(spec)
+        wait_until(
+            lambda: scene.runtime.observe(spec.gang)[0].phase == "exited", "the attacker to exit"
+        )
+        log = scene.runtime.read_log(spec.gang, 0).decode()
+        assert "REFUSED EACCES PermissionError" in log, log
+        assert "ATTACK SUCCEEDED" not in log
+        assert scene.runtime.observe(spec.gang)[0].exit_code == 0
+        found = fifo.lstat()
+        assert stat.S_ISFIFO(found.st_mode) and stat.S_IMODE(found.st_mode) == 0o600
+        assert found.st_uid == os.geteuid()
+        # The attacker's own exit is announced by its keeper, as every rank's is.
+        wait_until(lambda: bool(announced), "the attacker's exit to be announced")
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+    assert not watcher.is_alive()
 
 
 def test_the_control_plane_keeps_its_var_folder_to_itself(scene: Scene) -> None:

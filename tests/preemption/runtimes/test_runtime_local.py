@@ -7,14 +7,17 @@ when root runs the control plane; tests/security covers what that keeps them fro
 
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +45,7 @@ from preemption.runtimes.local import (
     launch_server,
 )
 from preemption.runtimes.records import (
+    EXITS_FIFO,
     GANG_FILE,
     GANG_INDEX,
     KEEPER_FILE,
@@ -732,6 +736,49 @@ def test_one_launcher_serves_every_launch_and_a_dead_one_is_replaced(
     server.stop()
     assert replacement.returncode == 0
     assert {o.phase for o in runtime.observe(first.gang)} == {"running"}
+
+
+def test_every_rank_exit_is_announced_once_its_record_is_written(runtime: LocalRuntime) -> None:
+    stop = threading.Event()
+    seen: list[list[str]] = []
+    spec = gang_spec(24, "exit 3", ranks=2)
+
+    def on_exit() -> None:
+        # What the reconciler would read at this moment.
+        seen.append([o.phase for o in runtime.observe(spec.gang)])
+
+    watcher = threading.Thread(target=runtime.watch_exits, args=(stop, on_exit))
+    watcher.start()
+    try:
+        wait_until((runtime.root / EXITS_FIFO).exists, what="the exits pipe")
+        runtime.launch(spec)
+        wait_until(lambda: "exited" in (seen[-1] if seen else []), what="an announced exit")
+        wait_until(lambda: seen[-1] == ["exited", "exited"], what="both exits announced")
+        assert [o.exit_code for o in runtime.observe(spec.gang)] == [3, 3]
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+    assert not watcher.is_alive()
+
+
+def test_the_exits_pipe_is_refused_when_something_else_sits_at_its_name(
+    runtime: LocalRuntime,
+) -> None:
+    runtime.root.mkdir(parents=True, exist_ok=True)
+    planted = runtime.root / EXITS_FIFO
+    planted.write_text("not a pipe")
+    with pytest.raises(RuntimePermanentError, match="is not this control plane's exits pipe"):
+        runtime.watch_exits(threading.Event(), lambda: None)
+    planted.unlink()
+    elsewhere = runtime.root.parent / "elsewhere.fifo"
+    os.mkfifo(elsewhere)
+    elsewhere.chmod(0o666)
+    planted.symlink_to(elsewhere)
+    # A link is never followed: the pipe it points to is neither opened nor changed.
+    with pytest.raises(OSError) as refused:
+        runtime.watch_exits(threading.Event(), lambda: None)
+    assert refused.value.errno == errno.ELOOP
+    assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o666
 
 
 def test_the_launcher_starts_without_loading_the_runtimes() -> None:
