@@ -32,6 +32,10 @@ from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.portal_health import wait_healthy  # noqa: E402
+
 GOAL_P95_MS = 300.0
 GOAL_RATIO = 1.2
 GPUS = 32  # the demo cluster's four 8-GPU H100 nodes
@@ -81,22 +85,6 @@ def make_token(env: dict[str, str]) -> str:
         "print(api_token_create(user=user, name='bench-submit')[1])"
     )
     return manage(env, "shell", "-c", code).strip().splitlines()[-1]
-
-
-def wait_healthy(port: int, server: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"serve_embedded exited with code {server.returncode}")
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            connection.request("GET", "/healthz")
-            if connection.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the portal did not answer /healthz in time")
 
 
 class Client(threading.Thread):
@@ -181,7 +169,7 @@ def main() -> int:
         start_new_session=True,
     )
     try:
-        wait_healthy(port, server)
+        wait_healthy(port, {"serve_embedded": server})
         time.sleep(3)  # let the worker and beat finish starting
         share, extra = divmod(args.jobs, args.clients)
         clients = [

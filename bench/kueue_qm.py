@@ -90,6 +90,7 @@ from django.db import connection, transaction  # noqa: E402
 from django.db.models import Max  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
+from bench.portal_health import wait_healthy  # noqa: E402
 from portal.celery import app  # noqa: E402
 from portal.processes import beat_command, web_command, worker_command  # noqa: E402
 from portal.services import api_token_create  # noqa: E402
@@ -444,7 +445,7 @@ def _control_plane(var_dir: Path, port: int, *, web_workers: int) -> Iterator[di
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
-        _wait_healthy(port, children)
+        wait_healthy(port, children, timeout=60.0)
         yield logs
     finally:
         for child in children.values():
@@ -456,25 +457,6 @@ def _control_plane(var_dir: Path, port: int, *, web_workers: int) -> Iterator[di
             except subprocess.TimeoutExpired:
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
-
-
-def _wait_healthy(
-    port: int, children: dict[str, subprocess.Popen[bytes]], timeout: float = 60.0
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        dead = [name for name, child in children.items() if child.poll() is not None]
-        if dead:
-            raise RuntimeError(f"the control plane's {dead} exited while starting")
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            connection.request("GET", "/healthz")
-            if connection.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError("the portal did not answer /healthz in time")
 
 
 # ------------------------------------------------------------------ submission

@@ -83,7 +83,9 @@ def cycle_waiting() -> bool:
 
 def cycle_started_since(moment: float) -> bool:
     """Whether a cycle started after ``moment`` (a time.time()): it saw everything
-    committed before then, so a request made then is already served."""
+    committed before then, so a request made then is already served. A file's time
+    may lag the clock by a tick, which can only make a served request look unserved
+    (one cycle too many), never the reverse."""
     try:
         return _started_marker().stat().st_mtime > moment
     except OSError:

@@ -42,7 +42,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from preemption.runtimes import processes
 from preemption.runtimes.records import (
@@ -274,27 +274,37 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
     """Catch and drop a signal; unlike SIG_IGN, a caught signal is not inherited on exec."""
 
 
-def _become_keeper(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
-    """Run in the forked child: detach, then keep the rank. Never returns."""
+def _child(work: Callable[[], None]) -> NoReturn:
+    """Run ``work`` in a forked child with its standard input and output on /dev/null,
+    then end the child: status 0, or 70 with the traceback on its standard error."""
     status = 0
     try:
-        for descriptor in _KEEPER_CLOSES:
-            os.close(descriptor)
-        os.setsid()
         devnull = os.open(os.devnull, os.O_RDWR)
         os.dup2(devnull, 0)
         os.dup2(devnull, 1)
         os.close(devnull)
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(signum, _ignore)
-        keep_rank(gang_dir, gang, rank)
-        _announce_exit(gang_dir.parent.parent / EXITS_FIFO)
+        work()
     except BaseException:
         traceback.print_exc()
         status = 70
     finally:
         sys.stderr.flush()
         os._exit(status)
+
+
+def _become_keeper(gang_dir: Path, gang: dict[str, Any], rank: int) -> NoReturn:
+    """Run in the forked child: detach, then keep the rank."""
+
+    def keep() -> None:
+        for descriptor in _KEEPER_CLOSES:
+            os.close(descriptor)
+        os.setsid()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, _ignore)
+        keep_rank(gang_dir, gang, rank)
+        _announce_exit(gang_dir.parent.parent / EXITS_FIFO)
+
+    _child(keep)
 
 
 def fork_keepers(gang_dir: Path, ranks: list[int], report: Callable[[int], None]) -> None:
@@ -322,30 +332,22 @@ def _serve_one(request: bytes) -> bytes:
     read_end, write_end = os.pipe()
     child = os.fork()
     if child == 0:
-        status = 0
-        try:
+
+        def fork_for_server() -> None:
             os.close(read_end)
-            # The gang's own log for anything the keepers print; the server's pipes
-            # closed, so that no keeper holds them open.
+            # The gang's own log for anything the keepers print.
             log = os.open(gang_dir / LAUNCHER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             os.dup2(log, 2)
             os.close(log)
-            devnull = os.open(os.devnull, os.O_RDWR)
-            os.dup2(devnull, 0)
-            os.dup2(devnull, 1)
-            os.close(devnull)
             # What the ranks inherit is the caller's, not the server's (rank_environment).
             os.environ.clear()
             os.environ.update(inherited_environment(environ))
             # Each keeper drops the pipe to the server first thing (see _become_keeper).
             _KEEPER_CLOSES.append(write_end)
             fork_keepers(gang_dir, ranks, lambda rank: os.write(write_end, f"{rank} ".encode()))
-        except BaseException:
-            traceback.print_exc()
-            status = 70
-        finally:
-            sys.stderr.flush()
-            os._exit(status)
+
+        # The server's pipes on /dev/null, so that no keeper holds them open.
+        _child(fork_for_server)
     os.close(write_end)
     forked = b""
     with open(read_end, "rb") as answers:

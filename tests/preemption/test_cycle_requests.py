@@ -12,9 +12,10 @@ import pytest
 
 from portal import tasks
 from preemption.cycle import schedule_cycle
-from preemption.models import Attempt
+from preemption.models import Attempt, JobState
 from preemption.services import job_submit
 from preemption.wakeup import REQUEST_OVERDUE_SECONDS, claim_cycle_request, cycle_waiting
+from tests import builders
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -46,26 +47,13 @@ def test_a_request_waits_for_the_cycle_that_takes_it(
     assert claim_cycle_request() is False
 
 
-def _submit(world: Any, name: str, command: str = "true") -> Any:
-    return job_submit(
-        submitter=world.users["researcher"],
-        team=world.vision,
-        flavor=world.h100,
-        ranks=1,
-        gpus_per_rank=1,
-        command=command,
-        priority_class=world.batch,
-        name=name,
-    )
-
-
 def test_a_requested_cycle_that_another_cycle_served_does_nothing(
     world: Any, settings: Any, tmp_path: Path
 ) -> None:
     settings.VAR_DIR = tmp_path
-    asked = time.time()
+    asked = time.time() - 1.0  # file times may run a clock tick behind time.time()
     schedule_cycle(act=False)  # starts after the request: it saw what the request saw
-    job = _submit(world, "after")
+    job = builders.job(world, world.vision, state=JobState.PENDING)
     assert tasks.schedule_cycle(requested_at=asked) == {
         "admitted": 0,
         "preempted": 0,
@@ -82,13 +70,13 @@ def test_a_reconcile_pass_runs_the_cycle_that_was_asked_for(
 ) -> None:
     settings.VAR_DIR = tmp_path
     # Runs throughout, so that no job ends (and asks for a cycle) during the test.
-    job = _submit(world, "waiting", command="sleep 60")
-    assert cycle_waiting()  # the submission asked for a cycle; none has started
+    job = builders.job(world, world.vision, state=JobState.PENDING, command="sleep 60")
+    assert claim_cycle_request() is True  # asked for; no cycle has started since
     tasks.reconcile()
     assert Attempt.objects.filter(job=job).exists()
     # With no cycle asked for, a pass leaves waiting jobs to the periodic cycle.
-    other = _submit(world, "left")
     (tmp_path / "cycle.requested").unlink(missing_ok=True)
+    other = builders.job(world, world.vision, state=JobState.PENDING)
     assert not cycle_waiting()
     tasks.reconcile()
     assert not Attempt.objects.filter(job=other).exists()
