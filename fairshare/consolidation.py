@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from .candidates import PendingJob, RunningWork, VictimCandidates
 from .ledger import QuotaLedger
@@ -109,18 +109,7 @@ def consolidate(
     ranks = workload.ranks
     free = nodes.free
     releasing = nodes.releasing
-    movable: dict[int, list[RunningWork]] = defaultdict(list)
-    for runs in victims.by_queue:
-        for run in runs:
-            if (
-                run.victim
-                or run.planned
-                or len(run.nodes) != 1
-                or run.gpus >= gpus_per_rank
-                or run.runtime < run.minimum[CONSOLIDATE]
-            ):
-                continue
-            movable[run.nodes[0][0]].append(run)
+    movable = _movable_by_node(victims, gpus_per_rank, lambda run: True)
     offers: list[tuple[tuple[float, float, int], list[RunningWork], int, int]] = []
     for node, runs in movable.items():
         offer = room_on(nodes, node, runs, gpus_per_rank, ranks, lambda run: True)
@@ -207,6 +196,28 @@ def consolidate(
     return [(run, CONSOLIDATE) for run in kept], placement, holes
 
 
+def _movable_by_node(
+    victims: VictimCandidates, gpus_per_rank: int, also: Callable[[RunningWork], bool]
+) -> dict[int, list[RunningWork]]:
+    """Per node, the running jobs a consolidation may move off it, in candidate order:
+    on one node, smaller than a rank of the gang, past their minimum runtime before
+    consolidation, neither a victim nor admitted in this plan, and passing ``also``."""
+    movable: dict[int, list[RunningWork]] = defaultdict(list)
+    for runs in victims.by_queue:
+        for run in runs:
+            if (
+                run.victim
+                or run.planned
+                or len(run.nodes) != 1
+                or run.gpus >= gpus_per_rank
+                or run.runtime < run.minimum[CONSOLIDATE]
+                or not also(run)
+            ):
+                continue
+            movable[run.nodes[0][0]].append(run)
+    return movable
+
+
 def _room_once_exited(nodes: NodeMap, victims: Iterable[RunningWork]) -> list[int]:
     """Each node's GPUs free in the next plan, once ``victims`` and the releasing work
     have exited."""
@@ -252,20 +263,9 @@ def reclaim_and_move(
         usage[queue] + (job.gpus if queue == job.queue else 0) <= guarantee[queue]
         for queue in range(len(usage))
     ]
-    movable: dict[int, list[RunningWork]] = defaultdict(list)
-    for runs in victims.by_queue:
-        for run in runs:
-            if (
-                id(run) in donor_runs
-                or not inside[run.queue]
-                or run.victim
-                or run.planned
-                or len(run.nodes) != 1
-                or run.gpus >= gpus_per_rank
-                or run.runtime < run.minimum[CONSOLIDATE]
-            ):
-                continue
-            movable[run.nodes[0][0]].append(run)
+    movable = _movable_by_node(
+        victims, gpus_per_rank, lambda run: id(run) not in donor_runs and inside[run.queue]
+    )
     free = nodes.free
     releasing = nodes.releasing
     # Nodes that need the fewest moved GPUs first: each move costs a restart and a hole.
