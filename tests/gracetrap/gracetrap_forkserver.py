@@ -52,7 +52,9 @@ def main() -> None:
                 os._exit(1)
         print(f"CHILD {pid}", flush=True)
         _, status = os.waitpid(pid, 0)
-        print(f"EXIT {os.waitstatus_to_exitcode(status)}", flush=True)
+        # A child killed between a line's text and its newline leaves that line open:
+        # the marker starts a line of its own (the reader drops the empty lines).
+        print(f"\nEXIT {os.waitstatus_to_exitcode(status)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -228,7 +228,8 @@ class LineServer:
     def _read(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            self.lines.put(line.rstrip("\n"))
+            if line.strip():
+                self.lines.put(line.rstrip("\n"))
 
     def send(self, line: str) -> int:
         """Ask for one child; returns its pid from the ``CHILD <pid>`` answer."""
