@@ -873,11 +873,12 @@ def _finish(steps: list[Step], runtime: Runtime) -> None:
     """Every rank has exited, or the attempt was stopped before it started: read
     the ranks' logs and the ports each gang left behind with no transaction
     open, close the attempts in one short transaction, then forget the gangs."""
+    held = _held_ports([step for step in steps if step.attempt.launched_at is not None], runtime)
     closing: list[tuple[Step, list[Rank], list[int]]] = []
     for step in steps:
-        read = _guarded(step.attempt, functools.partial(_read_ends, step, runtime))
-        if read is not None:
-            closing.append((step, *read))
+        ranks = _guarded(step.attempt, functools.partial(_read_ends, step, runtime))
+        if ranks is not None:
+            closing.append((step, ranks, held.get(step.gang, [])))
     closed: list[tuple[Step, list[Rank]]] = []
     with transaction.atomic():
         for step, ranks, orphaned in closing:
@@ -895,17 +896,24 @@ def _finish(steps: list[Step], runtime: Runtime) -> None:
     _carry_out([step for step, _ in closed], runtime)
 
 
-def _read_ends(step: Step, runtime: Runtime) -> tuple[list[Rank], list[int]]:
-    """The ranks as last recorded, after ingesting the trap events in their logs,
-    and the ports the gang still holds."""
+def _held_ports(steps: list[Step], runtime: Runtime) -> dict[GangId, list[int]]:
+    """The ports each launched gang still holds, asked of the runtime in one call
+    (none known when the runtime cannot tell)."""
+    if not steps:
+        return {}
+    try:
+        return runtime.released_ports([step.gang for step in steps])
+    except (RuntimeTemporaryError, RuntimePermanentError):
+        logger.warning("reading the ports of ended gangs failed", exc_info=True)
+        return {}
+
+
+def _read_ends(step: Step, runtime: Runtime) -> list[Rank]:
+    """The ranks as last recorded, after ingesting the trap events in their logs."""
     attempt = step.attempt
     ranks = list(Rank.objects.filter(attempt=attempt).order_by("index"))
     ingest_logs(attempt.job, attempt, ranks, runtime)
-    try:
-        orphaned = runtime.released_ports(step.gang) if attempt.launched_at is not None else []
-    except (RuntimeTemporaryError, RuntimePermanentError):
-        orphaned = []
-    return ranks, orphaned
+    return ranks
 
 
 def _finish_attempt(

@@ -8,7 +8,7 @@ in the cluster, never only in a Python object. This module imports nothing from 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -180,8 +180,11 @@ class Runtime(Protocol):
         """Up to `limit` bytes of one rank's log, starting at byte `offset`."""
         ...
 
-    def released_ports(self, gang: GangId) -> list[int]:
-        """Ports of the gang still bound; an empty list means the gang left none behind."""
+    def released_ports(self, gangs: Sequence[GangId]) -> dict[GangId, list[int]]:
+        """Ports each gang still holds; an empty list means the gang left none behind.
+
+        One call answers for every gang that ended in a pass, so a runtime can look
+        once for all of them (the local runtime scans the process table once)."""
         ...
 
     def forget(self, gang: GangId) -> None:

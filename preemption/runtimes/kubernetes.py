@@ -1254,16 +1254,20 @@ class KubernetesRuntime:
         finally:
             response.release_conn()
 
-    def released_ports(self, gang: GangId) -> list[int]:
-        """The rendezvous port while any rank pod still runs; empty once all have ended.
+    def released_ports(self, gangs: Sequence[GangId]) -> dict[GangId, list[int]]:
+        """For each gang, the rendezvous port while any of its rank pods still runs;
+        empty once all have ended.
 
         Each pod has its own network namespace, so a port cannot outlive the
         pod that bound it.
         """
-        for observation in self.observe(gang):
-            if observation.phase in ("starting", "running", "terminating"):
-                return [self.settings.master_port]
-        return []
+        live = ("starting", "running", "terminating")
+        return {
+            gang: [self.settings.master_port]
+            if any(o.phase in live for o in self.observe(gang))
+            else []
+            for gang in gangs
+        }
 
     def publish_preemption_risk(self, gang: GangId, mtbp_seconds: float, *, team: str) -> None:
         """Write the gang's cadence hint into its ConfigMap, unless this runtime already

@@ -405,22 +405,26 @@ class LocalRuntime:
         except FileNotFoundError:
             return b""
 
-    def released_ports(self, gang: GangId) -> list[int]:
-        """Ports of the gang still bound: [] when the gang left nothing behind.
+    def released_ports(self, gangs: Sequence[GangId]) -> dict[GangId, list[int]]:
+        """Each gang's ports still bound: [] when the gang left nothing behind.
 
         Two independent checks: the master port must accept a fresh bind, and no process
-        of the gang may hold a listening TCP socket on any port.
+        of the gang may hold a listening TCP socket on any port. One scan of the process
+        table serves every gang of the call.
         """
-        record = read_record(self.gang_dir(gang) / GANG_FILE)
-        if record is None:
-            return []
-        bound: set[int] = set()
-        master_port = int(record["master_port"])
-        if not _port_is_free(master_port):
-            bound.add(master_port)
-        for process in self.gang_processes(gang):
-            bound |= processes.listening_ports(process.pid)
-        return sorted(bound)
+        records = {gang: read_record(self.gang_dir(gang) / GANG_FILE) for gang in gangs}
+        found = self._processes_of([gang for gang, record in records.items() if record])
+        released: dict[GangId, list[int]] = {}
+        for gang, record in records.items():
+            bound: set[int] = set()
+            if record is not None:
+                master_port = int(record["master_port"])
+                if not _port_is_free(master_port):
+                    bound.add(master_port)
+                for process in found[gang]:
+                    bound |= processes.listening_ports(process.pid)
+            released[gang] = sorted(bound)
+        return released
 
     def forget(self, gang: GangId) -> None:
         """Drop the records of a finished gang, keep its logs, and never launch it again."""
@@ -488,54 +492,60 @@ class LocalRuntime:
         return self.root / str(gang.job_id) / str(gang.attempt)
 
     def gang_processes(self, gang: GangId) -> list[GangProcess]:
-        """Every live process of the gang, found by scanning the process table.
+        """Every live process of the gang, found by scanning the process table (see
+        `_processes_of`)."""
+        return self._processes_of([gang])[gang]
+
+    def _processes_of(self, gangs: Sequence[GangId]) -> dict[GangId, list[GangProcess]]:
+        """Every live process of each gang, from one scan of the process table.
 
         A process belongs to a rank when it is in the rank's process group or session
         (and started no earlier than the rank, so a reused pid is not mistaken for it), or
         when its environment carries the rank's QM_RANK_DIR marker, which catches children
-        that started a session of their own.
+        that started a session of their own. Where a reused process group number was
+        recorded by ranks of two gangs, the process belongs to the later of them that
+        started no later than it.
         """
-        gang_dir = self.gang_dir(gang)
-        record = read_record(gang_dir / GANG_FILE)
-        if record is None:
-            return []
-        groups: dict[int, tuple[int, float]] = {}
-        # Every process of a rank started after the rank's keeper, which recorded its
-        # own start before starting the rank: an older process cannot belong to the
-        # gang, and its environment is not read. (0, no bound, when no keeper has.)
-        keepers_started: list[float] = []
-        for rank in range(len(record["ranks"])):
-            keeper = read_record(gang_dir / str(rank) / KEEPER_FILE)
-            if keeper is not None:
-                keepers_started.append(float(keeper.get("created_at") or 0))
-            started = read_record(gang_dir / str(rank) / STARTED_FILE)
-            if started is not None:
-                groups[int(started["pgid"])] = (rank, float(started.get("created_at") or 0))
-                keepers_started.append(float(started.get("created_at") or 0))
-        earliest = min(keepers_started, default=0.0)
-        marker_prefix = str(gang_dir) + os.sep
-        found: list[GangProcess] = []
+        # Process group -> (rank's start, gang, rank), oldest first.
+        groups: dict[int, list[tuple[float, GangId, int]]] = {}
+        # Gang folder -> (gang, earliest start): every process of a rank started after
+        # the rank's keeper, which recorded its own start before starting the rank, so
+        # an older process cannot belong to the gang. (0, no bound, when no keeper has.)
+        folders: dict[str, tuple[GangId, float]] = {}
+        for gang in gangs:
+            gang_dir = self.gang_dir(gang)
+            record = read_record(gang_dir / GANG_FILE)
+            if record is None:
+                continue
+            starts: list[float] = []
+            for rank in range(len(record["ranks"])):
+                keeper = read_record(gang_dir / str(rank) / KEEPER_FILE)
+                if keeper is not None:
+                    starts.append(float(keeper.get("created_at") or 0))
+                started = read_record(gang_dir / str(rank) / STARTED_FILE)
+                if started is not None:
+                    created = float(started.get("created_at") or 0)
+                    groups.setdefault(int(started["pgid"]), []).append((created, gang, rank))
+                    starts.append(created)
+            folders[str(gang_dir)] = (gang, min(starts, default=0.0))
+        found: dict[GangId, list[GangProcess]] = {gang: [] for gang in gangs}
+        if not folders:
+            return found
+        for owners in groups.values():
+            owners.sort(key=lambda owner: owner[0])
+        oldest = min(start for _, start in folders.values())
         for process in processes.live_processes(skip=os.getpid()):
-            pid = process.pid
-            rank_of: int | None = None
-            for group in (process.pgid, process.sid):
-                if group in groups and process.created_at >= groups[group][1]:
-                    rank_of = groups[group][0]
-                    break
-            if rank_of is None and process.created_at >= earliest:
-                marker = processes.environ_value(pid, RANK_DIR_ENV)
-                if marker is not None and marker.startswith(marker_prefix):
-                    tail = marker[len(marker_prefix) :]
-                    if tail.isdigit():
-                        rank_of = int(tail)
-            if rank_of is not None:
-                found.append(
+            owner = _group_owner(groups, process)
+            if owner is None and process.created_at >= oldest:
+                owner = _marked_owner(folders, process)
+            if owner is not None:
+                found[owner[0]].append(
                     GangProcess(
-                        pid=pid,
+                        pid=process.pid,
                         pgid=process.pgid,
                         sid=process.sid,
-                        rank=rank_of,
-                        cmdline=processes.command_line(pid),
+                        rank=owner[1],
+                        cmdline=processes.command_line(process.pid),
                     )
                 )
         return found
@@ -967,6 +977,36 @@ def _free_port(address: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((address, 0))
         return int(probe.getsockname()[1])
+
+
+def _group_owner(
+    groups: dict[int, list[tuple[float, GangId, int]]], process: processes.ProcessInfo
+) -> tuple[GangId, int] | None:
+    """The (gang, rank) whose process group or session the process is in: of the ranks
+    that recorded that number, the last one started no later than the process."""
+    for group in (process.pgid, process.sid):
+        owner = None
+        for started, gang, rank in groups.get(group, ()):
+            if process.created_at >= started:
+                owner = (gang, rank)
+        if owner is not None:
+            return owner
+    return None
+
+
+def _marked_owner(
+    folders: dict[str, tuple[GangId, float]], process: processes.ProcessInfo
+) -> tuple[GangId, int] | None:
+    """The (gang, rank) whose QM_RANK_DIR marker (``<gang folder>/<rank>``) the process
+    carries in its environment, if it started no earlier than that gang."""
+    marker = processes.environ_value(process.pid, RANK_DIR_ENV)
+    if marker is None:
+        return None
+    folder, _, tail = marker.rpartition(os.sep)
+    entry = folders.get(folder)
+    if entry is None or not tail.isdigit() or process.created_at < entry[1]:
+        return None
+    return entry[0], int(tail)
 
 
 def _port_is_free(port: int) -> bool:

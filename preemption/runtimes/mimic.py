@@ -159,9 +159,9 @@ class MimicRuntime:
             raise RuntimePermanentError(f"gang {gang} has no rank {rank} on this runtime")
         return b""
 
-    def released_ports(self, gang: GangId) -> list[int]:
+    def released_ports(self, gangs: Sequence[GangId]) -> dict[GangId, list[int]]:
         """Mimicked ranks bind no ports."""
-        return []
+        return {gang: [] for gang in gangs}
 
     def publish_preemption_risk(self, gang: GangId, mtbp_seconds: float, *, team: str) -> None:
         """Nothing runs, so no rank reads a cadence hint: there is nothing to hand over."""

@@ -74,7 +74,7 @@ def _gang_life(runtime: KubernetesRuntime, job_id: int, node: str) -> None:
     runtime.signal(gang, 5)
     runtime.kill(gang)
     wait_for(lambda: all_in(runtime, gang, "exited", 2), timeout=30, what="ranks exited")
-    runtime.released_ports(gang)
+    runtime.released_ports([gang])
     runtime.read_log(gang, 0)
     runtime.read_log_tail(gang, 1, 4096)
     runtime.forget(gang)

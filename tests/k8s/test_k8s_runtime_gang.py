@@ -121,7 +121,7 @@ def test_sixteen_rank_gang_is_bound_to_its_nodes_and_evicted_as_one(
         p.metadata.deletion_timestamp is not None
         for p in core.list_namespaced_pod(namespace, label_selector="quartermaster.dev/gang").items
     )
-    assert runtime.released_ports(gang) == []
+    assert runtime.released_ports([gang])[gang] == []
 
     runtime.forget(gang)
 

@@ -42,8 +42,10 @@ from preemption.runtimes.local import (
     MASTER_PORT_FLOOR,
     PROJECT_ROOT,
     _ephemeral_port_floor,
+    _group_owner,
     launch_server,
 )
+from preemption.runtimes.processes import ProcessInfo
 from preemption.runtimes.records import (
     EXITS_FIFO,
     GANG_FILE,
@@ -444,13 +446,13 @@ def test_ports_are_released_after_exit(runtime: LocalRuntime) -> None:
 
     gang_record = read_record(runtime.gang_dir(spec.gang) / GANG_FILE)
     assert gang_record is not None
-    held = runtime.released_ports(spec.gang)
+    held = runtime.released_ports([spec.gang])[spec.gang]
     assert gang_record["master_port"] in held
     assert len(held) == 3
 
     runtime.signal(spec.gang, grace_seconds=5.0)
     wait_exited(runtime, spec.gang)
-    assert runtime.released_ports(spec.gang) == []
+    assert runtime.released_ports([spec.gang])[spec.gang] == []
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", gang_record["master_port"]))
 
@@ -471,11 +473,11 @@ def test_orphan_scan_finds_a_child_that_escaped_its_rank(runtime: LocalRuntime) 
     assert sorted(o.rank for o in orphans) == [0, 1]
     ranks_pgids = {int(o.handle) for o in runtime.observe(spec.gang)}
     assert all(o.pgid not in ranks_pgids and o.sid == o.pid for o in orphans)
-    assert len(runtime.released_ports(spec.gang)) == 2
+    assert len(runtime.released_ports([spec.gang])[spec.gang]) == 2
 
     runtime.kill(spec.gang)
     wait_until(lambda: not runtime.find_orphans(spec.gang), what="the orphans to die")
-    assert runtime.released_ports(spec.gang) == []
+    assert runtime.released_ports([spec.gang])[spec.gang] == []
     assert [o.exit_code for o in runtime.observe(spec.gang)] == [0, 0]
 
 
@@ -637,12 +639,55 @@ def test_launch_rejects_specs_it_can_never_run(runtime: LocalRuntime) -> None:
     assert runtime.nodes() == parse_inventory(INVENTORY)
 
 
+def test_one_call_tells_the_ports_of_many_gangs_apart(runtime: LocalRuntime) -> None:
+    """One scan of the process table answers for every gang of the call: the gang
+    whose ranks left escaped children behind holds their ports, the other none."""
+    listener = runtime.root.parent / "listener.py"
+    listener.write_text(LISTENER)
+    escaping = gang_spec(15, f"exec {PYTHON} {shlex.quote(str(listener))} --escape", ranks=2)
+    clean = gang_spec(16, f"exec {PYTHON} {shlex.quote(str(listener))}", ranks=2)
+    for spec in (escaping, clean):
+        runtime.launch(spec)
+    wait_for_log(runtime, escaping.gang, 2, b"escaped child")
+    wait_for_log(runtime, clean.gang, 2, b"listening")
+    unknown = GangId(405, 1)
+    while_running = runtime.released_ports([escaping.gang, clean.gang, unknown])
+    assert len(while_running[escaping.gang]) == 4 and len(while_running[clean.gang]) == 2
+    assert not set(while_running[escaping.gang]) & set(while_running[clean.gang])
+    assert while_running[unknown] == []
+
+    for spec in (escaping, clean):
+        runtime.signal(spec.gang, grace_seconds=5.0)
+        wait_exited(runtime, spec.gang)
+    after = runtime.released_ports([escaping.gang, clean.gang])
+    assert len(after[escaping.gang]) == 2 and after[clean.gang] == []
+    runtime.kill(escaping.gang)
+    wait_until(lambda: not runtime.find_orphans(escaping.gang), what="the orphans to die")
+    assert runtime.released_ports([escaping.gang, clean.gang]) == {
+        escaping.gang: [],
+        clean.gang: [],
+    }
+
+
+def test_a_reused_process_group_belongs_to_the_latest_rank_that_started_before_it() -> None:
+    earlier, later = GangId(1, 1), GangId(2, 1)
+    groups = {500: [(100.0, earlier, 0), (200.0, later, 3)]}
+
+    def process(created_at: float, pgid: int = 500) -> ProcessInfo:
+        return ProcessInfo(pid=9, pgid=pgid, sid=1, created_at=created_at)
+
+    assert _group_owner(groups, process(150.0)) == (earlier, 0)
+    assert _group_owner(groups, process(250.0)) == (later, 3)
+    assert _group_owner(groups, process(50.0)) is None
+    assert _group_owner(groups, process(250.0, pgid=501)) is None
+
+
 def test_signal_and_kill_of_an_unknown_gang_do_nothing(runtime: LocalRuntime) -> None:
     gang = GangId(404, 1)
     runtime.signal(gang, grace_seconds=1.0)
     runtime.kill(gang)
     assert runtime.observe(gang) == []
-    assert runtime.released_ports(gang) == []
+    assert runtime.released_ports([gang])[gang] == []
     assert runtime.find_orphans(gang) == []
 
 

@@ -133,7 +133,7 @@ def test_forget_refuses_a_running_gang_and_a_forgotten_one_never_comes_back(
     runtime.launch(spec(6, "sleep 60"))
     assert runtime.observe() == []
     assert runtime.read_log(GangId(6, 1), 0) == b""
-    assert runtime.released_ports(GangId(6, 1)) == []
+    assert runtime.released_ports([GangId(6, 1)])[GangId(6, 1)] == []
 
 
 @pytest.mark.parametrize(
