@@ -38,7 +38,7 @@ from preemption.models import (
     next_attempt_numbers,
 )
 from preemption.reasons import Preemptor, preemption_words, release_words
-from preemption.reconcile import reconcile_jobs
+from preemption.reconcile import launch_admitted, reconcile_jobs
 from preemption.snapshot import build_snapshot, held_jobs
 from preemption.wakeup import take_cycle_request
 from preemption.webhooks import Notice, notify_each
@@ -141,8 +141,10 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
             plan = fairshare.plan(snapshot)
             with transaction.atomic():
                 _apply(plan, now=now, result=result, held=held)
-    if act and (result.admitted or result.preempted):
-        reconcile_jobs(job_ids=result.admitted + result.preempted)
+    if act and result.admitted:
+        launch_admitted(result.admitted)
+    if act and result.preempted:
+        reconcile_jobs(job_ids=result.preempted)
     return result
 
 
@@ -191,6 +193,9 @@ def _admit(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
             number=numbers[job_id],
             admitted_at=admitted_at,
             borrowed_gpus=admissions[job_id].borrowed,
+            # Recorded with the admission: launch_admitted carries it out right after
+            # the commit, and any later pass does if that is cut short.
+            action=Attempt.Action.LAUNCH,
             placement=[
                 {"node": node, "ranks": count} for node, count in admissions[job_id].placement
             ],
@@ -286,16 +291,19 @@ def _preempt(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> Non
 def _add_release_times(reasons: dict[int, str], now: datetime) -> None:
     """A job that waits for the victims it preempted to stop is told when the
     last of them frees its GPUs at the latest, notice window included."""
+    # The preemptions still in flight are few (one per victim attempt still open),
+    # where the waiting jobs may be thousands: read those, not a list of every job.
     events = (
         PreemptionEvent.objects.filter(
-            preemptor_id__in=list(reasons), victim_attempt__ended_at__isnull=True
+            victim_attempt__in=Attempt.objects.filter(ended_at__isnull=True).values("pk"),
+            preemptor__isnull=False,
         )
         .exclude(reason=PreemptionEvent.Reason.MANUAL)
         .order_by("deadline")
     )
     last: dict[int, PreemptionEvent] = {}
     for event in events:
-        if event.preemptor_id is not None:
+        if event.preemptor_id in reasons:
             last[event.preemptor_id] = event
     for job_id, event in last.items():
         reasons[job_id] = f"{reasons[job_id]}; {release_words(event, now)}"

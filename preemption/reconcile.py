@@ -202,6 +202,39 @@ def reconcile_jobs(*, job_ids: list[int] | None = None, runtime: Runtime | None 
     return _reconcile(job_ids, runtime or get_runtime())
 
 
+def launch_admitted(job_ids: list[int], runtime: Runtime | None = None) -> None:
+    """Launch the attempts a scheduling cycle has just admitted.
+
+    The cycle records each with the launch as its action, in the transaction that
+    admits it, so there is nothing to observe or decide yet: this goes straight to
+    the act step. An attempt stopped since (a cancel) or already claimed is left to
+    the next pass, and a launch cut short is carried out by the next pass's decide
+    step, as any recorded action is."""
+    attempts = (
+        Attempt.objects.filter(
+            job_id__in=job_ids,
+            job__state=JobState.ADMITTED,
+            ended_at__isnull=True,
+            launched_at__isnull=True,
+            action=Attempt.Action.LAUNCH,
+            preemption__isnull=True,
+        )
+        .select_related("job", "job__team", "job__priority_class", "job__flavor")
+        .prefetch_related("rank_set")
+        .order_by("job_id")
+    )
+    steps = [
+        Step(
+            Attempt.Action.LAUNCH,
+            attempt,
+            spec=gang_spec(attempt.job, attempt, attempt.rank_set.all()),
+        )
+        for attempt in attempts
+    ]
+    if steps:
+        act(steps, runtime or get_runtime())
+
+
 @contextmanager
 def _only_pass() -> Iterator[bool]:
     folder = Path(settings.VAR_DIR)

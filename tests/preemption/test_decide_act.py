@@ -25,10 +25,11 @@ from django.utils import timezone
 from preemption import reconcile
 from preemption.cycle import schedule_cycle
 from preemption.models import Attempt, Job, JobState, Rank
-from preemption.reconcile import reconcile_jobs
+from preemption.reconcile import launch_admitted, reconcile_jobs
 from preemption.runtimes import GangId, GangSpec, LocalRuntime
 from preemption.services import job_submit
 from tests.preemption.conftest import sleeper_command, state_of
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -255,10 +256,16 @@ def test_the_task_time_limit_ends_the_pass_and_undoes_its_decisions(
     and skipped like an attempt's error (the pass would run on into the hard limit
     and be killed without recording anything), and the decisions made so far in the
     pass's transaction are undone, for the next pass to make again."""
-    first = submit(world, world.vision, name="first")
+    first = submit(world, world.vision, seconds=30, name="first")
     second = submit(world, world.ops, name="second")
     schedule_cycle(act=False)
     assert state_of(first) == state_of(second) == JobState.ADMITTED
+    # The first is launched; the pass's decision for it moves its job on to running.
+    launch_admitted([first.pk], runtime=local_runtime)
+    wait_until(
+        lambda: [o.phase for o in local_runtime.observe(GangId(first.pk, 1))] == ["running"],
+        "the first job's rank running",
+    )
     decide = reconcile._decide
 
     def decide_until_the_limit(attempt: Attempt, *args: Any, **kwargs: Any) -> Any:
@@ -269,8 +276,9 @@ def test_the_task_time_limit_ends_the_pass_and_undoes_its_decisions(
     monkeypatch.setattr(reconcile, "_decide", decide_until_the_limit)
     with pytest.raises(SoftTimeLimitExceeded):
         reconcile_jobs(job_ids=[first.pk, second.pk], runtime=local_runtime)
-    assert list(Attempt.objects.order_by("job_id").values_list("action", "launched_at")) == [
-        ("", None),
-        ("", None),
+    assert state_of(first) == JobState.ADMITTED
+    assert list(Rank.objects.filter(attempt__job=first).values_list("state", flat=True)) == [
+        Rank.State.STARTING
     ]
-    assert local_runtime.observe(GangId(first.pk, 1)) == []
+    assert Attempt.objects.get(job=second).launched_at is None
+    assert local_runtime.observe(GangId(second.pk, 1)) == []

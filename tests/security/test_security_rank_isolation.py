@@ -37,6 +37,7 @@ from preemption.runtimes import GangId, GangSpec, LocalRuntime, RankPlacement, p
 from preemption.runtimes.local import PROJECT_ROOT
 from preemption.runtimes.records import EXITS_FIFO, STARTED_FILE, read_record
 from preemption.runtimes.runner import RunnerAccount, find_runner
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,14 +124,6 @@ def gang(job_id: int, command: str, *, runtime: LocalRuntime, var: Path, token: 
             "QM_EVENTS_TOKEN": token,
         },
     )
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

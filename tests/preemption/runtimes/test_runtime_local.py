@@ -19,7 +19,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -55,6 +55,7 @@ from preemption.runtimes.records import (
     read_record,
 )
 from preemption.runtimes.runner import RunnerAccount
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -119,14 +120,6 @@ def gang_spec(
         team="vision",
         flavor="h100-80gb",
     )
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def wait_for_log(
