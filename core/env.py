@@ -16,6 +16,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+SQLITE_ENGINE = "core.sqlite_turns"
 
 
 def env_str(name: str, default: str | None = None) -> str | None:
@@ -103,7 +104,9 @@ def parse_database_url(name: str, url: str) -> dict[str, Any]:
         if not path:
             raise ImproperlyConfigured(f"{name} names no SQLite file: {url!r}")
         return {
-            "ENGINE": "django.db.backends.sqlite3",
+            # Django's SQLite backend, whose write transactions take turns
+            # (core/sqlite_turns/base.py says why).
+            "ENGINE": SQLITE_ENGINE,
             "NAME": str(Path(path)),
             # Each web server thread and worker keeps its connection between
             # requests and tasks: opening one, with its PRAGMAs, for every API

@@ -29,8 +29,7 @@ def require_migrated_database(
     pending, ever = pending_migrations(alias)
     if not pending:
         return
-    settings = connections[alias].settings_dict
-    where = f"{settings['ENGINE'].rsplit('.', 1)[-1]} {settings['NAME']}"
+    where = f"{connections[alias].vendor} {connections[alias].settings_dict['NAME']}"
     state = f"lacks {len(pending)} migrations" if ever else "was never migrated"
     raise CommandError(
         f"The database ({where}) {state}: run `python manage.py migrate` first, "

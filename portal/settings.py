@@ -18,6 +18,7 @@ from pathlib import Path
 from django.core.exceptions import ImproperlyConfigured
 
 from core.env import (
+    SQLITE_ENGINE,
     check_secret_key,
     env_bool,
     env_choice,
@@ -119,7 +120,7 @@ TEMPLATES = [
 
 DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'quartermaster.sqlite3'}") or ""
 DATABASES = {"default": parse_database_url("DATABASE_URL", DATABASE_URL)}
-if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+if DATABASES["default"]["ENGINE"] == SQLITE_ENGINE:
     _sqlite = Path(DATABASES["default"]["NAME"])
     _sqlite.parent.mkdir(parents=True, exist_ok=True)
     # SQLite gives its -wal and -shm files the database file's mode, so a database
