@@ -81,7 +81,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -412,17 +412,16 @@ class LocalRuntime:
         of the gang may hold a listening TCP socket on any port. One scan of the process
         table serves every gang of the call.
         """
-        records = {gang: read_record(self.gang_dir(gang) / GANG_FILE) for gang in gangs}
-        found = self._processes_of([gang for gang, record in records.items() if record])
-        released: dict[GangId, list[int]] = {}
+        records = self._gang_records(gangs)
+        found = self._processes_of(records)
+        released: dict[GangId, list[int]] = {gang: [] for gang in gangs}
         for gang, record in records.items():
             bound: set[int] = set()
-            if record is not None:
-                master_port = int(record["master_port"])
-                if not _port_is_free(master_port):
-                    bound.add(master_port)
-                for process in found[gang]:
-                    bound |= processes.listening_ports(process.pid)
+            master_port = int(record["master_port"])
+            if not _port_is_free(master_port):
+                bound.add(master_port)
+            for process in found[gang]:
+                bound |= processes.listening_ports(process.pid)
             released[gang] = sorted(bound)
         return released
 
@@ -494,10 +493,18 @@ class LocalRuntime:
     def gang_processes(self, gang: GangId) -> list[GangProcess]:
         """Every live process of the gang, found by scanning the process table (see
         `_processes_of`)."""
-        return self._processes_of([gang])[gang]
+        return self._processes_of(self._gang_records([gang])).get(gang, [])
 
-    def _processes_of(self, gangs: Sequence[GangId]) -> dict[GangId, list[GangProcess]]:
-        """Every live process of each gang, from one scan of the process table.
+    def _gang_records(self, gangs: Sequence[GangId]) -> dict[GangId, dict[str, Any]]:
+        """The gang record of each gang the runtime still knows."""
+        records = {gang: read_record(self.gang_dir(gang) / GANG_FILE) for gang in gangs}
+        return {gang: record for gang, record in records.items() if record is not None}
+
+    def _processes_of(
+        self, records: Mapping[GangId, dict[str, Any]]
+    ) -> dict[GangId, list[GangProcess]]:
+        """Every live process of each gang (given with its record), from one scan of
+        the process table.
 
         A process belongs to a rank when it is in the rank's process group or session
         (and started no earlier than the rank, so a reused pid is not mistaken for it), or
@@ -512,11 +519,8 @@ class LocalRuntime:
         # the rank's keeper, which recorded its own start before starting the rank, so
         # an older process cannot belong to the gang. (0, no bound, when no keeper has.)
         folders: dict[str, tuple[GangId, float]] = {}
-        for gang in gangs:
+        for gang, record in records.items():
             gang_dir = self.gang_dir(gang)
-            record = read_record(gang_dir / GANG_FILE)
-            if record is None:
-                continue
             starts: list[float] = []
             for rank in range(len(record["ranks"])):
                 keeper = read_record(gang_dir / str(rank) / KEEPER_FILE)
@@ -528,7 +532,7 @@ class LocalRuntime:
                     groups.setdefault(int(started["pgid"]), []).append((created, gang, rank))
                     starts.append(created)
             folders[str(gang_dir)] = (gang, min(starts, default=0.0))
-        found: dict[GangId, list[GangProcess]] = {gang: [] for gang in gangs}
+        found: dict[GangId, list[GangProcess]] = {gang: [] for gang in records}
         if not folders:
             return found
         for owners in groups.values():
