@@ -93,8 +93,8 @@ def control_plane_var(var: Path) -> None:
     """Make a var folder the way the settings module does, with a SQLite database."""
     code = (
         "import django; django.setup()\n"
-        "from django.db import connection\n"
-        "with connection.cursor() as cursor:\n"
+        "from django.db import connection, transaction\n"
+        "with transaction.atomic(), connection.cursor() as cursor:\n"
         "    cursor.execute('create table tokens (job integer, token text)')\n"
         f"    cursor.execute(\"insert into tokens values ({VICTIM_JOB}, '{VICTIM_TOKEN}')\")\n"
     )
@@ -164,6 +164,12 @@ ATTACKS: list[tuple[str, str, Callable[[Scene, int], Path | int], str]] = [
     ("signal another job's rank", "signal", lambda s, job: s.victim_pid, "EPERM"),
     ("read the secret key", "read", lambda s, job: s.var / "secret_key", "EACCES"),
     ("read the SQLite database", "read", lambda s, job: s.var / "quartermaster.sqlite3", "EACCES"),
+    (
+        "open the SQLite writers' lock (to hold up every writer)",
+        "read",
+        lambda s, job: s.var / "quartermaster.sqlite3.writers",
+        "EACCES",
+    ),
     ("list the control plane's var folder", "list", lambda s, job: s.var, "EACCES"),
     (
         "read the control plane's environment (SECRET_KEY, DATABASE_URL)",
@@ -294,6 +300,7 @@ def test_the_control_plane_keeps_its_var_folder_to_itself(scene: Scene) -> None:
         scene.var / "secret_key": 0o600,
         scene.var / "quartermaster.sqlite3": 0o600,
         scene.var / "broker": 0o700,
+        scene.var / "quartermaster.sqlite3.writers": 0o600,
         scene.runtime.root: 0o711,
         scene.runtime.root / str(VICTIM_JOB): 0o710,
         scene.checkpoints(VICTIM_JOB): 0o770,
@@ -302,7 +309,7 @@ def test_the_control_plane_keeps_its_var_folder_to_itself(scene: Scene) -> None:
     for path, mode in expected_modes.items():
         info = path.stat()
         assert stat.S_IMODE(info.st_mode) == mode, path
-    for path in list(expected_modes)[:6]:
+    for path in list(expected_modes)[:7]:
         assert path.stat().st_uid == me, path
     runner = scene.runtime.runner
     assert runner is not None
