@@ -42,3 +42,53 @@ def test_both_endings_exit_zero_every_time(tmp_path: Path, ending: str) -> None:
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["codes"] == [[0] * WORLD_SIZE] * RUNS, report
     assert report["aborted"] == [], report
+
+
+_EXIT_SCRIPT = """
+import atexit, os, signal, sys
+import torch
+from gracetrap import Trap
+
+class Cyclic:
+    def __init__(self):
+        self.me = self  # a reference cycle: only the garbage collector frees it
+    def __del__(self, write=os.write):
+        write(1, b"FINALIZED\\n")
+
+kept = Cyclic()  # garbage once the interpreter clears the modules at exit
+atexit.register(os.write, 1, b"ATEXIT\\n")
+trap = Trap(sys.argv[1], {"model": torch.nn.Linear(2, 2)}, signals=(signal.SIGUSR1,),
+            events_url="", exit_code=5)
+os.kill(os.getpid(), signal.SIGUSR1)
+assert trap.should_stop(0)
+try:
+    if sys.argv[2] == "trap":
+        trap.save_and_exit(0)
+    sys.exit(5)
+finally:
+    os.write(1, b"FINALLY\\n")
+"""
+
+
+@pytest.mark.parametrize("path", ["trap", "plain"])
+def test_a_preempted_rank_skips_only_the_last_collections_on_its_way_out(
+    tmp_path: Path, path: str
+) -> None:
+    """After ``save_and_exit`` the interpreter's last garbage collections are skipped
+    (they made most of a 16-rank gang's time to free), while the caller's ``finally``
+    blocks and every exit handler still run. The plain exit shows the same script
+    does finalize its reference cycle when the trap is not the one leaving."""
+    result = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path / "checkpoints"), path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 5, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if not line.startswith("QM_EVENT")]
+    if path == "trap":
+        assert lines == ["FINALLY", "ATEXIT"], result.stdout
+        assert (tmp_path / "checkpoints" / "latest").exists()
+    else:
+        assert lines == ["FINALLY", "ATEXIT", "FINALIZED"], result.stdout

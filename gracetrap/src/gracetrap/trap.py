@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import gc
 import math
 import os
 import signal
@@ -154,6 +155,7 @@ class _BackgroundSave:
 
 _GLOO_WORKER = "pt_gloo_runloop"
 _settle_registered = False
+_freeze_registered = False
 
 
 def _gloo_workers_running() -> bool:
@@ -202,6 +204,27 @@ def _register_settle() -> None:
     if not _settle_registered:
         _settle_registered = True
         atexit.register(_let_gloo_workers_settle)
+
+
+def _freeze_objects() -> None:
+    gc.freeze()
+
+
+def _skip_the_last_collections() -> None:
+    """Leave the objects alive at exit to the end of the process, uncollected.
+
+    The interpreter's last garbage collections walk every object the process made
+    (importing torch alone makes about 250,000), and a preempted gang's ranks all do
+    it at once while their GPUs wait: 16 ranks on 2 cores took 8.3-9.4 s from SIGTERM
+    to their last exit, 2.5-2.6 s with the objects frozen (``gc.freeze``). The freeze
+    runs as the first exit handler, after the caller's ``finally`` blocks and
+    before the other exit handlers, which all still run; only objects kept alive by
+    a reference cycle are no longer finalized at exit (Python never promised that).
+    """
+    global _freeze_registered
+    if not _freeze_registered:
+        _freeze_registered = True
+        atexit.register(_freeze_objects)
 
 
 def _prune_after(previous: threading.Thread | None, root: Path, keep: int) -> None:
@@ -967,6 +990,7 @@ class Trap:
         self._report_signal()
         sys.stdout.flush()
         sys.stderr.flush()
+        _skip_the_last_collections()
         sys.exit(self.exit_code)
 
     def _finish_background_or_exit(self, step: int) -> None:
