@@ -38,11 +38,12 @@ def schedule_cycle(requested_at: float | None = None) -> dict[str, int]:
 
 
 @shared_task(name="preemption.tasks.reconcile", expires=5, **COMMON)
-def reconcile() -> int:
-    """A reconcile pass; when it ended jobs and so asked for a cycle, the cycle runs
-    here at once, so that their GPUs go to waiting jobs without another hop through
-    the broker (the request it sent finds the cycle done and does nothing)."""
-    looked = reconcile_jobs()
+def reconcile(job_ids: list[int] | None = None) -> int:
+    """A reconcile pass, of every job or only of `job_ids`; when it ended jobs and so
+    asked for a cycle, the cycle runs here at once, so that their GPUs go to
+    waiting jobs without another hop through the broker (the request it sent finds
+    the cycle done and does nothing)."""
+    looked = reconcile_jobs(job_ids=job_ids)
     if cycle_waiting():
         run_cycle()
     return looked

@@ -322,20 +322,25 @@ def _in_transaction() -> bool:
 
 
 def _evict_once_answered(attempt_id: int) -> None:
-    """After a notice's commit is stored: when every rank has committed, the eviction
-    is due now, not at the next periodic reconcile pass.
-
-    Checked once the storing transaction has committed: the ranks' commits arrive in
-    concurrent requests, and a check inside each transaction would not see the
-    others' rows, so the last two could each conclude that the other is missing.
-    """
+    """After a notice's commit is stored: the eviction is due now (one rank's commit
+    is the gang's, see `notice_committed_at`), not at the next periodic reconcile
+    pass. Asked once the storing transaction has committed, so that the pass it
+    wakes sees the commit; of the ranks' concurrent answers, the one that records
+    the commit on the preemption asks."""
     event = PreemptionEvent.objects.filter(
-        victim_attempt_id=attempt_id, notice_sent_at__isnull=False, signal_sent_at__isnull=True
+        victim_attempt_id=attempt_id,
+        notice_sent_at__isnull=False,
+        notice_committed_at__isnull=True,
+        signal_sent_at__isnull=True,
     ).first()
     if event is None or event.notice_sent_at is None:
         return
-    if notice_committed_at(event.victim_attempt, event.notice_sent_at) is not None:
-        send_reconcile()
+    committed = notice_committed_at(event.victim_attempt, event.notice_sent_at)
+    # Recording the commit claims the request: one pass for the gang, not one per rank.
+    if committed is not None and PreemptionEvent.objects.filter(
+        pk=event.pk, notice_committed_at__isnull=True
+    ).update(notice_committed_at=committed):
+        send_reconcile(job_ids=[event.job_id])
 
 
 def _apply(job: Job, attempt: Attempt, stored: TrapEvent) -> None:

@@ -294,8 +294,9 @@ class PreemptionEvent(models.Model):
     grace_seconds = models.FloatField()
     deadline = models.DateTimeField()
     # The checkpoint notice, for a victim whose trap speaks it and whose class has
-    # a notice window: the eviction (signal_sent_at) waits until every rank has
-    # committed a checkpoint after the notice (notice_committed_at) or until
+    # a notice window: the eviction (signal_sent_at) waits until the ranks have
+    # committed a checkpoint after the notice (notice_committed_at, the first
+    # rank's report: a gang commits together) or until
     # notice_deadline, which is never later than the kill deadline.
     notice_deadline = models.DateTimeField(null=True, blank=True)
     notice_sent_at = models.DateTimeField(null=True, blank=True)

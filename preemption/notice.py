@@ -4,10 +4,11 @@ When the cycle picks a victim whose trap announced the notice protocol (`trap_re
 with a `notice_signal`, or `notice_poll` where the runtime answers polls) and whose
 priority class has a notice window, the reconciler first records a notice (its
 deadline, then the time it was sent), delivers it to every rank, and sends the
-eviction only when every rank has reported `checkpoint_committed` for a checkpoint
-that answered the notice, or when the window has passed. Everything else is evicted
-as before. The window is part of the grace budget: the notice deadline is never
-later than the kill deadline, so the GPUs are free by the same time either way.
+eviction once a rank has reported `checkpoint_committed` for a checkpoint that
+answered the notice (see `notice_committed_at`), or when the window has passed.
+Everything else is evicted as before. The window is part of the grace budget: the
+notice deadline is never later than the kill deadline, so the GPUs are free by the
+same time either way.
 
 Delivery depends on the runtime (its `notice_delivery`):
 
@@ -101,21 +102,29 @@ def notice_plan(
 
 
 def notice_committed_at(attempt: Attempt, sent_at: datetime) -> datetime | None:
-    """When the last rank committed a checkpoint that answered the notice sent at
-    `sent_at`, or None while some rank has not."""
-    rows = TrapEvent.objects.filter(
-        job_id=attempt.job_id,
-        attempt=attempt.number,
-        event="checkpoint_committed",
-        at__gte=sent_at.timestamp(),
-        payload__notice=True,
-    ).values_list("rank", "at")
-    firsts: dict[int, float] = {}
-    for rank, at in rows:
-        firsts[rank] = min(at, firsts.get(rank, at))
-    if len(firsts) < attempt.job.ranks:
-        return None
-    return datetime.fromtimestamp(max(firsts.values()), tz=sent_at.tzinfo)
+    """When the first rank reported a committed checkpoint that answered the notice
+    sent at `sent_at`, or None while none has.
+
+    One rank's report is the gang's: the ranks of a process group commit a save
+    together (each reports only after every rank's files are durable), so waiting
+    for the other ranks' reports would wait for their requests, not their data. A
+    rank that saves on its own and is still writing when the eviction arrives
+    finishes its write first, within the grace window, as the trap does for any
+    eviction during a background save.
+    """
+    first = (
+        TrapEvent.objects.filter(
+            job_id=attempt.job_id,
+            attempt=attempt.number,
+            event="checkpoint_committed",
+            at__gte=sent_at.timestamp(),
+            payload__notice=True,
+        )
+        .order_by("at")
+        .values_list("at", flat=True)
+        .first()
+    )
+    return None if first is None else datetime.fromtimestamp(first, tz=sent_at.tzinfo)
 
 
 # --- the answer to the trap's poll ---------------------------------------------------

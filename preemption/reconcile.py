@@ -529,8 +529,9 @@ def _notice_first(
 ) -> tuple[bool, Step | None]:
     """Whether the eviction still waits for the checkpoint notice, and the notice
     to deliver now if any (see preemption.notice). The eviction goes ahead when
-    the victim gets no notice, when every rank committed a checkpoint that
-    answered it, or at the notice deadline."""
+    the victim gets no notice, when its ranks committed a checkpoint that
+    answered it (the first rank's report, see `notice_committed_at`), or at the
+    notice deadline."""
     if event.notice_deadline is None:
         plan = notice_plan(event=event, attempt=attempt, delivery=delivery, now=now)
         if plan is None:
@@ -550,6 +551,8 @@ def _notice_first(
             return False, None
         step = Step(Attempt.Action.NOTICE, attempt, event, alive=alive, notice_signal=signal)
         return True, _intend(step)
+    if event.notice_committed_at is not None:
+        return False, None  # recorded by the events endpoint as the commit came in
     committed = notice_committed_at(attempt, event.notice_sent_at)
     if committed is None:
         return True, None

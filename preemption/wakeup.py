@@ -105,11 +105,17 @@ def _send_if_first() -> None:
         logger.warning("could not queue an extra scheduling cycle", exc_info=True)
 
 
-def send_reconcile() -> None:
-    """Ask for a reconcile pass now: the last rank of a victim committed the
-    checkpoint its notice asked for, and its eviction should not wait for the next
-    periodic pass. Call it after the change it reports has committed."""
+def send_reconcile(job_ids: list[int] | None = None) -> None:
+    """Ask for a reconcile pass now, of every job or only of `job_ids`: a rank
+    exited, or a victim committed the checkpoint its notice asked for and its
+    eviction should not wait for the next periodic pass. Call it after the change
+    it reports has committed.
+
+    A pass of a few jobs runs even while a pass of every job is under way (that
+    one may have read the jobs before the change and is skipped by a request of
+    its own kind), and looks at those jobs' gangs only."""
+    kwargs = {"job_ids": list(job_ids)} if job_ids else None
     try:
-        current_app.send_task(RECONCILE_TASK, retry=False, expires=5)
+        current_app.send_task(RECONCILE_TASK, kwargs=kwargs, retry=False, expires=5)
     except Exception:
         logger.warning("could not queue a reconcile pass", exc_info=True)

@@ -95,13 +95,13 @@ def _notice_steps(
     ranks: list[Rank],
     answers: list[TrapEvent],
 ) -> None:
-    """The checkpoint notice, when one was sent: sent, then answered by every rank
-    (or by some, and the window ran out)."""
+    """The checkpoint notice, when one was sent: sent, then answered by the ranks'
+    commit (the first rank's report: they commit together), or the window ran out."""
     sent = _since(event.notice_sent_at, origin)
     if sent is None:
         return
     window = (
-        f"; the eviction follows their commits, at the latest at {event.notice_deadline:%H:%M:%S}"
+        f"; the eviction follows their commit, at the latest at {event.notice_deadline:%H:%M:%S}"
         if event.notice_deadline is not None
         else ""
     )
@@ -112,27 +112,19 @@ def _notice_steps(
             f"they checkpoint while training goes on{window}",
         )
     )
-    first_answer: dict[int, TrapEvent] = {}
-    for answer in sorted(answers, key=lambda e: e.at):
-        first_answer.setdefault(answer.rank, answer)
-    if len(first_answer) == len(ranks) and ranks:
-        last = max(first_answer.values(), key=lambda e: e.at)
-        detail = _saved(last.payload or {}, last.step)
-        if (last.payload or {}).get("background"):
+    if answers:
+        first = min(answers, key=lambda e: e.at)
+        detail = _saved(first.payload or {}, first.step)
+        if (first.payload or {}).get("background"):
             detail += ", written in the background"
         timeline.steps.append(
-            TimelineStep(
-                _moment(last.at),
-                f"Every rank answered the notice ({len(ranks)} of {len(ranks)})",
-                detail,
-                "good",
-            )
+            TimelineStep(_moment(first.at), "The notice's checkpoint committed", detail, "good")
         )
     elif event.notice_deadline is not None and event.signal_sent_at is not None:
         timeline.steps.append(
             TimelineStep(
                 event.notice_deadline,
-                f"Notice window over: {len(first_answer)} of {len(ranks)} ranks had answered",
+                "Notice window over: no rank had committed a checkpoint",
                 "the eviction went ahead as without a notice",
                 "warn",
             )
@@ -194,12 +186,20 @@ def build_timeline(
             )
         )
     # A checkpoint notice's saves (taken while training went on) are told apart from
-    # the eviction's own save: the notice's commits say so, and their steps name the
-    # saves that started for them.
+    # the eviction's own save: the notice's commits say so, their steps name the
+    # saves that started for them, and a save that started between the notice and
+    # the signal answered the notice even if it never committed.
     answers = [
         e for e in mine if e.event == "checkpoint_committed" and (e.payload or {}).get("notice")
     ]
     notice_steps = {e.step for e in answers}
+    if event.notice_sent_at is not None and event.signal_sent_at is not None:
+        between = (event.notice_sent_at.timestamp(), event.signal_sent_at.timestamp())
+        notice_steps |= {
+            e.step
+            for e in mine
+            if e.event == "checkpoint_started" and between[0] <= e.at < between[1]
+        }
     _notice_steps(timeline, event, origin, ranks, answers)
     mine = [
         e

@@ -334,7 +334,7 @@ class NoticeAnswerSerializer(serializers.Serializer[Any]):
     notice = serializers.BooleanField(help_text="Whether a checkpoint notice was sent.")
     sent_at = serializers.DateTimeField(allow_null=True)
     deadline = serializers.DateTimeField(
-        allow_null=True, help_text="When the eviction follows if not every rank has committed."
+        allow_null=True, help_text="When the eviction follows if no rank has committed."
     )
 
 

@@ -1,5 +1,5 @@
-"""The ranks' answers to a checkpoint notice arrive in concurrent requests: the last
-one to commit asks for the eviction at once, whatever order the requests end in; a
+"""The ranks' answers to a checkpoint notice arrive in concurrent requests: the first
+commit asks for the eviction at once, once, whatever order the requests end in; a
 request that cannot get its rank's row in time is told to send again."""
 
 from __future__ import annotations
@@ -54,15 +54,18 @@ def _commit(rank: int, *, step: int = 12, notice: bool = True) -> dict[str, Any]
 
 
 @pytest.fixture
-def sent(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """When a reconcile pass was asked for (the broker's own sending is Celery's)."""
-    calls: list[float] = []
-    monkeypatch.setattr(ingest, "send_reconcile", lambda: calls.append(time.time()))
+def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, list[int]]]:
+    """When a reconcile pass was asked for, and of which jobs (the broker's own
+    sending is Celery's)."""
+    calls: list[tuple[float, list[int]]] = []
+    monkeypatch.setattr(
+        ingest, "send_reconcile", lambda job_ids: calls.append((time.time(), job_ids))
+    )
     return calls
 
 
 def test_two_answers_stored_at_the_same_time_still_ask_for_the_eviction(
-    world: Any, sent: list[float]
+    world: Any, sent: list[tuple[float, list[int]]]
 ) -> None:
     attempt = _noticed_victim(world, ranks=2)
     # Rank 0's request stores its commit and holds its transaction open while rank
@@ -93,23 +96,31 @@ def test_two_answers_stored_at_the_same_time_still_ask_for_the_eviction(
     assert len(sent) >= 1
 
 
-def test_an_answer_while_other_ranks_have_not_answered_asks_for_nothing(
-    world: Any, sent: list[float]
+def test_the_first_answer_asks_for_the_eviction_once_and_records_the_commit(
+    world: Any, sent: list[tuple[float, list[int]]]
 ) -> None:
+    """The ranks of a gang commit together, so the first rank's report is the gang's:
+    it records the commit on the preemption and asks for one pass; the other ranks'
+    reports ask for nothing more."""
     attempt = _noticed_victim(world, ranks=2)
-    assert ingest_trap_event(attempt=attempt, event=_commit(0), source="post")
-    assert sent == []
-    # A regular commit of the other rank does not answer the notice either.
+    # A regular commit does not answer the notice.
     assert ingest_trap_event(
         attempt=attempt, event=_commit(1, step=11, notice=False), source="post"
     )
     assert sent == []
+    answer = _commit(0)
+    assert ingest_trap_event(attempt=attempt, event=answer, source="post")
+    assert [job_ids for _, job_ids in sent] == [[attempt.job_id]]
+    event = PreemptionEvent.objects.get(victim_attempt=attempt)
+    assert event.notice_committed_at is not None
+    assert event.notice_committed_at.timestamp() == pytest.approx(answer["at"], abs=1e-6)
     assert ingest_trap_event(attempt=attempt, event=_commit(1), source="post")
     assert len(sent) == 1
+    assert PreemptionEvent.objects.get(pk=event.pk).notice_committed_at == event.notice_committed_at
 
 
 def test_an_answer_after_the_eviction_was_sent_asks_for_nothing(
-    world: Any, sent: list[float]
+    world: Any, sent: list[tuple[float, list[int]]]
 ) -> None:
     attempt = _noticed_victim(world, ranks=1)
     PreemptionEvent.objects.filter(victim_attempt=attempt).update(signal_sent_at=timezone.now())

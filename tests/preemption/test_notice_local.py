@@ -1,6 +1,6 @@
 """The checkpoint notice on the local runtime, with real processes, real gloo ranks
 running as the runner user, and the real database: the control plane sends the
-notice, waits for every rank's commit while training goes on, then evicts; a
+notice, waits for the ranks' commit while training goes on, then evicts; a
 victim that does not commit is evicted at the notice deadline; a trap without the
 notice is evicted at once, as before."""
 
@@ -122,7 +122,7 @@ def test_notice_commit_while_training_then_eviction_then_bit_exact_resume(
     drive(lambda: state_of(borrower) != JobState.PREEMPTING, what="the eviction to finish")
     event.refresh_from_db()
 
-    # The notice came first, every rank committed after it, then the eviction.
+    # The notice came first, the ranks committed after it, then the eviction.
     assert event.notice_sent_at is not None and event.notice_deadline is not None
     assert event.notice_deadline <= event.deadline
     assert event.notice_committed_at is not None
