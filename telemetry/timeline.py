@@ -185,27 +185,32 @@ def build_timeline(
                 "good" if heard == len(ranks) else "warn",
             )
         )
-    # A checkpoint notice's saves (taken while training went on) are told apart from
-    # the eviction's own save: the notice's commits say so, their steps name the
-    # saves that started for them, and a save that started between the notice and
-    # the signal answered the notice even if it never committed.
+    # The eviction's own save starts once the signal reached the ranks. A save that
+    # started before (the notice's, taken while training went on, or a regular one
+    # in flight at the decision) is not it; the notice's commits say so, and their
+    # steps name the saves that started for them.
     answers = [
         e for e in mine if e.event == "checkpoint_committed" and (e.payload or {}).get("notice")
     ]
     notice_steps = {e.step for e in answers}
-    if event.notice_sent_at is not None and event.signal_sent_at is not None:
-        between = (event.notice_sent_at.timestamp(), event.signal_sent_at.timestamp())
-        notice_steps |= {
-            e.step
-            for e in mine
-            if e.event == "checkpoint_started" and between[0] <= e.at < between[1]
-        }
     _notice_steps(timeline, event, origin, ranks, answers)
+    signalled = _signal_sent_at(event, ranks)
+    reached = min(received_by_rank.values()) if received_by_rank else signalled
+    earlier = {
+        e.step
+        for e in events
+        if e.attempt == attempt.number
+        and e.job_id == event.job_id
+        and e.event == "checkpoint_started"
+        and reached is not None
+        and e.at < reached.timestamp()
+    }
     mine = [
         e
         for e in mine
         if not (
-            e.event in ("checkpoint_started", "checkpoint_committed") and e.step in notice_steps
+            e.event in ("checkpoint_started", "checkpoint_committed")
+            and (e.step in notice_steps or e.step in earlier)
         )
     ]
     started = [e for e in mine if e.event == "checkpoint_started"]
@@ -225,7 +230,9 @@ def build_timeline(
                 _moment(max(e.at for e in committed)), "Checkpoint committed", detail, "good"
             )
         )
-    elif event.checkpoint_step is not None:
+    elif event.checkpoint_step is not None and event.checkpoint_step not in notice_steps:
+        # Known from the preemption's record only (the events are gone or came late);
+        # a notice's checkpoint has its own line above.
         detail = f"step {event.checkpoint_step}"
         if event.checkpoint_seconds is not None:
             detail += f" in {event.checkpoint_seconds:.2f} s"

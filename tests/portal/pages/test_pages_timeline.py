@@ -222,11 +222,13 @@ def _event(job: Job, rank: int, name: str, at: datetime, step: int | None, **ext
     )
 
 
-def _noticed(world: Any, decided: datetime, *, answered: int) -> Job:
+def _noticed(world: Any, decided: datetime, *, answered: int, final: int = 93) -> Job:
     """A reclaim with a checkpoint notice at +0.1 s (window until +30 s). `answered`
     ranks commit step 90 in the background (+2.3 s and +2.4 s); the signal follows
-    at +2.6 s when they answered, else at +30.1 s; the final save of step 93 runs
-    from 0.4 s to 0.9 s after the signal; the ranks exit 2.4 s and 3.4 s after it."""
+    at +2.6 s when they answered, else at +30.1 s; the final save of step `final`
+    runs from 0.4 s to 0.9 s after the signal, or, when `final` is the notice's step
+    90, is skipped 0.4 s after it; the ranks exit 2.4 s and 3.4 s after it. A
+    regular save of step 85, begun before the decision, commits at +0.2 s."""
     job = _job(world, "noticed")
     signal = decided + timedelta(seconds=2.6 if answered else 30.1)
     attempt = _attempt(job, 1, decided - timedelta(hours=1), signal + timedelta(seconds=4))
@@ -240,6 +242,18 @@ def _noticed(world: Any, decided: datetime, *, answered: int) -> Job:
             signal_sent_at=signal,
             signal_received_at=signal + timedelta(milliseconds=100 + 100 * rank),
             exited_at=signal + timedelta(seconds=2.4 + rank),
+        )
+        _event(job, rank, "checkpoint_started", decided - timedelta(seconds=0.5), 85)
+        _event(
+            job,
+            rank,
+            "checkpoint_committed",
+            decided + timedelta(seconds=0.2),
+            85,
+            bytes=50_000_000,
+            seconds=0.7,
+            background=True,
+            notice=False,
         )
         _event(job, rank, "notice_received", decided + timedelta(seconds=0.1), None)
         _event(job, rank, "checkpoint_started", decided + timedelta(seconds=0.3), 90)
@@ -255,13 +269,23 @@ def _noticed(world: Any, decided: datetime, *, answered: int) -> Job:
                 background=True,
                 notice=True,
             )
-        _event(job, rank, "checkpoint_started", signal + timedelta(seconds=0.4), 93)
+        if final == 90:
+            _event(
+                job,
+                rank,
+                "checkpoint_skipped",
+                signal + timedelta(seconds=0.4),
+                90,
+                reason="step 90 is already checkpointed",
+            )
+            continue
+        _event(job, rank, "checkpoint_started", signal + timedelta(seconds=0.4), final)
         _event(
             job,
             rank,
             "checkpoint_committed",
             signal + timedelta(seconds=0.9),
-            93,
+            final,
             bytes=50_000_000,
             seconds=0.5,
             background=False,
@@ -280,10 +304,10 @@ def _noticed(world: Any, decided: datetime, *, answered: int) -> Job:
         notice_committed_at=decided + timedelta(seconds=2.3) if answered else None,
         signal_sent_at=signal,
         all_exited_at=signal + timedelta(seconds=3.4),
-        checkpoint_step=93,
+        checkpoint_step=final,
         outcome="graceful",
         requeued_at=signal + timedelta(seconds=4.4),
-        resume_step=94,
+        resume_step=final + 1,
     )
     return job
 
@@ -320,6 +344,34 @@ def test_a_noticed_preemption_shows_the_notice_apart_from_the_final_save(world: 
         ("+6.00 s", "Every rank exited", "exit codes 0; outcome graceful"),
         ("+7.00 s", "Requeued", "resumes from step 94"),
     ]
+
+
+def test_an_eviction_at_the_notice_step_resumes_from_the_notice_checkpoint(world: Any) -> None:
+    """The signal came before the ranks ran another step after the notice's commit:
+    the eviction's save is skipped, the job resumes from the notice's checkpoint,
+    and the regular save that committed after the decision is not shown as the
+    eviction's."""
+    decided = timezone.now() - timedelta(hours=1)
+    job = _noticed(world, decided, answered=2, final=90)
+    body = (
+        page_client(world, "other_researcher")
+        .get(reverse("job-detail", args=[job.pk]))
+        .content.decode()
+    )
+    assert [line[:2] for line in _timelines(body)[1][1:]] == [
+        ("+0.10 s", "Checkpoint notice sent to all 2 ranks"),
+        ("+2.30 s", "The notice's checkpoint committed"),
+        ("+2.60 s", "Signal sent to all 2 ranks"),
+        ("+2.80 s", "Every rank received the signal (2 of 2)"),
+        ("+3.00 s", "Checkpoint skipped"),
+        ("+6.00 s", "Every rank exited"),
+        ("+7.00 s", "Requeued"),
+    ]
+    lines = dict((line[1], line[2]) for line in _timelines(body)[1])
+    assert lines["The notice's checkpoint committed"].startswith("step 90, 50.0 MB")
+    assert lines["Checkpoint skipped"] == "step 90 is already checkpointed"
+    assert lines["Requeued"] == "resumes from step 91"
+    assert "step 85" not in body
 
 
 def test_a_notice_no_rank_answered_says_the_window_ran_out(world: Any) -> None:
