@@ -9,6 +9,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
 
+from core.access import TeamTree
 from preemption import job_rules
 from preemption.models import FINAL_STATES, WAITING_STATES, Job, JobState
 from preemption.reconcile import request_stop
@@ -40,6 +41,7 @@ def job_submit(
     retries: int = 0,
     topology_level: str = "",
     topology_required: bool = True,
+    tree: TeamTree | None = None,
 ) -> Job:
     """Queue a job of `ranks` × `gpus_per_rank` GPUs for a leaf team.
 
@@ -50,12 +52,15 @@ def job_submit(
     retries (how often a job that fails on its own runs again), and a topology
     level the cluster does not have.
 
+    `tree` is the team tree when the caller has just read it (the API reads it
+    for the access check); otherwise it is read here.
+
     `topology_level` asks for all ranks inside one domain of that level (a rack,
     say); with `topology_required` False the engine only prefers it.
     """
     errors: dict[str, list[str]] = {}
     # One read of the tree serves both checks that walk it.
-    tree = team_tree()
+    tree = tree or team_tree()
     if not tree.is_leaf(team.pk):
         errors["team"] = [f"Team {team.slug} has sub-teams; jobs are submitted to leaf teams."]
     ranks_ok = not isinstance(ranks, bool) and isinstance(ranks, int) and 1 <= ranks <= MAX_RANKS

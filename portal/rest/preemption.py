@@ -589,9 +589,10 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
         incoming.is_valid(raise_exception=True)
         values = dict(incoming.validated_data)
         team: Team = values.pop("team")
-        if not access_of(request).can_submit_to(team.pk):
+        access = access_of(request)
+        if not access.can_submit_to(team.pk):
             raise deny(f"You may not submit jobs to team {team.slug}.")
-        job = services.job_submit(submitter=request.user, team=team, **values)
+        job = services.job_submit(submitter=request.user, team=team, tree=access.tree, **values)
         return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(
