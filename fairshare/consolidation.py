@@ -266,6 +266,20 @@ def reclaim_and_move(
     movable = _movable_by_node(
         victims, gpus_per_rank, lambda run: id(run) not in donor_runs and inside[run.queue]
     )
+    # The donor jobs that can leave a hole (on one node, not shielded), smallest and
+    # then earliest in the order first: a moved job's hole is the first one large
+    # enough that is still unclaimed and on another node. Built once, as a search per
+    # moved job over every donor made this the plan's largest cost on a large cluster.
+    hole_pool = sorted(
+        (
+            other
+            for runs in on_node.values()
+            for other in runs
+            if len(other.nodes) == 1 and not victims.shielded(other)
+        ),
+        key=lambda other: (other.gpus, other.order),
+    )
+    hole_sizes = [other.gpus for other in hole_pool]
     free = nodes.free
     releasing = nodes.releasing
     # Nodes that need the fewest moved GPUs first: each move costs a restart and a hole.
@@ -304,21 +318,18 @@ def reclaim_and_move(
         hole_victims: list[tuple[RunningWork, RunningWork]] = []
         used: set[int] = set()
         for run in moved:
-            hole = min(
-                (
-                    other
-                    for other_node, runs in on_node.items()
-                    if other_node != node and other_node not in room_after
-                    for other in runs
-                    if id(other) not in chosen
+            hole = None
+            for at in range(bisect_left(hole_sizes, run.gpus), len(hole_pool)):
+                other = hole_pool[at]
+                other_node = other.nodes[0][0]
+                if (
+                    other_node != node
+                    and other_node not in room_after
+                    and id(other) not in chosen
                     and id(other) not in used
-                    and len(other.nodes) == 1
-                    and other.gpus >= run.gpus
-                    and not victims.shielded(other)
-                ),
-                key=lambda other: (other.gpus, other.order),
-                default=None,
-            )
+                ):
+                    hole = other
+                    break
             if hole is None:
                 break
             used.add(id(hole))

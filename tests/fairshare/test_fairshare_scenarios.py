@@ -180,6 +180,17 @@ NO_HOLE = [
 # order, each on the node with the least room that holds it: with b2 and b3 (1 GPU each)
 # first, b3 takes n2's 2 GPUs and one 2-GPU job has no room. No move, then; with 4 GPUs
 # free on n3, every order restarts them all.
+# No node can be cleared by reclaim alone (each runs one of c's jobs, c at its line) and
+# no GPU is free to move to. Clearing n0 moves c0 (1 GPU) into the hole of one of b's
+# jobs on another node: the smallest one large enough, b2 (2 GPUs), not b3 (3) or b1 (4).
+SMALLEST_HOLE = [
+    *NO_HOLE[:4],
+    w("b2").queue("b").gpus(2).running("n2"),
+    w("b3").queue("b").gpus(3).running("n2"),
+    w("c2").queue("c").gpus(3).running("n2"),
+    w("a1").gpus(8),
+]
+
 B_AT_LINE = [team("a", guarantee=8), team("b", guarantee=24)]
 # b's jobs that started a minute ago (too young to move), as (node, GPUs).
 YOUNG = [("n1", 1), ("n1", 2), ("n1", 2), ("n1", 2), ("n2", 4), ("n2", 1), ("n2", 1), ("n3", 1)]
@@ -265,6 +276,7 @@ CASES = [
     Case("decayed_usage_of_the_own_guarantee_is_not_borrowing", N1, OWN_A, BOTH_WAIT, admit={"a1"}, wait={"b1": "no node of flavor h100 has 8 free GPUs"}, fair_share={"a": 4, "b": 4}, usage_strength=1.0),
     Case("reclaim_and_move_when_no_node_can_be_cleared_by_either", N2, AC_B, NO_HOLE, preempt={"b0": "reclaim", "c0": "consolidate", "b1": "reclaim"}, wait={"a1": "waiting for 8 GPUs being released"}),
     Case("reclaim_and_move_clears_the_other_node_when_one_small_job_is_young", N2, AC_B, [NO_HOLE[0], w("c0").queue("c").gpus(1).running("n0", since=60), *NO_HOLE[2:]], preempt={"b1": "reclaim", "c1": "consolidate", "b0": "reclaim"}, wait={"a1": "waiting for 8 GPUs being released"}),
+    Case("reclaim_and_move_takes_the_smallest_hole_large_enough", N3, AC_B, SMALLEST_HOLE, preempt={"b0": "reclaim", "c0": "consolidate", "b2": "reclaim"}, wait={"a1": "waiting for 8 GPUs being released"}),
     Case("reclaim_and_move_spares_young_small_jobs", N2, AC_B, [NO_HOLE[0], w("c0").queue("c").gpus(1).running("n0", since=60), NO_HOLE[2], w("c1").queue("c").gpus(4).running("n1", since=60), NO_HOLE[4]], wait={"a1": "no node of flavor h100 has 8 free GPUs"}),
     Case("topology_reclaim_clears_one_whole_rack", RACKS, [team("a", guarantee=16), team("b", guarantee=16)], KUEUE_10815, admit=set(), preempt={"b2": "reclaim", "b3": "reclaim"}, wait={"gang": "waiting for"}),
     Case("topology_blind_reclaim_scatters_victims", RACKS, [team("a", guarantee=16), team("b", guarantee=16)], [*KUEUE_10815[:-1], w("gang").gang(2, 8)], preempt={"b0": "reclaim", "b2": "reclaim"}),
