@@ -39,7 +39,7 @@ from django.utils import timezone
 from gracetrap_protocol import EVENT_NAMES
 
 from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, TrapEvent
-from preemption.notice import notice_committed_at
+from preemption.notice import record_notice_commit
 from preemption.runtime import checkpoint_is_durable
 from preemption.wakeup import send_reconcile
 
@@ -335,11 +335,8 @@ def _evict_once_answered(attempt_id: int) -> None:
     ).first()
     if event is None or event.notice_sent_at is None:
         return
-    committed = notice_committed_at(event.victim_attempt, event.notice_sent_at)
     # Recording the commit claims the request: one pass for the gang, not one per rank.
-    if committed is not None and PreemptionEvent.objects.filter(
-        pk=event.pk, notice_committed_at__isnull=True
-    ).update(notice_committed_at=committed):
+    if record_notice_commit(event, event.victim_attempt):
         send_reconcile(job_ids=[event.job_id])
 
 

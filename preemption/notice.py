@@ -127,6 +127,22 @@ def notice_committed_at(attempt: Attempt, sent_at: datetime) -> datetime | None:
     return None if first is None else datetime.fromtimestamp(first, tz=sent_at.tzinfo)
 
 
+def record_notice_commit(event: PreemptionEvent, attempt: Attempt) -> bool | None:
+    """Store on `event` when the notice's checkpoint committed (see
+    `notice_committed_at`), once: None while no rank has committed one, True for
+    the caller that stored it, False when another caller (the events endpoint or a
+    reconcile pass) had stored it first."""
+    assert event.notice_sent_at is not None
+    committed = notice_committed_at(attempt, event.notice_sent_at)
+    if committed is None:
+        return None
+    return bool(
+        PreemptionEvent.objects.filter(pk=event.pk, notice_committed_at__isnull=True).update(
+            notice_committed_at=committed
+        )
+    )
+
+
 # --- the answer to the trap's poll ---------------------------------------------------
 
 

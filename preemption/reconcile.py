@@ -63,7 +63,7 @@ from preemption.models import (
     Rank,
     TrapEvent,
 )
-from preemption.notice import announced_notice, notice_committed_at, notice_plan
+from preemption.notice import announced_notice, notice_plan, record_notice_commit
 from preemption.runtime import get_runtime
 from preemption.runtimes import iter_trap_events, read_whole_log
 from preemption.runtimes.base import (
@@ -553,12 +553,8 @@ def _notice_first(
         return True, _intend(step)
     if event.notice_committed_at is not None:
         return False, None  # recorded by the events endpoint as the commit came in
-    committed = notice_committed_at(attempt, event.notice_sent_at)
-    if committed is None:
+    if record_notice_commit(event, attempt) is None:
         return True, None
-    PreemptionEvent.objects.filter(pk=event.pk, notice_committed_at__isnull=True).update(
-        notice_committed_at=committed
-    )
     return False, None
 
 
