@@ -5,9 +5,14 @@ control plane (tools/k8s/build.sh), runs Kueue's test on a generator config it
 ships, then the same config through the whole Quartermaster control plane
 (bench/kueue_qm.py, on a fresh database), one after the other so neither competes with the other for
 the CPU, and prints one table with both sides' figures and their ratio
-(bench/README.md says how to read it).
+(bench/README.md says how to read it). Then the reclaim comparison, which Kueue's
+test does not have: owners come back for the quota they lent, on our own config
+(bench/kueue_configs/reclaim/generator.yaml), through both systems the same way,
+with the work the victims lost since their last checkpoint (bench/kueue_reclaim.py
+for Kueue's side).
 
-Usage: .venv/bin/python bench/bench_kueue.py [--config baseline|PATH] [--json out.json]
+Usage: .venv/bin/python bench/bench_kueue.py [--config baseline|PATH] [--no-reclaim]
+                                             [--json out.json]
        KUEUE_CONFIG=large-scale make bench-kueue
 """
 
@@ -26,6 +31,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.kueue_qm import run_on_fresh_database  # noqa: E402
+from bench.kueue_reclaim import RECLAIM_CONFIG, run_kueue_reclaim  # noqa: E402
 from bench.kueue_side import (  # noqa: E402
     KueueRunError,
     build_k8s,
@@ -49,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a generator config Kueue ships (baseline, ...) or a path to one",
     )
     parser.add_argument("--timeout", default="30m", help="Kueue's runner --timeout")
+    parser.add_argument(
+        "--reclaim",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the reclaim comparison (about 5 minutes)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write both sides' figures")
     args = parser.parse_args(argv)
 
@@ -94,10 +106,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{mk['peak_rss_mb']:.0f} MB peak RSS; Kueue's recorder dropped "
         f"{kueue['dropped_workload_events']} workload events"
     )
-    if args.json:
-        args.json.write_text(
-            json.dumps({"kueue": kueue, "quartermaster": quartermaster}, indent=2, default=str)
+    results = {"kueue": kueue, "quartermaster": quartermaster}
+    if args.reclaim:
+        print(f"\nreclaim config: {RECLAIM_CONFIG}", flush=True)
+        try:
+            kueue_reclaim = run_kueue_reclaim(RECLAIM_CONFIG, timeout=args.timeout)
+        except KueueRunError as exc:
+            print(f"bench_kueue: {exc}", file=sys.stderr)
+            return 1
+        quartermaster_reclaim = run_on_fresh_database(RECLAIM_CONFIG)
+        print()
+        print(
+            format_table(
+                kueue_reclaim,
+                quartermaster_reclaim,
+                title="reclaim: owners come back for the quota they lent",
+                time_goals=False,
+            )
         )
+        results.update(kueue_reclaim=kueue_reclaim, quartermaster_reclaim=quartermaster_reclaim)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str))
     return 0
 
 

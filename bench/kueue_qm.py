@@ -27,6 +27,11 @@ admission. `run_quartermaster` does the same with Quartermaster:
   difference: Kueue's runner counts the running time from the admission, the mimic
   runtime from the launch that follows it (`launch_after_admission` says how long
   after), as a real runtime would.
+- a workload class of our own configs may name its checkpoints (`checkpointEveryMs`,
+  `saveOnStopMs`, keys Kueue's generator ignores); its jobs then carry them to the
+  mimic runtime, which resumes a preempted job from what it kept, and the figures'
+  `reclaim` counts the work the preempted attempts lost (the reclaim comparison,
+  bench/kueue_reclaim.py for Kueue's side).
 
 The figures follow Kueue's recorder (runner/recorder): a workload's time to
 admission runs from its creation to its last admission (the recorder overwrites it
@@ -95,6 +100,8 @@ from portal.celery import app  # noqa: E402
 from portal.processes import beat_command, web_command, worker_command  # noqa: E402
 from portal.services import api_token_create  # noqa: E402
 from preemption.models import FINAL_STATES, Attempt, Job, PreemptionEvent  # noqa: E402
+from preemption.runtimes.mimic import gang_progress  # noqa: E402
+from preemption.runtimes.records import read_record  # noqa: E402
 from preemption.snapshot import build_snapshot, held_jobs  # noqa: E402
 from quotas.models import PriorityClass  # noqa: E402
 from quotas.services import (  # noqa: E402
@@ -120,11 +127,31 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class Checkpoints:
+    """How a workload class keeps its work, in our own configs' keys (Kueue's generator
+    has none and ignores them): a regular checkpoint every `every_ms` of progress, and a
+    save on a stop request that takes `save_on_stop_ms`. Passed to the mimic runtime as
+    the job's MIMIC_CHECKPOINT_EVERY and MIMIC_SAVE_ON_STOP."""
+
+    every_ms: int | None = None
+    save_on_stop_ms: int | None = None
+
+    def env(self) -> dict[str, str]:
+        env = {}
+        if self.every_ms is not None:
+            env["MIMIC_CHECKPOINT_EVERY"] = f"{self.every_ms / 1000:g}"
+        if self.save_on_stop_ms is not None:
+            env["MIMIC_SAVE_ON_STOP"] = f"{self.save_on_stop_ms / 1000:g}"
+        return env
+
+
+@dataclass(frozen=True)
 class WorkloadClass:
     name: str
     runtime_ms: int
     priority: int
     request: int
+    checkpoints: Checkpoints = Checkpoints()
 
 
 @dataclass(frozen=True)
@@ -170,6 +197,14 @@ def _optional_whole(value: Any, where: str) -> int | None:
     return None if value is None or value == "" else _whole(value, where)
 
 
+def _checkpoints(workload: dict[str, Any], where: str) -> Checkpoints:
+    every = _optional_whole(workload.get("checkpointEveryMs"), f"{where}.checkpointEveryMs")
+    if every == 0:
+        raise ConfigError(f"{where}.checkpointEveryMs: must be more than 0")
+    save = _optional_whole(workload.get("saveOnStopMs"), f"{where}.saveOnStopMs")
+    return Checkpoints(every_ms=every, save_on_stop_ms=save)
+
+
 def load_config(path: Path) -> GeneratorConfig:
     """Read a Kueue scheduler performance generator config (runner/generator's Config).
 
@@ -203,6 +238,7 @@ def load_config(path: Path) -> GeneratorConfig:
                             runtime_ms=_whole(wl.get("runtimeMs", 0), f"{at}.runtimeMs"),
                             priority=int(wl.get("priority", 0)),
                             request=_whole(wl["request"], f"{at}.request"),
+                            checkpoints=_checkpoints(wl, at),
                         )
                     )
                 workload_sets.append(
@@ -261,6 +297,7 @@ class Workload:
     priority: int
     runtime_ms: int
     arrival_s: float
+    checkpoints: Checkpoints = Checkpoints()
 
 
 @dataclass
@@ -312,6 +349,7 @@ def expand(config: GeneratorConfig, scale: float = 1.0) -> Expansion:
                                         priority=wl.priority,
                                         runtime_ms=wl.runtime_ms,
                                         arrival_s=order * ws.interval_ms / 1000.0,
+                                        checkpoints=wl.checkpoints,
                                     )
                                 )
     out.workloads.sort(key=lambda w: w.arrival_s)
@@ -356,7 +394,8 @@ def _setup_world(expansion: Expansion) -> tuple[str, dict[str, Any]]:
                 preemption_policy=policy,
                 preemptible=True,
                 grace_seconds=5,
-                # Kueue evicts at once and its workloads keep no checkpoints.
+                # No checkpoint notice before an eviction: Kueue gives none. A workload
+                # class that saves when asked to stop does so within the grace window.
                 notice_seconds=0,
             ),
         )
@@ -504,6 +543,7 @@ class _Submitter(threading.Thread):
                     "command": f"sleep {workload.runtime_ms / 1000:g}",
                     "name": workload.name,
                     "max_attempts": 100,
+                    "env": workload.checkpoints.env(),
                 }
             )
             sent = time.time()
@@ -553,8 +593,56 @@ def _peak(intervals: list[tuple[float, float, int]]) -> int:
     return peak
 
 
+def _work_lost(mimic_root: Path, job_classes: dict[int, tuple[str, int]]) -> dict[str, Any]:
+    """The work the preempted attempts lost, from the mimic runtime's records.
+
+    An attempt stopped before the end of its work lost the progress no checkpoint kept
+    (`gang_progress`), times its GPUs; the job's next attempt does exactly that again.
+    `job_classes` maps each job of the run to its workload class and GPUs. The shape is
+    that of Kueue's side (bench/kueue_reclaim.py), whose runner restarts a victim from
+    the start, so its `rerun_gpu_seconds` exceed its `lost_gpu_seconds`; here they agree.
+    """
+    now = time.time()
+    by_class: dict[str, dict[str, float]] = {}
+    victims: set[int] = set()
+    evictions = 0
+    lost = 0.0
+    for folder in ("live", "forgotten"):
+        for path in sorted((mimic_root / folder).glob("*.json")):
+            job_id = int(path.stem.split("-")[0])
+            record = read_record(path)
+            if record is None or job_id not in job_classes:
+                continue
+            if not (record.get("signal_sent_at") or record.get("killed_at")):
+                continue
+            progress = gang_progress(record, now)
+            if progress.kept >= float(record["total"]):
+                continue  # asked to stop as it finished: nothing to do again
+            class_name, gpus = job_classes[job_id]
+            entry = by_class.setdefault(
+                class_name, {"victims": 0, "evictions": 0, "lost_gpu_seconds": 0.0}
+            )
+            entry["victims"] += job_id not in victims
+            entry["evictions"] += 1
+            entry["lost_gpu_seconds"] += progress.lost * gpus
+            victims.add(job_id)
+            evictions += 1
+            lost += progress.lost * gpus
+    return {
+        "evictions": evictions,
+        "victims": len(victims),
+        "lost_gpu_seconds": round(lost, 1),
+        "rerun_gpu_seconds": round(lost, 1),
+        "by_class": by_class,
+    }
+
+
 def _collect(
-    expansion: Expansion, limits: dict[str, Any], start: float, finished_at: float
+    expansion: Expansion,
+    limits: dict[str, Any],
+    start: float,
+    finished_at: float,
+    mimic_root: Path,
 ) -> dict[str, Any]:
     classes = {(w.queue, w.name): w for w in expansion.workloads}
     jobs = list(
@@ -640,6 +728,16 @@ def _collect(
             slug: {**limit, "peak_gpus": _peak(held.get(slug, []))}
             for slug, limit in limits.items()
         },
+        "reclaim": _work_lost(
+            mimic_root,
+            {
+                j["id"]: (
+                    classes[(j["team__slug"], j["name"])].class_name,
+                    j["ranks"] * j["gpus_per_rank"],
+                )
+                for j in jobs
+            },
+        ),
         "jobs": rows,
     }
 
@@ -744,7 +842,8 @@ def run_quartermaster(
             if probe is not None:
                 probe.stop.set()
                 probe.join()
-        figures = _collect(expansion, limits, start, finished_at)
+        # The runtime's root under the processes' QM_VAR_DIR (settings.QM_RUNS_DIR's default).
+        figures = _collect(expansion, limits, start, finished_at, folder / "runs" / "mimic")
         figures["worker_tasks"] = _cycle_times(logs["worker"])
     finally:
         if own_dir:

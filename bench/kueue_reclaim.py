@@ -12,10 +12,15 @@ had done when it was evicted, so this module also watches the Workload objects
 through the API server the runner starts (its kubeconfig lands in the run's
 output folder) and notes, for every workload, when it was admitted and when it
 was evicted. The runner mimics execution by counting a workload's runtime from
-its admission and starts that count again after a re-admission, and Kueue keeps
-no checkpoints: everything a victim ran since its admission is lost. Lost work
-is that time times the workload's request (quota units; the generator requests
-``cpu``, which stands for GPUs in this comparison).
+its admission and starts that count again after a re-admission: a victim runs
+again everything it ran since its admission (``rerun_gpu_seconds``). The config's
+workload classes say how often their work is checkpointed (``checkpointEveryMs``,
+a key of our own that Kueue's generator ignores); the work a victim lost is what it
+ran since its last regular checkpoint (``lost_gpu_seconds``), since Kueue knows of
+no checkpoint to ask for before it evicts. Both are times the workload's request
+(quota units; the generator requests ``cpu``, which stands for GPUs in this
+comparison). Quartermaster's side of the same config is bench/kueue_qm.py's
+``reclaim`` figures.
 
 Kueue's generator has no ``borrowWithinCohort`` setting (its QueuesSet carries
 nominalQuota, borrowingLimit, reclaimWithinCohort and withinClusterQueue only,
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import threading
 import time
@@ -40,6 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+import yaml  # noqa: E402
 from kubernetes import client, config, watch  # noqa: E402
 from kubernetes.utils import parse_quantity  # noqa: E402
 
@@ -65,6 +72,27 @@ class WorkloadHistory:
     admitted_at: float | None = None
     evicted: bool = False
     evictions: list[Eviction] = field(default_factory=list)
+
+
+def checkpoint_every(generator_config: Path) -> dict[str, float]:
+    """Seconds between regular checkpoints for each workload class of the config that
+    names its cadence (`checkpointEveryMs`)."""
+    data = yaml.safe_load(Path(generator_config).read_text()) or {}
+    every: dict[str, float] = {}
+    for cohort in data.get("cohorts") or []:
+        for queue_set in cohort.get("queuesSets") or []:
+            for workload_set in queue_set.get("workloadsSets") or []:
+                for workload in workload_set.get("workloads") or []:
+                    if workload.get("checkpointEveryMs"):
+                        every[str(workload["className"])] = workload["checkpointEveryMs"] / 1000
+    return every
+
+
+def lost_since_checkpoint(ran_s: float, every_s: float | None) -> float:
+    """Seconds of work since the last regular checkpoint, after `ran_s` from the start."""
+    if not every_s:
+        return ran_s
+    return ran_s - math.floor(ran_s / every_s) * every_s
 
 
 def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
@@ -97,8 +125,9 @@ class WorkloadWatch:
     lastTransitionTime has whole-second resolution only).
     """
 
-    def __init__(self, kubeconfig: Path) -> None:
+    def __init__(self, kubeconfig: Path, every: dict[str, float] | None = None) -> None:
         self.kubeconfig = kubeconfig
+        self.every = every or {}
         self.workloads: dict[str, WorkloadHistory] = {}
         self.stop_event = threading.Event()
         self.error: str | None = None
@@ -171,24 +200,30 @@ class WorkloadWatch:
                 resource_version = None
 
     def figures(self) -> dict[str, Any]:
-        evictions = [e for h in self.workloads.values() for e in h.evictions]
         victims = [h for h in self.workloads.values() if h.evictions]
         by_class: dict[str, dict[str, float]] = {}
+        reasons: dict[str, int] = {}
+        evictions = 0
+        lost = rerun = 0.0
         for h in victims:
+            every = self.every.get(h.class_name)
             entry = by_class.setdefault(
                 h.class_name, {"victims": 0, "evictions": 0, "lost_gpu_seconds": 0.0}
             )
             entry["victims"] += 1
-            entry["evictions"] += len(h.evictions)
-            entry["lost_gpu_seconds"] += sum(e.ran_s * e.request for e in h.evictions)
-        reasons: dict[str, int] = {}
-        for e in evictions:
-            reasons[e.reason] = reasons.get(e.reason, 0) + 1
+            for e in h.evictions:
+                entry["evictions"] += 1
+                entry["lost_gpu_seconds"] += lost_since_checkpoint(e.ran_s, every) * e.request
+                lost += lost_since_checkpoint(e.ran_s, every) * e.request
+                rerun += e.ran_s * e.request
+                reasons[e.reason] = reasons.get(e.reason, 0) + 1
+                evictions += 1
         return {
             "workloads_seen": len(self.workloads),
-            "evictions": len(evictions),
+            "evictions": evictions,
             "victims": len(victims),
-            "lost_gpu_seconds": round(sum(e.ran_s * e.request for e in evictions), 1),
+            "lost_gpu_seconds": round(lost, 1),
+            "rerun_gpu_seconds": round(rerun, 1),
             "eviction_reasons": reasons,
             "by_class": by_class,
         }
@@ -201,7 +236,7 @@ def run_kueue_reclaim(
     stamp = time.strftime("%Y%m%d-%H%M%S")
     output_dir = REPO_ROOT / "var" / "bench" / "kueue" / f"reclaim-{stamp}"
     output_dir.mkdir(parents=True)
-    observer = WorkloadWatch(output_dir / "kubeconfig")
+    observer = WorkloadWatch(output_dir / "kubeconfig", checkpoint_every(generator_config))
     thread = threading.Thread(target=observer.run, daemon=True)
     thread.start()
     try:

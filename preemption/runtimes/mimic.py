@@ -19,6 +19,21 @@ are derived from the record and the clock:
   evicts at once, and an exit after a stop request is a clean stop);
 - exited with code 137 at the kill's time when killed before either.
 
+A mimicked workload may also keep checkpoints, as training code with gracetrap
+does; its job's environment says how (names a job may set, unlike QM_*):
+
+- ``MIMIC_CHECKPOINT_EVERY=S``: a regular checkpoint every S seconds of progress;
+- ``MIMIC_SAVE_ON_STOP=S``: asked to stop, it stops training and saves where it
+  is, which takes S seconds; it exits 0 once the save is written, and a kill
+  before that loses the save (the kill's exit code, 137).
+
+A later attempt of the same job resumes from the last checkpoint its previous
+attempt kept and runs only the seconds left. Without either variable a workload
+keeps nothing, as Kueue's runner's workloads: every attempt starts over.
+``gang_progress`` says, for one gang's record, how far it got and how much of
+that it kept, which is what a benchmark needs to count the work a preemption
+lost.
+
 ``forget`` moves the record to ``<root>/forgotten/``, so that observing every
 gang reads only the live ones and a forgotten gang is never launched again.
 Records are written atomically (preemption.runtimes.records), so the web
@@ -32,6 +47,7 @@ import os
 import shlex
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +66,46 @@ from preemption.runtimes.records import create_record, read_record, write_record
 KILLED_EXIT_CODE = 128 + 9
 # A gang may ask for at most a year: anything longer is a mistake in the command.
 MAX_SECONDS = 365 * 86_400.0
+CHECKPOINT_EVERY_ENV = "MIMIC_CHECKPOINT_EVERY"
+SAVE_ON_STOP_ENV = "MIMIC_SAVE_ON_STOP"
+
+
+@dataclass(frozen=True, slots=True)
+class GangProgress:
+    """Seconds of a job's work: where a gang started, how far it got, what it kept.
+
+    ``reached`` counts up to the stop request when there was one, since a workload
+    asked to stop trains no further; ``lost`` is what the job must do again.
+    """
+
+    resumed_from: float
+    reached: float
+    kept: float
+
+    @property
+    def lost(self) -> float:
+        return self.reached - self.kept
+
+
+def _seconds(value: str, subject: str) -> float:
+    """A number of seconds the mimic runtime can use; RuntimePermanentError otherwise."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise RuntimePermanentError(
+            f"{subject} needs a number of seconds (got {value!r})"
+        ) from None
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_SECONDS:
+        raise RuntimePermanentError(
+            f"{subject} takes between 0 and {MAX_SECONDS:.0f} seconds (got {value!r})"
+        )
+    return seconds
+
+
+def _env_seconds(env: Any, name: str) -> float | None:
+    """A mimicked workload's setting in seconds, None when the job does not set it."""
+    value = env.get(name)
+    return None if value is None else _seconds(value, name)
 
 
 def mimic_seconds(command: str) -> float:
@@ -68,17 +124,7 @@ def mimic_seconds(command: str) -> float:
         raise RuntimePermanentError(
             f"the mimic runtime runs only 'sleep SECONDS' (got {command!r})"
         )
-    try:
-        seconds = float(words[1])
-    except ValueError:
-        raise RuntimePermanentError(
-            f"the mimic runtime needs a number of seconds (got {words[1]!r})"
-        ) from None
-    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_SECONDS:
-        raise RuntimePermanentError(
-            f"the mimic runtime runs between 0 and {MAX_SECONDS:.0f} seconds (got {words[1]!r})"
-        )
-    return seconds
+    return _seconds(words[1], "the mimic runtime")
 
 
 @translate_errors(os_errors_are_temporary)
@@ -97,7 +143,11 @@ class MimicRuntime:
 
     def launch(self, spec: GangSpec) -> None:
         """Record the gang as started now; a second launch, or one after forget, does nothing."""
-        seconds = mimic_seconds(spec.command)
+        total = mimic_seconds(spec.command)
+        checkpoint_every = _env_seconds(spec.env, CHECKPOINT_EVERY_ENV)
+        if checkpoint_every == 0:
+            raise RuntimePermanentError(f"{CHECKPOINT_EVERY_ENV} must be more than 0 seconds")
+        save_on_stop = _env_seconds(spec.env, SAVE_ON_STOP_ENV)
         if not spec.ranks:
             raise RuntimePermanentError(f"gang {spec.gang} has no ranks")
         known = {node.name for node in self.inventory}
@@ -107,17 +157,22 @@ class MimicRuntime:
         if self._forgotten(spec.gang).exists():
             return
         self._live(spec.gang).parent.mkdir(parents=True, exist_ok=True)
+        resumed_from = self._kept_before(spec.gang)
+        seconds = max(0.0, total - resumed_from)
         record = {
             "launched_at": time.time(),
             "seconds": seconds,
+            "total": total,
+            "resumed_from": resumed_from,
+            "checkpoint_every": checkpoint_every,
+            "save_on_stop": save_on_stop,
             "ranks": [{"rank": p.rank, "node": p.node} for p in spec.ranks],
         }
         if create_record(self._live(spec.gang), record):
             return
         launched = read_record(self._live(spec.gang))
-        if launched is not None and (
-            launched["seconds"] != seconds or launched["ranks"] != record["ranks"]
-        ):
+        same = ("seconds", "checkpoint_every", "save_on_stop", "ranks")
+        if launched is not None and any(launched.get(key) != record[key] for key in same):
             raise RuntimePermanentError(
                 f"gang {spec.gang} was already launched with another command or placement"
             )
@@ -185,6 +240,15 @@ class MimicRuntime:
     def _forgotten(self, gang: GangId) -> Path:
         return self.root / "forgotten" / f"{gang.job_id}-{gang.attempt}.json"
 
+    def _kept_before(self, gang: GangId) -> float:
+        """The progress the job's latest earlier launched attempt kept: where this one resumes."""
+        for attempt in range(gang.attempt - 1, 0, -1):
+            earlier = GangId(gang.job_id, attempt)
+            record = read_record(self._live(earlier)) or read_record(self._forgotten(earlier))
+            if record is not None:
+                return gang_progress(record, time.time()).kept
+        return 0.0
+
     def _mark(self, gang: GangId, field: str) -> None:
         path = self._live(gang)
         record = read_record(path)
@@ -199,10 +263,49 @@ class MimicRuntime:
 
 
 def _ended_at(record: dict[str, Any]) -> float:
-    """When the gang's ranks exit: the end of its running time or the first stop asked for."""
+    """When the gang's ranks exit: the end of its running time, a kill, or a stop request
+    plus the save it asks for."""
     ends = [float(record["launched_at"]) + float(record["seconds"])]
-    ends += [float(record[key]) for key in ("signal_sent_at", "killed_at") if record.get(key)]
+    if record.get("signal_sent_at"):
+        ends.append(float(record["signal_sent_at"]) + float(record.get("save_on_stop") or 0.0))
+    if record.get("killed_at"):
+        ends.append(float(record["killed_at"]))
     return min(ends)
+
+
+def gang_progress(record: dict[str, Any], now: float) -> GangProgress:
+    """How far one mimicked gang got by `now` (or its end) and how much it kept.
+
+    A gang that ran its seconds kept everything; one asked to stop kept its progress
+    at the request once its save was written; otherwise it kept its last regular
+    checkpoint, or only what it resumed from.
+    """
+    launched_at = float(record["launched_at"])
+    seconds = float(record["seconds"])
+    resumed_from = float(record.get("resumed_from") or 0.0)
+    total = float(record.get("total", resumed_from + seconds))
+    ended_at = _ended_at(record)
+    signal_at = record.get("signal_sent_at")
+    trained_until = min(ended_at, now)
+    if signal_at is not None:
+        trained_until = min(trained_until, float(signal_at))
+    reached = resumed_from + max(0.0, trained_until - launched_at)
+    if ended_at <= now and ended_at == launched_at + seconds:
+        return GangProgress(resumed_from, total, total)
+    save_on_stop = record.get("save_on_stop")
+    killed_at = record.get("killed_at")
+    if (
+        signal_at is not None
+        and save_on_stop is not None
+        and float(signal_at) + float(save_on_stop) <= now
+        and (killed_at is None or float(signal_at) + float(save_on_stop) <= float(killed_at))
+    ):
+        return GangProgress(resumed_from, reached, reached)
+    kept = resumed_from
+    every = record.get("checkpoint_every")
+    if every:
+        kept = max(kept, math.floor(reached / float(every)) * float(every))
+    return GangProgress(resumed_from, reached, kept)
 
 
 def _observe(gang: GangId, record: dict[str, Any], now: float) -> list[RankObservation]:

@@ -95,6 +95,32 @@ def test_format_table_lines_up_and_names_both_systems() -> None:
         assert line[header_end - 1] != " ", line
 
 
+def test_reclaim_rows_compare_lost_work_against_a_tenth_of_kueues() -> None:
+    kueue = {
+        **KUEUE,
+        "reclaim": {"evictions": 40, "lost_gpu_seconds": 2000.0, "rerun_gpu_seconds": 9000.0},
+    }
+    quartermaster = {
+        **QUARTERMASTER,
+        "reclaim": {"evictions": 30, "lost_gpu_seconds": 150.0, "rerun_gpu_seconds": 150.0},
+    }
+    rows = {row.label: row for row in comparison_rows(kueue, quartermaster, time_goals=False)}
+    lost = rows["work lost since the last checkpoint"]
+    assert lost.ratio == pytest.approx(0.075) and lost.verdict == "met"
+    assert rows["work run again"].ratio == pytest.approx(150 / 9000)
+    assert rows["work run again"].verdict == ""
+    # The timing goals belong to Kueue's own configs, not to this comparison.
+    assert rows["total time"].verdict == "" and rows["large: time to admission, mean"].verdict == ""
+    worse = {**quartermaster, "reclaim": {**quartermaster["reclaim"], "lost_gpu_seconds": 201.0}}
+    rows = {row.label: row for row in comparison_rows(kueue, worse, time_goals=False)}
+    assert rows["work lost since the last checkpoint"].verdict == "missed"
+    text = format_table(kueue, quartermaster, time_goals=False)
+    line = next(x for x in text.splitlines() if x.startswith("work lost"))
+    assert "2,000 GPU-s" in line and "150 GPU-s" in line and "<= 0.10: met" in line
+    # Without reclaim figures the table has no such rows.
+    assert not any(r.label.startswith("work") for r in comparison_rows(KUEUE, QUARTERMASTER))
+
+
 def test_percentile_is_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
     assert percentile(values, 0.50) == 50.0

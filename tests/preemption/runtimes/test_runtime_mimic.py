@@ -1,8 +1,10 @@
 """The mimic runtime: gangs that hold their GPUs for the seconds of `sleep SECONDS`,
-stop at once when signalled, and are refused in production."""
+stop at once when signalled (or after the save their job asks for), resume from what
+their previous attempt kept, and are refused in production."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,7 +24,13 @@ from preemption.runtimes import (
     RankPlacement,
     RuntimePermanentError,
 )
-from preemption.runtimes.mimic import KILLED_EXIT_CODE, MimicRuntime, mimic_seconds
+from preemption.runtimes.mimic import (
+    KILLED_EXIT_CODE,
+    GangProgress,
+    MimicRuntime,
+    gang_progress,
+    mimic_seconds,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 NODES = [
@@ -31,7 +39,13 @@ NODES = [
 ]
 
 
-def spec(job: int, command: str = "sleep 0.3", attempt: int = 1, ranks: int = 2) -> GangSpec:
+def spec(
+    job: int,
+    command: str = "sleep 0.3",
+    attempt: int = 1,
+    ranks: int = 2,
+    env: dict[str, str] | None = None,
+) -> GangSpec:
     return GangSpec(
         job_id=job,
         attempt=attempt,
@@ -42,7 +56,7 @@ def spec(job: int, command: str = "sleep 0.3", attempt: int = 1, ranks: int = 2)
         gpus_per_rank=1,
         grace_seconds=5,
         priority_class="batch",
-        env={},
+        env=env or {},
     )
 
 
@@ -134,6 +148,143 @@ def test_forget_refuses_a_running_gang_and_a_forgotten_one_never_comes_back(
     assert runtime.observe() == []
     assert runtime.read_log(GangId(6, 1), 0) == b""
     assert runtime.released_ports([GangId(6, 1)])[GangId(6, 1)] == []
+
+
+def record(**fields: float) -> dict[str, object]:
+    """A launched gang's record: 100 s of work, resumed from 20, launched at time 1,000."""
+    return {
+        "launched_at": 1_000.0,
+        "seconds": 80.0,
+        "total": 100.0,
+        "resumed_from": 20.0,
+        "checkpoint_every": None,
+        "save_on_stop": None,
+        "ranks": [{"rank": 0, "node": "n1"}],
+        **fields,
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "now", "progress"),
+    [
+        # Still running: 30 s into the attempt; nothing saved since the resume.
+        ({}, 1_030.0, GangProgress(20.0, 50.0, 20.0)),
+        # Ran its seconds: everything kept, however late it is looked at.
+        ({"checkpoint_every": 15.0}, 5_000.0, GangProgress(20.0, 100.0, 100.0)),
+        # Asked to stop at 1,030 with a 2-s save: kept at 1,032, and no kill came.
+        ({"signal_sent_at": 1_030.0, "save_on_stop": 2.0}, 1_040.0, GangProgress(20, 50, 50)),
+        # ... but while the save is being written, only the regular checkpoint counts.
+        (
+            {"signal_sent_at": 1_030.0, "save_on_stop": 2.0, "checkpoint_every": 15.0},
+            1_031.0,
+            GangProgress(20.0, 50.0, 45.0),
+        ),
+        # Killed during the save: back to the last regular checkpoint (at 45 s of work).
+        (
+            {
+                "signal_sent_at": 1_030.0,
+                "killed_at": 1_031.0,
+                "save_on_stop": 2.0,
+                "checkpoint_every": 15.0,
+            },
+            1_040.0,
+            GangProgress(20.0, 50.0, 45.0),
+        ),
+        # Stopped by a workload that saves nothing on a stop: keeps only what it resumed from
+        # when its regular checkpoints are further apart than its progress since.
+        (
+            {"signal_sent_at": 1_010.0, "checkpoint_every": 40.0},
+            1_040.0,
+            GangProgress(20.0, 30.0, 20.0),
+        ),
+        # Killed outright with no checkpoints: everything since the resume is lost.
+        ({"killed_at": 1_025.0}, 1_040.0, GangProgress(20.0, 45.0, 20.0)),
+    ],
+)
+def test_progress_kept_follows_the_checkpoints_the_workload_made(
+    fields: dict[str, float], now: float, progress: GangProgress
+) -> None:
+    assert gang_progress(record(**fields), now) == progress
+
+
+def test_a_workload_that_saves_on_a_stop_exits_zero_after_its_save_and_resumes_there(
+    tmp_path: Path,
+) -> None:
+    runtime = MimicRuntime(tmp_path, NODES)
+    saves = {"MIMIC_SAVE_ON_STOP": "0.3", "MIMIC_CHECKPOINT_EVERY": "100"}
+    runtime.launch(spec(11, "sleep 60", env=saves))
+    time.sleep(0.2)
+    runtime.signal(GangId(11, 1), grace_seconds=5)
+    # Saving: the ranks are still there, and a kill now would lose the save.
+    assert phases(runtime, GangId(11, 1)) == [("running", None)] * 2
+    time.sleep(0.4)
+    assert phases(runtime, GangId(11, 1)) == [("exited", 0)] * 2
+    runtime.kill(GangId(11, 1))
+    assert phases(runtime, GangId(11, 1)) == [("exited", 0)] * 2
+    runtime.forget(GangId(11, 1))
+
+    first = read_live_or_forgotten(tmp_path, 11, 1)
+    kept = gang_progress(first, time.time())
+    assert kept.lost == 0 and kept.kept == pytest.approx(0.2, abs=0.1)
+    runtime.launch(spec(11, "sleep 60", attempt=2, env=saves))
+    second = read_live_or_forgotten(tmp_path, 11, 2)
+    assert second["resumed_from"] == kept.kept
+    assert second["seconds"] == 60 - kept.kept
+
+
+def test_a_kill_during_the_save_keeps_the_last_regular_checkpoint(tmp_path: Path) -> None:
+    runtime = MimicRuntime(tmp_path, NODES)
+    env = {"MIMIC_SAVE_ON_STOP": "30", "MIMIC_CHECKPOINT_EVERY": "0.2"}
+    runtime.launch(spec(12, "sleep 60", env=env))
+    time.sleep(0.5)
+    runtime.signal(GangId(12, 1), grace_seconds=5)
+    runtime.kill(GangId(12, 1))
+    assert phases(runtime, GangId(12, 1)) == [("exited", KILLED_EXIT_CODE)] * 2
+    progress = gang_progress(read_live_or_forgotten(tmp_path, 12, 1), time.time())
+    assert progress.reached == pytest.approx(0.5, abs=0.1)
+    assert progress.kept == pytest.approx(0.2 * (progress.reached // 0.2))
+    # Attempt 2 never launched (it failed before); attempt 3 resumes from attempt 1.
+    runtime.launch(spec(12, "sleep 60", attempt=3, env=env))
+    assert read_live_or_forgotten(tmp_path, 12, 3)["resumed_from"] == progress.kept
+
+
+def test_a_workload_without_checkpoints_starts_over(tmp_path: Path) -> None:
+    runtime = MimicRuntime(tmp_path, NODES)
+    runtime.launch(spec(13, "sleep 60"))
+    time.sleep(0.1)
+    runtime.signal(GangId(13, 1), grace_seconds=5)
+    assert phases(runtime, GangId(13, 1)) == [("exited", 0)] * 2
+    progress = gang_progress(read_live_or_forgotten(tmp_path, 13, 1), time.time())
+    assert progress.kept == 0 and progress.lost == pytest.approx(0.1, abs=0.1)
+    runtime.launch(spec(13, "sleep 60", attempt=2))
+    assert read_live_or_forgotten(tmp_path, 13, 2)["seconds"] == 60
+
+
+@pytest.mark.parametrize(
+    ("env", "reason"),
+    [
+        ({"MIMIC_CHECKPOINT_EVERY": "often"}, "MIMIC_CHECKPOINT_EVERY needs a number of seconds"),
+        ({"MIMIC_CHECKPOINT_EVERY": "0"}, "more than 0 seconds"),
+        ({"MIMIC_CHECKPOINT_EVERY": "inf"}, "between 0 and"),
+        ({"MIMIC_SAVE_ON_STOP": "-1"}, "between 0 and"),
+        ({"MIMIC_SAVE_ON_STOP": "nan"}, "between 0 and"),
+    ],
+)
+def test_bad_checkpoint_settings_are_refused(
+    tmp_path: Path, env: dict[str, str], reason: str
+) -> None:
+    runtime = MimicRuntime(tmp_path, NODES)
+    with pytest.raises(RuntimePermanentError, match=reason):
+        runtime.launch(spec(14, "sleep 1", env=env))
+    assert runtime.observe() == []
+
+
+def read_live_or_forgotten(root: Path, job: int, attempt: int) -> dict[str, object]:
+    for folder in ("live", "forgotten"):
+        path = root / folder / f"{job}-{attempt}.json"
+        if path.exists():
+            return json.loads(path.read_text())
+    raise AssertionError(f"no record of gang {job}-{attempt}")
 
 
 @pytest.mark.parametrize(
