@@ -100,8 +100,12 @@ from portal.celery import app  # noqa: E402
 from portal.processes import beat_command, web_command, worker_command  # noqa: E402
 from portal.services import api_token_create  # noqa: E402
 from preemption.models import FINAL_STATES, Attempt, Job, PreemptionEvent  # noqa: E402
-from preemption.runtimes.mimic import gang_progress  # noqa: E402
-from preemption.runtimes.records import read_record  # noqa: E402
+from preemption.runtimes.mimic import (  # noqa: E402
+    CHECKPOINT_EVERY_ENV,
+    SAVE_ON_STOP_ENV,
+    MimicRuntime,
+    gang_progress,
+)
 from preemption.snapshot import build_snapshot, held_jobs  # noqa: E402
 from quotas.models import PriorityClass  # noqa: E402
 from quotas.services import (  # noqa: E402
@@ -139,9 +143,9 @@ class Checkpoints:
     def env(self) -> dict[str, str]:
         env = {}
         if self.every_ms is not None:
-            env["MIMIC_CHECKPOINT_EVERY"] = f"{self.every_ms / 1000:g}"
+            env[CHECKPOINT_EVERY_ENV] = f"{self.every_ms / 1000:g}"
         if self.save_on_stop_ms is not None:
-            env["MIMIC_SAVE_ON_STOP"] = f"{self.save_on_stop_ms / 1000:g}"
+            env[SAVE_ON_STOP_ENV] = f"{self.save_on_stop_ms / 1000:g}"
         return env
 
 
@@ -607,27 +611,24 @@ def _work_lost(mimic_root: Path, job_classes: dict[int, tuple[str, int]]) -> dic
     victims: set[int] = set()
     evictions = 0
     lost = 0.0
-    for folder in ("live", "forgotten"):
-        for path in sorted((mimic_root / folder).glob("*.json")):
-            job_id = int(path.stem.split("-")[0])
-            record = read_record(path)
-            if record is None or job_id not in job_classes:
-                continue
-            if not (record.get("signal_sent_at") or record.get("killed_at")):
-                continue
-            progress = gang_progress(record, now)
-            if progress.kept >= float(record["total"]):
-                continue  # asked to stop as it finished: nothing to do again
-            class_name, gpus = job_classes[job_id]
-            entry = by_class.setdefault(
-                class_name, {"victims": 0, "evictions": 0, "lost_gpu_seconds": 0.0}
-            )
-            entry["victims"] += job_id not in victims
-            entry["evictions"] += 1
-            entry["lost_gpu_seconds"] += progress.lost * gpus
-            victims.add(job_id)
-            evictions += 1
-            lost += progress.lost * gpus
+    for gang, record in MimicRuntime(mimic_root, []).records():
+        if gang.job_id not in job_classes:
+            continue
+        if not (record.get("signal_sent_at") or record.get("killed_at")):
+            continue
+        progress = gang_progress(record, now)
+        if progress.kept >= float(record["total"]):
+            continue  # asked to stop as it finished: nothing to do again
+        class_name, gpus = job_classes[gang.job_id]
+        entry = by_class.setdefault(
+            class_name, {"victims": 0, "evictions": 0, "lost_gpu_seconds": 0.0}
+        )
+        entry["victims"] += gang.job_id not in victims
+        entry["evictions"] += 1
+        entry["lost_gpu_seconds"] += progress.lost * gpus
+        victims.add(gang.job_id)
+        evictions += 1
+        lost += progress.lost * gpus
     return {
         "evictions": evictions,
         "victims": len(victims),

@@ -46,7 +46,7 @@ import math
 import os
 import shlex
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,8 +198,7 @@ class MimicRuntime:
             record = read_record(path)
             if record is None:
                 continue
-            job_id, attempt = (int(part) for part in path.stem.split("-"))
-            observations.extend(_observe(GangId(job_id, attempt), record, now))
+            observations.extend(_observe(_gang_of(path), record, now))
         return observations
 
     def nodes(self) -> list[NodeInventory]:
@@ -209,7 +208,7 @@ class MimicRuntime:
         """Mimicked ranks write nothing; a rank the runtime never launched is an error."""
         if offset < 0 or limit < 0:
             raise RuntimePermanentError(f"bad log range: offset {offset}, limit {limit}")
-        record = read_record(self._live(gang)) or read_record(self._forgotten(gang))
+        record = self.record(gang)
         if record is None or not 0 <= rank < len(record["ranks"]):
             raise RuntimePermanentError(f"gang {gang} has no rank {rank} on this runtime")
         return b""
@@ -234,6 +233,19 @@ class MimicRuntime:
 
     # ------------------------------------------------------------- beyond the protocol
 
+    def record(self, gang: GangId) -> dict[str, Any] | None:
+        """The launch record of a gang, live or forgotten; None if it never launched."""
+        return read_record(self._live(gang)) or read_record(self._forgotten(gang))
+
+    def records(self) -> Iterator[tuple[GangId, dict[str, Any]]]:
+        """Every launch record, live and forgotten, with its gang."""
+        for folder in ("live", "forgotten"):
+            found = self.root / folder
+            for path in sorted(found.glob("*.json")) if found.is_dir() else []:
+                record = read_record(path)
+                if record is not None:
+                    yield _gang_of(path), record
+
     def _live(self, gang: GangId) -> Path:
         return self.root / "live" / f"{gang.job_id}-{gang.attempt}.json"
 
@@ -243,8 +255,7 @@ class MimicRuntime:
     def _kept_before(self, gang: GangId) -> float:
         """The progress the job's latest earlier launched attempt kept: where this one resumes."""
         for attempt in range(gang.attempt - 1, 0, -1):
-            earlier = GangId(gang.job_id, attempt)
-            record = read_record(self._live(earlier)) or read_record(self._forgotten(earlier))
+            record = self.record(GangId(gang.job_id, attempt))
             if record is not None:
                 return gang_progress(record, time.time()).kept
         return 0.0
@@ -260,6 +271,11 @@ class MimicRuntime:
         # Signal and kill may race between workers; whichever writes last keeps the
         # earlier request, since an ended rank stays ended.
         write_record(path, {**record, field: now})
+
+
+def _gang_of(path: Path) -> GangId:
+    job_id, attempt = (int(part) for part in path.stem.split("-"))
+    return GangId(job_id, attempt)
 
 
 def _ended_at(record: dict[str, Any]) -> float:
@@ -293,12 +309,12 @@ def gang_progress(record: dict[str, Any], now: float) -> GangProgress:
     if ended_at <= now and ended_at == launched_at + seconds:
         return GangProgress(resumed_from, total, total)
     save_on_stop = record.get("save_on_stop")
-    killed_at = record.get("killed_at")
+    # The gang ended with its save written, not killed before it.
     if (
-        signal_at is not None
+        ended_at <= now
+        and signal_at is not None
         and save_on_stop is not None
-        and float(signal_at) + float(save_on_stop) <= now
-        and (killed_at is None or float(signal_at) + float(save_on_stop) <= float(killed_at))
+        and ended_at == float(signal_at) + float(save_on_stop)
     ):
         return GangProgress(resumed_from, reached, reached)
     kept = resumed_from
