@@ -47,7 +47,8 @@ from typing import Any, TypeVar
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Max, Q, QuerySet
+from django.db.models import Max, Q, QuerySet, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from preemption.event_tokens import attempt_events_token
@@ -77,7 +78,7 @@ from preemption.runtimes.base import (
     RuntimeTemporaryError,
 )
 from preemption.wakeup import queue_cycle
-from preemption.webhooks import notify
+from preemption.webhooks import Notice, notify, notify_each
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +309,8 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
     # own: on SQLite each transaction waits its turn for the write lock.
     steps: list[Step] = []
     with transaction.atomic():
+        launched = {attempt.pk: attempt.launched_at for attempt, _, _ in pending}
+        rows = _lock_rows([attempt for attempt, _, _ in pending])
         for attempt, observations, was_taken in pending:
             step = _guarded(
                 attempt,
@@ -315,9 +318,10 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
                     _decide,
                     attempt,
                     observations,
-                    launched_at=attempt.launched_at,
+                    launched_at=launched[attempt.pk],
                     taken=was_taken,
                     delivery=delivery,
+                    rows=rows,
                 ),
                 savepoint=True,
             )
@@ -394,36 +398,86 @@ def _guarded(attempt: Attempt, work: Callable[[], T], *, savepoint: bool = False
 # --- decide -----------------------------------------------------------------------
 
 
+@dataclass
+class _Rows:
+    """What the decide step reads of the attempts it decides for, read for all of
+    them at once under the pass's locks: each attempt's ranks by index, and its stop."""
+
+    ranks: dict[int, dict[int, Rank]]
+    events: dict[int, PreemptionEvent]
+
+
+ATTEMPT_FIELDS = ("launched_at", "ended_at", "action", "action_claimed_at", "action_tries")
+JOB_FIELDS = ("state", "cancel_requested_at", "env")
+
+
+def _lock_rows(attempts: list[Attempt]) -> _Rows:
+    """Lock the attempts' jobs and ranks and read them afresh, in a fixed number of
+    queries however many attempts: the job rows first, in the order of their ids,
+    as the scheduling cycle locks them before anything of theirs, then the ranks.
+    FOR NO KEY UPDATE on the jobs still lets trap events that refer to a job be
+    written (their foreign key takes a KEY SHARE lock), which a full row lock would
+    block while ingestion holds the ranks this pass waits for.
+
+    The attempts and their jobs are refreshed in place; the ranks and stops are
+    returned."""
+    if not attempts:
+        return _Rows({}, {})
+    jobs = {
+        row["pk"]: row
+        for row in Job.objects.select_for_update(no_key=True)
+        .filter(pk__in={attempt.job_id for attempt in attempts})
+        .order_by("pk")
+        .values("pk", *JOB_FIELDS)
+    }
+    ranks: dict[int, dict[int, Rank]] = defaultdict(dict)
+    for rank in (
+        Rank.objects.select_for_update()
+        .filter(attempt__in=attempts)
+        .order_by("attempt_id", "index")
+    ):
+        ranks[rank.attempt_id][rank.index] = rank
+    fresh = {
+        row["pk"]: row
+        for row in Attempt.objects.filter(pk__in=[a.pk for a in attempts]).values(
+            "pk", *ATTEMPT_FIELDS
+        )
+    }
+    for attempt in attempts:
+        for name in ATTEMPT_FIELDS:
+            setattr(attempt, name, fresh[attempt.pk][name])
+        for name in JOB_FIELDS:
+            setattr(attempt.job, name, jobs[attempt.job_id][name])
+    events = {
+        event.victim_attempt_id: event
+        for event in PreemptionEvent.objects.filter(victim_attempt__in=attempts)
+    }
+    return _Rows(ranks, events)
+
+
 def _decide(
     attempt: Attempt,
     observations: list[RankObservation],
     *,
     launched_at: datetime | None,
     taken: bool,
+    rows: _Rows,
     delivery: str | None = None,
 ) -> Step | None:
     """Record what the runtime observed, move the job on, and record the runtime
-    action the attempt needs next. Runs inside the pass's decide transaction.
+    action the attempt needs next. Runs inside the pass's decide transaction, after
+    `_lock_rows` locked and read `rows`.
 
     `launched_at` is the attempt's as read before the runtime was observed."""
     job = attempt.job
     now = timezone.now()
-    # The job's row first, as the scheduling cycle locks it before anything of the job.
-    # FOR NO KEY UPDATE: it still lets trap events that refer to the job be written
-    # (their foreign key takes a KEY SHARE lock), which a full row lock would block
-    # while ingestion holds the ranks this pass waits for.
-    list(Job.objects.select_for_update(no_key=True).filter(pk=job.pk).values_list("pk", flat=True))
-    ranks = {rank.index: rank for rank in Rank.objects.select_for_update().filter(attempt=attempt)}
-    attempt.refresh_from_db(
-        fields=["launched_at", "ended_at", "action", "action_claimed_at", "action_tries"]
-    )
+    ranks = rows.ranks.get(attempt.pk, {})
     if attempt.ended_at is not None:
         return None
     if attempt.action_claimed_at is not None and attempt.action_claimed_at > now - ACTION_LEASE:
         # Another worker is carrying out this attempt's action right now.
         return None
-    job.refresh_from_db(fields=["state", "cancel_requested_at", "env"])
-    event = PreemptionEvent.objects.filter(victim_attempt=attempt).first()
+    event = rows.events.get(attempt.pk)
 
     if attempt.launched_at is None and event is None:
         # Not launched yet, or a launch that failed half-way and left some of its
@@ -590,36 +644,85 @@ def act(steps: list[Step], runtime: Runtime) -> None:
 def _carry_out(steps: list[Step], runtime: Runtime) -> None:
     if not steps:
         return
-    claimed: list[tuple[Step, datetime]] = []
     with transaction.atomic():
-        for step in steps:
-            claim = _claim(step)
-            if claim is not None:
-                claimed.append((step, claim))
-    calls = [functools.partial(_call, step, runtime) for step, _ in claimed]
+        claim, claimed = _claim(steps)
+    calls = [functools.partial(_call, step, runtime) for step in claimed]
     if len(calls) > 1:
         with ThreadPoolExecutor(max_workers=min(PARALLEL_ACTIONS, len(calls))) as pool:
             errors = list(pool.map(lambda call: call(), calls))
     else:
         errors = [call() for call in calls]
+    outcomes = list(zip(claimed, errors, strict=True))
     with transaction.atomic():
-        for (step, claim), error in zip(claimed, errors, strict=True):
-            _guarded(
-                step.attempt,
-                functools.partial(_record_outcome, step, claim, error),
-                savepoint=True,
-            )
+        # The common outcome, a launch or a forget that went through, is recorded
+        # for all of them at once; anything else attempt by attempt.
+        plain = _record_plain_outcomes([step for step, error in outcomes if error is None], claim)
+        for step, error in outcomes:
+            if step.attempt.pk not in plain:
+                _guarded(
+                    step.attempt,
+                    functools.partial(_record_outcome, step, claim, error),
+                    savepoint=True,
+                )
 
 
-def _claim(step: Step) -> datetime | None:
+def _claim(steps: list[Step]) -> tuple[datetime, list[Step]]:
+    """Claim the steps' actions, one conditional update per kind of action however
+    many attempts: the claim time and the steps claimed. An attempt whose action
+    changed, or that another worker claimed (and whose lease has not run out), is
+    left out. The rows are locked in the order of their jobs' ids first, the order
+    in which the decide step and the scheduling cycle take their locks."""
     now = timezone.now()
-    claimable = Attempt.objects.filter(pk=step.attempt.pk, action=step.action).filter(
-        Q(action_claimed_at__isnull=True) | Q(action_claimed_at__lt=now - ACTION_LEASE),
-        Q(action_not_before__isnull=True) | Q(action_not_before__lte=now),
-    )
-    if step.action == Attempt.Action.LAUNCH:
-        claimable = claimable.filter(launched_at__isnull=True, ended_at__isnull=True)
-    return now if claimable.update(action_claimed_at=now) == 1 else None
+    by_action: dict[str, dict[int, Step]] = defaultdict(dict)
+    for step in steps:
+        by_action[step.action].setdefault(step.attempt.pk, step)
+    claimed: list[Step] = []
+    for action, group in by_action.items():
+        claimable = Attempt.objects.filter(pk__in=group, action=action).filter(
+            Q(action_claimed_at__isnull=True) | Q(action_claimed_at__lt=now - ACTION_LEASE),
+            Q(action_not_before__isnull=True) | Q(action_not_before__lte=now),
+        )
+        if action == Attempt.Action.LAUNCH:
+            claimable = claimable.filter(launched_at__isnull=True, ended_at__isnull=True)
+        mine = list(
+            claimable.select_for_update().order_by("job_id", "pk").values_list("pk", flat=True)
+        )
+        if mine:
+            Attempt.objects.filter(pk__in=mine).update(action_claimed_at=now)
+        claimed += [group[pk] for pk in mine]
+    return now, claimed
+
+
+DONE = {
+    "action": Attempt.Action.NONE,
+    "action_claimed_at": None,
+    "action_tries": 0,
+    "action_error": "",
+    "action_not_before": None,
+}
+
+
+def _record_plain_outcomes(steps: list[Step], claim: datetime) -> set[int]:
+    """Record the launches and forgets that went through, one update per kind for
+    all of them; the ids of the attempts recorded (those whose claim is still
+    this pass's)."""
+    now = timezone.now()
+    recorded: set[int] = set()
+    for action, extra in (
+        (Attempt.Action.LAUNCH, {"launched_at": Coalesce("launched_at", Value(now))}),
+        (Attempt.Action.FORGET, {}),
+    ):
+        ids = [step.attempt.pk for step in steps if step.action == action]
+        if not ids:
+            continue
+        mine = Attempt.objects.filter(pk__in=ids, action_claimed_at=claim)
+        locked = list(
+            mine.select_for_update().order_by("job_id", "pk").values_list("pk", flat=True)
+        )
+        if locked:
+            Attempt.objects.filter(pk__in=locked).update(**DONE, **extra)
+            recorded.update(locked)
+    return recorded
 
 
 def _call(step: Step, runtime: Runtime) -> Exception | None:
@@ -658,13 +761,7 @@ def _call(step: Step, runtime: Runtime) -> Exception | None:
 def _record_outcome(step: Step, claim: datetime, error: Exception | None) -> None:
     """Record what the runtime call did, in one short transaction."""
     mine = Attempt.objects.filter(pk=step.attempt.pk, action_claimed_at=claim)
-    done = {
-        "action": Attempt.Action.NONE,
-        "action_claimed_at": None,
-        "action_tries": 0,
-        "action_error": "",
-        "action_not_before": None,
-    }
+    done = DONE
     now = timezone.now()
     with transaction.atomic():
         if isinstance(error, RuntimeTemporaryError):
@@ -906,15 +1003,27 @@ def _finish(steps: list[Step], runtime: Runtime) -> None:
     the ranks' logs and the ports each gang left behind with no transaction
     open, close the attempts in one short transaction, then forget the gangs."""
     held = _held_ports([step for step in steps if step.attempt.launched_at is not None], runtime)
+    recorded = _recorded_ranks([step.attempt for step in steps])
     closing: list[tuple[Step, list[Rank], list[int]]] = []
     for step in steps:
-        ranks = _guarded(step.attempt, functools.partial(_read_ends, step, runtime))
-        if ranks is not None:
+        ranks = recorded.get(step.attempt.pk, [])
+        if _guarded(step.attempt, functools.partial(_ingest_ends, step, ranks, runtime)):
             closing.append((step, ranks, held.get(step.gang, [])))
     closed: list[tuple[Step, list[Rank]]] = []
     with transaction.atomic():
+        # Gangs that ended on their own with every rank exiting 0, the common end,
+        # are closed together in a fixed number of queries; the rest one by one.
+        succeeded = [item for item in closing if item[0].event is None and not _broken(item[1])]
+        together = _close_succeeded_together(succeeded, timezone.now())
+        batched = {step.attempt.pk for step, _, _ in succeeded} if together is not None else set()
         for step, ranks, orphaned in closing:
             attempt = step.attempt
+            if attempt.pk in batched:
+                assert together is not None
+                if attempt.pk in together:
+                    attempt.action, attempt.action_tries = Attempt.Action.FORGET, 0
+                    closed.append((Step(Attempt.Action.FORGET, attempt), ranks))
+                continue
             close = functools.partial(
                 _finish_attempt, attempt.job, attempt, ranks, step.event, orphaned, timezone.now()
             )
@@ -940,12 +1049,102 @@ def _held_ports(steps: list[Step], runtime: Runtime) -> dict[GangId, list[int]]:
         return {}
 
 
-def _read_ends(step: Step, runtime: Runtime) -> list[Rank]:
-    """The ranks as last recorded, after ingesting the trap events in their logs."""
-    attempt = step.attempt
-    ranks = list(Rank.objects.filter(attempt=attempt).order_by("index"))
-    ingest_logs(attempt.job, attempt, ranks, runtime)
+def _recorded_ranks(attempts: list[Attempt]) -> dict[int, list[Rank]]:
+    """Each attempt's ranks as last recorded, in the order of their indexes, in one query."""
+    ranks: dict[int, list[Rank]] = defaultdict(list)
+    for rank in Rank.objects.filter(attempt__in=attempts).order_by("attempt_id", "index"):
+        ranks[rank.attempt_id].append(rank)
     return ranks
+
+
+def _ingest_ends(step: Step, ranks: list[Rank], runtime: Runtime) -> bool:
+    """Ingest the trap events in the ended ranks' logs; True once done."""
+    ingest_logs(step.attempt.job, step.attempt, ranks, runtime)
+    return True
+
+
+def _broken(ranks: list[Rank]) -> bool:
+    """Whether a rank was lost or exited non-zero."""
+    return any(rank.state == "lost" or rank.exit_code not in (0, None) for rank in ranks)
+
+
+def _close_succeeded_together(
+    items: list[tuple[Step, list[Rank], list[int]]], now: datetime
+) -> set[int] | None:
+    """Close attempts whose every rank exited 0 with no stop asked, as
+    `_finish_attempt` closes each, in a fixed number of queries however many:
+    the ids of the attempts this pass closed (not those another worker closed
+    first). None when that failed: nothing of it is kept, and the caller closes
+    them one by one, so one attempt's trouble stays its own."""
+    if not items:
+        return set()
+    try:
+        with transaction.atomic():
+            return _close_succeeded(items, now)
+    except SoftTimeLimitExceeded:
+        raise
+    except Exception:
+        if transaction.get_connection().needs_rollback:
+            raise
+        logger.exception("closing %d ended attempts together failed; one by one", len(items))
+        return None
+
+
+def _close_succeeded(items: list[tuple[Step, list[Rank], list[int]]], now: datetime) -> set[int]:
+    by_attempt = {step.attempt.pk: (step, ranks, orphaned) for step, ranks, orphaned in items}
+    job_ids = sorted({step.attempt.job_id for step, _, _ in items})
+    # The jobs' rows first, in the order of their ids, as the decide step and the
+    # scheduling cycle lock them; then the attempts still open.
+    resume_steps = dict(
+        Job.objects.select_for_update(no_key=True)
+        .filter(pk__in=job_ids)
+        .order_by("pk")
+        .values_list("pk", "resume_step")
+    )
+    still_open = list(
+        Attempt.objects.select_for_update()
+        .filter(pk__in=by_attempt, ended_at__isnull=True)
+        .order_by("job_id", "pk")
+        .values_list("pk", flat=True)
+    )
+    if not still_open:
+        return set()
+    last_steps = dict(
+        Checkpoint.objects.filter(job_id__in=job_ids)
+        .order_by()
+        .values("job_id")
+        .annotate(step=Max("step"))
+        .values_list("job_id", "step")
+    )
+    by_orphaned: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    by_resume_step: dict[int | None, list[int]] = defaultdict(list)
+    notices = []
+    for pk in still_open:
+        step, ranks, orphaned = by_attempt[pk]
+        job_id = step.attempt.job_id
+        by_orphaned[tuple(orphaned)].append(pk)
+        last = last_steps.get(job_id)
+        by_resume_step[last + 1 if last is not None else resume_steps.get(job_id)].append(job_id)
+        codes = [rank.exit_code for rank in ranks]
+        notices.append(
+            Notice(
+                job_id=job_id, event="finished", payload={"state": "succeeded", "exit_codes": codes}
+            )
+        )
+    for orphaned, pks in by_orphaned.items():
+        Attempt.objects.filter(pk__in=pks).update(
+            **{**DONE, "action": Attempt.Action.FORGET},
+            ended_at=now,
+            end_reason=Attempt.EndReason.SUCCEEDED,
+            orphaned_ports=list(orphaned),
+        )
+    for resume_step, jobs in by_resume_step.items():
+        Job.objects.filter(pk__in=jobs).update(
+            resume_step=resume_step, state=JobState.SUCCEEDED, finished_at=now
+        )
+    notify_each(notices)
+    queue_cycle()
+    return set(still_open)
 
 
 def _finish_attempt(
@@ -960,7 +1159,7 @@ def _finish_attempt(
     forgotten next. False when another worker closed the attempt first."""
     codes = [rank.exit_code for rank in ranks]
     exited_at = max((rank.exited_at for rank in ranks if rank.exited_at), default=now)
-    failed = any(rank.state == "lost" or (rank.exit_code not in (0, None)) for rank in ranks)
+    failed = _broken(ranks)
     job.refresh_from_db()
     last_step = Checkpoint.objects.filter(job=job).aggregate(step=Max("step"))["step"]
     resume_step = (last_step + 1) if last_step is not None else job.resume_step

@@ -1,0 +1,161 @@
+"""A reconcile pass reads and claims its attempts in a fixed number of queries,
+however many: what grows with the attempts is only each one's own writes (its
+savepoint, its ranks' new state, its job's move to running). The gangs that end
+on their own are closed together, and each still gets what closing one by one
+gave it: its attempt ended as succeeded and forgotten, its job succeeded, one
+webhook notice, and nothing for an attempt another worker closed first."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from preemption import reconcile
+from preemption.cycle import schedule_cycle
+from preemption.models import Attempt, Job, JobState, Webhook, WebhookDelivery
+from preemption.reconcile import reconcile_jobs
+from preemption.runtime import inventory, use_runtime
+from preemption.runtimes import GangId
+from preemption.runtimes.mimic import MimicRuntime
+from tests import builders
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.django_db
+
+SECONDS = 1.5
+# Each more attempt of a pass costs at most its savepoint and its release, one
+# write of its (one) rank and one of its job.
+PER_ATTEMPT = 4
+
+
+@pytest.fixture
+def mimic(world: Any, tmp_path: Path) -> Iterator[MimicRuntime]:
+    runtime = MimicRuntime(tmp_path / "mimic", inventory())
+    use_runtime(runtime)
+    try:
+        yield runtime
+    finally:
+        use_runtime(None)
+
+
+def submit(world: Any, teams: list[Any]) -> list[Job]:
+    return [
+        builders.job(world, team, state=JobState.PENDING, command=f"sleep {SECONDS}")
+        for team in teams
+    ]
+
+
+def queries(work: Any) -> int:
+    with CaptureQueriesContext(connection) as captured:
+        work()
+    return len(captured)
+
+
+def run_to_the_end(jobs: list[Job], runtime: MimicRuntime) -> tuple[int, int]:
+    """Admit and launch the jobs, then the pass that sees them running and the
+    one that sees them ended: the queries of those two passes."""
+    schedule_cycle()
+    gangs = [GangId(job.pk, 1) for job in jobs]
+    assert all(runtime.observe(gang) for gang in gangs), "every job launched"
+    running = queries(reconcile_jobs)
+    assert set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True)) == {
+        JobState.RUNNING
+    }
+    wait_until(
+        lambda: all(o.phase == "exited" for gang in gangs for o in runtime.observe(gang)),
+        "every gang's time over",
+        timeout=30,
+    )
+    ended = queries(reconcile_jobs)
+    return running, ended
+
+
+def test_a_pass_over_many_attempts_costs_only_their_own_writes_more(
+    world: Any, mimic: MimicRuntime
+) -> None:
+    hooks = [
+        Webhook.objects.create(team=team, url=f"https://hooks.example.org/{team.slug}")
+        for team in (world.vision, world.nlp)
+    ]
+    few = submit(world, [world.vision] * 2)
+    few_running, few_ended = run_to_the_end(few, mimic)
+    many = submit(world, [world.vision] * 6 + [world.nlp] * 6)
+    many_running, many_ended = run_to_the_end(many, mimic)
+
+    assert many_running - few_running <= 10 * PER_ATTEMPT
+    assert many_ended - few_ended <= 10 * PER_ATTEMPT
+    for job in [*few, *many]:
+        job.refresh_from_db()
+        assert job.state == JobState.SUCCEEDED
+        assert job.finished_at is not None
+        attempt = Attempt.objects.get(job=job)
+        assert (attempt.end_reason, attempt.action) == (
+            Attempt.EndReason.SUCCEEDED,
+            Attempt.Action.NONE,
+        )
+        assert attempt.ended_at == job.finished_at
+        assert mimic.observe(GangId(job.pk, 1)) == [], "the gang is forgotten"
+    notices = WebhookDelivery.objects.filter(webhook__in=hooks, event="finished")
+    assert sorted(n.payload["job"]["id"] for n in notices) == sorted(j.pk for j in [*few, *many])
+    assert all(n.payload["state"] == "succeeded" for n in notices)
+    assert all(n.payload["exit_codes"] == [0] for n in notices)
+
+
+def test_an_attempt_closed_by_another_worker_first_is_left_alone(
+    world: Any, mimic: MimicRuntime
+) -> None:
+    jobs = submit(world, [world.vision] * 3)
+    schedule_cycle()
+    reconcile_jobs()
+    time.sleep(SECONDS)
+    attempts = list(Attempt.objects.filter(job__in=jobs).select_related("job").order_by("job_id"))
+    # Another worker closed the first (and the job went on to a state of its own).
+    other_end = timezone.now()
+    Attempt.objects.filter(pk=attempts[0].pk).update(
+        ended_at=other_end, end_reason=Attempt.EndReason.FAILED
+    )
+    Job.objects.filter(pk=jobs[0].pk).update(state=JobState.FAILED)
+    steps = [reconcile.Step(reconcile.FINISH, attempt) for attempt in attempts]
+    items = [(step, [], []) for step in steps]
+    with transaction.atomic():
+        closed = reconcile._close_succeeded_together(items, timezone.now())
+    assert closed == {attempts[1].pk, attempts[2].pk}
+    assert Job.objects.get(pk=jobs[0].pk).state == JobState.FAILED
+    first = Attempt.objects.get(pk=attempts[0].pk)
+    assert (first.ended_at, first.end_reason) == (other_end, Attempt.EndReason.FAILED)
+    for job in jobs[1:]:
+        assert Job.objects.get(pk=job.pk).state == JobState.SUCCEEDED
+
+
+def test_when_closing_together_fails_each_attempt_is_closed_on_its_own(
+    world: Any, mimic: MimicRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jobs = submit(world, [world.vision] * 3)
+    schedule_cycle()
+    reconcile_jobs()
+
+    def broken(*_: Any) -> set[int]:
+        Job.objects.filter(pk=jobs[0].pk).update(failure_reason="written by the batch")
+        raise ValueError("a row the batch could not take")
+
+    monkeypatch.setattr(reconcile, "_close_succeeded", broken)
+    wait_until(
+        lambda: all(o.phase == "exited" for j in jobs for o in mimic.observe(GangId(j.pk, 1))),
+        "every gang's time over",
+        timeout=30,
+    )
+    reconcile_jobs()
+    # The batch's own write was undone, and every attempt was closed one by one.
+    assert Job.objects.get(pk=jobs[0].pk).failure_reason == ""
+    states = set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True))
+    assert states == {JobState.SUCCEEDED}
+    assert set(Attempt.objects.filter(job__in=jobs).values_list("end_reason", flat=True)) == {
+        Attempt.EndReason.SUCCEEDED
+    }
