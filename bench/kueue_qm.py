@@ -718,7 +718,9 @@ def _collect(
         "total_s": total_s,
         "admission": {name: _quantiles(values) for name, values in sorted(admission.items())},
         "usage": gpu_seconds / (capacity * total_s) if total_s > 0 else 0.0,
-        "preemptions": PreemptionEvent.objects.filter(job_id__in=[j["id"] for j in jobs]).count(),
+        "preemptions": PreemptionEvent.objects.preemptions()
+        .filter(job_id__in=[j["id"] for j in jobs])
+        .count(),
         "launch_after_admission": _quantiles(launch_delay) if launch_delay else {},
         "end_noticed_after_exit": _quantiles(end_delay) if end_delay else {},
         "gpu_seconds": {

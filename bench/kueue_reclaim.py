@@ -166,6 +166,9 @@ class WorkloadWatch:
         config.load_kube_config(
             config_file=str(self.kubeconfig), client_configuration=configuration
         )
+        # The API server goes away when the runner ends, before this watch is told to
+        # stop: a refused connection is handled below, not retried and logged by urllib3.
+        configuration.retries = 0
         api = client.CustomObjectsApi(client.ApiClient(configuration))
         resource_version = None
         while not self.stop_event.is_set():

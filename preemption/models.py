@@ -248,11 +248,15 @@ class StopQuerySet(models.QuerySet["PreemptionEvent"]):
     A person's cancel of a running job goes through the same graceful stop as
     a preemption (signal, grace window, kill at the deadline), so it is stored
     as the same kind of row with reason `manual`. It is not a preemption: every
-    count, chart and list of preemptions reads `preemptions()`.
+    count, chart and list of preemptions reads `preemptions()`. Nor is a stop
+    whose victim finished its work before the stop reached it (outcome
+    `ended-first`): the scheduler decided on a job that was ending as it decided.
     """
 
     def preemptions(self) -> StopQuerySet:
-        return self.exclude(reason=PreemptionEvent.Reason.MANUAL)
+        return self.exclude(reason=PreemptionEvent.Reason.MANUAL).exclude(
+            outcome=PreemptionEvent.Outcome.ENDED_FIRST
+        )
 
     def cancels(self) -> StopQuerySet:
         return self.filter(reason=PreemptionEvent.Reason.MANUAL)
@@ -280,6 +284,9 @@ class PreemptionEvent(models.Model):
         KILLED = "killed", "Killed at the deadline"
         CHECKPOINT_SKIPPED = "checkpoint-skipped", "Checkpoint skipped"
         FORCED = "forced-past-budget", "Forced past a disruption budget"
+        # Every rank exited 0 before any stop reached it: the job finished its work,
+        # nothing was taken from it, and it is no preemption (StopQuerySet).
+        ENDED_FIRST = "ended-first", "Ended on its own before the stop reached it"
 
     victim_attempt = models.OneToOneField(
         Attempt, on_delete=models.CASCADE, related_name="preemption"

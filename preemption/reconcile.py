@@ -1163,8 +1163,11 @@ def _finish_attempt(
     job.refresh_from_db()
     last_step = Checkpoint.objects.filter(job=job).aggregate(step=Max("step"))["step"]
     resume_step = (last_step + 1) if last_step is not None else job.resume_step
-
     if event is not None:
+        event.refresh_from_db()
+    ended_first = event is not None and _ended_before_the_stop(attempt, ranks, event)
+
+    if event is not None and not ended_first:
         reason = event.reason
         end_reason = {
             "manual": Attempt.EndReason.CANCELLED,
@@ -1190,7 +1193,7 @@ def _finish_attempt(
     if claimed != 1:
         return False
     if event is not None:
-        _close_event(event, attempt, job, exited_at, resume_step)
+        _close_event(event, attempt, job, exited_at, resume_step, ended_first=ended_first)
 
     update: dict[str, Any] = {"resume_step": resume_step}
     if end_reason == Attempt.EndReason.SUCCEEDED:
@@ -1271,14 +1274,47 @@ def _failed_on_its_own(ranks: list[Rank]) -> bool:
     )
 
 
+def _ended_before_the_stop(attempt: Attempt, ranks: list[Rank], event: PreemptionEvent) -> bool:
+    """Whether the gang finished its work before its stop reached it: every rank
+    exited 0 and nothing was ever sent, nor tried, to stop them. A signal is
+    recorded as sent from the moment its call began; a call that failed may still
+    have reached some ranks, whose trap then stops the others at an agreed step, so
+    a stop that was tried at all (its action claimed or counted) rules this out. A
+    checkpoint notice stops nothing.
+
+    Judged by what was sent, not by exit times: a Kubernetes container's end is
+    known to the second, which could place a rank's graceful exit before the signal
+    that caused it."""
+    stop_tried = attempt.action in (Attempt.Action.SIGNAL, Attempt.Action.KILL) and (
+        attempt.action_tries > 0 or attempt.action_claimed_at is not None
+    )
+    return (
+        bool(ranks)
+        and not stop_tried
+        and event.signal_sent_at is None
+        and event.killed_at is None
+        and all(rank.state == "exited" and rank.exit_code == 0 for rank in ranks)
+    )
+
+
 def _close_event(
     event: PreemptionEvent,
     attempt: Attempt,
     job: Job,
     exited_at: datetime,
     resume_step: int | None,
+    *,
+    ended_first: bool = False,
 ) -> None:
-    event.refresh_from_db()
+    if ended_first:
+        PreemptionEvent.objects.filter(pk=event.pk).update(
+            outcome=PreemptionEvent.Outcome.ENDED_FIRST,
+            all_exited_at=exited_at,
+            lost_gpu_seconds=0.0,
+            requeued_at=None,
+            resume_step=None,
+        )
+        return
     skipped = TrapEvent.objects.filter(
         job=job, attempt=attempt.number, event="checkpoint_skipped"
     ).exists()
