@@ -39,7 +39,7 @@ from bench.kueue_side import (  # noqa: E402
     resolve_config,
     run_kueue,
 )
-from bench.kueue_table import format_table  # noqa: E402
+from bench.kueue_table import format_table, quartermaster_lines  # noqa: E402
 
 
 def _load() -> str:
@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{mk['peak_rss_mb']:.0f} MB peak RSS; Kueue's recorder dropped "
         f"{kueue['dropped_workload_events']} workload events"
     )
+    for line in quartermaster_lines(quartermaster):
+        print(line)
     results = {"kueue": kueue, "quartermaster": quartermaster}
     if args.reclaim:
         print(f"\nreclaim config: {RECLAIM_CONFIG}", flush=True)

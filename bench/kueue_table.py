@@ -198,3 +198,29 @@ def format_table(
     out.append("  ".join("-" * w for w in widths))
     out.extend(line(cells) for cells in body)
     return "\n".join(out)
+
+
+def quartermaster_lines(figures: dict[str, Any]) -> list[str]:
+    """Where Quartermaster's time went: how fast the REST API took the stream, and how
+    long a job held its GPUs beyond its work (admission to launch, exit to its end
+    being noticed)."""
+    lines = ["Quartermaster:"]
+    submission = figures.get("submission") or {}
+    if submission:
+        lines.append(
+            f"  the API took {figures.get('submitted', 0):,} submissions in "
+            f"{submission['done_s']:.1f} s (request mean {submission['request_mean_s']:.2f} s, "
+            f"p99 {submission['request_p99_s']:.2f} s; the last sent up to "
+            f"{submission['late_max_s']:.1f} s after its arrival time)"
+        )
+    launch = figures.get("launch_after_admission") or {}
+    noticed = figures.get("end_noticed_after_exit") or {}
+    if launch and noticed:
+        lines.append(
+            f"  launched {launch['mean_s']:.2f} s after admission (p99 {launch['p99_s']:.2f} s); "
+            f"an end noticed {noticed['mean_s']:.2f} s after the exit (p99 {noticed['p99_s']:.2f} s)"
+        )
+    held = figures.get("gpu_seconds") or {}
+    if held:
+        lines.append(f"  GPUs held {held['held']:,.0f} GPU-s for {held['work']:,.0f} GPU-s of work")
+    return lines if len(lines) > 1 else []

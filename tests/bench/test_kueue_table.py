@@ -7,7 +7,7 @@ import math
 import pytest
 
 from bench.kueue_side import percentile
-from bench.kueue_table import comparison_rows, format_table
+from bench.kueue_table import comparison_rows, format_table, quartermaster_lines
 
 KUEUE = {
     "total_s": 368.0,
@@ -128,3 +128,27 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([7.0], 0.99) == 7.0
     with pytest.raises(ValueError):
         percentile([], 0.5)
+
+
+def test_quartermaster_lines_say_where_the_time_went() -> None:
+    figures = {
+        "submitted": 15000,
+        "submission": {
+            "done_s": 412.25,
+            "request_mean_s": 0.4,
+            "request_p99_s": 1.25,
+            "late_max_s": 350.0,
+        },
+        "launch_after_admission": {"mean_s": 0.37, "p50_s": 0.3, "p99_s": 0.88},
+        "end_noticed_after_exit": {"mean_s": 1.69, "p50_s": 1.5, "p99_s": 6.76},
+        "gpu_seconds": {"held": 41141.2, "work": 39600.0},
+    }
+    assert quartermaster_lines(figures) == [
+        "Quartermaster:",
+        "  the API took 15,000 submissions in 412.2 s (request mean 0.40 s, p99 1.25 s; "
+        "the last sent up to 350.0 s after its arrival time)",
+        "  launched 0.37 s after admission (p99 0.88 s); "
+        "an end noticed 1.69 s after the exit (p99 6.76 s)",
+        "  GPUs held 41,141 GPU-s for 39,600 GPU-s of work",
+    ]
+    assert quartermaster_lines({}) == []
