@@ -10,7 +10,6 @@ while the reconciler is inside a runtime call."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -28,11 +27,11 @@ from preemption.models import Attempt, Job, JobState, Rank
 from preemption.reconcile import launch_admitted, reconcile_jobs
 from preemption.runtimes import GangId, GangSpec, LocalRuntime
 from preemption.services import job_submit
+from tests.on_sqlite import passes_on_sqlite
 from tests.preemption.conftest import sleeper_command, state_of
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
-ROOT = Path(__file__).resolve().parents[2]
 LOCK_WAIT_SECONDS = 2.0
 
 
@@ -127,35 +126,9 @@ def test_jobs_table_stays_writable_while_a_launch_is_in_progress(
 def test_jobs_table_stays_writable_while_a_launch_is_in_progress_on_sqlite(
     tmp_path: Path,
 ) -> None:
-    database = tmp_path / "test.sqlite3"
-    env = {
-        **os.environ,
-        "DATABASE_URL": f"sqlite:///{tmp_path / 'portal.sqlite3'}",
-        "QM_SQLITE_TEST_NAME": str(database),
-        "QM_VAR_DIR": str(tmp_path / "var"),
-        "PYTHONPATH": str(ROOT),
-    }
-    env.pop("CELERY_BROKER_URL", None)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "--ds",
-            "tests.sqlite_settings",
-            f"{__file__}::test_jobs_table_stays_writable_while_a_launch_is_in_progress",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
+    passes_on_sqlite(
+        tmp_path, __file__, "test_jobs_table_stays_writable_while_a_launch_is_in_progress"
     )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "1 passed" in done.stdout
 
 
 def test_a_permanent_error_fails_its_attempt_and_the_next_gang_is_reconciled(

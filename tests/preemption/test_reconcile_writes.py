@@ -7,9 +7,6 @@ webhook notice, and nothing for an attempt another worker closed first."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,11 +25,11 @@ from preemption.runtime import inventory, use_runtime
 from preemption.runtimes import GangId
 from preemption.runtimes.mimic import MimicRuntime
 from tests import builders
+from tests.on_sqlite import passes_on_sqlite
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
 
-ROOT = Path(__file__).resolve().parents[2]
 SECONDS = 1.5
 # Each more attempt of a pass costs at most its savepoint and its release, one
 # write of its (one) rank and one of its job.
@@ -168,32 +165,9 @@ def test_when_closing_together_fails_each_attempt_is_closed_on_its_own(
 def test_a_pass_over_many_attempts_on_sqlite(tmp_path: Path) -> None:
     """The same on the embedded default's SQLite, where a pass's claims and closes
     run in write transactions that hold the database's one write lock."""
-    env = {
-        **os.environ,
-        "DATABASE_URL": f"sqlite:///{tmp_path / 'portal.sqlite3'}",
-        "QM_SQLITE_TEST_NAME": str(tmp_path / "test.sqlite3"),
-        "QM_VAR_DIR": str(tmp_path / "var"),
-        "PYTHONPATH": str(ROOT),
-    }
-    env.pop("CELERY_BROKER_URL", None)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "--ds",
-            "tests.sqlite_settings",
-            f"{__file__}::test_a_pass_over_many_attempts_costs_only_their_own_writes_more",
-            f"{__file__}::test_when_closing_together_fails_each_attempt_is_closed_on_its_own",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
+    passes_on_sqlite(
+        tmp_path,
+        __file__,
+        "test_a_pass_over_many_attempts_costs_only_their_own_writes_more",
+        "test_when_closing_together_fails_each_attempt_is_closed_on_its_own",
     )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "2 passed" in done.stdout
