@@ -225,8 +225,10 @@ def ingest_trap_event(*, attempt: Attempt, event: Any, source: str) -> bool:
         )
     with transaction.atomic():
         # The rank's row serialises its events, so the cap and the step checks
-        # see every event stored before this one. Reconcile locks ranks first
-        # too, so the order of locks is the same everywhere.
+        # see every event stored before this one. A checkpoint then updates the
+        # job's row, which reconcile's decide step locks before the ranks: when
+        # the two meet in opposite order the database undoes one, and each runs
+        # again (here INGEST_TRIES times, there at the next pass).
         rank = Rank.objects.select_for_update().filter(attempt=attempt, index=clean["rank"]).first()
         if rank is None:
             raise ValidationError(

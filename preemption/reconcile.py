@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
-from django.db import transaction
+from django.db import OperationalError, transaction
 from django.db.models import Max, Q, QuerySet, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -308,27 +308,45 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
     # One short transaction decides for every attempt, each in a savepoint of its
     # own: on SQLite each transaction waits its turn for the write lock.
     steps: list[Step] = []
-    with transaction.atomic():
-        launched = {attempt.pk: attempt.launched_at for attempt, _, _ in pending}
-        rows = _lock_rows([attempt for attempt, _, _ in pending])
-        for attempt, observations, was_taken in pending:
-            step = _guarded(
-                attempt,
-                functools.partial(
-                    _decide,
+    launched = {attempt.pk: attempt.launched_at for attempt, _, _ in pending}
+    try:
+        with transaction.atomic():
+            rows = _lock_rows([attempt for attempt, _, _ in pending])
+            for attempt, observations, was_taken in pending:
+                step = _guarded(
                     attempt,
-                    observations,
-                    launched_at=launched[attempt.pk],
-                    taken=was_taken,
-                    delivery=delivery,
-                    rows=rows,
-                ),
-                savepoint=True,
-            )
-            if step is not None:
-                steps.append(step)
+                    functools.partial(
+                        _decide,
+                        attempt,
+                        observations,
+                        launched_at=launched[attempt.pk],
+                        taken=was_taken,
+                        delivery=delivery,
+                        rows=rows,
+                    ),
+                    savepoint=True,
+                )
+                if step is not None:
+                    steps.append(step)
+    except OperationalError as error:
+        if _sqlstate(error) not in LOCK_CONFLICTS:
+            raise
+        # The pass's locks met another writer's in the opposite order (the events
+        # endpoint holds a rank and updates its job) and the database chose this
+        # pass to undo: nothing of it was kept, and the next pass decides again.
+        logger.warning("the reconcile pass met a lock conflict; retrying next pass: %s", error)
+        return 0
     act(steps, runtime)
     return len(attempts)
+
+
+# A deadlock the database broke by undoing this transaction, and a lock not granted.
+LOCK_CONFLICTS = {"40P01", "55P03"}
+
+
+def _sqlstate(error: BaseException) -> str | None:
+    state = getattr(error.__cause__, "sqlstate", None)
+    return state if isinstance(state, str) else None
 
 
 def notice_delivery(runtime: Runtime) -> str | None:

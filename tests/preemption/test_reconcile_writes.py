@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
+from psycopg.errors import DeadlockDetected
 
 from preemption import reconcile
 from preemption.cycle import schedule_cycle
@@ -171,3 +172,31 @@ def test_a_pass_over_many_attempts_on_sqlite(tmp_path: Path) -> None:
         "test_a_pass_over_many_attempts_costs_only_their_own_writes_more",
         "test_when_closing_together_fails_each_attempt_is_closed_on_its_own",
     )
+
+
+def test_a_pass_undone_by_a_deadlock_decides_again_at_the_next_pass(
+    world: Any, mimic: MimicRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decide step locks a pass's jobs, then their ranks; the events endpoint
+    holds a rank and updates its job. When the database breaks such a deadlock by
+    undoing the pass, the pass keeps nothing and the next one decides again."""
+    jobs = submit(world, [world.vision] * 2)
+    schedule_cycle()
+    lock_rows = reconcile._lock_rows
+
+    def deadlocked(attempts: list[Attempt]) -> Any:
+        lock_rows(attempts)
+        Job.objects.filter(pk=jobs[0].pk).update(failure_reason="written before the deadlock")
+        raise OperationalError("deadlock detected") from DeadlockDetected("deadlock detected")
+
+    monkeypatch.setattr(reconcile, "_lock_rows", deadlocked)
+    assert reconcile_jobs() == 0
+    assert Job.objects.get(pk=jobs[0].pk).failure_reason == ""
+    assert set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True)) == {
+        JobState.ADMITTED
+    }
+    monkeypatch.setattr(reconcile, "_lock_rows", lock_rows)
+    assert reconcile_jobs() == 2
+    assert set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True)) == {
+        JobState.RUNNING
+    }
