@@ -280,7 +280,7 @@ def ingest_trap_events(*, attempt: Attempt, events: list[Any], source: str) -> t
         try:
             return _ingest_once(attempt=attempt, events=events, source=source)
         except OperationalError as error:
-            state = _sqlstate(error)
+            state = sqlstate(error)
             if state in RETRIED_SQLSTATES and tries < INGEST_TRIES and not _in_transaction():
                 time.sleep(0.02 * tries)
                 continue
@@ -308,7 +308,8 @@ def _ingest_once(*, attempt: Attempt, events: list[Any], source: str) -> tuple[i
     return accepted, duplicates
 
 
-def _sqlstate(error: BaseException) -> str | None:
+def sqlstate(error: BaseException) -> str | None:
+    """The SQLSTATE code of a database error Django wrapped, None when it has none."""
     cause = error.__cause__
     state = getattr(cause, "sqlstate", None)
     return state if isinstance(state, str) else None

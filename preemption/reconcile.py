@@ -52,7 +52,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from preemption.event_tokens import attempt_events_token
-from preemption.ingest import ingest_trap_event
+from preemption.ingest import ingest_trap_event, sqlstate
 from preemption.logs import save_log_tails
 from preemption.models import (
     ACTIVE_STATES,
@@ -329,7 +329,7 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
                 if step is not None:
                     steps.append(step)
     except OperationalError as error:
-        if _sqlstate(error) not in LOCK_CONFLICTS:
+        if sqlstate(error) not in LOCK_CONFLICTS:
             raise
         # The pass's locks met another writer's in the opposite order (the events
         # endpoint holds a rank and updates its job) and the database chose this
@@ -342,11 +342,6 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
 
 # A deadlock the database broke by undoing this transaction, and a lock not granted.
 LOCK_CONFLICTS = {"40P01", "55P03"}
-
-
-def _sqlstate(error: BaseException) -> str | None:
-    state = getattr(error.__cause__, "sqlstate", None)
-    return state if isinstance(state, str) else None
 
 
 def notice_delivery(runtime: Runtime) -> str | None:
