@@ -69,6 +69,9 @@ BUSY_SQLSTATES = {"55P03"}
 INGEST_TRIES = 3
 
 
+# The events whose `_apply` writes the job's own row.
+JOB_WRITING_EVENTS = frozenset({"checkpoint_committed"})
+
 CADENCE_FIELDS = ("mtbp_seconds", "save_cost", "interval_seconds")
 # Longer than any hint a scheduler gives (the control plane's longest is 30 days).
 MAX_CADENCE_SECONDS = 1e9
@@ -224,11 +227,9 @@ def ingest_trap_event(*, attempt: Attempt, event: Any, source: str) -> bool:
             {"rank": [f"Job {job.pk} has ranks 0 to {job.ranks - 1} (got {clean['rank']})."]}
         )
     with transaction.atomic():
+        _lock_job_first(job, [clean])
         # The rank's row serialises its events, so the cap and the step checks
-        # see every event stored before this one. A checkpoint then updates the
-        # job's row, which reconcile's decide step locks before the ranks: when
-        # the two meet in opposite order the database undoes one, and each runs
-        # again (here INGEST_TRIES times, there at the next pass).
+        # see every event stored before this one.
         rank = Rank.objects.select_for_update().filter(attempt=attempt, index=clean["rank"]).first()
         if rank is None:
             raise ValidationError(
@@ -300,12 +301,29 @@ def _ingest_once(*, attempt: Attempt, events: list[Any], source: str) -> tuple[i
             timeout_ms = max(1, round(settings.QM_TRAP_EVENT_LOCK_TIMEOUT_SECONDS * 1000))
             with connection.cursor() as cursor:
                 cursor.execute(f"SET LOCAL lock_timeout = {timeout_ms}")
+        _lock_job_first(attempt.job, events)
         for event in events:
             if ingest_trap_event(attempt=attempt, event=event, source=source):
                 accepted += 1
             else:
                 duplicates += 1
     return accepted, duplicates
+
+
+def _lock_job_first(job: Job, events: list[Any]) -> None:
+    """Lock the job's row before any rank's when the events will update it.
+
+    A checkpoint updates the job's `resume_step`. Reconcile's decide step and the
+    scheduling cycle lock a job before anything of its own, so a transaction that
+    held a rank and then waited for its job could meet a reconcile pass holding the
+    job and waiting for that rank: a deadlock the database breaks by undoing one of
+    them. Taken here first, the job's row (FOR NO KEY UPDATE, as reconcile takes it)
+    makes both wait in the same order. Events that only touch their rank and the
+    stops lock no job row, so a gang's ranks still report side by side."""
+    if any(
+        isinstance(event, dict) and event.get("event") in JOB_WRITING_EVENTS for event in events
+    ):
+        list(Job.objects.select_for_update(no_key=True).filter(pk=job.pk).values_list("pk"))
 
 
 def sqlstate(error: BaseException) -> str | None:

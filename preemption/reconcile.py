@@ -331,9 +331,11 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
     except OperationalError as error:
         if sqlstate(error) not in LOCK_CONFLICTS:
             raise
-        # The pass's locks met another writer's in the opposite order (the events
-        # endpoint holds a rank and updates its job) and the database chose this
-        # pass to undo: nothing of it was kept, and the next pass decides again.
+        # The pass's locks met another writer's in the opposite order and the
+        # database chose this pass to undo: nothing of it was kept, and the next
+        # pass decides again. The project's own writers lock a job before its
+        # ranks (the cycle, this pass, a checkpoint's ingestion); this is the
+        # safety net for any that does not.
         logger.warning("the reconcile pass met a lock conflict; retrying next pass: %s", error)
         return 0
     act(steps, runtime)

@@ -17,7 +17,7 @@ from rest_framework.test import APIClient
 from preemption import ingest
 from preemption.event_tokens import attempt_events_token
 from preemption.ingest import ingest_trap_event
-from preemption.models import Attempt, PreemptionEvent, Rank, TrapEvent
+from preemption.models import Attempt, Job, PreemptionEvent, Rank, TrapEvent
 from tests import builders
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -210,6 +210,51 @@ def test_a_post_that_loses_a_deadlock_is_run_again_and_stored(world: Any) -> Non
         assert TrapEvent.objects.filter(job_id=attempt.job_id).count() == 2
         return
     pytest.fail("the other transaction lost the deadlock three times in a row")
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's row locks")
+def test_a_checkpoint_posted_while_a_pass_holds_its_job_waits_for_it_without_a_deadlock(
+    world: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reconcile's decide step locks a job and then its ranks. A checkpoint POST that
+    arrives in between waits for the job before it takes its rank, so the pass gets
+    the rank at once and commits, and the POST is then stored on its first try: no
+    deadlock for the database to break, no pass undone, no POST run again."""
+    attempt = _noticed_victim(world, ranks=2)
+    url = f"/api/v1/jobs/{attempt.job_id}/events/"
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {attempt_events_token(attempt)}"}
+    tries: list[int] = []
+    once = ingest._ingest_once
+
+    def counted(**kwargs: Any) -> tuple[int, int]:
+        tries.append(1)
+        return once(**kwargs)
+
+    monkeypatch.setattr(ingest, "_ingest_once", counted)
+    answers: list[Any] = []
+
+    def post() -> None:
+        body = [{**_commit(0, notice=False), "event": "signal_received"}, _commit(0, notice=False)]
+        try:
+            answers.append(APIClient().post(url, body, format="json", **headers))
+        finally:
+            close_old_connections()
+
+    poster = threading.Thread(target=post)
+    with transaction.atomic():
+        list(Job.objects.select_for_update(no_key=True).filter(pk=attempt.job_id).values_list("pk"))
+        poster.start()
+        _wait_for_a_lock_wait()
+        ranks = list(Rank.objects.select_for_update().filter(attempt=attempt).order_by("index"))
+        assert [rank.index for rank in ranks] == [0, 1]
+        Rank.objects.filter(attempt=attempt, index=1).update(exit_code=0)
+    poster.join(timeout=60)
+    [answer] = answers
+    assert answer.status_code == 202, answer.content
+    assert answer.json() == {"accepted": 2, "duplicates": 0}
+    assert tries == [1]
+    assert Job.objects.get(pk=attempt.job_id).resume_step == 13
+    assert Rank.objects.get(attempt=attempt, index=1).exit_code == 0
 
 
 def _wait_for_a_lock_wait(timeout: float = 30) -> None:

@@ -177,9 +177,10 @@ def test_a_pass_over_many_attempts_on_sqlite(tmp_path: Path) -> None:
 def test_a_pass_undone_by_a_deadlock_decides_again_at_the_next_pass(
     world: Any, mimic: MimicRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The decide step locks a pass's jobs, then their ranks; the events endpoint
-    holds a rank and updates its job. When the database breaks such a deadlock by
-    undoing the pass, the pass keeps nothing and the next one decides again."""
+    """The decide step locks a pass's jobs, then their ranks; a writer that locked
+    the other way round (none of the project's own does) would deadlock with it.
+    When the database breaks such a deadlock by undoing the pass, the pass keeps
+    nothing and the next one decides again."""
     jobs = submit(world, [world.vision] * 2)
     schedule_cycle()
     lock_rows = reconcile._lock_rows
