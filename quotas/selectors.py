@@ -159,18 +159,18 @@ def priority_allowances(
     chains = {team_id: [team_id, *tree.ancestors(team_id)] for team_id in team_ids}
     involved = {member for chain in chains.values() for member in chain}
     own: dict[int, set[int]] = defaultdict(set)
-    for team_id, class_id in Team.priority_classes.through.objects.filter(
-        team_id__in=involved
-    ).values_list("team_id", "priorityclass_id"):
-        own[team_id].add(class_id)
     slugs: dict[int, str] = {}
     defaults: dict[int, int] = {}
-    for team_id, slug, default_id in Team.objects.filter(id__in=involved).values_list(
-        "id", "slug", "default_priority_class_id"
+    # One row per (team, class on its own list); a team without a list comes once,
+    # with no class (the join is an outer one).
+    for team_id, slug, default_id, class_id in Team.objects.filter(id__in=involved).values_list(
+        "id", "slug", "default_priority_class_id", "priority_classes"
     ):
         slugs[team_id] = slug
         if default_id is not None:
             defaults[team_id] = default_id
+        if class_id is not None:
+            own[team_id].add(class_id)
     classes = {pc.pk: pc for pc in PriorityClass.objects.all()}
     installation_default = next((pc for pc in classes.values() if pc.is_default), None)
     answers: dict[int, PriorityAllowance] = {}
