@@ -211,6 +211,12 @@ def ingest_trap_event(*, attempt: Attempt, event: Any, source: str) -> bool:
     """Store one trap event of `attempt` and apply it. Returns False for a
     duplicate. Raises ValidationError (bad event), PermissionDenied (the
     attempt has ended) or EventLimitReached; then nothing has changed."""
+    return _ingest_event(attempt=attempt, event=event, source=source, job_locked=False)
+
+
+def _ingest_event(*, attempt: Attempt, event: Any, source: str, job_locked: bool) -> bool:
+    """`ingest_trap_event`; `job_locked` when the caller's transaction already
+    holds the job's row (a batch locks it once for all its events)."""
     job = attempt.job
     clean = _validate(job, event)
     if clean["attempt"] != attempt.number:
@@ -227,7 +233,8 @@ def ingest_trap_event(*, attempt: Attempt, event: Any, source: str) -> bool:
             {"rank": [f"Job {job.pk} has ranks 0 to {job.ranks - 1} (got {clean['rank']})."]}
         )
     with transaction.atomic():
-        _lock_job_first(job, [clean])
+        if not job_locked:
+            _lock_job_first(job, [clean])
         # The rank's row serialises its events, so the cap and the step checks
         # see every event stored before this one.
         rank = Rank.objects.select_for_update().filter(attempt=attempt, index=clean["rank"]).first()
@@ -303,7 +310,7 @@ def _ingest_once(*, attempt: Attempt, events: list[Any], source: str) -> tuple[i
                 cursor.execute(f"SET LOCAL lock_timeout = {timeout_ms}")
         _lock_job_first(attempt.job, events)
         for event in events:
-            if ingest_trap_event(attempt=attempt, event=event, source=source):
+            if _ingest_event(attempt=attempt, event=event, source=source, job_locked=True):
                 accepted += 1
             else:
                 duplicates += 1
