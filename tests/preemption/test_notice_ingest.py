@@ -128,12 +128,13 @@ def test_an_answer_after_the_eviction_was_sent_asks_for_nothing(
     assert sent == []
 
 
-def test_a_post_that_finds_its_rank_locked_past_the_timeout_is_told_to_retry(
-    world: Any, settings: Any
+@pytest.mark.parametrize("held", ["rank", "job"])
+def test_a_post_that_finds_its_rows_locked_past_the_timeout_is_told_to_retry(
+    world: Any, settings: Any, held: str
 ) -> None:
-    """The reconciler holds a rank's row (a long pass): the event POST waits at most
-    the lock timeout, answers 503 with Retry-After, stores nothing, and the same
-    POST succeeds once the row is free."""
+    """The reconciler holds a rank's row, or the job's that a checkpoint updates (a
+    long pass): the event POST waits at most the lock timeout, answers 503 with
+    Retry-After, stores nothing, and the same POST succeeds once the row is free."""
     settings.QM_TRAP_EVENT_LOCK_TIMEOUT_SECONDS = 0.2
     attempt = _noticed_victim(world, ranks=1)
     url = f"/api/v1/jobs/{attempt.job_id}/events/"
@@ -145,7 +146,11 @@ def test_a_post_that_finds_its_rank_locked_past_the_timeout_is_told_to_retry(
     def hold_the_rank() -> None:
         try:
             with transaction.atomic():
-                list(Rank.objects.select_for_update().filter(attempt=attempt, index=0))
+                if held == "rank":
+                    list(Rank.objects.select_for_update().filter(attempt=attempt, index=0))
+                else:
+                    rows = Job.objects.select_for_update(no_key=True).filter(pk=attempt.job_id)
+                    list(rows.values_list("pk"))
                 locked.set()
                 release.wait(timeout=30)
         finally:
