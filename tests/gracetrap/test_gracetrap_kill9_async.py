@@ -1,6 +1,7 @@
 """SIGKILL of a real two-rank gang at any moment of its background saves, many times:
-``latest`` always names a complete checkpoint that loads, and every resumed step is
-bit-identical to an uninterrupted run."""
+the newest complete checkpoint always loads and is the one the next attempt resumes
+from, ``latest`` (when written) names a complete checkpoint that loads, and every
+resumed step is bit-identical to an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -48,27 +49,42 @@ def _losses(lines: list[str]) -> dict[int, str]:
     return found
 
 
-def _latest_loads(checkpoint_dir: Path) -> int:
-    """Load exactly the checkpoint ``latest`` names, in this process; return its step.
-
-    Before the first commit there is no ``latest`` and no complete checkpoint: -1.
-    """
-    if not (checkpoint_dir / "latest").exists():
-        assert not any(step_dirs(checkpoint_dir).values()), step_dirs(checkpoint_dir)
-        return -1
-    latest = json.loads((checkpoint_dir / "latest").read_text())
-    path = step_dir(checkpoint_dir, latest["step"])
-    assert path.name == latest["path"] and is_complete(path), latest
+def _load_in_this_process(checkpoint_dir: Path, step: int) -> None:
     arguments = train_ddp.parse_args(MODEL_ARGS)
     model = train_ddp.build_model(arguments)
     optimizer = train_ddp.torch.optim.Adam(model.parameters(), lr=arguments.lr)
     with Trap(checkpoint_dir, {"model": model, "optimizer": optimizer}, signals=()) as trap:
-        trap._load(path, latest["step"])
-    return int(latest["step"])
+        trap._load(step_dir(checkpoint_dir, step), step)
+
+
+def _resumable_step(checkpoint_dir: Path) -> int:
+    """Load what a resume would load, in this process; return its step (-1 for none).
+
+    A resume takes the newest complete checkpoint. ``latest`` is written after the
+    checkpoint it names is complete, so a kill between the two leaves a complete
+    checkpoint newer than ``latest`` (or no ``latest`` at all before the first
+    pointer): never a pointer to an incomplete folder.
+    """
+    complete = sorted(step for step, done in step_dirs(checkpoint_dir).items() if done)
+    pointer = checkpoint_dir / "latest"
+    if pointer.exists():
+        latest = json.loads(pointer.read_text())
+        path = step_dir(checkpoint_dir, latest["step"])
+        assert path.name == latest["path"] and is_complete(path), latest
+        # One background save is in flight at a time: at most one commit is ahead.
+        assert latest["step"] in complete[-2:], (latest, complete)
+        _load_in_this_process(checkpoint_dir, latest["step"])
+    else:
+        # Only the first commit can be caught between its folder and its pointer.
+        assert len(complete) <= 1, complete
+    if not complete:
+        return -1
+    _load_in_this_process(checkpoint_dir, complete[-1])
+    return complete[-1]
 
 
 @pytest.mark.slow
-def test_sigkill_during_background_saves_always_leaves_a_loadable_latest(
+def test_sigkill_during_background_saves_always_leaves_the_checkpoint_the_next_attempt_resumes(
     tmp_path: Path,
 ) -> None:
     servers = [RankServer(rank, MODEL_ARGS) for rank in range(WORLD_SIZE)]
@@ -89,6 +105,8 @@ def test_sigkill_during_background_saves_always_leaves_a_loadable_latest(
         extra = "QM_ASYNC_SAVES=1,QM_GRACE_SECONDS=60"
         in_flight_at_kill = 0
         resumed_from = []
+        # The first step the next attempt must resume at: after the newest complete one.
+        expected_resume = 0
         for trial in range(TRIALS):
             port = free_port()
             children = [
@@ -113,13 +131,15 @@ def test_sigkill_during_background_saves_always_leaves_a_loadable_latest(
                     assert loss == reference[rank][step], (trial, rank, step)
                 events = [json.loads(t.split(" ", 1)[1]) for t in lines if t.startswith("QM_EVENT")]
                 resumed = [e["step"] for e in events if e["event"] == "resumed"]
+                assert (resumed[0] if resumed else 0) == expected_resume, (trial, resumed)
                 if rank == 0:
                     resumed_from.append(resumed[0] if resumed else 0)
             dirs = step_dirs(checkpoint_dir)
             in_flight_at_kill += any(not complete for complete in dirs.values())
-            latest = _latest_loads(checkpoint_dir)
-            print(f"trial {trial:2d}: latest {latest}, folders {sorted(dirs.items())}")
-        # Each attempt went on from where the previous one's latest checkpoint was.
+            resumable = _resumable_step(checkpoint_dir)
+            expected_resume = resumable + 1
+            print(f"trial {trial:2d}: resumable {resumable}, folders {sorted(dirs.items())}")
+        # Each attempt went on from where the previous one's newest checkpoint was.
         assert resumed_from == sorted(resumed_from) and resumed_from[-1] > 0, resumed_from
         print(f"{in_flight_at_kill} of {TRIALS} kills came while a write was in flight")
         assert in_flight_at_kill >= TRIALS // 3
