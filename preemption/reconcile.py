@@ -1030,12 +1030,16 @@ def _finish(steps: list[Step], runtime: Runtime) -> None:
         # are closed together in a fixed number of queries; the rest one by one.
         succeeded = [item for item in closing if item[0].event is None and not _broken(item[1])]
         together = _close_succeeded_together(succeeded, timezone.now())
-        batched = {step.attempt.pk for step, _, _ in succeeded} if together is not None else set()
+        batched: set[int] = set()
+        if together is not None:
+            # A stop decided since this pass read the attempts leaves them to the
+            # one-by-one close, which judges whether it reached them.
+            batched = {step.attempt.pk for step, _, _ in succeeded} - together.stopped
         for step, ranks, orphaned in closing:
             attempt = step.attempt
             if attempt.pk in batched:
                 assert together is not None
-                if attempt.pk in together:
+                if attempt.pk in together.closed:
                     attempt.action, attempt.action_tries = Attempt.Action.FORGET, 0
                     closed.append((Step(Attempt.Action.FORGET, attempt), ranks))
                 continue
@@ -1083,16 +1087,25 @@ def _broken(ranks: list[Rank]) -> bool:
     return any(rank.state == "lost" or rank.exit_code not in (0, None) for rank in ranks)
 
 
+@dataclass(frozen=True)
+class ClosedTogether:
+    """What `_close_succeeded_together` did: the attempts it closed, and those it
+    left alone because a stop of theirs was decided after the pass read them."""
+
+    closed: set[int]
+    stopped: set[int]
+
+
 def _close_succeeded_together(
     items: list[tuple[Step, list[Rank], list[int]]], now: datetime
-) -> set[int] | None:
+) -> ClosedTogether | None:
     """Close attempts whose every rank exited 0 with no stop asked, as
     `_finish_attempt` closes each, in a fixed number of queries however many:
-    the ids of the attempts this pass closed (not those another worker closed
-    first). None when that failed: nothing of it is kept, and the caller closes
-    them one by one, so one attempt's trouble stays its own."""
+    the attempts this pass closed (not those another worker closed first).
+    None when that failed: nothing of it is kept, and the caller closes them one
+    by one, so one attempt's trouble stays its own."""
     if not items:
-        return set()
+        return ClosedTogether(set(), set())
     try:
         with transaction.atomic():
             return _close_succeeded(items, now)
@@ -1105,7 +1118,9 @@ def _close_succeeded_together(
         return None
 
 
-def _close_succeeded(items: list[tuple[Step, list[Rank], list[int]]], now: datetime) -> set[int]:
+def _close_succeeded(
+    items: list[tuple[Step, list[Rank], list[int]]], now: datetime
+) -> ClosedTogether:
     by_attempt = {step.attempt.pk: (step, ranks, orphaned) for step, ranks, orphaned in items}
     job_ids = sorted({step.attempt.job_id for step, _, _ in items})
     # The jobs' rows first, in the order of their ids, as the decide step and the
@@ -1122,8 +1137,16 @@ def _close_succeeded(items: list[tuple[Step, list[Rank], list[int]]], now: datet
         .order_by("job_id", "pk")
         .values_list("pk", flat=True)
     )
+    # The scheduling cycle records a stop with its job's row locked: with the rows
+    # held, every stop decided since the pass read these attempts is seen here.
+    stopped = set(
+        PreemptionEvent.objects.filter(victim_attempt_id__in=still_open).values_list(
+            "victim_attempt_id", flat=True
+        )
+    )
+    still_open = [pk for pk in still_open if pk not in stopped]
     if not still_open:
-        return set()
+        return ClosedTogether(set(), stopped)
     last_steps = dict(
         Checkpoint.objects.filter(job_id__in=job_ids)
         .order_by()
@@ -1159,7 +1182,7 @@ def _close_succeeded(items: list[tuple[Step, list[Rank], list[int]]], now: datet
         )
     notify_each(notices)
     queue_cycle()
-    return set(still_open)
+    return ClosedTogether(set(still_open), stopped)
 
 
 def _finish_attempt(
@@ -1175,11 +1198,19 @@ def _finish_attempt(
     codes = [rank.exit_code for rank in ranks]
     exited_at = max((rank.exited_at for rank in ranks if rank.exited_at), default=now)
     failed = _broken(ranks)
-    job.refresh_from_db()
+    # The job's row first, as the scheduling cycle locks it to record a stop: a stop
+    # decided since this pass read the attempt is seen below, and one decided later
+    # finds the job ended.
+    job.refresh_from_db(from_queryset=Job.objects.select_for_update(no_key=True))
     last_step = Checkpoint.objects.filter(job=job).aggregate(step=Max("step"))["step"]
     resume_step = (last_step + 1) if last_step is not None else job.resume_step
     if event is not None:
         event.refresh_from_db()
+    else:
+        event = PreemptionEvent.objects.filter(victim_attempt=attempt).first()
+        if event is not None:
+            # Whether that stop was tried since is on the attempt's row.
+            attempt.refresh_from_db()
     ended_first = event is not None and _ended_before_the_stop(attempt, ranks, event)
 
     if event is not None and not ended_first:

@@ -71,7 +71,13 @@ def test_a_real_worker_admits_runs_and_finishes_a_job(world: Any, tmp_path: Path
         assert sorted(
             Attempt.objects.get(job=job).rank_set.values_list("exit_code", flat=True)
         ) == [0, 0]
-    finally:
+    except AssertionError as failure:
         worker.terminate()
         output = worker.communicate(timeout=30)[0].decode(errors="replace")
+        # What the worker said is the way to tell why it did not get there.
+        raise AssertionError(f"{failure}\nthe worker's output:\n{output[-6000:]}") from failure
+    finally:
+        if worker.poll() is None:
+            worker.terminate()
+    output = worker.communicate(timeout=30)[0].decode(errors="replace")
     assert "preemption.tasks.schedule_cycle" in output and "succeeded" in output

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
+from preemption import reconcile
 from preemption.cycle import schedule_cycle
 from preemption.models import Attempt, Job, JobState, PreemptionEvent
 from preemption.reconcile import launch_admitted, reconcile_jobs, request_stop
@@ -98,3 +99,52 @@ def test_a_stop_that_was_tried_requeues_the_job_even_if_every_rank_exited_0(
     assert event.outcome == PreemptionEvent.Outcome.GRACEFUL
     assert event.requeued_at is not None
     assert PreemptionEvent.objects.preemptions().filter(pk=event.pk).exists()
+
+
+def test_a_stop_decided_after_the_pass_read_a_finished_job_is_ended_first_not_left_open(
+    world: Any, local_runtime: LocalRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler records a stop between the reconcile pass's read of the attempts
+    and its close of those that ended: the close still sees it, and the stop is
+    `ended-first` instead of an open preemption that no count could ever drop."""
+    job = job_submit(
+        submitter=world.users["researcher"],
+        team=world.vision,
+        flavor=world.h100,
+        ranks=2,
+        gpus_per_rank=1,
+        command=sleeper_command(0.2),
+        priority_class=world.batch,
+    )
+    schedule_cycle(act=False)
+    launch_admitted([job.pk], runtime=local_runtime)
+    gang = GangId(job.pk, 1)
+    wait_until(
+        lambda: (
+            [(o.phase, o.exit_code) for o in local_runtime.observe(gang)] == [("exited", 0)] * 2
+        ),
+        "both ranks to exit 0",
+    )
+    real_finish = reconcile._finish
+    stops = []
+
+    def finish_after_a_stop(steps: list[Any], runtime: Any) -> None:
+        # The pass has read the attempt (no stop yet) and found every rank exited.
+        assert [step.event for step in steps] == [None]
+        job.refresh_from_db()
+        stops.append(
+            request_stop(job=job, reason=PreemptionEvent.Reason.PRIORITY, cause="a critical job")
+        )
+        real_finish(steps, runtime)
+
+    monkeypatch.setattr(reconcile, "_finish", finish_after_a_stop)
+    reconcile_jobs(runtime=local_runtime)
+
+    assert len(stops) == 1 and stops[0] is not None
+    event = PreemptionEvent.objects.get(pk=stops[0].pk)
+    assert event.outcome == PreemptionEvent.Outcome.ENDED_FIRST
+    assert event.all_exited_at is not None and event.lost_gpu_seconds == 0.0
+    assert not PreemptionEvent.objects.preemptions().exists()
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED
+    assert Attempt.objects.get(job=job).end_reason == Attempt.EndReason.SUCCEEDED

@@ -20,7 +20,14 @@ from psycopg.errors import DeadlockDetected
 
 from preemption import reconcile
 from preemption.cycle import schedule_cycle
-from preemption.models import Attempt, Job, JobState, Webhook, WebhookDelivery
+from preemption.models import (
+    Attempt,
+    Job,
+    JobState,
+    PreemptionEvent,
+    Webhook,
+    WebhookDelivery,
+)
 from preemption.reconcile import reconcile_jobs
 from preemption.runtime import inventory, use_runtime
 from preemption.runtimes import GangId
@@ -128,11 +135,36 @@ def test_an_attempt_closed_by_another_worker_first_is_left_alone(
     items = [(step, [], []) for step in steps]
     with transaction.atomic():
         closed = reconcile._close_succeeded_together(items, timezone.now())
-    assert closed == {attempts[1].pk, attempts[2].pk}
+    assert closed == reconcile.ClosedTogether({attempts[1].pk, attempts[2].pk}, set())
     assert Job.objects.get(pk=jobs[0].pk).state == JobState.FAILED
     first = Attempt.objects.get(pk=attempts[0].pk)
     assert (first.ended_at, first.end_reason) == (other_end, Attempt.EndReason.FAILED)
     for job in jobs[1:]:
+        assert Job.objects.get(pk=job.pk).state == JobState.SUCCEEDED
+
+
+def test_an_attempt_whose_stop_was_decided_since_the_pass_read_it_is_not_closed_together(
+    world: Any, mimic: MimicRuntime
+) -> None:
+    jobs = submit(world, [world.vision] * 3)
+    schedule_cycle()
+    reconcile_jobs()
+    time.sleep(SECONDS)
+    attempts = list(Attempt.objects.filter(job__in=jobs).select_related("job").order_by("job_id"))
+    # Read by the pass with no stop; the scheduler then decided to stop the second.
+    steps = [reconcile.Step(reconcile.FINISH, attempt) for attempt in attempts]
+    stop = reconcile.request_stop(job=jobs[1], reason="priority", cause="a critical job")
+    assert stop is not None
+    items = [(step, [], []) for step in steps]
+    with transaction.atomic():
+        closed = reconcile._close_succeeded_together(items, timezone.now())
+    assert closed == reconcile.ClosedTogether({attempts[0].pk, attempts[2].pk}, {attempts[1].pk})
+    # Left for the close one by one, which judges the stop: nothing of it was written.
+    second = Attempt.objects.get(pk=attempts[1].pk)
+    assert second.ended_at is None and second.end_reason == ""
+    assert Job.objects.get(pk=jobs[1].pk).state == JobState.PREEMPTING
+    assert PreemptionEvent.objects.get(pk=stop.pk).outcome == ""
+    for job in (jobs[0], jobs[2]):
         assert Job.objects.get(pk=job.pk).state == JobState.SUCCEEDED
 
 
