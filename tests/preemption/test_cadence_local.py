@@ -70,8 +70,14 @@ def test_a_borrower_whose_owner_waits_checkpoints_far_more_often_than_a_guarante
     drive_with_refresh(
         lambda: len(list(folder.glob("step_*"))) >= 4, timeout=180, what="four checkpoints"
     )
-    assert state_of(owner) == JobState.PENDING
-    assert state_of(borrower) == state_of(guaranteed) == JobState.RUNNING
+    # Should the owner get in, what ended and why is the way to tell how.
+    ended = [
+        (a.job.name, a.number, a.end_reason, getattr(a, "preemption", None) and a.preemption.cause)
+        for a in Attempt.objects.filter(job__in=[borrower, guaranteed]).select_related("job")
+        if a.ended_at is not None
+    ]
+    assert state_of(owner) == JobState.PENDING, ended
+    assert state_of(borrower) == state_of(guaranteed) == JobState.RUNNING, ended
 
     lent = Attempt.objects.get(job=borrower, number=1)
     inside = Attempt.objects.get(job=guaranteed, number=1)
