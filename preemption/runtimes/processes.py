@@ -2,8 +2,11 @@
 
 A pid alone does not identify a process, since pids are reused; a pid together with the
 process's creation time does, so records keep both and every liveness check compares
-them. The creation time is psutil's (boot time plus the start in clock ticks), which is
-the same number in every process that asks on one boot of the machine.
+them. The creation time is psutil's: the start in clock ticks since boot plus the boot
+time, which the kernel derives from the wall clock and psutil reads anew on every call.
+A stepped or slewed clock therefore moves the same process's creation time by a second
+or more between the record and a later check, so the check allows that much; a pid is
+only reused once the pid space has wrapped, never within seconds of the first start.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 import psutil
 
 ZOMBIE_STATES = frozenset({psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD})
+# How far a live process's creation time may read from its record (see above).
+CREATED_AT_TOLERANCE_SECONDS = 2.0
 # The errors psutil raises for a process that exited meanwhile or is not ours to read.
 GONE_OR_DENIED = (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError, PermissionError)
 
@@ -44,7 +49,10 @@ def is_alive(pid: int, expected_created_at: float | None) -> bool:
         process = psutil.Process(pid)
         if process.status() in ZOMBIE_STATES:
             return False
-        return expected_created_at is None or process.create_time() == expected_created_at
+        return (
+            expected_created_at is None
+            or abs(process.create_time() - expected_created_at) <= CREATED_AT_TOLERANCE_SECONDS
+        )
     except GONE_OR_DENIED:
         return False
 
