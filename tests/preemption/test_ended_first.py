@@ -23,9 +23,8 @@ from tests.waiting import wait_until
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def ended_before_the_stop(world: Any, runtime: LocalRuntime) -> tuple[Job, PreemptionEvent]:
-    """A job that ran to its end (code 0) while the scheduler, not knowing yet,
-    decided to preempt it; nothing has been sent to its ranks."""
+def ended_job(world: Any, runtime: LocalRuntime) -> Job:
+    """A job whose two ranks ran to their end (code 0), not yet noticed by a pass."""
     job = job_submit(
         submitter=world.users["researcher"],
         team=world.vision,
@@ -43,6 +42,13 @@ def ended_before_the_stop(world: Any, runtime: LocalRuntime) -> tuple[Job, Preem
         "both ranks to exit 0",
     )
     job.refresh_from_db()
+    return job
+
+
+def ended_before_the_stop(world: Any, runtime: LocalRuntime) -> tuple[Job, PreemptionEvent]:
+    """A job that ran to its end (code 0) while the scheduler, not knowing yet,
+    decided to preempt it; nothing has been sent to its ranks."""
+    job = ended_job(world, runtime)
     event = request_stop(job=job, reason=PreemptionEvent.Reason.PRIORITY, cause="a critical job")
     assert event is not None
     assert state_of(job) == JobState.PREEMPTING
@@ -107,24 +113,7 @@ def test_a_stop_decided_after_the_pass_read_a_finished_job_is_ended_first_not_le
     """The scheduler records a stop between the reconcile pass's read of the attempts
     and its close of those that ended: the close still sees it, and the stop is
     `ended-first` instead of an open preemption that no count could ever drop."""
-    job = job_submit(
-        submitter=world.users["researcher"],
-        team=world.vision,
-        flavor=world.h100,
-        ranks=2,
-        gpus_per_rank=1,
-        command=sleeper_command(0.2),
-        priority_class=world.batch,
-    )
-    schedule_cycle(act=False)
-    launch_admitted([job.pk], runtime=local_runtime)
-    gang = GangId(job.pk, 1)
-    wait_until(
-        lambda: (
-            [(o.phase, o.exit_code) for o in local_runtime.observe(gang)] == [("exited", 0)] * 2
-        ),
-        "both ranks to exit 0",
-    )
+    job = ended_job(world, local_runtime)
     real_finish = reconcile._finish
     stops = []
 

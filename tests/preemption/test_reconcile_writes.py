@@ -117,14 +117,20 @@ def test_a_pass_over_many_attempts_costs_only_their_own_writes_more(
     assert all(n.payload["exit_codes"] == [0] for n in notices)
 
 
-def test_an_attempt_closed_by_another_worker_first_is_left_alone(
-    world: Any, mimic: MimicRuntime
-) -> None:
+def three_ended(world: Any) -> tuple[list[Job], list[Attempt]]:
+    """Three jobs of vision whose mimicked work is over, and their attempts."""
     jobs = submit(world, [world.vision] * 3)
     schedule_cycle()
     reconcile_jobs()
     time.sleep(SECONDS)
     attempts = list(Attempt.objects.filter(job__in=jobs).select_related("job").order_by("job_id"))
+    return jobs, attempts
+
+
+def test_an_attempt_closed_by_another_worker_first_is_left_alone(
+    world: Any, mimic: MimicRuntime
+) -> None:
+    jobs, attempts = three_ended(world)
     # Another worker closed the first (and the job went on to a state of its own).
     other_end = timezone.now()
     Attempt.objects.filter(pk=attempts[0].pk).update(
@@ -146,11 +152,7 @@ def test_an_attempt_closed_by_another_worker_first_is_left_alone(
 def test_an_attempt_whose_stop_was_decided_since_the_pass_read_it_is_not_closed_together(
     world: Any, mimic: MimicRuntime
 ) -> None:
-    jobs = submit(world, [world.vision] * 3)
-    schedule_cycle()
-    reconcile_jobs()
-    time.sleep(SECONDS)
-    attempts = list(Attempt.objects.filter(job__in=jobs).select_related("job").order_by("job_id"))
+    jobs, attempts = three_ended(world)
     # Read by the pass with no stop; the scheduler then decided to stop the second.
     steps = [reconcile.Step(reconcile.FINISH, attempt) for attempt in attempts]
     stop = reconcile.request_stop(job=jobs[1], reason="priority", cause="a critical job")
