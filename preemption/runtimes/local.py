@@ -298,9 +298,9 @@ class LocalRuntime:
                 )
                 if not requested:
                     continue
-                started = read_record(rank_dir / STARTED_FILE)
-                if started is not None and create_claim(rank_dir / TERM_SENT_FILE):
-                    groups.append(int(started["pgid"]))
+                pgid = _recorded_group(read_record(rank_dir / STARTED_FILE))
+                if pgid is not None and create_claim(rank_dir / TERM_SENT_FILE):
+                    groups.append(pgid)
         except OSError as error:
             raise RuntimeTemporaryError(f"cannot signal gang {gang}: {error}") from error
         finally:
@@ -331,9 +331,9 @@ class LocalRuntime:
             rank_dir = gang_dir / str(rank)
             if not rank_dir.is_dir() or (rank_dir / EXIT_FILE).exists():
                 continue
-            started = read_record(rank_dir / STARTED_FILE)
-            if started is not None:
-                groups.append(int(started["pgid"]))
+            pgid = _recorded_group(read_record(rank_dir / STARTED_FILE))
+            if pgid is not None:
+                groups.append(pgid)
         # Read every record first, then signal in one tight loop, as signal() does.
         for pgid in groups:
             _signal_group(pgid, signum)
@@ -350,9 +350,9 @@ class LocalRuntime:
                 if not rank_dir.is_dir() or (rank_dir / EXIT_FILE).exists():
                     continue
                 create_record(rank_dir / KILL_FILE, {"kill_sent_at": time.time()})
-                started = read_record(rank_dir / STARTED_FILE)
-                if started is not None:
-                    _signal_group(int(started["pgid"]), signals.SIGKILL)
+                pgid = _recorded_group(read_record(rank_dir / STARTED_FILE))
+                if pgid is not None:
+                    _signal_group(pgid, signals.SIGKILL)
         except OSError as error:
             raise RuntimeTemporaryError(f"cannot kill gang {gang}: {error}") from error
         # Children that left their rank's process group, or outlived a rank that already
@@ -538,8 +538,10 @@ class LocalRuntime:
         for owners in groups.values():
             owners.sort(key=lambda owner: owner[0])
         oldest = min(start for _, start in folders.values())
-        for process in processes.live_processes(skip=os.getpid()):
-            owner = _group_owner(groups, process)
+        table = list(processes.live_processes(skip=os.getpid()))
+        leaders = {process.pid: process.created_at for process in table}
+        for process in table:
+            owner = _group_owner(groups, process, leaders)
             if owner is None and process.created_at >= oldest:
                 owner = _marked_owner(folders, process)
             if owner is not None:
@@ -957,6 +959,18 @@ def _same_gang(launched: dict[str, Any], spec: GangSpec) -> bool:
     )
 
 
+def _recorded_group(started: dict[str, Any] | None) -> int | None:
+    """The process group a rank's start record names, unless the rank has not started or
+    its group's number now belongs to another process (processes.group_is_recorded)."""
+    if started is None:
+        return None
+    pgid = int(started["pgid"])
+    created_at = started.get("created_at")
+    if not processes.group_is_recorded(pgid, None if created_at is None else float(created_at)):
+        return None
+    return pgid
+
+
 def _signal_group(pgid: int, signum: int) -> None:
     try:
         os.killpg(pgid, signum)
@@ -984,14 +998,28 @@ def _free_port(address: str) -> int:
 
 
 def _group_owner(
-    groups: dict[int, list[tuple[float, GangId, int]]], process: processes.ProcessInfo
+    groups: dict[int, list[tuple[float, GangId, int]]],
+    process: processes.ProcessInfo,
+    leaders: Mapping[int, float],
 ) -> tuple[GangId, int] | None:
-    """The (gang, rank) whose process group or session the process is in: of the ranks
-    that recorded that number, the last one started no later than the process."""
+    """The (gang, rank) whose process group or session the process is in.
+
+    While a process holds the group's number as its pid (`leaders`: the live processes'
+    creation times), the group is the rank's whose recorded leader it is, and nobody's
+    when no rank recorded it: the number was reused for a stranger's group. Once the
+    leader has exited the number stays with the group's other members, so they belong
+    to the last rank that recorded it and started no later than the process.
+    """
     for group in (process.pgid, process.sid):
         owner = None
+        leader_created_at = leaders.get(group)
         for started, gang, rank in groups.get(group, ()):
-            if process.created_at >= started:
+            if leader_created_at is not None:
+                # A start of 0 is a rank that exited before its start could be read, so
+                # a live leader is never it.
+                if started and processes.same_start(started, leader_created_at):
+                    owner = (gang, rank)
+            elif process.created_at >= started:
                 owner = (gang, rank)
         if owner is not None:
             return owner

@@ -42,6 +42,28 @@ def created_at(pid: int) -> float | None:
         return None
 
 
+def same_start(recorded: float, read: float) -> bool:
+    """True when a creation time read now is the one recorded (see the module docstring)."""
+    return abs(read - recorded) <= CREATED_AT_TOLERANCE_SECONDS
+
+
+def group_is_recorded(pgid: int, leader_created_at: float | None) -> bool:
+    """False when the recorded process group's number now leads another group.
+
+    The kernel keeps a process group's number while any member lives, so a group whose
+    leader exited still holds the same number; once the group is empty the number may
+    go to a new process, which then leads a group of its own under it. Signalling the
+    recorded number would then reach that stranger's group. A leader recorded without a
+    creation time had already exited when it was recorded, so any process under its
+    number now is a stranger.
+    """
+    try:
+        created_at = psutil.Process(pgid).create_time()
+    except GONE_OR_DENIED:
+        return True
+    return leader_created_at is not None and same_start(leader_created_at, created_at)
+
+
 def is_alive(pid: int, expected_created_at: float | None) -> bool:
     """True while the process with this pid (and creation time, when given) runs and is
     not a zombie."""
@@ -49,10 +71,7 @@ def is_alive(pid: int, expected_created_at: float | None) -> bool:
         process = psutil.Process(pid)
         if process.status() in ZOMBIE_STATES:
             return False
-        return (
-            expected_created_at is None
-            or abs(process.create_time() - expected_created_at) <= CREATED_AT_TOLERANCE_SECONDS
-        )
+        return expected_created_at is None or same_start(expected_created_at, process.create_time())
     except GONE_OR_DENIED:
         return False
 

@@ -7,6 +7,7 @@ when root runs the control plane; tests/security covers what that keeps them fro
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shlex
@@ -22,6 +23,7 @@ import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -53,6 +55,7 @@ from preemption.runtimes.records import (
     KEEPER_FILE,
     STARTED_FILE,
     read_record,
+    write_record,
 )
 from preemption.runtimes.runner import RunnerAccount
 from tests.waiting import wait_until
@@ -128,7 +131,34 @@ def wait_for_log(
     wait_until(
         lambda: all(runtime.read_log(gang, rank).count(text) >= count for rank in range(ranks)),
         what=f"{text!r} x{count} in every rank log",
+        explain=lambda: describe_ranks(runtime, gang, ranks),
     )
+
+
+def describe_ranks(runtime: LocalRuntime, gang: GangId, ranks: int) -> str:
+    """Each rank's records, log and live processes, for a failure to explain itself."""
+    lines = []
+    for rank in range(ranks):
+        rank_dir = runtime.gang_dir(gang) / str(rank)
+        records = sorted(path.name for path in rank_dir.iterdir()) if rank_dir.is_dir() else []
+        lines.append(f"rank {rank}: records {records}, log {runtime.read_log(gang, rank)!r}")
+        started = read_record(rank_dir / STARTED_FILE)
+        if started is not None:
+            lines.append(f"  started {started}")
+            members = [
+                process
+                for process in psutil.process_iter(["pid", "status", "create_time", "cmdline"])
+                if _pgid(process.pid) == int(started["pgid"])
+            ]
+            lines.extend(f"  group member {member.info}" for member in members)
+    return "\n".join(lines)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def wait_exited(runtime: LocalRuntime, gang: GangId) -> list[RankObservation]:
@@ -669,10 +699,80 @@ def test_a_reused_process_group_belongs_to_the_latest_rank_that_started_before_i
     def process(created_at: float, pgid: int = 500) -> ProcessInfo:
         return ProcessInfo(pid=9, pgid=pgid, sid=1, created_at=created_at)
 
-    assert _group_owner(groups, process(150.0)) == (earlier, 0)
-    assert _group_owner(groups, process(250.0)) == (later, 3)
-    assert _group_owner(groups, process(50.0)) is None
-    assert _group_owner(groups, process(250.0, pgid=501)) is None
+    # Both recorded leaders have exited: the members left belong by their start.
+    assert _group_owner(groups, process(150.0), {}) == (earlier, 0)
+    assert _group_owner(groups, process(250.0), {}) == (later, 3)
+    assert _group_owner(groups, process(50.0), {}) is None
+    assert _group_owner(groups, process(250.0, pgid=501), {}) is None
+    # A live leader names the group's owner: the rank that recorded it, or nobody.
+    assert _group_owner(groups, process(250.0), {500: 100.5}) == (earlier, 0)
+    assert _group_owner(groups, process(250.0), {500: 200.0}) == (later, 3)
+    assert _group_owner(groups, process(950.0), {500: 900.0}) is None
+
+
+@pytest.fixture
+def stranger() -> Iterator[subprocess.Popen[bytes]]:
+    """A process that leads a group of its own, with a child in it, and is no rank's."""
+    process = subprocess.Popen(["/bin/sh", "-c", "sleep 60 & wait"], start_new_session=True)
+    try:
+        wait_until(
+            lambda: len(psutil.Process(process.pid).children()) == 1, what="the stranger's child"
+        )
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def test_a_group_number_reused_by_a_stranger_is_never_signalled_or_taken_for_the_gang(
+    runtime: LocalRuntime, stranger: subprocess.Popen[bytes]
+) -> None:
+    """Rank 0 exited and rank 1 was lost (its keeper and group killed), and the number
+    each one's group had now leads a stranger's group, as after the pid space wrapped. Stopping
+    or killing the gang, or scanning it for leftovers, must not reach the stranger."""
+    spec = gang_spec(19, f"exec {SLEEPER} --seconds 60", ranks=2)
+    runtime.launch(spec)
+    wait_for_log(runtime, spec.gang, 2, b"ready")
+    gang_dir = runtime.gang_dir(spec.gang)
+    os.killpg(int(_started(gang_dir, 0)["pgid"]), signal.SIGTERM)
+    lost = _started(gang_dir, 1)
+    os.kill(int(read_record(gang_dir / "1" / KEEPER_FILE)["pid"]), signal.SIGKILL)
+    os.killpg(int(lost["pgid"]), signal.SIGKILL)
+    wait_until(
+        lambda: [o.phase for o in runtime.observe(spec.gang)] == ["exited", "lost"],
+        what="rank 0 to exit and rank 1 to be lost",
+    )
+    leader = psutil.Process(stranger.pid)
+    stranger_members = {stranger.pid, *(child.pid for child in leader.children())}
+    for rank in (0, 1):
+        # The ranks ran under the stranger's number until ten minutes before it started.
+        record = _started(gang_dir, rank)
+        write_record(
+            gang_dir / str(rank) / STARTED_FILE,
+            {
+                **record,
+                "pid": stranger.pid,
+                "pgid": stranger.pid,
+                "created_at": leader.create_time() - 600.0,
+            },
+        )
+
+    assert runtime.gang_processes(spec.gang) == []
+    assert runtime.find_orphans(spec.gang) == []
+    runtime.signal(spec.gang, grace_seconds=1.0)
+    runtime.notice(spec.gang, "SIGUSR2")
+    runtime.kill(spec.gang)
+    time.sleep(0.5)
+    assert all(psutil.pid_exists(pid) for pid in stranger_members)
+    assert stranger.poll() is None
+    assert [o.phase for o in runtime.observe(spec.gang)] == ["exited", "lost"]
+
+
+def _started(gang_dir: Path, rank: int) -> dict[str, Any]:
+    record = read_record(gang_dir / str(rank) / STARTED_FILE)
+    assert record is not None, f"rank {rank} has no start record"
+    return record
 
 
 def test_signal_and_kill_of_an_unknown_gang_do_nothing(runtime: LocalRuntime) -> None:
