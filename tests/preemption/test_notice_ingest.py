@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import OperationalError, close_old_connections, connection, transaction
+from django.db import OperationalError, connection, connections, transaction
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -85,7 +85,7 @@ def test_two_answers_stored_at_the_same_time_still_ask_for_the_eviction(
         except BaseException as error:
             errors.append(error)
         finally:
-            close_old_connections()
+            connections.close_all()
 
     threads = [threading.Thread(target=answer, args=(rank,)) for rank in range(2)]
     for thread in threads:
@@ -154,7 +154,7 @@ def test_a_post_that_finds_its_rows_locked_past_the_timeout_is_told_to_retry(
                 locked.set()
                 release.wait(timeout=30)
         finally:
-            close_old_connections()
+            connections.close_all()
 
     holder = threading.Thread(target=hold_the_rank)
     holder.start()
@@ -195,7 +195,7 @@ def test_a_post_that_loses_a_deadlock_is_run_again_and_stored(world: Any) -> Non
             try:
                 answers.append(APIClient().post(url, body, format="json", **headers))
             finally:
-                close_old_connections()
+                connections.close_all()
 
         poster = threading.Thread(target=post)
         try:
@@ -243,7 +243,7 @@ def test_a_checkpoint_posted_while_a_pass_holds_its_job_waits_for_it_without_a_d
         try:
             answers.append(APIClient().post(url, body, format="json", **headers))
         finally:
-            close_old_connections()
+            connections.close_all()
 
     poster = threading.Thread(target=post)
     with transaction.atomic():
