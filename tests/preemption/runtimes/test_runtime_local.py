@@ -150,7 +150,9 @@ def describe_ranks(runtime: LocalRuntime, gang: GangId, ranks: int) -> str:
                 for process in psutil.process_iter(["pid", "status", "create_time", "cmdline"])
                 if _pgid(process.pid) == int(started["pgid"])
             ]
-            lines.extend(f"  group member {member.info}" for member in members)
+            lines.extend(
+                f"  group member {member.info} {_signal_masks(member.pid)}" for member in members
+            )
     return "\n".join(lines)
 
 
@@ -159,6 +161,19 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+def _signal_masks(pid: int) -> str:
+    """The process's blocked, ignored, caught and pending signal masks, which psutil does
+    not expose: the kernel's status file is the only place that tells them."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "(gone)"
+    masks = ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    return " ".join(
+        line.replace("\t", "") for line in status.splitlines() if line.startswith(masks)
+    )
 
 
 def wait_exited(runtime: LocalRuntime, gang: GangId) -> list[RankObservation]:
