@@ -215,6 +215,12 @@ ATTACKS: list[tuple[str, str, Callable[[Scene, int], Path | int], str]] = [
         lambda s, job: s.runtime.gang_dir(GangId(job, 1)) / "0" / "exit.json",
         "EACCES",
     ),
+    (
+        "forge its own start record (to aim the control plane's signals at another group)",
+        "write",
+        lambda s, job: s.runtime.gang_dir(GangId(job, 1)) / "0" / "started.json",
+        "EACCES",
+    ),
 ]
 
 
@@ -256,8 +262,14 @@ def test_a_rank_is_refused(
     assert scene.runtime.observe(GangId(VICTIM_JOB, 1))[0].phase == "running"
     assert (victim_folder(scene) / "secret.txt").read_bytes() == victim_secret
     if action == "write":
-        forged = read_record(path)
-        assert forged is not None and forged["exit_code"] == 0 and "exited_at" in forged
+        # The keeper's record stands, not the attacker's {"exit_code": 99}.
+        kept = read_record(path)
+        assert kept is not None
+        if path.name == "started.json":
+            rank = scene.runtime.observe(spec.gang)[0]
+            assert kept["pid"] == kept["pgid"] == int(rank.handle) and "exit_code" not in kept
+        else:
+            assert kept["exit_code"] == 0 and "exited_at" in kept
 
 
 def test_a_rank_cannot_write_to_the_control_planes_exits_pipe(scene: Scene) -> None:
