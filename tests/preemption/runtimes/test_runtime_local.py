@@ -145,22 +145,13 @@ def describe_ranks(runtime: LocalRuntime, gang: GangId, ranks: int) -> str:
         started = read_record(rank_dir / STARTED_FILE)
         if started is not None:
             lines.append(f"  started {started}")
-            members = [
-                process
-                for process in psutil.process_iter(["pid", "status", "create_time", "cmdline"])
-                if _pgid(process.pid) == int(started["pgid"])
-            ]
             lines.extend(
-                f"  group member {member.info} {_signal_masks(member.pid)}" for member in members
+                f"  group member {member} {processes.command_line(member.pid)!r} "
+                f"{_signal_masks(member.pid)}"
+                for member in processes.live_processes()
+                if member.pgid == int(started["pgid"])
             )
     return "\n".join(lines)
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
 
 
 def _signal_masks(pid: int) -> str:
