@@ -19,7 +19,9 @@ admission. `run_quartermaster` does the same with Quartermaster:
   `sleep <runtimeMs / 1000>`, submitted through the REST API with an API token at
   its arrival time: Kueue's generator runs every workload set of every queue as its
   own stream that waits `creationIntervalMs` before each workload, so the n-th
-  workload of a set (counting from 1) arrives at n x creationIntervalMs.
+  workload of a set (counting from 1) arrives at n x creationIntervalMs. The
+  workloads due at the same instant (the same tick of every queue's streams) go in
+  one POST /jobs/batch/; `--one-by-one` sends each with its own POST /jobs/.
 - a portal (gunicorn), a Celery worker and Celery beat run as separate processes
   with QM_RUNTIME=mimic (preemption/runtimes/mimic.py): a job holds its GPUs for its
   running time and succeeds, as Kueue's runner finishes a workload `runtimeMs` after
@@ -505,23 +507,53 @@ def _control_plane(var_dir: Path, port: int, *, web_workers: int) -> Iterator[di
 # ------------------------------------------------------------------ submission
 
 
+def arrival_groups(workloads: list[Workload], *, together: bool) -> list[list[Workload]]:
+    """The submissions, in arrival order: with `together`, every group of workloads due
+    at the same instant (one tick of every queue's streams) is one batch request; else
+    each workload is a request of its own."""
+    if not together:
+        return [[w] for w in workloads]
+    groups: list[list[Workload]] = []
+    for workload in workloads:
+        if groups and groups[-1][0].arrival_s == workload.arrival_s:
+            groups[-1].append(workload)
+        else:
+            groups.append([workload])
+    return groups
+
+
+def _job_body(workload: Workload, flavor: str) -> dict[str, Any]:
+    return {
+        "team": workload.queue,
+        "flavor": flavor,
+        "priority_class": priority_class_name(workload.priority),
+        "ranks": 1,
+        "gpus_per_rank": workload.request,
+        "command": f"sleep {workload.runtime_ms / 1000:g}",
+        "name": workload.name,
+        "max_attempts": 100,
+        "env": workload.checkpoints.env(),
+    }
+
+
 class _Submitter(threading.Thread):
-    """One API client: takes the next workload due, waits for its arrival time and
-    submits it on a keep-alive connection."""
+    """One API client: takes the next group of workloads due, waits for its arrival time
+    and submits it on a keep-alive connection, a group of one to POST /jobs/ and a larger
+    one to POST /jobs/batch/."""
 
     def __init__(
         self,
         port: int,
         token: str,
         flavor: str,
-        workloads: list[Workload],
+        groups: list[list[Workload]],
         cursor: Iterator[int],
         lock: threading.Lock,
         start: float,
     ) -> None:
         super().__init__(daemon=True)
         self.port, self.token, self.flavor = port, token, flavor
-        self.workloads, self.cursor, self.lock, self.start_at = workloads, cursor, lock, start
+        self.groups, self.cursor, self.lock, self.start_at = groups, cursor, lock, start
         self.latencies: list[float] = []
         self.late: list[float] = []
         self.errors: list[str] = []
@@ -534,34 +566,27 @@ class _Submitter(threading.Thread):
                 index = next(self.cursor, None)
             if index is None:
                 break
-            workload = self.workloads[index]
-            due = self.start_at + workload.arrival_s
+            group = self.groups[index]
+            due = self.start_at + group[0].arrival_s
             time.sleep(max(0.0, due - time.time()))
-            body = json.dumps(
-                {
-                    "team": workload.queue,
-                    "flavor": self.flavor,
-                    "priority_class": priority_class_name(workload.priority),
-                    "ranks": 1,
-                    "gpus_per_rank": workload.request,
-                    "command": f"sleep {workload.runtime_ms / 1000:g}",
-                    "name": workload.name,
-                    "max_attempts": 100,
-                    "env": workload.checkpoints.env(),
-                }
+            if len(group) == 1:
+                path, body = "/api/v1/jobs/", _job_body(group[0], self.flavor)
+            else:
+                path = "/api/v1/jobs/batch/"
+                body = {"jobs": [_job_body(w, self.flavor) for w in group]}
+            what = f"{group[0].queue}/{group[0].name}" + (
+                f" and {len(group) - 1} more" if len(group) > 1 else ""
             )
             sent = time.time()
             self.late.append(sent - due)
             try:
-                connection.request("POST", "/api/v1/jobs/", body=body, headers=headers)
+                connection.request("POST", path, body=json.dumps(body), headers=headers)
                 response = connection.getresponse()
                 text = response.read()
                 if response.status != 201:
-                    self.errors.append(
-                        f"{workload.queue}/{workload.name}: {response.status} {text[:200]!r}"
-                    )
+                    self.errors.append(f"{what}: {response.status} {text[:200]!r}")
             except (OSError, http.client.HTTPException) as error:
-                self.errors.append(f"{workload.queue}/{workload.name}: {error!r}")
+                self.errors.append(f"{what}: {error!r}")
                 connection.close()
                 connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
             self.latencies.append(time.time() - sent)
@@ -809,8 +834,14 @@ def run_quartermaster(
     timeout_s: float = 3600.0,
     var_dir: Path | None = None,
     probe_every_s: float | None = None,
+    together: bool = True,
 ) -> dict[str, Any]:
     """Run the config's workloads through the portal, the worker and the mimic runtime.
+
+    With `together` (the default), the workloads due at the same instant are submitted
+    as one batch (POST /jobs/batch/), as a client with a whole tick's worth of jobs in
+    hand would; without it, each with its own POST /jobs/, as Kueue's runner creates
+    each Workload with its own call to the API server.
 
     Needs Django set up on an empty PostgreSQL database that the started processes can
     reach (the caller's connection), and a Redis broker. Returns `total_s`,
@@ -827,13 +858,14 @@ def run_quartermaster(
     try:
         with _control_plane(folder, port, web_workers=web_workers) as logs:
             start = time.time() + 1.0
-            cursor = iter(range(len(expansion.workloads)))
+            groups = arrival_groups(expansion.workloads, together=together)
+            cursor = iter(range(len(groups)))
             lock = threading.Lock()
             probe = _Probe(probe_every_s, start) if probe_every_s else None
             if probe is not None:
                 probe.start()
             submitters = [
-                _Submitter(port, token, expansion.flavor, expansion.workloads, cursor, lock, start)
+                _Submitter(port, token, expansion.flavor, groups, cursor, lock, start)
                 for _ in range(clients)
             ]
             for submitter in submitters:
@@ -853,6 +885,7 @@ def run_quartermaster(
             shutil.rmtree(folder, ignore_errors=True)
     latencies = [x for s in submitters for x in s.latencies]
     figures["submission"] = {
+        "requests": len(groups),
         "done_s": submitted_by,
         "errors": [e for s in submitters for e in s.errors],
         **{f"request_{k}": v for k, v in _quantiles(latencies).items()},
@@ -900,11 +933,20 @@ def main() -> int:
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--keep", action="store_true", help="keep the database for a look")
     parser.add_argument("--probe", type=float, help="time the snapshot and plan every N s")
+    parser.add_argument(
+        "--one-by-one",
+        action="store_true",
+        help="submit each workload with its own POST /jobs/ instead of one batch per instant",
+    )
     args = parser.parse_args()
 
     config = Path(args.config) if args.config else kueue_config_path()
     figures = run_on_fresh_database(
-        config, scale=args.scale, keep=args.keep, probe_every_s=args.probe
+        config,
+        scale=args.scale,
+        keep=args.keep,
+        probe_every_s=args.probe,
+        together=not args.one_by_one,
     )
     jobs = figures.pop("jobs")
     shown = {k: v for k, v in figures.items() if k not in ("teams", "probes")}

@@ -207,8 +207,10 @@ def quartermaster_lines(figures: dict[str, Any]) -> list[str]:
     lines = ["Quartermaster:"]
     submission = figures.get("submission") or {}
     if submission:
+        requests = submission.get("requests")
+        how = f" in {requests:,} requests" if requests else ""
         lines.append(
-            f"  the API took {figures.get('submitted', 0):,} submissions in "
+            f"  the API took {figures.get('submitted', 0):,} submissions{how} in "
             f"{submission['done_s']:.1f} s (request mean {submission['request_mean_s']:.2f} s, "
             f"p99 {submission['request_p99_s']:.2f} s; the last sent up to "
             f"{submission['late_max_s']:.1f} s after its arrival time)"

@@ -85,6 +85,17 @@ class NamedRelatedField(serializers.SlugRelatedField):  # type: ignore[type-arg]
         if not isinstance(data, str | int) or isinstance(data, bool):
             self.fail("invalid")
         text = str(data)
+        # A serializer that names the same rows many times (a batch of jobs) puts a
+        # dict under `named_rows` in its context: each name is then looked up once.
+        found = self.context.get("named_rows")
+        if found is None:
+            return self._look_up(text)
+        key = (self.get_queryset().model, self.slug_field, text)
+        if key not in found:
+            found[key] = self._look_up(text)
+        return found[key]
+
+    def _look_up(self, text: str) -> Any:
         try:
             if "\x00" in text or any("\ud800" <= c <= "\udfff" for c in text) or len(text) > 253:
                 self.fail("does_not_exist", slug_name=self.slug_field, value=text[:100])

@@ -3,6 +3,10 @@ reconcilers, which act for the system, live in cycle.py and reconcile.py."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
@@ -17,12 +21,35 @@ from preemption.runtime import checkpoint_dir_for
 from preemption.wakeup import queue_cycle
 from preemption.webhooks import notify
 from quotas.models import Node, PriorityClass, ResourceFlavor, Team
-from quotas.selectors import priority_allowance, team_tree, topology_levels
+from quotas.selectors import PriorityAllowance, priority_allowances, team_tree, topology_levels
 
 MAX_RANKS = 4096
 MAX_COMMAND = job_rules.MAX_COMMAND
 MAX_ATTEMPTS = 100
 MAX_RETRIES = 20
+# Jobs in one batch (POST /jobs/batch/): a sweep's worth, answered in one request.
+MAX_BATCH = 500
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """One job as a person asks for it: `ranks` × `gpus_per_rank` GPUs of `flavor`
+    for the leaf team `team`. The fields are checked by `job_submit_many`, not here:
+    a request is what came in, right or wrong."""
+
+    team: Team
+    flavor: ResourceFlavor
+    ranks: int
+    gpus_per_rank: int
+    command: str
+    priority_class: PriorityClass | None = None
+    name: str = ""
+    image: str = ""
+    env: dict[str, str] | None = None
+    max_attempts: int | None = None
+    retries: int = 0
+    topology_level: str = ""
+    topology_required: bool = True
 
 
 def job_submit(
@@ -58,87 +85,189 @@ def job_submit(
     `topology_level` asks for all ranks inside one domain of that level (a rack,
     say); with `topology_required` False the engine only prefers it.
     """
-    errors: dict[str, list[str]] = {}
-    # One read of the tree serves both checks that walk it.
+    request = JobRequest(
+        team=team,
+        flavor=flavor,
+        ranks=ranks,
+        gpus_per_rank=gpus_per_rank,
+        command=command,
+        priority_class=priority_class,
+        name=name,
+        image=image,
+        env=env,
+        max_attempts=max_attempts,
+        retries=retries,
+        topology_level=topology_level,
+        topology_required=topology_required,
+    )
+    try:
+        return job_submit_many(submitter=submitter, requests=[request], tree=tree)[0]
+    except BatchValidationError as error:
+        raise ValidationError(error.per_request[0]) from None
+
+
+class BatchValidationError(ValidationError):
+    """Some requests of a batch were refused: `per_request` holds, in the batch's
+    order, each request's fields and reasons ({} for a request that was fine); the
+    message dict names each as `<place>.<field>`."""
+
+    def __init__(self, per_request: list[dict[str, list[str]]]) -> None:
+        super().__init__(
+            {
+                f"{i}.{field}": reasons
+                for i, errors in enumerate(per_request)
+                for field, reasons in errors.items()
+            }
+        )
+        self.per_request = per_request
+
+
+def job_submit_many(
+    *,
+    submitter: AbstractBaseUser,
+    requests: Sequence[JobRequest],
+    tree: TeamTree | None = None,
+) -> list[Job]:
+    """Queue every job of `requests`, or none: a sweep or a job array is submitted
+    whole, so a refusal never leaves half of it queued.
+
+    Each request is checked as `job_submit` checks one, and a batch with any
+    refused request raises `BatchValidationError` with every request's reasons.
+    What the checks read (the tree, the teams' priority allowances, the flavors'
+    nodes) is read once for the batch, and the jobs are written with one insert,
+    so a batch costs a fixed number of queries whatever its size. The caller
+    checks that `submitter` may submit to each request's team.
+    """
+    # One read of the tree serves every check that walks it.
     tree = tree or team_tree()
-    if not tree.is_leaf(team.pk):
-        errors["team"] = [f"Team {team.slug} has sub-teams; jobs are submitted to leaf teams."]
-    ranks_ok = not isinstance(ranks, bool) and isinstance(ranks, int) and 1 <= ranks <= MAX_RANKS
+    allowances = priority_allowances(team_ids={r.team.pk for r in requests}, tree=tree)
+    node_gpus: dict[int, list[int]] = defaultdict(list)
+    for flavor_id, gpus in Node.objects.filter(
+        flavor_id__in={r.flavor.pk for r in requests}
+    ).values_list("flavor_id", "gpus"):
+        node_gpus[flavor_id].append(gpus)
+    levels = topology_levels()
+    per_request: list[dict[str, list[str]]] = []
+    classes: list[PriorityClass] = []
+    for request in requests:
+        errors, priority_class = _request_errors(
+            request, tree, allowances[request.team.pk], node_gpus[request.flavor.pk], levels
+        )
+        per_request.append(errors)
+        if not errors:
+            assert priority_class is not None
+            classes.append(priority_class)
+    if any(per_request):
+        raise BatchValidationError(per_request)
+    # Only the writes share a transaction: on SQLite it holds the database's one
+    # write lock from its start, and the checks above only read.
+    with transaction.atomic():
+        jobs = Job.objects.bulk_create(
+            [
+                Job(
+                    name=r.name,
+                    team=r.team,
+                    submitter=submitter,
+                    priority_class=priority_class,
+                    flavor=r.flavor,
+                    ranks=r.ranks,
+                    gpus_per_rank=r.gpus_per_rank,
+                    command=r.command,
+                    image=r.image,
+                    env=r.env or {},
+                    # The retries asked for are all run unless max_attempts says otherwise.
+                    max_attempts=r.max_attempts or max(settings.QM_MAX_ATTEMPTS, r.retries + 1),
+                    retries=r.retries,
+                    topology_level=r.topology_level,
+                    topology_required=r.topology_required,
+                    waiting_reason="waiting for the next scheduling cycle",
+                )
+                for r, priority_class in zip(requests, classes, strict=True)
+            ]
+        )
+        # The folder's name carries the job's number, known once the row exists.
+        for job in jobs:
+            job.checkpoint_dir = checkpoint_dir_for(job.pk)
+        Job.objects.bulk_update(jobs, ["checkpoint_dir"])
+        queue_cycle()
+    return jobs
+
+
+def _request_errors(
+    request: JobRequest,
+    tree: TeamTree,
+    allowance: PriorityAllowance,
+    node_gpus: list[int],
+    levels: dict[str, str],
+) -> tuple[dict[str, list[str]], PriorityClass | None]:
+    """What is wrong with one request, by field, and the priority class it gets."""
+    r = request
+    errors: dict[str, list[str]] = {}
+    if not tree.is_leaf(r.team.pk):
+        errors["team"] = [f"Team {r.team.slug} has sub-teams; jobs are submitted to leaf teams."]
+    ranks_ok = (
+        not isinstance(r.ranks, bool) and isinstance(r.ranks, int) and 1 <= r.ranks <= MAX_RANKS
+    )
     if not ranks_ok:
-        errors["ranks"] = [f"Must be a whole number from 1 to {MAX_RANKS} (got {ranks})."]
-    if isinstance(gpus_per_rank, bool) or not isinstance(gpus_per_rank, int) or gpus_per_rank < 1:
-        errors["gpus_per_rank"] = [f"Must be a whole number of at least 1 (got {gpus_per_rank})."]
+        errors["ranks"] = [f"Must be a whole number from 1 to {MAX_RANKS} (got {r.ranks})."]
+    if (
+        isinstance(r.gpus_per_rank, bool)
+        or not isinstance(r.gpus_per_rank, int)
+        or r.gpus_per_rank < 1
+    ):
+        errors["gpus_per_rank"] = [f"Must be a whole number of at least 1 (got {r.gpus_per_rank})."]
     else:
-        errors.update(_capacity_errors(flavor, ranks if ranks_ok else 0, gpus_per_rank))
-    if not command or not command.strip():
+        errors.update(
+            _capacity_errors(r.flavor, node_gpus, r.ranks if ranks_ok else 0, r.gpus_per_rank)
+        )
+    if not r.command or not r.command.strip():
         errors["command"] = ["A command is required."]
-    elif reasons := job_rules.text_errors(command, limit=MAX_COMMAND):
+    elif reasons := job_rules.text_errors(r.command, limit=MAX_COMMAND):
         errors["command"] = reasons
-    if reasons := job_rules.text_errors(name, limit=job_rules.MAX_NAME):
+    if reasons := job_rules.text_errors(r.name, limit=job_rules.MAX_NAME):
         errors["name"] = reasons
-    if reasons := job_rules.image_errors(image):
+    if reasons := job_rules.image_errors(r.image):
         errors["image"] = reasons
-    if env is not None and (
-        not isinstance(env, dict)
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    if r.env is not None and (
+        not isinstance(r.env, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in r.env.items())
     ):
         errors["env"] = ["Must be an object of string names to string values."]
-    elif env and (reasons := job_rules.env_errors(env)):
+    elif r.env and (reasons := job_rules.env_errors(r.env)):
         errors["env"] = reasons
-    if max_attempts is not None and (
-        isinstance(max_attempts, bool)
-        or not isinstance(max_attempts, int)
-        or not 1 <= max_attempts <= MAX_ATTEMPTS
+    if r.max_attempts is not None and (
+        isinstance(r.max_attempts, bool)
+        or not isinstance(r.max_attempts, int)
+        or not 1 <= r.max_attempts <= MAX_ATTEMPTS
     ):
         errors["max_attempts"] = [f"Must be a whole number from 1 to {MAX_ATTEMPTS}."]
-    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
-        errors["retries"] = [f"Must be a whole number from 0 to {MAX_RETRIES} (got {retries})."]
-    errors.update(topology_errors(topology_level, topology_required))
-    allowance = priority_allowance(team=team, tree=tree)
+    if (
+        isinstance(r.retries, bool)
+        or not isinstance(r.retries, int)
+        or not 0 <= r.retries <= MAX_RETRIES
+    ):
+        errors["retries"] = [f"Must be a whole number from 0 to {MAX_RETRIES} (got {r.retries})."]
+    errors.update(topology_errors(r.topology_level, r.topology_required, levels))
+    priority_class = r.priority_class
     if priority_class is None:
         priority_class = allowance.default
         if priority_class is None:
             errors["priority_class"] = [
-                f"Team {team.slug} may use no priority class; an admin must allow one."
+                f"Team {r.team.slug} may use no priority class; an admin must allow one."
             ]
     elif not allowance.allows(priority_class):
         errors["priority_class"] = [
-            f"Team {team.slug} may not use {priority_class.name}; "
+            f"Team {r.team.slug} may not use {priority_class.name}; "
             f"it may use: {allowance.describe()}."
         ]
-    if errors:
-        raise ValidationError(errors)
-    assert priority_class is not None
-    # Only the writes share a transaction: on SQLite it holds the database's one
-    # write lock from its start, and the checks above only read.
-    with transaction.atomic():
-        job = Job.objects.create(
-            name=name,
-            team=team,
-            submitter=submitter,
-            priority_class=priority_class,
-            flavor=flavor,
-            ranks=ranks,
-            gpus_per_rank=gpus_per_rank,
-            command=command,
-            image=image,
-            env=env or {},
-            # The retries asked for are all run unless max_attempts says otherwise.
-            max_attempts=max_attempts or max(settings.QM_MAX_ATTEMPTS, retries + 1),
-            retries=retries,
-            topology_level=topology_level,
-            topology_required=topology_required,
-            waiting_reason="waiting for the next scheduling cycle",
-        )
-        job.checkpoint_dir = checkpoint_dir_for(job.pk)
-        job.save(update_fields=["checkpoint_dir"])
-        queue_cycle()
-    return job
+    return errors, priority_class
 
 
-def topology_errors(level: object, required: object) -> dict[str, list[str]]:
+def topology_errors(
+    level: object, required: object, levels: dict[str, str] | None = None
+) -> dict[str, list[str]]:
     errors: dict[str, list[str]] = {}
-    levels = topology_levels()
+    levels = topology_levels() if levels is None else levels
     if not isinstance(level, str):
         errors["topology_level"] = ["Must be the name of a topology level, or empty."]
     elif level and level not in levels:
@@ -175,11 +304,11 @@ def job_topology_set(
 
 
 def _capacity_errors(
-    flavor: ResourceFlavor, ranks: int, gpus_per_rank: int
+    flavor: ResourceFlavor, nodes: list[int], ranks: int, gpus_per_rank: int
 ) -> dict[str, list[str]]:
-    """What the flavor's nodes can never hold. Every node of the flavor counts,
-    cordoned ones too: a job that fits once they are back may wait for them."""
-    nodes = list(Node.objects.filter(flavor=flavor).values_list("gpus", flat=True))
+    """What the flavor's nodes (`nodes`: each one's GPUs) can never hold. Every node
+    of the flavor counts, cordoned ones too: a job that fits once they are back may
+    wait for them."""
     largest = max(nodes, default=0)
     if gpus_per_rank > largest:
         where = (

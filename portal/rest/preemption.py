@@ -22,7 +22,7 @@ from gracetrap_protocol import EVENT_NAMES
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.decorators import action
-from rest_framework.exceptions import AuthenticationFailed, NotFound
+from rest_framework.exceptions import AuthenticationFailed, NotFound, ValidationError
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -281,6 +281,15 @@ class JobSubmitSerializer(serializers.Serializer[Any]):
         required=False,
         default=True,
         help_text="False: only prefer one domain, and fall back to any nodes.",
+    )
+
+
+class JobBatchSerializer(serializers.Serializer[Any]):
+    jobs = JobSubmitSerializer(
+        many=True,
+        allow_empty=False,
+        max_length=services.MAX_BATCH,
+        help_text=f"1 to {services.MAX_BATCH} jobs, each as POST /jobs/ takes it.",
     )
 
 
@@ -543,6 +552,15 @@ class JobFilter(django_filters.FilterSet):
         fields = ["team", "state", "submitter", "flavor", "since", "until"]
 
 
+def _batch_errors(errors: Any) -> Any:
+    """A batch's field errors with each refused job named by its place in the batch;
+    DRF lists every job, the accepted ones as empty objects."""
+    jobs = errors.get("jobs") if isinstance(errors, dict) else None
+    if isinstance(jobs, list) and jobs and all(isinstance(e, dict) for e in jobs):
+        return {**errors, "jobs": {str(i): e for i, e in enumerate(jobs) if e}}
+    return errors
+
+
 @extend_schema_view(
     list=extend_schema(
         summary="Jobs you can see", responses=responses(JobSerializer(many=True), 400, 401)
@@ -594,6 +612,44 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
             raise deny(f"You may not submit jobs to team {team.slug}.")
         job = services.job_submit(submitter=request.user, team=team, tree=access.tree, **values)
         return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        summary="Submit many jobs at once",
+        description=(
+            "A sweep or a job array, queued whole or not at all: every job is checked as "
+            "POST /jobs/ checks one, and one refused job refuses the batch. A 400 names "
+            "each refused job by its place in `jobs` (from 0) with its fields and reasons; "
+            "a 403 names the teams you may not submit to. The answer lists the queued "
+            "jobs in the order given."
+        ),
+        request=JobBatchSerializer,
+        responses=responses(JobSerializer(many=True), 400, 401, 403, status_code=201),
+    )
+    @action(
+        detail=False, methods=["post"], url_path="batch", filter_backends=[], pagination_class=None
+    )
+    def batch(self, request: Request) -> Response:
+        incoming = JobBatchSerializer(data=request.data, context={"named_rows": {}})
+        if not incoming.is_valid():
+            raise ValidationError(_batch_errors(incoming.errors))
+        items = [dict(item) for item in incoming.validated_data["jobs"]]
+        access = access_of(request)
+        refused = sorted({i["team"].slug for i in items if not access.can_submit_to(i["team"].pk)})
+        if refused:
+            raise deny(
+                f"You may not submit jobs to team{'s' if len(refused) > 1 else ''} {', '.join(refused)}."
+            )
+        try:
+            jobs = services.job_submit_many(
+                submitter=request.user,
+                requests=[services.JobRequest(**item) for item in items],
+                tree=access.tree,
+            )
+        except services.BatchValidationError as error:
+            raise ValidationError(
+                {"jobs": {str(i): e for i, e in enumerate(error.per_request) if e}}
+            ) from None
+        return Response(JobSerializer(jobs, many=True).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(
         summary="Cancel a job",

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench.kueue_qm import expand, load_config, run_quartermaster
+from bench.kueue_qm import arrival_groups, expand, load_config, run_quartermaster
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
 CONFIG = Path(__file__).with_name("kueue_small.yaml")
@@ -30,6 +30,9 @@ def test_the_small_config_runs_through_the_whole_control_plane(tmp_path: Path) -
     figures = run_quartermaster(CONFIG, var_dir=tmp_path)
 
     assert figures["submission"]["errors"] == []
+    # The workloads due together went in one batch request each.
+    groups = arrival_groups(expansion.workloads, together=True)
+    assert figures["submission"]["requests"] == len(groups) < len(expansion.workloads)
     assert figures["states"] == {"succeeded": 228}
     assert set(figures["admission"]) == {"small", "urgent", "medium", "large"}
     for name, times in figures["admission"].items():

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from bench.kueue_qm import Workload, arrival_groups
 from bench.kueue_side import percentile
 from bench.kueue_table import comparison_rows, format_table, quartermaster_lines
 
@@ -134,6 +135,7 @@ def test_quartermaster_lines_say_where_the_time_went() -> None:
     figures = {
         "submitted": 15000,
         "submission": {
+            "requests": 1160,
             "done_s": 412.25,
             "request_mean_s": 0.4,
             "request_p99_s": 1.25,
@@ -145,10 +147,26 @@ def test_quartermaster_lines_say_where_the_time_went() -> None:
     }
     assert quartermaster_lines(figures) == [
         "Quartermaster:",
-        "  the API took 15,000 submissions in 412.2 s (request mean 0.40 s, p99 1.25 s; "
+        "  the API took 15,000 submissions in 1,160 requests in 412.2 s (request mean 0.40 s, p99 1.25 s; "
         "the last sent up to 350.0 s after its arrival time)",
         "  launched 0.37 s after admission (p99 0.88 s); "
         "an end noticed 1.69 s after the exit (p99 6.76 s)",
         "  GPUs held 41,141 GPU-s for 39,600 GPU-s of work",
     ]
     assert quartermaster_lines({}) == []
+
+
+def test_arrival_groups_put_workloads_due_together_in_one_request() -> None:
+    def due(name: str, at: float) -> Workload:
+        return Workload(name, "q", "small", 1, 50, 200, at)
+
+    workloads = [due("a", 0.1), due("b", 0.1), due("c", 0.2), due("d", 0.5), due("e", 0.5)]
+    groups = arrival_groups(workloads, together=True)
+    assert [[w.name for w in g] for g in groups] == [["a", "b"], ["c"], ["d", "e"]]
+    assert [[w.name for w in g] for g in arrival_groups(workloads, together=False)] == [
+        ["a"],
+        ["b"],
+        ["c"],
+        ["d"],
+        ["e"],
+    ]

@@ -434,6 +434,24 @@ case(
     ),
 )
 case(
+    "POST",
+    "/api/v1/jobs/batch/",
+    Case(
+        "sweep to vision",
+        "POST",
+        lambda w, o: f"{V1}/jobs/batch/",
+        _expect(201, 201, 403, 201, 403),
+        body=lambda w, o: {"jobs": [_job_body("vision")(w, o)] * 2},
+    ),
+    Case(
+        "sweep to vision and ops",
+        "POST",
+        lambda w, o: f"{V1}/jobs/batch/",
+        _admin_only(201),
+        body=lambda w, o: {"jobs": [_job_body("vision")(w, o), _job_body("ops")(w, o)]},
+    ),
+)
+case(
     "GET",
     "/api/v1/jobs/{id}/",
     Case("vision job", "GET", lambda w, o: f"{V1}/jobs/{o.job_v.pk}/", VISION_READ),
