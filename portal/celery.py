@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from celery import Celery
+from celery import Celery, Task
+from celery.signals import task_postrun, task_prerun
+from django.db import close_old_connections
 
 import portal.broker  # noqa: F401 - registers the embedded default's disk broker
 
@@ -12,6 +14,22 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
 app = Celery("quartermaster")
 app.config_from_object("django.conf:settings", namespace="CELERY")
+
+
+@task_prerun.connect
+@task_postrun.connect
+def _close_old_connections(sender: Task | None = None, **_: object) -> None:
+    """Drop the database connections Django would drop at a request's edges: broken
+    ones and those older than CONN_MAX_AGE. Celery's own Django fixup closes every
+    connection around every task unless CELERY_DB_REUSE_MAX is set (settings.py sets
+    it), and a new PostgreSQL session per task cost the worker a twentieth of its time
+    with passes four times a second. A task run eagerly, inside a caller's
+    transaction, leaves the caller's connection alone, as the fixup does."""
+    if sender is not None and getattr(sender.request, "is_eager", False):
+        return
+    close_old_connections()
+
+
 app.autodiscover_tasks()
 
 

@@ -226,6 +226,10 @@ CELERY_TASK_TIME_LIMIT = 90
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 CELERY_TIMEZONE = "UTC"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Celery closes a worker's database connections after this many tasks (counted
+# twice: before and after each); in between, CONN_MAX_AGE and the health checks
+# decide, as for web requests (portal/celery.py).
+CELERY_DB_REUSE_MAX = 5000
 QM_CYCLE_SECONDS = env_float("QM_CYCLE_SECONDS", 1.0, minimum=0.1)
 # How often the reconciler looks at the runtime. A finished rank is noticed at the
 # next pass, and its GPUs go to the next job only then: with jobs of seconds, a

@@ -4,6 +4,7 @@ Redis (not eager mode), against the same PostgreSQL database."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 import uuid
@@ -81,3 +82,62 @@ def test_a_real_worker_admits_runs_and_finishes_a_job(world: Any, tmp_path: Path
             worker.terminate()
     output = worker.communicate(timeout=30)[0].decode(errors="replace")
     assert "preemption.tasks.schedule_cycle" in output and "succeeded" in output
+
+
+def _sessions_opened(database: str) -> int:
+    """PostgreSQL's count of the sessions ever opened to `database`, read afresh."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute("SELECT sessions FROM pg_stat_database WHERE datname = %s", [database])
+        return int(cursor.fetchone()[0])
+
+
+def test_a_worker_keeps_its_database_session_across_tasks(world: Any, tmp_path: Path) -> None:
+    # Passes run four times a second: a new PostgreSQL session for each (a backend
+    # forked, authenticated, its caches warmed) cost the worker a twentieth of its time.
+    queue = f"test-{uuid.uuid4().hex[:8]}"
+    db = connection.settings_dict
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"postgres://{db['USER']}:{db['PASSWORD']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}",
+        "QM_RUNS_DIR": str(tmp_path / "runs"),
+        "QM_CHECKPOINTS_DIR": str(tmp_path / "checkpoints"),
+    }
+    log = tmp_path / "worker.log"
+    tasks = 12
+    before = _sessions_opened(db["NAME"])
+    with open(log, "wb") as out:
+        worker = subprocess.Popen(
+            [*worker_command(hostname=f"{queue}@%h", concurrency=1), "--pool", "solo", "-Q", queue],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        for _ in range(tasks):
+            reconcile.apply_async(kwargs={"job_ids": []}, queue=queue)
+        deadline = time.monotonic() + 120
+        done = 0
+        while time.monotonic() < deadline and done < tasks:
+            time.sleep(0.2)
+            done = len(
+                re.findall(
+                    r"preemption\.tasks\.reconcile\[[^\]]+\] succeeded",
+                    log.read_text(errors="replace"),
+                )
+            )
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    output = log.read_text(errors="replace")
+    assert done == tasks, output[-6000:]
+    # The worker's sessions have ended, so their counts are in; a second read waits
+    # for the statistics to be flushed should the first come too early.
+    deadline = time.monotonic() + 10
+    opened = _sessions_opened(db["NAME"]) - before
+    while opened == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        opened = _sessions_opened(db["NAME"]) - before
+    assert 1 <= opened <= 2, (opened, output[-3000:])
