@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
-from django.db import models
-from django.db.models import Max
+from django.db import connection, models
+from django.db.models import F, FloatField, Max
+from django.db.models.functions import Cast, Extract
 from django.utils import timezone
 
 import fairshare
@@ -28,6 +30,20 @@ ENGINE_STATE = {
 
 def _ts(moment: datetime | None) -> float | None:
     return moment.timestamp() if moment is not None else None
+
+
+def _seconds(field: str) -> Any:
+    """A timestamp column as seconds since the epoch, computed by PostgreSQL: a cycle
+    reads every waiting job's submission time, and parsing tens of thousands of
+    timestamps into aware datetimes took a tenth of a busy worker's time. Other
+    databases answer the datetime, which `_seconds_of` turns into the same number."""
+    if connection.vendor == "postgresql":
+        return Cast(Extract(field, "epoch"), FloatField())
+    return F(field)
+
+
+def _seconds_of(value: float | datetime) -> float:
+    return value.timestamp() if isinstance(value, datetime) else float(value)
 
 
 def workload_id(job_id: int) -> str:
@@ -160,6 +176,7 @@ def build_snapshot(
     jobs = list(
         Job.objects.filter(state__in=list(ENGINE_STATE))
         .exclude(state__in=[JobState.PENDING, JobState.REQUEUED], not_before__gt=now)
+        .annotate(submitted=_seconds("submitted_at"))
         .values_list(
             "id",
             "team__slug",
@@ -168,7 +185,7 @@ def build_snapshot(
             "ranks",
             "gpus_per_rank",
             "state",
-            "submitted_at",
+            "submitted",
             "topology_level",
             "topology_required",
         )
@@ -225,7 +242,7 @@ def build_snapshot(
                 ranks=ranks,
                 gpus_per_rank=gpus_per_rank,
                 state=engine_state,
-                submitted_at=submitted_at.timestamp(),
+                submitted_at=_seconds_of(submitted_at),
                 admitted_at=admitted_at,
                 placement=placement,
                 last_checkpoint_at=last_checkpoint_at,

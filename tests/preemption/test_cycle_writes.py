@@ -27,6 +27,7 @@ from preemption.models import (
 )
 from preemption.snapshot import build_snapshot, held_jobs
 from tests import builders
+from tests.on_sqlite import passes_on_sqlite
 
 pytestmark = pytest.mark.django_db
 
@@ -187,3 +188,28 @@ def test_a_job_committed_while_the_cycle_read_its_snapshot_is_not_admitted_befor
     assert job.state == JobState.ADMITTED
     assert job.admitted_at >= job.submitted_at
     assert Attempt.objects.get(job=job).admitted_at == job.admitted_at
+
+
+def test_the_snapshot_reads_each_submission_time_to_the_microsecond(world: Any) -> None:
+    # PostgreSQL answers the seconds since the epoch itself; the engine must see the
+    # very number Python's own conversion gives, or equal jobs could swap places.
+    moments = [
+        timezone.now().replace(microsecond=m) - timedelta(days=d)
+        for d, m in ((0, 1), (3, 999_999), (400, 123_457), (0, 0))
+    ]
+    jobs = []
+    for index, moment in enumerate(moments):
+        job = builders.job(world, world.vision, state=JobState.PENDING, name=f"at-{index}")
+        Job.objects.filter(pk=job.pk).update(submitted_at=moment)
+        jobs.append(job)
+    seen = {w.id: w.submitted_at for w in build_snapshot().workloads}
+    assert [seen[str(job.pk)] for job in jobs] == [moment.timestamp() for moment in moments]
+    assert all(type(seen[str(job.pk)]) is float for job in jobs)
+
+
+def test_the_snapshot_reads_submission_times_alike_on_sqlite(tmp_path: Any) -> None:
+    passes_on_sqlite(
+        tmp_path,
+        __file__,
+        "test_the_snapshot_reads_each_submission_time_to_the_microsecond",
+    )
