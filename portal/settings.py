@@ -87,6 +87,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "portal.body_limit.BodyLimitMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -97,6 +98,10 @@ MIDDLEWARE = [
     # Last, so that it turns a login that django-axes refused into the lockout answer.
     "axes.middleware.AxesMiddleware",
 ]
+
+# The largest request body, checked at the door for every request
+# (portal/body_limit.py): room for a batch of 500 jobs of about 20 KB each.
+DATA_UPLOAD_MAX_MEMORY_SIZE = 10 * 1024 * 1024
 
 ROOT_URLCONF = "portal.urls"
 DEFAULT_EXCEPTION_REPORTER_FILTER = "portal.errors.SettingsReporterFilter"

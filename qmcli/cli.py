@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import itertools
 import json
+import math
 import os
 import shlex
 import socket
@@ -294,6 +296,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         body["image"] = args.image
     if args.retries:
         body["retries"] = args.retries
+    if args.sweep:
+        return _submit_sweep(args, body, _parse_sweep(args.sweep))
     job = Client.from_environment().call("POST", "jobs/", json=body)
     if args.json:
         print_json(job)
@@ -301,6 +305,63 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(
             f"Submitted job {job['id']} to {job['team']} ({job['gpus']} GPUs of {job['flavor']}, {job['priority_class']}): {job['state']}"
         )
+    return EXIT_OK
+
+
+# The most jobs POST /jobs/batch/ takes in one call.
+MAX_SWEEP = 500
+
+
+def _parse_sweep(specs: Iterable[str]) -> list[tuple[str, list[str]]]:
+    """`NAME=V1,V2,...` per --sweep, in the order given."""
+    axes: list[tuple[str, list[str]]] = []
+    for spec in specs:
+        name, sep, values = spec.partition("=")
+        choices = values.split(",") if values else []
+        if not sep or not name or not choices or not all(choices):
+            raise CliError(
+                f"--sweep takes NAME=VALUE,VALUE,... with no empty value (got {spec!r})",
+                EXIT_USAGE,
+            )
+        if any(name == other for other, _ in axes):
+            raise CliError(f"--sweep names {name} twice", EXIT_USAGE)
+        axes.append((name, choices))
+    return axes
+
+
+def _submit_sweep(
+    args: argparse.Namespace, body: dict[str, Any], axes: list[tuple[str, list[str]]]
+) -> int:
+    """One job per combination of the sweep's values, each with its values in its
+    environment and its name, queued together: all of them or none."""
+    count = math.prod(len(choices) for _, choices in axes)
+    if count > MAX_SWEEP:
+        raise CliError(
+            f"the sweep makes {count:,} jobs; the server takes at most {MAX_SWEEP} at once",
+            EXIT_USAGE,
+        )
+    jobs = []
+    for values in itertools.product(*(choices for _, choices in axes)):
+        chosen = dict(zip((name for name, _ in axes), values, strict=True))
+        label = ",".join(f"{name}={value}" for name, value in chosen.items())
+        jobs.append(
+            {
+                **body,
+                "name": f"{body['name']}[{label}]" if body["name"] else label,
+                "env": {**body["env"], **chosen},
+            }
+        )
+    queued = Client.from_environment().call("POST", "jobs/batch/", json={"jobs": jobs})
+    if args.json:
+        print_json(queued)
+    else:
+        first = queued[0]
+        print(
+            f"Submitted {len(queued)} jobs to {first['team']} ({first['gpus']} GPUs of "
+            f"{first['flavor']} each, {first['priority_class']}):"
+        )
+        for job in queued:
+            print(f"  {job['id']}  {job['name']}")
     return EXIT_OK
 
 
@@ -562,6 +623,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("--image", help="container image (Kubernetes runtime)")
     submit.add_argument("--env", action="append", metavar="NAME=VALUE", help="repeatable")
+    submit.add_argument(
+        "--sweep",
+        action="append",
+        metavar="NAME=V1,V2,...",
+        help="one job per value (per combination, when repeated), the value in NAME; "
+        "queued together, all or none",
+    )
     submit.add_argument("--command", dest="command_text", help="the command as one string")
     submit.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     submit.set_defaults(handler=cmd_submit)

@@ -489,3 +489,79 @@ def test_submit_asks_for_retries_within_bounds(world: Any, qm: Any) -> None:
     assert too_many.returncode == 1
     assert too_many.stderr.strip() == "qm: retries: Must be a whole number from 0 to 20 (got 21)."
     assert not Job.objects.filter(name="many").exists()
+
+
+def test_submit_sweep_queues_one_job_per_combination_or_none(world: Any, qm: Any) -> None:
+    _, token = api_token_create(user=world.users["researcher"], name="ci")
+    common = ["submit", "--team", "vision", "--flavor", "h100-80gb", "--env", "SEED=1"]
+    swept = qm(
+        *common,
+        "--name",
+        "lr",
+        "--sweep",
+        "LR=0.1,0.2",
+        "--sweep",
+        "WD=0,0.01",
+        "--",
+        "python",
+        "train.py",
+        env={"QM_TOKEN": token},
+    )
+    assert swept.returncode == 0, swept.stderr
+    jobs = list(Job.objects.order_by("pk"))
+    assert [(job.name, job.env) for job in jobs] == [
+        ("lr[LR=0.1,WD=0]", {"SEED": "1", "LR": "0.1", "WD": "0"}),
+        ("lr[LR=0.1,WD=0.01]", {"SEED": "1", "LR": "0.1", "WD": "0.01"}),
+        ("lr[LR=0.2,WD=0]", {"SEED": "1", "LR": "0.2", "WD": "0"}),
+        ("lr[LR=0.2,WD=0.01]", {"SEED": "1", "LR": "0.2", "WD": "0.01"}),
+    ]
+    assert {job.command for job in jobs} == {"python train.py"}
+    assert swept.stdout.splitlines()[0] == (
+        "Submitted 4 jobs to vision (1 GPUs of h100-80gb each, ai-batch-preemptible):"
+    )
+    assert [line.split()[0] for line in swept.stdout.splitlines()[1:]] == [
+        str(job.pk) for job in jobs
+    ]
+
+    # A sweep the server refuses queues nothing and says why in one line.
+    too_big = qm(
+        *common,
+        "--gpus-per-rank",
+        "9",
+        "--sweep",
+        "LR=0.1,0.2",
+        "--",
+        "true",
+        env={"QM_TOKEN": token},
+    )
+    assert too_big.returncode == 1
+    assert too_big.stderr.strip() == (
+        "qm: jobs: 0: gpus_per_rank: Each rank needs 9 GPUs; the largest h100-80gb node "
+        "has 8.; 1: gpus_per_rank: Each rank needs 9 GPUs; the largest h100-80gb node has 8."
+    )
+    elsewhere = qm(
+        "submit",
+        "--team",
+        "ops",
+        "--flavor",
+        "h100-80gb",
+        "--sweep",
+        "LR=1,2",
+        "--",
+        "true",
+        env={"QM_TOKEN": token},
+    )
+    assert elsewhere.returncode != 0
+    assert elsewhere.stderr.strip() == "qm: not allowed: You may not submit jobs to team ops."
+    for bad in ("LR", "LR=", "LR=1,,2", "=1"):
+        usage = qm(*common, "--sweep", bad, "--", "true", env={"QM_TOKEN": token})
+        assert usage.returncode == 2 and "--sweep takes NAME=VALUE" in usage.stderr, bad
+    huge = qm(
+        *common,
+        *[f"--sweep=X{i}=" + ",".join(map(str, range(10))) for i in range(3)],
+        "--",
+        "true",
+        env={"QM_TOKEN": token},
+    )
+    assert huge.returncode == 2 and "makes 1,000 jobs" in huge.stderr
+    assert Job.objects.count() == 4

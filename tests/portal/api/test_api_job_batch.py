@@ -201,3 +201,21 @@ def test_fields_a_submitter_may_not_set_are_ignored(world: Any) -> None:
 def test_signed_out_callers_get_401(world: Any) -> None:
     assert post(world.client("anonymous"), {"jobs": [spec()]}).status_code == 401
     assert not Job.objects.exists()
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(world: Any, settings: Any) -> None:
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 4096
+    jobs = [spec(name=f"big-{i}", command="x" * 900) for i in range(10)]
+    response = post(world.client("researcher"), {"jobs": jobs})
+    assert response.status_code == 413
+    assert "at most 4,096 are accepted" in response.json()["detail"]
+    assert not Job.objects.exists()
+    # The same jobs in smaller batches go in.
+    for start in range(0, 10, 3):
+        part = jobs[start : start + 3]
+        assert post(world.client("researcher"), {"jobs": part}).status_code == 201
+    assert Job.objects.count() == 10
+    page = world.client("researcher").post(
+        "/teams/", data="x" * 5000, content_type="application/octet-stream"
+    )
+    assert page.status_code == 413 and b"at most 4,096" in page.content
