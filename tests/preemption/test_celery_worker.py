@@ -25,16 +25,21 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_a_real_worker_admits_runs_and_finishes_a_job(world: Any, tmp_path: Path) -> None:
-    assert settings.CELERY_BROKER_URL.startswith("redis://"), "make test runs this against Redis"
-    queue = f"test-{uuid.uuid4().hex[:8]}"
+def _worker_env(tmp_path: Path) -> dict[str, str]:
+    """A worker's environment: this test database, and runs and checkpoints of its own."""
     db = connection.settings_dict
-    env = {
+    return {
         **os.environ,
         "DATABASE_URL": f"postgres://{db['USER']}:{db['PASSWORD']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}",
         "QM_RUNS_DIR": str(tmp_path / "runs"),
         "QM_CHECKPOINTS_DIR": str(tmp_path / "checkpoints"),
     }
+
+
+def test_a_real_worker_admits_runs_and_finishes_a_job(world: Any, tmp_path: Path) -> None:
+    assert settings.CELERY_BROKER_URL.startswith("redis://"), "make test runs this against Redis"
+    queue = f"test-{uuid.uuid4().hex[:8]}"
+    env = _worker_env(tmp_path)
     worker = subprocess.Popen(
         # The portal's own worker command line, on a queue of its own with one process.
         [*worker_command(hostname=f"{queue}@%h", concurrency=1), "--pool", "solo", "-Q", queue],
@@ -96,16 +101,11 @@ def test_a_worker_keeps_its_database_session_across_tasks(world: Any, tmp_path: 
     # Passes run four times a second: a new PostgreSQL session for each (a backend
     # forked, authenticated, its caches warmed) cost the worker a twentieth of its time.
     queue = f"test-{uuid.uuid4().hex[:8]}"
-    db = connection.settings_dict
-    env = {
-        **os.environ,
-        "DATABASE_URL": f"postgres://{db['USER']}:{db['PASSWORD']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}",
-        "QM_RUNS_DIR": str(tmp_path / "runs"),
-        "QM_CHECKPOINTS_DIR": str(tmp_path / "checkpoints"),
-    }
+    env = _worker_env(tmp_path)
     log = tmp_path / "worker.log"
     tasks = 12
-    before = _sessions_opened(db["NAME"])
+    database = connection.settings_dict["NAME"]
+    before = _sessions_opened(database)
     with open(log, "wb") as out:
         worker = subprocess.Popen(
             [*worker_command(hostname=f"{queue}@%h", concurrency=1), "--pool", "solo", "-Q", queue],
@@ -136,8 +136,8 @@ def test_a_worker_keeps_its_database_session_across_tasks(world: Any, tmp_path: 
     # The worker's sessions have ended, so their counts are in; a second read waits
     # for the statistics to be flushed should the first come too early.
     deadline = time.monotonic() + 10
-    opened = _sessions_opened(db["NAME"]) - before
+    opened = _sessions_opened(database) - before
     while opened == 0 and time.monotonic() < deadline:
         time.sleep(0.5)
-        opened = _sessions_opened(db["NAME"]) - before
+        opened = _sessions_opened(database) - before
     assert 1 <= opened <= 2, (opened, output[-3000:])
