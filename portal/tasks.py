@@ -7,6 +7,8 @@ beat schedule (`portal.celery`) and messages already queued keep working.
 
 from __future__ import annotations
 
+import time
+
 from celery import shared_task
 from django.conf import settings
 from django.utils import timezone
@@ -26,8 +28,16 @@ COMMON = {"acks_late": True, "soft_time_limit": 30, "time_limit": 60, "ignore_re
 @shared_task(name=SCHEDULE_CYCLE_TASK, expires=5, **COMMON)
 def schedule_cycle(requested_at: float | None = None) -> dict[str, int]:
     """A cycle: every period from the beat, and on request (``requested_at``, when it
-    was asked for) unless a cycle that started since then already served it."""
-    if requested_at is not None and cycle_started_since(requested_at):
+    was asked for) unless a cycle that started since then already served it.
+
+    The beat's cycle is for what no request announces (a minimum runtime or a
+    backoff running out): one that started less than half a period ago saw almost
+    the same state, so the beat's is skipped then. In a busy cluster, where jobs end
+    and ask for cycles many times a second, it would plan again what was just
+    planned, and find nothing new about as often as not."""
+    if requested_at is None:
+        requested_at = time.time() - settings.QM_CYCLE_SECONDS / 2
+    if cycle_started_since(requested_at):
         return {"admitted": 0, "preempted": 0, "waiting": 0}
     result = run_cycle()
     return {

@@ -65,6 +65,22 @@ def test_a_requested_cycle_that_another_cycle_served_does_nothing(
     assert Attempt.objects.filter(job=job).exists()
 
 
+def test_the_beats_cycle_is_skipped_right_after_another_cycle(
+    world: Any, settings: Any, tmp_path: Path
+) -> None:
+    settings.VAR_DIR = tmp_path
+    settings.QM_CYCLE_SECONDS = 4.0
+    schedule_cycle(act=False)
+    job = builders.job(world, world.vision, state=JobState.PENDING)
+    # Less than half a period later the beat's cycle plans nothing again.
+    assert tasks.schedule_cycle() == {"admitted": 0, "preempted": 0, "waiting": 0}
+    assert not Attempt.objects.filter(job=job).exists()
+    # Half a period on, it runs.
+    time.sleep(2.2)
+    assert tasks.schedule_cycle()["admitted"] == 1
+    assert Attempt.objects.filter(job=job).exists()
+
+
 def test_a_reconcile_pass_runs_the_cycle_that_was_asked_for(
     world: Any, settings: Any, tmp_path: Path, local_runtime: Any
 ) -> None:
