@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -38,7 +38,9 @@ def _seconds(field: str) -> Any:
     timestamps into aware datetimes took a tenth of a busy worker's time. Other
     databases answer the datetime, which `_seconds_of` turns into the same number."""
     if connection.vendor == "postgresql":
-        return Cast(Extract(field, "epoch"), FloatField())
+        # In UTC: Django reads the column in the current time zone first, and the
+        # epoch of a wall-clock time elsewhere would be off by that zone's offset.
+        return Cast(Extract(field, "epoch", tzinfo=UTC), FloatField())
     return F(field)
 
 

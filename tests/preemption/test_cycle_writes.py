@@ -205,6 +205,10 @@ def test_the_snapshot_reads_each_submission_time_to_the_microsecond(world: Any) 
     seen = {w.id: w.submitted_at for w in build_snapshot().workloads}
     assert [seen[str(job.pk)] for job in jobs] == [moment.timestamp() for moment in moments]
     assert all(type(seen[str(job.pk)]) is float for job in jobs)
+    # A moment is one number whatever time zone is current where the snapshot is built.
+    with timezone.override("America/St_Johns"):
+        seen = {w.id: w.submitted_at for w in build_snapshot().workloads}
+    assert [seen[str(job.pk)] for job in jobs] == [moment.timestamp() for moment in moments]
 
 
 def test_the_snapshot_reads_submission_times_alike_on_sqlite(tmp_path: Any) -> None:
