@@ -554,7 +554,7 @@ class JobFilter(django_filters.FilterSet):
 
 def _batch_errors(errors: Any) -> Any:
     """A batch's field errors with each refused job named by its place in the batch;
-    DRF lists every job, the accepted ones as empty objects."""
+    DRF and the service list every job, the accepted ones as empty objects."""
     jobs = errors.get("jobs") if isinstance(errors, dict) else None
     if isinstance(jobs, list) and jobs and all(isinstance(e, dict) for e in jobs):
         return {**errors, "jobs": {str(i): e for i, e in enumerate(jobs) if e}}
@@ -646,9 +646,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
                 tree=access.tree,
             )
         except services.BatchValidationError as error:
-            raise ValidationError(
-                {"jobs": {str(i): e for i, e in enumerate(error.per_request) if e}}
-            ) from None
+            raise ValidationError(_batch_errors({"jobs": error.per_request})) from None
         return Response(JobSerializer(jobs, many=True).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(
