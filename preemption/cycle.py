@@ -1,9 +1,10 @@
 """The scheduling cycle: snapshot → `fairshare.plan` → one transaction that
 records every decision → runtime actions after commit.
 
-Two cycles never interleave: each takes a lock first. On PostgreSQL it is an
-advisory lock held by the cycle's one transaction, which blocks no other
-writer. On SQLite a transaction holds the database's only write lock from its
+Two cycles never interleave: each takes a lock first, and one that finds
+another cycle already waiting for the lock does nothing, since that one will
+see everything committed before. On PostgreSQL it is an advisory lock held by
+the cycle's one transaction, which blocks no other writer. On SQLite a transaction holds the database's only write lock from its
 start, so there the lock is a file lock next to the database, the snapshot and
 the plan are made outside any write transaction, and only the recording of
 the decisions takes the write lock: job submissions no longer wait for a whole
@@ -63,9 +64,26 @@ class CycleResult:
 
 
 def _lock() -> bool:
-    if connection.vendor != "postgresql":
-        return True
+    """Take PostgreSQL's cycle lock for this transaction; False, holding nothing, when
+    another cycle holds it and a third already waits for it. That one starts after the
+    running one ends, so it sees everything committed before this call, and a second
+    waiter would only plan the same state again while a worker process sat blocked (in a
+    run of Kueue's baseline, a fifth of the time). Two callers that look at once may
+    both wait, as every caller did before: the check only spares the common case."""
     with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [CYCLE_LOCK_KEY])
+        if cursor.fetchone()[0]:
+            return True
+        # A bigint advisory key is listed as classid (its high half), objid (its low
+        # half) and objsubid 1.
+        cursor.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND classid = %s AND objid = %s AND objsubid = 1 AND NOT granted)",
+            [CYCLE_LOCK_KEY >> 32, CYCLE_LOCK_KEY & 0xFFFF_FFFF],
+        )
+        if cursor.fetchone()[0]:
+            return False
         cursor.execute("SELECT pg_advisory_xact_lock(%s)", [CYCLE_LOCK_KEY])
     return True
 
@@ -122,7 +140,9 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
     result = CycleResult()
     if connection.vendor == "postgresql":
         with transaction.atomic():
-            _lock()
+            if not _lock():
+                result.skipped = True
+                return result
             take_cycle_request()
             now = now or timezone.now()
             held = held_jobs()

@@ -1,23 +1,27 @@
 """Two processes run scheduling cycles at the same moment, 50 rounds, on
 PostgreSQL: no job is admitted twice, (job, attempt, rank) stays unique and no
-victim attempt gets a second PreemptionEvent."""
+victim attempt gets a second PreemptionEvent. A cycle that finds another one
+already waiting for the lock leaves the planning to that one."""
 
 from __future__ import annotations
 
 import multiprocessing
 import random
+import threading
 import traceback
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import IntegrityError, connection, connections
+from django.db import IntegrityError, connection, connections, transaction
 from django.db.models import Count
 from django.utils import timezone
 
-from preemption.cycle import schedule_cycle
+from preemption.cycle import CYCLE_LOCK_KEY, CycleResult, schedule_cycle
 from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
 from preemption.services import job_submit
+from tests import builders
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(600)]
 ROUNDS = 50
@@ -129,3 +133,52 @@ def test_two_cycles_at_once_never_double_admit_or_double_preempt(world: Any) -> 
     assert timezone.now() - Attempt.objects.latest("admitted_at").admitted_at < timedelta(
         minutes=10
     )
+
+
+def _cycle_waiters() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = %s"
+            " AND NOT granted",
+            [CYCLE_LOCK_KEY],
+        )
+        return int(cursor.fetchone()[0])
+
+
+def test_a_cycle_that_finds_another_waiting_for_the_lock_does_nothing(world: Any) -> None:
+    assert connection.vendor == "postgresql", "this test proves the PostgreSQL lock"
+    job = builders.job(world, world.vision, state=JobState.PENDING)
+    holding, release = threading.Event(), threading.Event()
+    waited: list[CycleResult] = []
+
+    def running_cycle() -> None:  # holds the lock as a cycle in progress does
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [CYCLE_LOCK_KEY])
+                holding.set()
+                release.wait(timeout=60)
+        finally:
+            connection.close()
+
+    def waiting_cycle() -> None:
+        try:
+            waited.append(schedule_cycle(act=False))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=running_cycle), threading.Thread(target=waiting_cycle)]
+    threads[0].start()
+    try:
+        assert holding.wait(timeout=30)
+        threads[1].start()
+        wait_until(lambda: _cycle_waiters() == 1, "the second cycle to wait for the lock")
+        third = schedule_cycle(act=False)
+        assert third.skipped and not third.admitted
+        assert _cycle_waiters() == 1, "the third cycle did not wait"
+        assert not Attempt.objects.filter(job=job).exists()
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    # The cycle that waited planned once the lock was free, and saw the job.
+    assert [(r.skipped, r.admitted) for r in waited] == [(False, [job.pk])]
