@@ -8,6 +8,7 @@ in the cluster, never only in a Python object. This module imports nothing from 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -137,6 +138,17 @@ class GangGuard(Protocol):
 
     def guard_victims(self) -> list[GangId]:
         """The gangs that lost a rank to something other than the rank itself."""
+        ...
+
+
+class ExitWatcher(Protocol):
+    """An optional capability: a runtime that can say, as it happens, that ranks exited,
+    so the control plane looks at their jobs at once rather than at its next periodic
+    pass (the local runtime hears its keepers; the mimic runtime knows each gang's end)."""
+
+    def watch_exits(self, stop: threading.Event, on_exit: Callable[[list[int]], None]) -> None:
+        """Until `stop` is set, call `on_exit` soon after ranks exit with the ids of their
+        jobs, or with an empty list when the runtime cannot tell whose they were."""
         ...
 
 

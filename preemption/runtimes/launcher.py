@@ -253,17 +253,18 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
     _record_exit(rank_dir, returncode if returncode >= 0 else 128 - returncode, started=True)
 
 
-def _announce_exit(fifo: Path) -> None:
-    """Tell whoever listens on the runtime's exits pipe that a rank has exited, so the
-    control plane looks at once instead of at its next periodic pass. Never waits: with
-    no listener (ENXIO), no pipe, or a full one, the periodic pass finds the exit."""
+def _announce_exit(fifo: Path, job_id: int) -> None:
+    """Tell whoever listens on the runtime's exits pipe that a rank of `job_id` has
+    exited (one line, the job's id), so the control plane looks at that job at once
+    instead of at its next periodic pass. Never waits: with no listener (ENXIO), no
+    pipe, or a full one, the periodic pass finds the exit."""
     try:
         descriptor = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
         return
     try:
         if stat.S_ISFIFO(os.fstat(descriptor).st_mode):
-            os.write(descriptor, b"\n")
+            os.write(descriptor, f"{job_id}\n".encode())
     except OSError:
         pass
     finally:
@@ -302,7 +303,7 @@ def _become_keeper(gang_dir: Path, gang: dict[str, Any], rank: int) -> NoReturn:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, _ignore)
         keep_rank(gang_dir, gang, rank)
-        _announce_exit(gang_dir.parent.parent / EXITS_FIFO)
+        _announce_exit(gang_dir.parent.parent / EXITS_FIFO, int(gang_dir.parent.name))
 
     _child(keep)
 

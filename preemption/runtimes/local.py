@@ -186,12 +186,15 @@ class LocalRuntime:
         # Who ranks run as; None runs them as this process's own user (see the docstring).
         self.runner = runner
 
-    def watch_exits(self, stop: threading.Event, on_exit: Callable[[], None]) -> None:
-        """Call ``on_exit`` soon after a rank of this runtime exits, until ``stop`` is set.
+    def watch_exits(self, stop: threading.Event, on_exit: Callable[[list[int]], None]) -> None:
+        """Call ``on_exit`` with the ids of the jobs whose ranks have just exited, until
+        ``stop`` is set (base.ExitWatcher).
 
-        Each keeper writes a line to the runtime's exits pipe once its rank has exited
-        (records.py); this reads them, so the control plane can look at once rather than
-        at its next periodic pass. Exits that arrive together are reported once. The
+        Each keeper writes its job's id on a line of the runtime's exits pipe once its
+        rank has exited (records.py); this reads them, so the control plane can look at
+        those jobs at once rather than at its next periodic pass. Exits that arrive
+        together are reported in one call; a line that is not a job's id makes it an
+        empty list, which asks for a look at every job. The
         pipe is made here, the control plane's alone (0600 in a folder only it may
         list), and is refused if something else sits at its name.
         """
@@ -213,10 +216,11 @@ class LocalRuntime:
                 ready, _, _ = select.select([reader], [], [], 0.5)
                 if not ready:
                     continue
+                read = b""
                 with contextlib.suppress(BlockingIOError):
-                    while os.read(reader, 4096):
-                        pass
-                on_exit()
+                    while chunk := os.read(reader, 4096):
+                        read += chunk
+                on_exit(_announced_jobs(read))
         finally:
             if writer is not None:
                 os.close(writer)
@@ -937,6 +941,17 @@ def _open_control_plane_path(root: Path, names: Sequence[str]) -> int:
         os.close(folder)
         raise
     return folder
+
+
+def _announced_jobs(lines: bytes) -> list[int]:
+    """The job ids the keepers wrote on the exits pipe; an empty list (look at every
+    job) when a line is not one, as a keeper of an older launcher writes a bare line."""
+    jobs: set[int] = set()
+    for line in lines.split(b"\n")[:-1]:
+        if not line.isdigit() or len(line) > 18:
+            return []
+        jobs.add(int(line))
+    return sorted(jobs)
 
 
 def _index_entry(gang: GangId, master_port: int) -> str:

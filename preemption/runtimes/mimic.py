@@ -34,6 +34,10 @@ keeps nothing, as Kueue's runner's workloads: every attempt starts over.
 that it kept, which is what a benchmark needs to count the work a preemption
 lost.
 
+``watch_exits`` tells the control plane when gangs end, as a real runtime's exit
+notices do (and as Kueue's runner finishes a workload at its time): it reads each
+record once, when it appears or changes, and wakes at the earliest end it knows of.
+
 ``forget`` moves the record to ``<root>/forgotten/``, so that observing every
 gang reads only the live ones and a forgotten gang is never launched again.
 Records are written atomically (preemption.runtimes.records), so the web
@@ -42,11 +46,13 @@ process and every worker process see the same gangs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shlex
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +70,9 @@ from preemption.runtimes.base import (
 from preemption.runtimes.records import create_record, read_record, write_record
 
 KILLED_EXIT_CODE = 128 + 9
+# How often the exit watcher looks for gangs launched, stopped or killed since it last
+# looked; ends it already knows of wake it at their time.
+WATCH_POLL_SECONDS = 0.05
 # A gang may ask for at most a year: anything longer is a mistake in the command.
 MAX_SECONDS = 365 * 86_400.0
 CHECKPOINT_EVERY_ENV = "MIMIC_CHECKPOINT_EVERY"
@@ -203,6 +212,54 @@ class MimicRuntime:
 
     def nodes(self) -> list[NodeInventory]:
         return list(self.inventory)
+
+    def watch_exits(self, stop: threading.Event, on_exit: Callable[[list[int]], None]) -> None:
+        """Call ``on_exit`` with the ids of the jobs whose gangs have just ended, at their
+        end, until ``stop`` is set (preemption.runtimes.base.ExitWatcher).
+
+        Each live record is read when it first appears and again whenever it is
+        rewritten (a signal or a kill, which may bring its end forward), judged by its
+        inode, size and modification time; a gang's end is announced once per end time."""
+        live = self.root / "live"
+        # name -> (the record's file identity, its gang, its end)
+        known: dict[str, tuple[tuple[int, int, int], GangId, float]] = {}
+        announced: set[tuple[str, float]] = set()
+        while not stop.is_set():
+            present: set[str] = set()
+            with contextlib.suppress(FileNotFoundError), os.scandir(live) as entries:
+                for entry in entries:
+                    if not entry.name.endswith(".json"):
+                        continue
+                    try:
+                        found = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    present.add(entry.name)
+                    identity = (found.st_ino, found.st_size, found.st_mtime_ns)
+                    if entry.name in known and known[entry.name][0] == identity:
+                        continue
+                    record = read_record(Path(entry.path))
+                    if record is not None:
+                        gang = _gang_of(Path(entry.path))
+                        known[entry.name] = (identity, gang, _ended_at(record))
+            for name in set(known) - present:
+                del known[name]
+            announced = {(name, end) for name, end in announced if name in present}
+            now = time.time()
+            due = {
+                (name, end): gang
+                for name, (_, gang, end) in known.items()
+                if end <= now and (name, end) not in announced
+            }
+            if due:
+                announced.update(due)
+                on_exit(sorted({gang.job_id for gang in due.values()}))
+            coming = [end for name, (_, _, end) in known.items() if (name, end) not in announced]
+            stop.wait(
+                min([WATCH_POLL_SECONDS, *(end - now for end in coming)])
+                if coming
+                else WATCH_POLL_SECONDS
+            )
 
     def read_log(self, gang: GangId, rank: int, offset: int = 0, limit: int = 1 << 20) -> bytes:
         """Mimicked ranks write nothing; a rank the runtime never launched is an error."""

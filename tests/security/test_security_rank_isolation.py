@@ -22,7 +22,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,10 +275,8 @@ def test_a_rank_cannot_write_to_the_control_planes_exits_pipe(scene: Scene) -> N
     # The keepers' pipe that wakes the reconciler: a rank that could write to it could
     # make the control plane run passes without end.
     stop = threading.Event()
-    announced: list[float] = []
-    watcher = threading.Thread(
-        target=scene.runtime.watch_exits, args=(stop, lambda: announced.append(time.time()))
-    )
+    announced: list[list[int]] = []
+    watcher = threading.Thread(target=scene.runtime.watch_exits, args=(stop, announced.append))
     watcher.start()
     try:
         fifo = scene.runtime.root / EXITS_FIFO
@@ -299,6 +296,8 @@ def test_a_rank_cannot_write_to_the_control_planes_exits_pipe(scene: Scene) -> N
         assert found.st_uid == os.geteuid()
         # The attacker's own exit is announced by its keeper, as every rank's is.
         wait_until(lambda: bool(announced), "the attacker's exit to be announced")
+        # Only the keeper's line reached the pipe: its job, and nothing the rank wrote.
+        assert announced == [[299]]
     finally:
         stop.set()
         watcher.join(timeout=10)

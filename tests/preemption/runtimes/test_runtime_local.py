@@ -885,11 +885,13 @@ def test_one_launcher_serves_every_launch_and_a_dead_one_is_replaced(
 def test_every_rank_exit_is_announced_once_its_record_is_written(runtime: LocalRuntime) -> None:
     stop = threading.Event()
     seen: list[list[str]] = []
+    announced: list[int] = []
     spec = gang_spec(24, "exit 3", ranks=2)
 
-    def on_exit() -> None:
+    def on_exit(job_ids: list[int]) -> None:
         # What the reconciler would read at this moment.
         seen.append([o.phase for o in runtime.observe(spec.gang)])
+        announced.extend(job_ids)
 
     watcher = threading.Thread(target=runtime.watch_exits, args=(stop, on_exit))
     watcher.start()
@@ -899,6 +901,8 @@ def test_every_rank_exit_is_announced_once_its_record_is_written(runtime: LocalR
         wait_until(lambda: "exited" in (seen[-1] if seen else []), what="an announced exit")
         wait_until(lambda: seen[-1] == ["exited", "exited"], what="both exits announced")
         assert [o.exit_code for o in runtime.observe(spec.gang)] == [3, 3]
+        # Each keeper names its job, so the reconciler looks at that job alone.
+        assert set(announced) == {24}
     finally:
         stop.set()
         watcher.join(timeout=10)
@@ -912,7 +916,7 @@ def test_the_exits_pipe_is_refused_when_something_else_sits_at_its_name(
     planted = runtime.root / EXITS_FIFO
     planted.write_text("not a pipe")
     with pytest.raises(RuntimePermanentError, match="is not this control plane's exits pipe"):
-        runtime.watch_exits(threading.Event(), lambda: None)
+        runtime.watch_exits(threading.Event(), lambda job_ids: None)
     planted.unlink()
     elsewhere = runtime.root.parent / "elsewhere.fifo"
     os.mkfifo(elsewhere)
@@ -920,7 +924,7 @@ def test_the_exits_pipe_is_refused_when_something_else_sits_at_its_name(
     planted.symlink_to(elsewhere)
     # A link is never followed: the pipe it points to is neither opened nor changed.
     with pytest.raises(OSError) as refused:
-        runtime.watch_exits(threading.Event(), lambda: None)
+        runtime.watch_exits(threading.Event(), lambda job_ids: None)
     assert refused.value.errno == errno.ELOOP
     assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o666
 

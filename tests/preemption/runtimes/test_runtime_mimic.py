@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from preemption.runtimes.mimic import (
     gang_progress,
     mimic_seconds,
 )
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 NODES = [
@@ -131,6 +133,41 @@ def test_every_process_sees_the_same_gangs(tmp_path: Path) -> None:
     ]
     other.signal(GangId(5, 1), 5)
     assert phases(MimicRuntime(tmp_path, NODES), GangId(5, 1)) == [("exited", 0)] * 2
+
+
+def test_the_exit_watcher_announces_each_gang_once_at_its_end(tmp_path: Path) -> None:
+    """Gangs launched before and while it watches, and one whose end a stop brought
+    forward, are each announced once, by job, when the reconciler would find them
+    exited; a forgotten gang and the passing of time announce nothing more."""
+    runtime = MimicRuntime(tmp_path, NODES)
+    stop = threading.Event()
+    heard: list[dict[int, list[tuple[str, int | None]]]] = []
+
+    def on_exit(job_ids: list[int]) -> None:
+        heard.append({job: phases(runtime, GangId(job, 1)) for job in job_ids})
+
+    def announced() -> list[int]:
+        return [job for seen in heard for job in seen]
+
+    runtime.launch(spec(1, "sleep 0.2"))
+    watcher = threading.Thread(target=runtime.watch_exits, args=(stop, on_exit))
+    watcher.start()
+    try:
+        runtime.launch(spec(2, "sleep 0.4"))
+        runtime.launch(spec(3, "sleep 60"))
+        wait_until(lambda: sorted(announced()) == [1, 2], "both short gangs announced")
+        # A stop ends the long gang now, not in a minute.
+        runtime.signal(GangId(3, 1), grace_seconds=30)
+        wait_until(lambda: 3 in announced(), "the stopped gang announced")
+        runtime.forget(GangId(1, 1))
+        runtime.kill(GangId(2, 1))  # after its end: changes nothing
+        time.sleep(0.5)  # ten times the watcher's poll
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+    assert not watcher.is_alive()
+    assert sorted(announced()) == [1, 2, 3]
+    assert all(seen == [("exited", 0)] * 2 for batch in heard for seen in batch.values())
 
 
 def test_forget_refuses_a_running_gang_and_a_forgotten_one_never_comes_back(
