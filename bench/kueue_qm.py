@@ -22,10 +22,12 @@ admission. `run_quartermaster` does the same with Quartermaster:
   workload of a set (counting from 1) arrives at n x creationIntervalMs. The
   workloads due at the same instant (the same tick of every queue's streams) go in
   one POST /jobs/batch/; `--one-by-one` sends each with its own POST /jobs/.
-- a portal (gunicorn), a Celery worker and Celery beat run as separate processes
-  with QM_RUNTIME=mimic (preemption/runtimes/mimic.py): a job holds its GPUs for its
-  running time and succeeds, as Kueue's runner finishes a workload `runtimeMs` after
-  its admission; a preempted one stops at once, as the runner evicts at once. One
+- a portal (gunicorn), a Celery worker, Celery beat and the listener for the ranks'
+  exits (manage.py watch_exits) run as separate processes with QM_RUNTIME=mimic
+  (preemption/runtimes/mimic.py): a job holds its GPUs for its running time and
+  succeeds, as Kueue's runner finishes a workload `runtimeMs` after its admission; the
+  listener announces each end as the runner's controller does, and a preempted job
+  stops at once, as the runner evicts at once. One
   difference: Kueue's runner counts the running time from the admission, the mimic
   runtime from the launch that follows it (`launch_after_admission` says how long
   after), as a real runtime would.
@@ -99,7 +101,7 @@ from django.utils import timezone  # noqa: E402
 
 from bench.portal_health import wait_healthy  # noqa: E402
 from portal.celery import app  # noqa: E402
-from portal.processes import beat_command, web_command, worker_command  # noqa: E402
+from portal.processes import beat_command, exits_command, web_command, worker_command  # noqa: E402
 from portal.services import api_token_create  # noqa: E402
 from preemption.models import FINAL_STATES, Attempt, Job, PreemptionEvent  # noqa: E402
 from preemption.runtimes.mimic import (  # noqa: E402
@@ -476,6 +478,7 @@ def _control_plane(var_dir: Path, port: int, *, web_workers: int) -> Iterator[di
         "web": web_command(bind=f"127.0.0.1:{port}", workers=web_workers, quiet=True),
         "worker": [*worker_command(hostname="kueue-bench@%h"), "--loglevel", "INFO"],
         "beat": beat_command(schedule=var_dir / "celerybeat-schedule", quiet=True),
+        "exits": exits_command(),
     }
     logs = {name: var_dir / f"{name}.log" for name in commands}
     children: dict[str, subprocess.Popen[bytes]] = {}

@@ -1,6 +1,7 @@
-"""The command lines of the portal's three long-running processes: the web
-server, a Celery worker and Celery beat. `make run` and the drill start them
-the same way."""
+"""The command lines of the portal's long-running processes: the web server, a
+Celery worker and Celery beat, which `make run` and the drill start the same way,
+and the listener for the ranks' exits, which `make run` runs inside its own process
+and a deployment of separate processes runs beside them."""
 
 from __future__ import annotations
 
@@ -62,3 +63,8 @@ def worker_command(*, hostname: str, concurrency: int = 2, quiet: bool = False) 
 
 def beat_command(*, schedule: Path, quiet: bool = False) -> list[str]:
     return _celery("beat", "--schedule", str(schedule), quiet=quiet)
+
+
+def exits_command() -> list[str]:
+    """The listener for the ranks' exits (manage.py watch_exits)."""
+    return [sys.executable, str(Path(__file__).resolve().parents[1] / "manage.py"), "watch_exits"]

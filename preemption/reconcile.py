@@ -31,14 +31,17 @@ attempt with its reason. Neither stops the pass for the other attempts.
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import functools
 import logging
+import queue
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -46,7 +49,7 @@ from typing import Any, TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
-from django.db import OperationalError, transaction
+from django.db import OperationalError, close_old_connections, transaction
 from django.db.models import Max, Q, QuerySet, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -77,7 +80,7 @@ from preemption.runtimes.base import (
     RuntimePermanentError,
     RuntimeTemporaryError,
 )
-from preemption.wakeup import queue_cycle
+from preemption.wakeup import queue_cycle, send_reconcile
 from preemption.webhooks import Notice, notify, notify_each
 
 logger = logging.getLogger(__name__)
@@ -203,6 +206,133 @@ def reconcile_jobs(*, job_ids: list[int] | None = None, runtime: Runtime | None 
     return _reconcile(job_ids, runtime or get_runtime())
 
 
+# How long the exits listener keeps looking at a job whose gang ended before the
+# pass could close it (listen_for_exits), and how often meanwhile.
+SETTLE_SECONDS = 2.0
+SETTLE_RETRY_SECONDS = 0.1
+# How often a live exits listener says so (`exits_listened`).
+LISTENER_BEAT_SECONDS = 0.5
+
+
+def listen_for_exits(stop: threading.Event) -> bool:
+    """Until `stop` is set, reconcile each job whose ranks exit, as they exit, where
+    the runtime can tell (base.ExitWatcher: the local and mimic runtimes); False at
+    once where it cannot, or when the runtime refuses the watch for good (the local
+    runtime's exits pipe is not its own), and the periodic passes find every end.
+
+    The passes run here, in the listener's own process, rather than as tasks: in a
+    busy cluster the worker's queue holds scheduling cycles, and an exit waiting
+    behind them kept its GPUs from the next job for seconds. The runtime's watch
+    runs in a thread of its own and only collects job ids, so exits announced while
+    a pass runs are taken together by the next one. An exit the runtime cannot name,
+    or a pass that fails, is handed to the worker as a task instead.
+
+    A pass cannot close every attempt it is told of: a gang may end before the
+    launch that started it is recorded (a short job in a large batch of launches),
+    or another pass may hold its job. Such jobs are looked at again every
+    SETTLE_RETRY_SECONDS for up to SETTLE_SECONDS, after which the periodic passes
+    have them. While the listener is alive (its marker in QM_VAR_DIR, touched every
+    LISTENER_BEAT_SECONDS) the periodic passes leave it the gangs that ended less
+    than SETTLE_SECONDS ago; should it die, they take every end again within a
+    couple of seconds."""
+    runtime = get_runtime()
+    watch = getattr(runtime, "watch_exits", None)
+    if watch is None:
+        return False
+    announced: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+    refused, ending = threading.Event(), threading.Event()
+
+    def watching() -> None:
+        while not ending.is_set():
+            try:
+                watch(ending, announced.put)
+            except RuntimePermanentError:
+                logger.error("not listening for rank exits; periodic passes only", exc_info=True)
+                refused.set()
+                return
+            except Exception:
+                logger.warning("listening for rank exits failed; listening again", exc_info=True)
+                ending.wait(1.0)
+
+    watcher = threading.Thread(target=watching, name="exits-watch", daemon=True)
+    watcher.start()
+    # Jobs told of whose attempt a pass left open, and when first told of.
+    unsettled: dict[int, float] = {}
+    marker = _listening_marker()
+    beat = 0.0
+    try:
+        while not stop.is_set() and not refused.is_set():
+            if time.monotonic() - beat >= LISTENER_BEAT_SECONDS:
+                with suppress(OSError):
+                    marker.touch(mode=0o600)
+                beat = time.monotonic()
+            batches: list[list[int]] = []
+            with suppress(queue.Empty):
+                batches.append(
+                    announced.get(
+                        timeout=SETTLE_RETRY_SECONDS if unsettled else LISTENER_BEAT_SECONDS
+                    )
+                )
+                while True:
+                    batches.append(announced.get_nowait())
+            if any(not batch for batch in batches):
+                send_reconcile()
+            now = time.monotonic()
+            for job_id in (job_id for batch in batches for job_id in batch):
+                unsettled.setdefault(job_id, now)
+            if unsettled:
+                _settle(unsettled, runtime, now)
+    finally:
+        with suppress(OSError):
+            marker.unlink()
+        ending.set()
+        watcher.join(timeout=10)
+    return not refused.is_set()
+
+
+def _listening_marker() -> Path:
+    return Path(settings.VAR_DIR) / "exits.listening"
+
+
+def exits_listened() -> bool:
+    """Whether an exits listener of this installation's machine is alive: it touches
+    its marker at least every LISTENER_BEAT_SECONDS."""
+    try:
+        return time.time() - _listening_marker().stat().st_mtime < 4 * LISTENER_BEAT_SECONDS
+    except OSError:
+        return False
+
+
+def _ended_since(observations: list[RankObservation], moment: float) -> bool:
+    """Whether every rank observed has exited, the last of them after `moment`."""
+    return bool(observations) and all(
+        obs.phase == "exited" and obs.exited_at is not None and obs.exited_at > moment
+        for obs in observations
+    )
+
+
+def _settle(unsettled: dict[int, float], runtime: Runtime, now: float) -> None:
+    """One pass of the exits listener over the jobs told of; those whose attempt it
+    left open stay in `unsettled` until SETTLE_SECONDS after they were told of."""
+    looked = sorted(unsettled)
+    close_old_connections()
+    try:
+        reconcile_jobs(job_ids=looked, runtime=runtime)
+        still_open = set(
+            Attempt.objects.filter(job_id__in=looked, ended_at__isnull=True).values_list(
+                "job_id", flat=True
+            )
+        )
+    except Exception:
+        logger.warning("reconciling jobs %s failed; the worker will", looked, exc_info=True)
+        send_reconcile(looked)
+        unsettled.clear()
+        return
+    for job_id in looked:
+        if job_id not in still_open or now - unsettled[job_id] > SETTLE_SECONDS:
+            del unsettled[job_id]
+
+
 def launch_admitted(job_ids: list[int], runtime: Runtime | None = None) -> None:
     """Launch the attempts a scheduling cycle has just admitted.
 
@@ -290,10 +420,15 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
     # Gangs the runtime shows nothing of although they were launched are observed
     # once more first: the pass's observation may predate their launch.
     pending: list[tuple[Attempt, list[RankObservation], bool]] = []
+    # An exits listener closes the gangs that end; a pass over every job leaves it
+    # those that ended a moment ago, rather than meeting it on their rows.
+    left_since = time.time() - SETTLE_SECONDS if job_ids is None and exits_listened() else None
     for attempt in attempts:
         key = (attempt.job_id, attempt.number)
         observations = observed.get(key, [])
         if _steady(attempt, observations, key in taken):
+            continue
+        if left_since is not None and _ended_since(observations, left_since):
             continue
         if not observations and attempt.launched_at is not None:
             try:
@@ -311,8 +446,22 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
     launched = {attempt.pk: attempt.launched_at for attempt, _, _ in pending}
     try:
         with transaction.atomic():
-            rows = _lock_rows([attempt for attempt, _, _ in pending])
+            locked = [attempt for attempt, _, _ in pending]
+            rows = _lock_rows(locked)
+            kept = {attempt.pk for attempt in locked}
+            plain = [
+                (attempt, observations)
+                for attempt, observations, was_taken in pending
+                if attempt.pk in kept
+                and _plain_end(attempt, observations, rows, was_taken, launched[attempt.pk])
+            ]
+            ended = _decide_plain_ends(plain, rows)
+            if ended is not None:
+                steps += ended
+                kept -= {attempt.pk for attempt, _ in plain}
             for attempt, observations, was_taken in pending:
+                if attempt.pk not in kept:
+                    continue
                 step = _guarded(
                     attempt,
                     functools.partial(
@@ -434,17 +583,27 @@ def _lock_rows(attempts: list[Attempt]) -> _Rows:
     written (their foreign key takes a KEY SHARE lock), which a full row lock would
     block while ingestion holds the ranks this pass waits for.
 
+    A job another transaction holds is skipped, not waited for (SKIP LOCKED): its
+    holder is moving it on right now (another pass closing it, the cycle recording
+    its stop, ingestion storing its checkpoint), and the next pass decides it on what
+    that one wrote. Waiting would only hold this pass's own jobs meanwhile; in a busy
+    cluster the exits listener and the worker's periodic pass met on every job that
+    had just ended. Only the attempts whose jobs were locked are kept in `attempts`.
+
     The attempts and their jobs are refreshed in place; the ranks and stops are
     returned."""
     if not attempts:
         return _Rows({}, {})
     jobs = {
         row["pk"]: row
-        for row in Job.objects.select_for_update(no_key=True)
+        for row in Job.objects.select_for_update(no_key=True, skip_locked=True)
         .filter(pk__in={attempt.job_id for attempt in attempts})
         .order_by("pk")
         .values("pk", *JOB_FIELDS)
     }
+    attempts[:] = [attempt for attempt in attempts if attempt.job_id in jobs]
+    if not attempts:
+        return _Rows({}, {})
     ranks: dict[int, dict[int, Rank]] = defaultdict(dict)
     for rank in (
         Rank.objects.select_for_update()
@@ -468,6 +627,80 @@ def _lock_rows(attempts: list[Attempt]) -> _Rows:
         for event in PreemptionEvent.objects.filter(victim_attempt__in=attempts)
     }
     return _Rows(ranks, events)
+
+
+def _plain_end(
+    attempt: Attempt,
+    observations: list[RankObservation],
+    rows: _Rows,
+    taken: bool,
+    launched_at: datetime | None,
+) -> bool:
+    """Whether the attempt ended the common way, on its own: launched and recorded so
+    before this pass observed it, every rank it has seen exited 0, nothing asked of it
+    (no stop, no action under way), its job admitted or running. For such an attempt
+    `_decide` records the ranks' ends, marks the job running and finishes it, which
+    `_decide_plain_ends` does for all of them at once."""
+    ranks = rows.ranks.get(attempt.pk, {})
+    return (
+        not taken
+        and attempt.ended_at is None
+        and attempt.launched_at is not None
+        and attempt.launched_at == launched_at
+        and not attempt.action
+        and attempt.action_claimed_at is None
+        and attempt.pk not in rows.events
+        and attempt.job.state in (JobState.ADMITTED, JobState.RUNNING)
+        and bool(ranks)
+        and sorted(obs.rank for obs in observations) == sorted(ranks)
+        and all(obs.phase == "exited" and obs.exit_code == 0 for obs in observations)
+    )
+
+
+def _decide_plain_ends(
+    plain: list[tuple[Attempt, list[RankObservation]]], rows: _Rows
+) -> list[Step] | None:
+    """Decide for the attempts that ended the common way (`_plain_end`) as `_decide`
+    does for each, in a fixed number of queries however many: one write of their
+    ranks, one of their jobs still marked admitted. When the pass's every gang ended
+    at once (a large class of short jobs) a savepoint and a write each kept the exits
+    listener, and so the next jobs, waiting. None when that failed: nothing of it is
+    kept, and the caller decides for them one by one, so one attempt's trouble stays
+    its own."""
+    if not plain:
+        return []
+    now = timezone.now()
+    written: list[Rank] = []
+    fields: set[str] = set()
+    for attempt, observations in plain:
+        ranks = rows.ranks[attempt.pk]
+        for obs in observations:
+            changes = _rank_changes(ranks[obs.rank], obs)
+            if changes:
+                # A copy, so that the one-by-one decisions after a failure still see
+                # the ranks as the database has them.
+                rank = copy.copy(ranks[obs.rank])
+                for name, value in changes.items():
+                    setattr(rank, name, value)
+                written.append(rank)
+                fields.update(changes)
+    admitted = [attempt.job_id for attempt, _ in plain if attempt.job.state == JobState.ADMITTED]
+    try:
+        with transaction.atomic():
+            if written:
+                Rank.objects.bulk_update(written, sorted(fields), batch_size=500)
+            if admitted:
+                Job.objects.filter(pk__in=admitted, state=JobState.ADMITTED).update(
+                    state=JobState.RUNNING, running_at=now
+                )
+    except SoftTimeLimitExceeded:
+        raise
+    except Exception:
+        if transaction.get_connection().needs_rollback:
+            raise
+        logger.exception("recording %d plain ends together failed; one by one", len(plain))
+        return None
+    return [Step(FINISH, attempt) for attempt, _ in plain]
 
 
 def _decide(
@@ -1124,16 +1357,17 @@ def _close_succeeded(
     by_attempt = {step.attempt.pk: (step, ranks, orphaned) for step, ranks, orphaned in items}
     job_ids = sorted({step.attempt.job_id for step, _, _ in items})
     # The jobs' rows first, in the order of their ids, as the decide step and the
-    # scheduling cycle lock them; then the attempts still open.
+    # scheduling cycle lock them; then the attempts still open. A job another
+    # transaction holds is left to it and to the next pass, as in `_lock_rows`.
     resume_steps = dict(
-        Job.objects.select_for_update(no_key=True)
+        Job.objects.select_for_update(no_key=True, skip_locked=True)
         .filter(pk__in=job_ids)
         .order_by("pk")
         .values_list("pk", "resume_step")
     )
     still_open = list(
         Attempt.objects.select_for_update()
-        .filter(pk__in=by_attempt, ended_at__isnull=True)
+        .filter(pk__in=by_attempt, job_id__in=list(resume_steps), ended_at__isnull=True)
         .order_by("job_id", "pk")
         .values_list("pk", flat=True)
     )

@@ -1,6 +1,7 @@
 """Fixtures for end-to-end tests of the local runtime: a LocalRuntime rooted in
 a temporary folder, and `drive`, which runs the scheduling cycle and the
-reconciler in this process until a condition holds."""
+reconciler in this process until a condition holds; and `mimic`, the mimic
+runtime rooted in a temporary folder that is also the control plane's QM_VAR_DIR."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from preemption.models import Job
 from preemption.reconcile import reconcile_jobs
 from preemption.runtime import inventory, use_runtime
 from preemption.runtimes import GangId, LocalRuntime
+from preemption.runtimes.mimic import MimicRuntime
 from preemption.runtimes.runner import RunnerAccount
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,3 +87,14 @@ def drive(local_runtime: LocalRuntime) -> Drive:
 
 def state_of(job: Job) -> str:
     return Job.objects.values_list("state", flat=True).get(pk=job.pk)
+
+
+@pytest.fixture
+def mimic(world: Any, tmp_path: Path, settings: Any) -> Iterator[MimicRuntime]:
+    settings.VAR_DIR = tmp_path
+    runtime = MimicRuntime(tmp_path / "mimic", inventory())
+    use_runtime(runtime)
+    try:
+        yield runtime
+    finally:
+        use_runtime(None)

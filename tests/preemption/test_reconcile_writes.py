@@ -8,7 +8,6 @@ webhook notice, and nothing for an attempt another worker closed first."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,11 @@ from preemption.models import (
     Job,
     JobState,
     PreemptionEvent,
+    Rank,
     Webhook,
     WebhookDelivery,
 )
 from preemption.reconcile import reconcile_jobs
-from preemption.runtime import inventory, use_runtime
 from preemption.runtimes import GangId
 from preemption.runtimes.mimic import MimicRuntime
 from tests import builders
@@ -42,16 +41,6 @@ SECONDS = 1.5
 # Each more attempt of a pass costs at most its savepoint and its release, one
 # write of its (one) rank and one of its job.
 PER_ATTEMPT = 4
-
-
-@pytest.fixture
-def mimic(world: Any, tmp_path: Path) -> Iterator[MimicRuntime]:
-    runtime = MimicRuntime(tmp_path / "mimic", inventory())
-    use_runtime(runtime)
-    try:
-        yield runtime
-    finally:
-        use_runtime(None)
 
 
 def submit(world: Any, teams: list[Any]) -> list[Job]:
@@ -197,6 +186,89 @@ def test_when_closing_together_fails_each_attempt_is_closed_on_its_own(
     }
 
 
+def test_plain_ends_are_decided_together_and_the_rest_one_by_one(
+    world: Any, mimic: MimicRuntime
+) -> None:
+    """Gangs that ended the common way (every rank exited 0, nothing asked of them)
+    are decided in a fixed number of queries: twelve cost what two cost. A failed
+    rank and a job still marked admitted in the same pass get what `_decide` gives
+    them one by one."""
+
+    def ended_pass(count: int) -> tuple[list[Job], int]:
+        jobs = submit(world, [world.vision, world.nlp] * (count // 2))
+        schedule_cycle()
+        reconcile_jobs()  # sees them running
+        wait_until(
+            lambda: all(o.phase == "exited" for j in jobs for o in mimic.observe(GangId(j.pk, 1))),
+            "every gang's time over",
+            timeout=30,
+        )
+        return jobs, queries(
+            lambda: reconcile.reconcile_jobs(job_ids=[j.pk for j in jobs], runtime=mimic)
+        )
+
+    few, few_queries = ended_pass(2)
+    many, many_queries = ended_pass(12)
+    assert many_queries == few_queries
+    for job in [*few, *many]:
+        assert Job.objects.get(pk=job.pk).state == JobState.SUCCEEDED
+        assert set(Rank.objects.filter(attempt__job=job).values_list("state", "exit_code")) == {
+            ("exited", 0)
+        }
+
+    # A failed gang, and a job whose running state no pass recorded yet, beside a plain end.
+    plain, failed, fresh = submit(world, [world.vision, world.vision, world.nlp])
+    Job.objects.filter(pk=failed.pk).update(command="sleep 60")
+    schedule_cycle()
+    assert Job.objects.get(pk=fresh.pk).state == JobState.ADMITTED
+    mimic.kill(GangId(failed.pk, 1))
+    wait_until(
+        lambda: all(
+            o.phase == "exited" for j in (plain, fresh) for o in mimic.observe(GangId(j.pk, 1))
+        ),
+        "the plain gangs' time over",
+        timeout=30,
+    )
+    reconcile_jobs()
+    outcomes = dict(
+        Attempt.objects.filter(job__in=[plain, failed, fresh]).values_list("job_id", "end_reason")
+    )
+    assert outcomes == {
+        plain.pk: Attempt.EndReason.SUCCEEDED,
+        failed.pk: Attempt.EndReason.FAILED,
+        fresh.pk: Attempt.EndReason.SUCCEEDED,
+    }
+    assert Job.objects.get(pk=fresh.pk).running_at is not None
+
+
+def test_when_deciding_plain_ends_together_fails_each_is_decided_on_its_own(
+    world: Any, mimic: MimicRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jobs = submit(world, [world.vision] * 3)
+    schedule_cycle()
+    reconcile_jobs()
+    bulk_update = Rank.objects.bulk_update
+
+    def broken(*args: Any, **kwargs: Any) -> int:
+        bulk_update(*args, **kwargs)
+        raise ValueError("a rank the batch could not take")
+
+    monkeypatch.setattr(Rank.objects, "bulk_update", broken)
+    wait_until(
+        lambda: all(o.phase == "exited" for j in jobs for o in mimic.observe(GangId(j.pk, 1))),
+        "every gang's time over",
+        timeout=30,
+    )
+    reconcile_jobs()
+    # The batch's write was undone and each attempt decided and closed one by one.
+    assert set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True)) == {
+        JobState.SUCCEEDED
+    }
+    assert set(Rank.objects.filter(attempt__job__in=jobs).values_list("state", "exit_code")) == {
+        ("exited", 0)
+    }
+
+
 def test_a_pass_over_many_attempts_on_sqlite(tmp_path: Path) -> None:
     """The same on the embedded default's SQLite, where a pass's claims and closes
     run in write transactions that hold the database's one write lock."""
@@ -205,6 +277,7 @@ def test_a_pass_over_many_attempts_on_sqlite(tmp_path: Path) -> None:
         __file__,
         "test_a_pass_over_many_attempts_costs_only_their_own_writes_more",
         "test_when_closing_together_fails_each_attempt_is_closed_on_its_own",
+        "test_plain_ends_are_decided_together_and_the_rest_one_by_one",
     )
 
 

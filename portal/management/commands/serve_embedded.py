@@ -1,8 +1,9 @@
 """Run the embedded portal: web server, Celery worker and beat together.
 
-With the local runtime it also listens for the ranks' exits (LocalRuntime.watch_exits)
-and asks for a reconcile pass at each, so a finished job's GPUs go to the next one at
-once rather than at the next periodic pass.
+Where the runtime can tell (the local and mimic runtimes) it also listens for the
+ranks' exits and reconciles their jobs at each (preemption.reconcile.listen_for_exits),
+so a finished job's GPUs go to the next one at once rather than at the next periodic
+pass.
 
 Ctrl-C (or SIGTERM) stops all three; if one of them dies, the others are
 stopped too, so nothing is left half-running. Then, with the local runtime,
@@ -26,10 +27,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from portal.processes import beat_command, web_command, worker_command
-from preemption.reconcile import live_rank_count, runtime_shutdown
-from preemption.runtime import get_runtime
-from preemption.runtimes import LocalRuntime
-from preemption.wakeup import send_reconcile
+from preemption.reconcile import listen_for_exits, live_rank_count, runtime_shutdown
 
 
 class Command(BaseCommand):
@@ -102,10 +100,9 @@ class Command(BaseCommand):
         if quiet:
             self.stdout.write("Logging warnings only; --verbose logs every request and task.")
         watching = threading.Event()
-        if settings.QM_RUNTIME == "local":
-            threading.Thread(
-                target=self._watch_exits, args=(watching,), name="exits", daemon=True
-            ).start()
+        threading.Thread(
+            target=listen_for_exits, args=(watching,), name="exits", daemon=True
+        ).start()
         exit_code = 0
         try:
             while not stopping:
@@ -134,15 +131,6 @@ class Command(BaseCommand):
                     os.killpg(child.pid, signal.SIGKILL)
             self._stop_ranks(keep_jobs=keep_jobs, grace_seconds=stop_grace)
         sys.exit(exit_code)
-
-    def _watch_exits(self, stop: threading.Event) -> None:
-        try:
-            runtime = get_runtime()
-            if isinstance(runtime, LocalRuntime):
-                runtime.watch_exits(stop, send_reconcile)
-        except Exception as error:
-            # The periodic reconcile still finds every exit, only later.
-            self.stderr.write(f"not listening for rank exits ({error}); periodic passes only")
 
     def _stop_ranks(self, *, keep_jobs: bool, grace_seconds: float) -> None:
         """Stop the local runtime's ranks with the portal, or say they were kept.
