@@ -452,10 +452,9 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
             plain = [
                 (attempt, observations)
                 for attempt, observations, was_taken in pending
-                if attempt.pk in kept
-                and _plain_end(attempt, observations, rows, was_taken, launched[attempt.pk])
+                if attempt.pk in kept and _plain(attempt, observations, rows, was_taken)
             ]
-            ended = _decide_plain_ends(plain, rows)
+            ended = _decide_plain(plain, rows)
             if ended is not None:
                 steps += ended
                 kept -= {attempt.pk for attempt, _ in plain}
@@ -629,44 +628,50 @@ def _lock_rows(attempts: list[Attempt]) -> _Rows:
     return _Rows(ranks, events)
 
 
-def _plain_end(
+def _plain(
     attempt: Attempt,
     observations: list[RankObservation],
     rows: _Rows,
     taken: bool,
-    launched_at: datetime | None,
 ) -> bool:
-    """Whether the attempt ended the common way, on its own: launched and recorded so
-    before this pass observed it, every rank it has seen exited 0, nothing asked of it
-    (no stop, no action under way), its job admitted or running. For such an attempt
-    `_decide` records the ranks' ends, marks the job running and finishes it, which
-    `_decide_plain_ends` does for all of them at once."""
+    """Whether the attempt moved on the common way, on its own: its launch recorded,
+    every one of its ranks seen, running or exited 0, nothing asked of it (no stop,
+    no action under way), its job admitted or running. For such an attempt `_decide`
+    records what the ranks did, marks the job running, and finishes the attempt
+    once every rank has exited; `_decide_plain` does it for all of them at once.
+
+    The launch may have been recorded only after this pass observed the runtime:
+    ranks seen running or exited ran, so the launch came before the observation. A
+    short job in a large batch of launches often ends before the batch is recorded."""
     ranks = rows.ranks.get(attempt.pk, {})
     return (
         not taken
         and attempt.ended_at is None
         and attempt.launched_at is not None
-        and attempt.launched_at == launched_at
         and not attempt.action
         and attempt.action_claimed_at is None
         and attempt.pk not in rows.events
         and attempt.job.state in (JobState.ADMITTED, JobState.RUNNING)
         and bool(ranks)
         and sorted(obs.rank for obs in observations) == sorted(ranks)
-        and all(obs.phase == "exited" and obs.exit_code == 0 for obs in observations)
+        and all(
+            obs.phase == "running" or (obs.phase == "exited" and obs.exit_code == 0)
+            for obs in observations
+        )
     )
 
 
-def _decide_plain_ends(
+def _decide_plain(
     plain: list[tuple[Attempt, list[RankObservation]]], rows: _Rows
 ) -> list[Step] | None:
-    """Decide for the attempts that ended the common way (`_plain_end`) as `_decide`
+    """Decide for the attempts that moved on the common way (`_plain`) as `_decide`
     does for each, in a fixed number of queries however many: one write of their
-    ranks, one of their jobs still marked admitted. When the pass's every gang ended
-    at once (a large class of short jobs) a savepoint and a write each kept the exits
-    listener, and so the next jobs, waiting. None when that failed: nothing of it is
-    kept, and the caller decides for them one by one, so one attempt's trouble stays
-    its own."""
+    ranks, one of their jobs still marked admitted, and a finish step for each whose
+    ranks all exited. In a busy cluster a pass sees hundreds of gangs that have just
+    started or ended; a savepoint and a write each held their jobs' rows for as long,
+    and the exits listener, which skips a row another pass holds, closed their ends
+    only at a later pass. None when that failed: nothing of it is kept, and the
+    caller decides for them one by one, so one attempt's trouble stays its own."""
     if not plain:
         return []
     now = timezone.now()
@@ -698,9 +703,13 @@ def _decide_plain_ends(
     except Exception:
         if transaction.get_connection().needs_rollback:
             raise
-        logger.exception("recording %d plain ends together failed; one by one", len(plain))
+        logger.exception("recording %d plain changes together failed; one by one", len(plain))
         return None
-    return [Step(FINISH, attempt) for attempt, _ in plain]
+    return [
+        Step(FINISH, attempt)
+        for attempt, observations in plain
+        if all(obs.phase == "exited" for obs in observations)
+    ]
 
 
 def _decide(

@@ -1,9 +1,10 @@
 """A reconcile pass reads and claims its attempts in a fixed number of queries,
-however many: what grows with the attempts is only each one's own writes (its
-savepoint, its ranks' new state, its job's move to running). The gangs that end
-on their own are closed together, and each still gets what closing one by one
-gave it: its attempt ended as succeeded and forgotten, its job succeeded, one
-webhook notice, and nothing for an attempt another worker closed first."""
+however many. The gangs that start or end on their own are decided together, and
+closed together, and each still gets what deciding and closing one by one gave it:
+its ranks' new state, its job's move to running, its attempt ended as succeeded and
+forgotten, its job succeeded, one webhook notice, and nothing for an attempt another
+worker closed first. What grows with the attempts is only the writes of those that
+need more (a savepoint each, their own ranks and job)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def test_a_pass_over_many_attempts_costs_only_their_own_writes_more(
     many = submit(world, [world.vision] * 6 + [world.nlp] * 6)
     many_running, many_ended = run_to_the_end(many, mimic)
 
-    assert many_running - few_running <= 10 * PER_ATTEMPT
+    # Gangs seen running for the first time are decided together: twelve cost what two cost.
+    assert many_running == few_running
     assert many_ended - few_ended <= 10 * PER_ATTEMPT
     for job in [*few, *many]:
         job.refresh_from_db()
@@ -239,6 +241,57 @@ def test_plain_ends_are_decided_together_and_the_rest_one_by_one(
         fresh.pk: Attempt.EndReason.SUCCEEDED,
     }
     assert Job.objects.get(pk=fresh.pk).running_at is not None
+
+
+def test_an_end_seen_before_its_launch_was_recorded_is_decided_with_the_rest(
+    world: Any, mimic: MimicRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short job in a large batch of launches often ends before the worker that
+    launched it records the launch. A pass that read the attempt before that record
+    and observed the gang after its end still decides it with the plain ends: ranks
+    that all exited ran, so the launch came first."""
+    jobs = submit(world, [world.vision, world.nlp] * 3)
+    schedule_cycle()
+    reconcile_jobs()
+    gangs = [GangId(job.pk, 1) for job in jobs]
+    wait_until(
+        lambda: all(o.phase == "exited" for gang in gangs for o in mimic.observe(gang)),
+        "every gang's time over",
+        timeout=30,
+    )
+    attempts = Attempt.objects.filter(job__in=jobs)
+    launched = dict(attempts.values_list("pk", "launched_at"))
+    # The launching worker's claim is under way and nothing of it is recorded yet.
+    attempts.update(
+        launched_at=None, action=Attempt.Action.LAUNCH, action_claimed_at=timezone.now()
+    )
+    observe = mimic.observe
+
+    def observe_then_record(gang: GangId | None = None) -> list[Any]:
+        seen = observe(gang)
+        for pk, at in launched.items():
+            Attempt.objects.filter(pk=pk).update(
+                launched_at=at, action=Attempt.Action.NONE, action_claimed_at=None
+            )
+        return seen
+
+    decided_alone: list[int] = []
+    decide = reconcile._decide
+
+    def one_by_one(attempt: Attempt, *args: Any, **kwargs: Any) -> Any:
+        decided_alone.append(attempt.job_id)
+        return decide(attempt, *args, **kwargs)
+
+    monkeypatch.setattr(mimic, "observe", observe_then_record)
+    monkeypatch.setattr(reconcile, "_decide", one_by_one)
+    reconcile.reconcile_jobs(job_ids=[job.pk for job in jobs], runtime=mimic)
+
+    assert decided_alone == []
+    assert set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True)) == {
+        JobState.SUCCEEDED
+    }
+    assert dict(attempts.values_list("pk", "launched_at")) == launched
+    assert set(attempts.values_list("end_reason", flat=True)) == {Attempt.EndReason.SUCCEEDED}
 
 
 def test_when_deciding_plain_ends_together_fails_each_is_decided_on_its_own(
