@@ -22,6 +22,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from core.rows import update_rows
 from preemption.models import Attempt
 from preemption.runtime import get_runtime
 from preemption.runtimes.base import (
@@ -101,10 +102,9 @@ def preemption_risk_refresh(
             deliver.append((GangId(job_id=job_id, attempt=number), mtbp, team))
     if changed:
         with transaction.atomic():
-            Attempt.objects.bulk_update(
+            update_rows(
                 changed,
                 ["preemption_mtbp_seconds", "preemption_risk_reasons", "preemption_risk_at"],
-                batch_size=500,
             )
     result.changed = len(changed)
     if deliver:

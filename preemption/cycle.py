@@ -29,6 +29,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 import fairshare
+from core.rows import update_rows
 from preemption.models import (
     WAITING_STATES,
     Attempt,
@@ -380,4 +381,4 @@ def _store_waiting(plan: fairshare.Plan, held: dict[int, str], now: datetime) ->
             Job.objects.filter(pk__in=job_ids[start : start + WRITE_BATCH]).update(
                 waiting_reason=reason, protected_until=until
             )
-    Job.objects.bulk_update(rare, ["waiting_reason", "protected_until"], batch_size=500)
+    update_rows(rare, ["waiting_reason", "protected_until"])

@@ -54,6 +54,7 @@ from django.db.models import Max, Q, QuerySet, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from core.rows import update_rows
 from preemption.event_tokens import attempt_events_token
 from preemption.ingest import ingest_trap_event, sqlstate
 from preemption.logs import save_log_tails
@@ -693,7 +694,7 @@ def _decide_plain(
     try:
         with transaction.atomic():
             if written:
-                Rank.objects.bulk_update(written, sorted(fields), batch_size=500)
+                update_rows(written, sorted(fields))
             if admitted:
                 Job.objects.filter(pk__in=admitted, state=JobState.ADMITTED).update(
                     state=JobState.RUNNING, running_at=now

@@ -14,6 +14,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from core.access import TeamTree
+from core.rows import update_rows
 from preemption import job_rules
 from preemption.models import FINAL_STATES, WAITING_STATES, Job, JobState
 from preemption.reconcile import request_stop
@@ -188,7 +189,7 @@ def job_submit_many(
         # The folder's name carries the job's number, known once the row exists.
         for job in jobs:
             job.checkpoint_dir = checkpoint_dir_for(job.pk)
-        Job.objects.bulk_update(jobs, ["checkpoint_dir"])
+        update_rows(jobs, ["checkpoint_dir"])
         queue_cycle()
     return jobs
 

@@ -1,0 +1,85 @@
+"""Writing many rows, each with values of its own, in one statement.
+
+Django's `QuerySet.bulk_update` writes each field as a CASE expression with one
+WHEN per row. Its cost grows with the square of the rows, on both sides: Django
+builds and compiles an expression per row and field, and the database matches
+every row against every WHEN. In a reconcile pass over 450 gangs that had just
+ended, writing their ranks' new state took 0.35-0.55 s this way, while the exits
+listener held those jobs and every job behind them waited for their GPUs.
+
+`update_rows` joins the table with a VALUES list of the new values instead
+(`UPDATE ... FROM (VALUES ...)`, which PostgreSQL runs and SQLite does since
+3.33): the same 450 rows take about 25 ms. Django offers no such
+statement, and no well-kept library adds one for both databases, so it is
+written here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from django.db import connections, router
+from django.db.models import Field, Model
+
+# Rows per statement: with a handful of fields, far below SQLite's 32,766
+# parameters and small enough for PostgreSQL to plan at once.
+BATCH = 500
+
+
+def update_rows(objs: Sequence[Model], fields: Sequence[str], *, batch_size: int = BATCH) -> int:
+    """Write `fields` of each of `objs` (instances of one model, saved before) as
+    each holds them, by primary key, as `bulk_update` does; the rows matched."""
+    if not objs or not fields:
+        return 0
+    model = type(objs[0])
+    if any(type(obj) is not model for obj in objs):
+        raise TypeError("update_rows writes the rows of one model at a time")
+    meta = model._meta
+    pk = meta.pk
+    assert pk is not None
+    columns = [meta.get_field(name) for name in fields]
+    for column in columns:
+        if not isinstance(column, Field) or not column.concrete or column.primary_key:
+            raise ValueError(f"{meta.label}.{column.name} is not a column update_rows can write")
+    connection = connections[router.db_for_write(model)]
+    quote = connection.ops.quote_name
+    every = [pk, *columns]
+    if connection.vendor == "postgresql":
+        # A VALUES list takes its columns' types from what it holds: an untyped
+        # parameter, or a column of NULLs, would be text to PostgreSQL.
+        row = "(" + ", ".join(f"%s::{field.db_type(connection)}" for field in every) + ")"
+    else:
+        row = "(" + ", ".join("%s" for _ in every) + ")"
+    table = quote(meta.db_table)
+    if connection.vendor == "postgresql":
+        alias = "v (" + ", ".join(quote(field.column) for field in every) + ")"
+        name = [f"v.{quote(field.column)}" for field in every]
+    else:
+        # SQLite names a VALUES list's columns column1, column2, ... and takes no
+        # list of names after its alias.
+        alias = "v"
+        name = [f"v.column{i}" for i in range(1, len(every) + 1)]
+    sets = ", ".join(
+        f"{quote(field.column)} = {value}" for field, value in zip(columns, name[1:], strict=True)
+    )
+    matched = 0
+    with connection.cursor() as cursor:
+        for start in range(0, len(objs), batch_size):
+            batch = objs[start : start + batch_size]
+            params: list[object] = []
+            for obj in batch:
+                params.append(pk.get_db_prep_value(obj.pk, connection))
+                params.extend(
+                    field.get_db_prep_save(getattr(obj, field.attname), connection)
+                    for field in columns
+                )
+            # The statement starts with UPDATE, not WITH: Python's sqlite3 counts
+            # the rows changed only for a statement it sees to be an UPDATE.
+            cursor.execute(
+                f"UPDATE {table} SET {sets} "
+                f"FROM (VALUES {', '.join([row] * len(batch))}) AS {alias} "
+                f"WHERE {table}.{quote(pk.column)} = {name[0]}",
+                params,
+            )
+            matched += cursor.rowcount
+    return matched

@@ -1,0 +1,111 @@
+"""`update_rows` writes each row's own values in one statement per batch, as
+`bulk_update` does: only the rows given, only the fields named, NULLs and time
+stamps included, on PostgreSQL and on the embedded default's SQLite."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.exceptions import FieldDoesNotExist
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from core.rows import update_rows
+from preemption.models import Attempt, Job, JobState, Rank
+from tests import builders
+from tests.on_sqlite import passes_on_sqlite
+
+pytestmark = pytest.mark.django_db
+
+
+def ranks_of(world: Any, count: int) -> list[Rank]:
+    ranks = []
+    for _ in range(count):
+        job = builders.job(world, world.vision, state=JobState.RUNNING, ranks=1)
+        ranks += builders.ranks(builders.attempt(job), pid=7)
+    return ranks
+
+
+def test_each_row_gets_its_own_values_and_nothing_else_changes(world: Any) -> None:
+    ranks = ranks_of(world, 5)
+    untouched = ranks_of(world, 1)[0]
+    start = timezone.now().replace(microsecond=0)
+    for i, rank in enumerate(ranks):
+        rank.state = Rank.State.EXITED
+        rank.exit_code = i if i % 2 else None
+        rank.exited_at = start + timedelta(seconds=i, microseconds=250)
+        rank.pid = 99  # changed here, but not among the fields written
+    with CaptureQueriesContext(connection) as captured:
+        matched = update_rows(ranks, ["state", "exit_code", "exited_at"], batch_size=2)
+    assert matched == 5
+    assert len(captured) == 3, "one statement per batch of two"
+    rows = {
+        row["pk"]: row
+        for row in Rank.objects.values("pk", "state", "exit_code", "exited_at", "pid")
+    }
+    for i, rank in enumerate(ranks):
+        assert rows[rank.pk] == {
+            "pk": rank.pk,
+            "state": Rank.State.EXITED,
+            "exit_code": i if i % 2 else None,
+            "exited_at": start + timedelta(seconds=i, microseconds=250),
+            "pid": 7,
+        }
+    assert rows[untouched.pk]["state"] == Rank.State.RUNNING
+    assert rows[untouched.pk]["exited_at"] is None
+
+
+def test_a_text_field_and_a_json_field_keep_what_each_row_holds(world: Any) -> None:
+    jobs = [builders.job(world, world.vision, state=JobState.PENDING) for _ in range(3)]
+    attempts = [builders.attempt(job) for job in jobs]
+    for i, job in enumerate(jobs):
+        job.waiting_reason = f"it's {i} o'clock; -- ; DROP TABLE x" if i else ""
+        job.protected_until = None
+    update_rows(jobs, ["waiting_reason", "protected_until"])
+    assert [Job.objects.get(pk=job.pk).waiting_reason for job in jobs] == [
+        "",
+        "it's 1 o'clock; -- ; DROP TABLE x",
+        "it's 2 o'clock; -- ; DROP TABLE x",
+    ]
+    for i, attempt in enumerate(attempts):
+        attempt.placement = [{"node": f"node-{i}", "ranks": i + 1}]
+    update_rows(attempts, ["placement"])
+    assert [Attempt.objects.get(pk=a.pk).placement for a in attempts] == [
+        [{"node": f"node-{i}", "ranks": i + 1}] for i in range(3)
+    ]
+
+
+def test_nothing_to_write_is_no_statement(world: Any) -> None:
+    ranks = ranks_of(world, 1)
+    with CaptureQueriesContext(connection) as captured:
+        assert update_rows([], ["state"]) == 0
+        assert update_rows(ranks, []) == 0
+    assert len(captured) == 0
+
+
+def test_what_it_cannot_write_is_refused_before_any_write(world: Any) -> None:
+    rank = ranks_of(world, 1)[0]
+    job = rank.attempt.job
+    rank.state = Rank.State.EXITED
+    with pytest.raises(TypeError, match="one model"):
+        update_rows([rank, job], ["state"])
+    with pytest.raises(ValueError, match="not a column"):
+        update_rows([rank], ["id"])
+    with pytest.raises(FieldDoesNotExist):
+        update_rows([rank], ["no_such_field"])
+    assert Rank.objects.get(pk=rank.pk).state == Rank.State.RUNNING
+
+
+def test_on_sqlite(tmp_path: Path) -> None:
+    passes_on_sqlite(
+        tmp_path,
+        __file__,
+        "test_each_row_gets_its_own_values_and_nothing_else_changes",
+        "test_a_text_field_and_a_json_field_keep_what_each_row_holds",
+        "test_nothing_to_write_is_no_statement",
+        "test_what_it_cannot_write_is_refused_before_any_write",
+    )
