@@ -44,19 +44,17 @@ def update_rows(objs: Sequence[Model], fields: Sequence[str], *, batch_size: int
     connection = connections[router.db_for_write(model)]
     quote = connection.ops.quote_name
     every = [pk, *columns]
+    table = quote(meta.db_table)
     if connection.vendor == "postgresql":
         # A VALUES list takes its columns' types from what it holds: an untyped
         # parameter, or a column of NULLs, would be text to PostgreSQL.
         row = "(" + ", ".join(f"%s::{field.db_type(connection)}" for field in every) + ")"
-    else:
-        row = "(" + ", ".join("%s" for _ in every) + ")"
-    table = quote(meta.db_table)
-    if connection.vendor == "postgresql":
         alias = "v (" + ", ".join(quote(field.column) for field in every) + ")"
         name = [f"v.{quote(field.column)}" for field in every]
     else:
         # SQLite names a VALUES list's columns column1, column2, ... and takes no
         # list of names after its alias.
+        row = "(" + ", ".join("%s" for _ in every) + ")"
         alias = "v"
         name = [f"v.column{i}" for i in range(1, len(every) + 1)]
     sets = ", ".join(

@@ -455,9 +455,9 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
                 for attempt, observations, was_taken in pending
                 if attempt.pk in kept and _plain(attempt, observations, rows, was_taken)
             ]
-            ended = _decide_plain(plain, rows)
-            if ended is not None:
-                steps += ended
+            plain_steps = _decide_plain(plain, rows)
+            if plain_steps is not None:
+                steps += plain_steps
                 kept -= {attempt.pk for attempt, _ in plain}
             for attempt, observations, was_taken in pending:
                 if attempt.pk not in kept:
