@@ -4,6 +4,7 @@ Pure functions over frozen dataclasses; no Django, no I/O, no clock. See README.
 this folder for the JSON scenario format and the command line.
 """
 
+from .collector import collector_paused
 from .engine import check_snapshot, plan
 from .model import (
     CONSOLIDATE,
@@ -70,6 +71,7 @@ __all__ = [
     "changes_from_list",
     "changes_to_list",
     "check_snapshot",
+    "collector_paused",
     "consequences_to_dict",
     "diff",
     "minimum_runtimes",

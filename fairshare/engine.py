@@ -21,6 +21,7 @@ The rules themselves (R1-R11) are the small functions of ``rules.py``.
 
 from __future__ import annotations
 
+from .collector import collector_paused
 from .cycle import FlavorPlanner
 from .model import Admission, FrozenMap, Plan, Preemption, QueueStatus, Snapshot, Waiting, Workload
 from .status import queue_statuses
@@ -38,6 +39,11 @@ def plan(snapshot: Snapshot) -> Plan:
     Raises ``ScenarioError`` for a snapshot that breaks the model (an unknown queue,
     class or node, a workload on a non-leaf queue, a placement that does not match).
     """
+    with collector_paused():
+        return _plan(snapshot)
+
+
+def _plan(snapshot: Snapshot) -> Plan:
     tree, classes, node_flavor = prepare(snapshot)
 
     by_flavor: dict[str, list[Workload]] = {}

@@ -139,6 +139,8 @@ def _read_transaction() -> Iterator[None]:
 def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleResult:
     """Plan every pending job at once and record the decisions."""
     result = CycleResult()
+    # The snapshot's rows and the plan's objects are many and free of reference
+    # cycles: see fairshare.collector_paused.
     if connection.vendor == "postgresql":
         with transaction.atomic():
             if not _lock():
@@ -146,9 +148,10 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
                 return result
             take_cycle_request()
             now = now or timezone.now()
-            held = held_jobs()
-            plan = fairshare.plan(build_snapshot(now=now, held=held))
-            _apply(plan, now=now, result=result, held=held)
+            with fairshare.collector_paused():
+                held = held_jobs()
+                plan = fairshare.plan(build_snapshot(now=now, held=held))
+                _apply(plan, now=now, result=result, held=held)
     else:
         with _file_lock() as mine:
             if not mine:
@@ -156,12 +159,13 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
                 return result
             take_cycle_request()
             now = now or timezone.now()
-            with _read_transaction():
-                held = held_jobs()
-                snapshot = build_snapshot(now=now, held=held)
-            plan = fairshare.plan(snapshot)
-            with transaction.atomic():
-                _apply(plan, now=now, result=result, held=held)
+            with fairshare.collector_paused():
+                with _read_transaction():
+                    held = held_jobs()
+                    snapshot = build_snapshot(now=now, held=held)
+                plan = fairshare.plan(snapshot)
+                with transaction.atomic():
+                    _apply(plan, now=now, result=result, held=held)
     if act and result.admitted:
         launch_admitted(result.admitted)
     if act and result.preempted:

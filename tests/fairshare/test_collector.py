@@ -1,0 +1,68 @@
+"""The plan runs with the cyclic collector paused, and leaves it as it found it."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+from fairshare_builders import admitted, cluster, nodes, team
+from fairshare_builders import workload as w
+
+from fairshare import collector_paused, plan
+
+
+@pytest.fixture
+def collector_on():
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    if not was:
+        gc.disable()
+
+
+def test_the_collector_is_off_inside_and_on_again_after(collector_on):
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_an_error_inside_still_turns_it_back_on(collector_on):
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError("plan failed")
+    assert gc.isenabled()
+
+
+def test_a_pause_of_the_caller_is_kept(collector_on):
+    gc.disable()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+
+
+def test_nested_pauses_turn_it_on_only_at_the_outer_end(collector_on):
+    with collector_paused():
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_plan_runs_without_the_collector_and_restores_it(collector_on, monkeypatch):
+    seen: list[bool] = []
+    real = gc.isenabled
+
+    def watching_prepare(snapshot):
+        seen.append(real())
+        return original(snapshot)
+
+    from fairshare import engine
+
+    original = engine.prepare
+    monkeypatch.setattr(engine, "prepare", watching_prepare)
+    snapshot = cluster(
+        nodes("n", 1, 8), queues=[team("a", guarantee=8)], workloads=[w("w1").queue("a").gpus(2)]
+    )
+    result = plan(snapshot)
+    assert admitted(result) == {"w1"}
+    assert seen == [False]
+    assert gc.isenabled()
