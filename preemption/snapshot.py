@@ -58,23 +58,38 @@ def held_jobs() -> dict[int, str]:
     A team's classes may be narrowed after a job was submitted. Like a Slurm job
     whose QOS was taken away (InvalidQOS), such a job stays queued but never
     starts, and says why; a running one is left to finish.
+
+    Every cycle asks, and held jobs are rare: the answer is found from the distinct
+    (team, class) pairs of the waiting jobs, and only the jobs of a pair no longer
+    allowed are read one by one (a few dozen pairs, where the waiting jobs may be
+    thousands).
     """
-    waiting = list(
-        Job.objects.filter(state__in=WAITING_STATES).values_list(
-            "id", "team_id", "priority_class_id", "priority_class__name"
-        )
-    )
-    if not waiting:
+    waiting = Job.objects.filter(state__in=WAITING_STATES)
+    # Without the model's ordering: its columns would join the DISTINCT, and every
+    # job would make a pair of its own.
+    pairs = set(waiting.order_by().values_list("team_id", "priority_class_id").distinct())
+    if not pairs:
         return {}
-    allowances = priority_allowances(team_ids={team_id for _, team_id, _, _ in waiting})
+    allowances = priority_allowances(team_ids={team_id for team_id, _ in pairs})
+    barred = [
+        (team_id, class_id)
+        for team_id, class_id in pairs
+        if not any(pc.pk == class_id for pc in allowances[team_id].allowed)
+    ]
+    if not barred:
+        return {}
+    which = models.Q()
+    for team_id, class_id in barred:
+        which |= models.Q(team_id=team_id, priority_class_id=class_id)
     held: dict[int, str] = {}
-    for job_id, team_id, class_id, class_name in waiting:
+    for job_id, team_id, class_name in waiting.filter(which).values_list(
+        "id", "team_id", "priority_class__name"
+    ):
         allowance = allowances[team_id]
-        if not any(pc.pk == class_id for pc in allowance.allowed):
-            held[job_id] = (
-                f"held: team {allowance.team} may no longer use {class_name} "
-                f"(it may use {allowance.describe()}); cancel and resubmit in one of those"
-            )
+        held[job_id] = (
+            f"held: team {allowance.team} may no longer use {class_name} "
+            f"(it may use {allowance.describe()}); cancel and resubmit in one of those"
+        )
     return held
 
 

@@ -143,6 +143,36 @@ def test_every_victim_of_a_cycle_gets_one_preemption_and_one_notice(world: Any) 
     assert PreemptionEvent.objects.filter(job_id__in=result.preempted).count() == 8
 
 
+def test_only_the_jobs_of_a_class_their_team_lost_are_held(world: Any) -> None:
+    # Ops may now use the batch class only; vision keeps both.
+    world.other.priority_classes.set([world.batch])
+    barred = submit(world, world.ops, 2, priority_class=world.critical)
+    submit(world, world.ops, 1, priority_class=world.batch)
+    submit(world, world.vision, 3, priority_class=world.critical)
+    # A running job of the lost class is left to finish, not held.
+    builders.job(world, world.ops, state=JobState.RUNNING, priority_class=world.critical)
+    with CaptureQueriesContext(connection) as few:
+        held = held_jobs()
+    assert set(held) == {job.pk for job in barred}
+    assert all(
+        reason.startswith("held: team ops may no longer use ai-prod-critical")
+        for reason in held.values()
+    )
+
+    # The waiting jobs are read as (team, class) pairs: ten times as many jobs of the
+    # same pairs cost the same queries.
+    more = submit(world, world.ops, 20, priority_class=world.critical)
+    submit(world, world.vision, 30, priority_class=world.critical)
+    with CaptureQueriesContext(connection) as many:
+        held = held_jobs()
+    assert set(held) == {job.pk for job in [*barred, *more]}
+    assert len(many) == len(few)
+
+    # Nothing barred: no job is read one by one.
+    world.other.priority_classes.set([world.batch, world.critical])
+    assert held_jobs() == {}
+
+
 def test_waiting_reasons_are_written_where_they_changed(world: Any) -> None:
     # 24 GPUs: three jobs of 8 fit, the other twelve wait with one shared reason,
     # and a held job (a class its team may no longer use) waits with its own.
