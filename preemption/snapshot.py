@@ -15,7 +15,7 @@ from django.db.models.functions import Cast, Extract
 from django.utils import timezone
 
 import fairshare
-from preemption.models import WAITING_STATES, Attempt, Checkpoint, Job, JobState
+from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Checkpoint, Job, JobState
 from quotas.models import Node, PriorityClass, Quota, Team
 from quotas.selectors import priority_allowances, scheduling_policy
 
@@ -28,20 +28,18 @@ ENGINE_STATE = {
 }
 
 
-def _ts(moment: datetime | None) -> float | None:
-    return moment.timestamp() if moment is not None else None
-
-
-def _seconds(field: str) -> Any:
-    """A timestamp column as seconds since the epoch, computed by PostgreSQL: a cycle
-    reads every waiting job's submission time, and parsing tens of thousands of
-    timestamps into aware datetimes took a tenth of a busy worker's time. Other
-    databases answer the datetime, which `_seconds_of` turns into the same number."""
+def _seconds(field: str | Any) -> Any:
+    """A timestamp column (or an aggregate of one) as seconds since the epoch, computed
+    by PostgreSQL: a cycle reads every waiting job's submission time and every running
+    job's admission and last checkpoint, and parsing tens of thousands of timestamps
+    into aware datetimes took a tenth of a busy worker's time. Other databases answer
+    the datetime, which `_seconds_of` turns into the same number."""
+    expression = F(field) if isinstance(field, str) else field
     if connection.vendor == "postgresql":
         # In UTC: Django reads the column in the current time zone first, and the
         # epoch of a wall-clock time elsewhere would be off by that zone's offset.
-        return Cast(Extract(field, "epoch", tzinfo=UTC), FloatField())
-    return F(field)
+        return Cast(Extract(expression, "epoch", tzinfo=UTC), FloatField())
+    return expression
 
 
 def _seconds_of(value: float | datetime) -> float:
@@ -207,19 +205,26 @@ def build_snapshot(
             "topology_required",
         )
     )
-    active_ids = [job[0] for job in jobs if ENGINE_STATE[job[6]] != "pending"]
+    # The active jobs' attempts and checkpoints are found by a join on the job's state
+    # rather than by a list of the active jobs' ids: such a list, thousands of
+    # parameters long, cost more to build and send than the rows it selects. A job that
+    # changes state between the queries is either left out here (and then taken for one
+    # being wound up, as below) or read here and not used.
     open_attempts = {
-        job_id: (placement, admitted_at)
+        job_id: (placement, _seconds_of(admitted_at))
         for job_id, placement, admitted_at in Attempt.objects.filter(
-            job_id__in=active_ids, ended_at__isnull=True
-        ).values_list("job_id", "placement", "admitted_at")
+            job__state__in=ACTIVE_STATES, ended_at__isnull=True
+        )
+        .annotate(admitted=_seconds("admitted_at"))
+        .values_list("job_id", "placement", "admitted")
     }
-    checkpoints = dict(
-        Checkpoint.objects.filter(job_id__in=active_ids)
+    checkpoints = {
+        job_id: _seconds_of(last)
+        for job_id, last in Checkpoint.objects.filter(job__state__in=ACTIVE_STATES)
         .values("job_id")
-        .annotate(last=Max("committed_at"))
+        .annotate(last=_seconds(Max("committed_at")))
         .values_list("job_id", "last")
-    )
+    }
     workloads = []
     for (
         job_id,
@@ -246,10 +251,10 @@ def build_snapshot(
                 # reconciler; its GPUs are already free.
                 continue
             placement = tuple((entry["node"], int(entry["ranks"])) for entry in attempt[0])
-            admitted_at = _ts(attempt[1])
+            admitted_at = attempt[1]
             checkpoint = checkpoints.get(job_id)
-            if checkpoint is not None and attempt[1] is not None and checkpoint >= attempt[1]:
-                last_checkpoint_at = _ts(checkpoint)
+            if checkpoint is not None and checkpoint >= admitted_at:
+                last_checkpoint_at = checkpoint
         workloads.append(
             fairshare.Workload(
                 id=workload_id(job_id),

@@ -18,6 +18,7 @@ import fairshare
 from preemption.cycle import CycleResult, _apply, schedule_cycle
 from preemption.models import (
     Attempt,
+    Checkpoint,
     Job,
     JobState,
     PreemptionEvent,
@@ -241,9 +242,35 @@ def test_the_snapshot_reads_each_submission_time_to_the_microsecond(world: Any) 
     assert [seen[str(job.pk)] for job in jobs] == [moment.timestamp() for moment in moments]
 
 
+def test_the_snapshot_reads_each_admission_and_last_checkpoint_to_the_microsecond(
+    world: Any,
+) -> None:
+    # The running jobs' admissions and checkpoints are answered as seconds too: R9
+    # ranks victims by the work each would lose, the time since its last checkpoint.
+    admitted = timezone.now().replace(microsecond=999_999) - timedelta(hours=3)
+    checkpoints = [admitted + timedelta(minutes=m, microseconds=u) for m, u in ((5, 1), (40, 7))]
+    saved = builders.running_job(world, world.vision, admitted_at=admitted)
+    attempt = Attempt.objects.get(job=saved)
+    for step, moment in enumerate(checkpoints, start=1):
+        Checkpoint.objects.create(job=saved, attempt=attempt, step=step, committed_at=moment)
+    # A checkpoint of an earlier attempt saves nothing of this one.
+    stale = builders.running_job(world, world.vision, node="h100-node-1", admitted_at=admitted)
+    Checkpoint.objects.create(job=stale, step=1, committed_at=admitted - timedelta(microseconds=1))
+    never = builders.running_job(world, world.vision, node="h100-node-2", admitted_at=admitted)
+    with timezone.override("America/St_Johns"):
+        seen = {w.id: w for w in build_snapshot().workloads}
+    assert seen[str(saved.pk)].admitted_at == admitted.timestamp()
+    assert seen[str(saved.pk)].last_checkpoint_at == checkpoints[-1].timestamp()
+    assert seen[str(stale.pk)].last_checkpoint_at is None
+    assert seen[str(never.pk)].admitted_at == admitted.timestamp()
+    assert seen[str(never.pk)].last_checkpoint_at is None
+    assert all(type(seen[str(job.pk)].admitted_at) is float for job in (saved, stale, never))
+
+
 def test_the_snapshot_reads_submission_times_alike_on_sqlite(tmp_path: Any) -> None:
     passes_on_sqlite(
         tmp_path,
         __file__,
         "test_the_snapshot_reads_each_submission_time_to_the_microsecond",
+        "test_the_snapshot_reads_each_admission_and_last_checkpoint_to_the_microsecond",
     )
