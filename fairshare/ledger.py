@@ -10,7 +10,7 @@ share and so could give GPUs to others.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .model import PriorityClass, Snapshot
 from .rules import r3_guarantee_line, r4_within_borrow_limit, r5_may_use_borrowed
@@ -139,6 +139,8 @@ class QuotaLedger:
         self.over_fair_share: dict[int, None] = {
             queue: None for queue in leaves if self.usage[queue] > self.fair_share[queue]
         }
+        # Called with a leaf queue whenever it enters or leaves ``over_guarantee``.
+        self.guarantee_crossed: Callable[[int], None] | None = None
 
     def plan_usage(self, queue: int, delta: int) -> None:
         """Count ``delta`` GPUs of work admitted in this plan for leaf ``queue`` and its
@@ -150,10 +152,14 @@ class QuotaLedger:
         """Count ``delta`` more GPUs (fewer when negative) for leaf ``queue`` and its ancestors."""
         tree = self.tree
         after = self.usage[queue] + delta
-        if after > self.guarantee[queue]:
-            self.over_guarantee[queue] = None
-        else:
-            self.over_guarantee.pop(queue, None)
+        over = after > self.guarantee[queue]
+        if over != (queue in self.over_guarantee):
+            if over:
+                self.over_guarantee[queue] = None
+            else:
+                del self.over_guarantee[queue]
+            if self.guarantee_crossed is not None:
+                self.guarantee_crossed(queue)
         if after > self.fair_share[queue]:
             self.over_fair_share[queue] = None
         else:

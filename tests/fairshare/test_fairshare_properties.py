@@ -744,3 +744,41 @@ def test_the_roomiest_domains_follow_every_change_of_the_nodes(
         if step % asked_every == 0:
             assert node_map.roomiest_domains("rack", gpus_per_rank, extra, 2) == counted_afresh()
     assert node_map.roomiest_domains("rack", gpus_per_rank, extra, 2) == counted_afresh()
+
+
+@FAST
+@given(guarantee_situations())
+def test_the_reclaim_order_of_donors_follows_every_victim_and_admission(
+    snapshot: Snapshot,
+) -> None:
+    """The donors' heads that reclaim scans walk (kept as candidates come and go and as
+    queues cross their guarantee) equal the heads counted afresh after every job."""
+    from fairshare.cycle import FlavorPlanner
+    from fairshare.tree import prepare
+
+    tree, classes, _ = prepare(snapshot)
+    planner = FlavorPlanner(snapshot, tree, classes, "h100", list(snapshot.workloads))
+    victims = planner.victims
+    over = planner.ledger.over_guarantee
+
+    def counted_afresh() -> list[tuple[object, int]]:
+        heads = []
+        for queue, runs in enumerate(victims.by_queue):
+            live = [run for run in runs if not run.victim]
+            assert victims.head_of[queue] == (live[0].order if live else None)
+            if live and queue in over:
+                heads.append((live[0].order, queue))
+        return sorted(heads)
+
+    plan_job = planner._plan_job
+    checked = []
+
+    def checked_plan_job(job: object) -> None:
+        plan_job(job)
+        assert victims.donor_heads == counted_afresh()
+        checked.append(job)
+
+    planner._plan_job = checked_plan_job  # type: ignore[method-assign]
+    assert victims.donor_heads == counted_afresh()
+    planner.run()
+    assert checked, "the plan looked at no pending job"
