@@ -72,7 +72,7 @@ def held_jobs() -> dict[int, str]:
     barred = [
         (team_id, class_id)
         for team_id, class_id in pairs
-        if not any(pc.pk == class_id for pc in allowances[team_id].allowed)
+        if not allowances[team_id].allows_class_id(class_id)
     ]
     if not barred:
         return {}

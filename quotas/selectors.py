@@ -128,7 +128,11 @@ class PriorityAllowance:
         return [pc.name for pc in self.allowed]
 
     def allows(self, priority_class: PriorityClass) -> bool:
-        return any(pc.pk == priority_class.pk for pc in self.allowed)
+        return self.allows_class_id(priority_class.pk)
+
+    def allows_class_id(self, class_id: int) -> bool:
+        """`allows` for a class known by its id only (read with the jobs)."""
+        return any(pc.pk == class_id for pc in self.allowed)
 
     def describe(self) -> str:
         """The allowed classes in words, for refusals: "a, b" or "no class"."""
