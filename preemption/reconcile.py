@@ -905,8 +905,9 @@ def _carry_out(steps: list[Step], runtime: Runtime) -> None:
     with transaction.atomic():
         claim, claimed = _claim(steps)
     calls = [functools.partial(_call, step, runtime) for step in claimed]
-    if len(calls) > 1:
-        with ThreadPoolExecutor(max_workers=min(PARALLEL_ACTIONS, len(calls))) as pool:
+    side_by_side = min(getattr(runtime, "calls_side_by_side", PARALLEL_ACTIONS), len(calls))
+    if side_by_side > 1:
+        with ThreadPoolExecutor(max_workers=side_by_side) as pool:
             errors = list(pool.map(lambda call: call(), calls))
     else:
         errors = [call() for call in calls]

@@ -143,6 +143,9 @@ class MimicRuntime:
     name = "mimic"
     # A mimicked rank ends only by its clock or by the control plane's own request.
     gang_guard: GangGuard | None = None
+    # Its calls write a small file and never wait on anything: a pass makes them one
+    # after another, as threads would only take turns holding the interpreter.
+    calls_side_by_side = 1
 
     def __init__(self, root: Path, inventory: Sequence[NodeInventory]) -> None:
         self.root = Path(root).resolve()

@@ -8,6 +8,7 @@ need more (a savepoint each, their own ranks and job)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -361,3 +362,30 @@ def test_a_pass_undone_by_a_deadlock_decides_again_at_the_next_pass(
     assert set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True)) == {
         JobState.RUNNING
     }
+
+
+@pytest.mark.parametrize(("side_by_side", "in_pool_threads"), [(1, False), (8, True)])
+def test_a_runtime_says_how_many_of_its_calls_a_pass_makes_side_by_side(
+    world: Any,
+    mimic: MimicRuntime,
+    monkeypatch: pytest.MonkeyPatch,
+    side_by_side: int,
+    in_pool_threads: bool,
+) -> None:
+    """The mimic's calls never wait, so a pass makes them in its own thread; a runtime
+    whose calls wait on a launcher or an API server gets them made side by side."""
+    monkeypatch.setattr(mimic, "calls_side_by_side", side_by_side)
+    callers: list[int] = []
+    launch = mimic.launch
+
+    def recorded(spec: Any) -> None:
+        callers.append(threading.get_ident())
+        launch(spec)
+
+    monkeypatch.setattr(mimic, "launch", recorded)
+    jobs = submit(world, [world.vision] * 4)
+    schedule_cycle()
+    assert len(callers) == len(jobs), "every admitted job launched in the cycle"
+    assert all(mimic.observe(GangId(job.pk, 1)) for job in jobs)
+    main = threading.get_ident()
+    assert all((caller != main) == in_pool_threads for caller in callers), callers
