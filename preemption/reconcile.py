@@ -189,7 +189,8 @@ FINISH = "finish"
 # hard time limit).
 ACTION_LEASE = timedelta(seconds=180)
 # Launches of one pass go out side by side: each local launch waits for a
-# launcher process to start, each Kubernetes launch for the API server.
+# launcher process to start, each Kubernetes launch for the API server. A runtime
+# whose calls never wait says how many it wants instead (runtimes.base.CallsSideBySide).
 PARALLEL_ACTIONS = 8
 MAX_RETRY_SECONDS = 60.0
 

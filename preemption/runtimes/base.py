@@ -152,6 +152,15 @@ class ExitWatcher(Protocol):
         ...
 
 
+class CallsSideBySide(Protocol):
+    """An optional setting: how many of the runtime's calls one reconcile pass makes side
+    by side. Without it a pass makes up to eight at once, which suits calls that wait (a
+    launcher process starting, the API server answering); a runtime whose calls never
+    wait says 1 (the mimic runtime), and they are made one after another."""
+
+    calls_side_by_side: int
+
+
 class Runtime(Protocol):
     """The operations every runtime offers. Every call is idempotent.
 
