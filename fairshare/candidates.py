@@ -190,7 +190,9 @@ class VictimCandidates:
             self.smallest_gpus[queue] = min(self.smallest_gpus[queue], run.gpus)
         at = bisect.bisect_left(runs, run.order, key=_run_order)
         runs.insert(at, run)
-        bisect.insort(self.planned_by_queue[queue], run, key=_run_order)
+        # Left of equal orders, as in ``runs``: a job admitted again in this plan after
+        # giving way has the order of its earlier admission, now a victim.
+        bisect.insort_left(self.planned_by_queue[queue], run, key=_run_order)
         self.shield_version[queue] += 1
         if at < self.first_live[queue]:
             self.first_live[queue] = at
@@ -332,7 +334,11 @@ class VictimCandidates:
             if runs is not planned:
                 run = runs[at]
                 following = bisect.bisect_left(planned, run.order, key=_run_order)
-                if following < len(planned) and planned[following] is run:
+                if run.planned:
+                    # Past the run itself (and any earlier admission of its job that
+                    # shares its order, a victim now).
+                    while planned[following] is not run:
+                        following += 1
                     following += 1
                 runs = planned
         following = next_live(runs, following)
