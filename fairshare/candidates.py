@@ -136,7 +136,9 @@ class VictimCandidates:
         self.first_live = [0] * len(by_queue)
         # Per queue: bumped whenever it gains a candidate or one of them becomes a victim.
         self.shield_version = [0] * len(by_queue)
-        # Per queue: the order of its first live candidate (None for none).
+        # Per queue: the order of its first live candidate (None for none), as it stands
+        # in ``donor_heads``: kept rather than derived, so that the entry is found again
+        # when the head moves.
         self.head_of: list[VictimOrder | None] = [
             runs[0].order if runs else None for runs in by_queue
         ]
@@ -244,12 +246,12 @@ class VictimCandidates:
         """Push onto a scan's ``heap`` the first live candidate of the next queue of
         ``heads`` (from ``position`` on) that ``admits`` as a donor.
 
-        Returns the position after it and the queue, or -1 when none is left. A scan
-        keeps one such entry in its heap: every queue further on starts at a costlier
-        candidate, so the heap's smallest entry is the cheapest candidate of all the
-        donors. A scan looks at the donors whose cheapest candidates it reaches, not
-        at every queue above its guarantee or its fair share (hundreds on a large
-        cluster, while a search takes its victims from a few).
+        Returns the position after it and the queue, or -1 when none is left. A reclaim
+        scan keeps one such entry in its heap: every queue further on starts at a
+        costlier candidate, so the heap's smallest entry is the cheapest candidate of
+        all the donors. The scan looks at the donors whose cheapest candidates it
+        reaches, not at every queue above its guarantee (hundreds on a large cluster,
+        while a search takes its victims from a few).
         """
         end = len(heads)
         while position < end:

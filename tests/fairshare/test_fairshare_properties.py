@@ -25,7 +25,9 @@ from fairshare import (
     plan,
     plan_to_dict,
 )
+from fairshare.cycle import FlavorPlanner
 from fairshare.nodes import NodeMap
+from fairshare.tree import prepare
 
 FLAVORS = ("h100", "a100")
 CLASS_BY_NAME = {c.name: c for c in CLASSES}
@@ -753,9 +755,6 @@ def test_the_reclaim_order_of_donors_follows_every_victim_and_admission(
 ) -> None:
     """The donors' heads that reclaim scans walk (kept as candidates come and go and as
     queues cross their guarantee) equal the heads counted afresh after every job."""
-    from fairshare.cycle import FlavorPlanner
-    from fairshare.tree import prepare
-
     tree, classes, _ = prepare(snapshot)
     planner = FlavorPlanner(snapshot, tree, classes, "h100", list(snapshot.workloads))
     victims = planner.victims
