@@ -8,8 +8,8 @@ PostgreSQL database (`<name of DATABASE_URL's database>_bench_cycle`, dropped
 at the end) as teams, quotas, nodes, priority classes, jobs and open attempts, and
 times the cycle as `preemption.cycle.schedule_cycle` runs it, step by step:
 
-- held jobs: the waiting jobs whose class their team may no longer use;
-- snapshot: the rows read into a `fairshare.Snapshot`;
+- snapshot: the rows read into a `fairshare.Snapshot`, and the waiting jobs whose
+  class their team may no longer use (held) found among them;
 - plan: `fairshare.plan`;
 - write: admissions, preemptions and changed waiting reasons recorded.
 
@@ -54,10 +54,10 @@ from django.db import connection, transaction  # noqa: E402
 import fairshare  # noqa: E402
 from preemption.cycle import CycleResult, _apply, _lock, schedule_cycle  # noqa: E402
 from preemption.models import Attempt, Checkpoint, Job, JobState  # noqa: E402
-from preemption.snapshot import build_snapshot, held_jobs  # noqa: E402
+from preemption.snapshot import read_snapshot  # noqa: E402
 from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team  # noqa: E402
 
-STEPS = ("held jobs", "snapshot", "plan", "write")
+STEPS = ("snapshot", "plan", "write")
 
 
 @dataclass
@@ -207,10 +207,8 @@ def timed_cycle() -> tuple[StepTimes, CycleResult]:
     with transaction.atomic():
         _lock()
         now = datetime.now(tz=UTC)
-        with step(times, "held jobs"):
-            held = held_jobs()
         with step(times, "snapshot"):
-            snapshot = build_snapshot(now=now, held=held)
+            snapshot, held = read_snapshot(now=now)
         with step(times, "plan"):
             plan = fairshare.plan(snapshot)
         with step(times, "write"):

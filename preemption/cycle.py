@@ -41,7 +41,7 @@ from preemption.models import (
 )
 from preemption.reasons import Preemptor, preemption_words, release_words
 from preemption.reconcile import launch_admitted, reconcile_jobs
-from preemption.snapshot import build_snapshot, held_jobs
+from preemption.snapshot import read_snapshot
 from preemption.wakeup import take_cycle_request
 from preemption.webhooks import Notice, notify_each
 
@@ -149,8 +149,8 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
             take_cycle_request()
             now = now or timezone.now()
             with fairshare.collector_paused():
-                held = held_jobs()
-                plan = fairshare.plan(build_snapshot(now=now, held=held))
+                snapshot, held = read_snapshot(now=now)
+                plan = fairshare.plan(snapshot)
                 _apply(plan, now=now, result=result, held=held)
     else:
         with _file_lock() as mine:
@@ -161,8 +161,7 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
             now = now or timezone.now()
             with fairshare.collector_paused():
                 with _read_transaction():
-                    held = held_jobs()
-                    snapshot = build_snapshot(now=now, held=held)
+                    snapshot, held = read_snapshot(now=now)
                 plan = fairshare.plan(snapshot)
                 with transaction.atomic():
                     _apply(plan, now=now, result=result, held=held)

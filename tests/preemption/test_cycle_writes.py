@@ -26,7 +26,8 @@ from preemption.models import (
     Webhook,
     WebhookDelivery,
 )
-from preemption.snapshot import build_snapshot, held_jobs
+from preemption.snapshot import build_snapshot, held_jobs, read_snapshot
+from quotas.models import PriorityClass
 from tests import builders
 from tests.on_sqlite import passes_on_sqlite
 
@@ -169,6 +170,20 @@ def test_only_the_jobs_of_a_class_their_team_lost_are_held(world: Any) -> None:
     assert set(held) == {job.pk for job in [*barred, *more]}
     assert len(many) == len(few)
 
+    # A cycle finds the same among the rows its snapshot reads, and plans none of them;
+    # a barred job backing off is held too, though not planned while it backs off.
+    backing_off = submit(
+        world,
+        world.ops,
+        1,
+        priority_class=world.critical,
+        not_before=timezone.now() + timedelta(minutes=5),
+    )
+    snapshot, found = read_snapshot()
+    assert found == held_jobs()
+    assert set(found) == {job.pk for job in [*barred, *more, *backing_off]}
+    assert not {w.id for w in snapshot.workloads} & {str(job_id) for job_id in found}
+
     # Nothing barred: no job is read one by one.
     world.other.priority_classes.set([world.batch, world.critical])
     assert held_jobs() == {}
@@ -265,6 +280,46 @@ def test_the_snapshot_reads_each_admission_and_last_checkpoint_to_the_microsecon
     assert seen[str(never.pk)].admitted_at == admitted.timestamp()
     assert seen[str(never.pk)].last_checkpoint_at is None
     assert all(type(seen[str(job.pk)].admitted_at) is float for job in (saved, stale, never))
+
+
+def test_a_snapshot_reuses_a_workload_only_while_what_it_was_built_from_is_unchanged(
+    world: Any,
+) -> None:
+    # Each process keeps the workloads of its last snapshot and reuses the unchanged
+    # ones (they are immutable); anything that changed is built again.
+    edited, backing_off, same = submit(world, world.vision, 3)
+    running = builders.running_job(world, world.nlp)
+    first = {w.id: w for w in build_snapshot().workloads}
+    again = {w.id: w for w in build_snapshot().workloads}
+    assert all(again[key] is first[key] for key in first)
+
+    Job.objects.filter(pk=edited.pk).update(ranks=2, priority_class=world.critical)
+    Job.objects.filter(pk=backing_off.pk).update(not_before=timezone.now() + timedelta(hours=1))
+    committed = timezone.now()
+    Checkpoint.objects.create(
+        job=running, attempt=Attempt.objects.get(job=running), step=1, committed_at=committed
+    )
+    later = {w.id: w for w in build_snapshot().workloads}
+    assert (later[str(edited.pk)].ranks, later[str(edited.pk)].priority_class) == (
+        2,
+        world.critical.name,
+    )
+    assert str(backing_off.pk) not in later
+    assert later[str(running.pk)].last_checkpoint_at == committed.timestamp()
+    assert later[str(running.pk)].placement == first[str(running.pk)].placement
+    assert later[str(same.pk)] is first[str(same.pk)]
+
+    # A renamed class is a new name for every job of it, changed row or not.
+    PriorityClass.objects.filter(pk=world.batch.pk).update(name="batch-renamed")
+    renamed = {w.id: w for w in build_snapshot().workloads}
+    assert renamed[str(same.pk)].priority_class == "batch-renamed"
+    assert {pc.name for pc in build_snapshot().priority_classes} >= {"batch-renamed"}
+
+    # Admitted: the same job is a running workload now, on its attempt's placement.
+    builders.attempt(same, placement=[{"node": "h100-node-3", "ranks": 1}])
+    Job.objects.filter(pk=same.pk).update(state=JobState.RUNNING)
+    admitted = {w.id: w for w in build_snapshot().workloads}[str(same.pk)]
+    assert (admitted.state, admitted.placement) == ("running", (("h100-node-3", 1),))
 
 
 def test_the_snapshot_reads_submission_times_alike_on_sqlite(tmp_path: Any) -> None:
