@@ -337,16 +337,16 @@ def _store_waiting(plan: fairshare.Plan, held: dict[int, str], now: datetime) ->
     """Write each waiting job's reason, and until when its only victims are
     protected, only where they changed and only while the job still waits (a
     cancel since the snapshot keeps its own)."""
-    words = {int(w.id): w.reason for w in plan.waiting}
+    # Each waiting job's id as a number once: a busy cycle has thousands.
+    waiting = [(int(w.id), w) for w in plan.waiting]
+    words = {job_id: w.reason for job_id, w in waiting}
     _add_release_times(words, now)
     reasons: dict[int, tuple[str, datetime | None]] = {
-        int(w.id): (
-            words[int(w.id)][:300],
-            datetime.fromtimestamp(w.protected_until, UTC)
-            if w.protected_until is not None
-            else None,
+        job_id: (
+            words[job_id][:300],
+            None if w.protected_until is None else datetime.fromtimestamp(w.protected_until, UTC),
         )
-        for w in plan.waiting
+        for job_id, w in waiting
     }
     reasons.update({job_id: (reason[:300], None) for job_id, reason in held.items()})
     if not reasons:
