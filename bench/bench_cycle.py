@@ -204,7 +204,9 @@ def timed_cycle() -> tuple[StepTimes, CycleResult]:
     """One cycle as schedule_cycle runs it on PostgreSQL, each step timed."""
     times = StepTimes()
     result = CycleResult()
-    with transaction.atomic():
+    # As the cycle runs it: the snapshot's rows and the plan's objects are many and
+    # free of reference cycles (fairshare.collector_paused).
+    with transaction.atomic(), fairshare.collector_paused():
         _lock()
         now = datetime.now(tz=UTC)
         with step(times, "snapshot"):
