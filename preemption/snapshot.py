@@ -225,17 +225,22 @@ def _running(
 def build_snapshot(
     *, now: datetime | None = None, held: dict[int, str] | None = None
 ) -> fairshare.Snapshot:
-    """Everything the engine needs, in a fixed number of queries (`read_snapshot`)."""
-    return read_snapshot(now=now, held=held)[0]
+    """Everything the engine needs, in a fixed number of queries (`read_snapshot`), for
+    a look now and then (a page's preview): it neither reuses nor keeps workloads."""
+    return read_snapshot(now=now, held=held, reuse=False)[0]
 
 
 def read_snapshot(
-    *, now: datetime | None = None, held: dict[int, str] | None = None
+    *, now: datetime | None = None, held: dict[int, str] | None = None, reuse: bool = True
 ) -> tuple[fairshare.Snapshot, dict[int, str]]:
     """Everything the engine needs, in a fixed number of queries, and the held jobs
     (`held_jobs`), which are left out: they cannot start. Unless given, the held jobs
     are found from the waiting jobs' rows read here, which spares a cycle a second
-    pass over every waiting job."""
+    pass over every waiting job.
+
+    With `reuse`, the workloads of this process's last such snapshot are reused where
+    unchanged, and this one's are kept for the next (`_built_before`): the processes
+    that run cycles, many a second, keep the active jobs' workloads in memory."""
     now = now or timezone.now()
     # The jobs first, by the ids of their team, class and flavor rather than joined to
     # their names: the joins cost a busy cycle more than reading the few names after.
@@ -343,7 +348,7 @@ def read_snapshot(
     workloads = []
     names = (team_slugs, class_names, flavor_names)
     built: Built = {}
-    earlier = _built_with(names)
+    earlier = _built_with(names) if reuse else {}
     for row in jobs:
         job_id, state, backing_off = row[0], row[6], row[10]
         if job_id in held:
@@ -370,7 +375,8 @@ def read_snapshot(
                 workload = _running(workload, attempt, checkpoint)
         built[job_id] = (source, workload)
         workloads.append(workload)
-    _keep_built(names, built)
+    if reuse:
+        _keep_built(names, built)
     snapshot = fairshare.Snapshot(
         now=now.timestamp(),
         nodes=nodes,

@@ -285,13 +285,18 @@ def test_the_snapshot_reads_each_admission_and_last_checkpoint_to_the_microsecon
 def test_a_snapshot_reuses_a_workload_only_while_what_it_was_built_from_is_unchanged(
     world: Any,
 ) -> None:
-    # Each process keeps the workloads of its last snapshot and reuses the unchanged
-    # ones (they are immutable); anything that changed is built again.
+    # A process that runs cycles keeps the workloads of its last snapshot and reuses the
+    # unchanged ones (they are immutable); anything that changed is built again.
     edited, backing_off, same = submit(world, world.vision, 3)
     running = builders.running_job(world, world.nlp)
-    first = {w.id: w for w in build_snapshot().workloads}
-    again = {w.id: w for w in build_snapshot().workloads}
+    first = {w.id: w for w in read_snapshot()[0].workloads}
+    again = {w.id: w for w in read_snapshot()[0].workloads}
     assert all(again[key] is first[key] for key in first)
+    # A look from a page builds its own and keeps none.
+    looked = {w.id: w for w in build_snapshot().workloads}
+    assert looked == first
+    assert not any(looked[key] is first[key] for key in first)
+    assert all(w is first[w.id] for w in read_snapshot()[0].workloads)
 
     Job.objects.filter(pk=edited.pk).update(ranks=2, priority_class=world.critical)
     Job.objects.filter(pk=backing_off.pk).update(not_before=timezone.now() + timedelta(hours=1))
@@ -299,7 +304,7 @@ def test_a_snapshot_reuses_a_workload_only_while_what_it_was_built_from_is_uncha
     Checkpoint.objects.create(
         job=running, attempt=Attempt.objects.get(job=running), step=1, committed_at=committed
     )
-    later = {w.id: w for w in build_snapshot().workloads}
+    later = {w.id: w for w in read_snapshot()[0].workloads}
     assert (later[str(edited.pk)].ranks, later[str(edited.pk)].priority_class) == (
         2,
         world.critical.name,
@@ -311,14 +316,14 @@ def test_a_snapshot_reuses_a_workload_only_while_what_it_was_built_from_is_uncha
 
     # A renamed class is a new name for every job of it, changed row or not.
     PriorityClass.objects.filter(pk=world.batch.pk).update(name="batch-renamed")
-    renamed = {w.id: w for w in build_snapshot().workloads}
+    renamed = {w.id: w for w in read_snapshot()[0].workloads}
     assert renamed[str(same.pk)].priority_class == "batch-renamed"
-    assert {pc.name for pc in build_snapshot().priority_classes} >= {"batch-renamed"}
+    assert {pc.name for pc in read_snapshot()[0].priority_classes} >= {"batch-renamed"}
 
     # Admitted: the same job is a running workload now, on its attempt's placement.
     builders.attempt(same, placement=[{"node": "h100-node-3", "ranks": 1}])
     Job.objects.filter(pk=same.pk).update(state=JobState.RUNNING)
-    admitted = {w.id: w for w in build_snapshot().workloads}[str(same.pk)]
+    admitted = {w.id: w for w in read_snapshot()[0].workloads}[str(same.pk)]
     assert (admitted.state, admitted.placement) == ("running", (("h100-node-3", 1),))
 
 
