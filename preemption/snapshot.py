@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -172,11 +171,13 @@ def _keep_built(names: Names, built: Built) -> None:
 def _workload(
     row: tuple[Any, ...],
     engine_state: str,
-    team_slugs: dict[int, str],
-    class_names: dict[int, str],
-    flavor_names: dict[int, str],
+    names: Names,
+    attempt: tuple[list[dict[str, Any]], float] | None = None,
+    checkpoint: float | None = None,
 ) -> fairshare.Workload:
-    """The workload of one row of `read_snapshot`'s jobs query, not yet running."""
+    """The workload of one row of `read_snapshot`'s jobs query; for running work, with
+    where its open attempt runs, since when, and its last checkpoint of that attempt
+    (a checkpoint of an earlier attempt is not one of this admission's)."""
     (
         job_id,
         team_id,
@@ -190,6 +191,14 @@ def _workload(
         topology_required,
         _,
     ) = row
+    team_slugs, class_names, flavor_names = names
+    placement: tuple[tuple[str, int], ...] = ()
+    admitted_at = None
+    if attempt is not None:
+        placement = tuple((entry["node"], int(entry["ranks"])) for entry in attempt[0])
+        admitted_at = attempt[1]
+        if checkpoint is not None and checkpoint < admitted_at:
+            checkpoint = None
     return fairshare.Workload(
         id=workload_id(job_id),
         queue=team_slugs[team_id],
@@ -199,26 +208,11 @@ def _workload(
         gpus_per_rank=gpus_per_rank,
         state=engine_state,
         submitted_at=_seconds_of(submitted_at),
+        admitted_at=admitted_at,
+        placement=placement,
+        last_checkpoint_at=checkpoint,
         topology_level=topology_level or None,
         topology_required=topology_required,
-    )
-
-
-def _running(
-    workload: fairshare.Workload,
-    attempt: tuple[list[dict[str, Any]], float],
-    checkpoint: float | None,
-) -> fairshare.Workload:
-    """`workload` with where its open attempt runs, since when, and its last checkpoint
-    of that attempt (a checkpoint of an earlier attempt is not one of this admission's)."""
-    placement, admitted_at = attempt
-    return replace(
-        workload,
-        admitted_at=admitted_at,
-        placement=tuple((entry["node"], int(entry["ranks"])) for entry in placement),
-        last_checkpoint_at=checkpoint
-        if checkpoint is not None and checkpoint >= admitted_at
-        else None,
     )
 
 
@@ -358,6 +352,7 @@ def read_snapshot(
             if backing_off:
                 continue
             source: tuple[Any, ...] = row
+            attempt = checkpoint = None
         else:
             attempt = open_attempts.get(job_id)
             if attempt is None:
@@ -370,9 +365,7 @@ def read_snapshot(
         if kept is not None and kept[0] == source:
             workload = kept[1]
         else:
-            workload = _workload(row, engine_state, team_slugs, class_names, flavor_names)
-            if engine_state != "pending":
-                workload = _running(workload, attempt, checkpoint)
+            workload = _workload(row, engine_state, names, attempt, checkpoint)
         built[job_id] = (source, workload)
         workloads.append(workload)
     if reuse:
