@@ -10,7 +10,7 @@ import dataclasses
 from collections import defaultdict
 
 from fairshare_builders import CLASSES, NOW
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fairshare import (
@@ -781,3 +781,211 @@ def test_the_reclaim_order_of_donors_follows_every_victim_and_admission(
     assert victims.donor_heads == counted_afresh()
     planner.run()
     assert checked, "the plan looked at no pending job"
+
+
+class _CountedOutcomes(dict):  # type: ignore[type-arg]
+    """A planner's ``outcome_by_kind`` that counts the outcomes it hands back while still
+    current, or, with ``keep=False``, keeps none: every workload is planned in full."""
+
+    def __init__(self, planner: FlavorPlanner, *, keep: bool) -> None:
+        super().__init__()
+        self.planner = planner
+        self.keep = keep
+        self.reused = 0
+
+    def __setitem__(self, key: object, value: object) -> None:
+        if self.keep:
+            super().__setitem__(key, value)
+
+    def get(self, key: object, default: object = None) -> object:
+        found = super().get(key, default)
+        if found is not None and found[0] == self.planner.changes:  # type: ignore[index]
+            self.reused += 1
+        return found
+
+
+def _plans_with_and_without_reuse(snapshot: Snapshot) -> tuple[list[object], list[object], int]:
+    """Every flavor's decisions planned with outcomes reused and planned in full, and how
+    many workloads the first reused an outcome for."""
+    tree, classes, node_flavor = prepare(snapshot)
+    flavors = sorted({w.flavor for w in snapshot.workloads} | set(node_flavor.values()))
+    decided: tuple[list[object], list[object]] = ([], [])
+    reused = 0
+    for keep, out in zip((True, False), decided, strict=True):
+        for flavor in flavors:
+            workloads = [w for w in snapshot.workloads if w.flavor == flavor]
+            planner = FlavorPlanner(snapshot, tree, classes, flavor, workloads)
+            outcomes = _CountedOutcomes(planner, keep=keep)
+            planner.outcome_by_kind = outcomes
+            planner.run()
+            out.append(
+                (
+                    list(planner.admissions.values()),
+                    list(planner.preempt),
+                    list(planner.waits.values()),
+                    planner.attempted_at_version,
+                )
+            )
+            reused += outcomes.reused if keep else 0
+    return decided[0], decided[1], reused
+
+
+@st.composite
+def busy_queues(draw: st.DrawFn) -> Snapshot:
+    """Queues holding many pending jobs of a few kinds (Kueue's baseline in small): a
+    parent team and its children with guarantees and borrow limits, a nearly full
+    cluster, classes with minimum runtimes, recent usage; and now and then a free node
+    or a job that ends, so that the plan's admissions fall between jobs of one kind."""
+    node_list = [
+        Node(f"n{i}", "h100", draw(st.sampled_from((8, 16))))
+        for i in range(draw(st.integers(1, 4)))
+    ]
+    capacity = sum(node.gpus for node in node_list)
+    children = draw(st.integers(2, 4))
+    share = capacity // children
+    recent = draw(st.booleans())
+    queues = [Queue("cohort", None, 1.0, {"h100": FlavorQuota(capacity)})] + [
+        Queue(
+            f"cq{i}",
+            "cohort",
+            float(draw(st.integers(1, 2))),
+            {"h100": FlavorQuota(share, draw(st.one_of(st.none(), st.integers(0, share))))},
+            {"h100": float(draw(st.integers(0, 5000)))} if recent else {},
+        )
+        for i in range(children)
+    ]
+    names = [c.name for c in CLASSES]
+    kinds = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(names), st.sampled_from((1, 2)), st.sampled_from((1, 2, 4, 8))
+            ),
+            min_size=1,
+            max_size=3,
+        )
+    )
+    free = {node.name: node.gpus for node in node_list}
+    workloads: list[Workload] = []
+    for i in range(draw(st.integers(0, 12))):
+        class_name, _, gpus = draw(st.sampled_from(kinds))
+        node = next((n for n, room in free.items() if room >= gpus), None)
+        if node is None or draw(st.integers(0, 5)) == 0:
+            continue
+        free[node] -= gpus
+        admitted = NOW - draw(st.integers(1, 2000))
+        workloads.append(
+            Workload(
+                f"run-{i}",
+                f"cq{draw(st.integers(0, children - 1))}",
+                class_name,
+                "h100",
+                1,
+                gpus,
+                draw(st.sampled_from(("running", "running", "running", "terminating"))),
+                admitted - 10,
+                admitted,
+                ((node, 1),),
+                None,
+            )
+        )
+    for i in range(draw(st.integers(10, 40))):
+        class_name, ranks, gpus = draw(st.sampled_from(kinds))
+        workloads.append(
+            Workload(
+                f"wait-{i}",
+                f"cq{draw(st.integers(0, children - 1))}",
+                class_name,
+                "h100",
+                ranks,
+                gpus,
+                "pending",
+                NOW - draw(st.integers(0, 500)),
+                None,
+                (),
+                None,
+            )
+        )
+    return Snapshot(
+        NOW,
+        tuple(node_list),
+        tuple(queues),
+        CLASSES,
+        tuple(workloads),
+        usage_strength=1.0 if recent else 0.0,
+    )
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.one_of(
+        busy_queues(),
+        busy_queues(),
+        busy_queues(),
+        busy_queues(),
+        snapshots(),
+        guarantee_situations(),
+        protected_snapshots(),
+        used_snapshots(),
+        racked_snapshots(),
+        crowded(),
+    )
+)
+def test_a_reused_waiting_outcome_is_the_one_planning_in_full_gives(snapshot: Snapshot) -> None:
+    """A workload of a kind whose outcome the plan reuses waits exactly as it would when
+    planned in full: same decisions, same reasons and protection, in the same order."""
+    reusing, in_full, reused = _plans_with_and_without_reuse(snapshot)
+    event(f"reused an outcome: {reused > 0}")
+    assert reusing == in_full
+
+
+def test_a_busy_queue_reuses_its_waiting_outcome_until_the_plan_changes() -> None:
+    """Kueue's baseline in small: queues full of one kind of job that all wait on quota
+    share one outcome; an admission between them (a job of another queue finding room)
+    changes what later jobs are told, and the plan notices."""
+    queues = [Queue("cohort", None, 1.0, {"h100": FlavorQuota(60)})] + [
+        Queue(f"cq{i}", "cohort", 1.0, {"h100": FlavorQuota(20, 20)}) for i in range(3)
+    ]
+    running = [
+        Workload(
+            f"run-{i}",
+            f"cq{i % 3}",
+            "polite",
+            "h100",
+            1,
+            5,
+            "running",
+            NOW - 100,
+            NOW - 50,
+            (("node", 1),),
+            None,
+        )
+        for i in range(11)
+    ]
+    pending = [
+        Workload(
+            f"wait-{q}-{i}",
+            f"cq{q}",
+            "polite",
+            "h100",
+            1,
+            5,
+            "pending",
+            NOW - 40 + i + q / 10,
+            None,
+            (),
+            None,
+        )
+        for q in range(3)
+        for i in range(20)
+    ]
+    snapshot = Snapshot(
+        NOW, (Node("node", "h100", 60),), tuple(queues), CLASSES, tuple(running + pending)
+    )
+    reusing, in_full, reused = _plans_with_and_without_reuse(snapshot)
+    assert reusing == in_full
+    # One job fits (55 of 60 GPUs held); the others wait, most on a reused outcome.
+    admissions, _, waits, _ = reusing[0]  # type: ignore[misc]
+    assert len(admissions) == 1
+    assert len(waits) == 59
+    assert reused >= 50
+    assert {w.reason for w in waits} == {"no node of flavor h100 has 5 free GPUs"}
