@@ -474,6 +474,8 @@ class VictimCandidates:
         by_queue = self.by_queue
         smallest_gpus = self.smallest_gpus
         planned = ledger.planned_usage
+        waiting = ledger.waiting_usage
+        line = ledger.line
         lca_row = tree.lca_row(queue)
         heap: list[ScanEntry] = []
         chains: dict[int, LcaChain] = {}
@@ -482,13 +484,19 @@ class VictimCandidates:
             smallest = smallest_gpus[donor]
             if donor == queue or not runs or usage[donor] - smallest < fair[donor]:
                 continue
+            donor_planned = planned[donor]
+            if not donor_planned and usage[donor] - waiting[donor] <= line[donor]:
+                # The first test of the chain's below (the donor's own line, the
+                # chain's first queue), made before looking the chain up: most donors
+                # of a full cluster run at or under their line.
+                continue
             found = lca_row[donor]
             if found is None:
                 found = tree.lca_chains(queue, donor)
             chain, side_of_queue, side_of_donor = found
             if side_of_queue == side_of_donor:
                 continue
-            if not planned[donor] and not self._above_line_before_plan(chain):
+            if not donor_planned and not self._above_line_before_plan(chain):
                 # Without work admitted in this plan the donor has only running work to
                 # give, and it runs at or under its guarantee line.
                 continue
