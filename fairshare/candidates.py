@@ -486,9 +486,9 @@ class VictimCandidates:
                 continue
             donor_planned = planned[donor]
             if not donor_planned and usage[donor] - waiting[donor] <= line[donor]:
-                # The first test of the chain's below (the donor's own line, the
-                # chain's first queue), made before looking the chain up: most donors
-                # of a full cluster run at or under their line.
+                # _above_line_before_plan's test of the chain's first queue, the donor
+                # itself, made before the chain is looked up: most donors of a full
+                # cluster run at or under their own line.
                 continue
             found = lca_row[donor]
             if found is None:
