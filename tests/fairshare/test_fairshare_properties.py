@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from fairshare_builders import CLASSES, NOW
+from fairshare_builders import CLASSES, NOW, cluster, nodes, team, workload
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -942,44 +942,27 @@ def test_queues_full_of_one_kind_of_job_reuse_its_waiting_outcome() -> None:
     """Kueue's baseline in small: once the one job that fits is admitted, the queues'
     jobs, all of one kind per queue, wait for the same reason; all but the first of
     each queue reuse that outcome, and the plan is the one planning each in full gives."""
-    queues = [Queue("cohort", None, 1.0, {"h100": FlavorQuota(60)})] + [
-        Queue(f"cq{i}", "cohort", 1.0, {"h100": FlavorQuota(20, 20)}) for i in range(3)
-    ]
-    running = [
-        Workload(
-            f"run-{i}",
-            f"cq{i % 3}",
-            "polite",
-            "h100",
-            1,
-            5,
-            "running",
-            NOW - 100,
-            NOW - 50,
-            (("node", 1),),
-            None,
-        )
-        for i in range(11)
-    ]
-    pending = [
-        Workload(
-            f"wait-{q}-{i}",
-            f"cq{q}",
-            "polite",
-            "h100",
-            1,
-            5,
-            "pending",
-            NOW - 40 + i + q / 10,
-            None,
-            (),
-            None,
-        )
-        for q in range(3)
-        for i in range(20)
-    ]
-    snapshot = Snapshot(
-        NOW, (Node("node", "h100", 60),), tuple(queues), CLASSES, tuple(running + pending)
+    snapshot = cluster(
+        nodes("node", 1, 60),
+        [team("cohort", guarantee=60)]
+        + [team(f"cq{q}", "cohort", guarantee=20, borrow_limit=20) for q in range(3)],
+        [
+            workload(f"run-{i}")
+            .queue(f"cq{i % 3}")
+            .cls("polite")
+            .gpus(5)
+            .running("node0", since=50)
+            for i in range(11)
+        ]
+        + [
+            workload(f"wait-{q}-{i}")
+            .queue(f"cq{q}")
+            .cls("polite")
+            .gpus(5)
+            .submitted(40 - i - q / 10)
+            for q in range(3)
+            for i in range(20)
+        ],
     )
     reusing, in_full, reused = _plans_with_and_without_reuse(snapshot)
     assert reusing == in_full
