@@ -140,6 +140,9 @@ class FlavorPlanner:
         for jobs in pending:
             jobs.sort(key=_pending_order)
         self.pending = pending
+        # The reasons name them in this order, whatever order the snapshot lists them
+        # in: by id, shorter ids first, so that numbered jobs come in number order.
+        terminating.sort(key=lambda entry: (len(entry[0]), entry[0]))
         nodes.occupy(held, terminating)
         self.ledger = QuotaLedger(
             snapshot, tree, flavor, nodes.capacity, leaf_usage, leaf_demand, pinned_usage

@@ -7,6 +7,7 @@ guarantee never loses work to reclaim or fair share (``checked_plan``).
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections import defaultdict
 
 from fairshare_builders import CLASSES, NOW, cluster, nodes, team, workload
@@ -973,3 +974,30 @@ def test_queues_full_of_one_kind_of_job_reuse_its_waiting_outcome() -> None:
     assert len(waits) == 59
     assert reused == 56
     assert {w.reason for w in waits} == {"no node of flavor h100 has 5 free GPUs"}
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.one_of(
+        snapshots(),
+        busy_queues(),
+        guarantee_situations(),
+        protected_snapshots(),
+        used_snapshots(),
+        racked_snapshots(),
+        crowded(),
+        fragmented(),
+    ),
+    st.randoms(use_true_random=False),
+)
+def test_the_plan_does_not_depend_on_the_order_the_snapshot_lists_workloads_in(
+    snapshot: Snapshot, shuffler: random.Random
+) -> None:
+    """The engine orders every queue's work itself, so a snapshot may list its workloads
+    in any order (the database answers them unsorted): the same decisions, reasons and
+    queue figures, in the same order."""
+    workloads = list(snapshot.workloads)
+    shuffler.shuffle(workloads)
+    shuffled = dataclasses.replace(snapshot, workloads=tuple(workloads))
+    event(f"order changed: {workloads != list(snapshot.workloads)}")
+    assert plan(shuffled) == plan(snapshot)
