@@ -251,29 +251,72 @@ class FlavorPlanner:
         names = self.tree.names
         rank = self._guarantee_rank
         plan_job = self._plan_job
+        wait_in_a_row = self._wait_in_a_row
         while heap:
             queue = heappop(heap)[4]
             jobs = pending[queue]
             at = position[queue]
             plan_job(jobs[at])
             at += 1
-            position[queue] = at
             if at < len(jobs):
                 # The key of _queue_key, spelled out: this loop runs once per workload.
                 head = jobs[at]
                 used = usage[queue]
                 below = used - fair_share[queue]
                 gpus = head.gpus
-                heappush(
-                    heap,
-                    (
-                        rank(queue, gpus),
-                        below * boost[queue] if below < 0 else below,
-                        head.workload.submitted_at,
-                        names[queue],
-                        queue,
-                    ),
+                key = (
+                    rank(queue, gpus),
+                    below * boost[queue] if below < 0 else below,
+                    head.workload.submitted_at,
+                    names[queue],
+                    queue,
                 )
+                if not heap or key < heap[0]:
+                    reached = wait_in_a_row(jobs, at, key, heap[0] if heap else None)
+                    if reached != at and reached < len(jobs):
+                        key = self._queue_key(queue, jobs[reached])
+                    at = reached
+                if at < len(jobs):
+                    heappush(heap, key)
+            position[queue] = at
+
+    def _wait_in_a_row(
+        self, jobs: list[PendingJob], at: int, key: QueueKey, first: QueueKey | None
+    ) -> int:
+        """Let ``jobs[at:]`` wait on the outcome of their kind while they can; the
+        position of the first that cannot, to be planned in full.
+
+        ``key`` is ``jobs[at]``'s queue key and goes before ``first``, the head of the
+        heap: the pass would plan it next. While nothing changes, the queue's usage
+        and so the first two parts of its key stay as they are for jobs of as many
+        GPUs, and a job of a kind whose outcome is current would only reuse it; so the
+        jobs that follow, up to one that would fall behind ``first``, are taken here
+        without the heap, each as ``_plan_job`` takes it. At the peak of Kueue's
+        baseline most of the 14,400 waiting workloads go this way.
+        """
+        queue = key[4]
+        gpus = jobs[at].gpus
+        changes = self.changes
+        known_outcomes = self.outcome_by_kind
+        wait_as = self._wait_as
+        # Past ``first`` by their submission alone, when the first two parts tie.
+        tied = first is not None and first[:2] == key[:2]
+        count = len(jobs)
+        while at < count:
+            job = jobs[at]
+            workload = job.workload
+            if job.gpus != gpus or workload.topology_level is not None:
+                break
+            if tied and (workload.submitted_at, key[3], queue) > first[2:]:  # type: ignore[index]
+                break
+            outcome = known_outcomes.get(
+                (queue, workload.ranks, workload.gpus_per_rank, job.priority_class.name)
+            )
+            if outcome is None or outcome[0] != changes:
+                break
+            wait_as(workload.id, outcome)
+            at += 1
+        return at
 
     def _queue_key(self, queue: int, head: PendingJob) -> QueueKey:
         # Work that fits inside its queue's guarantee goes before any borrowing: otherwise

@@ -1001,3 +1001,52 @@ def test_the_plan_does_not_depend_on_the_order_the_snapshot_lists_workloads_in(
     shuffled = dataclasses.replace(snapshot, workloads=tuple(workloads))
     event(f"order changed: {workloads != list(snapshot.workloads)}")
     assert plan(shuffled) == plan(snapshot)
+
+
+def test_a_queue_waits_in_a_row_only_while_its_key_and_its_jobs_outcomes_hold() -> None:
+    """The pass takes a queue's next jobs without the heap only while each would reuse a
+    current outcome and come before the heap's head: it stops at a job of another size
+    (its key's guarantee rank may differ), one with a topology, one whose kind has no
+    current outcome, and, where the keys tie but for the submission, at the first job
+    submitted after the head's."""
+    snapshot = cluster(
+        nodes("node", 1, 8),
+        [team("a", guarantee=8)],
+        [
+            workload("w0").gpus(1).submitted(90),
+            workload("w1").gpus(1).submitted(80),
+            workload("w2").gang(2, 1).submitted(70),
+            workload("w3").gpus(1).submitted(60),
+            workload("w4").gpus(1).within("rack").submitted(50),
+            workload("w5").gpus(1).submitted(40),
+        ],
+    )
+    tree, classes, _ = prepare(snapshot)
+    planner = FlavorPlanner(snapshot, tree, classes, "h100", list(snapshot.workloads))
+    jobs = planner.pending[tree.index["a"]]
+    assert [job.workload.id for job in jobs] == [f"w{i}" for i in range(6)]
+    key = planner._queue_key(tree.index["a"], jobs[0])
+    queue = key[4]
+    one = (queue, 1, 1, "normal")
+    planner.outcome_by_kind[one] = (planner.changes, "reason one", None, False)
+
+    def reached(at: int, first: tuple[int, float, float, str, int] | None) -> int:
+        planner.waits.clear()
+        return planner._wait_in_a_row(jobs, at, planner._queue_key(queue, jobs[at]), first)
+
+    # A gang of two GPUs stops the row, though its kind has a current outcome too.
+    planner.outcome_by_kind[(queue, 2, 1, "normal")] = (planner.changes, "reason two", None, False)
+    assert reached(0, None) == 2
+    assert [w.reason for w in planner.waits.values()] == ["reason one", "reason one"]
+    # A gang with a topology stops it; so does a kind whose outcome is stale.
+    assert reached(3, None) == 4
+    planner.changes += 1
+    assert reached(5, None) == 5
+    assert planner.waits == {}
+    planner.outcome_by_kind[one] = (planner.changes, "reason one", None, False)
+    # Another queue's head that ties but for the submission: jobs submitted before it
+    # go first, the first submitted after it waits for the heap.
+    head = (*key[:2], NOW - 85, "b", queue + 1)
+    assert reached(0, head) == 1
+    # A head behind in its first two parts lets every job of the size through.
+    assert reached(0, (key[0] + 1, *key[1:3], "b", queue + 1)) == 2
