@@ -210,11 +210,11 @@ def timed_cycle() -> tuple[StepTimes, CycleResult]:
         _lock()
         now = datetime.now(tz=UTC)
         with step(times, "snapshot"):
-            snapshot, held = read_snapshot(now=now)
+            snapshot, held, shown = read_snapshot(now=now)
         with step(times, "plan"):
             plan = fairshare.plan(snapshot)
         with step(times, "write"):
-            _apply(plan, now=now, result=result, held=held)
+            _apply(plan, now=now, result=result, held=held, shown=shown)
     return times, result
 
 

@@ -16,7 +16,7 @@ written here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from django.db import connections, router
 from django.db.models import Field, Model
@@ -26,9 +26,19 @@ from django.db.models import Field, Model
 BATCH = 500
 
 
-def update_rows(objs: Sequence[Model], fields: Sequence[str], *, batch_size: int = BATCH) -> int:
+def update_rows(
+    objs: Sequence[Model],
+    fields: Sequence[str],
+    *,
+    batch_size: int = BATCH,
+    only: Mapping[str, Sequence[object]] | None = None,
+) -> int:
     """Write `fields` of each of `objs` (instances of one model, saved before) as
-    each holds them, by primary key, as `bulk_update` does; the rows matched."""
+    each holds them, by primary key, as `bulk_update` does; the rows matched.
+
+    With `only` ({field: values}), a row is written only while each of those fields
+    holds one of its values, tested as the row is written (a job still waiting, say,
+    and not one cancelled since its values were computed)."""
     if not objs or not fields:
         return 0
     model = type(objs[0])
@@ -41,6 +51,10 @@ def update_rows(objs: Sequence[Model], fields: Sequence[str], *, batch_size: int
     for column in columns:
         if not isinstance(column, Field) or not column.concrete or column.primary_key:
             raise ValueError(f"{meta.label}.{column.name} is not a column update_rows can write")
+    conditions = [(meta.get_field(name), list(values)) for name, values in (only or {}).items()]
+    for column, values in conditions:
+        if not isinstance(column, Field) or not column.concrete or not values:
+            raise ValueError(f"{meta.label}.{column.name} cannot restrict the rows written")
     connection = connections[router.db_for_write(model)]
     quote = connection.ops.quote_name
     every = [pk, *columns]
@@ -60,6 +74,15 @@ def update_rows(objs: Sequence[Model], fields: Sequence[str], *, batch_size: int
     sets = ", ".join(
         f"{quote(field.column)} = {value}" for field, value in zip(columns, name[1:], strict=True)
     )
+    where = "".join(
+        f" AND {table}.{quote(column.column)} IN ({', '.join(['%s'] * len(values))})"
+        for column, values in conditions
+    )
+    where_params = [
+        column.get_db_prep_value(value, connection)
+        for column, values in conditions
+        for value in values
+    ]
     matched = 0
     with connection.cursor() as cursor:
         for start in range(0, len(objs), batch_size):
@@ -76,8 +99,8 @@ def update_rows(objs: Sequence[Model], fields: Sequence[str], *, batch_size: int
             cursor.execute(
                 f"UPDATE {table} SET {sets} "
                 f"FROM (VALUES {', '.join([row] * len(batch))}) AS {alias} "
-                f"WHERE {table}.{quote(pk.column)} = {name[0]}",
-                params,
+                f"WHERE {table}.{quote(pk.column)} = {name[0]}{where}",
+                params + where_params,
             )
             matched += cursor.rowcount
     return matched

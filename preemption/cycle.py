@@ -41,7 +41,7 @@ from preemption.models import (
 )
 from preemption.reasons import Preemptor, preemption_words, release_words
 from preemption.reconcile import launch_admitted, reconcile_jobs
-from preemption.snapshot import read_snapshot
+from preemption.snapshot import Shown, read_snapshot
 from preemption.wakeup import take_cycle_request
 from preemption.webhooks import Notice, notify_each
 
@@ -149,9 +149,9 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
             take_cycle_request()
             now = now or timezone.now()
             with fairshare.collector_paused():
-                snapshot, held = read_snapshot(now=now)
+                snapshot, held, shown = read_snapshot(now=now)
                 plan = fairshare.plan(snapshot)
-                _apply(plan, now=now, result=result, held=held)
+                _apply(plan, now=now, result=result, held=held, shown=shown)
     else:
         with _file_lock() as mine:
             if not mine:
@@ -161,10 +161,10 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
             now = now or timezone.now()
             with fairshare.collector_paused():
                 with _read_transaction():
-                    snapshot, held = read_snapshot(now=now)
+                    snapshot, held, shown = read_snapshot(now=now)
                 plan = fairshare.plan(snapshot)
                 with transaction.atomic():
-                    _apply(plan, now=now, result=result, held=held)
+                    _apply(plan, now=now, result=result, held=held, shown=shown)
     if act and result.admitted:
         launch_admitted(result.admitted)
     if act and result.preempted:
@@ -173,7 +173,12 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
 
 
 def _apply(
-    plan: fairshare.Plan, *, now: datetime, result: CycleResult, held: dict[int, str]
+    plan: fairshare.Plan,
+    *,
+    now: datetime,
+    result: CycleResult,
+    held: dict[int, str],
+    shown: Shown,
 ) -> None:
     """Record the plan's decisions in a fixed number of queries, however many
     jobs it admits or preempts: on the embedded SQLite the cycle holds the
@@ -181,7 +186,7 @@ def _apply(
     submission waiting behind hundreds of them."""
     _admit(plan, now=now, result=result)
     _preempt(plan, now=now, result=result)
-    _store_waiting(plan, held, now)
+    _store_waiting(plan, held, shown, now)
     result.waiting = len(plan.waiting) + len(held)
 
 
@@ -333,10 +338,16 @@ def _add_release_times(reasons: dict[int, str], now: datetime) -> None:
         reasons[job_id] = f"{reasons[job_id]}; {release_words(event, now)}"
 
 
-def _store_waiting(plan: fairshare.Plan, held: dict[int, str], now: datetime) -> None:
+def _store_waiting(plan: fairshare.Plan, held: dict[int, str], shown: Shown, now: datetime) -> None:
     """Write each waiting job's reason, and until when its only victims are
-    protected, only where they changed and only while the job still waits (a
-    cancel since the snapshot keeps its own)."""
+    protected, where they differ from what the job showed when the snapshot read it
+    (`shown`), and only while the job still waits: a cancel since then keeps its own.
+
+    What the snapshot read stands for what the rows hold now: while a job waits, only
+    cycles write its reason (a submission or a requeue writes one as the job starts
+    waiting, and such a job is not in this plan), and this cycle holds the cycle
+    lock. A job that left the waiting states since is skipped by the writes
+    themselves, which test its state as they write."""
     # Each waiting job's id as a number once: a busy cycle has thousands.
     waiting = [(int(w.id), w) for w in plan.waiting]
     words = {job_id: w.reason for job_id, w in waiting}
@@ -349,21 +360,8 @@ def _store_waiting(plan: fairshare.Plan, held: dict[int, str], now: datetime) ->
         for job_id, w in waiting
     }
     reasons.update({job_id: (reason[:300], None) for job_id, reason in held.items()})
-    if not reasons:
-        return
-    # Read by state, not by a list of ids: tens of thousands of ids make one
-    # query that PostgreSQL's driver spends seconds preparing and that SQLite
-    # refuses outright past 32,766.
-    current = {
-        job_id: (reason, until)
-        for job_id, reason, until in Job.objects.filter(state__in=WAITING_STATES).values_list(
-            "id", "waiting_reason", "protected_until"
-        )
-    }
     changed = [
-        job_id
-        for job_id, values in reasons.items()
-        if job_id in current and current[job_id] != values
+        job_id for job_id, values in reasons.items() if job_id in shown and shown[job_id] != values
     ]
     if not changed:
         return
@@ -381,7 +379,7 @@ def _store_waiting(plan: fairshare.Plan, held: dict[int, str], now: datetime) ->
             ]
             continue
         for start in range(0, len(job_ids), WRITE_BATCH):
-            Job.objects.filter(pk__in=job_ids[start : start + WRITE_BATCH]).update(
-                waiting_reason=reason, protected_until=until
-            )
-    update_rows(rare, ["waiting_reason", "protected_until"])
+            Job.objects.filter(
+                pk__in=job_ids[start : start + WRITE_BATCH], state__in=WAITING_STATES
+            ).update(waiting_reason=reason, protected_until=until)
+    update_rows(rare, ["waiting_reason", "protected_until"], only={"state": WAITING_STATES})

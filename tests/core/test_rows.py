@@ -79,6 +79,29 @@ def test_a_text_field_and_a_json_field_keep_what_each_row_holds(world: Any) -> N
     ]
 
 
+def test_only_the_rows_that_still_hold_one_of_the_values_named_are_written(world: Any) -> None:
+    jobs = [builders.job(world, world.vision, state=JobState.PENDING) for _ in range(4)]
+    # Cancelled after its new values were computed: it keeps its own.
+    Job.objects.filter(pk=jobs[1].pk).update(state=JobState.CANCELLED, waiting_reason="")
+    for i, job in enumerate(jobs):
+        job.waiting_reason = f"reason {i}"
+    with CaptureQueriesContext(connection) as captured:
+        matched = update_rows(
+            jobs,
+            ["waiting_reason"],
+            batch_size=3,
+            only={"state": [JobState.PENDING, JobState.REQUEUED]},
+        )
+    assert matched == 3
+    assert len(captured) == 2, "one statement per batch of three"
+    assert [Job.objects.get(pk=job.pk).waiting_reason for job in jobs] == [
+        "reason 0",
+        "",
+        "reason 2",
+        "reason 3",
+    ]
+
+
 def test_nothing_to_write_is_no_statement(world: Any) -> None:
     ranks = ranks_of(world, 1)
     with CaptureQueriesContext(connection) as captured:
@@ -97,6 +120,10 @@ def test_what_it_cannot_write_is_refused_before_any_write(world: Any) -> None:
         update_rows([rank], ["id"])
     with pytest.raises(FieldDoesNotExist):
         update_rows([rank], ["no_such_field"])
+    with pytest.raises(FieldDoesNotExist):
+        update_rows([rank], ["state"], only={"no_such_field": [1]})
+    with pytest.raises(ValueError, match="cannot restrict"):
+        update_rows([rank], ["state"], only={"state": []})
     assert Rank.objects.get(pk=rank.pk).state == Rank.State.RUNNING
 
 
@@ -106,6 +133,7 @@ def test_on_sqlite(tmp_path: Path) -> None:
         __file__,
         "test_each_row_gets_its_own_values_and_nothing_else_changes",
         "test_a_text_field_and_a_json_field_keep_what_each_row_holds",
+        "test_only_the_rows_that_still_hold_one_of_the_values_named_are_written",
         "test_nothing_to_write_is_no_statement",
         "test_what_it_cannot_write_is_refused_before_any_write",
     )

@@ -79,13 +79,13 @@ def test_admitting_many_jobs_takes_as_many_queries_as_admitting_two(world: Any) 
 def test_a_job_cancelled_after_the_snapshot_is_not_admitted(world: Any) -> None:
     kept, cancelled = submit(world, world.vision, 2)
     now = timezone.now()
-    held = held_jobs()
-    plan = fairshare.plan(build_snapshot(now=now, held=held))
+    snapshot, held, shown = read_snapshot(now=now)
+    plan = fairshare.plan(snapshot)
     assert {int(a.id) for a in plan.admit} == {kept.pk, cancelled.pk}
     Job.objects.filter(pk=cancelled.pk).update(state=JobState.CANCELLED, finished_at=now)
 
     result = CycleResult()
-    _apply(plan, now=now, result=result, held=held)
+    _apply(plan, now=now, result=result, held=held, shown=shown)
 
     assert result.admitted == [kept.pk]
     assert not Attempt.objects.filter(job=cancelled).exists()
@@ -97,14 +97,14 @@ def test_a_job_cancelled_after_the_snapshot_keeps_its_own_waiting_reason(world: 
     # 24 GPUs: three jobs of 8 run, the fourth waits.
     jobs = submit(world, world.vision, 4, ranks=1, gpus_per_rank=8)
     now = timezone.now()
-    held = held_jobs()
-    plan = fairshare.plan(build_snapshot(now=now, held=held))
+    snapshot, held, shown = read_snapshot(now=now)
+    plan = fairshare.plan(snapshot)
     (waiting,) = [job for job in jobs if job.pk in {int(w.id) for w in plan.waiting}]
     Job.objects.filter(pk=waiting.pk).update(
         state=JobState.CANCELLED, finished_at=now, waiting_reason=""
     )
 
-    _apply(plan, now=now, result=CycleResult(), held=held)
+    _apply(plan, now=now, result=CycleResult(), held=held, shown=shown)
 
     waiting.refresh_from_db()
     assert (waiting.state, waiting.waiting_reason) == (JobState.CANCELLED, "")
@@ -179,7 +179,7 @@ def test_only_the_jobs_of_a_class_their_team_lost_are_held(world: Any) -> None:
         priority_class=world.critical,
         not_before=timezone.now() + timedelta(minutes=5),
     )
-    snapshot, found = read_snapshot()
+    snapshot, found, _ = read_snapshot()
     assert found == held_jobs()
     assert set(found) == {job.pk for job in [*barred, *more, *backing_off]}
     assert not {w.id for w in snapshot.workloads} & {str(job_id) for job_id in found}
@@ -209,6 +209,13 @@ def test_waiting_reasons_are_written_where_they_changed(world: Any) -> None:
     assert next(iter(reasons.values())).startswith(("no node", "waiting", "not enough"))
     held.refresh_from_db()
     assert held.waiting_reason.startswith("held: team ops may no longer use ai-prod-critical")
+    # What the next cycle compares its reasons with: every waiting job's row as it is.
+    assert read_snapshot()[2] == {
+        pk: (reason, until)
+        for pk, reason, until in Job.objects.filter(
+            state__in=[JobState.PENDING, JobState.REQUEUED]
+        ).values_list("pk", "waiting_reason", "protected_until")
+    }
 
     # Nothing changed: the next cycle writes no reason.
     with CaptureQueriesContext(connection) as queries:
@@ -226,10 +233,10 @@ def test_a_job_committed_while_the_cycle_read_its_snapshot_is_not_admitted_befor
     cycle_began = timezone.now()
     (job,) = submit(world, world.vision, 1)
     assert job.submitted_at > cycle_began
-    held = held_jobs()
-    plan = fairshare.plan(build_snapshot(now=cycle_began, held=held))
+    snapshot, held, shown = read_snapshot(now=cycle_began)
+    plan = fairshare.plan(snapshot)
     with transaction.atomic():
-        _apply(plan, now=cycle_began, result=CycleResult(), held=held)
+        _apply(plan, now=cycle_began, result=CycleResult(), held=held, shown=shown)
     job.refresh_from_db()
     assert job.state == JobState.ADMITTED
     assert job.admitted_at >= job.submitted_at
