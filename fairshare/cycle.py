@@ -299,15 +299,16 @@ class FlavorPlanner:
         changes = self.changes
         known_outcomes = self.outcome_by_kind
         wait_as = self._wait_as
-        # Past ``first`` by their submission alone, when the first two parts tie.
-        tied = first is not None and first[:2] == key[:2]
+        # When the first two parts tie, the rest of ``first``'s key, which a job
+        # submitted later falls behind.
+        tie = first[2:] if first is not None and first[:2] == key[:2] else None
         count = len(jobs)
         while at < count:
             job = jobs[at]
             workload = job.workload
             if job.gpus != gpus or workload.topology_level is not None:
                 break
-            if tied and (workload.submitted_at, key[3], queue) > first[2:]:  # type: ignore[index]
+            if tie is not None and (workload.submitted_at, key[3], queue) > tie:
                 break
             outcome = known_outcomes.get(
                 (queue, workload.ranks, workload.gpus_per_rank, job.priority_class.name)
