@@ -64,11 +64,17 @@ def test_jobs_are_closed_as_their_gangs_end(
     world: Any, mimic: MimicRuntime, handed_over: list[Any], listening: threading.Event
 ) -> None:
     jobs = launched(world, "sleep 0.3")
+    # The states first: a job's close marks its gang to be forgotten in the same
+    # transaction, so once both jobs read as succeeded, an action read after them
+    # that is done is one the listener finished (read the other way round, a close
+    # committed between the two reads looked finished).
     wait_until(
         lambda: (
-            not Attempt.objects.filter(job__in=jobs).exclude(action=Attempt.Action.NONE).exists()
-            and set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True))
+            set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True))
             == {JobState.SUCCEEDED}
+            and not Attempt.objects.filter(job__in=jobs)
+            .exclude(action=Attempt.Action.NONE)
+            .exists()
         ),
         "both jobs closed and their gangs forgotten by the listener",
     )
