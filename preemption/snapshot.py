@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import connection, models
 from django.db.models import BooleanField, ExpressionWrapper, F, FloatField, Max, Q
-from django.db.models.functions import Cast, Extract
 from django.utils import timezone
 
 import fairshare
@@ -28,6 +27,21 @@ ENGINE_STATE = {
 }
 
 
+class _EpochSeconds(models.Func):
+    """A timestamp with time zone as PostgreSQL's seconds since the epoch, a float.
+
+    date_part answers a double precision, which reaches Python as a float:
+    EXTRACT answers a numeric (PostgreSQL 14 and later), and the cast and Django's
+    per-row conversion of a float expression took a fifth of the snapshot at
+    Kueue's baseline peak (14,400 waiting jobs). The value needs no conversion."""
+
+    template = "date_part('epoch', %(expressions)s)"
+    output_field = FloatField()
+
+    def get_db_converters(self, connection: Any) -> list[Any]:
+        return []
+
+
 def _seconds(field: str | Any) -> Any:
     """A timestamp column (or an aggregate of one) as seconds since the epoch, computed
     by PostgreSQL: a cycle reads every waiting job's submission time and every running
@@ -36,9 +50,8 @@ def _seconds(field: str | Any) -> Any:
     the datetime, which `_seconds_of` turns into the same number."""
     expression = F(field) if isinstance(field, str) else field
     if connection.vendor == "postgresql":
-        # In UTC: Django reads the column in the current time zone first, and the
-        # epoch of a wall-clock time elsewhere would be off by that zone's offset.
-        return Cast(Extract(expression, "epoch", tzinfo=UTC), FloatField())
+        # The epoch of the instant itself, whatever the session's time zone.
+        return _EpochSeconds(expression)
     return expression
 
 

@@ -262,6 +262,12 @@ def test_the_snapshot_reads_each_submission_time_to_the_microsecond(world: Any) 
     with timezone.override("America/St_Johns"):
         seen = {w.id: w.submitted_at for w in build_snapshot().workloads}
     assert [seen[str(job.pk)] for job in jobs] == [moment.timestamp() for moment in moments]
+    if connection.vendor == "postgresql":
+        # Nor does the database session's own time zone change it.
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL TIME ZONE 'Asia/Kathmandu'")
+        seen = {w.id: w.submitted_at for w in build_snapshot().workloads}
+        assert [seen[str(job.pk)] for job in jobs] == [moment.timestamp() for moment in moments]
 
 
 def test_the_snapshot_reads_each_admission_and_last_checkpoint_to_the_microsecond(
