@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.db import OperationalError, close_old_connections, transaction
-from django.db.models import Max, Q, QuerySet, Value
+from django.db.models import Case, Max, Q, QuerySet, Value, When
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -171,6 +171,10 @@ class Step:
     # since ranks receive it while the call runs and the record must not say it
     # was sent after they received it.
     called_at: datetime | None = None
+    # When it returned: a launch is recorded as done at this moment, its own, not
+    # when the last of the pass's launches returned (the work a victim loses counts
+    # from its launch).
+    returned_at: datetime | None = None
     # A kill whose gang's evictions a disruption budget still refused: the
     # preemption's outcome says it was forced past the budget.
     forced: bool = False
@@ -967,9 +971,17 @@ def _record_plain_outcomes(steps: list[Step], claim: datetime) -> set[int]:
     all of them; the ids of the attempts recorded (those whose claim is still
     this pass's)."""
     now = timezone.now()
+    launched = Case(
+        *(
+            When(pk=step.attempt.pk, then=Value(step.returned_at))
+            for step in steps
+            if step.action == Attempt.Action.LAUNCH and step.returned_at is not None
+        ),
+        default=Value(now),
+    )
     recorded: set[int] = set()
     for action, extra in (
-        (Attempt.Action.LAUNCH, {"launched_at": Coalesce("launched_at", Value(now))}),
+        (Attempt.Action.LAUNCH, {"launched_at": Coalesce("launched_at", launched)}),
         (Attempt.Action.FORGET, {}),
     ):
         ids = [step.attempt.pk for step in steps if step.action == action]
@@ -994,6 +1006,7 @@ def _call(step: Step, runtime: Runtime) -> Exception | None:
         if step.action == Attempt.Action.LAUNCH:
             assert step.spec is not None
             runtime.launch(step.spec)
+            step.returned_at = timezone.now()
         elif step.action == Attempt.Action.NOTICE:
             deliver = getattr(runtime, "notice", None)
             if deliver is not None:
@@ -1063,7 +1076,7 @@ def _record_outcome(step: Step, claim: datetime, error: Exception | None) -> Non
             return
         if step.action == Attempt.Action.LAUNCH:
             Attempt.objects.filter(pk=step.attempt.pk, launched_at__isnull=True).update(
-                launched_at=now
+                launched_at=step.returned_at or now
             )
         elif step.action == Attempt.Action.NOTICE:
             assert step.event is not None

@@ -131,6 +131,73 @@ def test_jobs_table_stays_writable_while_a_launch_is_in_progress_on_sqlite(
     )
 
 
+class OneLaunchHeld(LocalRuntime):
+    """The local runtime, whose launch of one job waits until the test lets it go;
+    it notes when each launch returned."""
+
+    def __init__(self, *args: Any, held_job: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.held_job = held_job
+        self.release = threading.Event()
+        self.returned: dict[int, Any] = {}
+
+    def launch(self, spec: GangSpec) -> None:
+        if spec.job_id == self.held_job and not self.release.wait(60):
+            raise AssertionError("the test never released the launch")
+        super().launch(spec)
+        self.returned[spec.job_id] = timezone.now()
+
+
+def test_each_launch_is_recorded_when_it_returned_not_when_the_last_of_its_pass_did(
+    world: Any, local_runtime: LocalRuntime, drive: Any
+) -> None:
+    # The launches of one pass go out side by side; a gang's work (and what a
+    # preemption costs it) counts from its own launch, so a quick launch must not
+    # be stamped with the moment a slow one beside it finally returned.
+    quick = submit(world, world.vision, name="quick")
+    slow = submit(world, world.ops, name="slow")
+    schedule_cycle(act=False)
+    assert state_of(quick) == state_of(slow) == JobState.ADMITTED
+    runtime = OneLaunchHeld(
+        root=local_runtime.root, inventory=local_runtime.inventory, held_job=slow.pk
+    )
+    failures: list[BaseException] = []
+
+    def launch() -> None:
+        try:
+            launch_admitted([quick.pk, slow.pk], runtime)
+        except BaseException as error:  # reported by the test's thread
+            failures.append(error)
+        finally:
+            connection.close()
+
+    launcher = threading.Thread(target=launch)
+    launcher.start()
+    try:
+        wait_until(lambda: quick.pk in runtime.returned, timeout=30, what="the quick launch")
+        released = timezone.now()
+    finally:
+        runtime.release.set()
+        launcher.join(60)
+    assert not failures, failures
+    quick_launched = Attempt.objects.get(job=quick).launched_at
+    slow_launched = Attempt.objects.get(job=slow).launched_at
+    assert runtime.returned[quick.pk] <= quick_launched <= released
+    assert released <= runtime.returned[slow.pk] <= slow_launched
+    drive(
+        lambda: state_of(quick) == state_of(slow) == JobState.SUCCEEDED,
+        what="both jobs to succeed",
+    )
+
+
+def test_each_launch_is_recorded_when_it_returned_on_sqlite(tmp_path: Path) -> None:
+    passes_on_sqlite(
+        tmp_path,
+        __file__,
+        "test_each_launch_is_recorded_when_it_returned_not_when_the_last_of_its_pass_did",
+    )
+
+
 def test_a_permanent_error_fails_its_attempt_and_the_next_gang_is_reconciled(
     world: Any, local_runtime: LocalRuntime, drive: Any
 ) -> None:
