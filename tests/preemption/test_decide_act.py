@@ -13,6 +13,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,19 +50,50 @@ def submit(world: Any, team: Any, *, seconds: float = 0.5, name: str = "") -> Jo
     )
 
 
-class HeldLaunch(LocalRuntime):
-    """The local runtime, whose launch first waits until the test lets it go."""
+def admitted_pair(world: Any, first: str, second: str) -> tuple[Job, Job]:
+    """Two jobs of two teams, admitted by one cycle and not launched yet."""
+    jobs = submit(world, world.vision, name=first), submit(world, world.ops, name=second)
+    schedule_cycle(act=False)
+    assert [state_of(job) for job in jobs] == [JobState.ADMITTED] * 2
+    return jobs
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+
+class HeldLaunch(LocalRuntime):
+    """The local runtime, whose launches (or only the launch of `held_job`) first wait
+    until the test lets them go; it notes when each launch returned."""
+
+    def __init__(self, *args: Any, held_job: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.held_job = held_job
         self.launching = threading.Event()
         self.release = threading.Event()
+        self.returned: dict[int, datetime] = {}
 
     def launch(self, spec: GangSpec) -> None:
-        self.launching.set()
-        if not self.release.wait(60):
-            raise AssertionError("the test never released the launch")
+        if self.held_job in (None, spec.job_id):
+            self.launching.set()
+            if not self.release.wait(60):
+                raise AssertionError("the test never released the launch")
         super().launch(spec)
+        self.returned[spec.job_id] = timezone.now()
+
+
+def in_thread(work: Callable[[], object]) -> tuple[threading.Thread, list[BaseException]]:
+    """Start `work` in a thread of its own (with its own database connection); what it
+    raises is kept for the test to report."""
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as error:  # reported by the test's thread
+            failures.append(error)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, failures
 
 
 def _short_lock_wait() -> None:
@@ -76,23 +109,9 @@ def _short_lock_wait() -> None:
 def test_jobs_table_stays_writable_while_a_launch_is_in_progress(
     world: Any, local_runtime: LocalRuntime, drive: Any
 ) -> None:
-    job = submit(world, world.vision, name="held")
-    other = submit(world, world.ops, name="other")
-    schedule_cycle(act=False)
-    assert state_of(job) == state_of(other) == JobState.ADMITTED
+    job, other = admitted_pair(world, "held", "other")
     runtime = HeldLaunch(root=local_runtime.root, inventory=local_runtime.inventory)
-    failures: list[BaseException] = []
-
-    def reconcile() -> None:
-        try:
-            reconcile_jobs(job_ids=[job.pk], runtime=runtime)
-        except BaseException as error:  # reported by the test's thread
-            failures.append(error)
-        finally:
-            connection.close()
-
-    reconciler = threading.Thread(target=reconcile)
-    reconciler.start()
+    reconciler, failures = in_thread(lambda: reconcile_jobs(job_ids=[job.pk], runtime=runtime))
     try:
         assert runtime.launching.wait(30), "the reconciler never called launch"
         _short_lock_wait()
@@ -131,48 +150,17 @@ def test_jobs_table_stays_writable_while_a_launch_is_in_progress_on_sqlite(
     )
 
 
-class OneLaunchHeld(LocalRuntime):
-    """The local runtime, whose launch of one job waits until the test lets it go;
-    it notes when each launch returned."""
-
-    def __init__(self, *args: Any, held_job: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.held_job = held_job
-        self.release = threading.Event()
-        self.returned: dict[int, Any] = {}
-
-    def launch(self, spec: GangSpec) -> None:
-        if spec.job_id == self.held_job and not self.release.wait(60):
-            raise AssertionError("the test never released the launch")
-        super().launch(spec)
-        self.returned[spec.job_id] = timezone.now()
-
-
 def test_each_launch_is_recorded_when_it_returned_not_when_the_last_of_its_pass_did(
     world: Any, local_runtime: LocalRuntime, drive: Any
 ) -> None:
     # The launches of one pass go out side by side; a gang's work (and what a
     # preemption costs it) counts from its own launch, so a quick launch must not
     # be stamped with the moment a slow one beside it finally returned.
-    quick = submit(world, world.vision, name="quick")
-    slow = submit(world, world.ops, name="slow")
-    schedule_cycle(act=False)
-    assert state_of(quick) == state_of(slow) == JobState.ADMITTED
-    runtime = OneLaunchHeld(
+    quick, slow = admitted_pair(world, "quick", "slow")
+    runtime = HeldLaunch(
         root=local_runtime.root, inventory=local_runtime.inventory, held_job=slow.pk
     )
-    failures: list[BaseException] = []
-
-    def launch() -> None:
-        try:
-            launch_admitted([quick.pk, slow.pk], runtime)
-        except BaseException as error:  # reported by the test's thread
-            failures.append(error)
-        finally:
-            connection.close()
-
-    launcher = threading.Thread(target=launch)
-    launcher.start()
+    launcher, failures = in_thread(lambda: launch_admitted([quick.pk, slow.pk], runtime))
     try:
         wait_until(lambda: quick.pk in runtime.returned, timeout=30, what="the quick launch")
         released = timezone.now()
