@@ -32,6 +32,7 @@ attempt with its reason. Neither stops the pass for the other attempts.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fcntl
 import functools
 import logging
@@ -87,6 +88,7 @@ from preemption.webhooks import Notice, notify, notify_each
 logger = logging.getLogger(__name__)
 
 TERMINAL_PHASES = ("exited", "lost")
+RANK_STATES = frozenset(Rank.State.values)
 
 
 def _when(at: float | None) -> datetime | None:
@@ -390,23 +392,14 @@ def _only_pass() -> Iterator[bool]:
 
 def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
     _forget_finished(job_ids, runtime)
-    attempts = (
-        Attempt.objects.filter(ended_at__isnull=True, job__state__in=ACTIVE_STATES)
-        .select_related("job", "job__team", "job__priority_class", "job__flavor", "preemption")
-        .prefetch_related("rank_set")
-    )
-    if job_ids is not None:
-        attempts = attempts.filter(job_id__in=job_ids)
-    # In the order of their jobs' ids, the order in which the scheduling cycle locks
-    # jobs too: two transactions that lock the same jobs in one order cannot deadlock.
-    attempts = list(attempts.order_by("job_id", "id"))
-    if not attempts:
+    open_attempts = _open_attempts(job_ids)
+    if not open_attempts:
         return 0
     observed: dict[tuple[int, int], list[RankObservation]] = defaultdict(list)
     try:
-        if job_ids is not None and len(attempts) <= 4:
-            for attempt in attempts:
-                for obs in runtime.observe(GangId(attempt.job_id, attempt.number)):
+        if job_ids is not None and len(open_attempts) <= 4:
+            for row in open_attempts:
+                for obs in runtime.observe(GangId(row.job_id, row.number)):
                     observed[(obs.job_id, obs.attempt)].append(obs)
         else:
             for obs in runtime.observe(None):
@@ -423,19 +416,36 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
             taken = {(gang.job_id, gang.attempt) for gang in guard.guard_victims()}
         except (RuntimeTemporaryError, RuntimePermanentError):
             logger.warning("gang-guard observation failed; retrying next cycle", exc_info=True)
-    # Gangs the runtime shows nothing of although they were launched are observed
-    # once more first: the pass's observation may predate their launch.
-    pending: list[tuple[Attempt, list[RankObservation], bool]] = []
     # An exits listener closes the gangs that end; a pass over every job leaves it
     # those that ended a moment ago, rather than meeting it on their rows.
     left_since = time.time() - SETTLE_SECONDS if job_ids is None and exits_listened() else None
-    for attempt in attempts:
-        key = (attempt.job_id, attempt.number)
+    to_decide = []
+    for row in open_attempts:
+        key = (row.job_id, row.number)
         observations = observed.get(key, [])
-        if _steady(attempt, observations, key in taken):
+        if _steady(row, observations, key in taken):
             continue
         if left_since is not None and _ended_since(observations, left_since):
             continue
+        to_decide.append(row.pk)
+    if not to_decide:
+        return len(open_attempts)
+    attempts = (
+        Attempt.objects.filter(
+            pk__in=to_decide, ended_at__isnull=True, job__state__in=ACTIVE_STATES
+        )
+        .select_related("job", "job__team", "job__priority_class", "job__flavor", "preemption")
+        .prefetch_related("rank_set")
+        # In the order of their jobs' ids, the order in which the scheduling cycle locks
+        # jobs too: two transactions that lock the same jobs in one order cannot deadlock.
+        .order_by("job_id", "id")
+    )
+    # Gangs the runtime shows nothing of although they were launched are observed
+    # once more first: the pass's observation may predate their launch.
+    pending: list[tuple[Attempt, list[RankObservation], bool]] = []
+    for attempt in attempts:
+        key = (attempt.job_id, attempt.number)
+        observations = observed.get(key, [])
         if not observations and attempt.launched_at is not None:
             try:
                 observations = runtime.observe(GangId(*key))
@@ -493,7 +503,7 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
         logger.warning("the reconcile pass met a lock conflict; retrying next pass: %s", error)
         return 0
     act(steps, runtime)
-    return len(attempts)
+    return len(open_attempts)
 
 
 # A deadlock the database broke by undoing this transaction, and a lock not granted.
@@ -1200,9 +1210,9 @@ def _record_observations(ranks: dict[int, Rank], observations: list[RankObservat
             rank.save(update_fields=list(changes))
 
 
-def _rank_changes(rank: Rank, obs: RankObservation) -> dict[str, Any]:
+def _rank_changes(rank: Rank | RankRow, obs: RankObservation) -> dict[str, Any]:
     changes: dict[str, Any] = {}
-    state = obs.phase if obs.phase in Rank.State.values else "lost"
+    state = obs.phase if obs.phase in RANK_STATES else "lost"
     if rank.state != state and rank.state not in TERMINAL_PHASES:
         changes["state"] = state
     if obs.exit_code is not None and rank.exit_code != obs.exit_code:
@@ -1222,20 +1232,74 @@ def _rank_changes(rank: Rank, obs: RankObservation) -> dict[str, Any]:
     return changes
 
 
-def _steady(attempt: Attempt, observations: list[RankObservation], taken: bool) -> bool:
+@dataclass(frozen=True, slots=True)
+class RankRow:
+    """What a pass compares of a rank with the runtime's observation of it."""
+
+    state: str
+    exit_code: int | None
+    pid: int | None
+    pod_name: str
+    started_at: datetime | None
+    exited_at: datetime | None
+    signal_sent_at: datetime | None
+
+
+@dataclass(slots=True)
+class OpenAttempt:
+    """What a pass needs of an open attempt to tell whether it is steady."""
+
+    pk: int
+    job_id: int
+    number: int
+    launched: bool
+    action: str
+    job_state: str
+    stopping: bool
+    ranks: dict[int, RankRow] = field(default_factory=dict)
+
+
+def _open_attempts(job_ids: list[int] | None) -> list[OpenAttempt]:
+    """The open attempts of active jobs (of `job_ids` only, if given), read as
+    plain rows: most are steady on most passes, and a pass four times a second
+    over a few hundred running jobs spent most of its time building their
+    attempts, jobs, teams and ranks as model objects. Those it must decide on
+    are read again, whole, after this read (`_reconcile`)."""
+    attempts = Attempt.objects.filter(ended_at__isnull=True, job__state__in=ACTIVE_STATES)
+    if job_ids is not None:
+        attempts = attempts.filter(job_id__in=job_ids)
+    rows = {
+        pk: OpenAttempt(pk, job_id, number, launched, action, job_state, stopping)
+        for pk, job_id, number, launched, action, job_state, stopping in attempts.values_list(
+            "pk",
+            "job_id",
+            "number",
+            Q(launched_at__isnull=False),
+            "action",
+            "job__state",
+            Q(preemption__isnull=False),
+        )
+    }
+    if not rows:
+        return []
+    ranks = Rank.objects.filter(attempt__in=attempts).values_list(
+        "attempt_id", "index", *(f.name for f in dataclasses.fields(RankRow))
+    )
+    for attempt_id, index, *fields in ranks:
+        row = rows.get(attempt_id)
+        if row is not None:
+            row.ranks[index] = RankRow(*fields)
+    return sorted(rows.values(), key=lambda row: (row.job_id, row.pk))
+
+
+def _steady(row: OpenAttempt, observations: list[RankObservation], taken: bool) -> bool:
     """True when the decide step would change nothing: a launched gang of a
     running job, no stop asked, every rank running as last recorded. Most open
     attempts are so on most passes, and on SQLite each decide transaction
     takes the database's write lock, so these skip it."""
-    if (
-        taken
-        or attempt.launched_at is None
-        or attempt.action
-        or attempt.job.state != JobState.RUNNING
-        or hasattr(attempt, "preemption")
-    ):
+    if taken or not row.launched or row.action or row.job_state != JobState.RUNNING or row.stopping:
         return False
-    ranks = {rank.index: rank for rank in attempt.rank_set.all()}
+    ranks = row.ranks
     return len(observations) == len(ranks) and all(
         obs.phase == "running" and obs.rank in ranks and not _rank_changes(ranks[obs.rank], obs)
         for obs in observations

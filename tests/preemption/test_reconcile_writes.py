@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from django.db import OperationalError, connection, transaction
+from django.db.models.signals import post_init
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from psycopg.errors import DeadlockDetected
@@ -107,6 +108,43 @@ def test_a_pass_over_many_attempts_costs_only_their_own_writes_more(
     assert sorted(n.payload["job"]["id"] for n in notices) == sorted(j.pk for j in [*few, *many])
     assert all(n.payload["state"] == "succeeded" for n in notices)
     assert all(n.payload["exit_codes"] == [0] for n in notices)
+
+
+def test_a_pass_builds_the_attempts_of_only_the_gangs_that_changed(
+    world: Any, mimic: MimicRuntime
+) -> None:
+    """Steady gangs are told from plain rows: a pass over them builds no attempt,
+    and one whose gang stopped on its own is read whole and closed."""
+    jobs = [
+        builders.job(world, world.vision, state=JobState.PENDING, command="sleep 60")
+        for _ in range(3)
+    ]
+    schedule_cycle()
+    reconcile_jobs()
+    assert set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True)) == {
+        JobState.RUNNING
+    }
+    built: list[int] = []
+
+    def count(sender: type[Attempt], instance: Attempt, **_: Any) -> None:
+        built.append(instance.pk)
+
+    post_init.connect(count, sender=Attempt)
+    try:
+        assert reconcile_jobs() == 3
+        assert built == [], "every gang runs as recorded: no attempt is built"
+        stopped = jobs[1]
+        mimic.signal(GangId(stopped.pk, 1), grace_seconds=5)
+        assert reconcile_jobs() == 3
+    finally:
+        post_init.disconnect(count, sender=Attempt)
+    assert set(built) == {Attempt.objects.get(job=stopped).pk}
+    states = dict(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("pk", "state"))
+    assert states == {
+        jobs[0].pk: JobState.RUNNING,
+        stopped.pk: JobState.SUCCEEDED,
+        jobs[2].pk: JobState.RUNNING,
+    }
 
 
 def three_ended(world: Any) -> tuple[list[Job], list[Attempt]]:
