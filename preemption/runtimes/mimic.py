@@ -55,7 +55,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from preemption.runtimes.base import (
     GangGuard,
@@ -201,16 +201,17 @@ class MimicRuntime:
         """The ranks of one gang, or of every live gang, as of now."""
         now = time.time()
         if gang is not None:
-            paths = [self._live(gang)]
-        else:
-            live = self.root / "live"
-            paths = sorted(live.glob("*.json")) if live.is_dir() else []
+            record = read_record(self._live(gang))
+            return [] if record is None else _observe(gang, record, now)
+        live = self.root / "live"
+        seen = _read_changed(
+            live, _live_seen.get(live, {}), lambda path, record: (_gang_of(path), record)
+        )
+        _live_seen[live] = seen
         observations: list[RankObservation] = []
-        for path in paths:
-            record = read_record(path)
-            if record is None:
-                continue
-            observations.extend(_observe(_gang_of(path), record, now))
+        for name in sorted(seen):
+            found, record = seen[name][1]
+            observations.extend(_observe(found, record, now))
         return observations
 
     def nodes(self) -> list[NodeInventory]:
@@ -224,40 +225,24 @@ class MimicRuntime:
         rewritten (a signal or a kill, which may bring its end forward), judged by its
         inode, size and modification time; a gang's end is announced once per end time."""
         live = self.root / "live"
-        # name -> (the record's file identity, its gang, its end)
-        known: dict[str, tuple[tuple[int, int, int], GangId, float]] = {}
+        # name -> (the record's file identity, (its gang, its end))
+        known: dict[str, tuple[FileIdentity, tuple[GangId, float]]] = {}
         announced: set[tuple[str, float]] = set()
         while not stop.is_set():
-            present: set[str] = set()
-            with contextlib.suppress(FileNotFoundError), os.scandir(live) as entries:
-                for entry in entries:
-                    if not entry.name.endswith(".json"):
-                        continue
-                    try:
-                        found = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    present.add(entry.name)
-                    identity = (found.st_ino, found.st_size, found.st_mtime_ns)
-                    if entry.name in known and known[entry.name][0] == identity:
-                        continue
-                    record = read_record(Path(entry.path))
-                    if record is not None:
-                        gang = _gang_of(Path(entry.path))
-                        known[entry.name] = (identity, gang, _ended_at(record))
-            for name in set(known) - present:
-                del known[name]
-            announced = {(name, end) for name, end in announced if name in present}
+            known = _read_changed(
+                live, known, lambda path, record: (_gang_of(path), _ended_at(record))
+            )
+            announced = {(name, end) for name, end in announced if name in known}
             now = time.time()
             due = {
                 (name, end): gang
-                for name, (_, gang, end) in known.items()
+                for name, (_, (gang, end)) in known.items()
                 if end <= now and (name, end) not in announced
             }
             if due:
                 announced.update(due)
                 on_exit(sorted({gang.job_id for gang in due.values()}))
-            coming = [end for name, (_, _, end) in known.items() if (name, end) not in announced]
+            coming = [end for name, (_, (_, end)) in known.items() if (name, end) not in announced]
             stop.wait(
                 min([WATCH_POLL_SECONDS, *(end - now for end in coming)])
                 if coming
@@ -331,6 +316,45 @@ class MimicRuntime:
         # Signal and kill may race between workers; whichever writes last keeps the
         # earlier request, since an ended rank stays ended.
         write_record(path, {**record, field: now})
+
+
+# A record file's inode, size and modification time.
+FileIdentity = tuple[int, int, int]
+T = TypeVar("T")
+# The live records observe() last read, by folder: a pass over every gang reads again
+# only those rewritten since (a signal or a kill), which at a few hundred running gangs
+# four times a second was most of a pass's time.
+_live_seen: dict[Path, dict[str, tuple[FileIdentity, tuple[GangId, dict[str, Any]]]]] = {}
+
+
+def _read_changed(
+    folder: Path,
+    known: dict[str, tuple[FileIdentity, T]],
+    derive: Callable[[Path, dict[str, Any]], T],
+) -> dict[str, tuple[FileIdentity, T]]:
+    """The records now in `folder` by file name, each with what `derive` makes of it,
+    read and derived again only when its file changed since `known`. A record is
+    replaced whole (preemption.runtimes.records), and a rewrite only ever adds a
+    field, so a changed record differs in inode, size or modification time."""
+    present: dict[str, tuple[FileIdentity, T]] = {}
+    with contextlib.suppress(FileNotFoundError), os.scandir(folder) as entries:
+        for entry in entries:
+            if not entry.name.endswith(".json"):
+                continue
+            try:
+                found = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            identity = (found.st_ino, found.st_size, found.st_mtime_ns)
+            kept = known.get(entry.name)
+            if kept is not None and kept[0] == identity:
+                present[entry.name] = kept
+                continue
+            path = Path(entry.path)
+            record = read_record(path)
+            if record is not None:
+                present[entry.name] = (identity, derive(path, record))
+    return present
 
 
 def _gang_of(path: Path) -> GangId:

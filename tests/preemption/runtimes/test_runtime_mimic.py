@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.checks import Warning
@@ -24,6 +25,7 @@ from preemption.runtimes import (
     NodeInventory,
     RankPlacement,
     RuntimePermanentError,
+    mimic,
 )
 from preemption.runtimes.mimic import (
     KILLED_EXIT_CODE,
@@ -133,6 +135,55 @@ def test_every_process_sees_the_same_gangs(tmp_path: Path) -> None:
     ]
     other.signal(GangId(5, 1), 5)
     assert phases(MimicRuntime(tmp_path, NODES), GangId(5, 1)) == [("exited", 0)] * 2
+
+
+def test_observing_every_gang_reads_again_only_the_records_another_process_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = MimicRuntime(tmp_path, NODES)
+    for job in (11, 12, 13):
+        runtime.launch(spec(job, "sleep 60"))
+    read: list[str] = []
+    reading = mimic.read_record
+
+    def counted(path: Path) -> dict[str, Any] | None:
+        read.append(path.name)
+        return reading(path)
+
+    monkeypatch.setattr(mimic, "read_record", counted)
+    assert {(o.job_id, o.phase) for o in runtime.observe()} == {
+        (11, "running"),
+        (12, "running"),
+        (13, "running"),
+    }
+    assert sorted(read) == ["11-1.json", "12-1.json", "13-1.json"]
+    read.clear()
+    assert len(runtime.observe()) == 6
+    assert read == [], "nothing changed: nothing is read again"
+
+    # Another worker stops one gang (a rewrite of its record) and one ends and is forgotten.
+    stopped = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; "
+            "from preemption.runtimes import GangId; "
+            "from preemption.runtimes.mimic import MimicRuntime; "
+            "MimicRuntime(Path(sys.argv[1]), []).signal(GangId(12, 1), 5)",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert stopped.returncode == 0, stopped.stderr
+    runtime.kill(GangId(13, 1))
+    runtime.forget(GangId(13, 1))
+    read.clear()
+    seen = {(o.job_id, o.phase, o.exit_code) for o in runtime.observe()}
+    assert seen == {(11, "running", None), (12, "exited", 0)}
+    assert read == ["12-1.json"], "only the rewritten record is read again"
 
 
 def test_the_exit_watcher_announces_each_gang_once_at_its_end(tmp_path: Path) -> None:
