@@ -20,6 +20,11 @@ The first cycle writes every pending job's waiting reason; the cycles after it
 rolled back so each sees the same rows. Runtime actions are left out
 (`act=False`): they run after the cycle's transaction commits.
 
+Then the reconcile pass that runs beside the cycles, four times a second
+(QM_RECONCILE_SECONDS), over the same cluster's running gangs on the mimic runtime
+(records in a temporary folder): the first pass records every rank as running,
+and the passes after it find nothing changed, which is what most passes find.
+
 Usage: DATABASE_URL=postgres://... .venv/bin/python bench/bench_cycle.py [--pending 50000] [--runs 3]
 """
 
@@ -29,6 +34,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,11 +59,16 @@ from django.db import connection, transaction  # noqa: E402
 
 import fairshare  # noqa: E402
 from preemption.cycle import CycleResult, _apply, _lock, schedule_cycle  # noqa: E402
-from preemption.models import Attempt, Checkpoint, Job, JobState  # noqa: E402
+from preemption.models import Attempt, Checkpoint, Job, JobState, Rank  # noqa: E402
+from preemption.reconcile import gang_spec, reconcile_jobs  # noqa: E402
+from preemption.runtime import inventory  # noqa: E402
+from preemption.runtimes.mimic import MimicRuntime  # noqa: E402
 from preemption.snapshot import read_snapshot  # noqa: E402
 from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team  # noqa: E402
 
 STEPS = ("snapshot", "plan", "write")
+# What every job runs: long enough that no mimicked gang ends during the benchmark.
+COMMAND = "sleep 86400"
 
 
 @dataclass
@@ -162,7 +173,7 @@ def populate(snapshot: fairshare.Snapshot) -> None:
                     flavor=flavor,
                     ranks=w.ranks,
                     gpus_per_rank=w.gpus_per_rank,
-                    command="true",
+                    command=COMMAND,
                     state=JobState.PENDING if w.state == "pending" else JobState.RUNNING,
                     submitted_at=moment(w.submitted_at),
                     admitted_at=moment(w.admitted_at) if w.admitted_at is not None else None,
@@ -218,6 +229,66 @@ def timed_cycle() -> tuple[StepTimes, CycleResult]:
     return times, result
 
 
+def timed_passes(runs: int) -> None:
+    """Reconcile passes over every running gang of the cluster on the mimic runtime.
+
+    The first pass records every rank as running, and carries out the first cycle's
+    decisions: it launches the jobs admitted and stops those preempted. The passes
+    after it, untimed, close the stopped ones, until every open attempt runs as
+    recorded; then `runs` passes are timed that find nothing changed."""
+    launched = list(
+        Attempt.objects.filter(ended_at__isnull=True, launched_at__isnull=False).select_related(
+            "job", "job__team", "job__priority_class", "job__flavor"
+        )
+    )
+    ranks = Rank.objects.bulk_create(
+        (
+            Rank(attempt=attempt, index=index, node=placed["node"], state=Rank.State.STARTING)
+            for attempt in launched
+            for index, placed in enumerate(
+                p for p in attempt.placement for _ in range(int(p["ranks"]))
+            )
+        ),
+        batch_size=5000,
+    )
+    by_attempt: dict[int, list[Rank]] = {}
+    for rank in ranks:
+        by_attempt.setdefault(rank.attempt_id, []).append(rank)
+    open_attempts = Attempt.objects.filter(ended_at__isnull=True)
+    with tempfile.TemporaryDirectory() as folder:
+        runtime = MimicRuntime(Path(folder), inventory())
+        for attempt in launched:
+            runtime.launch(gang_spec(attempt.job, attempt, by_attempt[attempt.pk]))
+        first = StepTimes()
+        with step(first, "pass"):
+            reconcile_jobs(runtime=runtime)
+        for _ in range(10):
+            if not (
+                open_attempts.exclude(job__state=JobState.RUNNING, action="").exists()
+                or Rank.objects.filter(attempt__in=open_attempts)
+                .exclude(state=Rank.State.RUNNING)
+                .exists()
+            ):
+                break
+            reconcile_jobs(runtime=runtime)
+        steady = []
+        for _ in range(runs):
+            times = StepTimes()
+            with step(times, "pass"):
+                looked_at = reconcile_jobs(runtime=runtime)
+            steady.append(times)
+    print(f"reconcile pass, mimic runtime: first over {len(launched)} gangs ({len(ranks)} ranks)")
+    print(f"  {'pass':<32} {'wall s':>8} {'database s':>11} {'queries':>8} {'Python s':>9}")
+    for label, timed in (
+        ("first (every rank recorded)", [first]),
+        (f"steady ({looked_at} gangs, none changed)", steady),
+    ):
+        wall = statistics.median(t.wall["pass"] for t in timed)
+        database = statistics.median(t.database["pass"] for t in timed)
+        queries = int(statistics.median(t.queries["pass"] for t in timed))
+        print(f"  {label:<32} {wall:>8.3f} {database:>11.3f} {queries:>8} {wall - database:>9.3f}")
+
+
 def report(label: str, runs: list[StepTimes], results: list[CycleResult]) -> None:
     total = [sum(t.wall.values()) for t in runs]
     print(f"{label}: whole cycle median {statistics.median(total):.3f} s over {len(runs)} run(s)")
@@ -269,7 +340,8 @@ def main() -> int:
             schedule_cycle(act=False)
             whole = time.perf_counter() - start
             transaction.set_rollback(True)
-        print(f"schedule_cycle(act=False) itself, steady state: {whole:.3f} s")
+        print(f"schedule_cycle(act=False) itself, steady state: {whole:.3f} s", flush=True)
+        timed_passes(args.runs)
     finally:
         creation.destroy_test_db(own_database, verbosity=0)
     return 0
