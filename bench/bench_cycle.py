@@ -271,6 +271,8 @@ def timed_passes(runs: int) -> None:
             ):
                 break
             reconcile_jobs(runtime=runtime)
+        else:
+            raise SystemExit("the passes did not settle in 10: no steady pass to time")
         steady = []
         for _ in range(runs):
             times = StepTimes()
@@ -278,26 +280,28 @@ def timed_passes(runs: int) -> None:
                 looked_at = reconcile_jobs(runtime=runtime)
             steady.append(times)
     print(f"reconcile pass, mimic runtime: first over {len(launched)} gangs ({len(ranks)} ranks)")
-    print(f"  {'pass':<32} {'wall s':>8} {'database s':>11} {'queries':>8} {'Python s':>9}")
-    for label, timed in (
-        ("first (every rank recorded)", [first]),
-        (f"steady ({looked_at} gangs, none changed)", steady),
-    ):
-        wall = statistics.median(t.wall["pass"] for t in timed)
-        database = statistics.median(t.database["pass"] for t in timed)
-        queries = int(statistics.median(t.queries["pass"] for t in timed))
-        print(f"  {label:<32} {wall:>8.3f} {database:>11.3f} {queries:>8} {wall - database:>9.3f}")
+    print(table_row("pass", 32))
+    print(table_row("first (every rank recorded)", 32, [first], "pass"))
+    print(table_row(f"steady ({looked_at} gangs, none changed)", 32, steady, "pass"))
+
+
+def table_row(label: str, width: int, runs: list[StepTimes] | None = None, name: str = "") -> str:
+    """A row of the figures' table: the medians over `runs` of step `name`, or the
+    heading when no runs are given."""
+    if runs is None:
+        return f"  {label:<{width}} {'wall s':>8} {'database s':>11} {'queries':>8} {'Python s':>9}"
+    wall = statistics.median(t.wall[name] for t in runs)
+    database = statistics.median(t.database[name] for t in runs)
+    queries = int(statistics.median(t.queries[name] for t in runs))
+    return f"  {label:<{width}} {wall:>8.3f} {database:>11.3f} {queries:>8} {wall - database:>9.3f}"
 
 
 def report(label: str, runs: list[StepTimes], results: list[CycleResult]) -> None:
     total = [sum(t.wall.values()) for t in runs]
     print(f"{label}: whole cycle median {statistics.median(total):.3f} s over {len(runs)} run(s)")
-    print(f"  {'step':<10} {'wall s':>8} {'database s':>11} {'queries':>8} {'Python s':>9}")
+    print(table_row("step", 10))
     for name in STEPS:
-        wall = statistics.median(t.wall[name] for t in runs)
-        database = statistics.median(t.database[name] for t in runs)
-        queries = int(statistics.median(t.queries[name] for t in runs))
-        print(f"  {name:<10} {wall:>8.3f} {database:>11.3f} {queries:>8} {wall - database:>9.3f}")
+        print(table_row(name, 10, runs, name))
     last = results[-1]
     print(
         f"  decided: {len(last.admitted)} admissions, {len(last.preempted)} preemptions, "
