@@ -7,9 +7,12 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml gracetrap/pyproject.toml 
 
 TEST_DATABASE_URL ?= postgres://quartermaster:quartermaster@127.0.0.1:5432/quartermaster
 TEST_BROKER_URL ?= redis://127.0.0.1:6379/0
-TEST_ENV := DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) QM_VAR_DIR=$(CURDIR)/var/test
+# What is tested, benchmarked and shipped is the compiled engine (fairshare/native.py).
+ENGINE_ENV := QM_ENGINE=compiled
+TEST_ENV := DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) QM_VAR_DIR=$(CURDIR)/var/test $(ENGINE_ENV)
+BUILD_ENGINE := QM_ENGINE=python $(PY) -c 'from fairshare.native import main; main()'
 
-.PHONY: run test lint bench bench-kueue venv services k8s wheel drill clean
+.PHONY: run test lint bench bench-kueue venv services engine k8s wheel drill clean
 
 $(STAMP): pyproject.toml gracetrap/pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -24,6 +27,7 @@ venv: $(STAMP)
 ## DEBUG stays off (WhiteNoise serves the static files); QM_DEBUG=1 make run turns Django's debug pages on
 run: venv
 	@bin/runner-user $(PY)
+	@$(BUILD_ENGINE) || echo "make run: the engine runs from its Python sources (not compiled, see above)"
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py seed_demo --if-empty
 	$(PY) manage.py serve_embedded
@@ -37,6 +41,10 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+## engine: compile the fair-share engine with mypyc (a minute; cached by its sources outside the clone)
+engine: venv
+	@$(BUILD_ENGINE)
+
 ## k8s: build the test control plane and Helm from the Go module proxy (cached by version)
 k8s: venv
 	@bash tools/k8s/build.sh
@@ -46,29 +54,29 @@ wheel: venv
 	@mkdir -p var/wheels && $(PY) -m pip wheel -q --no-deps --no-build-isolation ./gracetrap -w var/wheels && ls var/wheels
 
 ## test: set everything up (PostgreSQL, Redis, the Kubernetes control plane) and run the whole suite
-test: venv services lint k8s
+test: venv services lint engine k8s
 	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
 	$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider $(PYTEST_ARGS)
 
 ## bench: print the benchmarks' figures
-bench: venv services k8s
-	$(PY) bench/bench_fairshare.py
-	$(PY) bench/bench_gracetrap.py
-	$(PY) bench/bench_simulation.py
-	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) bench/bench_pages.py
-	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) bench/bench_cycle.py
-	$(PY) bench/bench_submit.py
-	$(PY) bench/bench_k8s.py
+bench: venv services engine k8s
+	$(ENGINE_ENV) $(PY) bench/bench_fairshare.py
+	$(ENGINE_ENV) $(PY) bench/bench_gracetrap.py
+	$(ENGINE_ENV) $(PY) bench/bench_simulation.py
+	DATABASE_URL=$(TEST_DATABASE_URL) $(ENGINE_ENV) $(PY) bench/bench_pages.py
+	DATABASE_URL=$(TEST_DATABASE_URL) $(ENGINE_ENV) $(PY) bench/bench_cycle.py
+	$(ENGINE_ENV) $(PY) bench/bench_submit.py
+	$(ENGINE_ENV) $(PY) bench/bench_k8s.py
 
 ## bench-kueue: Kueue's own scalability test (built from the Go module proxy) and Quartermaster
 ## on the same generator config, in one run, as one side-by-side table (bench/README.md);
 ## KUEUE_CONFIG=large-scale or KUEUE_CONFIG=path/to/generator.yaml picks another config
 KUEUE_CONFIG ?= baseline
-bench-kueue: venv services k8s
+bench-kueue: venv services engine k8s
 	@bash tools/kueue/build.sh
 	$(TEST_ENV) $(PY) bench/bench_kueue.py --config $(KUEUE_CONFIG)
 
-drill: venv
+drill: venv engine
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py drill --ranks 16 --notice both --json var/drill.json
 

@@ -6,7 +6,9 @@ Prints, for the issue's cluster (1,250 nodes x 8 GPUs, 500 queues in a three-lev
 tree, at least 95% of the GPUs allocated, at least 10% of the pending GPU work in queues
 under their guarantee): admissions, preemptions, median and max wall time of plan()
 over several runs, peak memory (tracemalloc), and how the time grows from 1,000 to
-100,000 workloads.
+100,000 workloads. The engine timed is the one the package loads: compiled by ``make
+engine`` (``fairshare/native.py``), in which case the main plans are timed again from
+the engine's Python sources, for the ratio.
 
 Workload sizes follow a realistic mix: most jobs take 1 GPU, some 2-8, a few are gangs of
 16-128 GPUs (2-16 ranks of 8). With such sizes 10,000 GPUs hold about 2,500 running
@@ -25,6 +27,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -39,6 +42,7 @@ from fairshare import (
     Workload,
     plan,
 )
+from fairshare.native import python_sources, running_compiled
 
 FLAVOR = "h100"
 NOW = 1_000_000.0
@@ -209,26 +213,40 @@ def describe(snapshot: Snapshot) -> str:
     )
 
 
-def timed(snapshot: Snapshot, runs: int) -> tuple[list[float], Plan]:
-    """Wall times of ``runs`` plans (after one warm-up) and the last plan.
+def timed(
+    snapshot: Snapshot, runs: int, planner: Callable[[Snapshot], Plan] = plan
+) -> tuple[list[float], Plan]:
+    """Wall times of ``runs`` plans by ``planner`` (after one warm-up) and the last plan.
 
     The CPU time of each run goes to ``CPU_TIMES`` as well: on a machine shared with
     other work the wall time also counts the time other processes held the cores.
     """
     times = []
     CPU_TIMES.clear()
-    result = plan(snapshot)
+    result = planner(snapshot)
     for _ in range(runs):
         gc.collect()
         start = time.perf_counter()
         cpu_start = time.process_time()
-        result = plan(snapshot)
+        result = planner(snapshot)
         times.append(time.perf_counter() - start)
         CPU_TIMES.append(time.process_time() - cpu_start)
     return times, result
 
 
 CPU_TIMES: list[float] = []
+
+
+def against_sources(snapshot: Snapshot, runs: int, compiled: list[float]) -> None:
+    """The same plan by the engine's sources, beside the compiled engine's times."""
+    if not running_compiled():
+        return
+    times, _ = timed(snapshot, runs, python_sources().plan)
+    ratio = statistics.median(times) / statistics.median(compiled)
+    print(
+        f"the same plan from the engine's Python sources: median {statistics.median(times):.3f} s"
+        f" (CPU {cpu_median()}), {ratio:.2f}x the compiled engine's"
+    )
 
 
 def cpu_median() -> str:
@@ -327,6 +345,9 @@ def main() -> None:
     args = parser.parse_args()
     runs = 3 if args.quick else 5
 
+    engine = "compiled (mypyc)" if running_compiled() else "Python sources (not compiled)"
+    print(f"engine: {engine}; `make engine` compiles it, QM_ENGINE=python runs the sources")
+    print()
     print("== The issue's cluster: 1,250 nodes x 8 GPUs, 500 queues, >= 95% allocated ==")
     snapshot = build(1250, 10, 9, 5, None, 50_000)
     print(describe(snapshot))
@@ -343,6 +364,7 @@ def main() -> None:
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     print(f"peak memory during plan() (tracemalloc): {peak / 2**20:.1f} MiB")
+    against_sources(snapshot, runs, times)
 
     print()
     print("== Minimum runtimes per reason: the same cluster with and without ==")
@@ -374,6 +396,7 @@ def main() -> None:
         f"median {statistics.median(times):.3f} s, max {max(times):.3f} s"
         f" (CPU time median {cpu_median()})"
     )
+    against_sources(heavy, max(2, runs - 2), times)
 
     print()
     print("== Scaling: workloads (2/7 running, 5/7 pending), cluster scaled along ==")

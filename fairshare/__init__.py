@@ -1,8 +1,15 @@
 """The fair-share engine: a snapshot of a GPU cluster in, a plan out.
 
 Pure functions over frozen dataclasses; no Django, no I/O, no clock. See README.md in
-this folder for the JSON scenario format and the command line.
+this folder for the JSON scenario format and the command line. Where the engine was
+compiled (``make engine``, see ``native.py``) its modules load from that build.
 """
+
+from . import native as _native
+
+# Before any module of the engine is imported: the build of the current sources, if
+# there is one, goes first on the package's search path.
+__path__ = _native.search_path(__path__)
 
 from .collector import collector_paused
 from .engine import check_snapshot, plan

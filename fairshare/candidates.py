@@ -207,7 +207,10 @@ class VictimCandidates:
         run.victim = True
         queue = run.queue
         self.shield_version[queue] += 1
-        if self.head_of[queue] is run.order:
+        # Equal, not the same object: compiled, an order is a tuple built afresh on each
+        # read. Another run of the same order (a job admitted again after giving way)
+        # only has the head looked up again, to the same place.
+        if self.head_of[queue] == run.order:
             self._move_head(queue)
 
     def _move_head(self, queue: int) -> None:

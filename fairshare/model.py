@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from typing import ClassVar, Final, TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -349,7 +349,7 @@ class Plan:
 class Unset:
     """The type of ``UNSET``: a field of a ``QuotaChange`` that stays as it is."""
 
-    _instance: Unset | None = None
+    _instance: ClassVar[Unset | None] = None
 
     def __new__(cls) -> Unset:
         if cls._instance is None:

@@ -7,7 +7,7 @@ cluster(nodes("n", 2, 8), queues=[team("a", guarantee=8), team("b", guarantee=8)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from fairshare import (
     FlavorQuota,
@@ -180,3 +180,16 @@ def reasons(p: Plan) -> dict[str, str]:
 
 def run_plan(snapshot: Snapshot) -> Plan:
     return plan(snapshot)
+
+
+def plain(value: object) -> object:
+    """A plan as plain data (class names, fields, lists and dicts), so that the plans of
+    the compiled engine and of its sources, whose classes differ, can be compared."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return type(value).__name__, fields
+    if isinstance(value, Mapping):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, tuple | list):
+        return [plain(item) for item in value]
+    return value

@@ -10,7 +10,7 @@ import dataclasses
 import random
 from collections import defaultdict
 
-from fairshare_builders import CLASSES, NOW, cluster, nodes, team, workload
+from fairshare_builders import CLASSES, NOW, cluster, nodes, plain, team, workload
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -27,8 +27,14 @@ from fairshare import (
     plan_to_dict,
 )
 from fairshare.cycle import FlavorPlanner
+from fairshare.native import python_sources, running_compiled
 from fairshare.nodes import NodeMap
 from fairshare.tree import prepare
+
+# The tests that probe the planner's inside (replace one of its methods, count the
+# lookups of one of its dictionaries) plan from the engine's sources: a compiled planner
+# calls its own methods and reads its dictionaries directly, past any such probe.
+SOURCES = python_sources()
 
 FLAVORS = ("h100", "a100")
 CLASS_BY_NAME = {c.name: c for c in CLASSES}
@@ -756,8 +762,8 @@ def test_the_reclaim_order_of_donors_follows_every_victim_and_admission(
 ) -> None:
     """The donors' heads that reclaim scans walk (kept as candidates come and go and as
     queues cross their guarantee) equal the heads counted afresh after every job."""
-    tree, classes, _ = prepare(snapshot)
-    planner = FlavorPlanner(snapshot, tree, classes, "h100", list(snapshot.workloads))
+    tree, classes, _ = SOURCES.tree.prepare(snapshot)
+    planner = SOURCES.cycle.FlavorPlanner(snapshot, tree, classes, "h100", list(snapshot.workloads))
     victims = planner.victims
     over = planner.ledger.over_guarantee
 
@@ -808,14 +814,14 @@ class _CountedOutcomes(dict):  # type: ignore[type-arg]
 def _plans_with_and_without_reuse(snapshot: Snapshot) -> tuple[list[object], list[object], int]:
     """Every flavor's decisions planned with outcomes reused and planned in full, and how
     many workloads the first reused an outcome for."""
-    tree, classes, node_flavor = prepare(snapshot)
+    tree, classes, node_flavor = SOURCES.tree.prepare(snapshot)
     flavors = sorted({w.flavor for w in snapshot.workloads} | set(node_flavor.values()))
     decided: tuple[list[object], list[object]] = ([], [])
     reused = 0
     for keep, out in zip((True, False), decided, strict=True):
         for flavor in flavors:
             workloads = [w for w in snapshot.workloads if w.flavor == flavor]
-            planner = FlavorPlanner(snapshot, tree, classes, flavor, workloads)
+            planner = SOURCES.cycle.FlavorPlanner(snapshot, tree, classes, flavor, workloads)
             outcomes = _CountedOutcomes(planner, keep=keep)
             planner.outcome_by_kind = outcomes
             planner.run()
@@ -1001,6 +1007,27 @@ def test_the_plan_does_not_depend_on_the_order_the_snapshot_lists_workloads_in(
     shuffled = dataclasses.replace(snapshot, workloads=tuple(workloads))
     event(f"order changed: {workloads != list(snapshot.workloads)}")
     assert plan(shuffled) == plan(snapshot)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.one_of(
+        snapshots(),
+        busy_queues(),
+        guarantee_situations(),
+        protected_snapshots(),
+        used_snapshots(),
+        racked_snapshots(),
+        crowded(),
+        fragmented(),
+    )
+)
+def test_the_compiled_engine_plans_as_its_sources_do(snapshot: Snapshot) -> None:
+    """Every decision, reason, placement and queue figure, in the same order (the
+    comparison is exact: the same arithmetic in the same order gives the same floats)."""
+    compiled = plan(snapshot)
+    assert running_compiled(), "the engine is not compiled here: run `make engine`"
+    assert plain(compiled) == plain(SOURCES.plan(snapshot))
 
 
 def test_a_queue_waits_in_a_row_only_while_its_key_and_its_jobs_outcomes_hold() -> None:

@@ -17,6 +17,7 @@ from fairshare_builders import (
     admitted,
     cluster,
     nodes,
+    plain,
     preempted,
     racks,
     reasons,
@@ -26,6 +27,7 @@ from fairshare_builders import (
 from fairshare_builders import workload as w
 
 from fairshare import Node, Queue
+from fairshare.native import python_sources, running_compiled
 
 N2 = nodes("n", 2, 8)
 N3 = nodes("n", 3, 8)
@@ -311,6 +313,15 @@ def test_scenario(case: Case) -> None:
     pending = {x.build().id for x in case.workloads if x.build().state == "pending"}
     assert admitted(p) | set(waiting) == pending
     assert not admitted(p) & set(waiting)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_the_compiled_engine_plans_the_scenario_as_its_sources_do(case: Case) -> None:
+    snapshot = cluster(case.nodes, case.queues, case.workloads)
+    snapshot = dataclasses.replace(snapshot, usage_strength=case.usage_strength)
+    compiled = run_plan(snapshot)
+    assert running_compiled(), "the engine is not compiled here: run `make engine`"
+    assert plain(compiled) == plain(python_sources().plan(snapshot))
 
 
 def test_the_table_is_large_enough() -> None:

@@ -1,0 +1,104 @@
+"""The compiled engine is used only where it was built from the sources it stands for.
+
+The tests here point ``fairshare.native`` at a copy of the engine's sources in a
+temporary folder, so that they can edit a source or leave a build unfinished without
+touching the package in use. That the suite itself plans with the compiled engine, and
+that it plans as its sources do, is tested beside the scenarios and the properties.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fairshare import native
+
+ROOT = Path(native.__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def package(tmp_path, monkeypatch):
+    """A copy of the engine's sources, with a finished build of them (an empty one: what
+    these tests judge is which folder the package would look in)."""
+    copy = tmp_path / "fairshare"
+    shutil.copytree(native.PACKAGE, copy, ignore=shutil.ignore_patterns("_build", "__pycache__"))
+    monkeypatch.setattr(native, "PACKAGE", copy)
+    monkeypatch.setattr(native, "BUILDS", copy / "_build")
+    build = native.build_folder()
+    build.mkdir(parents=True)
+    (build / native.DONE).write_text("sources\n")
+    monkeypatch.delenv("QM_ENGINE", raising=False)
+    return copy
+
+
+def test_the_build_of_the_current_sources_goes_first_on_the_packages_path(package):
+    assert native.search_path([str(package)]) == [str(native.build_folder()), str(package)]
+
+
+def test_an_edited_source_is_never_hidden_behind_the_build_of_its_old_self(package, monkeypatch):
+    built = native.build_folder()
+    cycle = package / "cycle.py"
+    cycle.write_text(cycle.read_text() + "\n# edited\n")
+    assert native.build_folder() != built
+    assert native.search_path([str(package)]) == [str(package)]
+    monkeypatch.setenv("QM_ENGINE", "compiled")
+    with pytest.raises(ImportError, match=r"were not compiled.*run `make engine`"):
+        native.search_path([str(package)])
+
+
+def test_an_unfinished_build_is_not_used(package):
+    (native.build_folder() / native.DONE).unlink()
+    assert native.search_path([str(package)]) == [str(package)]
+
+
+def test_the_sources_are_run_when_asked_for_even_beside_their_build(package, monkeypatch):
+    monkeypatch.setenv("QM_ENGINE", "python")
+    assert native.search_path([str(package)]) == [str(package)]
+
+
+def test_an_unknown_choice_of_engine_is_refused_by_name(package, monkeypatch):
+    monkeypatch.setenv("QM_ENGINE", "fast")
+    with pytest.raises(ImportError, match="QM_ENGINE='fast': expected one of auto, compiled"):
+        native.search_path([str(package)])
+
+
+def test_a_build_found_in_the_cache_is_copied_in_not_compiled_again(package, tmp_path, monkeypatch):
+    shutil.rmtree(native.BUILDS)
+    (native.BUILDS / "0123456789abcdef0123").mkdir(parents=True)
+    cache = tmp_path / "cache"
+    cached = cache / native.fingerprint()
+    cached.mkdir(parents=True)
+    (cached / native.DONE).write_text("sources\n")
+    (cached / f"cycle{native.extension_suffix()}").write_bytes(b"compiled")
+    monkeypatch.setenv("QM_ENGINE_CACHE", str(cache))
+
+    def no_compiling(out: Path) -> None:
+        raise AssertionError(f"compiled {out} though the cache holds it")
+
+    monkeypatch.setattr(native, "_compile", no_compiling)
+    assert native.build() == native.build_folder()
+    assert (native.build_folder() / f"cycle{native.extension_suffix()}").read_bytes() == b"compiled"
+    # The build of earlier sources is gone from the package; the cache keeps its own.
+    assert [p.name for p in native.BUILDS.iterdir()] == [native.fingerprint()]
+
+
+def test_a_process_that_asks_for_the_compiled_engine_plans_with_it_or_says_why():
+    """In a fresh interpreter, as the portal's worker would start: with the build that
+    ``make engine`` left, the planner is an extension module; with ``QM_ENGINE=python``
+    it is the source file."""
+    probe = "import fairshare.cycle as c, fairshare.native as n; print(n.running_compiled())"
+    for choice, expected in (("compiled", "True"), ("python", "False")):
+        shown = subprocess.run(
+            [sys.executable, "-c", probe],
+            cwd=ROOT,
+            env={"PATH": "/usr/bin:/bin", "QM_ENGINE": choice},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.strip() == expected
