@@ -196,7 +196,9 @@ def _install(source: Path, target: Path) -> None:
     staging.chmod(0o755)
     try:
         for item in source.iterdir():
-            shutil.copy2(item, staging / item.name)
+            copied = staging / item.name
+            shutil.copyfile(item, copied)
+            copied.chmod(0o644 if item.name == DONE else 0o755)
         staging.rename(target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

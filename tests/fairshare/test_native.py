@@ -8,7 +8,9 @@ that it plans as its sources do, is tested beside the scenarios and the properti
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +68,17 @@ def test_an_unknown_choice_of_engine_is_refused_by_name(package, monkeypatch):
         native.search_path([str(package)])
 
 
-def test_a_build_found_in_the_cache_is_copied_in_not_compiled_again(package, tmp_path, monkeypatch):
+@pytest.fixture
+def private_umask():
+    """A builder whose own files are private (umask 077), as some accounts are."""
+    before = os.umask(0o077)
+    yield
+    os.umask(before)
+
+
+def test_a_build_found_in_the_cache_is_copied_in_not_compiled_again(
+    package, tmp_path, monkeypatch, private_umask
+):
     shutil.rmtree(native.BUILDS)
     (native.BUILDS / "0123456789abcdef0123").mkdir(parents=True)
     cache = tmp_path / "cache"
@@ -84,6 +96,11 @@ def test_a_build_found_in_the_cache_is_copied_in_not_compiled_again(package, tmp
     assert (native.build_folder() / f"cycle{native.extension_suffix()}").read_bytes() == b"compiled"
     # The build of earlier sources is gone from the package; the cache keeps its own.
     assert [p.name for p in native.BUILDS.iterdir()] == [native.fingerprint()]
+    # What the package loads code from is readable by all (the portal may run as another
+    # user than the one who built it) and writable by its owner alone.
+    for path in (native.build_folder(), *native.build_folder().iterdir()):
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode & 0o444 == 0o444 and not mode & 0o022, (path, oct(mode))
 
 
 def test_a_process_that_asks_for_the_compiled_engine_plans_with_it_or_says_why():
