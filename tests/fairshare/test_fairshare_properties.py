@@ -982,9 +982,9 @@ def test_queues_full_of_one_kind_of_job_reuse_its_waiting_outcome() -> None:
     assert {w.reason for w in waits} == {"no node of flavor h100 has 5 free GPUs"}
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    st.one_of(
+def any_snapshot() -> st.SearchStrategy[Snapshot]:
+    """A snapshot of any of the kinds the strategies above draw."""
+    return st.one_of(
         snapshots(),
         busy_queues(),
         guarantee_situations(),
@@ -993,7 +993,12 @@ def test_queues_full_of_one_kind_of_job_reuse_its_waiting_outcome() -> None:
         racked_snapshots(),
         crowded(),
         fragmented(),
-    ),
+    )
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    any_snapshot(),
     st.randoms(use_true_random=False),
 )
 def test_the_plan_does_not_depend_on_the_order_the_snapshot_lists_workloads_in(
@@ -1010,18 +1015,7 @@ def test_the_plan_does_not_depend_on_the_order_the_snapshot_lists_workloads_in(
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    st.one_of(
-        snapshots(),
-        busy_queues(),
-        guarantee_situations(),
-        protected_snapshots(),
-        used_snapshots(),
-        racked_snapshots(),
-        crowded(),
-        fragmented(),
-    )
-)
+@given(any_snapshot())
 def test_the_compiled_engine_plans_as_its_sources_do(snapshot: Snapshot) -> None:
     """Every decision, reason, placement and queue figure, in the same order (the
     comparison is exact: the same arithmetic in the same order gives the same floats)."""
