@@ -160,7 +160,7 @@ def consolidate(
             continue
         moving = [*moved_jobs, *runs]
         if not restart_in_any_order(
-            _room_once_exited(nodes, moving), (run.gpus for run in moving), None
+            _room_once_exited(nodes, moving), [run.gpus for run in moving], None
         ):
             # The next plan might not start them all, whatever the holes kept here.
             continue
@@ -189,7 +189,7 @@ def consolidate(
     # Jobs on a cleared node the placement does not use stay where they are.
     kept = [run for run in moved_jobs if run.nodes[0][0] in used]
     if not kept or not restart_in_any_order(
-        _room_once_exited(nodes, kept), (run.gpus for run in kept), (ranks, gpus_per_rank)
+        _room_once_exited(nodes, kept), [run.gpus for run in kept], (ranks, gpus_per_rank)
     ):
         return None
     holes = [hole_of[id(run)] for run in kept]
@@ -337,18 +337,18 @@ def reclaim_and_move(
         if len(hole_victims) < len(moved):
             continue
         exiting = [
-            *(run for run, _ in chosen.values()),
+            *[run for run, _ in chosen.values()],
             *reclaimed,
-            *(run for pair in hole_victims for run in pair),
+            *[run for pair in hole_victims for run in pair],
         ]
         moving = [run for run, reason in chosen.values() if reason == CONSOLIDATE]
         if not restart_in_any_order(
-            _room_once_exited(nodes, exiting), (run.gpus for run in [*moving, *moved]), None
+            _room_once_exited(nodes, exiting), [run.gpus for run in [*moving, *moved]], None
         ):
             # The next plan might not start them all, whatever the holes kept here.
             continue
         extra = r3_budget(
-            ledger, chains, taken_from, [*reclaimed, *(hole for _, hole in hole_victims)]
+            ledger, chains, taken_from, [*reclaimed, *[hole for _, hole in hole_victims]]
         )
         if extra is None:
             continue
@@ -371,8 +371,8 @@ def reclaim_and_move(
     if placement is None or not any(node in room_after for node, _ in placement):
         return None
     if not restart_in_any_order(
-        _room_once_exited(nodes, (run for run, _ in chosen.values())),
-        (run.gpus for run, reason in chosen.values() if reason == CONSOLIDATE),
+        _room_once_exited(nodes, [run for run, _ in chosen.values()]),
+        [run.gpus for run, reason in chosen.values() if reason == CONSOLIDATE],
         (ranks, gpus_per_rank),
     ):
         return None

@@ -71,6 +71,21 @@ def _jobs_phrase(ids: list[str]) -> str:
     return f"job {shown}" if len(unique) == 1 else f"jobs {shown}{more}"
 
 
+def _in_domain(
+    candidates: Iterator[tuple[RunningWork, str]], domain_of: list[str | None], name: str
+) -> Iterator[tuple[RunningWork, str]]:
+    """The candidates that run in domain ``name``, one at a time as ``candidates`` yield.
+
+    A generator function, not a generator expression: compiled by mypyc, a generator
+    expression is built as a whole list first, while a victim scan judges each
+    candidate by the usage that the victims taken before it left (R3 in
+    ``VictimCandidates.reclaim``), so it must run only as far as the victims are taken.
+    """
+    for run, reason in candidates:
+        if any(domain_of[node] == name for node, _ in run.nodes):
+            yield run, reason
+
+
 def _pending_order(job: PendingJob) -> tuple[int, float, str]:
     return (-job.priority_class.value, job.workload.submitted_at, job.workload.id)
 
@@ -741,16 +756,11 @@ class FlavorPlanner:
     ) -> tuple[Victims, Placement] | None:
         """``preempt_for`` with ``mode``'s candidates that run in domain ``name`` of
         ``level``, placing ``job`` inside that domain."""
-        domain_of = self.nodes.domain_of[level]
         return preempt_for(
             self.ledger,
             self.nodes,
             job,
-            (
-                (run, reason)
-                for run, reason in self._candidates(job, mode)
-                if any(domain_of[node] == name for node, _ in run.nodes)
-            ),
+            _in_domain(self._candidates(job, mode), self.nodes.domain_of[level], name),
             self.nodes.domains[level][name],
         )
 

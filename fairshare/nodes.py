@@ -136,7 +136,7 @@ class NodeMap:
                     chosen = next(iter(by_free_gpus[free]))
                     break
             if chosen >= 0:
-                placement = [*((node, fit) for node, fit, _ in taken), (chosen, remaining)]
+                placement = [*[(node, fit) for node, fit, _ in taken], (chosen, remaining)]
                 break
             largest = -1
             for free in range(most, gpus_per_rank - 1, -1):

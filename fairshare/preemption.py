@@ -205,7 +205,7 @@ def reclaim_by_node(
             chosen[id(run)] = run
         hostable += gained
         if hostable >= ranks:
-            return preempt_for(ledger, nodes, job, ((run, RECLAIM) for run in chosen.values()))
+            return preempt_for(ledger, nodes, job, [(run, RECLAIM) for run in chosen.values()])
     return None
 
 
