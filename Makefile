@@ -8,8 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml gracetrap/pyproject.toml 
 TEST_DATABASE_URL ?= postgres://quartermaster:quartermaster@127.0.0.1:5432/quartermaster
 TEST_BROKER_URL ?= redis://127.0.0.1:6379/0
 # What is tested, benchmarked and shipped is the compiled engine (fairshare/native.py).
-ENGINE_ENV := QM_ENGINE=compiled
-TEST_ENV := DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) QM_VAR_DIR=$(CURDIR)/var/test $(ENGINE_ENV)
+TEST_ENV := DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) QM_VAR_DIR=$(CURDIR)/var/test QM_ENGINE=compiled
 BUILD_ENGINE := QM_ENGINE=python $(PY) -c 'from fairshare.native import main; main()'
 
 .PHONY: run test lint bench bench-kueue venv services engine k8s wheel drill clean
@@ -59,14 +58,15 @@ test: venv services lint engine k8s
 	$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider $(PYTEST_ARGS)
 
 ## bench: print the benchmarks' figures
+bench: export QM_ENGINE := compiled
 bench: venv services engine k8s
-	$(ENGINE_ENV) $(PY) bench/bench_fairshare.py
-	$(ENGINE_ENV) $(PY) bench/bench_gracetrap.py
-	$(ENGINE_ENV) $(PY) bench/bench_simulation.py
-	DATABASE_URL=$(TEST_DATABASE_URL) $(ENGINE_ENV) $(PY) bench/bench_pages.py
-	DATABASE_URL=$(TEST_DATABASE_URL) $(ENGINE_ENV) $(PY) bench/bench_cycle.py
-	$(ENGINE_ENV) $(PY) bench/bench_submit.py
-	$(ENGINE_ENV) $(PY) bench/bench_k8s.py
+	$(PY) bench/bench_fairshare.py
+	$(PY) bench/bench_gracetrap.py
+	$(PY) bench/bench_simulation.py
+	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) bench/bench_pages.py
+	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) bench/bench_cycle.py
+	$(PY) bench/bench_submit.py
+	$(PY) bench/bench_k8s.py
 
 ## bench-kueue: Kueue's own scalability test (built from the Go module proxy) and Quartermaster
 ## on the same generator config, in one run, as one side-by-side table (bench/README.md);

@@ -4,8 +4,8 @@ mypyc, the compiler the mypy project builds mypy itself with, turns typed Python
 modules into C extensions that keep their meaning: attribute reads of the model's
 classes become field reads, calls between the engine's modules become C calls, and
 the strict type checks the engine already passes become the layout. The same plan
-comes out about 1.7x faster on the engine benchmark's cluster and 1.85x on its
-running-heavy one (``bench/bench_fairshare.py`` prints both engines side by side).
+comes out about twice as fast on the engine benchmark's clusters
+(``bench/bench_fairshare.py`` prints both engines side by side).
 
 Where the compiled modules live is this module's own business, and why it exists:
 setuptools writes extensions next to their sources, where an extension shadows its
@@ -266,13 +266,9 @@ def _compile(out: Path) -> None:
 
 
 def main() -> None:
-    """Build (run with ``QM_ENGINE=python``: the package is imported before this runs)."""
+    """``make engine``: build, with ``QM_ENGINE=python`` (the package is imported first)."""
     try:
         folder = build()
     except EngineBuildError as error:
         sys.exit(f"fairshare.native: {error}")
     print(folder.relative_to(PACKAGE.parent))
-
-
-if __name__ == "__main__":
-    main()
