@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from operator import attrgetter
 
 from .ledger import QuotaLedger
@@ -113,6 +113,35 @@ def next_live(runs: list[RunningWork], start: int) -> int:
     while start < end and runs[start].victim:
         start += 1
     return start
+
+
+class _ReclaimScan:
+    """Where one reclaim scan stands among the donor queues (see
+    ``VictimCandidates.reclaim``): a class rather than closures over the scan's
+    locals, so that the compiled scan calls its helpers directly."""
+
+    __slots__ = ("chains", "frontier", "heads", "lca_row", "position", "queue", "start_usage")
+
+    def __init__(
+        self,
+        queue: int,
+        lca_row: list[LcaChain | None],
+        start_usage: list[int],
+        heads: list[tuple[VictimOrder, int]],
+    ) -> None:
+        # The reclaiming queue.
+        self.queue = queue
+        self.lca_row = lca_row
+        # Every queue's usage when the scan began.
+        self.start_usage = start_usage
+        # The donor heads as they stood when the scan began, cheapest first; the scan
+        # has looked at those before ``position``, and ``frontier`` is the last of them
+        # it admitted (-1: none left).
+        self.heads = heads
+        self.position = 0
+        self.frontier = -1
+        # Per donor admitted: its queues up to the common ancestor with ``queue``.
+        self.chains: dict[int, tuple[int, ...]] = {}
 
 
 class VictimCandidates:
@@ -239,32 +268,56 @@ class VictimCandidates:
         else:
             del heads[at]
 
-    def _push_next_head(
-        self,
-        heap: list[ScanEntry],
-        heads: list[tuple[VictimOrder, int]],
-        position: int,
-        admits: Callable[[int], bool],
-    ) -> tuple[int, int]:
-        """Push onto a scan's ``heap`` the first live candidate of the next queue of
-        ``heads`` (from ``position`` on) that ``admits`` as a donor.
+    def _push_next_head(self, scan: _ReclaimScan, heap: list[ScanEntry]) -> None:
+        """Push onto a reclaim scan's ``heap`` the first live candidate of the next
+        queue of its donor heads that the scan admits as a donor, and move the scan's
+        position past it (its frontier is that queue, or -1 when none is left).
 
-        Returns the position after it and the queue, or -1 when none is left. A reclaim
-        scan keeps one such entry in its heap: every queue further on starts at a
-        costlier candidate, so the heap's smallest entry is the cheapest candidate of
+        A reclaim scan keeps one such entry in its heap: every queue further on starts at
+        a costlier candidate, so the heap's smallest entry is the cheapest candidate of
         all the donors. The scan looks at the donors whose cheapest candidates it
         reaches, not at every queue above its guarantee (hundreds on a large cluster,
         while a search takes its victims from a few).
         """
+        heads = scan.heads
         end = len(heads)
+        position = scan.position
         while position < end:
             order, donor = heads[position]
             position += 1
-            if admits(donor):
+            if self._admits_donor(scan, donor):
                 first = self.first_live_index(donor)
                 heapq.heappush(heap, (order, donor, first, self.by_queue[donor]))
-                return position, donor
-        return position, -1
+                scan.position = position
+                scan.frontier = donor
+                return
+        scan.position = position
+        scan.frontier = -1
+
+    def _admits_donor(self, scan: _ReclaimScan, donor: int) -> bool:
+        """Whether the reclaim scan may take work of ``donor``: the donor and its chain
+        up to the common ancestor with the scan's queue run above their lines as the
+        ledger stood when the scan began (R6, R3); records the chain."""
+        queue = scan.queue
+        ledger = self.ledger
+        start_usage = scan.start_usage
+        waiting = ledger.waiting_usage
+        line = ledger.line
+        planned = ledger.planned_usage
+        if donor == queue or start_usage[donor] - waiting[donor] <= line[donor]:
+            return False
+        found = scan.lca_row[donor]
+        if found is None:
+            found = self.tree.lca_chains(queue, donor)
+        chain = found[0]
+        # Without work admitted in this plan the donor has only running work to give.
+        only_running = not planned[donor]
+        for x in chain:
+            held = start_usage[x] - waiting[x]
+            if held <= line[x] or (only_running and held - planned[x] <= line[x]):
+                return False
+        scan.chains[donor] = chain
+        return True
 
     def shielded(self, run: RunningWork) -> bool:
         """Whether taking ``run`` would only move the loss onto its own queue's lower work.
@@ -364,39 +417,20 @@ class VictimCandidates:
         line = ledger.line
         waiting = ledger.waiting_usage
         planned = ledger.planned_usage
-        lca_row = tree.lca_row(queue)
         heap: list[ScanEntry] = []
-        chains: dict[int, tuple[int, ...]] = {}
         # Donors are judged as the ledger stood when the scan began, whenever the scan
         # reaches them: the victims it yields change the usage as it goes.
-        start_usage = usage[:]
-
-        def admits(donor: int) -> bool:
-            if donor == queue or start_usage[donor] - waiting[donor] <= line[donor]:
-                return False
-            found = lca_row[donor]
-            if found is None:
-                found = tree.lca_chains(queue, donor)
-            chain = found[0]
-            # Without work admitted in this plan the donor has only running work to give.
-            only_running = not planned[donor]
-            for x in chain:
-                held = start_usage[x] - waiting[x]
-                if held <= line[x] or (only_running and held - planned[x] <= line[x]):
-                    return False
-            chains[donor] = chain
-            return True
-
-        heads = self.donor_heads[:]
-        position, frontier = self._push_next_head(heap, heads, 0, admits)
+        scan = _ReclaimScan(queue, tree.lca_row(queue), usage[:], self.donor_heads[:])
+        chains = scan.chains
+        self._push_next_head(scan, heap)
         straddlers: list[tuple[int, VictimOrder, RunningWork]] = []
         # Per donor: whether it runs above its line without this plan's work. Usage only
         # changes when the caller takes a victim, so the answers hold until the next yield.
         exposed_donors: dict[int, bool] = {}
         while heap:
             _, donor, at, runs = heapq.heappop(heap)
-            if donor == frontier:
-                position, frontier = self._push_next_head(heap, heads, position, admits)
+            if donor == scan.frontier:
+                self._push_next_head(scan, heap)
             run = runs[at]
             chain = chains[donor]
             donor_exposed = exposed_donors.get(donor)

@@ -264,14 +264,13 @@ class FlavorPlanner:
         fair_share = ledger.fair_share
         boost = ledger.order_boost
         names = self.tree.names
-        rank = self._guarantee_rank
-        plan_job = self._plan_job
-        wait_in_a_row = self._wait_in_a_row
+        # Methods are called through ``self``, not bound to locals: compiled, a call
+        # through ``self`` is a direct C call, one through a bound method a Python one.
         while heap:
             queue = heappop(heap)[4]
             jobs = pending[queue]
             at = position[queue]
-            plan_job(jobs[at])
+            self._plan_job(jobs[at])
             at += 1
             if at < len(jobs):
                 # The key of _queue_key, spelled out: this loop runs once per workload.
@@ -280,14 +279,14 @@ class FlavorPlanner:
                 below = used - fair_share[queue]
                 gpus = head.gpus
                 key = (
-                    rank(queue, gpus),
+                    self._guarantee_rank(queue, gpus),
                     below * boost[queue] if below < 0 else below,
                     head.workload.submitted_at,
                     names[queue],
                     queue,
                 )
                 if not heap or key < heap[0]:
-                    reached = wait_in_a_row(jobs, at, key, heap[0] if heap else None)
+                    reached = self._wait_in_a_row(jobs, at, key, heap[0] if heap else None)
                     if reached != at and reached < len(jobs):
                         key = self._queue_key(queue, jobs[reached])
                     at = reached
@@ -313,7 +312,6 @@ class FlavorPlanner:
         gpus = jobs[at].gpus
         changes = self.changes
         known_outcomes = self.outcome_by_kind
-        wait_as = self._wait_as
         # When the first two parts tie, the rest of ``first``'s key, which a job
         # submitted later falls behind.
         tie = first[2:] if first is not None and first[:2] == key[:2] else None
@@ -330,7 +328,7 @@ class FlavorPlanner:
             )
             if outcome is None or outcome[0] != changes:
                 break
-            wait_as(workload.id, outcome)
+            self._wait_as(workload.id, outcome)
             at += 1
         return at
 

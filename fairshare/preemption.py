@@ -26,6 +26,51 @@ MAX_CANDIDATES_PER_ATTEMPT = 128
 Victims = list[tuple[RunningWork, str]]
 
 
+class _RoomTally:
+    """One search's view of the nodes: per node, its GPUs once the releases and the
+    victims chosen so far are done (only nodes of ``domain`` count when one is given).
+
+    A class rather than a closure inside ``preempt_for``: compiled, a method is called
+    directly, a closure through Python's calling convention, once per candidate.
+    """
+
+    __slots__ = ("free", "gpus_per_rank", "inside", "ledger", "releasing", "room_after")
+
+    def __init__(
+        self,
+        ledger: QuotaLedger,
+        nodes: NodeMap,
+        gpus_per_rank: int,
+        domain: Sequence[int] | None,
+    ) -> None:
+        self.ledger = ledger
+        self.free = nodes.free
+        self.releasing = nodes.releasing
+        self.gpus_per_rank = gpus_per_rank
+        self.inside: set[int] | None = None if domain is None else set(domain)
+        # Node -> its GPUs once the releases and the victims chosen so far are done.
+        self.room_after: dict[int, int] = {}
+
+    def shift(self, run: RunningWork, sign: int) -> int:
+        """Take (``sign`` +1) or give back (-1) ``run``'s GPUs and quota usage; the
+        ranks of ``gpus_per_rank`` GPUs that adds (fewer when negative)."""
+        gpus_per_rank = self.gpus_per_rank
+        inside = self.inside
+        room_after = self.room_after
+        change = 0
+        for node, on_node in run.nodes:
+            if inside is not None and node not in inside:
+                continue
+            old = room_after.get(node)
+            if old is None:
+                old = self.free[node] + self.releasing[node]
+            new = old + sign * on_node
+            room_after[node] = new
+            change += new // gpus_per_rank - old // gpus_per_rank
+        self.ledger.add_usage(run.queue, -sign * run.gpus)
+        return change
+
+
 def preempt_for(
     ledger: QuotaLedger,
     nodes: NodeMap,
@@ -48,67 +93,45 @@ def preempt_for(
     gpus = workload.gpus
     queue = job.queue
     priority_class = job.priority_class
-    inside = None if domain is None else set(domain)
     hostable = (
         nodes.hostable_ranks(gpus_per_rank)
         if domain is None
         else nodes.hostable_in(domain, gpus_per_rank)
     )
-    # Node -> its GPUs once the releases and the victims chosen so far are done.
-    room_after: dict[int, int] = {}
+    tally = _RoomTally(ledger, nodes, gpus_per_rank, domain)
     chosen: Victims = []
-
-    free = nodes.free
-    releasing = nodes.releasing
-    add_usage = ledger.add_usage
-    quota_reason = ledger.quota_reason
-
-    def shift(run: RunningWork, sign: int) -> int:
-        # Take (sign +1) or give back (-1) ``run``'s GPUs; returns the ranks that adds.
-        change = 0
-        for node, on_node in run.nodes:
-            if inside is not None and node not in inside:
-                continue
-            old = room_after.get(node)
-            if old is None:
-                old = free[node] + releasing[node]
-            new = old + sign * on_node
-            room_after[node] = new
-            change += new // gpus_per_rank - old // gpus_per_rank
-        add_usage(run.queue, -sign * run.gpus)
-        return change
 
     fits = False
     for examined, (run, reason) in enumerate(candidates, start=1):
         if examined > MAX_CANDIDATES_PER_ATTEMPT:
             break
-        hostable += shift(run, +1)
+        hostable += tally.shift(run, +1)
         chosen.append((run, reason))
-        if hostable >= ranks and quota_reason(queue, gpus, priority_class) is None:
+        if hostable >= ranks and ledger.quota_reason(queue, gpus, priority_class) is None:
             fits = True
             break
     if not fits:
-        # The node tallies in ``room_after`` die with this attempt; only the quota
-        # usage has to be given back.
+        # The node tallies die with this attempt; only the quota usage has to be
+        # given back.
         for run, _ in reversed(chosen):
-            add_usage(run.queue, run.gpus)
+            ledger.add_usage(run.queue, run.gpus)
         return None
     for i in range(len(chosen) - 1, -1, -1):
         run = chosen[i][0]
-        change = shift(run, -1)
-        if hostable + change >= ranks and quota_reason(queue, gpus, priority_class) is None:
+        change = tally.shift(run, -1)
+        if hostable + change >= ranks and ledger.quota_reason(queue, gpus, priority_class) is None:
             hostable += change
             chosen.pop(i)
         else:
-            shift(run, +1)
+            tally.shift(run, +1)
     placement = (
-        nodes.place_on(ranks, gpus_per_rank, room_after)
+        nodes.place_on(ranks, gpus_per_rank, tally.room_after)
         if domain is None
-        else nodes.place_in(domain, ranks, gpus_per_rank, room_after)
+        else nodes.place_in(domain, ranks, gpus_per_rank, tally.room_after)
     )
     if placement is None:
         for run, _ in reversed(chosen):
-            add_usage(run.queue, run.gpus)
+            ledger.add_usage(run.queue, run.gpus)
         return None
     # A victim on nodes the placement does not use frees nothing there; it stays only
     # when the quotas need its GPUs back (R10).
@@ -116,15 +139,15 @@ def preempt_for(
     kept: Victims = []
     for run, reason in reversed(chosen):
         if not any(node in used for node, _ in run.nodes):
-            add_usage(run.queue, run.gpus)
-            if quota_reason(queue, gpus, priority_class) is None:
+            ledger.add_usage(run.queue, run.gpus)
+            if ledger.quota_reason(queue, gpus, priority_class) is None:
                 continue
-            add_usage(run.queue, -run.gpus)
+            ledger.add_usage(run.queue, -run.gpus)
         kept.append((run, reason))
     kept.reverse()
-    if quota_reason(queue, gpus, priority_class) is not None or not kept:
+    if ledger.quota_reason(queue, gpus, priority_class) is not None or not kept:
         for run, _ in kept:
-            add_usage(run.queue, run.gpus)
+            ledger.add_usage(run.queue, run.gpus)
         return None
     return kept, placement
 
