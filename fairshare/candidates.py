@@ -98,13 +98,19 @@ class RunningWork:
 class PendingJob:
     """A pending workload as the planner sees it."""
 
-    __slots__ = ("gpus", "priority_class", "queue", "workload")
+    __slots__ = ("gpus", "order", "priority_class", "queue", "workload")
 
     def __init__(self, workload: Workload, queue: int, priority_class: PriorityClass) -> None:
         self.workload = workload
         self.queue = queue
         self.priority_class = priority_class
         self.gpus = workload.gpus
+        # Its place inside its queue: higher priority first, then older submission.
+        self.order: tuple[int, float, str] = (
+            -priority_class.value,
+            workload.submitted_at,
+            workload.id,
+        )
 
 
 def next_live(runs: list[RunningWork], start: int) -> int:
