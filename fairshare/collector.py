@@ -9,11 +9,12 @@ engine benchmark's cluster those collections took 0.1-0.5 s of a 0.65 s plan, an
 more the longer the process had lived.
 
 Paused for the plan, the collector catches up at its first young collection after
-it. That one also frees what the plan left in reference cycles: its recursive inner
-helpers (the fair-share division, the consolidation's placement, the statuses'
-lending) each hold themselves and, through their closures, the plan's tree and
-ledger (on the engine benchmark's cluster about 66,000 objects, most of them the
-tree's memo of common ancestors).
+it, which walks what the plan built and still holds. The plan leaves almost nothing in
+reference cycles for it to free: the candidates' link back from the ledger is undone
+when the passes end, and the fair-share division and the statuses' lending walk the
+tree with lists of work rather than recursive inner functions (each of which would
+hold itself and, through its closure, the tree and its memo of common ancestors:
+about 48,000 objects on the engine benchmark's cluster).
 
 The standard library has the switch (`gc.disable`) but no scoped form of it that
 leaves a collector someone else paused as it found it, hence this helper.

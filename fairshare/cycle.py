@@ -251,6 +251,11 @@ class FlavorPlanner:
             for jobs in retry:
                 jobs.sort(key=_pending_order)
             self._pass(retry)
+        # No scan runs any more: the ledger stops telling the candidates when a queue
+        # crosses its guarantee. That also undoes the reference cycle between the two,
+        # so the plan's candidates are freed when it ends, not walked and freed later
+        # by the cyclic collector.
+        self.ledger.guarantee_crossed = None
 
     def _pass(self, pending: list[list[PendingJob]]) -> None:
         heap: list[QueueKey] = []

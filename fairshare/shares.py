@@ -55,10 +55,15 @@ def fair_shares(
             float(sum(kept_back[child] for child in children)),
         )
     shares = [0.0] * count
-
-    def divide(amount: float, siblings: list[int]) -> None:
+    # Each group of siblings with the amount it divides, parents before children: a
+    # list of work rather than a recursive inner function, which would hold itself
+    # (and through it the tree) in a reference cycle that only the cyclic collector
+    # frees, after the plan.
+    groups: list[tuple[float, list[int]]] = [(float(capacity), tree.top)]
+    while groups:
+        amount, siblings = groups.pop()
         if not siblings:
-            return
+            continue
         given = r8_water_fill(
             amount,
             [float(guarantee[sibling]) for sibling in siblings],
@@ -72,9 +77,7 @@ def fair_shares(
                 withheld = max(
                     0.0, kept_back[sibling] - min(float(guarantee[sibling]), cap[sibling])
                 )
-                divide(share + withheld, tree.children[sibling])
-
-    divide(float(capacity), tree.top)
+                groups.append((share + withheld, tree.children[sibling]))
     return shares
 
 

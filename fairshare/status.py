@@ -33,8 +33,13 @@ def queue_statuses(
         if parent != -1:
             held[parent] += held[queue]
     lent = [0.0] * count
-
-    def lend_among(siblings: list[int], spare: float, outward: float) -> None:
+    top_spare = max(0, ledger.capacity - sum(guarantee[top] for top in tree.top))
+    # Each group of siblings with the parent's unassigned guarantee and what the parent
+    # lends outward, parents before children (a list of work rather than a recursive
+    # inner function, which would hold itself and the ledger in a reference cycle).
+    groups: list[tuple[list[int], float, float]] = [(tree.top, float(top_spare), 0.0)]
+    while groups:
+        siblings, spare, outward = groups.pop()
         # Borrowers among the siblings use the parent's unassigned guarantee first,
         # then the siblings' idle guarantees; what the parent lends outward comes
         # from its children's idle guarantees too.
@@ -50,10 +55,7 @@ def queue_statuses(
             children = tree.children[sibling]
             if children:
                 unassigned = max(0, guarantee[sibling] - sum(guarantee[c] for c in children))
-                lend_among(children, float(unassigned), lent[sibling])
-
-    top_spare = max(0, ledger.capacity - sum(guarantee[top] for top in tree.top))
-    lend_among(tree.top, float(top_spare), 0.0)
+                groups.append((children, float(unassigned), lent[sibling]))
     return {
         queue: QueueStatus(
             guarantee=guarantee[queue],
