@@ -31,8 +31,12 @@ from .tree import LcaChain, QueueTree
 
 _INF = float("inf")
 
-# R9's order of victims, cheapest first.
-VictimOrder = tuple[int, float, float, str]
+# R9's order of victims, cheapest first (``rules.r9_victim_order``: priority, lost
+# GPU-seconds, minus the admission time, id). Typed as a tuple of any length on
+# purpose: compiled, a tuple of fixed length is kept unboxed, and every read of a
+# candidate's order would build a new tuple and new floats (the victim scans read them
+# for every heap entry); a tuple of any length is kept as it is.
+VictimOrder = tuple[object, ...]
 
 # An entry of a scan's heap: the candidate's order, its queue, its index and the list it
 # is in (the queue's candidates, or only those admitted in this plan).
@@ -46,6 +50,7 @@ class RunningWork:
 
     __slots__ = (
         "gpus",
+        "lost",
         "minimum",
         "nodes",
         "order",
@@ -81,11 +86,12 @@ class RunningWork:
         self.nodes = nodes
         # Taken as a victim in this plan.
         self.victim = False
-        lost = r9_lost_gpu_seconds(
+        # The GPU-seconds it would lose (R9), the second part of its order.
+        self.lost = r9_lost_gpu_seconds(
             self.gpus, now, workload.admitted_at, workload.last_checkpoint_at
         )
         self.order: VictimOrder = r9_victim_order(
-            priority_class.value, lost, workload.admitted_at, workload.id
+            priority_class.value, self.lost, workload.admitted_at, workload.id
         )
         # Seconds since admission; the snapshot's clock does not move during a plan.
         admitted = workload.admitted_at

@@ -119,7 +119,7 @@ def consolidate(
         moved = sum(run.gpus for run in taken)
         offers.append(
             (
-                (moved / gained, sum(run.order[1] for run in taken) / gained, node),
+                (moved / gained, sum(run.lost for run in taken) / gained, node),
                 taken,
                 gained,
                 node,

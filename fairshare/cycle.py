@@ -737,8 +737,8 @@ class FlavorPlanner:
                     continue
                 victims, _ = found
                 cost = (
-                    float(max(run.order[0] for run, _ in victims)),
-                    sum(run.order[1] for run, _ in victims),
+                    float(max(run.priority_class.value for run, _ in victims)),
+                    sum(run.lost for run, _ in victims),
                     name,
                 )
                 if best is None or cost < best[0]:

@@ -206,8 +206,8 @@ def reclaim_by_node(
             continue
         taken, gained = offer
         cost = (
-            float(max(run.order[0] for run in taken)),
-            sum(run.order[1] for run in taken) / gained,
+            float(max(run.priority_class.value for run in taken)),
+            sum(run.lost for run in taken) / gained,
             sum(run.gpus for run in taken) / gained,
             node,
         )
