@@ -319,20 +319,38 @@ class FlavorPlanner:
         gpus = jobs[at].gpus
         changes = self.changes
         known_outcomes = self.outcome_by_kind
-        # When the first two parts tie, the rest of ``first``'s key, which a job
-        # submitted later falls behind.
-        tie = first[2:] if first is not None and first[:2] == key[:2] else None
+        # When the first two parts tie, a job falls behind ``first`` when it was
+        # submitted later, or at the same moment and its queue's name and index go
+        # after ``first``'s (the same for every job here).
+        tied = first is not None and first[0] == key[0] and first[1] == key[1]
+        tie_submitted = first[2] if first is not None else 0.0
+        behind_on_a_tie = first is not None and (key[3], queue) > (first[3], first[4])
+        # The kind of the job before and its outcome: ``changes`` stays as it is while
+        # jobs only wait, so jobs of one kind in a row look it up once.
+        ranks = -1
+        gpus_per_rank = -1
+        class_name = ""
+        outcome: WaitOutcome | None = None
         count = len(jobs)
         while at < count:
             job = jobs[at]
             workload = job.workload
             if job.gpus != gpus or workload.topology_level is not None:
                 break
-            if tie is not None and (workload.submitted_at, key[3], queue) > tie:
-                break
-            outcome = known_outcomes.get(
-                (queue, workload.ranks, workload.gpus_per_rank, job.priority_class.name)
-            )
+            if tied:
+                submitted = workload.submitted_at
+                if submitted > tie_submitted or (submitted == tie_submitted and behind_on_a_tie):
+                    break
+            name = job.priority_class.name
+            if (
+                workload.ranks != ranks
+                or workload.gpus_per_rank != gpus_per_rank
+                or name != class_name
+            ):
+                ranks = workload.ranks
+                gpus_per_rank = workload.gpus_per_rank
+                class_name = name
+                outcome = known_outcomes.get((queue, ranks, gpus_per_rank, name))
             if outcome is None or outcome[0] != changes:
                 break
             self._wait_as(workload.id, outcome)
