@@ -208,7 +208,6 @@ class FlavorPlanner:
         # victim), or freed GPUs by withdrawing an admission (everyone retries then).
         self.retry_waiting = False
         self.gpus_freed = False
-        self.job_by_id = {job.workload.id: job for jobs in pending for job in jobs}
         # The physical reason to wait depends only on the gang's shape (ranks, GPUs
         # per rank), and many jobs share a shape.
         self.reason_by_shape: dict[tuple[int, int], str] = {}
@@ -237,19 +236,23 @@ class FlavorPlanner:
             if not self.retry_waiting:
                 break
             self.retry_waiting = False
-            retry: list[list[PendingJob]] = [[] for _ in self.pending]
             everyone = self.gpus_freed
             self.gpus_freed = False
-            for workload_id in self.waits:
-                seen_version = self.attempted_at_version.get(workload_id)
-                if workload_id not in self.reserved and (
-                    everyone
-                    or (seen_version is not None and seen_version != self.candidates_version)
-                ):
-                    job = self.job_by_id[workload_id]
-                    retry[job.queue].append(job)
-            for jobs in retry:
-                jobs.sort(key=_pending_order)
+            # Each queue's jobs that wait and may do better now, in its order: picked
+            # from its sorted pending jobs, so no list needs sorting again.
+            retry: list[list[PendingJob]] = []
+            for jobs in self.pending:
+                again: list[PendingJob] = []
+                for job in jobs:
+                    workload_id = job.workload.id
+                    if workload_id not in self.waits or workload_id in self.reserved:
+                        continue
+                    seen_version = self.attempted_at_version.get(workload_id)
+                    if everyone or (
+                        seen_version is not None and seen_version != self.candidates_version
+                    ):
+                        again.append(job)
+                retry.append(again)
             self._pass(retry)
         # No scan runs any more: the ledger stops telling the candidates when a queue
         # crosses its guarantee. That also undoes the reference cycle between the two,
