@@ -201,6 +201,9 @@ class VictimCandidates:
         # Set while the planner asks whether the protected candidates would let a
         # workload in: protection of running work is then ignored.
         self.ignore_protection = False
+        # Candidates the fair-share scans have offered so far (the planner tells an
+        # attempt that found none from one whose candidates did not do).
+        self.fair_share_offered = 0
 
     def is_protected(self, run: RunningWork, reason: str) -> bool:
         """Whether ``run`` has not run its minimum runtime for ``reason`` yet.
@@ -601,5 +604,6 @@ class VictimCandidates:
                     fair[side_of_donor],
                     victim_gpus,
                 ) and not self.is_protected(run, FAIR_SHARE):
+                    self.fair_share_offered += 1
                     yield run, FAIR_SHARE
                     exposed_donors.clear()

@@ -192,6 +192,9 @@ class FlavorPlanner:
         # matters, preemptible): the fewest ranks that failed, and the candidates'
         # version they failed against.
         self.failed_attempts: dict[tuple[int, str, int, int, bool], tuple[int, int]] = {}
+        # Per queue: the fewest GPUs for which a fair-share search found no candidate at
+        # all (none offered, none protected), and the candidates' version then.
+        self.fair_share_dry: dict[int, tuple[int, int]] = {}
         # Moves on whenever a new candidate victim appears that could make a failed
         # attempt succeed.
         self.candidates_version = 0
@@ -499,8 +502,14 @@ class FlavorPlanner:
             failed = failed_attempts.get(attempt)
             if failed is not None and failed[1] == self.candidates_version and ranks >= failed[0]:
                 continue
+            if mode == FAIR_SHARE:
+                dry = self.fair_share_dry.get(queue)
+                if dry is not None and dry[1] == self.candidates_version and gpus >= dry[0]:
+                    continue
             self.changes += 1
             candidates: Iterator[tuple[RunningWork, str]]
+            offered = self.victims.fair_share_offered
+            protected = len(self.victims.protected)
             if mode == RECLAIM:
                 candidates = self.victims.reclaim(queue)
             elif mode == PRIORITY:
@@ -508,6 +517,18 @@ class FlavorPlanner:
             else:
                 candidates = self.victims.fair_share(job)
             result = preempt_for(ledger, nodes, job, candidates)
+            if (
+                result is None
+                and mode == FAIR_SHARE
+                and self.victims.fair_share_offered == offered
+                and len(self.victims.protected) == protected
+            ):
+                # Not one candidate, protected or not: R8 only gets harder for more
+                # GPUs, so no job of the queue that large or larger finds one either
+                # while the candidates stay the same, whatever its shape.
+                dry = self.fair_share_dry.get(queue)
+                if dry is None or dry[1] != self.candidates_version or gpus < dry[0]:
+                    self.fair_share_dry[queue] = (gpus, self.candidates_version)
             if result is None and mode == RECLAIM and self.node_searches_left > 0:
                 # Cheap victims scattered over many nodes can use up the donors'
                 # budget above their guarantee lines before any node frees enough;

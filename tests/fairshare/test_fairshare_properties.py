@@ -982,6 +982,76 @@ def test_queues_full_of_one_kind_of_job_reuse_its_waiting_outcome() -> None:
     assert {w.reason for w in waits} == {"no node of flavor h100 has 5 free GPUs"}
 
 
+class _CountedDryQueues(dict):  # type: ignore[type-arg]
+    """A planner's ``fair_share_dry`` that counts the fair-share searches it lets the
+    planner skip, or, with ``keep=False``, remembers nothing: every search runs."""
+
+    def __init__(self, planner: FlavorPlanner, *, keep: bool) -> None:
+        super().__init__()
+        self.planner = planner
+        self.keep = keep
+        self.skipped = 0
+
+    def __setitem__(self, key: object, value: object) -> None:
+        if self.keep:
+            super().__setitem__(key, value)
+
+    def get(self, key: object, default: object = None) -> object:
+        found = super().get(key, default)
+        if found is not None and found[1] == self.planner.candidates_version:  # type: ignore[index]
+            self.skipped += 1
+        return found
+
+
+def _plans_with_and_without_dry_queues(
+    snapshot: Snapshot,
+) -> tuple[list[object], list[object], int]:
+    """Every flavor's decisions planned with the fair-share searches of a dry queue
+    skipped and with every search run, and how many lookups could skip one."""
+    tree, classes, node_flavor = SOURCES.tree.prepare(snapshot)
+    flavors = sorted({w.flavor for w in snapshot.workloads} | set(node_flavor.values()))
+    decided: tuple[list[object], list[object]] = ([], [])
+    skipped = 0
+    for keep, out in zip((True, False), decided, strict=True):
+        for flavor in flavors:
+            workloads = [w for w in snapshot.workloads if w.flavor == flavor]
+            planner = SOURCES.cycle.FlavorPlanner(snapshot, tree, classes, flavor, workloads)
+            dry = _CountedDryQueues(planner, keep=keep)
+            planner.fair_share_dry = dry
+            planner.run()
+            out.append(
+                (
+                    list(planner.admissions.values()),
+                    list(planner.preempt),
+                    list(planner.waits.values()),
+                )
+            )
+            skipped += dry.skipped if keep else 0
+    return decided[0], decided[1], skipped
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.one_of(
+        busy_queues(),
+        snapshots(),
+        guarantee_situations(),
+        protected_snapshots(),
+        used_snapshots(),
+        crowded(),
+    )
+)
+def test_a_fair_share_search_skipped_for_a_dry_queue_would_have_found_nothing(
+    snapshot: Snapshot,
+) -> None:
+    """A queue whose fair-share search found no candidate at all for some GPUs skips the
+    search for as many GPUs or more until the candidates change: the plan is the one
+    running every search gives, waiting reasons and protection included."""
+    skipping, searching, skipped = _plans_with_and_without_dry_queues(snapshot)
+    event(f"skipped a search: {skipped > 0}")
+    assert skipping == searching
+
+
 def any_snapshot() -> st.SearchStrategy[Snapshot]:
     """A snapshot of any of the kinds the strategies above draw."""
     return st.one_of(

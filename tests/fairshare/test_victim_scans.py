@@ -1,9 +1,10 @@
-"""The victim scans of one plan, looked at from inside: what a reclaim scan offers when
-a donor's own work of this plan was withdrawn and admitted again."""
+"""The victim scans of one plan: what a reclaim scan offers when a donor's own work of
+this plan was withdrawn and admitted again (looked at from inside), and when a queue
+whose fair-share search found nothing searches again."""
 
 from __future__ import annotations
 
-from fairshare_builders import cluster, nodes, team
+from fairshare_builders import cluster, nodes, preempted, reasons, run_plan, team
 from fairshare_builders import workload as w
 
 from fairshare.cycle import FlavorPlanner
@@ -43,3 +44,45 @@ def test_a_job_admitted_again_after_giving_way_is_offered_to_reclaim_once() -> N
     # b1 once; b2 is shielded (taken, it would take b1's place by priority), r1 runs
     # under b's line.
     assert offered == ["b1"]
+
+
+def test_a_queue_dry_for_fair_share_searches_again_once_new_candidates_come() -> None:
+    # a0 (4 GPUs) finds the free GPUs scattered (3 on n0, 2 on n1) and no queue above
+    # its fair share: its search finds nothing. c3 is admitted on n1, which takes c
+    # above its fair share of 2; in the next pass a0 searches again, and c1 on n0
+    # goes, leaving n0 whole for a0.
+    snapshot = cluster(
+        nodes("n", 2, 4),
+        [team("a", weight=3), team("c"), team("d", guarantee=2)],
+        [
+            w("c1").queue("c").gpus(1).running("n0"),
+            w("d1").queue("d").gpus(2).running("n1"),
+            w("a0").queue("a").gpus(4).submitted(30),
+            w("c3").queue("c").gpus(2).submitted(20),
+        ],
+    )
+    result = run_plan(snapshot)
+    assert preempted(result) == {"c1": "fair-share"}
+    assert reasons(result) == {"a0": "waiting for 1 GPUs being released by job c1"}
+
+
+def test_a_queue_whose_fair_share_candidates_are_all_protected_is_not_dry() -> None:
+    # b's work started 10 s ago, inside its minimum runtime for fair share: a1's
+    # search passes it over, and a2 (more GPUs) still searches, so its reason names
+    # the protected jobs too.
+    snapshot = cluster(
+        nodes("n", 1, 8),
+        [team("a"), team("b")],
+        [
+            *(w(f"b{i}").queue("b").gpus(1).running("n0", since=10) for i in range(8)),
+            w("a1").queue("a").gpus(1).submitted(20),
+            w("a2").queue("a").gpus(2).submitted(10),
+        ],
+    )
+    result = run_plan(snapshot)
+    assert preempted(result) == {}
+    assert reasons(result)["a1"].startswith("no node of flavor h100 has 1 free GPUs; job b0 ")
+    assert reasons(result)["a2"].startswith(
+        "no node of flavor h100 has 2 free GPUs; jobs b0, b1 may be preempted (fair-share)"
+        " only after their minimum runtime"
+    )
