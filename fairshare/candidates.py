@@ -168,7 +168,7 @@ class VictimCandidates:
         self.tree = tree
         self.ledger = ledger
         for runs in by_queue:
-            runs.sort(key=lambda run: run.order)
+            runs.sort(key=_run_order)
         # Per queue: its preemptible running work, cheapest victim first.
         self.by_queue = by_queue
         # Per queue: the part of it admitted in this plan, in the same order.

@@ -12,6 +12,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
+from operator import attrgetter, itemgetter
 
 from .candidates import PendingJob, RunningWork, VictimCandidates
 from .ledger import QuotaLedger
@@ -112,7 +113,7 @@ def consolidate(
     movable = _movable_by_node(victims, gpus_per_rank, lambda run: True)
     offers: list[tuple[tuple[float, float, int], list[RunningWork], int, int]] = []
     for node, runs in movable.items():
-        offer = room_on(nodes, node, runs, gpus_per_rank, ranks, lambda run: True)
+        offer = room_on(nodes, node, runs, gpus_per_rank, ranks, None)
         if offer is None:
             continue
         taken, gained = offer
@@ -127,7 +128,7 @@ def consolidate(
         )
     if not offers:
         return None
-    offers.sort(key=lambda offer: offer[0])
+    offers.sort(key=itemgetter(0))
 
     # The free GPUs the moved jobs may restart on: nodes with free GPUs, by node.
     spare = {node: gpus for node, gpus in enumerate(free) if gpus > 0}
@@ -299,7 +300,7 @@ def reclaim_and_move(
         if before >= most:
             continue
         reclaimed: list[RunningWork] = []
-        for run in sorted(on_node.get(node, ()), key=lambda run: run.order):
+        for run in sorted(on_node.get(node, ()), key=attrgetter("order")):
             if id(run) in chosen or victims.shielded(run) or len(run.nodes) != 1:
                 continue
             reclaimed.append(run)

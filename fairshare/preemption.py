@@ -10,7 +10,8 @@ whole nodes instead (``reclaim_by_node``).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from operator import attrgetter, itemgetter
 
 from .candidates import PendingJob, RunningWork, VictimCandidates
 from .ledger import QuotaLedger
@@ -158,20 +159,24 @@ def room_on(
     runs: list[RunningWork],
     gpus_per_rank: int,
     ranks: int,
-    usable: Callable[[RunningWork], bool],
+    shields: VictimCandidates | None,
 ) -> tuple[list[RunningWork], int] | None:
     """The cheapest of ``runs`` (all on ``node``) whose exit gives the node room for as
     many ranks of ``gpus_per_rank`` GPUs as it can hold (``ranks`` at most), and the
-    ranks that adds; None when the node has that room already or cannot gain any."""
+    ranks that adds; None when the node has that room already or cannot gain any.
+
+    Runs that ``shields`` finds shielded (``VictimCandidates.shielded``) are passed
+    over; with None every run may go.
+    """
     room = nodes.free[node] + nodes.releasing[node]
     before = room // gpus_per_rank
     most = min(ranks, nodes.gpus[node] // gpus_per_rank)
     if before >= most:
         return None
-    runs.sort(key=lambda run: run.order)
+    runs.sort(key=attrgetter("order"))
     taken: list[RunningWork] = []
     for run in runs:
-        if not usable(run):
+        if shields is not None and shields.shielded(run):
             continue
         taken.append(run)
         room += sum(gpus for on, gpus in run.nodes if on == node)
@@ -199,9 +204,7 @@ def reclaim_by_node(
 
     offers: list[tuple[tuple[float, float, float, int], list[RunningWork], int]] = []
     for node, runs in on_node.items():
-        offer = room_on(
-            nodes, node, runs, gpus_per_rank, ranks, lambda run: not victims.shielded(run)
-        )
+        offer = room_on(nodes, node, runs, gpus_per_rank, ranks, victims)
         if offer is None:
             continue
         taken, gained = offer
@@ -212,7 +215,7 @@ def reclaim_by_node(
             node,
         )
         offers.append((cost, taken, gained))
-    offers.sort(key=lambda offer: offer[0])
+    offers.sort(key=itemgetter(0))
 
     hostable = nodes.hostable_ranks(gpus_per_rank)
     taken_from: dict[int, int] = defaultdict(int)
