@@ -195,6 +195,10 @@ def r10_place(
     hosts = [(fit, name) for fit, name in hosts if fit > 0]
     if sum(fit for fit, _ in hosts) < ranks:
         return None
+    whole = min(((fit, name) for fit, name in hosts if fit >= ranks), default=None)
+    if whole is not None:
+        # Most gangs fit one node: the best fit, found without ordering the hosts.
+        return ((whole[1], ranks),)
     placement: list[tuple[str, int]] = []
     remaining = ranks
     hosts.sort(key=lambda host: (-host[0], host[1]))
