@@ -104,7 +104,7 @@ class RunningWork:
 class PendingJob:
     """A pending workload as the planner sees it."""
 
-    __slots__ = ("gpus", "order", "priority_class", "queue", "workload")
+    __slots__ = ("attempted_at_version", "gpus", "order", "priority_class", "queue", "workload")
 
     def __init__(self, workload: Workload, queue: int, priority_class: PriorityClass) -> None:
         self.workload = workload
@@ -117,6 +117,9 @@ class PendingJob:
             workload.submitted_at,
             workload.id,
         )
+        # The planner's candidates version when it last tried to preempt for it, -1
+        # before it ever did: a later pass retries it only once new candidates came.
+        self.attempted_at_version = -1
 
 
 def next_live(runs: list[RunningWork], start: int) -> int:

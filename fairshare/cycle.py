@@ -198,8 +198,6 @@ class FlavorPlanner:
         # Moves on whenever a new candidate victim appears that could make a failed
         # attempt succeed.
         self.candidates_version = 0
-        # Workloads that tried to preempt, with the candidates' version they saw.
-        self.attempted_at_version: dict[str, int] = {}
         # Admitted in this plan: workload id -> (queue, GPUs), and the decisions.
         self.admitted: dict[str, tuple[int, int]] = {}
         self.admissions: dict[str, Admission] = {}
@@ -250,10 +248,8 @@ class FlavorPlanner:
                     workload_id = job.workload.id
                     if workload_id not in self.waits or workload_id in self.reserved:
                         continue
-                    seen_version = self.attempted_at_version.get(workload_id)
-                    if everyone or (
-                        seen_version is not None and seen_version != self.candidates_version
-                    ):
+                    seen_version = job.attempted_at_version
+                    if everyone or (seen_version >= 0 and seen_version != self.candidates_version):
                         again.append(job)
                 retry.append(again)
             self._pass(retry)
@@ -335,7 +331,7 @@ class FlavorPlanner:
         # jobs only wait, so jobs of one kind in a row look it up once.
         ranks = -1
         gpus_per_rank = -1
-        class_name = ""
+        priority_class: PriorityClass | None = None
         outcome: WaitOutcome | None = None
         count = len(jobs)
         while at < count:
@@ -347,19 +343,18 @@ class FlavorPlanner:
                 submitted = workload.submitted_at
                 if submitted > tie_submitted or (submitted == tie_submitted and behind_on_a_tie):
                     break
-            name = job.priority_class.name
             if (
                 workload.ranks != ranks
                 or workload.gpus_per_rank != gpus_per_rank
-                or name != class_name
+                or job.priority_class is not priority_class
             ):
                 ranks = workload.ranks
                 gpus_per_rank = workload.gpus_per_rank
-                class_name = name
-                outcome = known_outcomes.get((queue, ranks, gpus_per_rank, name))
+                priority_class = job.priority_class
+                outcome = known_outcomes.get((queue, ranks, gpus_per_rank, priority_class.name))
             if outcome is None or outcome[0] != changes:
                 break
-            self._wait_as(workload.id, outcome)
+            self._wait_as(job, outcome)
             at += 1
         return at
 
@@ -449,7 +444,7 @@ class FlavorPlanner:
             kind = (queue, ranks, gpus_per_rank, priority_class.name)
             known_outcome = self.outcome_by_kind.get(kind)
             if known_outcome is not None and known_outcome[0] == self.changes:
-                self._wait_as(workload.id, known_outcome)
+                self._wait_as(job, known_outcome)
                 return
         else:
             self.changes += 1
@@ -493,7 +488,7 @@ class FlavorPlanner:
         modes = self._modes(job)
         self.victims.protected.clear()
         if modes:
-            self.attempted_at_version[workload.id] = self.candidates_version
+            job.attempted_at_version = self.candidates_version
         failed_attempts = self.failed_attempts
         for mode in modes:
             # Reclaim and fair-share moves do not depend on the preemptor's priority.
@@ -601,13 +596,14 @@ class FlavorPlanner:
         outcome = (changes, quota_reason, protected_until, bool(modes))
         if kind is not None and self.changes == changes:
             self.outcome_by_kind[kind] = outcome
-        self._wait_as(workload.id, outcome)
+        self._wait_as(job, outcome)
 
-    def _wait_as(self, workload_id: str, outcome: WaitOutcome) -> None:
-        """Record that the workload waits with ``outcome`` (see ``outcome_by_kind``)."""
+    def _wait_as(self, job: PendingJob, outcome: WaitOutcome) -> None:
+        """Record that ``job`` waits with ``outcome`` (see ``outcome_by_kind``)."""
         _, reason, protected_until, attempted = outcome
         if attempted:
-            self.attempted_at_version[workload_id] = self.candidates_version
+            job.attempted_at_version = self.candidates_version
+        workload_id = job.workload.id
         known = self.waits.get(workload_id)
         if known is None or known.reason != reason:
             self.waits[workload_id] = Waiting(workload_id, reason, protected_until)
@@ -746,7 +742,7 @@ class FlavorPlanner:
             self.unplaceable_in_domain_releasing[shape] = min(ranks, known_failure or ranks)
         modes = self._modes(job)
         if modes:
-            self.attempted_at_version[workload.id] = self.candidates_version
+            job.attempted_at_version = self.candidates_version
         failed_attempts = self.failed_attempts
         for mode in modes:
             value = job.priority_class.value if mode == PRIORITY else 0

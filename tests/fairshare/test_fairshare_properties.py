@@ -830,7 +830,11 @@ def _plans_with_and_without_reuse(snapshot: Snapshot) -> tuple[list[object], lis
                     list(planner.admissions.values()),
                     list(planner.preempt),
                     list(planner.waits.values()),
-                    planner.attempted_at_version,
+                    {
+                        job.workload.id: job.attempted_at_version
+                        for jobs in planner.pending
+                        for job in jobs
+                    },
                 )
             )
             reused += outcomes.reused if keep else 0
