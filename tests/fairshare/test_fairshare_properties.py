@@ -790,15 +790,19 @@ def test_the_reclaim_order_of_donors_follows_every_victim_and_admission(
     assert checked, "the plan looked at no pending job"
 
 
-class _CountedOutcomes(dict):  # type: ignore[type-arg]
-    """A planner's ``outcome_by_kind`` that counts the outcomes it hands back while still
-    current, or, with ``keep=False``, keeps none: every workload is planned in full."""
+class _PlannerMemo(dict):  # type: ignore[type-arg]
+    """A memo of the planner's (``outcome_by_kind``, ``fair_share_dry``) that counts the
+    entries it hands back while they still hold, or, with ``keep=False``, keeps none:
+    the planner then does in full what the memo would have spared it."""
 
     def __init__(self, planner: FlavorPlanner, *, keep: bool) -> None:
         super().__init__()
         self.planner = planner
         self.keep = keep
-        self.reused = 0
+        self.hits = 0
+
+    def holds(self, entry: tuple[object, ...]) -> bool:
+        raise NotImplementedError
 
     def __setitem__(self, key: object, value: object) -> None:
         if self.keep:
@@ -806,24 +810,40 @@ class _CountedOutcomes(dict):  # type: ignore[type-arg]
 
     def get(self, key: object, default: object = None) -> object:
         found = super().get(key, default)
-        if found is not None and found[0] == self.planner.changes:  # type: ignore[index]
-            self.reused += 1
+        if found is not None and self.holds(found):
+            self.hits += 1
         return found
 
 
-def _plans_with_and_without_reuse(snapshot: Snapshot) -> tuple[list[object], list[object], int]:
-    """Every flavor's decisions planned with outcomes reused and planned in full, and how
-    many workloads the first reused an outcome for."""
+class _CountedOutcomes(_PlannerMemo):
+    """``outcome_by_kind``: an outcome holds until the plan changes anything."""
+
+    def holds(self, entry: tuple[object, ...]) -> bool:
+        return entry[0] == self.planner.changes
+
+
+class _CountedDryQueues(_PlannerMemo):
+    """``fair_share_dry``: a dry queue stays dry until the candidates change."""
+
+    def holds(self, entry: tuple[object, ...]) -> bool:
+        return entry[1] == self.planner.candidates_version
+
+
+def _plans_with_and_without(
+    snapshot: Snapshot, attribute: str, memo: type[_PlannerMemo]
+) -> tuple[list[object], list[object], int]:
+    """Every flavor's decisions planned with the planner's memo ``attribute`` kept and
+    forgotten, and how often the kept one was found to hold."""
     tree, classes, node_flavor = SOURCES.tree.prepare(snapshot)
     flavors = sorted({w.flavor for w in snapshot.workloads} | set(node_flavor.values()))
     decided: tuple[list[object], list[object]] = ([], [])
-    reused = 0
+    hits = 0
     for keep, out in zip((True, False), decided, strict=True):
         for flavor in flavors:
             workloads = [w for w in snapshot.workloads if w.flavor == flavor]
             planner = SOURCES.cycle.FlavorPlanner(snapshot, tree, classes, flavor, workloads)
-            outcomes = _CountedOutcomes(planner, keep=keep)
-            planner.outcome_by_kind = outcomes
+            kept = memo(planner, keep=keep)
+            setattr(planner, attribute, kept)
             planner.run()
             out.append(
                 (
@@ -837,8 +857,8 @@ def _plans_with_and_without_reuse(snapshot: Snapshot) -> tuple[list[object], lis
                     },
                 )
             )
-            reused += outcomes.reused if keep else 0
-    return decided[0], decided[1], reused
+            hits += kept.hits if keep else 0
+    return decided[0], decided[1], hits
 
 
 @st.composite
@@ -944,7 +964,9 @@ def busy_queues(draw: st.DrawFn) -> Snapshot:
 def test_a_reused_waiting_outcome_is_the_one_planning_in_full_gives(snapshot: Snapshot) -> None:
     """A workload of a kind whose outcome the plan reuses waits exactly as it would when
     planned in full: same decisions, same reasons and protection, in the same order."""
-    reusing, in_full, reused = _plans_with_and_without_reuse(snapshot)
+    reusing, in_full, reused = _plans_with_and_without(
+        snapshot, "outcome_by_kind", _CountedOutcomes
+    )
     event(f"reused an outcome: {reused > 0}")
     assert reusing == in_full
 
@@ -975,7 +997,9 @@ def test_queues_full_of_one_kind_of_job_reuse_its_waiting_outcome() -> None:
             for i in range(20)
         ],
     )
-    reusing, in_full, reused = _plans_with_and_without_reuse(snapshot)
+    reusing, in_full, reused = _plans_with_and_without(
+        snapshot, "outcome_by_kind", _CountedOutcomes
+    )
     assert reusing == in_full
     # One job fits (55 of 60 GPUs held); the others wait, and after the first of each
     # queue, planned in full once the admission changed the plan, on a reused outcome.
@@ -984,54 +1008,6 @@ def test_queues_full_of_one_kind_of_job_reuse_its_waiting_outcome() -> None:
     assert len(waits) == 59
     assert reused == 56
     assert {w.reason for w in waits} == {"no node of flavor h100 has 5 free GPUs"}
-
-
-class _CountedDryQueues(dict):  # type: ignore[type-arg]
-    """A planner's ``fair_share_dry`` that counts the fair-share searches it lets the
-    planner skip, or, with ``keep=False``, remembers nothing: every search runs."""
-
-    def __init__(self, planner: FlavorPlanner, *, keep: bool) -> None:
-        super().__init__()
-        self.planner = planner
-        self.keep = keep
-        self.skipped = 0
-
-    def __setitem__(self, key: object, value: object) -> None:
-        if self.keep:
-            super().__setitem__(key, value)
-
-    def get(self, key: object, default: object = None) -> object:
-        found = super().get(key, default)
-        if found is not None and found[1] == self.planner.candidates_version:  # type: ignore[index]
-            self.skipped += 1
-        return found
-
-
-def _plans_with_and_without_dry_queues(
-    snapshot: Snapshot,
-) -> tuple[list[object], list[object], int]:
-    """Every flavor's decisions planned with the fair-share searches of a dry queue
-    skipped and with every search run, and how many lookups could skip one."""
-    tree, classes, node_flavor = SOURCES.tree.prepare(snapshot)
-    flavors = sorted({w.flavor for w in snapshot.workloads} | set(node_flavor.values()))
-    decided: tuple[list[object], list[object]] = ([], [])
-    skipped = 0
-    for keep, out in zip((True, False), decided, strict=True):
-        for flavor in flavors:
-            workloads = [w for w in snapshot.workloads if w.flavor == flavor]
-            planner = SOURCES.cycle.FlavorPlanner(snapshot, tree, classes, flavor, workloads)
-            dry = _CountedDryQueues(planner, keep=keep)
-            planner.fair_share_dry = dry
-            planner.run()
-            out.append(
-                (
-                    list(planner.admissions.values()),
-                    list(planner.preempt),
-                    list(planner.waits.values()),
-                )
-            )
-            skipped += dry.skipped if keep else 0
-    return decided[0], decided[1], skipped
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -1051,7 +1027,9 @@ def test_a_fair_share_search_skipped_for_a_dry_queue_would_have_found_nothing(
     """A queue whose fair-share search found no candidate at all for some GPUs skips the
     search for as many GPUs or more until the candidates change: the plan is the one
     running every search gives, waiting reasons and protection included."""
-    skipping, searching, skipped = _plans_with_and_without_dry_queues(snapshot)
+    skipping, searching, skipped = _plans_with_and_without(
+        snapshot, "fair_share_dry", _CountedDryQueues
+    )
     event(f"skipped a search: {skipped > 0}")
     assert skipping == searching
 
