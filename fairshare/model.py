@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copyreg
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import ClassVar, Final, TypeVar
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Final, TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -66,6 +67,10 @@ class FrozenMap(Mapping[K, V]):
 
     def __repr__(self) -> str:
         return f"FrozenMap({self._lookup!r})"
+
+    def __reduce__(self) -> tuple[type[FrozenMap[K, V]], tuple[dict[K, V]]]:
+        # Rebuilt from its items by ``copy`` and ``pickle`` (see ``_rebuilt_from_fields``).
+        return (type(self), (dict(self._items),))
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,6 +377,10 @@ class Unset:
     def __bool__(self) -> bool:
         return False
 
+    def __reduce__(self) -> tuple[type[Unset], tuple[()]]:
+        # ``copy`` and ``pickle`` give back the one instance.
+        return (Unset, ())
+
 
 UNSET: Final = Unset()
 
@@ -444,3 +453,34 @@ class Consequences:
                 for queue, flavors in self.fair_share.items()
             },
         }
+
+
+def _rebuilt_from_fields(value: Any) -> tuple[type, tuple[object, ...]]:
+    """How ``copy`` and ``pickle`` rebuild one of the frozen dataclasses above: through
+    its constructor, from its fields.
+
+    Registered with ``copyreg`` because the compiled model (``native.py``) refuses what
+    the default way of rebuilding an object does to a frozen dataclass, setting its
+    attributes one by one; through the constructor the copy is the same value, compiled
+    or not.
+    """
+    return (type(value), tuple(getattr(value, f.name) for f in fields(value)))
+
+
+for _frozen in (
+    Node,
+    FlavorQuota,
+    Queue,
+    PriorityClass,
+    Workload,
+    Snapshot,
+    Admission,
+    Preemption,
+    Waiting,
+    QueueStatus,
+    Plan,
+    QuotaChange,
+    FairShareMove,
+    Consequences,
+):
+    copyreg.pickle(_frozen, _rebuilt_from_fields)

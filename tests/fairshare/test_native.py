@@ -9,7 +9,12 @@ that it plans as its sources do, is tested beside the scenarios and the properti
 from __future__ import annotations
 
 import ast
+import copy
+import copyreg
+import dataclasses
+import json
 import os
+import pickle
 import shutil
 import stat
 import subprocess
@@ -18,9 +23,11 @@ from pathlib import Path
 
 import pytest
 
+import fairshare
 from fairshare import native
 
 ROOT = Path(native.__file__).resolve().parent.parent
+EXAMPLES = ROOT / "fairshare" / "examples"
 
 
 @pytest.fixture
@@ -151,3 +158,41 @@ def test_no_compiled_module_hands_a_generator_expression_on():
             if isinstance(node, ast.GeneratorExp) and id(node) not in consumed
         ]
     assert handed_on == []
+
+
+def test_the_models_values_copy_and_pickle_as_values():
+    """A snapshot, a plan and a what-if answer survive ``copy`` and ``pickle`` (a caller
+    may hand them to another process) as equal values, compiled as well as from the
+    sources: compiled, a frozen dataclass refuses the attribute writes that the default
+    way of rebuilding an object makes."""
+    document = json.loads((EXAMPLES / "two-teams.json").read_text())
+    changes = json.loads((EXAMPLES / "lower-guarantee.json").read_text())
+    for engine in (fairshare, native.python_sources()):
+        snapshot = engine.snapshot_from_dict(document)
+        quota_changes = engine.changes_from_list(changes)
+        values = [
+            snapshot,
+            engine.plan(snapshot),
+            engine.diff(snapshot, quota_changes),
+            *quota_changes,
+            engine.QuotaChange("vision", "h100"),
+        ]
+        for value in values:
+            for rebuilt in (
+                copy.copy(value),
+                copy.deepcopy(value),
+                pickle.loads(pickle.dumps(value)),
+            ):
+                assert type(rebuilt) is type(value)
+                assert rebuilt == value
+        assert pickle.loads(pickle.dumps(engine.UNSET)) is engine.UNSET
+        # Every dataclass of the model is rebuilt so, not only those met above.
+        model = engine.model
+        frozen = {
+            value
+            for value in vars(model).values()
+            if isinstance(value, type) and dataclasses.is_dataclass(value)
+        }
+        assert len(frozen) == 14
+        assert all(copyreg.dispatch_table.get(cls) for cls in frozen)
+    assert native.running_compiled()
