@@ -42,7 +42,8 @@ VictimOrder = tuple[object, ...]
 # is in (the queue's candidates, or only those admitted in this plan).
 ScanEntry = tuple[VictimOrder, int, int, list["RunningWork"]]
 
-_run_order = attrgetter("order")
+# The sort key of a candidate or a pending job: its ``order``, read by the sort in C.
+by_order = attrgetter("order")
 
 
 class RunningWork:
@@ -171,7 +172,7 @@ class VictimCandidates:
         self.tree = tree
         self.ledger = ledger
         for runs in by_queue:
-            runs.sort(key=_run_order)
+            runs.sort(key=by_order)
         # Per queue: its preemptible running work, cheapest victim first.
         self.by_queue = by_queue
         # Per queue: the part of it admitted in this plan, in the same order.
@@ -237,11 +238,11 @@ class VictimCandidates:
             self.smallest_gpus[queue] = run.gpus
         else:
             self.smallest_gpus[queue] = min(self.smallest_gpus[queue], run.gpus)
-        at = bisect.bisect_left(runs, run.order, key=_run_order)
+        at = bisect.bisect_left(runs, run.order, key=by_order)
         runs.insert(at, run)
         # Left of equal orders, as in ``runs``: a job admitted again in this plan after
         # giving way has the order of its earlier admission, now a victim.
-        bisect.insort_left(self.planned_by_queue[queue], run, key=_run_order)
+        bisect.insort_left(self.planned_by_queue[queue], run, key=by_order)
         self.shield_version[queue] += 1
         if at < self.first_live[queue]:
             self.first_live[queue] = at
@@ -409,7 +410,7 @@ class VictimCandidates:
             planned = self.planned_by_queue[donor]
             if runs is not planned:
                 run = runs[at]
-                following = bisect.bisect_left(planned, run.order, key=_run_order)
+                following = bisect.bisect_left(planned, run.order, key=by_order)
                 if run.planned:
                     # Past the run itself (and any earlier admission of its job that
                     # shares its order, a victim now).

@@ -12,9 +12,9 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 
-from .candidates import PendingJob, RunningWork, VictimCandidates
+from .candidates import PendingJob, RunningWork, VictimCandidates, by_order
 from .ledger import QuotaLedger
 from .model import CONSOLIDATE, RECLAIM
 from .nodes import NodeMap, Placement
@@ -300,7 +300,7 @@ def reclaim_and_move(
         if before >= most:
             continue
         reclaimed: list[RunningWork] = []
-        for run in sorted(on_node.get(node, ()), key=attrgetter("order")):
+        for run in sorted(on_node.get(node, ()), key=by_order):
             if id(run) in chosen or victims.shielded(run) or len(run.nodes) != 1:
                 continue
             reclaimed.append(run)

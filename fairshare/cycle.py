@@ -18,9 +18,8 @@ import dataclasses
 import heapq
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
-from operator import attrgetter
 
-from .candidates import PendingJob, RunningWork, VictimCandidates
+from .candidates import PendingJob, RunningWork, VictimCandidates, by_order
 from .consolidation import CONSOLIDATIONS_PER_PLAN, consolidate, reclaim_and_move
 from .ledger import QuotaLedger
 from .model import (
@@ -87,11 +86,6 @@ def _in_domain(
             yield run, reason
 
 
-# A job's place inside its queue (``PendingJob.order``): read by ``list.sort`` in C,
-# where a key function, compiled or not, would be called through Python.
-_pending_order = attrgetter("order")
-
-
 class FlavorPlanner:
     """Plans the pending workloads of one flavor."""
 
@@ -155,7 +149,7 @@ class FlavorPlanner:
             else:
                 pinned_usage[queue] += gpus
         for jobs in pending:
-            jobs.sort(key=_pending_order)
+            jobs.sort(key=by_order)
         self.pending = pending
         # The reasons name them in this order, whatever order the snapshot lists them
         # in: by id, shorter ids first, so that numbered jobs come in number order.
@@ -502,16 +496,9 @@ class FlavorPlanner:
                 if dry is not None and dry[1] == self.candidates_version and gpus >= dry[0]:
                     continue
             self.changes += 1
-            candidates: Iterator[tuple[RunningWork, str]]
             offered = self.victims.fair_share_offered
             protected = len(self.victims.protected)
-            if mode == RECLAIM:
-                candidates = self.victims.reclaim(queue)
-            elif mode == PRIORITY:
-                candidates = self.victims.priority(job)
-            else:
-                candidates = self.victims.fair_share(job)
-            result = preempt_for(ledger, nodes, job, candidates)
+            result = preempt_for(ledger, nodes, job, self._candidates(job, mode))
             if (
                 result is None
                 and mode == FAIR_SHARE
@@ -861,14 +848,7 @@ class FlavorPlanner:
         try:
             found = None
             for mode in modes:
-                candidates: Iterator[tuple[RunningWork, str]]
-                if mode == RECLAIM:
-                    candidates = victims.reclaim(job.queue)
-                elif mode == PRIORITY:
-                    candidates = victims.priority(job)
-                else:
-                    candidates = victims.fair_share(job)
-                found = preempt_for(self.ledger, self.nodes, job, candidates)
+                found = preempt_for(self.ledger, self.nodes, job, self._candidates(job, mode))
                 if found is not None:
                     break
         finally:

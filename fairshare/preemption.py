@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 
-from .candidates import PendingJob, RunningWork, VictimCandidates
+from .candidates import PendingJob, RunningWork, VictimCandidates, by_order
 from .ledger import QuotaLedger
 from .model import RECLAIM
 from .nodes import NodeMap, Placement
@@ -173,7 +173,7 @@ def room_on(
     most = min(ranks, nodes.gpus[node] // gpus_per_rank)
     if before >= most:
         return None
-    runs.sort(key=attrgetter("order"))
+    runs.sort(key=by_order)
     taken: list[RunningWork] = []
     for run in runs:
         if shields is not None and shields.shielded(run):

@@ -790,19 +790,23 @@ def test_the_reclaim_order_of_donors_follows_every_victim_and_admission(
     assert checked, "the plan looked at no pending job"
 
 
-class _PlannerMemo(dict):  # type: ignore[type-arg]
-    """A memo of the planner's (``outcome_by_kind``, ``fair_share_dry``) that counts the
-    entries it hands back while they still hold, or, with ``keep=False``, keeps none:
-    the planner then does in full what the memo would have spared it."""
+# The planner's memos, each with the planner's counter its entries are current for and
+# where an entry keeps the counter's value: an outcome of a kind holds until the plan
+# changes anything, a dry queue stays dry until the candidates change.
+_MEMOS = {"outcome_by_kind": ("changes", 0), "fair_share_dry": ("candidates_version", 1)}
 
-    def __init__(self, planner: FlavorPlanner, *, keep: bool) -> None:
+
+class _CountedMemo(dict):  # type: ignore[type-arg]
+    """One of the planner's ``_MEMOS`` that counts the entries it hands back while they
+    still hold, or, with ``keep=False``, keeps none: the planner then does in full what
+    the memo would have spared it."""
+
+    def __init__(self, planner: FlavorPlanner, attribute: str, *, keep: bool) -> None:
         super().__init__()
         self.planner = planner
+        self.counter, self.at = _MEMOS[attribute]
         self.keep = keep
         self.hits = 0
-
-    def holds(self, entry: tuple[object, ...]) -> bool:
-        raise NotImplementedError
 
     def __setitem__(self, key: object, value: object) -> None:
         if self.keep:
@@ -810,27 +814,13 @@ class _PlannerMemo(dict):  # type: ignore[type-arg]
 
     def get(self, key: object, default: object = None) -> object:
         found = super().get(key, default)
-        if found is not None and self.holds(found):
+        if found is not None and found[self.at] == getattr(self.planner, self.counter):  # type: ignore[index]
             self.hits += 1
         return found
 
 
-class _CountedOutcomes(_PlannerMemo):
-    """``outcome_by_kind``: an outcome holds until the plan changes anything."""
-
-    def holds(self, entry: tuple[object, ...]) -> bool:
-        return entry[0] == self.planner.changes
-
-
-class _CountedDryQueues(_PlannerMemo):
-    """``fair_share_dry``: a dry queue stays dry until the candidates change."""
-
-    def holds(self, entry: tuple[object, ...]) -> bool:
-        return entry[1] == self.planner.candidates_version
-
-
 def _plans_with_and_without(
-    snapshot: Snapshot, attribute: str, memo: type[_PlannerMemo]
+    snapshot: Snapshot, attribute: str
 ) -> tuple[list[object], list[object], int]:
     """Every flavor's decisions planned with the planner's memo ``attribute`` kept and
     forgotten, and how often the kept one was found to hold."""
@@ -842,7 +832,7 @@ def _plans_with_and_without(
         for flavor in flavors:
             workloads = [w for w in snapshot.workloads if w.flavor == flavor]
             planner = SOURCES.cycle.FlavorPlanner(snapshot, tree, classes, flavor, workloads)
-            kept = memo(planner, keep=keep)
+            kept = _CountedMemo(planner, attribute, keep=keep)
             setattr(planner, attribute, kept)
             planner.run()
             out.append(
@@ -964,9 +954,7 @@ def busy_queues(draw: st.DrawFn) -> Snapshot:
 def test_a_reused_waiting_outcome_is_the_one_planning_in_full_gives(snapshot: Snapshot) -> None:
     """A workload of a kind whose outcome the plan reuses waits exactly as it would when
     planned in full: same decisions, same reasons and protection, in the same order."""
-    reusing, in_full, reused = _plans_with_and_without(
-        snapshot, "outcome_by_kind", _CountedOutcomes
-    )
+    reusing, in_full, reused = _plans_with_and_without(snapshot, "outcome_by_kind")
     event(f"reused an outcome: {reused > 0}")
     assert reusing == in_full
 
@@ -997,9 +985,7 @@ def test_queues_full_of_one_kind_of_job_reuse_its_waiting_outcome() -> None:
             for i in range(20)
         ],
     )
-    reusing, in_full, reused = _plans_with_and_without(
-        snapshot, "outcome_by_kind", _CountedOutcomes
-    )
+    reusing, in_full, reused = _plans_with_and_without(snapshot, "outcome_by_kind")
     assert reusing == in_full
     # One job fits (55 of 60 GPUs held); the others wait, and after the first of each
     # queue, planned in full once the admission changed the plan, on a reused outcome.
@@ -1027,9 +1013,7 @@ def test_a_fair_share_search_skipped_for_a_dry_queue_would_have_found_nothing(
     """A queue whose fair-share search found no candidate at all for some GPUs skips the
     search for as many GPUs or more until the candidates change: the plan is the one
     running every search gives, waiting reasons and protection included."""
-    skipping, searching, skipped = _plans_with_and_without(
-        snapshot, "fair_share_dry", _CountedDryQueues
-    )
+    skipping, searching, skipped = _plans_with_and_without(snapshot, "fair_share_dry")
     event(f"skipped a search: {skipped > 0}")
     assert skipping == searching
 
