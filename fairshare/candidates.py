@@ -105,22 +105,63 @@ class RunningWork:
 class PendingJob:
     """A pending workload as the planner sees it."""
 
-    __slots__ = ("attempted_at_version", "gpus", "order", "priority_class", "queue", "workload")
+    __slots__ = (
+        "attempted_at_version",
+        "gpus",
+        "priority_class",
+        "queue",
+        "rank",
+        "submitted_at",
+        "workload",
+    )
 
     def __init__(self, workload: Workload, queue: int, priority_class: PriorityClass) -> None:
         self.workload = workload
         self.queue = queue
         self.priority_class = priority_class
         self.gpus = workload.gpus
-        # Its place inside its queue: higher priority first, then older submission.
-        self.order: tuple[int, float, str] = (
-            -priority_class.value,
-            workload.submitted_at,
-            workload.id,
-        )
+        # Its place inside its queue (``in_queue_order``): higher priority first (the
+        # smaller rank), then older submission, then id.
+        self.rank = -priority_class.value
+        self.submitted_at = workload.submitted_at
         # The planner's candidates version when it last tried to preempt for it, -1
         # before it ever did: a later pass retries it only once new candidates came.
         self.attempted_at_version = -1
+
+
+_by_submission = attrgetter("submitted_at")
+_by_rank = attrgetter("rank")
+
+
+def in_queue_order(jobs: list[PendingJob]) -> None:
+    """Sort a queue's pending ``jobs`` by (rank, submission time, id).
+
+    Sorted by submission time and then, stably, by rank rather than by one tuple key:
+    a sort of plain floats or plain ints compares them directly, while a tuple key is
+    compared element by element through Python's generic comparison, and sorting the
+    pending jobs was the largest part of a plan's set-up. Jobs of one rank submitted at
+    the same moment are few; each run of them is sorted by id afterwards.
+    """
+    jobs.sort(key=_by_submission)
+    jobs.sort(key=_by_rank)
+    end = len(jobs)
+    start = 0
+    while start < end:
+        first = jobs[start]
+        stop = start + 1
+        while (
+            stop < end
+            and jobs[stop].submitted_at == first.submitted_at
+            and jobs[stop].rank == first.rank
+        ):
+            stop += 1
+        if stop - start > 1:
+            jobs[start:stop] = sorted(jobs[start:stop], key=_by_id)
+        start = stop
+
+
+def _by_id(job: PendingJob) -> str:
+    return job.workload.id
 
 
 def next_live(runs: list[RunningWork], start: int) -> int:

@@ -19,7 +19,7 @@ import heapq
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 
-from .candidates import PendingJob, RunningWork, VictimCandidates, by_order
+from .candidates import PendingJob, RunningWork, VictimCandidates, in_queue_order
 from .consolidation import CONSOLIDATIONS_PER_PLAN, consolidate, reclaim_and_move
 from .ledger import QuotaLedger
 from .model import (
@@ -149,7 +149,7 @@ class FlavorPlanner:
             else:
                 pinned_usage[queue] += gpus
         for jobs in pending:
-            jobs.sort(key=by_order)
+            in_queue_order(jobs)
         self.pending = pending
         # The reasons name them in this order, whatever order the snapshot lists them
         # in: by id, shorter ids first, so that numbered jobs come in number order.
