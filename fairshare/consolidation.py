@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from operator import itemgetter
 
 from .candidates import PendingJob, RunningWork, VictimCandidates, by_order
@@ -25,7 +25,7 @@ CONSOLIDATIONS_PER_PLAN = 8
 
 
 def restart_in_any_order(
-    room: Iterable[int], moved: Iterable[int], gang: tuple[int, int] | None
+    rooms_by_size: Mapping[int, int], moved: Iterable[int], gang: tuple[int, int] | None
 ) -> bool:
     """Whether the next plan starts every moved job (``moved``: GPUs of each, one node
     each) and the gang (``gang``: ranks, GPUs per rank), whatever order it plans them in.
@@ -37,9 +37,17 @@ def restart_in_any_order(
     when the larger go first, but a 1-GPU job planned first takes the single free GPU,
     the second the node with 2, and one 2-GPU job is left without room; it then waits or
     preempts, and its queue loses more than the restart. The queue order of the next
-    plan depends on what it admits, so every order is tried here, on ``room`` (each
-    node's GPUs free once the plan's victims exit). The moved jobs are few, and the
-    search only counts how many of each size are left, so it stays small.
+    plan depends on what it admits, so every order is tried here, on ``rooms_by_size``
+    (how many nodes have each number of GPUs free once the plan's victims exit, see
+    ``_RoomsOnceExited``). The moved jobs are few, and the search only counts how many
+    of each size are left, so it stays small.
+
+    Only the sizes of the rooms matter, and a search places at most one moved job per
+    room and the gang's ranks on at most as many rooms: every placement takes the
+    smallest room that holds it or the largest room there is, so with at least as many
+    rooms of a size as placements, a room of that size is left for each of them, and
+    further rooms of that size change no answer. They are left out: on a large cluster
+    thousands of nodes have room, while these searches place a handful of jobs.
     """
     sizes = Counter(moved)
     kinds = sorted(sizes)
@@ -90,7 +98,13 @@ def restart_in_any_order(
         settled.add(key)
         return True
 
-    rooms = tuple(sorted(gpus for gpus in room if gpus > 0))
+    placements = sum(sizes.values()) + (gang[0] if gang is not None else 0)
+    rooms = tuple(
+        size
+        for size in sorted(rooms_by_size)
+        if size > 0
+        for _ in range(min(rooms_by_size[size], placements))
+    )
     return starts(rooms, tuple(sizes[kind] for kind in kinds), gang is not None)
 
 
@@ -132,6 +146,7 @@ def consolidate(
 
     # The free GPUs the moved jobs may restart on: nodes with free GPUs, by node.
     spare = {node: gpus for node, gpus in enumerate(free) if gpus > 0}
+    rooms = _RoomsOnceExited(nodes)
     hostable = nodes.hostable_ranks(gpus_per_rank)
     cleared: set[int] = set()
     moved_jobs: list[RunningWork] = []
@@ -160,9 +175,7 @@ def consolidate(
         if len(found) < len(runs):
             continue
         moving = [*moved_jobs, *runs]
-        if not restart_in_any_order(
-            _room_once_exited(nodes, moving), [run.gpus for run in moving], None
-        ):
+        if not restart_in_any_order(rooms.after(moving), [run.gpus for run in moving], None):
             # The next plan might not start them all, whatever the holes kept here.
             continue
         for other, gpus in filled.items():
@@ -190,7 +203,7 @@ def consolidate(
     # Jobs on a cleared node the placement does not use stay where they are.
     kept = [run for run in moved_jobs if run.nodes[0][0] in used]
     if not kept or not restart_in_any_order(
-        _room_once_exited(nodes, kept), [run.gpus for run in kept], (ranks, gpus_per_rank)
+        rooms.after(kept), [run.gpus for run in kept], (ranks, gpus_per_rank)
     ):
         return None
     holes = [hole_of[id(run)] for run in kept]
@@ -219,14 +232,36 @@ def _movable_by_node(
     return movable
 
 
-def _room_once_exited(nodes: NodeMap, victims: Iterable[RunningWork]) -> list[int]:
-    """Each node's GPUs free in the next plan, once ``victims`` and the releasing work
-    have exited."""
-    room = [free + releasing for free, releasing in zip(nodes.free, nodes.releasing, strict=True)]
-    for run in victims:
-        for node, gpus in run.nodes:
-            room[node] += gpus
-    return room
+class _RoomsOnceExited:
+    """How many nodes have each number of GPUs free in the next plan, once the
+    releasing work and a set of victims have exited (the rooms ``restart_in_any_order``
+    places the moved jobs on).
+
+    A search asks for many sets of victims while the nodes stay as they are: the count
+    over all nodes is made once, and each set of victims only moves the nodes it runs
+    on from one size to another.
+    """
+
+    __slots__ = ("by_size", "free", "releasing")
+
+    def __init__(self, nodes: NodeMap) -> None:
+        self.free = nodes.free
+        self.releasing = nodes.releasing
+        self.by_size = Counter(
+            [free + releasing for free, releasing in zip(self.free, self.releasing, strict=True)]
+        )
+
+    def after(self, victims: Iterable[RunningWork]) -> Counter[int]:
+        freed: dict[int, int] = defaultdict(int)
+        for run in victims:
+            for node, gpus in run.nodes:
+                freed[node] += gpus
+        by_size = self.by_size.copy()
+        for node, gpus in freed.items():
+            before = self.free[node] + self.releasing[node]
+            by_size[before] -= 1
+            by_size[before + gpus] += 1
+        return by_size
 
 
 def reclaim_and_move(
@@ -283,6 +318,7 @@ def reclaim_and_move(
     hole_sizes = [other.gpus for other in hole_pool]
     free = nodes.free
     releasing = nodes.releasing
+    rooms = _RoomsOnceExited(nodes)
     # Nodes that need the fewest moved GPUs first: each move costs a restart and a hole.
     candidates = sorted(movable, key=lambda node: (sum(run.gpus for run in movable[node]), node))
     taken_from: dict[int, int] = defaultdict(int)
@@ -344,7 +380,7 @@ def reclaim_and_move(
         ]
         moving = [run for run, reason in chosen.values() if reason == CONSOLIDATE]
         if not restart_in_any_order(
-            _room_once_exited(nodes, exiting), [run.gpus for run in [*moving, *moved]], None
+            rooms.after(exiting), [run.gpus for run in [*moving, *moved]], None
         ):
             # The next plan might not start them all, whatever the holes kept here.
             continue
@@ -372,7 +408,7 @@ def reclaim_and_move(
     if placement is None or not any(node in room_after for node, _ in placement):
         return None
     if not restart_in_any_order(
-        _room_once_exited(nodes, [run for run, _ in chosen.values()]),
+        rooms.after([run for run, _ in chosen.values()]),
         [run.gpus for run, reason in chosen.values() if reason == CONSOLIDATE],
         (ranks, gpus_per_rank),
     ):

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
+
 import pytest
 from fairshare_builders import CLASSES, cluster, nodes, run_plan, team
 from fairshare_builders import workload as w
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fairshare import Node, QuotaChange, consequences_to_dict, diff
 from fairshare.consolidation import restart_in_any_order
@@ -132,14 +137,61 @@ def test_r10_place_best_fit_and_packing() -> None:
 def test_r10_moved_jobs_restart_in_any_order() -> None:
     # Largest first fits 2, 2, 1 and 1 into 1, 2 and 3 free GPUs; two 1-GPU jobs first
     # leave a 2-GPU job without room.
-    assert not restart_in_any_order([1, 2, 3], [2, 2, 1, 1], None)
-    assert restart_in_any_order([1, 2, 4], [2, 2, 1, 1], None)
+    assert not restart_in_any_order(Counter([1, 2, 3]), [2, 2, 1, 1], None)
+    assert restart_in_any_order(Counter([1, 2, 4]), [2, 2, 1, 1], None)
     # The gang counts in the order too: a moved job planned before it must not take the
     # node cleared for it.
-    assert not restart_in_any_order([8, 1, 2, 3], [2, 2, 1, 1], (1, 8))
-    assert restart_in_any_order([8, 1, 2, 4], [2, 2, 1, 1], (1, 8))
-    assert restart_in_any_order([8, 8, 4], [4], (2, 8))
-    assert not restart_in_any_order([8, 8, 3], [4], (2, 8))
+    assert not restart_in_any_order(Counter([8, 1, 2, 3]), [2, 2, 1, 1], (1, 8))
+    assert restart_in_any_order(Counter([8, 1, 2, 4]), [2, 2, 1, 1], (1, 8))
+    assert restart_in_any_order(Counter([8, 8, 4]), [4], (2, 8))
+    assert not restart_in_any_order(Counter([8, 8, 3]), [4], (2, 8))
+    # Many nodes of a size count as many as the jobs placed: 1,000 nodes with one GPU
+    # free do not hold a job of two, and two such jobs need two nodes of two.
+    assert not restart_in_any_order({1: 1_000, 2: 1}, [2, 2], None)
+    assert restart_in_any_order({1: 1_000, 2: 2}, [2, 2], None)
+
+
+def _starts_in_every_order(
+    rooms: list[int], moved: list[int], gang: tuple[int, int] | None
+) -> bool:
+    """restart_in_any_order's question answered by trying every order of the moved jobs
+    and the gang, one room per node, each job on the node with the least room that holds
+    it and the gang as NodeMap.place_free places it."""
+    items: list[int | None] = [*moved, *([None] if gang is not None else [])]
+    for order in set(itertools.permutations(items)):
+        left = sorted(rooms)
+        for item in order:
+            if item is not None:
+                holding = [room for room in left if room >= item]
+                if not holding:
+                    return False
+                left.remove(min(holding))
+                left.append(min(holding) - item)
+            else:
+                assert gang is not None
+                node_map = NodeMap([Node(f"n{i}", "h100", 8) for i in range(len(left))])
+                node_map.occupy([8 - room for room in left], [])
+                placement = node_map.place_free(*gang)
+                if placement is None:
+                    return False
+                for node, ranks in placement:
+                    left[node] -= ranks * gang[1]
+            left.sort()
+    return True
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    rooms=st.lists(st.integers(0, 8), max_size=12),
+    moved=st.lists(st.sampled_from((1, 2, 4)), min_size=1, max_size=4),
+    gang=st.none() | st.tuples(st.integers(1, 3), st.sampled_from((4, 8))),
+)
+def test_r10_restart_in_any_order_tries_every_order(
+    rooms: list[int], moved: list[int], gang: tuple[int, int] | None
+) -> None:
+    assert restart_in_any_order(Counter(rooms), moved, gang) == _starts_in_every_order(
+        rooms, moved, gang
+    )
 
 
 def test_r11_releasing_gpus_counted_first() -> None:
