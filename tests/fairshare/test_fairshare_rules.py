@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fairshare import Node, QuotaChange, consequences_to_dict, diff
+from fairshare.candidates import PendingJob, in_queue_order
 from fairshare.consolidation import restart_in_any_order
 from fairshare.nodes import NodeMap
 from fairshare.rules import (
@@ -227,3 +228,27 @@ def test_diff_unknown_queue_is_named() -> None:
     snapshot = cluster(nodes("n", 1, 8), [team("a")], [])
     with pytest.raises(ValueError, match=r"changes\[0\]\.queue"):
         diff(snapshot, [QuotaChange("zz", "h100", guarantee=1)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    jobs=st.lists(
+        st.tuples(
+            st.sampled_from([c.name for c in CLASSES]),
+            st.sampled_from((10.0, 20.0, 20.5)),
+            st.text("abc", min_size=1, max_size=3),
+        ),
+        max_size=30,
+    )
+)
+def test_pending_jobs_go_by_priority_then_submission_then_id(
+    jobs: list[tuple[str, float, str]],
+) -> None:
+    pending = [
+        PendingJob(w(job_id).cls(name).submitted(ago).build(), 0, CLS[name])
+        for name, ago, job_id in jobs
+    ]
+    in_queue_order(pending)
+    # Submitted ``ago`` seconds before the snapshot: the larger, the older.
+    expected = sorted((-CLS[name].value, -ago, job_id) for name, ago, job_id in jobs)
+    assert [job.workload.id for job in pending] == [job_id for _, _, job_id in expected]
