@@ -130,7 +130,6 @@ class PendingJob:
 
 
 _by_submission = attrgetter("submitted_at")
-_by_rank = attrgetter("rank")
 
 
 def in_queue_order(jobs: list[PendingJob]) -> None:
@@ -143,7 +142,17 @@ def in_queue_order(jobs: list[PendingJob]) -> None:
     the same moment are few; each run of them is sorted by id afterwards.
     """
     jobs.sort(key=_by_submission)
-    jobs.sort(key=_by_rank)
+    # Then stably by rank: the ranks are the few priority classes, so the jobs are
+    # dealt out by rank rather than sorted a second time.
+    by_rank: dict[int, list[PendingJob]] = {}
+    for job in jobs:
+        same_rank = by_rank.get(job.rank)
+        if same_rank is None:
+            by_rank[job.rank] = [job]
+        else:
+            same_rank.append(job)
+    if len(by_rank) > 1:
+        jobs[:] = [job for rank in sorted(by_rank) for job in by_rank[rank]]
     end = len(jobs)
     start = 0
     while start < end:
@@ -576,7 +585,7 @@ class VictimCandidates:
         lca_row = tree.lca_row(queue)
         heap: list[ScanEntry] = []
         chains: dict[int, LcaChain] = {}
-        for donor in list(ledger.over_fair_share):
+        for donor in ledger.over_fair_share:
             runs = by_queue[donor]
             smallest = smallest_gpus[donor]
             if donor == queue or not runs or usage[donor] - smallest < fair[donor]:
