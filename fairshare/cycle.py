@@ -305,20 +305,22 @@ class FlavorPlanner:
 
         ``key`` is ``jobs[at]``'s queue key and goes before ``first``, the head of the
         heap: the pass would plan it next. While nothing changes, the queue's usage
-        and so the first two parts of its key stay as they are for jobs of as many
-        GPUs, and a job of a kind whose outcome is current would only reuse it; so the
+        and so the second part of its key stay as they are (the first, the guarantee
+        rank, depends on the job's GPUs too, and is found again for a job of another
+        size), and a job of a kind whose outcome is current would only reuse it; so the
         jobs that follow, up to one that would fall behind ``first``, are taken here
         without the heap, each as ``_plan_job`` takes it. At the peak of Kueue's
         baseline most of the 14,400 waiting workloads go this way.
         """
         queue = key[4]
+        below = key[1]
         gpus = jobs[at].gpus
         changes = self.changes
         known_outcomes = self.outcome_by_kind
         # When the first two parts tie, a job falls behind ``first`` when it was
         # submitted later, or at the same moment and its queue's name and index go
         # after ``first``'s (the same for every job here).
-        tied = first is not None and first[0] == key[0] and first[1] == key[1]
+        tied = first is not None and first[0] == key[0] and first[1] == below
         tie_submitted = first[2] if first is not None else 0.0
         behind_on_a_tie = first is not None and (key[3], queue) > (first[3], first[4])
         # The kind of the job before and its outcome: ``changes`` stays as it is while
@@ -331,8 +333,16 @@ class FlavorPlanner:
         while at < count:
             job = jobs[at]
             workload = job.workload
-            if job.gpus != gpus or workload.topology_level is not None:
+            if workload.topology_level is not None:
                 break
+            if job.gpus != gpus:
+                # A job of another size: of its key only the guarantee rank can differ.
+                gpus = job.gpus
+                rank = self._guarantee_rank(queue, gpus)
+                if first is not None:
+                    if rank > first[0] or (rank == first[0] and below > first[1]):
+                        break
+                    tied = rank == first[0] and below == first[1]
             if tied:
                 submitted = workload.submitted_at
                 if submitted > tie_submitted or (submitted == tie_submitted and behind_on_a_tie):

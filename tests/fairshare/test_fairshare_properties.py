@@ -1063,9 +1063,9 @@ def test_the_compiled_engine_plans_as_its_sources_do(snapshot: Snapshot) -> None
 def test_a_queue_waits_in_a_row_only_while_its_key_and_its_jobs_outcomes_hold() -> None:
     """The pass takes a queue's next jobs without the heap only while each would reuse a
     current outcome and come before the heap's head: it stops at a job of another size
-    (its key's guarantee rank may differ), one with a topology, one whose kind has no
-    current outcome, and, where the keys tie but for the submission, at the first job
-    submitted after the head's."""
+    whose guarantee rank puts it behind the head, one with a topology, one whose kind
+    has no current outcome, and, where the keys tie but for the submission, at the
+    first job submitted after the head's."""
     snapshot = cluster(
         nodes("node", 1, 8),
         [team("a", guarantee=8)],
@@ -1074,36 +1074,44 @@ def test_a_queue_waits_in_a_row_only_while_its_key_and_its_jobs_outcomes_hold() 
             workload("w1").gpus(1).submitted(80),
             workload("w2").gang(2, 1).submitted(70),
             workload("w3").gpus(1).submitted(60),
-            workload("w4").gpus(1).within("rack").submitted(50),
-            workload("w5").gpus(1).submitted(40),
+            workload("w4").gang(2, 8).submitted(55),
+            workload("w5").gpus(1).within("rack").submitted(50),
+            workload("w6").gpus(1).submitted(40),
         ],
     )
     tree, classes, _ = prepare(snapshot)
     planner = FlavorPlanner(snapshot, tree, classes, "h100", list(snapshot.workloads))
     jobs = planner.pending[tree.index["a"]]
-    assert [job.workload.id for job in jobs] == [f"w{i}" for i in range(6)]
+    assert [job.workload.id for job in jobs] == [f"w{i}" for i in range(7)]
     key = planner._queue_key(tree.index["a"], jobs[0])
     queue = key[4]
     one = (queue, 1, 1, "normal")
     planner.outcome_by_kind[one] = (planner.changes, "reason one", None, False)
+    planner.outcome_by_kind[(queue, 2, 1, "normal")] = (planner.changes, "reason two", None, False)
+    planner.outcome_by_kind[(queue, 2, 8, "normal")] = (planner.changes, "reason big", None, False)
 
     def reached(at: int, first: tuple[int, float, float, str, int] | None) -> int:
         planner.waits.clear()
         return planner._wait_in_a_row(jobs, at, planner._queue_key(queue, jobs[at]), first)
 
-    # A gang of two GPUs stops the row, though its kind has a current outcome too.
-    planner.outcome_by_kind[(queue, 2, 1, "normal")] = (planner.changes, "reason two", None, False)
-    assert reached(0, None) == 2
-    assert [w.reason for w in planner.waits.values()] == ["reason one", "reason one"]
-    # A gang with a topology stops it; so does a kind whose outcome is stale.
-    assert reached(3, None) == 4
+    # Inside the guarantee (rank 0), a gang of two GPUs goes on like the single GPUs;
+    # 16 GPUs go beyond every guarantee (rank 2), behind a head of rank 1.
+    assert planner._queue_key(queue, jobs[4])[0] == 2
+    head_of_rank_one = (1, *key[1:3], "b", queue + 1)
+    assert reached(0, head_of_rank_one) == 4
+    assert [w.reason for w in planner.waits.values()] == ["reason one"] * 2 + [
+        "reason two",
+        "reason one",
+    ]
+    # With nothing else in the heap it goes on too, up to the gang with a topology.
+    assert reached(0, None) == 5
+    assert list(planner.waits.values())[-1].reason == "reason big"
+    # A kind whose outcome is stale stops it.
     planner.changes += 1
-    assert reached(5, None) == 5
+    assert reached(6, None) == 6
     assert planner.waits == {}
     planner.outcome_by_kind[one] = (planner.changes, "reason one", None, False)
     # Another queue's head that ties but for the submission: jobs submitted before it
     # go first, the first submitted after it waits for the heap.
     head = (*key[:2], NOW - 85, "b", queue + 1)
     assert reached(0, head) == 1
-    # A head behind in its first two parts lets every job of the size through.
-    assert reached(0, (key[0] + 1, *key[1:3], "b", queue + 1)) == 2
