@@ -182,6 +182,9 @@ class NodeMap:
     ) -> Placement | None:
         """R10 on free and releasing GPUs, with ``room_after`` (node -> GPUs once the
         releases and the chosen victims are done) overriding a node's room."""
+        whole = self._best_whole_host(ranks, gpus_per_rank, room_after)
+        if whole >= 0:
+            return [(whole, ranks)]
         available: dict[str, int] = {}
         names = self.names
         for node, room in room_after.items():
@@ -205,6 +208,59 @@ class NodeMap:
         if placed is None:
             return None
         return [(self.index[name], on_node) for name, on_node in placed]
+
+    def _best_whole_host(
+        self, ranks: int, gpus_per_rank: int, room_after: Mapping[int, int]
+    ) -> int:
+        """The node ``place_on`` gives the whole gang when one of the nodes it offers
+        ``r10_place`` holds it: the one with room for the fewest ranks, ties by name
+        (R10's best fit); -1 when none does.
+
+        Found here rather than by ``r10_place`` over every node on offer: most gangs
+        fit one node, and on a full cluster ``place_on`` runs for every workload that
+        waits on releasing GPUs; the untouched nodes are looked at by their free GPUs,
+        from the fewest that hold the gang, and no further than the best fit found.
+        """
+        need = ranks * gpus_per_rank
+        names = self.names
+        free = self.free
+        releasing = self.releasing
+        releasing_nodes = self.releasing_nodes
+        best = -1
+        best_fit = 0
+        for node, room in room_after.items():
+            if room >= need:
+                fit = room // gpus_per_rank
+                if best < 0 or fit < best_fit or (fit == best_fit and names[node] < names[best]):
+                    best = node
+                    best_fit = fit
+        for node in releasing_nodes:
+            if node not in room_after:
+                room = free[node] + releasing[node]
+                if room >= need:
+                    fit = room // gpus_per_rank
+                    if (
+                        best < 0
+                        or fit < best_fit
+                        or (fit == best_fit and names[node] < names[best])
+                    ):
+                        best = node
+                        best_fit = fit
+        for gpus in range(need, self.max_node_gpus + 1):
+            fit = gpus // gpus_per_rank
+            if best >= 0 and fit > best_fit:
+                break
+            for node in self.by_free_gpus[gpus]:
+                # Offered with its room above instead (place_on's order of sources).
+                offered = room_after.get(node)
+                if offered is None and node in releasing_nodes:
+                    offered = free[node] + releasing[node]
+                if offered is not None and offered >= gpus_per_rank:
+                    continue
+                if best < 0 or fit < best_fit or (fit == best_fit and names[node] < names[best]):
+                    best = node
+                    best_fit = fit
+        return best
 
     def claim(self, placement: Placement, gpus_per_rank: int) -> tuple[int, list[str]]:
         """Reserve ``placement``: free GPUs first, then releasing ones (R11).

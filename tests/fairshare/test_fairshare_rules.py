@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 from fairshare_builders import CLASSES, cluster, nodes, run_plan, team
 from fairshare_builders import workload as w
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fairshare import Node, QuotaChange, consequences_to_dict, diff
@@ -252,3 +252,47 @@ def test_pending_jobs_go_by_priority_then_submission_then_id(
     # Submitted ``ago`` seconds before the snapshot: the larger, the older.
     expected = sorted((-CLS[name].value, -ago, job_id) for name, ago, job_id in jobs)
     assert [job.workload.id for job in pending] == [job_id for _, _, job_id in expected]
+
+
+@st.composite
+def _node_maps_with_room(draw: st.DrawFn) -> tuple[NodeMap, dict[int, int], dict[str, int]]:
+    """A node map with free and releasing GPUs, a ``room_after`` for some of its nodes,
+    and every node's room as ``place_on`` counts it (by name)."""
+    count = draw(st.integers(1, 12))
+    order = draw(st.permutations(range(count)))
+    sizes = [draw(st.sampled_from((4, 8))) for _ in range(count)]
+    node_map = NodeMap([Node(f"n{order[i]:02d}", "h100", sizes[i]) for i in range(count)])
+    held: list[int] = []
+    terminating: list[tuple[str, tuple[tuple[int, int], ...]]] = []
+    room: dict[str, int] = {}
+    room_after: dict[int, int] = {}
+    for i, gpus in enumerate(sizes):
+        releasing = draw(st.integers(0, gpus))
+        free = draw(st.integers(0, gpus - releasing))
+        held.append(gpus - free)
+        if releasing:
+            terminating.append((f"t{i}", ((i, releasing),)))
+        room[node_map.names[i]] = free + releasing
+        if draw(st.booleans()):
+            room_after[i] = free + releasing + draw(st.integers(0, gpus - free - releasing))
+            room[node_map.names[i]] = room_after[i]
+    node_map.occupy(held, terminating)
+    return node_map, room_after, room
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    state=_node_maps_with_room(),
+    ranks=st.integers(1, 3),
+    gpus_per_rank=st.sampled_from((1, 2, 4)),
+)
+def test_r10_place_on_gives_a_gang_that_fits_one_node_its_best_fit(
+    state: tuple[NodeMap, dict[int, int], dict[str, int]], ranks: int, gpus_per_rank: int
+) -> None:
+    node_map, room_after, room = state
+    assume(any(gpus >= ranks * gpus_per_rank for gpus in room.values()))
+    expected = r10_place(ranks, gpus_per_rank, room)
+    assert expected is not None and len(expected) == 1
+    placement = node_map.place_on(ranks, gpus_per_rank, room_after)
+    assert placement is not None
+    assert [(node_map.names[node], on_node) for node, on_node in placement] == list(expected)
