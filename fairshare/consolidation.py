@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from operator import itemgetter
 
 from .candidates import PendingJob, RunningWork, VictimCandidates, by_order
@@ -124,7 +124,7 @@ def consolidate(
     ranks = workload.ranks
     free = nodes.free
     releasing = nodes.releasing
-    movable = _movable_by_node(victims, gpus_per_rank, lambda run: True)
+    movable = _movable_by_node(victims, gpus_per_rank, None, set())
     offers: list[tuple[tuple[float, float, int], list[RunningWork], int, int]] = []
     for node, runs in movable.items():
         offer = room_on(nodes, node, runs, gpus_per_rank, ranks, None)
@@ -211,11 +211,15 @@ def consolidate(
 
 
 def _movable_by_node(
-    victims: VictimCandidates, gpus_per_rank: int, also: Callable[[RunningWork], bool]
+    victims: VictimCandidates,
+    gpus_per_rank: int,
+    inside: list[bool] | None,
+    staying: set[int],
 ) -> dict[int, list[RunningWork]]:
     """Per node, the running jobs a consolidation may move off it, in candidate order:
     on one node, smaller than a rank of the gang, past their minimum runtime before
-    consolidation, neither a victim nor admitted in this plan, and passing ``also``."""
+    consolidation, neither a victim nor admitted in this plan, of a queue that
+    ``inside`` marks True (any queue with None), and not one of ``staying`` (ids)."""
     movable: dict[int, list[RunningWork]] = defaultdict(list)
     for runs in victims.by_queue:
         for run in runs:
@@ -225,7 +229,8 @@ def _movable_by_node(
                 or len(run.nodes) != 1
                 or run.gpus >= gpus_per_rank
                 or run.runtime < run.minimum[CONSOLIDATE]
-                or not also(run)
+                or (inside is not None and not inside[run.queue])
+                or id(run) in staying
             ):
                 continue
             movable[run.nodes[0][0]].append(run)
@@ -299,9 +304,7 @@ def reclaim_and_move(
         usage[queue] + (job.gpus if queue == job.queue else 0) <= guarantee[queue]
         for queue in range(len(usage))
     ]
-    movable = _movable_by_node(
-        victims, gpus_per_rank, lambda run: id(run) not in donor_runs and inside[run.queue]
-    )
+    movable = _movable_by_node(victims, gpus_per_rank, inside, donor_runs)
     # The donor jobs that can leave a hole (on one node, not shielded), smallest and
     # then earliest in the order first: a moved job's hole is the first one large
     # enough that is still unclaimed and on another node. Built once, as a search per
@@ -334,6 +337,15 @@ def reclaim_and_move(
         room = free[node] + releasing[node]
         before = room // gpus_per_rank
         if before >= most:
+            continue
+        # All it could gain, before the order of what goes is worked out: on a full
+        # cluster most nodes fall short even with every donor job and every movable
+        # job gone.
+        reachable = room + sum(run.gpus for run in movable[node])
+        for run in on_node.get(node, ()):
+            if len(run.nodes) == 1 and id(run) not in chosen:
+                reachable += run.gpus
+        if reachable // gpus_per_rank < most:
             continue
         reclaimed: list[RunningWork] = []
         for run in sorted(on_node.get(node, ()), key=by_order):
