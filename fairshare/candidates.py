@@ -16,6 +16,7 @@ import bisect
 import heapq
 from collections.abc import Iterator, Mapping
 from operator import attrgetter
+from typing import cast
 
 from .ledger import QuotaLedger
 from .model import FAIR_SHARE, PREEMPT_LOWER_PRIORITY, PRIORITY, RECLAIM, PriorityClass, Workload
@@ -38,9 +39,10 @@ _INF = float("inf")
 # for every heap entry); a tuple of any length is kept as it is.
 VictimOrder = tuple[object, ...]
 
-# An entry of a scan's heap: the candidate's order, its queue, its index and the list it
-# is in (the queue's candidates, or only those admitted in this plan).
-ScanEntry = tuple[VictimOrder, int, int, list["RunningWork"]]
+# An entry of a scan's heap: the candidate's order followed by its queue, its index and
+# the list it is in (the queue's candidates, or only those admitted in this plan); see
+# ``_scan_entry``.
+ScanEntry = tuple[object, ...]
 
 # The sort key of a candidate or a pending job: its ``order``, read by the sort in C.
 by_order = attrgetter("order")
@@ -171,6 +173,21 @@ def in_queue_order(jobs: list[PendingJob]) -> None:
 
 def _by_id(job: PendingJob) -> str:
     return job.workload.id
+
+
+def _scan_entry(order: VictimOrder, queue: int, at: int, runs: list[RunningWork]) -> ScanEntry:
+    """The heap entry of ``runs[at]``, of ``queue``, with its ``order``.
+
+    One flat tuple rather than (order, queue, index, list): a comparison of tuples tests
+    the first items that differ for equality and then compares them again, so with the
+    order nested the heap walked each pair of orders twice.
+    """
+    return order + (queue, at, runs)  # noqa: RUF005 (concatenation copies the order in C)
+
+
+def _scan_position(entry: ScanEntry) -> tuple[int, int, list[RunningWork]]:
+    """The queue, the index and the list of a heap entry (see ``_scan_entry``)."""
+    return cast(int, entry[-3]), cast(int, entry[-2]), cast("list[RunningWork]", entry[-1])
 
 
 def next_live(runs: list[RunningWork], start: int) -> int:
@@ -356,7 +373,7 @@ class VictimCandidates:
             position += 1
             if self._admits_donor(scan, donor):
                 first = self.first_live_index(donor)
-                heapq.heappush(heap, (order, donor, first, self.by_queue[donor]))
+                heapq.heappush(heap, _scan_entry(order, donor, first, self.by_queue[donor]))
                 scan.position = position
                 scan.frontier = donor
                 return
@@ -470,7 +487,7 @@ class VictimCandidates:
                 runs = planned
         following = next_live(runs, following)
         if following < len(runs):
-            return runs[following].order, donor, following, runs
+            return _scan_entry(runs[following].order, donor, following, runs)
         return None
 
     def reclaim(self, queue: int) -> Iterator[tuple[RunningWork, str]]:
@@ -497,7 +514,7 @@ class VictimCandidates:
         # changes when the caller takes a victim, so the answers hold until the next yield.
         exposed_donors: dict[int, bool] = {}
         while heap:
-            _, donor, at, runs = heapq.heappop(heap)
+            donor, at, runs = _scan_position(heapq.heappop(heap))
             if donor == scan.frontier:
                 self._push_next_head(scan, heap)
             run = runs[at]
@@ -624,12 +641,12 @@ class VictimCandidates:
                 chains[donor] = found
                 first = self.first_live_index(donor)
                 if first < len(runs):
-                    heap.append((runs[first].order, donor, first, runs))
+                    heap.append(_scan_entry(runs[first].order, donor, first, runs))
         heapq.heapify(heap)
         # Per donor, as in ``reclaim``: valid until the next yield.
         exposed_donors: dict[int, bool] = {}
         while heap:
-            _, donor, at, runs = heapq.heappop(heap)
+            donor, at, runs = _scan_position(heapq.heappop(heap))
             run = runs[at]
             chain, side_of_queue, side_of_donor = chains[donor]
             donor_exposed = exposed_donors.get(donor)
