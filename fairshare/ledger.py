@@ -160,10 +160,12 @@ class QuotaLedger:
                 del self.over_guarantee[queue]
             if self.guarantee_crossed is not None:
                 self.guarantee_crossed(queue)
-        if after > self.fair_share[queue]:
-            self.over_fair_share[queue] = None
-        else:
-            self.over_fair_share.pop(queue, None)
+        over_fair_share = after > self.fair_share[queue]
+        if over_fair_share != (queue in self.over_fair_share):
+            if over_fair_share:
+                self.over_fair_share[queue] = None
+            else:
+                del self.over_fair_share[queue]
         if not self.has_withheld:
             for x in tree.path[queue]:
                 self.usage[x] += delta
