@@ -203,6 +203,10 @@ class FlavorPlanner:
         # victim), or freed GPUs by withdrawing an admission (everyone retries then).
         self.retry_waiting = False
         self.gpus_freed = False
+        # Set once the first pass is over. During it a workload has no waiting reason
+        # before it is planned (each is planned once, and one that gives way after its
+        # admission is not planned again), so there is none to look up and keep.
+        self.retrying = False
         # The physical reason to wait depends only on the gang's shape (ranks, GPUs
         # per rank), and many jobs share a shape.
         self.reason_by_shape: dict[tuple[int, int], str] = {}
@@ -246,6 +250,7 @@ class FlavorPlanner:
                     if everyone or (seen_version >= 0 and seen_version != self.candidates_version):
                         again.append(job)
                 retry.append(again)
+            self.retrying = True
             self._pass(retry)
         # No scan runs any more: the ledger stops telling the candidates when a queue
         # crosses its guarantee. That also undoes the reference cycle between the two,
@@ -601,7 +606,7 @@ class FlavorPlanner:
         if attempted:
             job.attempted_at_version = self.candidates_version
         workload_id = job.workload.id
-        known = self.waits.get(workload_id)
+        known = self.waits.get(workload_id) if self.retrying else None
         if known is None or known.reason != reason:
             self.waits[workload_id] = Waiting(workload_id, reason, protected_until)
 

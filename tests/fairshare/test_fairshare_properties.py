@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import defaultdict
+from typing import Any
 
 from fairshare_builders import CLASSES, NOW, cluster, nodes, plain, team, workload
 from hypothesis import HealthCheck, event, given, settings
@@ -1115,3 +1116,40 @@ def test_a_queue_waits_in_a_row_only_while_its_key_and_its_jobs_outcomes_hold() 
     # go first, the first submitted after it waits for the heap.
     head = (*key[:2], NOW - 85, "b", queue + 1)
     assert reached(0, head) == 1
+
+
+@FAST
+@given(any_snapshot())
+def test_no_workload_has_a_waiting_reason_before_the_first_pass_plans_it(
+    snapshot: Snapshot,
+) -> None:
+    """The first pass records a waiting reason without looking for one to keep
+    (``FlavorPlanner.retrying``): no workload has one when that pass comes to it."""
+    tree, classes, node_flavor = SOURCES.tree.prepare(snapshot)
+    planned = []
+    for flavor in sorted({w.flavor for w in snapshot.workloads} | set(node_flavor.values())):
+        planner = SOURCES.cycle.FlavorPlanner(
+            snapshot, tree, classes, flavor, [w for w in snapshot.workloads if w.flavor == flavor]
+        )
+        plan_job = planner._plan_job
+        wait_as = planner._wait_as
+
+        def first_planned(job: Any, planner: Any = planner, plan_job: Any = plan_job) -> None:
+            if not planner.retrying:
+                assert job.workload.id not in planner.waits
+                planned.append(job)
+            plan_job(job)
+
+        def waits_as(
+            job: Any, outcome: Any, planner: Any = planner, wait_as: Any = wait_as
+        ) -> None:
+            if not planner.retrying:
+                assert job.workload.id not in planner.waits
+                planned.append(job)
+            wait_as(job, outcome)
+
+        planner._plan_job = first_planned  # type: ignore[method-assign]
+        planner._wait_as = waits_as  # type: ignore[method-assign]
+        planner.run()
+    pending = [w for w in snapshot.workloads if w.state == "pending"]
+    assert len({job.workload.id for job in planned}) == len(pending)
