@@ -506,10 +506,8 @@ class FlavorPlanner:
             failed = failed_attempts.get(attempt)
             if failed is not None and failed[1] == self.candidates_version and ranks >= failed[0]:
                 continue
-            if mode == FAIR_SHARE:
-                dry = self.fair_share_dry.get(queue)
-                if dry is not None and dry[1] == self.candidates_version and gpus >= dry[0]:
-                    continue
+            if mode == FAIR_SHARE and self._known_dry(job):
+                continue
             self.changes += 1
             offered = self.victims.fair_share_offered
             protected = len(self.victims.protected)
@@ -520,12 +518,7 @@ class FlavorPlanner:
                 and self.victims.fair_share_offered == offered
                 and len(self.victims.protected) == protected
             ):
-                # Not one candidate, protected or not: R8 only gets harder for more
-                # GPUs, so no job of the queue that large or larger finds one either
-                # while the candidates stay the same, whatever its shape.
-                dry = self.fair_share_dry.get(queue)
-                if dry is None or dry[1] != self.candidates_version or gpus < dry[0]:
-                    self.fair_share_dry[queue] = (gpus, self.candidates_version)
+                self._note_dry(job)
             if result is None and mode == RECLAIM and self.node_searches_left > 0:
                 # Cheap victims scattered over many nodes can use up the donors'
                 # budget above their guarantee lines before any node frees enough;
@@ -769,6 +762,9 @@ class FlavorPlanner:
             for name in nodes.roomiest_domains(
                 level, gpus_per_rank, self.preemptible_on_node, DOMAIN_SEARCHES_PER_MODE
             ):
+                if mode == FAIR_SHARE and self._known_dry(job):
+                    # No candidate in the whole cluster, so none in any domain either.
+                    break
                 if held is not None:
                     self._give_back(held[0])
                     held = None
@@ -801,13 +797,39 @@ class FlavorPlanner:
     ) -> tuple[Victims, Placement] | None:
         """``preempt_for`` with ``mode``'s candidates that run in domain ``name`` of
         ``level``, placing ``job`` inside that domain."""
-        return preempt_for(
+        offered = self.victims.fair_share_offered
+        protected = len(self.victims.protected)
+        found = preempt_for(
             self.ledger,
             self.nodes,
             job,
             _in_domain(self._candidates(job, mode), self.nodes.domain_of[level], name),
             self.nodes.domains[level][name],
         )
+        if (
+            found is None
+            and mode == FAIR_SHARE
+            and self.victims.fair_share_offered == offered
+            and len(self.victims.protected) == protected
+        ):
+            # Not one candidate in any domain: the search over all of them is as dry.
+            self._note_dry(job)
+        return found
+
+    def _known_dry(self, job: PendingJob) -> bool:
+        """Whether a fair-share search for ``job`` is known to find no candidate at all
+        (see ``fair_share_dry``)."""
+        dry = self.fair_share_dry.get(job.queue)
+        return dry is not None and dry[1] == self.candidates_version and job.gpus >= dry[0]
+
+    def _note_dry(self, job: PendingJob) -> None:
+        """Record that a fair-share search for ``job`` found no candidate, protected or
+        not: R8 only gets harder for more GPUs, so no job of the queue that large or
+        larger finds one either while the candidates stay the same, whatever its shape
+        or topology."""
+        dry = self.fair_share_dry.get(job.queue)
+        if dry is None or dry[1] != self.candidates_version or job.gpus < dry[0]:
+            self.fair_share_dry[job.queue] = (job.gpus, self.candidates_version)
 
     def _give_back(self, victims: Victims) -> None:
         """Undo the quota usage a successful ``preempt_for`` left taken for ``victims``."""

@@ -1006,13 +1006,15 @@ def test_queues_full_of_one_kind_of_job_reuse_its_waiting_outcome() -> None:
         protected_snapshots(),
         used_snapshots(),
         crowded(),
+        racked_snapshots(),
     )
 )
 def test_a_fair_share_search_skipped_for_a_dry_queue_would_have_found_nothing(
     snapshot: Snapshot,
 ) -> None:
     """A queue whose fair-share search found no candidate at all for some GPUs skips the
-    search for as many GPUs or more until the candidates change: the plan is the one
+    search for as many GPUs or more until the candidates change, inside a topology
+    domain or over the whole cluster, whichever found it dry: the plan is the one
     running every search gives, waiting reasons and protection included."""
     skipping, searching, skipped = _plans_with_and_without(snapshot, "fair_share_dry")
     event(f"skipped a search: {skipped > 0}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from fairshare_builders import cluster, nodes, preempted, reasons, run_plan, team
 from fairshare_builders import workload as w
 
+from fairshare import Node
 from fairshare.cycle import FlavorPlanner
 from fairshare.tree import prepare
 
@@ -86,3 +87,29 @@ def test_a_queue_whose_fair_share_candidates_are_all_protected_is_not_dry() -> N
         "no node of flavor h100 has 2 free GPUs; jobs b0, b1 may be preempted (fair-share)"
         " only after their minimum runtime"
     )
+
+
+def test_a_domain_search_that_passed_candidates_over_leaves_its_queue_searching() -> None:
+    # b runs above its fair share (4 of 12) on the unracked nodes n1 and n2; its jobs on
+    # rack r0 are non-preemptible. a0 needs one rack: the fair-share scan offers it b's
+    # jobs, none of them in r0, and a0 waits. That scan was not dry, so a1 (as many GPUs,
+    # any node) still searches, and b's jobs on one node go for it.
+    snapshot = cluster(
+        [
+            Node("n0", "h100", 4, topology={"rack": "r0"}),
+            Node("n1", "h100", 4),
+            Node("n2", "h100", 4),
+        ],
+        [team("a", weight=3), team("b")],
+        [
+            *(w(f"p{i}").queue("b").cls("critical").gpus(1).running("n0") for i in range(4)),
+            *(w(f"b{i}").queue("b").gpus(1).running(f"n{1 + i // 4}") for i in range(8)),
+            w("a0").queue("a").gpus(4).within("rack").submitted(30),
+            w("a1").queue("a").gpus(4).submitted(20),
+        ],
+    )
+    result = run_plan(snapshot)
+    assert set(preempted(result)) in ({"b0", "b1", "b2", "b3"}, {"b4", "b5", "b6", "b7"})
+    assert set(preempted(result).values()) == {"fair-share"}
+    assert reasons(result)["a0"].startswith("no rack of flavor h100 has room")
+    assert reasons(result)["a1"].startswith("waiting for 4 GPUs being released")
