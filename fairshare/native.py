@@ -4,7 +4,7 @@ mypyc, the compiler the mypy project builds mypy itself with, turns typed Python
 modules into C extensions that keep their meaning: attribute reads of the model's
 classes become field reads, calls between the engine's modules become C calls, and
 the strict type checks the engine already passes become the layout. The same plan
-comes out two to two and a half times as fast on the engine benchmark's clusters
+comes out two to three times as fast on the engine benchmark's clusters
 (``bench/bench_fairshare.py`` prints both engines side by side).
 
 Where the compiled modules live is this module's own business, and why it exists:
