@@ -509,16 +509,7 @@ class FlavorPlanner:
             if mode == FAIR_SHARE and self._known_dry(job):
                 continue
             self.changes += 1
-            offered = self.victims.fair_share_offered
-            protected = len(self.victims.protected)
-            result = preempt_for(ledger, nodes, job, self._candidates(job, mode))
-            if (
-                result is None
-                and mode == FAIR_SHARE
-                and self.victims.fair_share_offered == offered
-                and len(self.victims.protected) == protected
-            ):
-                self._note_dry(job)
+            result = self._search(job, mode, self._candidates(job, mode))
             if result is None and mode == RECLAIM and self.node_searches_left > 0:
                 # Cheap victims scattered over many nodes can use up the donors'
                 # budget above their guarantee lines before any node frees enough;
@@ -797,22 +788,33 @@ class FlavorPlanner:
     ) -> tuple[Victims, Placement] | None:
         """``preempt_for`` with ``mode``'s candidates that run in domain ``name`` of
         ``level``, placing ``job`` inside that domain."""
-        offered = self.victims.fair_share_offered
-        protected = len(self.victims.protected)
-        found = preempt_for(
-            self.ledger,
-            self.nodes,
+        return self._search(
             job,
+            mode,
             _in_domain(self._candidates(job, mode), self.nodes.domain_of[level], name),
             self.nodes.domains[level][name],
         )
+
+    def _search(
+        self,
+        job: PendingJob,
+        mode: str,
+        candidates: Iterator[tuple[RunningWork, str]],
+        domain: list[int] | None = None,
+    ) -> tuple[Victims, Placement] | None:
+        """``preempt_for`` over ``mode``'s ``candidates`` (those in ``domain`` when one is
+        given). A fair-share search that met no candidate at all, protected or not,
+        marks the queue dry (``_note_dry``): with a domain too, as the candidates it
+        filters are the whole cluster's."""
+        offered = self.victims.fair_share_offered
+        protected = len(self.victims.protected)
+        found = preempt_for(self.ledger, self.nodes, job, candidates, domain)
         if (
             found is None
             and mode == FAIR_SHARE
             and self.victims.fair_share_offered == offered
             and len(self.victims.protected) == protected
         ):
-            # Not one candidate in any domain: the search over all of them is as dry.
             self._note_dry(job)
         return found
 

@@ -152,20 +152,12 @@ class QuotaLedger:
         """Count ``delta`` more GPUs (fewer when negative) for leaf ``queue`` and its ancestors."""
         tree = self.tree
         after = self.usage[queue] + delta
-        over = after > self.guarantee[queue]
-        if over != (queue in self.over_guarantee):
-            if over:
-                self.over_guarantee[queue] = None
-            else:
-                del self.over_guarantee[queue]
-            if self.guarantee_crossed is not None:
-                self.guarantee_crossed(queue)
-        over_fair_share = after > self.fair_share[queue]
-        if over_fair_share != (queue in self.over_fair_share):
-            if over_fair_share:
-                self.over_fair_share[queue] = None
-            else:
-                del self.over_fair_share[queue]
+        if (
+            _keep_member(self.over_guarantee, queue, after > self.guarantee[queue])
+            and self.guarantee_crossed is not None
+        ):
+            self.guarantee_crossed(queue)
+        _keep_member(self.over_fair_share, queue, after > self.fair_share[queue])
         if not self.has_withheld:
             for x in tree.path[queue]:
                 self.usage[x] += delta
@@ -241,3 +233,15 @@ class QuotaLedger:
                 if words:
                     return words
         return None
+
+
+def _keep_member(members: dict[int, None], queue: int, member: bool) -> bool:
+    """Put ``queue`` into ``members`` or take it out, as ``member`` says; whether that
+    changed them (most calls change nothing, and then write nothing)."""
+    if member == (queue in members):
+        return False
+    if member:
+        members[queue] = None
+    else:
+        del members[queue]
+    return True
