@@ -110,9 +110,9 @@ class PendingJob:
     __slots__ = (
         "attempted_at_version",
         "gpus",
+        "priority",
         "priority_class",
         "queue",
-        "rank",
         "submitted_at",
         "workload",
     )
@@ -122,9 +122,9 @@ class PendingJob:
         self.queue = queue
         self.priority_class = priority_class
         self.gpus = workload.gpus
-        # Its place inside its queue (``in_queue_order``): higher priority first (the
-        # smaller rank), then older submission, then id.
-        self.rank = -priority_class.value
+        # Its place inside its queue (``in_queue_order``): higher priority first, then
+        # older submission, then id.
+        self.priority = priority_class.value
         self.submitted_at = workload.submitted_at
         # The planner's candidates version when it last tried to preempt for it, -1
         # before it ever did: a later pass retries it only once new candidates came.
@@ -135,26 +135,29 @@ _by_submission = attrgetter("submitted_at")
 
 
 def in_queue_order(jobs: list[PendingJob]) -> None:
-    """Sort a queue's pending ``jobs`` by (rank, submission time, id).
+    """Sort a queue's pending ``jobs``: higher priority first, then older submission,
+    then id.
 
-    Sorted by submission time and then, stably, by rank rather than by one tuple key:
+    Sorted by submission time and then, stably, by priority rather than by one tuple key:
     a sort of plain floats or plain ints compares them directly, while a tuple key is
     compared element by element through Python's generic comparison, and sorting the
-    pending jobs was the largest part of a plan's set-up. Jobs of one rank submitted at
-    the same moment are few; each run of them is sorted by id afterwards.
+    pending jobs was the largest part of a plan's set-up. Jobs of one priority submitted
+    at the same moment are few; each run of them is sorted by id afterwards.
     """
     jobs.sort(key=_by_submission)
-    # Then stably by rank: the ranks are the few priority classes, so the jobs are
-    # dealt out by rank rather than sorted a second time.
-    by_rank: dict[int, list[PendingJob]] = {}
+    # Then stably by priority: the priorities are those of a few classes, so the jobs are
+    # dealt out by priority rather than sorted a second time.
+    by_priority: dict[int, list[PendingJob]] = {}
     for job in jobs:
-        same_rank = by_rank.get(job.rank)
-        if same_rank is None:
-            by_rank[job.rank] = [job]
+        same_priority = by_priority.get(job.priority)
+        if same_priority is None:
+            by_priority[job.priority] = [job]
         else:
-            same_rank.append(job)
-    if len(by_rank) > 1:
-        jobs[:] = [job for rank in sorted(by_rank) for job in by_rank[rank]]
+            same_priority.append(job)
+    if len(by_priority) > 1:
+        jobs[:] = [
+            job for priority in sorted(by_priority, reverse=True) for job in by_priority[priority]
+        ]
     end = len(jobs)
     start = 0
     while start < end:
@@ -163,7 +166,7 @@ def in_queue_order(jobs: list[PendingJob]) -> None:
         while (
             stop < end
             and jobs[stop].submitted_at == first.submitted_at
-            and jobs[stop].rank == first.rank
+            and jobs[stop].priority == first.priority
         ):
             stop += 1
         if stop - start > 1:

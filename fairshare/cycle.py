@@ -343,8 +343,8 @@ class FlavorPlanner:
             if job.gpus != gpus:
                 # A job of another size: of its key only the guarantee rank can differ.
                 gpus = job.gpus
-                rank = self._guarantee_rank(queue, gpus)
                 if first is not None:
+                    rank = self._guarantee_rank(queue, gpus)
                     if rank > first[0] or (rank == first[0] and below > first[1]):
                         break
                     tied = rank == first[0] and below == first[1]
@@ -465,10 +465,7 @@ class FlavorPlanner:
             if quota_reason is None and self._plan_in_one_domain(job):
                 return
             if workload.topology_required:
-                reason = quota_reason or self._domain_reason(job)
-                known = self.waits.get(workload.id)
-                if known is None or known.reason != reason:
-                    self.waits[workload.id] = Waiting(workload.id, reason)
+                self._record_wait(workload.id, quota_reason or self._domain_reason(job))
                 return
         if quota_reason is None:
             # The cheap tests of NodeMap.place_free, spelled out: on a full cluster most
@@ -589,7 +586,13 @@ class FlavorPlanner:
         _, reason, protected_until, attempted = outcome
         if attempted:
             job.attempted_at_version = self.candidates_version
-        workload_id = job.workload.id
+        self._record_wait(job.workload.id, reason, protected_until)
+
+    def _record_wait(
+        self, workload_id: str, reason: str, protected_until: float | None = None
+    ) -> None:
+        """Record that a workload being planned waits for ``reason``; a later pass keeps
+        what it recorded before for the same reason (``retrying``)."""
         known = self.waits.get(workload_id) if self.retrying else None
         if known is None or known.reason != reason:
             self.waits[workload_id] = Waiting(workload_id, reason, protected_until)

@@ -222,7 +222,6 @@ class NodeMap:
         from the fewest that hold the gang, and no further than the best fit found.
         """
         need = ranks * gpus_per_rank
-        names = self.names
         free = self.free
         releasing = self.releasing
         releasing_nodes = self.releasing_nodes
@@ -231,7 +230,7 @@ class NodeMap:
         for node, room in room_after.items():
             if room >= need:
                 fit = room // gpus_per_rank
-                if best < 0 or fit < best_fit or (fit == best_fit and names[node] < names[best]):
+                if self._fits_better(node, fit, best, best_fit):
                     best = node
                     best_fit = fit
         for node in releasing_nodes:
@@ -239,11 +238,7 @@ class NodeMap:
                 room = free[node] + releasing[node]
                 if room >= need:
                     fit = room // gpus_per_rank
-                    if (
-                        best < 0
-                        or fit < best_fit
-                        or (fit == best_fit and names[node] < names[best])
-                    ):
+                    if self._fits_better(node, fit, best, best_fit):
                         best = node
                         best_fit = fit
         for gpus in range(need, self.max_node_gpus + 1):
@@ -257,10 +252,17 @@ class NodeMap:
                     offered = free[node] + releasing[node]
                 if offered is not None and offered >= gpus_per_rank:
                     continue
-                if best < 0 or fit < best_fit or (fit == best_fit and names[node] < names[best]):
+                if self._fits_better(node, fit, best, best_fit):
                     best = node
                     best_fit = fit
         return best
+
+    def _fits_better(self, node: int, fit: int, best: int, best_fit: int) -> bool:
+        """Whether ``node``, with room for ``fit`` ranks, is a better fit than ``best``
+        (-1: none yet) with room for ``best_fit``: fewer ranks' room, ties by name."""
+        return (
+            best < 0 or fit < best_fit or (fit == best_fit and self.names[node] < self.names[best])
+        )
 
     def claim(self, placement: Placement, gpus_per_rank: int) -> tuple[int, list[str]]:
         """Reserve ``placement``: free GPUs first, then releasing ones (R11).
