@@ -25,8 +25,9 @@ MakeRuntime = Callable[..., KubernetesRuntime]
 CLAIM = "qm-checkpoints"
 MOUNT = "/checkpoints"
 
-# Attempt 1 writes 64 KiB of random state when SIGTERM comes, as a trap would;
-# attempt 2 prints the SHA-256 of what it finds, or "missing".
+# Attempt 1 writes 64 KiB of random state when SIGTERM comes, as a trap would,
+# and says "wrote" only once its handler is in place (the test signals on that
+# line); attempt 2 prints the SHA-256 of what it finds, or "missing".
 TRAIN = (
     f"{sys.executable} -c '"
     "import hashlib, os, signal, sys, time\n"
@@ -34,13 +35,13 @@ TRAIN = (
     'p = os.path.join(d, "state-" + os.environ["RANK"])\n'
     'if os.environ["QM_ATTEMPT"] == "1":\n'
     "    state = os.urandom(65536)\n"
-    '    print("wrote", hashlib.sha256(state).hexdigest(), flush=True)\n'
     "    def save(*_):\n"
     "        os.makedirs(d, exist_ok=True)\n"
     '        open(p + ".tmp", "wb").write(state)\n'
     '        os.replace(p + ".tmp", p)\n'
     "        sys.exit(0)\n"
     "    signal.signal(signal.SIGTERM, save)\n"
+    '    print("wrote", hashlib.sha256(state).hexdigest(), flush=True)\n'
     "    while True: time.sleep(0.1)\n"
     "else:\n"
     '    print("read", hashlib.sha256(open(p, "rb").read()).hexdigest()'
