@@ -997,7 +997,6 @@ def _record_plain_outcomes(steps: list[Step], claim: datetime) -> set[int]:
         )
         if not locked:
             continue
-        Attempt.objects.filter(pk__in=locked).update(**DONE)
         if action == Attempt.Action.LAUNCH:
             # A launch is claimed only while none is recorded (`_claim`), and only its
             # claim's holder records one: these rows, held since the line above, have
@@ -1005,9 +1004,13 @@ def _record_plain_outcomes(steps: list[Step], claim: datetime) -> set[int]:
             attempts = []
             for pk in locked:
                 attempt = group[pk].attempt
+                for name, value in DONE.items():
+                    setattr(attempt, name, value)
                 attempt.launched_at = group[pk].returned_at or now
                 attempts.append(attempt)
-            update_rows(attempts, ["launched_at"])
+            update_rows(attempts, [*DONE, "launched_at"])
+        else:
+            Attempt.objects.filter(pk__in=locked).update(**DONE)
         recorded.update(locked)
     return recorded
 

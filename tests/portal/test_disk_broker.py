@@ -25,6 +25,14 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("broker")
 
 
+@pytest.fixture
+def running_worker(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """This process's Celery worker state with no stop asked; set a flag to ask one."""
+    monkeypatch.setattr(worker_state, "should_stop", None)
+    monkeypatch.setattr(worker_state, "should_terminate", None)
+    return monkeypatch
+
+
 def _options(root: Path) -> dict[str, Any]:
     for sub in ("out", "processed", "control"):
         (root / sub).mkdir(parents=True, exist_ok=True)
@@ -74,13 +82,11 @@ def test_messages_arrive_whole_and_once_with_racing_consumers(root: Path) -> Non
 
 @pytest.mark.parametrize("flag", ["should_stop", "should_terminate"])
 def test_a_wait_for_messages_ends_when_the_worker_is_asked_to_stop(
-    root: Path, monkeypatch: pytest.MonkeyPatch, flag: str
+    root: Path, running_worker: pytest.MonkeyPatch, flag: str
 ) -> None:
     """Celery's worker loop waits for messages two seconds at a time and looks at
     its stop flag in between; here the wait is a minute, so it can only end early
     because of the flag. A warm stop sets the flag to the exit code, 0."""
-    monkeypatch.setattr(worker_state, "should_stop", None)
-    monkeypatch.setattr(worker_state, "should_terminate", None)
     outcome: list[BaseException] = []
     with Connection("qmdisk://", transport_options=_options(root)) as connection:
         queue = connection.SimpleQueue(f"idle-{flag}")
@@ -95,18 +101,15 @@ def test_a_wait_for_messages_ends_when_the_worker_is_asked_to_stop(
         waiting.start()
         waiting.join(timeout=0.5)
         assert waiting.is_alive(), "with no message and no stop asked, the wait goes on"
-        monkeypatch.setattr(worker_state, flag, 0)
+        running_worker.setattr(worker_state, flag, 0)
         waiting.join(timeout=20)
         assert not waiting.is_alive(), "the wait went on after the stop was asked"
         queue.close()
     assert len(outcome) == 1 and isinstance(outcome[0], queue.Empty), outcome
 
 
-def test_a_wait_for_messages_still_ends_at_its_timeout_or_with_a_message(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(worker_state, "should_stop", None)
-    monkeypatch.setattr(worker_state, "should_terminate", None)
+@pytest.mark.usefixtures("running_worker")
+def test_a_wait_for_messages_still_ends_at_its_timeout_or_with_a_message(root: Path) -> None:
     with Connection("qmdisk://", transport_options=_options(root)) as connection:
         queue = connection.SimpleQueue("idle")
         with pytest.raises(queue.Empty):
