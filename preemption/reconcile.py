@@ -36,6 +36,7 @@ import dataclasses
 import fcntl
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -70,7 +71,7 @@ from preemption.models import (
 )
 from preemption.notice import announced_notice, notice_plan, record_notice_commit
 from preemption.runtime import get_runtime
-from preemption.runtimes import iter_trap_events, read_whole_log
+from preemption.runtimes import iter_trap_events, processes, read_whole_log
 from preemption.runtimes.base import (
     STUCK_REASONS,
     GangId,
@@ -307,6 +308,42 @@ def exits_listened() -> bool:
     try:
         return time.time() - _listening_marker().stat().st_mtime < 4 * LISTENER_BEAT_SECONDS
     except OSError:
+        return False
+
+
+def _launch_hold_marker() -> Path:
+    return Path(settings.VAR_DIR) / "launches.held"
+
+
+def hold_launches(held: bool) -> None:
+    """Hold every launch of this installation's machine while this process lives, or
+    release the hold.
+
+    The embedded portal holds them while it stops: it tells the ranks to stop as soon
+    as it is asked to, while its worker still finishes its tasks, and a gang that
+    exits on that signal is requeued by the worker's passes; launching it again then
+    would only have it stopped a second time. An attempt whose launch is held keeps
+    its recorded launch, which the next start's reconcile carries out. The marker
+    names the holding process (pid and creation time), so a hold whose process died
+    without releasing it holds nothing.
+    """
+    marker = _launch_hold_marker()
+    if not held:
+        marker.unlink(missing_ok=True)
+        return
+    me = os.getpid()
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    written = marker.with_name(f"{marker.name}.{me}")
+    written.write_text(f"{me} {processes.created_at(me)}\n")
+    written.replace(marker)
+
+
+def launches_held() -> bool:
+    """Whether a live process holds this machine's launches (`hold_launches`)."""
+    try:
+        pid, created = _launch_hold_marker().read_text().split()
+        return processes.is_alive(int(pid), float(created))
+    except (OSError, ValueError):
         return False
 
 
@@ -914,6 +951,8 @@ def act(steps: list[Step], runtime: Runtime) -> None:
 
 
 def _carry_out(steps: list[Step], runtime: Runtime) -> None:
+    if any(step.action == Attempt.Action.LAUNCH for step in steps) and launches_held():
+        steps = [step for step in steps if step.action != Attempt.Action.LAUNCH]
     if not steps:
         return
     with transaction.atomic():
@@ -1750,58 +1789,101 @@ def live_rank_count(*, runtime: Runtime | None = None) -> tuple[int, int]:
     return len(live), sum(len(ranks) for ranks in live.values())
 
 
+class RankShutdown:
+    """Stopping every rank the runtime runs because the portal that owns them stops.
+
+    Two steps, so that the ranks hear of the stop at once while the worker still
+    finishes its tasks: a supervisor that kills the portal a few seconds after its
+    SIGTERM (container runtimes and service managers do) then still leaves ranks
+    that were told and checkpoint and exit on their own.
+
+    - `signal_live` records a `shutdown` stop on each live gang's open attempt (so
+      the next start requeues the job to resume from its checkpoint instead of
+      taking the ranks' clean exit for success) and sends every gang the signal at
+      once;
+    - `finish`, called once the worker and beat have exited and nothing launches any
+      more, does the same for a gang launched meanwhile, waits for each gang's grace
+      (counted from its own signal), kills what is left, and reports.
+    """
+
+    def __init__(self, *, grace_seconds: float, runtime: Runtime | None = None) -> None:
+        self.grace_seconds = grace_seconds
+        self.runtime = runtime or get_runtime()
+        # Each gang signalled: its rank count then, and when its grace ends (monotonic).
+        self.signalled: dict[GangId, tuple[int, float]] = {}
+
+    def signal_live(self) -> tuple[int, int]:
+        """Record a stop on every live gang not signalled yet and signal each;
+        (jobs, ranks) signalled by this call."""
+        live = {
+            gang: ranks
+            for gang, ranks in _live_ranks(self.runtime).items()
+            if gang not in self.signalled
+        }
+        now = timezone.now()
+        for gang in live:
+            attempt = Attempt.objects.filter(
+                job_id=gang.job_id, number=gang.attempt, ended_at__isnull=True
+            ).first()
+            if attempt is None:
+                continue
+            job = Job.objects.select_related("priority_class").get(pk=gang.job_id)
+            request_stop(
+                job=job,
+                reason=PreemptionEvent.Reason.SHUTDOWN,
+                cause=(
+                    "the portal was stopped; the job resumes from its checkpoint at the next start"
+                ),
+                grace_seconds=self.grace_seconds,
+            )
+            PreemptionEvent.objects.filter(
+                victim_attempt=attempt, signal_sent_at__isnull=True
+            ).update(signal_sent_at=now)
+            Rank.objects.filter(attempt=attempt, signal_sent_at__isnull=True).update(
+                signal_sent_at=now
+            )
+        for gang, ranks in live.items():
+            self.runtime.signal(gang, self.grace_seconds)
+            self.signalled[gang] = (len(ranks), time.monotonic() + self.grace_seconds)
+        return len(live), sum(len(ranks) for ranks in live.values())
+
+    def finish(self, *, poll_seconds: float = 0.25) -> ShutdownReport:
+        """Signal the gangs launched since `signal_live`, then wait for every gang
+        signalled to exit, killing each that outlives its grace."""
+        self.signal_live()
+        killed: dict[GangId, int] = {}
+        while True:
+            left = [
+                (gang, len(ranks))
+                for gang, ranks in _live_ranks(self.runtime).items()
+                if gang in self.signalled and gang not in killed
+            ]
+            if not left:
+                break
+            now = time.monotonic()
+            for gang, ranks in left:
+                if self.signalled[gang][1] > now:
+                    continue
+                self.runtime.kill(gang)
+                killed[gang] = ranks
+                PreemptionEvent.objects.filter(
+                    victim_attempt__job_id=gang.job_id,
+                    victim_attempt__number=gang.attempt,
+                    killed_at__isnull=True,
+                ).update(killed_at=timezone.now())
+            if len(killed) < len(left):
+                time.sleep(poll_seconds)
+        return ShutdownReport(
+            jobs=len({gang.job_id for gang in self.signalled}),
+            ranks=sum(ranks for ranks, _ in self.signalled.values()),
+            killed=sum(killed.values()),
+        )
+
+
 def runtime_shutdown(
     *, grace_seconds: float, runtime: Runtime | None = None, poll_seconds: float = 0.25
 ) -> ShutdownReport:
-    """Stop every rank the runtime runs because the portal that owns them stops:
-    record a `shutdown` stop on each open attempt (so the next start requeues
-    the job to resume from its checkpoint instead of taking the ranks' clean
-    exit for success), send every gang the signal at once, wait up to
-    `grace_seconds` for the ranks to exit, then kill what is left.
-
-    Called after the worker and beat have stopped, so nothing launches or
-    finishes an attempt meanwhile; the next reconcile finishes the attempts.
-    """
-    runtime = runtime or get_runtime()
-    live = _live_ranks(runtime)
-    if not live:
-        return ShutdownReport(jobs=0, ranks=0, killed=0)
-    now = timezone.now()
-    for gang in live:
-        attempt = Attempt.objects.filter(
-            job_id=gang.job_id, number=gang.attempt, ended_at__isnull=True
-        ).first()
-        if attempt is None:
-            continue
-        job = Job.objects.select_related("priority_class").get(pk=gang.job_id)
-        request_stop(
-            job=job,
-            reason=PreemptionEvent.Reason.SHUTDOWN,
-            cause="the portal was stopped; the job resumes from its checkpoint at the next start",
-            grace_seconds=grace_seconds,
-        )
-        PreemptionEvent.objects.filter(victim_attempt=attempt, signal_sent_at__isnull=True).update(
-            signal_sent_at=now
-        )
-        Rank.objects.filter(attempt=attempt, signal_sent_at__isnull=True).update(signal_sent_at=now)
-    for gang in live:
-        runtime.signal(gang, grace_seconds)
-    deadline = time.monotonic() + grace_seconds
-    remaining = live
-    while remaining and time.monotonic() < deadline:
-        time.sleep(poll_seconds)
-        remaining = _live_ranks(runtime)
-    killed = 0
-    if remaining:
-        killed_at = timezone.now()
-        for gang, ranks in remaining.items():
-            runtime.kill(gang)
-            killed += len(ranks)
-            PreemptionEvent.objects.filter(
-                victim_attempt__job_id=gang.job_id,
-                victim_attempt__number=gang.attempt,
-                killed_at__isnull=True,
-            ).update(killed_at=killed_at)
-    return ShutdownReport(
-        jobs=len(live), ranks=sum(len(ranks) for ranks in live.values()), killed=killed
-    )
+    """`RankShutdown`'s two steps at once, where nothing else runs meanwhile."""
+    shutdown = RankShutdown(grace_seconds=grace_seconds, runtime=runtime)
+    shutdown.signal_live()
+    return shutdown.finish(poll_seconds=poll_seconds)

@@ -8,6 +8,7 @@ counted by a scan of every process (the runtime's own process inspection).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 from django.conf import settings
 
@@ -76,11 +78,11 @@ job_submit(
 """
 
 
-def _serve_then_interrupt(
+def _serve_with_a_job(
     runner_tmp_path: Path, *options: str
-) -> tuple[str, int, list[int], dict[str, str], str]:
-    """Serve with a running two-rank job, press Ctrl-C, and return the output,
-    the exit code, the rank processes left, the environment and the marker."""
+) -> tuple[subprocess.Popen[str], dict[str, str], str]:
+    """Serve with a running two-rank job; the server, its environment and the
+    marker on its ranks' command lines."""
     marker = f"qm-serve-test-{uuid.uuid4().hex}"
     env = {
         key: value
@@ -114,6 +116,20 @@ def _serve_then_interrupt(
             assert server.poll() is None, server.stdout.read() if server.stdout else ""
             assert time.monotonic() < deadline, "the job's two ranks never started"
             time.sleep(1)
+    except BaseException:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        raise
+    return server, env, marker
+
+
+def _serve_then_interrupt(
+    runner_tmp_path: Path, *options: str
+) -> tuple[str, int, list[int], dict[str, str], str]:
+    """Serve with a running two-rank job, press Ctrl-C, and return the output,
+    the exit code, the rank processes left, the environment and the marker."""
+    server, env, marker = _serve_with_a_job(runner_tmp_path, *options)
+    try:
         server.send_signal(signal.SIGINT)
         output, _ = server.communicate(timeout=120)
         return output, server.returncode, _ranks(marker), env, marker
@@ -121,6 +137,16 @@ def _serve_then_interrupt(
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+def _of_installation(var_dir: str) -> list[psutil.Process]:
+    """Live processes started with `var_dir` as their QM_VAR_DIR (web, worker, beat)."""
+    found = []
+    for process in processes.live_processes(skip=os.getpid()):
+        if processes.environ_value(process.pid, "QM_VAR_DIR") == var_dir:
+            with contextlib.suppress(psutil.Error):
+                found.append(psutil.Process(process.pid))
+    return found
 
 
 def test_ctrl_c_stops_the_ranks_of_running_jobs(
@@ -149,6 +175,45 @@ def test_ctrl_c_stops_the_ranks_of_running_jobs(
     finally:
         for pid in _ranks(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_supervisor_that_kills_the_portal_soon_after_its_sigterm_leaves_no_rank_behind(
+    runner_account: RunnerAccount, runner_tmp_path: Path
+) -> None:
+    """Container runtimes and service managers SIGKILL a service some seconds after
+    their SIGTERM. The ranks are told at once, while the worker is still finishing
+    its tasks, so once the portal says it is stopping them a kill of the portal
+    itself no longer leaves them running: they exit on their SIGTERM."""
+    server, env, marker = _serve_with_a_job(runner_tmp_path)
+    said: list[str] = []
+    try:
+        server.send_signal(signal.SIGTERM)
+        assert server.stdout is not None
+        for line in server.stdout:
+            said.append(line)
+            if line.startswith("Stopping 2 rank processes of 1 jobs"):
+                break
+        else:
+            pytest.fail(f"the portal never said it stops the ranks:\n{''.join(said)}")
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()
+        deadline = time.monotonic() + 30
+        while _ranks(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _ranks(marker) == [], "".join(said)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        # The web server, worker and beat had their SIGTERM before the kill.
+        left = _of_installation(env["QM_VAR_DIR"])
+        _, alive = psutil.wait_procs(left, timeout=30)
+        for process in alive:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        for pid in _ranks(marker):
+            os.kill(pid, signal.SIGKILL)
+    assert alive == [], f"left running after the portal's SIGTERM: {alive}"
 
 
 def test_keep_jobs_leaves_the_ranks_running_and_says_so(

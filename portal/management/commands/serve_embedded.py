@@ -6,11 +6,15 @@ so a finished job's GPUs go to the next one at once rather than at the next peri
 pass.
 
 Ctrl-C (or SIGTERM) stops all three; if one of them dies, the others are
-stopped too, so nothing is left half-running. Then, with the local runtime,
-the ranks of running jobs are stopped as well (SIGTERM, a grace window to
-checkpoint, SIGKILL), and their jobs resume from their checkpoints at the next
-start; `--keep-jobs` leaves them running instead. Either way the command says
-which it did.
+stopped too, so nothing is left half-running. With the local runtime the ranks
+of running jobs are stopped as well (SIGTERM, a grace window to checkpoint,
+SIGKILL), and their jobs resume from their checkpoints at the next start;
+`--keep-jobs` leaves them running instead. Either way the command says which it
+did. The ranks get their SIGTERM at once, while the worker still finishes its
+tasks (it takes a few seconds), so a supervisor that kills this command soon
+after its own SIGTERM leaves no rank untold. Meanwhile launches are held (a job
+requeued by the worker's last passes starts at the next start), and a gang
+launched before the hold is stopped once the worker has exited.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from portal.processes import beat_command, web_command, worker_command
-from preemption.reconcile import listen_for_exits, live_rank_count, runtime_shutdown
+from preemption.reconcile import RankShutdown, hold_launches, listen_for_exits, live_rank_count
 
 
 class Command(BaseCommand):
@@ -80,6 +84,8 @@ class Command(BaseCommand):
             "worker": worker_command(hostname="embedded@%h", quiet=quiet),
             "beat": beat_command(schedule=settings.VAR_DIR / "celerybeat-schedule", quiet=quiet),
         }
+        # A hold left by a stop that was cut short (the marker's process is gone).
+        hold_launches(False)
         children: dict[str, subprocess.Popen[bytes]] = {}
         stopping = False
 
@@ -123,23 +129,44 @@ class Command(BaseCommand):
                     # in order; a signal to the whole group makes those workers
                     # die mid-task and their parents log each as an error.
                     child.terminate()
+            # The worker finishes its tasks while it stops; a job requeued meanwhile is
+            # not launched again only to be stopped once more.
+            hold_launches(True)
+            shutdown = self._signal_ranks(keep_jobs=keep_jobs, grace_seconds=stop_grace)
             deadline = time.time() + 15
             for child in children.values():
                 try:
                     child.wait(timeout=max(0.1, deadline - time.time()))
                 except subprocess.TimeoutExpired:
                     os.killpg(child.pid, signal.SIGKILL)
-            self._stop_ranks(keep_jobs=keep_jobs, grace_seconds=stop_grace)
+            self._finish_ranks(shutdown)
+            hold_launches(False)
         sys.exit(exit_code)
 
-    def _stop_ranks(self, *, keep_jobs: bool, grace_seconds: float) -> None:
-        """Stop the local runtime's ranks with the portal, or say they were kept.
+    def _signal_ranks(self, *, keep_jobs: bool, grace_seconds: float) -> RankShutdown | None:
+        """Tell the local runtime's ranks to stop with the portal (None when they are
+        kept or belong to another runtime); `_finish_ranks` waits for them.
 
         Kubernetes pods belong to the cluster, not to this process, and are left alone.
         """
+        if settings.QM_RUNTIME != "local" or keep_jobs:
+            return None
+        shutdown = RankShutdown(grace_seconds=grace_seconds)
+        jobs, ranks = shutdown.signal_live()
+        if ranks:
+            self.stdout.write(
+                f"Stopping {ranks} rank processes of {jobs} jobs: SIGTERM, up to "
+                f"{grace_seconds:g} s to checkpoint, then SIGKILL ...",
+            )
+            self.stdout.flush()
+        return shutdown
+
+    def _finish_ranks(self, shutdown: RankShutdown | None) -> None:
+        """Once the worker has exited: stop the ranks it launched meanwhile, wait for
+        every rank told to stop, and say what was done; or say which ranks were kept."""
         if settings.QM_RUNTIME != "local":
             return
-        if keep_jobs:
+        if shutdown is None:
             jobs, ranks = live_rank_count()
             if ranks:
                 self.stdout.write(
@@ -147,13 +174,7 @@ class Command(BaseCommand):
                     "the next start picks them up."
                 )
             return
-        jobs, ranks = live_rank_count()
-        if ranks:
-            self.stdout.write(
-                f"Stopping {ranks} rank processes of {jobs} jobs: SIGTERM, up to "
-                f"{grace_seconds:g} s to checkpoint, then SIGKILL ..."
-            )
-        report = runtime_shutdown(grace_seconds=grace_seconds)
+        report = shutdown.finish()
         if report.ranks:
             self.stdout.write(
                 f"Stopped {report.ranks} rank processes of {report.jobs} jobs"
