@@ -76,12 +76,17 @@ def notify_each(notices: list[Notice]) -> int:
     cycle may preempt hundreds of jobs in one decision."""
     if not notices:
         return 0
-    jobs = Job.objects.select_related("team").in_bulk({notice.job_id for notice in notices})
+    job_ids = {notice.job_id for notice in notices}
+    # The webhooks first: most teams have none, and then the jobs need not be loaded
+    # (the exits listener calls this for every job that ends).
     hooks: dict[int, list[Webhook]] = {}
     for hook in Webhook.objects.filter(
-        team_id__in={job.team_id for job in jobs.values()}, active=True
+        team_id__in=Job.objects.filter(pk__in=job_ids).values("team_id"), active=True
     ).order_by("pk"):
         hooks.setdefault(hook.team_id, []).append(hook)
+    if not hooks:
+        return 0
+    jobs = Job.objects.select_related("team").filter(team_id__in=hooks).in_bulk(job_ids)
     now = timezone.now()
     deliveries = []
     for notice in notices:
