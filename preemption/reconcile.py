@@ -82,6 +82,7 @@ from preemption.runtimes.base import (
     RuntimePermanentError,
     RuntimeTemporaryError,
 )
+from preemption.runtimes.records import read_record, write_record
 from preemption.wakeup import queue_cycle, send_reconcile
 from preemption.webhooks import Notice, notify, notify_each
 
@@ -331,19 +332,19 @@ def hold_launches(held: bool) -> None:
     if not held:
         marker.unlink(missing_ok=True)
         return
-    me = os.getpid()
     marker.parent.mkdir(parents=True, exist_ok=True)
-    written = marker.with_name(f"{marker.name}.{me}")
-    written.write_text(f"{me} {processes.created_at(me)}\n")
-    written.replace(marker)
+    me = os.getpid()
+    write_record(marker, {"pid": me, "created_at": processes.created_at(me)})
 
 
 def launches_held() -> bool:
     """Whether a live process holds this machine's launches (`hold_launches`)."""
     try:
-        pid, created = _launch_hold_marker().read_text().split()
-        return processes.is_alive(int(pid), float(created))
-    except (OSError, ValueError):
+        holder = read_record(_launch_hold_marker())
+        return holder is not None and processes.is_alive(
+            int(holder["pid"]), float(holder["created_at"])
+        )
+    except (OSError, ValueError, KeyError, TypeError):
         return False
 
 

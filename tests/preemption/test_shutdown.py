@@ -22,6 +22,7 @@ from preemption.reconcile import (
     runtime_shutdown,
 )
 from preemption.runtimes import GangId, processes
+from preemption.runtimes.records import write_record
 from preemption.services import job_submit
 from tests.preemption.conftest import ignore_sigterm_command, sleeper_command, state_of
 
@@ -139,7 +140,7 @@ def test_launches_wait_while_a_live_process_holds_them_and_not_for_a_dead_one(
     born = processes.created_at(gone.pid)
     gone.kill()
     gone.wait()
-    (tmp_path / "launches.held").write_text(f"{gone.pid} {born}\n")
+    write_record(tmp_path / "launches.held", {"pid": gone.pid, "created_at": born})
     assert not launches_held()
     reconcile_jobs(runtime=local_runtime)
     attempt.refresh_from_db()
