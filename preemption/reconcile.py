@@ -1872,7 +1872,8 @@ class RankShutdown:
                     victim_attempt__number=gang.attempt,
                     killed_at__isnull=True,
                 ).update(killed_at=timezone.now())
-            if len(killed) < len(left):
+            if any(gang not in killed for gang, _ in left):
+                # Some gang is still within its grace.
                 time.sleep(poll_seconds)
         return ShutdownReport(
             jobs=len({gang.job_id for gang in self.signalled}),
