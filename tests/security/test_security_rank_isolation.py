@@ -220,6 +220,12 @@ ATTACKS: list[tuple[str, str, Callable[[Scene, int], Path | int], str]] = [
         lambda s, job: s.runtime.gang_dir(GangId(job, 1)) / "0" / "started.json",
         "EACCES",
     ),
+    (
+        "hold every launch by placing the stopping portal's marker",
+        "write",
+        lambda s, job: s.var / "launches.held",
+        "EACCES",
+    ),
 ]
 
 
@@ -260,7 +266,9 @@ def test_a_rank_is_refused(
     # Nothing the attack aimed at changed: the victim runs on with its secret.
     assert scene.runtime.observe(GangId(VICTIM_JOB, 1))[0].phase == "running"
     assert (victim_folder(scene) / "secret.txt").read_bytes() == victim_secret
-    if action == "write":
+    if action == "write" and path.name == "launches.held":
+        assert not path.exists()
+    elif action == "write":
         # The keeper's record stands, not the attacker's {"exit_code": 99}.
         kept = read_record(path)
         assert kept is not None
