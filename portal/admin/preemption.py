@@ -163,6 +163,9 @@ class WebhookAdminForm(forms.ModelForm):  # type: ignore[type-arg]
     signing secret as write-only: the page never shows it (as the API only says whether
     one is set), a blank field keeps the current one, and removing it is explicit."""
 
+    # An address typed without its scheme is read as https, as the API's callers write
+    # it out in full anyway (Django's own default until 6.0 is http).
+    url = forms.URLField(label="URL", max_length=500, assume_scheme="https")
     secret = forms.CharField(
         required=False,
         max_length=64,

@@ -324,6 +324,29 @@ def test_the_admin_form_refuses_what_the_api_refuses(world: Any, settings: Any) 
     assert snapshot() == before
 
 
+def test_the_admin_form_reads_an_address_without_scheme_as_https(
+    world: Any, receivers: list[Receiver]
+) -> None:
+    import warnings
+
+    from django.test import Client
+    from django.urls import reverse
+    from django.utils.deprecation import RemovedInDjango60Warning
+
+    receiver = _serve(receivers, ok)
+    bare = receiver.url().removeprefix("http://")
+    browser = Client()
+    browser.force_login(world.users["admin"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RemovedInDjango60Warning)
+        page = browser.post(
+            reverse("admin:preemption_webhook_add"),
+            {"team": world.vision.pk, "url": bare, "events": '["finished"]', "active": "on"},
+        )
+    assert page.status_code == 302, page.context["adminform"].form.errors
+    assert list(Webhook.objects.values_list("url", flat=True)) == [f"https://{bare}"]
+
+
 def test_https_checks_the_certificate_against_the_urls_host_on_the_pinned_address(
     receivers: list[Receiver], tmp_path: Any, monkeypatch: Any
 ) -> None:
