@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from django.db import connections
 
 # Playwright's sync API runs an event loop in this thread; the ORM calls the
 # tests make between browser steps are ordinary synchronous ones.
@@ -94,3 +95,8 @@ def browser_session(live_server: Any) -> Iterator[Session]:
         finally:
             context.close()
             browser.close()
+            # With Playwright's loop running in this thread, Django keeps the connections
+            # the test opens meanwhile per asyncio context, apart from the thread's own,
+            # and pytest-django's teardown only closes the thread's: close these here,
+            # or the test database cannot be dropped at the end of the session.
+            connections.close_all()
