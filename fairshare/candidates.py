@@ -201,6 +201,42 @@ def next_live(runs: list[RunningWork], start: int) -> int:
     return start
 
 
+class ReclaimStream:
+    """The candidates a reclaim scan yields, kept as it yields them.
+
+    A workload whose reclaim search fails then tries a priority search, whose
+    candidates are its own queue's lower work followed by the very same reclaim scan
+    (``VictimCandidates.priority``). Nothing that scan reads changes in between: a
+    failed search gives back every change it made, and the priority candidates taken
+    first lower only the usage of the preemptor's queue and its ancestors, while the
+    scan reads the usage of the donors and of their ancestors below the common
+    ancestor. So the priority search reads the kept candidates again; on a saturated
+    cluster the scan was the larger part of the searches that fail.
+
+    The kept candidates stand for the whole scan only when the search read it to its
+    end (``ended``) or up to its cap (``MAX_CANDIDATES_PER_ATTEMPT`` + 1 read), which
+    ``complete`` says.
+    """
+
+    __slots__ = ("ended", "items")
+
+    def __init__(self) -> None:
+        self.items: list[tuple[RunningWork, str]] = []
+        self.ended = False
+
+    def record(self, scan: Iterator[tuple[RunningWork, str]]) -> Iterator[tuple[RunningWork, str]]:
+        """``scan``'s candidates, each kept before it is yielded."""
+        items = self.items
+        for item in scan:
+            items.append(item)
+            yield item
+        self.ended = True
+
+    def complete(self, cap: int) -> bool:
+        """Whether the kept candidates are all a search with ``cap`` can read."""
+        return self.ended or len(self.items) > cap
+
+
 class _ReclaimScan:
     """Where one reclaim scan stands among the donor queues (see
     ``VictimCandidates.reclaim``): a class rather than closures over the scan's
@@ -563,11 +599,15 @@ class VictimCandidates:
             if all(r3_guarantee_overshoot(usage[x], line[x], run.gpus) is not None for x in chain):
                 yield run, RECLAIM
 
-    def priority(self, job: PendingJob) -> Iterator[tuple[RunningWork, str]]:
+    def priority(
+        self, job: PendingJob, reclaimed: list[tuple[RunningWork, str]] | None = None
+    ) -> Iterator[tuple[RunningWork, str]]:
         """R7: lower-priority preemptible work of the same queue, lowest priority first.
 
         When the preemptor's queue ends within its guarantee, borrowed GPUs of other
-        queues may complete the set (R6).
+        queues may complete the set (R6). ``reclaimed`` is what a reclaim scan for the
+        same queue yielded in a search that failed just before (``ReclaimStream``); it
+        is read again rather than scanned anew.
         """
         queue = job.queue
         runs = self.by_queue[queue]
@@ -587,7 +627,10 @@ class VictimCandidates:
             yield run, PRIORITY
         ledger = self.ledger
         if r6_may_reclaim(ledger.usage[queue], job.gpus, ledger.guarantee[queue]):
-            yield from self.reclaim(queue)
+            if reclaimed is None:
+                yield from self.reclaim(queue)
+            else:
+                yield from reclaimed
 
     def fair_share(self, job: PendingJob) -> Iterator[tuple[RunningWork, str]]:
         """R8: work of queues above their fair share that may give GPUs without flapping."""

@@ -19,7 +19,13 @@ import heapq
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 
-from .candidates import PendingJob, RunningWork, VictimCandidates, in_queue_order
+from .candidates import (
+    PendingJob,
+    ReclaimStream,
+    RunningWork,
+    VictimCandidates,
+    in_queue_order,
+)
 from .consolidation import CONSOLIDATIONS_PER_PLAN, consolidate, reclaim_and_move
 from .ledger import QuotaLedger
 from .model import (
@@ -38,7 +44,7 @@ from .model import (
     minimum_runtimes,
 )
 from .nodes import NodeMap, Placement
-from .preemption import Victims, preempt_for, reclaim_by_node
+from .preemption import MAX_CANDIDATES_PER_ATTEMPT, Victims, preempt_for, reclaim_by_node
 from .rules import r6_may_reclaim
 from .tree import QueueTree
 
@@ -496,6 +502,8 @@ class FlavorPlanner:
         if modes:
             job.attempted_at_version = self.candidates_version
         failed_attempts = self.failed_attempts
+        # What a failed reclaim search of this job read, for its priority search.
+        reclaimed: list[tuple[RunningWork, str]] | None = None
         for mode in modes:
             # Reclaim and fair-share moves do not depend on the preemptor's priority.
             value = priority_class.value if mode == PRIORITY else 0
@@ -506,7 +514,12 @@ class FlavorPlanner:
             if mode == FAIR_SHARE and self._known_dry(job):
                 continue
             self.changes += 1
-            result = self._search(job, mode, self._candidates(job, mode))
+            candidates = self._candidates(job, mode, reclaimed)
+            stream = None
+            if mode == RECLAIM:
+                stream = ReclaimStream()
+                candidates = stream.record(candidates)
+            result = self._search(job, mode, candidates)
             if result is None and mode == RECLAIM and self.node_searches_left > 0:
                 # Cheap victims scattered over many nodes can use up the donors'
                 # budget above their guarantee lines before any node frees enough;
@@ -516,6 +529,8 @@ class FlavorPlanner:
                 result = reclaim_by_node(ledger, nodes, self.victims, job)
             if result is None:
                 failed_attempts[attempt] = (ranks, self.candidates_version)
+                if stream is not None and stream.complete(MAX_CANDIDATES_PER_ATTEMPT):
+                    reclaimed = stream.items
                 continue
             victims, placement = result
             self._take(job, victims, placement)
@@ -841,11 +856,13 @@ class FlavorPlanner:
         for run, _ in victims:
             self.ledger.add_usage(run.queue, run.gpus)
 
-    def _candidates(self, job: PendingJob, mode: str) -> Iterator[tuple[RunningWork, str]]:
+    def _candidates(
+        self, job: PendingJob, mode: str, reclaimed: list[tuple[RunningWork, str]] | None = None
+    ) -> Iterator[tuple[RunningWork, str]]:
         if mode == RECLAIM:
             return self.victims.reclaim(job.queue)
         if mode == PRIORITY:
-            return self.victims.priority(job)
+            return self.victims.priority(job, reclaimed)
         return self.victims.fair_share(job)
 
     def _domain_reason(self, job: PendingJob) -> str:

@@ -1,14 +1,20 @@
 """The victim scans of one plan: what a reclaim scan offers when a donor's own work of
-this plan was withdrawn and admitted again (looked at from inside), and when a queue
-whose fair-share search found nothing searches again."""
+this plan was withdrawn and admitted again (looked at from inside), when a queue
+whose fair-share search found nothing searches again, and a priority search that reads
+again what the failed reclaim search before it read."""
 
 from __future__ import annotations
 
-from fairshare_builders import cluster, nodes, preempted, reasons, run_plan, team
+import random
+from collections.abc import Iterator
+
+import pytest
+from fairshare_builders import cluster, nodes, plain, preempted, reasons, run_plan, team
 from fairshare_builders import workload as w
 
-from fairshare import Node
+from fairshare import Node, Snapshot
 from fairshare.cycle import FlavorPlanner
+from fairshare.native import python_sources
 from fairshare.tree import prepare
 
 
@@ -113,3 +119,82 @@ def test_a_domain_search_that_passed_candidates_over_leaves_its_queue_searching(
     assert set(preempted(result).values()) == {"fair-share"}
     assert reasons(result)["a0"].startswith("no rack of flavor h100 has room")
     assert reasons(result)["a1"].startswith("waiting for 4 GPUs being released")
+
+
+def _reclaim_scans_and_plan(snapshot: Snapshot, *, kept: bool) -> tuple[int, object]:
+    """The engine's sources plan ``snapshot``: how many reclaim scans began, and the plan.
+    With ``kept`` False no scan's candidates are read again (every search scans anew)."""
+    sources = python_sources()
+    candidates = sources.candidates
+    scans = 0
+    scan = candidates.VictimCandidates.reclaim
+
+    def counted(self: object, queue: int) -> Iterator[object]:
+        nonlocal scans
+        scans += 1
+        yield from scan(self, queue)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(candidates.VictimCandidates, "reclaim", counted)
+        if not kept:
+            patch.setattr(candidates.ReclaimStream, "complete", lambda self, cap: False)
+        result = sources.plan(snapshot)
+    return scans, plain(result)
+
+
+def test_a_priority_search_after_a_failed_reclaim_search_reads_its_candidates_again() -> None:
+    # a (guarantee 10) runs a-low (2 GPUs) beside b's borrowed b1 (6) on n0; c runs at its
+    # guarantee on n1 and n2, beside b's b2 (2) on n2. a-high (8 GPUs) may reclaim, but b's
+    # jobs alone clear no node: that search fails. Its priority search takes a-low and then
+    # the same reclaim candidates, and b1 with a-low clear n0.
+    snapshot = cluster(
+        nodes("n", 3, 8),
+        [team("a", guarantee=10), team("b"), team("c", guarantee=14)],
+        [
+            w("a-low").queue("a").cls("low").gpus(2).running("n0"),
+            w("b1").queue("b").gpus(6).running("n0"),
+            w("c1").queue("c").gpus(8).running("n1"),
+            w("c2").queue("c").gpus(6).running("n2"),
+            w("b2").queue("b").gpus(2).running("n2"),
+            w("a-high").queue("a").cls("high").gpus(8).submitted(10),
+        ],
+    )
+    scans, result = _reclaim_scans_and_plan(snapshot, kept=True)
+    scans_anew, result_anew = _reclaim_scans_and_plan(snapshot, kept=False)
+
+    assert result == result_anew == plain(run_plan(snapshot))
+    assert preempted(run_plan(snapshot)) == {"a-low": "priority", "b1": "reclaim"}
+    # The priority search read the failed search's candidates rather than scanning again.
+    assert (scans, scans_anew) == (1, 2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plans_are_the_same_whether_reclaim_candidates_are_read_again_or_scanned_anew(
+    seed: int,
+) -> None:
+    # A full cluster of small jobs over six queues, half of them guaranteed a third of it
+    # and half borrowing, and whole-node or half-node jobs waiting: many reclaim searches
+    # fail and are followed by priority searches.
+    rng = random.Random(seed)
+    queues = [team(f"q{i}", guarantee=64 if i % 2 else 0) for i in range(6)]
+    work = []
+    for node in range(24):
+        left = 8
+        while left:
+            gpus = min(left, rng.choice((1, 2, 4)))
+            left -= gpus
+            queue = f"q{rng.randrange(6)}"
+            cls = rng.choice(("low", "normal", "high"))
+            work.append(w(f"r{len(work)}").queue(queue).cls(cls).gpus(gpus).running(f"n{node}"))
+    for i in range(40):
+        queue = f"q{rng.randrange(6)}"
+        cls = rng.choice(("normal", "high", "critical"))
+        work.append(w(f"p{i}").queue(queue).cls(cls).gpus(rng.choice((4, 8))).submitted(i))
+    snapshot = cluster(nodes("n", 24, 8), queues, work)
+
+    scans, result = _reclaim_scans_and_plan(snapshot, kept=True)
+    scans_anew, result_anew = _reclaim_scans_and_plan(snapshot, kept=False)
+
+    assert result == result_anew == plain(run_plan(snapshot))
+    assert preempted(run_plan(snapshot))
+    assert scans < scans_anew
