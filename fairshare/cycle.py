@@ -516,7 +516,8 @@ class FlavorPlanner:
             self.changes += 1
             candidates = self._candidates(job, mode, reclaimed)
             stream = None
-            if mode == RECLAIM:
+            if mode == RECLAIM and PRIORITY in modes:
+                # Kept only for a priority search that may follow.
                 stream = ReclaimStream()
                 candidates = stream.record(candidates)
             result = self._search(job, mode, candidates)

@@ -165,7 +165,7 @@ class WebhookAdminForm(forms.ModelForm):  # type: ignore[type-arg]
 
     # An address typed without its scheme is read as https, as the API's callers write
     # it out in full anyway (Django's own default until 6.0 is http).
-    url = forms.URLField(label="URL", max_length=500, assume_scheme="https")
+    url = Webhook._meta.get_field("url").formfield(label="URL", assume_scheme="https")
     secret = forms.CharField(
         required=False,
         max_length=64,
