@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from operator import itemgetter
 
-from .candidates import PendingJob, RunningWork, VictimCandidates, by_order
+from .candidates import PendingJob, RunningWork, VictimCandidates, by_gpus, by_order
 from .ledger import QuotaLedger
 from .model import CONSOLIDATE, RECLAIM
 from .nodes import NodeMap, Placement
@@ -124,7 +124,7 @@ def consolidate(
     ranks = workload.ranks
     free = nodes.free
     releasing = nodes.releasing
-    movable = _movable_by_node(victims, gpus_per_rank, None, set())
+    movable = _movable_by_node(victims, gpus_per_rank, None)
     offers: list[tuple[tuple[float, float, int], list[RunningWork], int, int]] = []
     for node, runs in movable.items():
         offer = room_on(nodes, node, runs, gpus_per_rank, ranks, None)
@@ -214,14 +214,15 @@ def _movable_by_node(
     victims: VictimCandidates,
     gpus_per_rank: int,
     inside: list[bool] | None,
-    staying: set[int],
 ) -> dict[int, list[RunningWork]]:
     """Per node, the running jobs a consolidation may move off it, in candidate order:
     on one node, smaller than a rank of the gang, past their minimum runtime before
-    consolidation, neither a victim nor admitted in this plan, of a queue that
-    ``inside`` marks True (any queue with None), and not one of ``staying`` (ids)."""
+    consolidation, neither a victim nor admitted in this plan, and of a queue that
+    ``inside`` marks True (any queue with None)."""
     movable: dict[int, list[RunningWork]] = defaultdict(list)
-    for runs in victims.by_queue:
+    for queue, runs in enumerate(victims.by_queue):
+        if inside is not None and not inside[queue]:
+            continue
         for run in runs:
             if (
                 run.victim
@@ -229,8 +230,6 @@ def _movable_by_node(
                 or len(run.nodes) != 1
                 or run.gpus >= gpus_per_rank
                 or run.runtime < run.minimum[CONSOLIDATE]
-                or (inside is not None and not inside[run.queue])
-                or id(run) in staying
             ):
                 continue
             movable[run.nodes[0][0]].append(run)
@@ -292,45 +291,63 @@ def reclaim_and_move(
     chains, on_node = reclaimable_by_node(ledger, victims, job.queue)
     if not on_node:
         return None
-    donor_runs = {id(run) for runs in on_node.values() for run in runs}
     # Only work of queues that, with the gang started, stay inside their own guarantee
     # moves: the next plan restarts it before the donors' reclaimed work, which goes
     # beyond the donors' guarantees, and so before that work can take its hole. (An
     # ancestor's usage counts the donors' GPUs that this plan reclaims, so it says
-    # nothing yet about the next plan.)
+    # nothing yet about the next plan.) No donor is inside: a donor runs above its
+    # guarantee.
     usage = ledger.usage
     guarantee = ledger.guarantee
     inside = [
         usage[queue] + (job.gpus if queue == job.queue else 0) <= guarantee[queue]
         for queue in range(len(usage))
     ]
-    movable = _movable_by_node(victims, gpus_per_rank, inside, donor_runs)
+    movable = _movable_by_node(victims, gpus_per_rank, inside)
     # The donor jobs that can leave a hole (on one node, not shielded), smallest and
     # then earliest in the order first: a moved job's hole is the first one large
     # enough that is still unclaimed and on another node. Built once, as a search per
     # moved job over every donor made this the plan's largest cost on a large cluster.
-    hole_pool = sorted(
-        (
-            other
-            for runs in on_node.values()
-            for other in runs
-            if len(other.nodes) == 1 and not victims.shielded(other)
-        ),
-        key=lambda other: (other.gpus, other.order),
-    )
+    # Sorted twice, stably, by keys read in C: once by the order, then by the size.
+    hole_pool = [
+        other
+        for runs in on_node.values()
+        for other in runs
+        if len(other.nodes) == 1 and not victims.shielded(other)
+    ]
+    hole_pool.sort(key=by_order)
+    hole_pool.sort(key=by_gpus)
     hole_sizes = [other.gpus for other in hole_pool]
     free = nodes.free
     releasing = nodes.releasing
     rooms = _RoomsOnceExited(nodes)
     # Nodes that need the fewest moved GPUs first: each move costs a restart and a hole.
-    candidates = sorted(movable, key=lambda node: (sum(run.gpus for run in movable[node]), node))
+    # Only nodes that could gain enough with every donor job and every movable job gone:
+    # on a full cluster most fall short, and a node's room only shrinks as the search
+    # claims donor jobs.
+    candidates: list[tuple[int, int]] = []
+    for node, runs in movable.items():
+        room = free[node] + releasing[node]
+        most = min(ranks, nodes.gpus[node] // gpus_per_rank)
+        if room // gpus_per_rank >= most:
+            continue
+        moving_gpus = 0
+        for run in runs:
+            moving_gpus += run.gpus
+        reachable = room + moving_gpus
+        for run in on_node.get(node, ()):
+            if len(run.nodes) == 1:
+                reachable += run.gpus
+        if reachable // gpus_per_rank >= most:
+            candidates.append((moving_gpus, node))
+    candidates.sort()
     taken_from: dict[int, int] = defaultdict(int)
     chosen: dict[int, tuple[RunningWork, str]] = {}
     holes: list[tuple[int, int]] = []
     hole_nodes: set[int] = set()
     room_after: dict[int, int] = {}
     hostable = nodes.hostable_ranks(gpus_per_rank)
-    for node in candidates:
+    for _, node in candidates:
         if node in hole_nodes or node in room_after:
             continue
         most = min(ranks, nodes.gpus[node] // gpus_per_rank)

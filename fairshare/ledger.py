@@ -152,12 +152,16 @@ class QuotaLedger:
         """Count ``delta`` more GPUs (fewer when negative) for leaf ``queue`` and its ancestors."""
         tree = self.tree
         after = self.usage[queue] + delta
-        if (
-            _keep_member(self.over_guarantee, queue, after > self.guarantee[queue])
-            and self.guarantee_crossed is not None
-        ):
-            self.guarantee_crossed(queue)
-        _keep_member(self.over_fair_share, queue, after > self.fair_share[queue])
+        # _keep_member's test spelled out first: this runs for every candidate victim a
+        # search tries, and most change neither membership.
+        over = self.over_guarantee
+        if (after > self.guarantee[queue]) != (queue in over):
+            _keep_member(over, queue, after > self.guarantee[queue])
+            if self.guarantee_crossed is not None:
+                self.guarantee_crossed(queue)
+        over = self.over_fair_share
+        if (after > self.fair_share[queue]) != (queue in over):
+            _keep_member(over, queue, after > self.fair_share[queue])
         if not self.has_withheld:
             for x in tree.path[queue]:
                 self.usage[x] += delta

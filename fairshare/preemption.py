@@ -113,9 +113,13 @@ def preempt_for(
             break
     if not fits:
         # The node tallies die with this attempt; only the quota usage has to be
-        # given back.
-        for run, _ in reversed(chosen):
-            ledger.add_usage(run.queue, run.gpus)
+        # given back, one queue at a time (a failed attempt took up to 129 victims,
+        # of a few queues).
+        given: dict[int, int] = {}
+        for run, _ in chosen:
+            given[run.queue] = given.get(run.queue, 0) + run.gpus
+        for victim_queue, victim_gpus in given.items():
+            ledger.add_usage(victim_queue, victim_gpus)
         return None
     for i in range(len(chosen) - 1, -1, -1):
         run = chosen[i][0]

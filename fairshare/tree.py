@@ -41,6 +41,8 @@ class QueueTree:
     top: list[int]
     # Every queue, deepest first: children come before their parents.
     bottom_up: list[int]
+    # The queues with children, parents before their children.
+    inner_top_down: list[int]
     # Per asking queue: its memo of ``lca_chains`` indexed by the other queue.
     lca_memo: dict[int, list[LcaChain | None]]
     # Per queue: each queue on its path (itself first) -> position on that path.
@@ -120,6 +122,7 @@ def build_tree(snapshot: Snapshot) -> QueueTree:
         path=path,
         top=[i for i in range(count) if parent[i] == -1],
         bottom_up=bottom_up,
+        inner_top_down=[i for i in reversed(bottom_up) if children[i]],
         lca_memo={},
         depth_on_path=[{queue: position for position, queue in enumerate(chain)} for chain in path],
     )

@@ -1,18 +1,29 @@
 """The victim scans of one plan: what a reclaim scan offers when a donor's own work of
 this plan was withdrawn and admitted again (looked at from inside), when a queue
-whose fair-share search found nothing searches again, and a priority search that reads
-again what the failed reclaim search before it read."""
+whose fair-share search found nothing searches again, a priority search that reads
+again what the failed reclaim search before it read, shielded candidates passed over
+before they are popped, and donors judged by their parents' standing once per scan."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
-from fairshare_builders import cluster, nodes, plain, preempted, reasons, run_plan, team
+from fairshare_builders import (
+    WorkloadBuilder,
+    cluster,
+    nodes,
+    plain,
+    preempted,
+    reasons,
+    run_plan,
+    team,
+)
 from fairshare_builders import workload as w
 
 from fairshare import Node, Snapshot
+from fairshare.candidates import closed_below_lca
 from fairshare.cycle import FlavorPlanner
 from fairshare.native import python_sources
 from fairshare.tree import prepare
@@ -121,6 +132,23 @@ def test_a_domain_search_that_passed_candidates_over_leaves_its_queue_searching(
     assert reasons(result)["a1"].startswith("waiting for 4 GPUs being released")
 
 
+def _full_nodes(
+    rng: random.Random, queues: Sequence[str], classes: Sequence[str]
+) -> list[WorkloadBuilder]:
+    """24 nodes of 8 GPUs filled with running jobs of 1, 2 or 4 GPUs, each of a queue and
+    a class drawn from ``queues`` and ``classes``."""
+    work = []
+    for node in range(24):
+        left = 8
+        while left:
+            gpus = min(left, rng.choice((1, 2, 4)))
+            left -= gpus
+            queue = rng.choice(queues)
+            cls = rng.choice(classes)
+            work.append(w(f"r{len(work)}").queue(queue).cls(cls).gpus(gpus).running(f"n{node}"))
+    return work
+
+
 def _reclaim_scans_and_plan(snapshot: Snapshot, *, kept: bool) -> tuple[int, object]:
     """The engine's sources plan ``snapshot``: how many reclaim scans began, and the plan.
     With ``kept`` False no scan's candidates are read again (every search scans anew)."""
@@ -177,15 +205,7 @@ def test_plans_are_the_same_whether_reclaim_candidates_are_read_again_or_scanned
     # fail and are followed by priority searches.
     rng = random.Random(seed)
     queues = [team(f"q{i}", guarantee=64 if i % 2 else 0) for i in range(6)]
-    work = []
-    for node in range(24):
-        left = 8
-        while left:
-            gpus = min(left, rng.choice((1, 2, 4)))
-            left -= gpus
-            queue = f"q{rng.randrange(6)}"
-            cls = rng.choice(("low", "normal", "high"))
-            work.append(w(f"r{len(work)}").queue(queue).cls(cls).gpus(gpus).running(f"n{node}"))
+    work = _full_nodes(rng, [f"q{i}" for i in range(6)], ("low", "normal", "high"))
     for i in range(40):
         queue = f"q{rng.randrange(6)}"
         cls = rng.choice(("normal", "high", "critical"))
@@ -198,3 +218,153 @@ def test_plans_are_the_same_whether_reclaim_candidates_are_read_again_or_scanned
     assert result == result_anew == plain(run_plan(snapshot))
     assert preempted(run_plan(snapshot))
     assert scans < scans_anew
+
+
+def _multi_level_cluster(seed: int) -> Snapshot:
+    """A full cluster under a two-level tree (three departments of three teams, some
+    departments guaranteed more than their teams' sum, some less), each team running a
+    mix of low, normal and high work, and whole-node or smaller jobs waiting: many donors
+    run above their own line under a department at or under its line, and much of the
+    normal work is shielded by low work of its own team."""
+    rng = random.Random(seed)
+    queues = []
+    leaves = []
+    for d in range(3):
+        queues.append(team(f"d{d}", guarantee=rng.choice((0, 40, 80))))
+        for t in range(3):
+            name = f"d{d}t{t}"
+            queues.append(team(name, f"d{d}", guarantee=rng.choice((0, 8, 16, 32))))
+            leaves.append(name)
+    work = _full_nodes(rng, leaves, ("low", "normal", "normal", "high"))
+    for i in range(40):
+        cls = rng.choice(("normal", "high", "critical"))
+        gpus = rng.choice((2, 4, 8))
+        work.append(w(f"p{i}").queue(rng.choice(leaves)).cls(cls).gpus(gpus).submitted(i))
+    return cluster(nodes("n", 24, 8), queues, work)
+
+
+def _pops_and_plan(snapshot: Snapshot, *, pass_over_shielded: bool) -> tuple[int, object]:
+    """The engine's sources plan ``snapshot``: how many candidates the victim scans
+    popped, and the plan. With ``pass_over_shielded`` False a scan pops shielded
+    candidates and steps past them, as it did before they were passed over."""
+    sources = python_sources()
+    candidates = sources.candidates
+    pops = 0
+    position = candidates._scan_position
+
+    def counted(entry: tuple[object, ...]) -> tuple[int, int, list[object]]:
+        nonlocal pops
+        pops += 1
+        return position(entry)
+
+    def entry_of_first_live(
+        self: object, donor: int, runs: list[object], start: int
+    ) -> tuple[object, ...] | None:
+        start = candidates.next_live(runs, start)
+        if start < len(runs):
+            return candidates._scan_entry(runs[start].order, donor, start, runs)
+        return None
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(candidates, "_scan_position", counted)
+        if not pass_over_shielded:
+            patch.setattr(candidates.VictimCandidates, "_entry_from", entry_of_first_live)
+        result = sources.plan(snapshot)
+    return pops, plain(result)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plans_are_the_same_whether_scans_pop_shielded_candidates_or_pass_them_over(
+    seed: int,
+) -> None:
+    snapshot = _multi_level_cluster(seed)
+
+    pops, result = _pops_and_plan(snapshot, pass_over_shielded=True)
+    pops_before, result_before = _pops_and_plan(snapshot, pass_over_shielded=False)
+
+    assert result == result_before == plain(run_plan(snapshot))
+    assert preempted(run_plan(snapshot))
+    assert pops < pops_before
+
+
+def test_a_scan_passes_over_a_shielded_candidate_without_popping_it() -> None:
+    # b borrows with b-low (2 GPUs), b-normal (1) and b-big (4), cheapest first in that
+    # order; b-normal is shielded by b-low (requeued, it would take b-low's place by
+    # priority), b-big is not (b-low is too small for it). a's reclaim scan offers b-low
+    # and then b-big, and no longer pops b-normal on the way.
+    snapshot = cluster(
+        nodes("n", 1, 8),
+        [team("a", guarantee=8), team("b")],
+        [
+            w("b-low").queue("b").cls("low").gpus(2).running("n0"),
+            w("b-normal").queue("b").gpus(1).running("n0"),
+            w("b-big").queue("b").gpus(4).running("n0"),
+        ],
+    )
+    tree, classes, _ = prepare(snapshot)
+    sources = python_sources()
+    pops: list[str] = []
+    position = sources.candidates._scan_position
+
+    def counted(entry: tuple[object, ...]) -> tuple[int, int, list[object]]:
+        donor, at, runs = position(entry)
+        pops.append(runs[at].workload.id)
+        return donor, at, runs
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sources.candidates, "_scan_position", counted)
+        planner = sources.cycle.FlavorPlanner(
+            snapshot, tree, classes, "h100", list(snapshot.workloads)
+        )
+        offered = [run.workload.id for run, _ in planner.victims.reclaim(tree.index["a"])]
+
+    assert offered == ["b-low", "b-big"]
+    assert pops == ["b-low", "b-big"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_parent_closed_below_the_common_ancestor_is_judged_as_each_donors_chain(
+    seed: int,
+) -> None:
+    # closed_below_lca against the walk it spares: for every asking queue and every donor,
+    # the donor's parent is closed exactly when a queue of the donor's chain above the
+    # donor holds at most its line (with and without this plan's admissions).
+    rng = random.Random(seed)
+    queues = [team("top", guarantee=rng.randrange(0, 60))]
+    for d in range(3):
+        queues.append(team(f"d{d}", "top", guarantee=rng.randrange(0, 30)))
+        for t in range(3):
+            queues.append(team(f"d{d}t{t}", f"d{d}", guarantee=rng.randrange(0, 12)))
+    queues.append(team("other", guarantee=rng.randrange(0, 20)))
+    snapshot = cluster(nodes("n", 1, 8), queues)
+    tree, classes, _ = prepare(snapshot)
+    planner = FlavorPlanner(snapshot, tree, classes, "h100", [])
+    ledger = planner.ledger
+    count = len(tree.names)
+    held = [rng.randrange(0, 60) for _ in range(count)]
+    if seed % 2:
+        # The top holds nothing: every department under it is closed for "other".
+        held[tree.index["top"]] = 0
+    ledger.waiting_usage[:] = [rng.randrange(0, 6) for _ in range(count)]
+    ledger.planned_usage[:] = [rng.randrange(0, 6) for _ in range(count)]
+    ledger.line[:] = [rng.randrange(0, 40) for _ in range(count)]
+    leaves = [q for q in range(count) if not tree.children[q]]
+    closed_somewhere = 0
+    for without_planned in (False, True):
+        for queue in leaves:
+            closed = closed_below_lca(tree, queue, held, ledger, without_planned)
+            for donor in leaves:
+                above = tree.parent[donor]
+                if donor == queue or above == -1:
+                    continue
+                chain = tree.lca_chains(queue, donor)[0]
+                walked = any(
+                    held[x]
+                    - ledger.waiting_usage[x]
+                    - (ledger.planned_usage[x] if without_planned else 0)
+                    <= ledger.line[x]
+                    for x in chain[1:]
+                )
+                assert closed[above] == walked, (tree.names[queue], tree.names[donor])
+                closed_somewhere += walked
+    assert closed_somewhere
