@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.db import OperationalError, close_old_connections, transaction
-from django.db.models import Max, Q, QuerySet
+from django.db.models import Max, Q, QuerySet, prefetch_related_objects
 from django.utils import timezone
 
 from core.rows import update_rows
@@ -472,7 +472,8 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
             pk__in=to_decide, ended_at__isnull=True, job__state__in=ACTIVE_STATES
         )
         .select_related("job", "job__team", "job__priority_class", "job__flavor", "preemption")
-        .prefetch_related("rank_set")
+        # Without their ranks: the decisions read them afresh under lock (_lock_rows),
+        # and only a victim whose logs are due reads them before (_read_victims_logs).
         # In the order of their jobs' ids, the order in which the scheduling cycle locks
         # jobs too: two transactions that lock the same jobs in one order cannot deadlock.
         .order_by("job_id", "id")
@@ -569,9 +570,13 @@ def _read_victims_logs(attempts: list[Attempt], runtime: Runtime) -> None:
     last = {a.pk: _victim_logs_read[a.pk] for a in waiting if a.pk in _victim_logs_read}
     _victim_logs_read.clear()
     _victim_logs_read.update(last)
-    for attempt in waiting:
-        if now - _victim_logs_read.get(attempt.pk, float("-inf")) < VICTIM_LOG_SECONDS:
-            continue
+    due = [
+        attempt
+        for attempt in waiting
+        if now - _victim_logs_read.get(attempt.pk, float("-inf")) >= VICTIM_LOG_SECONDS
+    ]
+    prefetch_related_objects(due, "rank_set")
+    for attempt in due:
         _victim_logs_read[attempt.pk] = now
         _guarded(
             attempt,
