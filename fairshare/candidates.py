@@ -316,6 +316,19 @@ class _ReclaimScan:
         # Per donor admitted: its queues up to the common ancestor with ``queue``.
         self.chains: dict[int, tuple[int, ...]] = {}
 
+    def closed_below(self, tree: QueueTree, ledger: QuotaLedger, only_running: bool) -> list[bool]:
+        """``closed_below_lca`` as the ledger stood when the scan began, for donors with
+        only running work to give or not; made once per scan."""
+        if only_running:
+            if self.closed_running is None:
+                self.closed_running = closed_below_lca(
+                    tree, self.queue, self.start_usage, ledger, True
+                )
+            return self.closed_running
+        if self.closed is None:
+            self.closed = closed_below_lca(tree, self.queue, self.start_usage, ledger, False)
+        return self.closed
+
 
 class VictimCandidates:
     """Every queue's preemptible running work in R9 order, and the scans over it."""
@@ -485,21 +498,8 @@ class VictimCandidates:
         # Without work admitted in this plan the donor has only running work to give
         # (and then its own test above is that of the work it runs).
         above = self.tree.parent[donor]
-        if above != -1:
-            if planned[donor]:
-                closed = scan.closed
-                if closed is None:
-                    closed = scan.closed = closed_below_lca(
-                        self.tree, queue, start_usage, ledger, False
-                    )
-            else:
-                closed = scan.closed_running
-                if closed is None:
-                    closed = scan.closed_running = closed_below_lca(
-                        self.tree, queue, start_usage, ledger, True
-                    )
-            if closed[above]:
-                return False
+        if above != -1 and scan.closed_below(self.tree, ledger, not planned[donor])[above]:
+            return False
         found = scan.lca_row[donor]
         if found is None:
             found = self.tree.lca_chains(queue, donor)

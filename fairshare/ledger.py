@@ -152,16 +152,18 @@ class QuotaLedger:
         """Count ``delta`` more GPUs (fewer when negative) for leaf ``queue`` and its ancestors."""
         tree = self.tree
         after = self.usage[queue] + delta
-        # _keep_member's test spelled out first: this runs for every candidate victim a
+        # Tested here rather than in a call: this runs for every candidate victim a
         # search tries, and most change neither membership.
         over = self.over_guarantee
-        if (after > self.guarantee[queue]) != (queue in over):
-            _keep_member(over, queue, after > self.guarantee[queue])
+        member = after > self.guarantee[queue]
+        if member != (queue in over):
+            _set_member(over, queue, member)
             if self.guarantee_crossed is not None:
                 self.guarantee_crossed(queue)
         over = self.over_fair_share
-        if (after > self.fair_share[queue]) != (queue in over):
-            _keep_member(over, queue, after > self.fair_share[queue])
+        member = after > self.fair_share[queue]
+        if member != (queue in over):
+            _set_member(over, queue, member)
         if not self.has_withheld:
             for x in tree.path[queue]:
                 self.usage[x] += delta
@@ -239,13 +241,9 @@ class QuotaLedger:
         return None
 
 
-def _keep_member(members: dict[int, None], queue: int, member: bool) -> bool:
-    """Put ``queue`` into ``members`` or take it out, as ``member`` says; whether that
-    changed them (most calls change nothing, and then write nothing)."""
-    if member == (queue in members):
-        return False
+def _set_member(members: dict[int, None], queue: int, member: bool) -> None:
+    """Put ``queue`` into ``members`` or take it out, as ``member`` says."""
     if member:
         members[queue] = None
     else:
         del members[queue]
-    return True

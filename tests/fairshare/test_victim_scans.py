@@ -243,19 +243,27 @@ def _multi_level_cluster(seed: int) -> Snapshot:
     return cluster(nodes("n", 24, 8), queues, work)
 
 
+def _record_pops(patch: pytest.MonkeyPatch, popped: list[str]) -> None:
+    """Make the victim scans of the engine's sources append to ``popped`` the id of
+    every candidate they pop from their heaps."""
+    candidates = python_sources().candidates
+    position = candidates._scan_position
+
+    def recorded(entry: tuple[object, ...]) -> tuple[int, int, list[object]]:
+        donor, at, runs = position(entry)
+        popped.append(runs[at].workload.id)
+        return donor, at, runs
+
+    patch.setattr(candidates, "_scan_position", recorded)
+
+
 def _pops_and_plan(snapshot: Snapshot, *, pass_over_shielded: bool) -> tuple[int, object]:
     """The engine's sources plan ``snapshot``: how many candidates the victim scans
     popped, and the plan. With ``pass_over_shielded`` False a scan pops shielded
     candidates and steps past them, as it did before they were passed over."""
     sources = python_sources()
     candidates = sources.candidates
-    pops = 0
-    position = candidates._scan_position
-
-    def counted(entry: tuple[object, ...]) -> tuple[int, int, list[object]]:
-        nonlocal pops
-        pops += 1
-        return position(entry)
+    popped: list[str] = []
 
     def entry_of_first_live(
         self: object, donor: int, runs: list[object], start: int
@@ -266,11 +274,11 @@ def _pops_and_plan(snapshot: Snapshot, *, pass_over_shielded: bool) -> tuple[int
         return None
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(candidates, "_scan_position", counted)
+        _record_pops(patch, popped)
         if not pass_over_shielded:
             patch.setattr(candidates.VictimCandidates, "_entry_from", entry_of_first_live)
         result = sources.plan(snapshot)
-    return pops, plain(result)
+    return len(popped), plain(result)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -304,15 +312,8 @@ def test_a_scan_passes_over_a_shielded_candidate_without_popping_it() -> None:
     tree, classes, _ = prepare(snapshot)
     sources = python_sources()
     pops: list[str] = []
-    position = sources.candidates._scan_position
-
-    def counted(entry: tuple[object, ...]) -> tuple[int, int, list[object]]:
-        donor, at, runs = position(entry)
-        pops.append(runs[at].workload.id)
-        return donor, at, runs
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sources.candidates, "_scan_position", counted)
+        _record_pops(patch, pops)
         planner = sources.cycle.FlavorPlanner(
             snapshot, tree, classes, "h100", list(snapshot.workloads)
         )
