@@ -13,6 +13,7 @@ from django.db.models import (
     DurationField,
     ExpressionWrapper,
     F,
+    Func,
     IntegerField,
     OuterRef,
     PositiveIntegerField,
@@ -176,6 +177,21 @@ def job_sort_key(requested: str | None) -> str:
     return DEFAULT_JOB_SORT
 
 
+class DurationTimesCount(Func):
+    """A duration times a whole number, as a duration, on both databases.
+
+    Django compiles `duration * integer` through the backend's duration
+    arithmetic, which on SQLite (durations stored as microseconds) knows only
+    addition and subtraction and fails the whole query ("Invalid arguments for
+    operator *"). PostgreSQL multiplies an interval by an integer natively, and
+    SQLite's integer microseconds times an integer are still microseconds, which
+    DurationField reads back as a timedelta: the plain product is right on both."""
+
+    arg_joiner = " * "
+    template = "(%(expressions)s)"
+    output_field = DurationField()
+
+
 def job_table(
     jobs: QuerySet[Job],
     *,
@@ -205,9 +221,7 @@ def job_table(
             F("ranks") * F("gpus_per_rank"), output_field=PositiveIntegerField()
         ),
         run_time=Subquery(run_time, output_field=DurationField()),
-    ).annotate(
-        gpu_time=ExpressionWrapper(F("run_time") * F("gpu_count"), output_field=DurationField())
-    )
+    ).annotate(gpu_time=DurationTimesCount(F("run_time"), F("gpu_count")))
     key = job_sort_key(sort)
     descending = key.startswith("-")
     ordering: list[Any] = []
