@@ -80,9 +80,93 @@
   }
 
   // --- following a log ---------------------------------------------------------------
+  // The log is kept as one <span class="line"> per line, so that the trap's
+  // `QM_EVENT {json}` lines can be hidden by a class on the <pre> and the newest
+  // line can be scrolled to. Following keeps the newest line in view (the <pre>
+  // is a scroll box of its own, and the page scrolls too) until the reader
+  // scrolls up or unticks it.
   var follow = document.getElementById("log-follow");
   var log = document.getElementById("log");
-  var LOG_KEEP = 1 << 20;  // characters kept on the page; older text is dropped
+  var showEvents = document.getElementById("log-events");
+  var LOG_KEEP = 1 << 20;  // characters kept on the page; older lines are dropped
+  var EVENT_MARKER = "QM_EVENT ";  // gracetrap_protocol.EVENT_PREFIX
+  var logLength = 0;
+  var followState = document.getElementById("log-follow-state");
+  var followWords = followState ? followState.textContent : "";
+
+  function lineElement(line) {
+    var span = document.createElement("span");
+    span.className = "line";
+    var at = line.indexOf(EVENT_MARKER);
+    if (at < 0) {
+      span.textContent = line;
+    } else if (line.slice(0, at).trim() === "") {
+      span.className = "line qm-event";
+      span.textContent = line;
+    } else {
+      // Another process's output ran into the event without a newline: only
+      // the event's part of the line is an event.
+      var body = line.replace(/\n$/, "");
+      var event = document.createElement("span");
+      event.className = "qm-event";
+      event.textContent = body.slice(at);
+      span.appendChild(document.createTextNode(body.slice(0, at)));
+      span.appendChild(event);
+      if (body.length < line.length) { span.appendChild(document.createTextNode("\n")); }
+    }
+    return span;
+  }
+
+  function appendLog(text) {
+    // A line cut short by the last chunk is completed by this one.
+    var last = log.lastElementChild;
+    if (last && last.textContent.slice(-1) !== "\n") {
+      text = last.textContent + text;
+      logLength -= last.textContent.length;
+      log.removeChild(last);
+    }
+    var lines = document.createDocumentFragment();
+    var start = 0;
+    while (start < text.length) {
+      var end = text.indexOf("\n", start);
+      end = end < 0 ? text.length : end + 1;
+      lines.appendChild(lineElement(text.slice(start, end)));
+      start = end;
+    }
+    log.appendChild(lines);
+    logLength += text.length;
+    while (logLength > LOG_KEEP && log.firstElementChild) {
+      logLength -= log.firstElementChild.textContent.length;
+      log.removeChild(log.firstElementChild);
+    }
+    countEvents();
+  }
+
+  function countEvents() {
+    var label = document.getElementById("log-events-count");
+    if (!label) { return; }
+    var count = log.querySelectorAll(".qm-event").length;
+    label.textContent = count === 1 ? "1 event line" : count + " event lines";
+  }
+
+  function applyEvents() {
+    log.classList.toggle("hide-events", !showEvents.checked);
+    if (follow && follow.checked) { toBottom(); }
+  }
+
+  var lastWindowY = window.scrollY;
+  function toBottom() {
+    log.scrollTop = log.scrollHeight;
+    window.scrollTo(0, document.documentElement.scrollHeight);
+    lastWindowY = window.scrollY;
+  }
+
+  function stopFollowing() {
+    if (!follow.checked) { return; }
+    follow.checked = false;
+    if (followState) { followState.textContent = "Paused while you read back; tick Follow to go on."; }
+  }
+
   function pollLog() {
     if (!follow.checked || document.hidden) { return; }
     var offset = follow.getAttribute("data-offset");
@@ -98,8 +182,8 @@
         var text = answer[0];
         if (text) {
           log.hidden = false;
-          log.textContent = (log.textContent + text).slice(-LOG_KEEP);
-          window.scrollTo(0, document.documentElement.scrollHeight);
+          appendLog(text);
+          if (follow.checked) { toBottom(); }
           var empty = document.getElementById("log-empty");
           if (empty) { empty.hidden = true; }
         }
@@ -108,16 +192,44 @@
           // The attempt ended and everything it wrote is shown: the log is complete.
           follow.checked = false;
           follow.disabled = true;
-          document.getElementById("log-follow-state").textContent = "The attempt has ended; the log is complete.";
+          followWords = "The attempt has ended; the log is complete.";
+          if (followState) { followState.textContent = followWords; }
         }
         lastUpdate = Date.now();
         tick();
       })
       .catch(function () { if (status) { status.classList.add("stale"); } });
   }
+
+  if (log) {
+    var initial = log.textContent;
+    log.textContent = "";
+    appendLog(initial);
+  }
+  if (log && showEvents) {
+    // The control works only with this script, so only the script shows it.
+    document.getElementById("log-events-control").hidden = false;
+    showEvents.addEventListener("change", applyEvents);
+    applyEvents();
+  }
   if (follow && log) {
     window.setInterval(pollLog, 2000);
-    follow.addEventListener("change", pollLog);
+    follow.addEventListener("change", function () {
+      if (follow.checked) {
+        if (followState) { followState.textContent = followWords; }
+        toBottom();
+      }
+      pollLog();
+    });
+    // Reading back stops following: scrolling the log up, or the page up.
+    log.addEventListener("scroll", function () {
+      if (log.scrollTop + log.clientHeight < log.scrollHeight - 4) { stopFollowing(); }
+    });
+    window.addEventListener("scroll", function () {
+      if (window.scrollY < lastWindowY - 4) { stopFollowing(); }
+      lastWindowY = window.scrollY;
+    });
+    if (follow.checked) { toBottom(); }
   }
 
   if (regions.length && status) { schedule(); }
