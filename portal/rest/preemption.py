@@ -27,6 +27,7 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from core.access import Access
 from core.api import NamedRelatedField, Pagination, deny, responses
 from portal.rest.access import access_of
 from preemption import selectors, services
@@ -282,6 +283,22 @@ class JobSubmitSerializer(serializers.Serializer[Any]):
         default=True,
         help_text="False: only prefer one domain, and fall back to any nodes.",
     )
+
+
+def checked_submission(payload: Any, *, access: Access) -> dict[str, Any]:
+    """One job as POST /jobs/ takes it, checked for its types and names and for
+    whether the user may submit to its team: the keywords of `services.job_submit`,
+    which checks the rest. The API and the portal's job form both submit through
+    here, so a refusal reads the same in both.
+
+    Raises DRF's ValidationError (400, by field) or PermissionDenied (403)."""
+    incoming = JobSubmitSerializer(data=payload)
+    incoming.is_valid(raise_exception=True)
+    values = dict(incoming.validated_data)
+    team: Team = values["team"]
+    if not access.can_submit_to(team.pk):
+        raise deny(f"You may not submit jobs to team {team.slug}.")
+    return values
 
 
 class JobBatchSerializer(serializers.Serializer[Any]):
@@ -603,14 +620,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
         responses=responses(JobSerializer, 400, 401, 403, status_code=201),
     )
     def create(self, request: Request) -> Response:
-        incoming = JobSubmitSerializer(data=request.data)
-        incoming.is_valid(raise_exception=True)
-        values = dict(incoming.validated_data)
-        team: Team = values.pop("team")
         access = access_of(request)
-        if not access.can_submit_to(team.pk):
-            raise deny(f"You may not submit jobs to team {team.slug}.")
-        job = services.job_submit(submitter=request.user, team=team, tree=access.tree, **values)
+        values = checked_submission(request.data, access=access)
+        job = services.job_submit(submitter=request.user, tree=access.tree, **values)
         return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(
