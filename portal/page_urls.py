@@ -4,6 +4,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from portal import views as portal_views
+from portal.web.preemption import submit as job_submit_views
 from portal.web.preemption import views as job_views
 from portal.web.quotas import views as quota_views
 from portal.web.telemetry import views as telemetry_views
@@ -26,6 +27,7 @@ urlpatterns = [
     path("quotas/<int:pk>/edit/", quota_views.quota_edit, name="quota-edit"),
     path("quotas/<int:pk>/preview/", quota_views.quota_preview, name="quota-preview"),
     path("jobs/", job_views.job_list, name="job-list"),
+    path("jobs/new/", job_submit_views.job_submit_page, name="job-submit"),
     path("jobs/<int:pk>/", job_views.job_detail, name="job-detail"),
     path("jobs/<int:pk>/cancel/", job_views.job_cancel, name="job-cancel"),
     path(
