@@ -41,6 +41,7 @@ from telemetry.selectors import (
     flavors_now,
     free_blocks,
     overview_teams,
+    own_jobs,
     pending_jobs,
     team_rows,
 )
@@ -52,8 +53,8 @@ GRACETRAP_DIR = Path(settings.BASE_DIR) / "gracetrap"
 
 @login_required
 def dashboard(request: HttpRequest) -> HttpResponse:
-    """The cluster now: flavors, teams against their guarantees, the queue and
-    the latest preemptions, all scoped to what the user may read."""
+    """The cluster now: flavors, teams against their guarantees, the user's own
+    jobs, the queue and the latest preemptions, all scoped to what the user may read."""
     access = access_for(request.user)
     shown = overview_teams(access=access)
     usage = UsageNow.load(access.tree)
@@ -80,6 +81,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         team_bars.append({"row": row, "bars": bars})
     jobs = job_list(user=request.user)
     pending, pending_count = pending_jobs(jobs=jobs, first_submitter_id=request.user.pk)
+    mine, mine_count = own_jobs(jobs=jobs, submitter_id=request.user.pk)
     preemptions = list(
         preemption_event_list(user=request.user)
         .select_related("preemptor__priority_class")
@@ -95,6 +97,8 @@ def dashboard(request: HttpRequest) -> HttpResponse:
             "team_bars": team_bars,
             "pending": pending,
             "pending_count": pending_count,
+            "mine": mine,
+            "mine_count": mine_count,
             "preemptions": preemptions,
             "free_blocks": free_blocks(),
             "nav": "dashboard",

@@ -410,6 +410,20 @@ def pending_jobs(
     return list(waiting.order_by(*ordering)[:limit]), waiting.count()
 
 
+def own_jobs(*, jobs: QuerySet[Job], submitter_id: int, limit: int = 8) -> tuple[list[Job], int]:
+    """The dashboard's "My jobs": the user's own jobs that still run or wait
+    (newest first), then their latest finished ones, and how many they submitted
+    in all. `jobs` is already scoped to what the user may read."""
+    own = jobs.filter(submitter_id=submitter_id)
+    live = Case(
+        When(state__in=[*ACTIVE_STATES, *WAITING_STATES], then=Value(0)),
+        default=Value(1),
+        output_field=IntegerField(),
+    )
+    recent = own.annotate(finished=live).order_by("finished", "-submitted_at", "-id")
+    return list(recent[:limit]), own.count()
+
+
 # --- telemetry over time -----------------------------------------------------
 
 

@@ -27,9 +27,11 @@ class JobFilterForm(forms.Form):
         required=False, widget=forms.DateInput(attrs={"type": "date"}), label="to"
     )
     q = forms.CharField(required=False, max_length=200, label="Name or command")
+    mine = forms.BooleanField(required=False, label="Only jobs I submitted")
 
     def __init__(self, *args: Any, access: Access, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.user_id = access.user_id
         teams = Team.objects.order_by("slug")
         if not access.is_admin:
             teams = teams.filter(id__in=access.readable_teams)
@@ -44,6 +46,8 @@ class JobFilterForm(forms.Form):
         data = self.cleaned_data
         if data.get("team"):
             jobs = jobs.filter(team__slug=data["team"])
+        if data.get("mine"):
+            jobs = jobs.filter(submitter_id=self.user_id)
         if data.get("user"):
             jobs = jobs.filter(submitter__username=data["user"].strip())
         if data.get("state"):

@@ -44,15 +44,18 @@ LOG_CHUNK = 65536
 @login_required
 def job_list(request: HttpRequest) -> HttpResponse:
     """Every job the user may read, filtered by team, user, state, time and a
-    search of name and command, sorted by a whitelisted column; `?format=csv`
-    answers the whole filtered list as CSV."""
+    search of name and command, sorted by a whitelisted column; `?mine=1` keeps
+    the user's own jobs ("My jobs" in the navigation); `?format=csv` answers the
+    whole filtered list as CSV."""
     access = access_for(request.user)
     form = JobFilterForm(request.GET or None, access=access)
     jobs = job_selector(user=request.user).select_related("priority_class")
     search = ""
+    mine = False
     if form.is_valid():
         jobs = form.apply(jobs)
         search = form.cleaned_data.get("q") or ""
+        mine = bool(form.cleaned_data.get("mine"))
     sort = job_sort_key(request.GET.get("sort"))
     jobs = job_table(jobs, sort=sort, search=search)
     if request.GET.get("format") == "csv":
@@ -82,7 +85,8 @@ def job_list(request: HttpRequest) -> HttpResponse:
             "unsorted": unsorted.urlencode(),
             "sort": sort,
             "heads": job_sort_headers(sort),
-            "nav": "jobs",
+            "mine": mine,
+            "nav": "my-jobs" if mine else "jobs",
         },
     )
 
