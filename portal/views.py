@@ -39,11 +39,11 @@ from quotas.selectors import access_for, priority_class_list
 from telemetry.selectors import (
     UsageNow,
     flavors_now,
-    free_blocks,
     overview_teams,
     own_jobs,
     pending_jobs,
     team_rows,
+    topology_free_blocks,
 )
 
 RECENT_PREEMPTIONS = 10
@@ -100,7 +100,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
             "mine": mine,
             "mine_count": mine_count,
             "preemptions": preemptions,
-            "free_blocks": free_blocks(),
+            "free_blocks": topology_free_blocks(),
             "nav": "dashboard",
         },
     )

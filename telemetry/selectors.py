@@ -387,6 +387,16 @@ def free_blocks() -> list[FreeBlock]:
     return blocks
 
 
+def topology_free_blocks() -> list[FreeBlock]:
+    """`free_blocks` for the dashboard: empty where no schedulable node carries a
+    label of any topology level. Without a topology every level but the node's has
+    no domain, and a table of zeros would read as a cluster with nothing free."""
+    blocks = free_blocks()
+    if any(block.level != NODE_LEVEL and block.domains for block in blocks):
+        return blocks
+    return []
+
+
 # --- the queue and preemptions -----------------------------------------------
 
 
