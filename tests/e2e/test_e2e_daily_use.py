@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from preemption.models import Attempt, Job, JobState, Rank
 from tests.conftest import PASSWORD
-from tests.e2e.conftest import Session
+from tests.e2e.conftest import SCREENSHOTS, Session
 
 pytestmark = [
     pytest.mark.e2e,
@@ -152,3 +152,40 @@ def test_rank_log_follows_its_newest_line_and_hides_the_trap_events(
     assert where["text"] == "step 121 after the pause", where
     assert _in_view(where), where
     assert session.console_errors == []
+
+
+def _phone(session: Session, width: int = 390, height: int = 844) -> Any:
+    """A page of the signed-in session in a context of the given size."""
+    context = session.page.context.browser.new_context(
+        viewport={"width": width, "height": height},
+        storage_state=session.page.context.storage_state(),
+    )
+    return context.new_page()
+
+
+def test_dashboard_team_table_shows_borrowed_on_a_phone(
+    world: Any, browser_session: Session
+) -> None:
+    from tests import builders
+
+    # Vision borrows: 12 GPUs used against a guarantee of 8.
+    builders.running_job(world, world.vision, node="h100-node-0", ranks=1, gpus_per_rank=8)
+    builders.running_job(world, world.vision, node="h100-node-1", ranks=1, gpus_per_rank=4)
+    session = browser_session
+    session.login("manager", PASSWORD)
+    page = _phone(session)
+    try:
+        page.goto(session.base_url + "/")
+        page.wait_for_load_state("networkidle")
+        page.screenshot(path=str(SCREENSHOTS / "phone-dashboard-teams.png"), full_page=True)
+        head = page.locator("table.teams-usage th", has_text="Borrowed")
+        box = head.bounding_box()
+        assert box is not None
+        assert box["x"] >= 0 and box["x"] + box["width"] <= 390, box
+        cell = page.locator('tr[data-team="vision"] td[data-field="borrowed"]')
+        cell_box = cell.bounding_box()
+        assert cell_box["x"] + cell_box["width"] <= 390, cell_box
+        assert cell.inner_text() == "4"
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    finally:
+        page.context.close()
