@@ -243,21 +243,29 @@ def build_timeline(
         steps.append(
             TimelineStep(_moment(skipped[0].at), "Checkpoint skipped", str(reason), "warn")
         )
-    if event.killed_at and event.outcome == "forced-past-budget":
+    exits = [r.exited_at for r in ranks if r.exited_at is not None]
+    all_exited = event.all_exited_at or (max(exits) if exits else None)
+    # The kill is stamped once the runtime's call returned, after the exits it caused
+    # (a killed rank's exit is recorded by its keeper as it happens). Some rank was
+    # still alive when the kill went out, so the kill came no later than the last
+    # exit: told at that moment at the latest, and before it, it reads as the cause.
+    killed = (
+        min(event.killed_at, all_exited)
+        if event.killed_at and all_exited is not None
+        else event.killed_at
+    )
+    if killed and event.outcome == "forced-past-budget":
         steps.append(
             TimelineStep(
-                event.killed_at,
+                killed,
                 "Deadline passed: forced past a disruption budget",
                 "a PodDisruptionBudget still refused the eviction, so every rank was deleted",
                 "bad",
             )
         )
-    elif event.killed_at:
-        steps.append(
-            TimelineStep(event.killed_at, "Deadline passed: remaining ranks killed", "", "bad")
-        )
-    exits = [r.exited_at for r in ranks if r.exited_at is not None]
-    if exits or event.all_exited_at:
+    elif killed:
+        steps.append(TimelineStep(killed, "Deadline passed: remaining ranks killed", "", "bad"))
+    if all_exited is not None:
         codes = sorted({r.exit_code for r in ranks if r.exit_code is not None})
         detail = f"exit codes {', '.join(str(c) for c in codes) or 'unknown'}"
         if cancel:
@@ -270,9 +278,7 @@ def build_timeline(
                 if codes == [0] and event.outcome not in ("killed", "forced-past-budget")
                 else "bad"
             )
-        steps.append(
-            TimelineStep(event.all_exited_at or max(exits), "Every rank exited", detail, kind)
-        )
+        steps.append(TimelineStep(all_exited, "Every rank exited", detail, kind))
     if event.requeued_at and not cancel:
         steps.append(
             TimelineStep(
@@ -299,6 +305,7 @@ def build_timeline(
         steps.append(TimelineStep(at, "Resumed", detail, "good"))
     for step in steps:
         step.offset = _seconds_after(step.at, origin)
+    # Stable: steps at the same moment keep the order they were told in, cause first.
     steps.sort(key=lambda step: (step.offset is None, step.offset or 0.0))
     for rank in ranks:
         timeline.ranks.append(
