@@ -70,7 +70,11 @@ class JobSubmitForm(forms.Form):
     flavor = _text(widget=forms.Select)
     ranks = _text(widget=forms.NumberInput(attrs={"min": 1}), label="Ranks")
     gpus_per_rank = _text(widget=forms.NumberInput(attrs={"min": 1}), label="GPUs per rank")
-    priority_class = _text(widget=forms.Select, label="Priority class")
+    priority_class = _text(
+        widget=forms.Select,
+        label="Priority class",
+        help_text="The classes this team may use; its default is chosen until you pick another.",
+    )
     image = _text(
         widget=forms.TextInput(attrs={"placeholder": "registry.example.org/team/trainer:1.4"})
     )
@@ -117,9 +121,12 @@ class JobSubmitForm(forms.Form):
         self.fields["env"].help_text = f"One NAME=VALUE a line. {_api_help('env')}"
         self.fields["retries"].help_text = _api_help("retries")
         self.fields["topology_level"].help_text = _api_help("topology_level")
-        self.fields[
-            "priority_class"
-        ].help_text = "The classes this team may use; its default is chosen until you pick another."
+        # A new form chooses the team's default class, unless it was filled in from a
+        # job whose class the team may still use.
+        allowance = self.allowance
+        kept = any(pc.name == self.initial.get("priority_class") for pc in allowance.allowed)
+        if not self.is_bound and not kept and allowance.default is not None:
+            self.initial["priority_class"] = allowance.default.name
 
     @property
     def allowance(self) -> PriorityAllowance:
@@ -130,6 +137,17 @@ class JobSubmitForm(forms.Form):
         if chosen is None:
             return PriorityAllowance(team="", allowed=(), default=None, source=None)
         return self.allowances[chosen]
+
+    def class_choices(self) -> dict[str, dict[str, Any]]:
+        """Every offered team's classes and default, for the page's script to offer
+        when the team changes (what GET /api/v1/teams/<id>/priority-classes/ answers)."""
+        return {
+            slug: {
+                "allowed": [[pc.name, class_label(pc)] for pc in allowance.allowed],
+                "default": allowance.default.name if allowance.default else None,
+            }
+            for slug, allowance in self.allowances.items()
+        }
 
     def clean_env(self) -> dict[str, str]:
         """The NAME=VALUE lines as the API's mapping; blank lines are skipped. The
@@ -239,6 +257,7 @@ def job_submit_page(request: HttpRequest) -> HttpResponse:
         "levels": list(topology_levels()),
     }
     status = 200
+    repeated: Job | None = None
     if request.method == "POST":
         form = JobSubmitForm(request.POST, **choices)
         status = 400
@@ -257,30 +276,18 @@ def job_submit_page(request: HttpRequest) -> HttpResponse:
                 messages.success(request, f"Queued job #{job.pk}.")
                 return redirect("job-detail", pk=job.pk)
     else:
-        repeat = request.GET.get("from")
         initial: dict[str, Any] = {"retries": 0, "topology_required": "required"}
-        if repeat is not None:
-            initial = _initial_from(_job_to_repeat(request, repeat))
+        if "from" in request.GET:
+            repeated = _job_to_repeat(request, request.GET["from"])
+            initial = _initial_from(repeated)
         form = JobSubmitForm(initial=initial, **choices)
-        allowance = form.allowance
-        # The team's default class is chosen unless the earlier job's class is still allowed.
-        if allowance.default is not None and not any(
-            pc.name == initial.get("priority_class") for pc in allowance.allowed
-        ):
-            form.initial["priority_class"] = allowance.default.name
     return render(
         request,
         "preemption/job_submit.html",
         {
             "form": form,
-            "repeat": request.GET.get("from") if request.method != "POST" else None,
-            "class_choices": {
-                slug: {
-                    "allowed": [[pc.name, class_label(pc)] for pc in allowance.allowed],
-                    "default": allowance.default.name if allowance.default else None,
-                }
-                for slug, allowance in choices["allowances"].items()
-            },
+            "repeated": repeated,
+            "class_choices": form.class_choices(),
             "nav": "job-submit",
         },
         status=status,

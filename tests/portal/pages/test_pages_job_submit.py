@@ -398,3 +398,13 @@ def test_submit_again_of_a_job_the_persona_cannot_see_is_404_like_its_page(
 def test_submit_again_of_no_such_job_is_404(world: Any, value: str) -> None:
     response = page_client(world, "researcher").get(SUBMIT, {"from": value})
     assert response.status_code == 404
+
+
+def test_submit_again_chooses_the_team_default_when_the_job_class_is_no_longer_allowed(
+    world: Any,
+) -> None:
+    job = _earlier_job(world)
+    world.vision.priority_classes.set([world.batch])
+    body = page_client(world, "researcher").get(SUBMIT, {"from": job.pk}).content.decode()
+    assert options(body, "priority_class") == [world.batch.name]
+    assert chosen(body, "priority_class") == world.batch.name
