@@ -1628,7 +1628,11 @@ def _finish_attempt(
         update.update(
             state=JobState.REQUEUED,
             requeued_at=now,
-            waiting_reason="requeued after preemption; waiting for GPUs",
+            waiting_reason=(
+                shutdown_requeue_words(checkpoint_step=last_step, resume_step=resume_step)
+                if event is not None and event.reason == PreemptionEvent.Reason.SHUTDOWN
+                else "requeued after preemption; waiting for GPUs"
+            ),
         )
         notice = ("requeued", {"resume_step": resume_step, "reason": event.reason if event else ""})
     else:
@@ -1681,6 +1685,17 @@ def _finish_attempt(
     notify(job_id=job.pk, event=notice[0], payload=notice[1])
     queue_cycle()
     return True
+
+
+def shutdown_requeue_words(*, checkpoint_step: int | None, resume_step: int | None) -> str:
+    """Why a job stopped by the portal's shutdown waits, and where it resumes."""
+    if checkpoint_step is not None:
+        where = f"checkpoint at step {checkpoint_step}, resumes at step {resume_step}"
+    elif resume_step is not None:
+        where = f"resumes at step {resume_step}"
+    else:
+        where = "no checkpoint, so it starts over"
+    return f"stopped when the portal shut down; {where}"
 
 
 def _failed_on_its_own(ranks: list[Rank]) -> bool:
@@ -1774,11 +1789,13 @@ def _close_event(
 
 @dataclass(frozen=True)
 class ShutdownReport:
-    """What stopping the runtime's ranks with the portal did."""
+    """What stopping the runtime's ranks with the portal did, and where each job
+    requeued by it resumes (its `resume_step`; None to start over)."""
 
     jobs: int
     ranks: int
     killed: int
+    resumes: dict[int, int | None] = field(default_factory=dict)
 
 
 def _live_ranks(runtime: Runtime) -> dict[GangId, list[RankObservation]]:
@@ -1809,7 +1826,8 @@ class RankShutdown:
       once;
     - `finish`, called once the worker and beat have exited and nothing launches any
       more, does the same for a gang launched meanwhile, waits for each gang's grace
-      (counted from its own signal), kills what is left, and reports.
+      (counted from its own signal), kills what is left, closes the stopped attempts
+      (`_close_stopped`), and reports.
     """
 
     def __init__(self, *, grace_seconds: float, runtime: Runtime | None = None) -> None:
@@ -1884,6 +1902,34 @@ class RankShutdown:
             jobs=len({gang.job_id for gang in self.signalled}),
             ranks=sum(ranks for ranks, _ in self.signalled.values()),
             killed=sum(killed.values()),
+            resumes=self._close_stopped(),
+        )
+
+    def _close_stopped(self) -> dict[int, int | None]:
+        """Close the attempts of the gangs stopped, as the next start's reconcile
+        would, and return where each job requeued resumes.
+
+        The ranks checkpoint on the signal after the web server has gone, so their
+        trap's reports by POST are lost and only their logs say which step they
+        committed; the pass reads those logs before it decides where the job resumes.
+        Left to the next start, the job read as still stopping, from the checkpoint
+        before, for as long as the portal was down. Should the pass fail, the next
+        start's does the same."""
+        job_ids = sorted({gang.job_id for gang in self.signalled})
+        if not job_ids:
+            return {}
+        try:
+            reconcile_jobs(job_ids=job_ids, runtime=self.runtime)
+        except Exception:
+            logger.warning(
+                "closing the stopped jobs %s failed; the next start closes them",
+                job_ids,
+                exc_info=True,
+            )
+        return dict(
+            Job.objects.filter(pk__in=job_ids, state=JobState.REQUEUED)
+            .order_by("pk")
+            .values_list("pk", "resume_step")
         )
 
 

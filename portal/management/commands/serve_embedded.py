@@ -176,8 +176,15 @@ class Command(BaseCommand):
             return
         report = shutdown.finish()
         if report.ranks:
+            where = ", ".join(
+                f"job {job_id} at step {step}"
+                if step is not None
+                else f"job {job_id} from the start"
+                for job_id, step in report.resumes.items()
+            )
             self.stdout.write(
                 f"Stopped {report.ranks} rank processes of {report.jobs} jobs"
                 + (f" ({report.killed} killed at the end of the grace)" if report.killed else "")
-                + "; they resume from their checkpoints at the next start."
+                + "; they resume from their checkpoints at the next start"
+                + (f": {where}." if where else ".")
             )
