@@ -3,6 +3,7 @@ POST /jobs/ checks one, refusals naming the job by its place and the field."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -80,7 +81,11 @@ def test_a_batch_costs_the_same_queries_whatever_its_size(world: Any) -> None:
             response = post(client, {"jobs": [spec(name=f"n{i}") for i in range(size)]})
         assert response.status_code == 201, response.json()
         counted[size] = len(queries)
-    assert counted[60] == counted[2], counted
+    # The same statements, apart from the INSERT that the database splits where its
+    # limit on one statement's parameters is below 60 jobs' (SQLite's: 999).
+    fields = [field for field in Job._meta.concrete_fields if not field.primary_key]
+    per_insert = connection.ops.bulk_batch_size(fields, [Job()] * 60)
+    assert counted[60] == counted[2] + math.ceil(60 / per_insert) - 1, counted
     assert Job.objects.count() == 1 + 2 + 60
 
 
