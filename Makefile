@@ -5,10 +5,20 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml gracetrap/pyproject.toml 2>/dev/null | sha1sum | cut -c1-12)
 
+# Where make run serves the portal.
+RUN_BIND ?= 127.0.0.1:8000
 TEST_DATABASE_URL ?= postgres://quartermaster:quartermaster@127.0.0.1:5432/quartermaster
 TEST_BROKER_URL ?= redis://127.0.0.1:6379/0
 # What is tested, benchmarked and shipped is the compiled engine (fairshare/native.py).
 TEST_ENV := DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) QM_VAR_DIR=$(CURDIR)/var/test QM_ENGINE=compiled
+# The embedded default's database: the pages, the API, the exports and the scheduling
+# cycle run a second time on SQLite, as make run serves them (tests/sqlite_settings.py).
+SQLITE_TESTS ?= tests/portal/pages tests/portal/api tests/preemption/test_cycle_writes.py \
+	tests/preemption/test_cycle_requests.py tests/preemption/test_decide_act.py \
+	tests/preemption/test_reconcile_writes.py tests/core/test_rows.py
+SQLITE_TEST_ENV := DATABASE_URL=sqlite:///$(CURDIR)/var/test/sqlite/portal.sqlite3 \
+	QM_SQLITE_TEST_NAME=$(CURDIR)/var/test/sqlite/test.sqlite3 QM_VAR_DIR=$(CURDIR)/var/test/sqlite QM_ENGINE=compiled
+JUNIT := var/test/junit
 BUILD_ENGINE := QM_ENGINE=python $(PY) -c 'from fairshare.native import main; main()'
 
 .PHONY: run test lint bench bench-kueue venv services engine k8s wheel drill clean
@@ -29,7 +39,7 @@ run: venv
 	@$(BUILD_ENGINE) || echo "make run: the engine runs from its Python sources (not compiled, see above)"
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py seed_demo --if-empty
-	$(PY) manage.py serve_embedded
+	$(PY) manage.py serve_embedded --bind $(RUN_BIND)
 
 services:
 	@bin/test-services
@@ -55,7 +65,11 @@ wheel: venv
 ## test: set everything up (PostgreSQL, Redis, the Kubernetes control plane) and run the whole suite
 test: venv services lint engine k8s
 	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
-	$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider $(PYTEST_ARGS)
+	@rm -rf $(JUNIT) var/test/sqlite && mkdir -p $(JUNIT)
+	$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ignore=tests/smoke --junitxml=$(JUNIT)/postgresql.xml $(PYTEST_ARGS)
+	$(SQLITE_TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ds tests.sqlite_settings --durations=5 --junitxml=$(JUNIT)/sqlite.xml $(SQLITE_TESTS)
+	QM_VAR_DIR=$(CURDIR)/var/test/smoke $(VENV)/bin/pytest -p no:cacheprovider --durations=0 --junitxml=$(JUNIT)/make-run.xml tests/smoke
+	@$(PY) tools/test_totals.py $(JUNIT)/postgresql.xml $(JUNIT)/sqlite.xml $(JUNIT)/make-run.xml
 
 ## bench: print the benchmarks' figures
 bench: export QM_ENGINE := compiled

@@ -1,5 +1,6 @@
-"""The portal's settings with the test database in a file: for the tests that must
-also hold on the embedded default's SQLite while the suite runs on PostgreSQL.
+"""The portal's settings with the test database in a file, for `make test`'s second
+pytest run: the pages, the API, the exports and the scheduling cycle again on the
+embedded default's SQLite (SQLITE_TESTS in the Makefile).
 
 Run as `DATABASE_URL=sqlite:///<file> QM_SQLITE_TEST_NAME=<file> pytest --ds
 tests.sqlite_settings ...`; pytest-django would otherwise use an in-memory database,

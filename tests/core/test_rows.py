@@ -5,7 +5,6 @@ stamps included, on PostgreSQL and on the embedded default's SQLite."""
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +16,6 @@ from django.utils import timezone
 from core.rows import update_rows
 from preemption.models import Attempt, Job, JobState, Rank
 from tests import builders
-from tests.on_sqlite import passes_on_sqlite
 
 pytestmark = pytest.mark.django_db
 
@@ -125,15 +123,3 @@ def test_what_it_cannot_write_is_refused_before_any_write(world: Any) -> None:
     with pytest.raises(ValueError, match="cannot restrict"):
         update_rows([rank], ["state"], only={"state": []})
     assert Rank.objects.get(pk=rank.pk).state == Rank.State.RUNNING
-
-
-def test_on_sqlite(tmp_path: Path) -> None:
-    passes_on_sqlite(
-        tmp_path,
-        __file__,
-        "test_each_row_gets_its_own_values_and_nothing_else_changes",
-        "test_a_text_field_and_a_json_field_keep_what_each_row_holds",
-        "test_only_the_rows_that_still_hold_one_of_the_values_named_are_written",
-        "test_nothing_to_write_is_no_statement",
-        "test_what_it_cannot_write_is_refused_before_any_write",
-    )

@@ -29,7 +29,6 @@ from preemption.models import (
 from preemption.snapshot import build_snapshot, held_jobs, read_snapshot
 from quotas.models import PriorityClass
 from tests import builders
-from tests.on_sqlite import passes_on_sqlite
 
 pytestmark = pytest.mark.django_db
 
@@ -338,12 +337,3 @@ def test_a_snapshot_reuses_a_workload_only_while_what_it_was_built_from_is_uncha
     Job.objects.filter(pk=same.pk).update(state=JobState.RUNNING)
     admitted = {w.id: w for w in read_snapshot()[0].workloads}[str(same.pk)]
     assert (admitted.state, admitted.placement) == ("running", (("h100-node-3", 1),))
-
-
-def test_the_snapshot_reads_submission_times_alike_on_sqlite(tmp_path: Any) -> None:
-    passes_on_sqlite(
-        tmp_path,
-        __file__,
-        "test_the_snapshot_reads_each_submission_time_to_the_microsecond",
-        "test_the_snapshot_reads_each_admission_and_last_checkpoint_to_the_microsecond",
-    )

@@ -29,7 +29,6 @@ from preemption.models import Attempt, Job, JobState, Rank
 from preemption.reconcile import launch_admitted, reconcile_jobs
 from preemption.runtimes import GangId, GangSpec, LocalRuntime
 from preemption.services import job_submit
-from tests.on_sqlite import passes_on_sqlite
 from tests.preemption.conftest import sleeper_command, state_of
 from tests.waiting import wait_until
 
@@ -142,14 +141,6 @@ def test_jobs_table_stays_writable_while_a_launch_is_in_progress(
     drive(lambda: state_of(job) == JobState.SUCCEEDED, what="the held job to succeed")
 
 
-def test_jobs_table_stays_writable_while_a_launch_is_in_progress_on_sqlite(
-    tmp_path: Path,
-) -> None:
-    passes_on_sqlite(
-        tmp_path, __file__, "test_jobs_table_stays_writable_while_a_launch_is_in_progress"
-    )
-
-
 def test_each_launch_is_recorded_when_it_returned_not_when_the_last_of_its_pass_did(
     world: Any, local_runtime: LocalRuntime, drive: Any
 ) -> None:
@@ -175,14 +166,6 @@ def test_each_launch_is_recorded_when_it_returned_not_when_the_last_of_its_pass_
     drive(
         lambda: state_of(quick) == state_of(slow) == JobState.SUCCEEDED,
         what="both jobs to succeed",
-    )
-
-
-def test_each_launch_is_recorded_when_it_returned_on_sqlite(tmp_path: Path) -> None:
-    passes_on_sqlite(
-        tmp_path,
-        __file__,
-        "test_each_launch_is_recorded_when_it_returned_not_when_the_last_of_its_pass_did",
     )
 
 

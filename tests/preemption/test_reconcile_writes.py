@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,7 +34,6 @@ from preemption.reconcile import reconcile_jobs
 from preemption.runtimes import GangId
 from preemption.runtimes.mimic import MimicRuntime
 from tests import builders
-from tests.on_sqlite import passes_on_sqlite
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -359,18 +357,6 @@ def test_when_deciding_plain_ends_together_fails_each_is_decided_on_its_own(
     assert set(Rank.objects.filter(attempt__job__in=jobs).values_list("state", "exit_code")) == {
         ("exited", 0)
     }
-
-
-def test_a_pass_over_many_attempts_on_sqlite(tmp_path: Path) -> None:
-    """The same on the embedded default's SQLite, where a pass's claims and closes
-    run in write transactions that hold the database's one write lock."""
-    passes_on_sqlite(
-        tmp_path,
-        __file__,
-        "test_a_pass_over_many_attempts_costs_only_their_own_writes_more",
-        "test_when_closing_together_fails_each_attempt_is_closed_on_its_own",
-        "test_plain_ends_are_decided_together_and_the_rest_one_by_one",
-    )
 
 
 def test_a_pass_undone_by_a_deadlock_decides_again_at_the_next_pass(
