@@ -35,7 +35,7 @@ from preemption.models import ACTIVE_STATES, WAITING_STATES
 from preemption.reasons import describe_preemption
 from preemption.runtime import runtime_problems
 from preemption.selectors import job_list, preemption_event_list
-from quotas.selectors import access_for, priority_class_list
+from quotas.selectors import access_for, priority_class_list, priority_class_teams
 from telemetry.selectors import (
     UsageNow,
     flavors_now,
@@ -108,8 +108,10 @@ def dashboard(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def priority_classes(request: HttpRequest) -> HttpResponse:
-    """Every priority class with what it means and how many readable jobs use it."""
+    """Every priority class with what it means, which of the user's teams may use
+    it and how many readable jobs use it."""
     classes = list(priority_class_list(user=request.user))
+    teams = priority_class_teams(access=access_for(request.user))
     counts = {
         row["priority_class_id"]: row
         for row in job_list(user=request.user)
@@ -124,6 +126,7 @@ def priority_classes(request: HttpRequest) -> HttpResponse:
         row = counts.get(priority_class.pk, {})
         priority_class.active_jobs = row.get("active", 0)  # type: ignore[attr-defined]
         priority_class.waiting_jobs = row.get("waiting", 0)  # type: ignore[attr-defined]
+        priority_class.teams = teams.get(priority_class.pk, [])  # type: ignore[attr-defined]
     return render(
         request,
         "portal/priority_classes.html",

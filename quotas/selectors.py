@@ -226,3 +226,41 @@ def cluster_gpus(*, flavor_id: int) -> int:
     return sum(
         Node.objects.filter(flavor_id=flavor_id, schedulable=True).values_list("gpus", flat=True)
     )
+
+
+@dataclass(frozen=True)
+class ClassTeams:
+    """One branch of the team tree whose jobs may use a priority class: its top
+    team, and the top teams of the sub-branches below it that may not."""
+
+    team: str
+    excluded: tuple[str, ...]
+
+
+def priority_class_teams(*, access: Access) -> dict[int, list[ClassTeams]]:
+    """For each priority class id, the teams the user reads whose jobs may use it.
+
+    A class open to a whole branch is told once, as the branch's top team, with
+    the teams below it that may not use it named as exceptions, so the answer
+    stays short on a large tree. Classes no readable team may use are absent."""
+    tree = access.tree
+    readable = set(tree.parent) if access.is_admin else access.readable_teams
+    allowances = priority_allowances(team_ids=readable, tree=tree)
+    allowed: dict[int, set[int]] = defaultdict(set)
+    for team_id, allowance in allowances.items():
+        for priority_class in allowance.allowed:
+            allowed[priority_class.pk].add(team_id)
+    answers: dict[int, list[ClassTeams]] = {}
+    for class_id, teams in allowed.items():
+        branches = []
+        for top in teams:
+            if tree.parent.get(top) in teams:
+                continue
+            excluded = sorted(
+                allowances[below].team
+                for below in tree.descendants(top)
+                if below in readable and below not in teams and tree.parent.get(below) in teams
+            )
+            branches.append(ClassTeams(team=allowances[top].team, excluded=tuple(excluded)))
+        answers[class_id] = sorted(branches, key=lambda branch: branch.team)
+    return answers
