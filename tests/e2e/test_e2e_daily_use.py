@@ -189,3 +189,73 @@ def test_dashboard_team_table_shows_borrowed_on_a_phone(
         assert page.evaluate("document.documentElement.scrollWidth") <= 390
     finally:
         page.context.close()
+
+
+def test_priority_classes_table_fits_a_laptop_screen(world: Any, browser_session: Session) -> None:
+    from quotas.models import PriorityClass
+
+    # A third class with a long description and an own minimum runtime, as admins write them.
+    PriorityClass.objects.create(
+        name="research-interactive-notebooks",
+        value=50_000,
+        preemption_policy="PreemptLowerPriority",
+        grace_seconds=300,
+        notice_seconds=120,
+        min_runtime_seconds=1800,
+        description="Notebooks and short interactive sessions of the research teams; "
+        "they preempt batch work inside their own team but are never preempted themselves.",
+    )
+    session = browser_session
+    session.login("admin", PASSWORD)
+    page = _phone(session, width=1366, height=768)
+    try:
+        page.goto(session.base_url + "/priority-classes/")
+        page.wait_for_load_state("networkidle")
+        page.screenshot(path=str(SCREENSHOTS / "priority-classes-1366.png"), full_page=True)
+        table = page.locator("#priority-classes").bounding_box()
+        assert table is not None
+        assert table["x"] >= 0 and table["x"] + table["width"] <= 1366, table
+        for head in ("Min runtime", "Notice", "Teams", "Description"):
+            box = page.locator("#priority-classes th", has_text=head).bounding_box()
+            assert box["x"] + box["width"] <= 1366, (head, box)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1366
+        # Nothing is cut inside the card either: it does not scroll sideways.
+        assert page.evaluate(
+            "(() => { const card = document.querySelector('#priority-classes').parentElement;"
+            " return card.scrollWidth <= card.clientWidth; })()"
+        )
+    finally:
+        page.context.close()
+
+
+def test_minimum_runtime_table_of_the_quota_editor_fits_a_laptop_screen(
+    world: Any, browser_session: Session
+) -> None:
+    from quotas.models import PriorityClass
+
+    # A class with minimums of its own beside ones it takes from the cluster's policy.
+    PriorityClass.objects.filter(pk=world.batch.pk).update(
+        priority_min_runtime_seconds=900, reclaim_min_runtime_seconds=3600
+    )
+    session = browser_session
+    session.login("manager", PASSWORD)
+    page = _phone(session, width=1366, height=768)
+    try:
+        page.goto(session.base_url + f"/quotas/{world.quota(world.vision).pk}/edit/")
+        page.wait_for_load_state("networkidle")
+        page.screenshot(path=str(SCREENSHOTS / "quota-edit-min-runtimes-1366.png"), full_page=True)
+        table = page.locator("#min-runtimes")
+        box = table.bounding_box()
+        card = page.evaluate(
+            "(() => { const card = document.querySelector('#min-runtimes').closest('.panel');"
+            " const r = card.getBoundingClientRect();"
+            " return {right: r.right, scroll: card.scrollWidth, client: card.clientWidth}; })()"
+        )
+        assert box["x"] + box["width"] <= card["right"], (box, card)
+        assert card["scroll"] <= card["client"], card
+        assert box["x"] + box["width"] <= 1366
+        last = page.locator("#min-runtimes th").last.bounding_box()
+        assert last["x"] + last["width"] <= card["right"], (last, card)
+        assert page.locator('#min-runtimes tr[data-class="ai-batch-preemptible"]').is_visible()
+    finally:
+        page.context.close()
