@@ -47,6 +47,9 @@ EXIT_UNREACHABLE = 5
 # What a shell reports for a tool stopped by SIGPIPE (128 + 13).
 EXIT_CLOSED_PIPE = 141
 
+# The states a job ends in: it runs no more and resumes nowhere.
+FINAL_STATES = ("succeeded", "failed", "cancelled")
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 TIMEOUT_SECONDS = 30.0
 FOLLOW_POLL_SECONDS = 1.0
@@ -431,8 +434,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("Submitter", job["submitter"]),
         ("State", job["state"]),
         ("Priority class", job["priority_class"]),
-        ("GPUs", f"{job['ranks']} ranks x {job['gpus_per_rank']} {job['flavor']} = {job['gpus']}"),
-        ("Command", job["command"]),
+        ("GPUs", gpus_words(job)),
+        ("Command", command_as_typed(job["command"])),
         ("Submitted", short_time(job["submitted_at"])),
         ("Finished", short_time(job["finished_at"])),
     ]
@@ -441,7 +444,15 @@ def cmd_show(args: argparse.Namespace) -> int:
     if job["failure_reason"]:
         fields.append(("Failed because", job["failure_reason"]))
     if job["resume_step"] is not None:
-        fields.append(("Resumes at step", job["resume_step"]))
+        if job["state"] in FINAL_STATES:
+            # A job that has ended resumes nowhere; its last checkpoint is still worth
+            # knowing (a job resumes at the step after it).
+            checkpoint = job.get("checkpoint_step")
+            if checkpoint is None:
+                checkpoint = job["resume_step"] - 1
+            fields.append(("Last checkpoint", f"step {checkpoint}"))
+        else:
+            fields.append(("Resumes at step", job["resume_step"]))
     width = max(len(name) for name, _ in fields)
     for name, value in fields:
         print(f"{name.ljust(width)}  {value}")
@@ -468,6 +479,53 @@ def cmd_show(args: argparse.Namespace) -> int:
     if job["state"] == "failed":
         _print_failed_rank_log(client, job)
     return EXIT_OK
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def gpus_words(job: dict[str, Any]) -> str:
+    """ "2 ranks × 4 GPUs = 8 GPUs (h100-80gb)"; "1 rank × 1 GPU (h100-80gb)"."""
+    shape = f"{_counted(job['ranks'], 'rank')} × {_counted(job['gpus_per_rank'], 'GPU')}"
+    if job["ranks"] != 1:
+        shape += f" = {_counted(job['gpus'], 'GPU')}"
+    return f"{shape} ({job['flavor']})"
+
+
+# Words the shell takes as they are (shlex.quote leaves the same ones bare).
+_BARE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789@%+=:,./-_")
+# Characters a double-quoted word would still expand (`!` in an interactive bash).
+_EXPANDED_IN_DOUBLE_QUOTES = frozenset('"$`\\!')
+
+
+def _typed_word(word: str) -> str:
+    """One word quoted the way a person types it: bare where it may be, else in
+    double quotes, else in single quotes, else as shlex quotes it."""
+    if word and set(word) <= _BARE:
+        return word
+    if word and not set(word) & _EXPANDED_IN_DOUBLE_QUOTES:
+        return f'"{word}"'
+    if "'" not in word:
+        return f"'{word}'"
+    return shlex.quote(word)
+
+
+def command_as_typed(command: str) -> str:
+    """The job's command as its submitter typed it.
+
+    `qm submit -- WORDS` stores the words joined by shlex.join, so that `sh -c` splits
+    them back exactly; that joining quotes a word with a single quote in it as
+    `'"'"'`, which nobody types. Such a command is shown with the quoting a person
+    would use for the same words; a command written as one line (`--command`, the
+    web form) is shown as it was written."""
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return command
+    if not words or shlex.join(words) != command:
+        return command
+    return " ".join(_typed_word(word) for word in words)
 
 
 def _preemption_line(event: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ import pytest
 from django.utils import timezone
 
 from portal.services import api_token_create
-from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
+from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank
 from preemption.reconcile import gang_spec
 from preemption.runtime import use_runtime
 from preemption.runtimes.base import GangId, GangSpec, NodeInventory, RankPlacement
@@ -113,7 +113,7 @@ def test_login_submit_ls_show_cancel_teams(world: Any, qm: Any) -> None:
     shown = qm("show", str(job.pk))
     assert shown.returncode == 0, shown.stderr
     assert "python train.py --steps 10" in shown.stdout
-    assert "2 ranks x 2 h100-80gb = 4" in shown.stdout
+    assert "2 ranks × 2 GPUs = 4 GPUs (h100-80gb)" in shown.stdout
     assert json.loads(qm("show", str(job.pk), "--json").stdout)["state"] == "pending"
     # Where only minimum runtimes keep it out, qm says until when, in the page's words.
     until = timezone.now() + timedelta(minutes=20)
@@ -565,3 +565,84 @@ def test_submit_sweep_queues_one_job_per_combination_or_none(world: Any, qm: Any
     )
     assert huge.returncode == 2 and "makes 1,000 jobs" in huge.stderr
     assert Job.objects.count() == 4
+
+
+def _shown_fields(output: str) -> dict[str, str]:
+    """`qm show`'s "Name  value" lines up to the first blank line, by name."""
+    fields = {}
+    for line in output.split("\n\n")[0].splitlines():
+        name, _, value = line.partition("  ")
+        fields[name] = value.strip()
+    return fields
+
+
+def test_show_counts_ranks_and_gpus_and_a_final_job_resumes_nowhere(world: Any, qm: Any) -> None:
+    now = timezone.now()
+
+    def job_at_step(name: str, state: str, ranks: int, gpus_per_rank: int) -> Job:
+        job = Job.objects.create(
+            team=world.vision,
+            submitter=world.users["researcher"],
+            priority_class=world.batch,
+            flavor=world.h100,
+            ranks=ranks,
+            gpus_per_rank=gpus_per_rank,
+            command="python train.py",
+            name=name,
+            state=state,
+            resume_step=658,
+            finished_at=now if state == JobState.CANCELLED else None,
+        )
+        attempt = Attempt.objects.create(
+            job=job,
+            number=1,
+            placement=[{"node": "h100-node-0", "ranks": ranks}],
+            admitted_at=now - timedelta(minutes=5),
+            ended_at=now,
+            end_reason=Attempt.EndReason.CANCELLED
+            if state == JobState.CANCELLED
+            else Attempt.EndReason.PREEMPTED,
+        )
+        Checkpoint.objects.create(
+            job=job, attempt=attempt, step=657, path=f"/ckpt/{name}/step_657", committed_at=now
+        )
+        return job
+
+    cancelled = job_at_step("given-up", JobState.CANCELLED, ranks=1, gpus_per_rank=1)
+    requeued = job_at_step("waiting", JobState.REQUEUED, ranks=2, gpus_per_rank=4)
+    _, token = api_token_create(user=world.users["researcher"], name="ci")
+
+    shown = qm("show", str(cancelled.pk), env={"QM_TOKEN": token})
+    assert shown.returncode == 0, shown.stderr
+    fields = _shown_fields(shown.stdout)
+    assert fields["GPUs"] == "1 rank × 1 GPU (h100-80gb)"
+    assert fields["Last checkpoint"] == "step 657"
+    assert "Resumes at step" not in fields and "Resumes" not in shown.stdout
+
+    shown = qm("show", str(requeued.pk), env={"QM_TOKEN": token})
+    assert shown.returncode == 0, shown.stderr
+    fields = _shown_fields(shown.stdout)
+    assert fields["GPUs"] == "2 ranks × 4 GPUs = 8 GPUs (h100-80gb)"
+    assert fields["Resumes at step"] == "658"
+    assert "Last checkpoint" not in fields
+
+
+def test_show_prints_the_command_as_it_was_typed(world: Any, qm: Any) -> None:
+    """`qm submit -- python -c "print('hi')"` stores the words shell-quoted for
+    `sh -c` (a single quote becomes '"'"'); `qm show` prints them as typed."""
+    _, token = api_token_create(user=world.users["researcher"], name="ci")
+    typed = "python -c \"print('hi')\" --out 'a b' --lr 0.1"
+    submitted = qm(
+        *("submit", "--team", "vision", "--flavor", "h100-80gb", "--name", "typed", "--"),
+        *shlex.split(typed),
+        env={"QM_TOKEN": token},
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job = Job.objects.get(name="typed")
+    assert shlex.split(job.command) == shlex.split(typed)
+
+    shown = qm("show", str(job.pk), env={"QM_TOKEN": token})
+    assert shown.returncode == 0, shown.stderr
+    assert (
+        _shown_fields(shown.stdout)["Command"] == 'python -c "print(\'hi\')" --out "a b" --lr 0.1'
+    )

@@ -1,0 +1,60 @@
+"""How `qm show` words a job's shape and command: one line per case."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from qmcli.cli import command_as_typed, gpus_words
+
+
+@pytest.mark.parametrize(
+    ("ranks", "gpus_per_rank", "words"),
+    [
+        (1, 1, "1 rank × 1 GPU (h100-80gb)"),
+        (1, 8, "1 rank × 8 GPUs (h100-80gb)"),
+        (2, 1, "2 ranks × 1 GPU = 2 GPUs (h100-80gb)"),
+        (2, 4, "2 ranks × 4 GPUs = 8 GPUs (h100-80gb)"),
+    ],
+)
+def test_gpus_words(ranks: int, gpus_per_rank: int, words: str) -> None:
+    job = {
+        "ranks": ranks,
+        "gpus_per_rank": gpus_per_rank,
+        "gpus": ranks * gpus_per_rank,
+        "flavor": "h100-80gb",
+    }
+    assert gpus_words(job) == words
+
+
+@pytest.mark.parametrize(
+    ("words", "shown"),
+    [
+        (["python", "train.py", "--steps", "10"], "python train.py --steps 10"),
+        (["python", "-c", "print('hi')"], "python -c \"print('hi')\""),
+        (["echo", "a b", ""], "echo \"a b\" ''"),
+        (["echo", "$HOME `date`"], "echo '$HOME `date`'"),
+        (["say", 'it\'s "x"'], "say 'it'\"'\"'s \"x\"'"),
+        (["echo", "wow!"], "echo 'wow!'"),
+    ],
+)
+def test_a_command_of_words_is_shown_as_typed_and_means_the_same(
+    words: list[str], shown: str
+) -> None:
+    stored = shlex.join(words)  # as `qm submit -- WORDS` stores it
+    assert command_as_typed(stored) == shown
+    assert shlex.split(shown) == words
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "cd /work && python train.py | tee log.txt",
+        "python train.py --lr $LR",
+        "echo 'unclosed",
+        "",
+    ],
+)
+def test_a_command_written_as_one_line_is_shown_as_written(line: str) -> None:
+    assert command_as_typed(line) == line
