@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from django.utils import timezone
 
 import fairshare
-from preemption.models import WAITING_STATES, Job, PreemptionEvent
+from preemption.models import WAITING_STATES, Job, JobState, PreemptionEvent
 
 Reason = PreemptionEvent.Reason
 
@@ -77,6 +77,27 @@ def preemption_words(
     if reason == Reason.MANUAL:
         return cause or "stopped by a person"
     return cause or reason
+
+
+# Stops that are no preemption: the job is not giving GPUs back to anyone.
+_STOPPING_WORDS = {
+    Reason.MANUAL: "Cancelling",
+    Reason.GANG_GUARD: "Stopping",
+    Reason.SHUTDOWN: "Stopping",
+}
+
+
+def job_state_words(job: Job, *, stop_reason: str = "") -> str:
+    """The job's state as pages show it. The model keeps one state, `preempting`, for
+    every graceful stop; a person reads "Cancelling" when the job stops because it was
+    cancelled (whatever stop was already under way: a cancelled job is never requeued),
+    and "Stopping" for a stop that takes its GPUs for nobody (the gang guard, the
+    portal's shutdown). `stop_reason` is the stop's reason where the page knows it."""
+    if job.state != JobState.PREEMPTING:
+        return job.get_state_display()
+    if job.cancel_requested_at is not None:
+        return _STOPPING_WORDS[Reason.MANUAL]
+    return _STOPPING_WORDS.get(stop_reason, job.get_state_display())
 
 
 def describe_preemption(event: PreemptionEvent) -> str:

@@ -43,6 +43,9 @@ RECLAIM_IMMINENT = 600.0
 # any preemption could.
 FLOOR = 60.0
 MIN_MEASURED_GPU_HOURS = 1.0
+# Said of borrowed GPUs nobody asks back for; the job page words it otherwise while
+# the job is being stopped or was stopped moments ago (selectors.job_cadence).
+NO_OWNER_WAITS = "no owner waits for it now"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +151,7 @@ def estimate_mtbp(
                 )
             )
         else:
-            causes.append((BORROWING, f"{borrowing}; no owner waits for it now"))
+            causes.append((BORROWING, f"{borrowing}; {NO_OWNER_WAITS}"))
     if standing.usage > standing.fair_share and others_waiting:
         causes.append(
             (

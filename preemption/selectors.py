@@ -25,6 +25,7 @@ from django.db.models import (
     When,
 )
 from django.db.models.functions import Coalesce, Now
+from django.utils import timezone
 
 import fairshare
 from core.access import User
@@ -38,8 +39,10 @@ from preemption.models import (
     TrapEvent,
     Webhook,
 )
+from preemption.reasons import describe_preemption
 from preemption.risk import (
     HOUR,
+    NO_OWNER_WAITS,
     MeasuredRate,
     Reclaimer,
     Risk,
@@ -83,6 +86,33 @@ def attempt_list(*, user: User) -> QuerySet[Attempt]:
     queryset = Attempt.objects.select_related("job")
     teams = _readable(user)
     return queryset if teams is None else queryset.filter(job__team_id__in=teams)
+
+
+def with_checkpoint_step(attempts: QuerySet[Attempt]) -> QuerySet[Attempt]:
+    """Attempts annotated with `checkpoint_step`: the step of the last checkpoint each
+    committed (the one its stop saved, for a stopped attempt), from the stop's own
+    record where the checkpoint's row is missing; None where it committed none."""
+    last = (
+        Checkpoint.objects.filter(attempt=OuterRef("pk"))
+        .order_by("-committed_at", "-id")
+        .values("step")[:1]
+    )
+    return attempts.annotate(
+        checkpoint_step=Coalesce(
+            Subquery(last), F("preemption__checkpoint_step"), output_field=IntegerField()
+        )
+    )
+
+
+def jobs_with_checkpoint_step(jobs: QuerySet[Job]) -> QuerySet[Job]:
+    """Jobs annotated with `checkpoint_step`: the step of the last checkpoint any of
+    their attempts committed; None where none committed one."""
+    last = (
+        Checkpoint.objects.filter(job=OuterRef("pk"))
+        .order_by("-committed_at", "-id")
+        .values("step")[:1]
+    )
+    return jobs.annotate(checkpoint_step=Subquery(last, output_field=IntegerField()))
 
 
 def rank_list(*, user: User) -> QuerySet[Rank]:
@@ -386,11 +416,21 @@ def running_attempt_risks(*, now: datetime, window_seconds: float) -> dict[int, 
     return risks
 
 
+# A stop decided within this long is news the stored estimate may not reflect: the
+# refresh rewrites an estimate only when it moved, and a borrower's estimate is hours.
+RECENT_STOP = timedelta(hours=1)
+
+
 @dataclass(frozen=True)
 class Cadence:
     """A running job's checkpoint cadence: the control plane's risk estimate and
     reasons, and the interval its trap last reported choosing from it (None until it
-    reported one: a trap of another version, or no checkpoint measured yet)."""
+    reported one: a trap of another version, or no checkpoint measured yet).
+
+    `stop_*` tell the stop now under way on the open attempt or, failing that, the
+    engine's last preemption of the job within RECENT_STOP: the estimate's reasons
+    are worded with it, so the card never says no owner waits while one takes the
+    GPUs back."""
 
     attempt: int
     mtbp_seconds: float | None
@@ -400,12 +440,48 @@ class Cadence:
     save_cost: float | None = None
     trap_mtbp_seconds: float | None = None
     reported_at: float | None = None
+    stop_under_way: bool = False
+    stop_attempt: int | None = None
+    stop_decided_at: datetime | None = None
+    stop_why: str = ""
+    stop_ago: str = ""
 
 
-def job_cadence(*, attempts: list[Attempt]) -> Cadence | None:
+def _ago(seconds: float) -> str:
+    """ "79 s", "12 min", "3 h 5 min": how long ago a stop was decided."""
+    seconds = max(0, round(seconds))
+    if seconds < 120:
+        return f"{seconds} s"
+    minutes = seconds // 60
+    if minutes < 120:
+        return f"{minutes} min"
+    return f"{minutes // 60} h {minutes % 60} min"
+
+
+def _latest_stop(
+    attempts: list[Attempt], current: Attempt, now: datetime
+) -> tuple[PreemptionEvent, int, bool] | None:
+    """The stop under way on the open attempt, else the engine's latest preemption of
+    an earlier attempt decided within RECENT_STOP: the stop, its attempt's number and
+    whether it is under way."""
+    under_way = stop_in_progress([current])
+    if under_way is not None:
+        return under_way, current.number, True
+    recent = [
+        (event, attempt.number, False)
+        for attempt in attempts
+        if attempt.number < current.number
+        and (event := getattr(attempt, "preemption", None)) is not None
+        and event.reason in ENGINE_PREEMPTION_REASONS
+        and now - event.decided_at <= RECENT_STOP
+    ]
+    return max(recent, key=lambda found: found[0].decided_at) if recent else None
+
+
+def job_cadence(*, attempts: list[Attempt], now: datetime | None = None) -> Cadence | None:
     """The cadence of the job's open attempt (from attempts already loaded and already
-    scoped to the reader), or None when no attempt is open. One query: rank 0's latest
-    `cadence` event."""
+    scoped to the reader, with their `preemption`), or None when no attempt is open.
+    One query: rank 0's latest `cadence` event."""
     current = next((attempt for attempt in attempts if attempt.ended_at is None), None)
     if current is None:
         return None
@@ -418,13 +494,35 @@ def job_cadence(*, attempts: list[Attempt]) -> Cadence | None:
         .first()
     )
     payload, at = reported if reported is not None else ({}, None)
+    reasons = list(current.preemption_risk_reasons or [])
+    stop_fields: dict[str, Any] = {}
+    now = now or timezone.now()
+    found = _latest_stop(attempts, current, now)
+    if found is not None:
+        stop, number, under_way = found
+        why = describe_preemption(stop)
+        ago = _ago((now - stop.decided_at).total_seconds())
+        told = (
+            f"it is being stopped now: {why}"
+            if under_way
+            else f"attempt {number} was stopped {ago} ago: {why}"
+        )
+        reasons = [reason.replace(NO_OWNER_WAITS, told) for reason in reasons]
+        stop_fields = {
+            "stop_under_way": under_way,
+            "stop_attempt": number,
+            "stop_decided_at": stop.decided_at,
+            "stop_why": why,
+            "stop_ago": ago,
+        }
     return Cadence(
         attempt=current.number,
         mtbp_seconds=current.preemption_mtbp_seconds,
-        reasons=list(current.preemption_risk_reasons or []),
+        reasons=reasons,
         estimated_at=current.preemption_risk_at,
         interval_seconds=payload.get("interval_seconds"),
         save_cost=payload.get("save_cost"),
         trap_mtbp_seconds=payload.get("mtbp_seconds"),
         reported_at=at,
+        **stop_fields,
     )

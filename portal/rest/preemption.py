@@ -33,6 +33,7 @@ from portal.rest.access import access_of
 from preemption import selectors, services
 from preemption.event_tokens import attempt_for_token
 from preemption.ingest import EventLimitReached, IngestBusy, ingest_trap_events
+from preemption.log_tail import read_rank_log_tail
 from preemption.logs import read_rank_log
 from preemption.models import (
     FINAL_STATES,
@@ -90,6 +91,11 @@ class RankSerializer(serializers.ModelSerializer[Rank]):
 class AttemptSerializer(serializers.ModelSerializer[Attempt]):
     placement = serializers.JSONField(read_only=True)
     orphaned_ports = serializers.JSONField(read_only=True)
+    checkpoint_step = serializers.SerializerMethodField(
+        help_text="The step of the last checkpoint this attempt committed (for a stopped "
+        "attempt, the one its stop saved, as `checkpoint_step` of its preemption event); "
+        "null when it committed none."
+    )
 
     class Meta:
         model = Attempt
@@ -108,8 +114,18 @@ class AttemptSerializer(serializers.ModelSerializer[Attempt]):
             "preemption_mtbp_seconds",
             "preemption_risk_reasons",
             "preemption_risk_at",
+            "checkpoint_step",
         ]
         read_only_fields = fields
+
+    @extend_schema_field(serializers.IntegerField(allow_null=True))
+    def get_checkpoint_step(self, attempt: Attempt) -> int | None:
+        # Annotated by selectors.with_checkpoint_step on every list; asked for here
+        # only where an attempt came from elsewhere.
+        if hasattr(attempt, "checkpoint_step"):
+            return attempt.checkpoint_step  # type: ignore[no-any-return]
+        annotated = selectors.with_checkpoint_step(Attempt.objects.filter(pk=attempt.pk))
+        return annotated.values_list("checkpoint_step", flat=True).first()
 
 
 class AttemptWithRanksSerializer(AttemptSerializer):
@@ -204,17 +220,34 @@ class CadenceSerializer(serializers.Serializer[Any]):
     reported_at = serializers.FloatField(
         allow_null=True, help_text="When the trap reported it (Unix time)."
     )
+    stop_under_way = serializers.BooleanField(
+        help_text="The open attempt is being stopped now (a preemption or a cancel)."
+    )
+    stop_attempt = serializers.IntegerField(
+        allow_null=True,
+        help_text="The attempt of the stop under way or, failing that, of the engine's "
+        "preemption of this job within the last hour; null when there is none. The "
+        "`reasons` are worded with it.",
+    )
+    stop_decided_at = serializers.DateTimeField(allow_null=True)
+    stop_why = serializers.CharField(help_text="Why it was stopped, as the job page says it.")
 
 
 class JobDetailSerializer(JobSerializer):
     attempts = AttemptWithRanksSerializer(many=True, read_only=True)
+    checkpoint_step = serializers.IntegerField(
+        read_only=True,
+        allow_null=True,
+        help_text="The step of the job's last committed checkpoint, whichever attempt "
+        "committed it; null when none did. The job resumes after it (`resume_step`).",
+    )
     cadence = serializers.SerializerMethodField(
         help_text="The running job's preemption risk and the checkpoint interval its trap "
         "chose from it; null when no attempt is open."
     )
 
     class Meta(JobSerializer.Meta):
-        fields = [*JobSerializer.Meta.fields, "attempts", "cadence"]
+        fields = [*JobSerializer.Meta.fields, "checkpoint_step", "attempts", "cadence"]
         read_only_fields = fields
 
     @extend_schema_field(CadenceSerializer(allow_null=True))
@@ -593,13 +626,15 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
     def get_queryset(self) -> Any:
         queryset = selectors.job_list(user=self.request.user)
         if self.action == "retrieve":
-            queryset = queryset.prefetch_related(
+            queryset = selectors.jobs_with_checkpoint_step(queryset).prefetch_related(
                 Prefetch(
                     "attempts",
-                    queryset=Attempt.objects.select_related(
-                        "preemption__job",
-                        "preemption__preemptor__team",
-                        "preemption__preemptor__priority_class",
+                    queryset=selectors.with_checkpoint_step(
+                        Attempt.objects.select_related(
+                            "preemption__job",
+                            "preemption__preemptor__team",
+                            "preemption__preemptor__priority_class",
+                        )
                     ).prefetch_related("rank_set"),
                 )
             )
@@ -754,19 +789,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
 
     @staticmethod
     def _tail(job: Job, attempt: int, rank: int, size: int) -> tuple[bytes, int, int]:
-        """The last `size` bytes of the log: read to its end, keeping only the tail."""
-
-        offset, kept, kept_from = 0, b"", 0
-        while True:
-            chunk, next_offset = read_rank_log(
-                job=job, attempt=attempt, rank=rank, offset=offset, limit=MAX_LOG_CHUNK
-            )
-            if chunk:
-                kept = (kept + chunk)[-size:]
-                kept_from = next_offset - len(kept)
-            if len(chunk) < MAX_LOG_CHUNK:
-                return kept, next_offset, kept_from
-            offset = next_offset
+        """The last `size` bytes of the log, read from its end (never the whole log)."""
+        chunk, first_byte = read_rank_log_tail(job=job, attempt=attempt, rank=rank, max_bytes=size)
+        return chunk, first_byte + len(chunk), first_byte
 
     @extend_schema(
         methods=["POST"],
@@ -918,7 +943,7 @@ class AttemptViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
     filterset_class = AttemptFilter
 
     def get_queryset(self) -> Any:
-        return selectors.attempt_list(user=self.request.user)
+        return selectors.with_checkpoint_step(selectors.attempt_list(user=self.request.user))
 
 
 @_read_only("Ranks", RankSerializer)

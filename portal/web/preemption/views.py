@@ -21,6 +21,7 @@ from django.views.decorators.http import require_POST
 
 from portal.web.preemption.forms import JobFilterForm
 from preemption.exports import job_csv_response
+from preemption.log_tail import failed_rank_log
 from preemption.logs import read_rank_log
 from preemption.models import Job, PreemptionEvent, TrapEvent
 from preemption.reasons import describe_preemption
@@ -129,12 +130,15 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
     access = access_for(request.user)
     stopping = stop_in_progress(attempts)
     cadence = job_cadence(attempts=attempts)
+    # The rank whose failure ended the job, as `qm show` prints it: its last lines.
+    failed_log = failed_rank_log(job, attempts[-1]) if job.state == "failed" and attempts else None
     return render(
         request,
         "preemption/job_detail.html",
         {
             "job": job,
             "stopping": stopping,
+            "stop_reason": stopping.reason if stopping else "",
             "stopping_left": max(0, round((stopping.deadline - timezone.now()).total_seconds()))
             if stopping
             else None,
@@ -143,6 +147,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "cancels": cancels,
             "checkpoints": checkpoints,
             "cadence": cadence,
+            "failed_log": failed_log,
             "can_cancel": access.can_cancel(team_id=job.team_id, submitter_id=job.submitter_id),
             "nav": "jobs",
         },

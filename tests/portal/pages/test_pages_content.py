@@ -493,6 +493,6 @@ def test_job_page_says_how_many_retries_the_job_asked_for_and_used(world: Any) -
     none = builders.job(world, world.vision)
     client = page_client(world, "researcher")
     body = client.get(reverse("job-detail", args=[asked.pk])).content.decode()
-    assert '<span data-field="retries">1 of 2 retries used</span>' in body
+    assert '<span data-field="retries">a failure is retried up to 2 times (1 used)</span>' in body
     body = client.get(reverse("job-detail", args=[none.pk])).content.decode()
-    assert '<span data-field="retries">no retries on failure</span>' in body
+    assert '<span data-field="retries">a failure is not retried</span>' in body
