@@ -123,7 +123,7 @@ class AttemptSerializer(serializers.ModelSerializer[Attempt]):
         # Annotated by selectors.with_checkpoint_step on every list; asked for here
         # only where an attempt came from elsewhere.
         if hasattr(attempt, "checkpoint_step"):
-            return attempt.checkpoint_step  # type: ignore[no-any-return]
+            return attempt.checkpoint_step
         annotated = selectors.with_checkpoint_step(Attempt.objects.filter(pk=attempt.pk))
         return annotated.values_list("checkpoint_step", flat=True).first()
 

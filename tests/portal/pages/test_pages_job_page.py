@@ -204,6 +204,12 @@ def test_a_cancelled_running_job_reads_cancelling_on_its_page_and_in_the_jobs_li
     row = listing[listing.index(f'data-job="{job.pk}"') :]
     row = row[: row.index("</tr>")]
     assert ">Cancelling</span>" in row and "Preempting" not in row
+    # The researcher's own jobs on the dashboard, and the team's jobs on its page.
+    for where in (reverse("dashboard"), reverse("team-detail", args=["vision"])):
+        other = page_client(world, "researcher").get(where).content.decode()
+        row = other[other.index(f"#{job.pk}</a>") :]
+        row = row[: row.index("</tr>")]
+        assert ">Cancelling</span>" in row and ">preempting<" not in row.lower(), where
     # A job the engine preempts still reads as preempted.
     victim = builders.running_job(world, world.vision, name="victim", rank_fields={})
     _preempted(world, victim, victim.attempts.get(), decided_ago=5)
