@@ -493,18 +493,49 @@ def readable_team_slugs(*, access: Access) -> dict[str, int]:
     return dict(teams.values_list("slug", "id"))
 
 
+# A utilization chart draws at most this many moments: about one per pixel of a wide
+# chart. A day of samples every 15 s is 5,760 moments a team, and building and
+# serialising the figure of every one of them took most of the telemetry page's time.
+CHART_MOMENTS = 720
+
+
 def utilization_points(
-    *, access: Access, since: datetime, until: datetime, team_ids: Iterable[int]
+    *,
+    access: Access,
+    since: datetime,
+    until: datetime,
+    team_ids: Iterable[int],
+    max_moments: int = CHART_MOMENTS,
 ) -> list[UtilizationPoint]:
-    rows = (
-        UtilizationSample.objects.filter(at__gte=since, at__lte=until, team_id__in=list(team_ids))
-        .filter(_team_filter(access, "team_id"))
-        .order_by("at", "team__slug", "flavor__name")
-        .values_list(
-            "at", "team__slug", "flavor__name", "used", "guarantee", "borrowed", "capacity"
-        )
+    """The samples of the teams between `since` and `until`. Where there are more
+    than `max_moments` sampling moments, the period is cut into that many equal
+    slices and only each slice's last moment is kept: what a slower sampler would
+    have recorded, every team at the same moment, so stacked series still add up."""
+    samples = UtilizationSample.objects.filter(
+        at__gte=since, at__lte=until, team_id__in=list(team_ids)
+    ).filter(_team_filter(access, "team_id"))
+    # The moments first (one column, however many teams), then only the kept ones' rows.
+    moments = list(samples.order_by("at").values_list("at", flat=True).distinct())
+    if len(moments) > max_moments and until > since:
+        width = (until - since) / max_moments
+        last_of_slice = {(moment - since) // width: moment for moment in moments}
+        samples = samples.filter(at__in=list(last_of_slice.values()))
+    rows = samples.order_by("at", "team__slug", "flavor__name").values_list(
+        "at", "team__slug", "flavor__name", "used", "guarantee", "borrowed", "capacity"
     )
     return [UtilizationPoint(*row) for row in rows]
+
+
+def first_sample_at(*, access: Access, team_ids: Iterable[int]) -> datetime | None:
+    """When the first utilization sample of these teams was taken, if any was."""
+    first: datetime | None = (
+        UtilizationSample.objects.filter(team_id__in=list(team_ids))
+        .filter(_team_filter(access, "team_id"))
+        .order_by("at")
+        .values_list("at", flat=True)
+        .first()
+    )
+    return first
 
 
 def signal_latencies(*, access: Access) -> list[float]:
@@ -751,15 +782,29 @@ def mission_matrix(drills: list[DrillRun]) -> list[MissionCriterion]:
     ]
 
 
-def period_bounds(now: datetime, period: str) -> tuple[datetime, datetime]:
-    """The (since, until) of a named period ending now."""
+# The telemetry page's window when none is chosen ("auto"): back to the first sample,
+# so a new cluster's few minutes fill the chart instead of a sliver of a day, but
+# never less than an hour nor more than a day.
+AUTO_PERIOD = "auto"
+AUTO_SHORTEST = timedelta(hours=1)
+AUTO_LONGEST = timedelta(hours=24)
+
+
+def period_bounds(
+    now: datetime, period: str, *, first_sample: datetime | None = None
+) -> tuple[datetime, datetime]:
+    """The (since, until) of a named period ending now. "auto" (and any unknown
+    name) reaches back to `first_sample`, within AUTO_SHORTEST and AUTO_LONGEST."""
     spans = {
         "1h": timedelta(hours=1),
         "24h": timedelta(hours=24),
         "7d": timedelta(days=7),
         "30d": timedelta(days=30),
     }
-    return now - spans.get(period, spans["24h"]), now
+    if period in spans:
+        return now - spans[period], now
+    reach = now - first_sample if first_sample is not None else AUTO_SHORTEST
+    return now - min(max(reach, AUTO_SHORTEST), AUTO_LONGEST), now
 
 
 # --- simulation reports ----------------------------------------------------------

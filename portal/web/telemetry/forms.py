@@ -6,7 +6,10 @@ from typing import Any
 
 from django import forms
 
+from telemetry.selectors import AUTO_PERIOD
+
 PERIODS = (
+    (AUTO_PERIOD, "since sampling began (1 to 24 hours)"),
     ("1h", "last hour"),
     ("24h", "last 24 hours"),
     ("7d", "last 7 days"),
@@ -17,7 +20,7 @@ PERIODS = (
 class PeriodForm(forms.Form):
     """The period the telemetry page charts and totals."""
 
-    period = forms.ChoiceField(choices=PERIODS, required=False, initial="24h")
+    period = forms.ChoiceField(choices=PERIODS, required=False, initial=AUTO_PERIOD)
     flavor = forms.ChoiceField(required=False)
     team = forms.ChoiceField(required=False)
 
@@ -35,7 +38,7 @@ class PeriodForm(forms.Form):
 
     def chosen(self, flavors: list[str]) -> tuple[str, str]:
         """The chosen (period, flavor), with defaults for anything missing or invalid."""
-        period, flavor = "24h", flavors[0] if flavors else ""
+        period, flavor = AUTO_PERIOD, flavors[0] if flavors else ""
         if self.is_valid():
             period = self.cleaned_data.get("period") or period
             flavor = self.cleaned_data.get("flavor") or flavor

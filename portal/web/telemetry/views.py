@@ -26,6 +26,7 @@ from telemetry.selectors import (
     chart_teams,
     checkpoints_against_grace,
     exit_codes,
+    first_sample_at,
     flavor_names,
     flavors_now,
     gpu_hours,
@@ -50,9 +51,10 @@ def telemetry(request: HttpRequest) -> HttpResponse:
     teams = readable_team_slugs(access=access)
     form = PeriodForm(request.GET or None, flavors=flavors, teams=list(teams))
     period, flavor = form.chosen(flavors)
-    now = timezone.now()
-    since, until = period_bounds(now, period)
     team_ids = chart_teams(access=access, team_id=teams.get(form.chosen_team()))
+    since, until = period_bounds(
+        timezone.now(), period, first_sample=first_sample_at(access=access, team_ids=team_ids)
+    )
     points = utilization_points(access=access, since=since, until=until, team_ids=team_ids)
     span = {"since": since, "until": until}
     figures = {
@@ -86,7 +88,8 @@ def gpu_hours_csv(request: HttpRequest) -> HttpResponse:
     access = access_for(request.user)
     flavors = flavor_names()
     period, _ = PeriodForm(request.GET or None, flavors=flavors).chosen(flavors)
-    since, until = period_bounds(timezone.now(), period)
+    first = first_sample_at(access=access, team_ids=chart_teams(access=access))
+    since, until = period_bounds(timezone.now(), period, first_sample=first)
     response = HttpResponse(content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = (
         f'attachment; filename="gpu-hours-{since:%Y%m%dT%H%M}-{until:%Y%m%dT%H%M}.csv"'
