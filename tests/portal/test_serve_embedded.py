@@ -156,6 +156,10 @@ def test_ctrl_c_stops_the_ranks_of_running_jobs(
     try:
         assert left == [], f"rank processes left behind: {left}\n{output}"
         assert "Stopped 2 rank processes of 1 jobs" in output, output
+        # The sleeper saves no checkpoint: the stop closed its attempt and says so.
+        assert "; at the next start job 1 starts over (no checkpoint)." in output, output
+        # The worker runs as root by design, and Celery's warning about it is not shown.
+        assert "superuser privileges" not in output, output
         assert code == 0, output
         # Quiet by default: the scheduling cycle ran every second meanwhile,
         # but neither it nor the web server logged a line per task or request.
@@ -172,6 +176,14 @@ def test_ctrl_c_stops_the_ranks_of_running_jobs(
             "print([(p.reason, p.signal_sent_at is not None) for p in P.objects.all()])",
         )
         assert stops.strip().splitlines()[-1] == "[('shutdown', True)]"
+        # Requeued already, not left stopping until the next start.
+        state = _manage(
+            env,
+            "shell",
+            "-c",
+            "from preemption.models import Job; print(Job.objects.get().state)",
+        )
+        assert state.strip().splitlines()[-1] == "requeued"
     finally:
         for pid in _ranks(marker):
             os.kill(pid, signal.SIGKILL)

@@ -30,7 +30,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from portal.processes import beat_command, web_command, worker_command
+from portal.processes import embedded_commands
 from preemption.reconcile import RankShutdown, hold_launches, listen_for_exits, live_rank_count
 
 
@@ -75,15 +75,12 @@ class Command(BaseCommand):
         subprocess.run(
             [python, "manage.py", "collectstatic", "--noinput", "-v0"], check=True, env=env
         )
-        commands = {
-            # Processes rather than threads: the threads of one process take turns
-            # at the interpreter, and a thread mostly waits for its turn to write
-            # to SQLite, which two per process cover (bench_submit: 4 x 2 served a
-            # burst with p95 607 ms, 3 x 4 with 682 ms).
-            "web": web_command(bind=bind, workers=web_workers, threads=2, quiet=quiet),
-            "worker": worker_command(hostname="embedded@%h", quiet=quiet),
-            "beat": beat_command(schedule=settings.VAR_DIR / "celerybeat-schedule", quiet=quiet),
-        }
+        commands = embedded_commands(
+            bind=bind,
+            web_workers=web_workers,
+            schedule=settings.VAR_DIR / "celerybeat-schedule",
+            quiet=quiet,
+        )
         # A hold left by a stop that was cut short (the marker's process is gone).
         hold_launches(False)
         children: dict[str, subprocess.Popen[bytes]] = {}
@@ -176,15 +173,18 @@ class Command(BaseCommand):
             return
         report = shutdown.finish()
         if report.ranks:
-            where = ", ".join(
-                f"job {job_id} at step {step}"
+            resumes = ", ".join(
+                f"job {job_id} resumes at step {step}"
                 if step is not None
-                else f"job {job_id} from the start"
+                else f"job {job_id} starts over (no checkpoint)"
                 for job_id, step in report.resumes.items()
             )
             self.stdout.write(
                 f"Stopped {report.ranks} rank processes of {report.jobs} jobs"
                 + (f" ({report.killed} killed at the end of the grace)" if report.killed else "")
-                + "; they resume from their checkpoints at the next start"
-                + (f": {where}." if where else ".")
+                + (
+                    f"; at the next start {resumes}."
+                    if resumes
+                    else "; they resume from their checkpoints at the next start."
+                )
             )
