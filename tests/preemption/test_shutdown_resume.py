@@ -110,7 +110,7 @@ def test_stopping_the_portal_requeues_the_job_from_the_checkpoint_its_ranks_logg
 
     assert (report.jobs, report.ranks, report.killed) == (1, 2, 0)
     committed = _committed_in_logs(job, local_runtime)
-    assert committed + 1 > before, "the stop's own checkpoint came after the regular one"
+    assert committed >= before, "the stop's own checkpoint came after the regular one"
     # Right away, not only once the portal starts again.
     _assert_requeued_from(job, committed)
     assert report.resumes == {job.pk: committed + 1}
