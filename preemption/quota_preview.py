@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.exceptions import ValidationError
 from django.db import models
 
 import fairshare
@@ -17,6 +16,7 @@ from preemption.snapshot import build_snapshot
 from quotas.models import Quota, ResourceFlavor, Team
 from quotas.selectors import team_tree
 from quotas.services import UNSET, quota_validate
+from quotas.validation import check_weight
 
 
 def non_preemptible_work(*, team: Team, flavor: ResourceFlavor, guarantee: int) -> dict[str, Any]:
@@ -90,10 +90,8 @@ def quota_preview(
         borrow_limit=new_borrow,
         lend_limit=new_lend,
     )
-    if weight is not UNSET and (
-        not isinstance(weight, int | float) or isinstance(weight, bool) or weight <= 0
-    ):
-        raise ValidationError({"weight": [f"Must be greater than 0 (got {weight})."]})
+    if weight is not UNSET:
+        check_weight(weight)
     change = fairshare.QuotaChange(
         queue=quota.team.slug,
         flavor=quota.flavor.name,

@@ -11,7 +11,6 @@ from typing import Any
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.db.models import Sum
 
 from core.access import TeamTree
 from quotas.job_ledger import job_ledger
@@ -28,15 +27,14 @@ from quotas.models import (
 )
 from quotas.selectors import (
     PriorityAllowance,
-    cluster_gpus,
     node_topology,
     priority_allowance,
     scheduling_policy,
     team_tree,
     topology_levels,
 )
+from quotas.validation import MAX_GPUS, check_weight, guarantee_range, quota_ranges
 
-MAX_GPUS = 1_000_000
 UNSET: Any = object()
 
 
@@ -269,8 +267,7 @@ def team_create(
 ) -> Team:
     if Team.objects.filter(slug=slug).exists():
         raise ValidationError({"slug": [f"A team with slug {slug!r} already exists."]})
-    if not weight or weight <= 0:
-        raise ValidationError({"weight": [f"Must be greater than 0 (got {weight})."]})
+    check_weight(weight)
     if parent is not None and job_ledger().team_has_jobs(parent.pk):
         raise ValidationError(
             {
@@ -309,8 +306,7 @@ def team_update(
         team.name = name
         fields.append("name")
     if weight is not None:
-        if weight <= 0:
-            raise ValidationError({"weight": [f"Must be greater than 0 (got {weight})."]})
+        check_weight(weight)
         team.weight = weight
         fields.append("weight")
     if parent is not UNSET and parent != team.parent:
@@ -331,7 +327,7 @@ def team_update(
     team.save(update_fields=fields)
     if "parent" in fields:
         for quota in Quota.objects.filter(team=team).select_related("flavor"):
-            _validate_quota_tree(team=team, flavor=quota.flavor, guarantee=quota.guarantee)
+            _validate_guarantee_in_tree(team=team, flavor=quota.flavor, guarantee=quota.guarantee)
     _audit(
         actor=actor,
         action="team.update",
@@ -375,85 +371,11 @@ def team_delete(*, actor: AbstractBaseUser | None, team: Team) -> None:
 # --- quotas ----------------------------------------------------------------
 
 
-def _guarantee_of(team_id: int, flavor_id: int) -> int:
-    return (
-        Quota.objects.filter(team_id=team_id, flavor_id=flavor_id)
-        .values_list("guarantee", flat=True)
-        .first()
-        or 0
-    )
-
-
-def _validate_quota_tree(*, team: Team, flavor: ResourceFlavor, guarantee: int) -> None:
-    """The structural rules a guarantee must keep in the tree."""
-    siblings = Quota.objects.filter(flavor=flavor).exclude(team=team)
-    if team.parent_id is None:
-        others = (
-            siblings.filter(team__parent__isnull=True).aggregate(total=Sum("guarantee"))["total"]
-            or 0
-        )
-        capacity = cluster_gpus(flavor_id=flavor.pk)
-        if others + guarantee > capacity:
-            raise ValidationError(
-                {
-                    "guarantee": [
-                        f"At most {max(capacity - others, 0)}: the cluster has {capacity} GPUs "
-                        f"of {flavor.name} and the other top-level teams hold {others} "
-                        f"(got {guarantee})."
-                    ]
-                }
-            )
-    else:
-        parent_guarantee = _guarantee_of(team.parent_id, flavor.pk)
-        others = (
-            siblings.filter(team__parent_id=team.parent_id).aggregate(total=Sum("guarantee"))[
-                "total"
-            ]
-            or 0
-        )
-        if others + guarantee > parent_guarantee:
-            raise ValidationError(
-                {
-                    "guarantee": [
-                        f"At most {max(parent_guarantee - others, 0)}: {team.parent.slug} has "
-                        f"{parent_guarantee} GPUs of {flavor.name} and its other sub-teams "
-                        f"hold {others} (got {guarantee})."
-                    ]
-                }
-            )
-    children = (
-        Quota.objects.filter(flavor=flavor, team__parent=team).aggregate(total=Sum("guarantee"))[
-            "total"
-        ]
-        or 0
-    )
-    if guarantee < children:
-        raise ValidationError(
-            {
-                "guarantee": [
-                    f"The sub-teams of {team.slug} are guaranteed {children} GPUs of {flavor.name}; "
-                    f"its own guarantee cannot go below that (got {guarantee})."
-                ]
-            }
-        )
-
-
-def _validate_non_preemptible(*, team: Team, flavor: ResourceFlavor, guarantee: int) -> None:
-    subtree = team_tree().subtree([team.pk])
-    jobs = job_ledger().active_non_preemptible(subtree, flavor_id=flavor.pk)
-    running = sum(total for _, _, total in jobs)
-    if guarantee < running:
-        names = ", ".join(
-            f"job {job_id}" + (f" ({name})" if name else "") for job_id, name, _ in jobs
-        )
-        raise ValidationError(
-            {
-                "guarantee": [
-                    f"{team.slug} runs {running} GPUs of {flavor.name} in non-preemptible jobs ({names}); "
-                    f"the guarantee cannot go below that (got {guarantee})."
-                ]
-            }
-        )
+def _validate_guarantee_in_tree(*, team: Team, flavor: ResourceFlavor, guarantee: int) -> None:
+    """Refuse a guarantee its place in the tree no longer allows (after a move)."""
+    allowed = guarantee_range(team=team, flavor=flavor, subtree=team_tree().subtree([team.pk]))
+    if (message := allowed.check(guarantee)) is not None:
+        raise ValidationError({"guarantee": [message]})
 
 
 def quota_validate(
@@ -464,12 +386,23 @@ def quota_validate(
     borrow_limit: int | None,
     lend_limit: int | None,
 ) -> None:
-    """Every rule a quota must keep, without writing anything. Raises ValidationError."""
-    _check_count("guarantee", guarantee)
-    _check_count("borrow_limit", borrow_limit, allow_none=True)
-    _check_count("lend_limit", lend_limit, allow_none=True)
-    _validate_quota_tree(team=team, flavor=flavor, guarantee=guarantee)
-    _validate_non_preemptible(team=team, flavor=flavor, guarantee=guarantee)
+    """Every rule a quota must keep, without writing anything. Raises ValidationError
+    naming each refused field with its allowed range (`quotas.validation`).
+
+    The values may be anything a person typed: a value that is not a whole number
+    is refused like one out of range, so every refusal reads the same."""
+    ranges = quota_ranges(team=team, flavor=flavor, subtree=team_tree().subtree([team.pk]))
+    errors = {
+        field: [message]
+        for field, value in (
+            ("guarantee", guarantee),
+            ("borrow_limit", borrow_limit),
+            ("lend_limit", lend_limit),
+        )
+        if (message := ranges[field].check(value)) is not None
+    }
+    if errors:
+        raise ValidationError(errors)
 
 
 @transaction.atomic

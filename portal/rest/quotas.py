@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import django_filters
-from drf_spectacular.utils import extend_schema, extend_schema_view
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema, extend_schema_field, extend_schema_view
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.permissions import IsAuthenticated
@@ -24,8 +25,48 @@ from portal.rest.access import access_of
 from preemption.quota_preview import quota_preview
 from quotas import selectors, services
 from quotas.models import AuditEntry, Node, PriorityClass, Quota, ResourceFlavor, Team
+from quotas.validation import WEIGHT_RANGE, parse_count, parse_weight
 
-MAX_WEIGHT = 1_000_000.0
+# --- fields ----------------------------------------------------------------------
+
+
+@extend_schema_field(OpenApiTypes.INT)
+class QuotaCountField(serializers.Field):  # type: ignore[type-arg]
+    """A guarantee or limit as sent: a whole number where it reads as one (8, "8",
+    8.0), else the value itself. The quota services refuse anything else with the
+    field's allowed range, in the words the quota editor shows (`quotas.validation`)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_null", True)
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data: Any) -> Any:
+        return parse_count(data)
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
+@extend_schema_field(OpenApiTypes.DOUBLE)
+class WeightField(serializers.Field):  # type: ignore[type-arg]
+    """A team's weight, refused outside its range with the services' sentence."""
+
+    def validate_empty_values(self, data: Any) -> tuple[bool, Any]:
+        # A null weight is refused like any other value outside the range,
+        # rather than with DRF's own "may not be null".
+        if data is None:
+            return False, data
+        return super().validate_empty_values(data)
+
+    def to_internal_value(self, data: Any) -> float:
+        weight = parse_weight(data)
+        if (message := WEIGHT_RANGE.check(weight)) is not None:
+            raise serializers.ValidationError(message)
+        return float(weight)
+
+    def to_representation(self, value: Any) -> float:
+        return float(value)
+
 
 # --- serializers ---------------------------------------------------------------
 
@@ -78,7 +119,7 @@ class TeamSerializer(serializers.ModelSerializer[Team]):
     parent = NamedRelatedField(
         slug_field="slug", queryset=Team.objects.all(), allow_null=True, required=False
     )
-    weight = serializers.FloatField(min_value=0.001, max_value=MAX_WEIGHT, required=False)
+    weight = WeightField(required=False)
 
     class Meta:
         model = Team
@@ -89,7 +130,7 @@ class TeamSerializer(serializers.ModelSerializer[Team]):
 
 class TeamUpdateSerializer(serializers.Serializer[Any]):
     name = serializers.CharField(max_length=120, required=False)
-    weight = serializers.FloatField(min_value=0.001, max_value=MAX_WEIGHT, required=False)
+    weight = WeightField(required=False)
     parent = NamedRelatedField(
         slug_field="slug", queryset=Team.objects.all(), allow_null=True, required=False
     )
@@ -173,11 +214,11 @@ class QuotaSerializer(serializers.ModelSerializer[Quota]):
     flavor = NamedRelatedField(
         slug_field="name", queryset=ResourceFlavor.objects.all(), list_valid=True
     )
-    # Bounds and signs are checked by the service, so the API and the pages
-    # give the same messages; here only the type is checked.
-    guarantee = serializers.IntegerField()
-    borrow_limit = serializers.IntegerField(allow_null=True, required=False)
-    lend_limit = serializers.IntegerField(allow_null=True, required=False)
+    # Types, bounds and signs are checked by the service, so the API and the pages
+    # give the same messages, each naming the allowed range.
+    guarantee = QuotaCountField(required=False)
+    borrow_limit = QuotaCountField(required=False)
+    lend_limit = QuotaCountField(required=False)
 
     class Meta:
         model = Quota
@@ -185,22 +226,34 @@ class QuotaSerializer(serializers.ModelSerializer[Quota]):
         read_only_fields = ["id", "updated_at"]
         validators: list[Any] = []
 
+    def to_internal_value(self, data: Any) -> Any:
+        # A missing guarantee is left to the service, which names its range; where
+        # the team or flavor is wrong too there is no range to name yet.
+        try:
+            return super().to_internal_value(data)
+        except serializers.ValidationError as error:
+            if isinstance(data, dict) and "guarantee" not in data:
+                assert isinstance(error.detail, dict)
+                error.detail.setdefault(
+                    "guarantee", [serializers.ErrorDetail("This field is required.", "required")]
+                )
+            raise
+
 
 class QuotaUpdateSerializer(serializers.Serializer[Any]):
-    guarantee = serializers.IntegerField(required=False)
-    borrow_limit = serializers.IntegerField(allow_null=True, required=False)
-    lend_limit = serializers.IntegerField(allow_null=True, required=False)
+    guarantee = QuotaCountField(required=False)
+    borrow_limit = QuotaCountField(required=False)
+    lend_limit = QuotaCountField(required=False)
     reason = serializers.CharField(
         max_length=300, allow_blank=True, required=False, help_text="Kept with the audit entry."
     )
 
 
 class QuotaPreviewSerializer(QuotaUpdateSerializer):
-    weight = serializers.FloatField(
-        min_value=0.001,
-        max_value=MAX_WEIGHT,
+    weight = WeightField(
         required=False,
-        help_text="The team's weight, which divides the surplus among siblings.",
+        help_text=f"The team's weight, which divides the surplus among siblings "
+        f"({WEIGHT_RANGE.words}).",
     )
 
 
@@ -618,7 +671,7 @@ class QuotaViewSet(
             actor=self.request.user,
             team=values["team"],
             flavor=values["flavor"],
-            guarantee=values["guarantee"],
+            guarantee=values.get("guarantee"),
             borrow_limit=values.get("borrow_limit"),
             lend_limit=values.get("lend_limit"),
         )

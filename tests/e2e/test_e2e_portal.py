@@ -99,7 +99,7 @@ def test_invalid_edit_shows_the_message_and_changes_nothing(
     session.go(f"/quotas/{quota.pk}/edit/")
     page.fill("#id_guarantee", "12")
     page.wait_for_selector("#preview-errors")
-    message = "At most 8: ml has 16 GPUs of h100-80gb and its other sub-teams hold 8 (got 12)."
+    message = "Must be a whole number from 0 to 8: ml has 16 GPUs of h100-80gb and its other sub-teams hold 8 (got 12)."
     assert message in page.inner_text("#preview-errors")
     # The live preview also puts the refusal under the field it concerns.
     assert page.inner_text(".field.invalid p.error.live") == message
@@ -110,7 +110,7 @@ def test_invalid_edit_shows_the_message_and_changes_nothing(
     page.fill("#id_guarantee", "-1")
     page.wait_for_function(
         "document.querySelector('#preview-errors') &&"
-        " document.querySelector('#preview-errors').textContent.includes('Must not be negative')"
+        " document.querySelector('#preview-errors').textContent.includes('(got -1).')"
     )
     quota.refresh_from_db()
     assert quota.guarantee == 8

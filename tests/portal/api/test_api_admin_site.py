@@ -65,7 +65,7 @@ def test_a_quota_edit_in_the_admin_obeys_the_rules_and_is_audited(world: Any) ->
     refused = browser.post(url, form)
     assert refused.status_code == 200
     assert (
-        "At most 8: ml has 16 GPUs of h100-80gb and its other sub-teams hold 8 (got 9)."
+        "Must be a whole number from 0 to 8: ml has 16 GPUs of h100-80gb and its other sub-teams hold 8 (got 9)."
         in refused.content.decode()
     )
     assert Quota.objects.get(pk=quota.pk).guarantee == 8

@@ -142,7 +142,10 @@ def test_quota_preview_says_what_never_preempted_work_needs(world: Any) -> None:
     assert "1 waiting never-preempted job could never start" in body
     assert "it needs 6 GPUs of h100-80gb, the guarantee would be 4." in body
     blocked = client.post(reverse("quota-preview", args=[quota.pk]), {"guarantee": 1})
-    assert "the guarantee cannot go below that (got 1)" in blocked.content.decode()
+    assert (
+        "Must be a whole number from 2 to 8: vision runs 2 GPUs of h100-80gb in non-preemptible "
+        f"jobs (job {serve.pk} (serve))"
+    ) in blocked.content.decode()
 
 
 def test_quota_preview_names_running_jobs_that_would_be_reclaimed(world: Any) -> None:
@@ -183,17 +186,19 @@ def test_invalid_quota_edit_shows_the_service_message_and_changes_nothing(world:
     )
     assert response.status_code == 400
     assert (
-        "At most 8: ml has 16 GPUs of h100-80gb and its other sub-teams hold 8 (got 12)."
+        "Must be a whole number from 0 to 8: ml has 16 GPUs of h100-80gb and its other sub-teams hold 8 (got 12)."
         in response.content.decode()
     )
     negative = client.post(reverse("quota-preview", args=[quota.pk]), {"guarantee": -3})
     assert negative.status_code == 400
-    assert "Must not be negative (got -3)." in negative.content.decode()
+    assert "Must be a whole number from 0 to 8: ml has 16 GPUs" in negative.content.decode()
+    assert "(got -3)." in negative.content.decode()
     not_a_number = client.post(
         reverse("quota-edit", args=[quota.pk]), {"guarantee": "eight", "action": "save"}
     )
     assert not_a_number.status_code == 400
-    assert "Enter a whole number." in not_a_number.content.decode()
+    assert "Must be a whole number from 0 to 8: ml has 16 GPUs" in not_a_number.content.decode()
+    assert "(got eight)." in not_a_number.content.decode()
     quota.refresh_from_db()
     assert quota.guarantee == 8
     assert AuditEntry.objects.count() == before

@@ -32,8 +32,8 @@ def test_refusal_sits_under_its_field_with_the_allowed_maximum(world: Any) -> No
     field = field[: field.index('<div class="field')]
     # ml has 16; nlp holds 8 of it, so vision may have at most 16 - 8 = 8.
     assert (
-        '<p class="error" role="alert" data-error-for="guarantee">At most 8: ml has 16 GPUs of '
-        "h100-80gb and its other sub-teams hold 8 (got 12).</p>"
+        '<p class="error" role="alert" data-error-for="guarantee">Must be a whole number from 0 '
+        "to 8: ml has 16 GPUs of h100-80gb and its other sub-teams hold 8 (got 12).</p>"
     ) in field
     assert (world.quota(world.vision).guarantee, AuditEntry.objects.count()) == (8, before)
 
@@ -45,8 +45,8 @@ def test_live_preview_refusal_carries_the_field_and_message_for_the_editor(world
     )
     assert response.status_code == 400
     assert (
-        'data-error-for="guarantee" data-message="At most 8: ml has 16 GPUs of h100-80gb '
-        'and its other sub-teams hold 8 (got 10)."'
+        'data-error-for="guarantee" data-message="Must be a whole number from 0 to 8: ml has 16 '
+        'GPUs of h100-80gb and its other sub-teams hold 8 (got 10)."'
     ) in response.content.decode()
 
 
@@ -57,8 +57,8 @@ def test_top_level_refusal_names_the_cluster_maximum(world: Any) -> None:
     )
     # 24 GPUs in the cluster, org holds 16: other may have at most 8.
     assert (
-        "At most 8: the cluster has 24 GPUs of h100-80gb and the other top-level teams hold 16 "
-        "(got 9)."
+        "Must be exactly 8: the sub-teams of other are guaranteed 8 GPUs of h100-80gb; the "
+        "cluster has 24 GPUs of h100-80gb and the other top-level teams hold 16 (got 9)."
     ) in response.content.decode()
 
 
