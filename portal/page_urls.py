@@ -26,6 +26,7 @@ urlpatterns = [
     path("teams/<slug:slug>/", quota_views.team_detail, name="team-detail"),
     path("quotas/<int:pk>/edit/", quota_views.quota_edit, name="quota-edit"),
     path("quotas/<int:pk>/preview/", quota_views.quota_preview, name="quota-preview"),
+    path("nodes/", quota_views.node_list, name="node-list"),
     path("jobs/", job_views.job_list, name="job-list"),
     path("jobs/new/", job_submit_views.job_submit_page, name="job-submit"),
     path("jobs/<int:pk>/", job_views.job_detail, name="job-detail"),

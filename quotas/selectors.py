@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db.models import QuerySet
+from django.db.models import QuerySet, Sum
 
 from core.access import Access, TeamTree, User, access_of_memberships
 from quotas.models import (
@@ -264,3 +264,60 @@ def priority_class_teams(*, access: Access) -> dict[int, list[ClassTeams]]:
             branches.append(ClassTeams(team=allowances[top].team, excluded=tuple(excluded)))
         answers[class_id] = sorted(branches, key=lambda branch: branch.team)
     return answers
+
+
+@dataclass(frozen=True)
+class CapacityShortfall:
+    """A flavor whose top-level guarantees exceed the GPUs the engine may place on
+    now: some guarantees cannot all be honoured at once, typically while nodes are
+    drained (`schedulable` false). Cluster-wide figures with node names only, no
+    team, so every signed-in user may read them."""
+
+    flavor: str
+    guaranteed: int
+    schedulable: int
+    drained: int
+    drained_nodes: tuple[str, ...]
+
+    @property
+    def missing(self) -> int:
+        return self.guaranteed - self.schedulable
+
+    @property
+    def words(self) -> str:
+        """ "32 GPUs of h100 guaranteed, 24 schedulable: 8 drained on node-4"."""
+        text = f"{self.guaranteed} GPUs of {self.flavor} guaranteed, {self.schedulable} schedulable"
+        if self.drained:
+            text += f": {self.drained} drained on {', '.join(self.drained_nodes)}"
+        return text
+
+
+def capacity_shortfalls() -> list[CapacityShortfall]:
+    """Every flavor whose top-level teams are guaranteed more GPUs than its
+    schedulable nodes hold, by flavor name; two queries."""
+    schedulable: dict[int, int] = defaultdict(int)
+    drained: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for flavor_id, name, gpus, is_schedulable in Node.objects.order_by("name").values_list(
+        "flavor_id", "name", "gpus", "schedulable"
+    ):
+        if is_schedulable:
+            schedulable[flavor_id] += gpus
+        elif gpus:
+            drained[flavor_id].append((name, gpus))
+    guaranteed = (
+        Quota.objects.filter(team__parent__isnull=True)
+        .values("flavor_id", "flavor__name")
+        .annotate(total=Sum("guarantee"))
+        .order_by("flavor__name")
+    )
+    return [
+        CapacityShortfall(
+            flavor=row["flavor__name"],
+            guaranteed=int(row["total"]),
+            schedulable=schedulable[row["flavor_id"]],
+            drained=sum(gpus for _, gpus in drained[row["flavor_id"]]),
+            drained_nodes=tuple(name for name, _ in drained[row["flavor_id"]]),
+        )
+        for row in guaranteed
+        if (row["total"] or 0) > schedulable[row["flavor_id"]]
+    ]

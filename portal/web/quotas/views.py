@@ -28,9 +28,11 @@ from quotas.selectors import (
     priority_allowance,
     quota_list,
     scheduling_policy,
+    topology_levels,
 )
 from quotas.selectors import team_list as team_selector
 from quotas.services import MIN_RUNTIME_FIELDS, quota_update
+from telemetry.nodes import node_rows
 from telemetry.selectors import flavor_names, team_rows
 
 
@@ -45,6 +47,35 @@ def team_list(request: HttpRequest) -> HttpResponse:
             "rows": team_rows(access=access),
             "flavors": flavor_names(),
             "nav": "teams",
+        },
+    )
+
+
+@login_required
+def node_list(request: HttpRequest) -> HttpResponse:
+    """Every node with its flavor, GPUs, GPUs in use, whether it is schedulable or
+    drained, and its topology. Every signed-in user reads it, as `/api/v1/nodes/`
+    (cluster-wide figures, no team or job names); only admins change nodes, in the
+    admin or through the API, so only they get the links to do so."""
+    nodes = node_rows()
+    flavors: dict[str, dict[str, int]] = {}
+    for node in nodes:
+        figures = flavors.setdefault(
+            node.flavor, {"nodes": 0, "gpus": 0, "schedulable": 0, "drained": 0, "used": 0}
+        )
+        figures["nodes"] += 1
+        figures["gpus"] += node.gpus
+        figures["schedulable" if node.schedulable else "drained"] += node.gpus
+        figures["used"] += node.used
+    return render(
+        request,
+        "quotas/node_list.html",
+        {
+            "nodes": nodes,
+            "flavor_totals": sorted(flavors.items()),
+            "levels": list(topology_levels()),
+            "can_change": access_for(request.user).is_admin,
+            "nav": "nodes",
         },
     )
 
@@ -78,6 +109,9 @@ def team_detail(request: HttpRequest, slug: str) -> HttpResponse:
         {
             "team": team,
             "own": own,
+            "quota_flavors": [
+                name for name, usage in (own.flavors.items() if own else []) if usage.has_quota
+            ],
             "children": children,
             "child_can_edit": access.can_manage_team(team.pk),
             "can_edit": can_edit,
