@@ -10,7 +10,7 @@ from typing import Any
 from django.db import models
 
 import fairshare
-from preemption.models import ACTIVE_STATES, WAITING_STATES, Job
+from preemption.models import ACTIVE_STATES, WAITING_STATES, Job, JobState
 from preemption.reasons import Preemptor, preemption_words, usage_lowers_share, usage_words
 from preemption.snapshot import build_snapshot
 from quotas.models import Quota, ResourceFlavor, Team
@@ -69,6 +69,129 @@ def non_preemptible_work(*, team: Team, flavor: ResourceFlavor, guarantee: int) 
     }
 
 
+def exposed_work(
+    *,
+    team: Team,
+    flavor: ResourceFlavor,
+    guarantee_before: int,
+    guarantee_after: int,
+    borrow_limit_before: int | None,
+    borrow_limit_after: int | None,
+) -> dict[str, Any]:
+    """The running jobs of `team`'s subtree that a change of its (team, flavor)
+    guarantee or borrow limit leaves beyond the guarantee, or over the borrow limit.
+
+    Nobody is preempted by such a change at once (limits apply to new admissions,
+    and R6 reclaims only for an owner that wants its GPUs back), but what runs
+    beyond the guarantee is borrowed: by R3 and R6 it is what a reclaim takes
+    first, and a gang that straddles the line goes whole. To say which jobs those
+    are, the jobs fill the guarantee in the order the rules protect them: never-
+    preempted jobs first (R5 keeps them inside it), then higher priority, then the
+    longest running; the rest run beyond it. Jobs already preempting are leaving
+    and count as used only. The jobs are all in `team`'s subtree, which whoever may
+    edit the quota may read.
+    """
+    subtree = team_tree().subtree([team.pk])
+    jobs = list(
+        Job.objects.filter(team_id__in=subtree, flavor=flavor, state__in=ACTIVE_STATES)
+        .select_related("team", "priority_class")
+        .order_by("id")
+    )
+    used = sum(job.gpus for job in jobs)
+
+    def protection(job: Job) -> tuple[Any, ...]:
+        admitted = job.admitted_at.timestamp() if job.admitted_at else float("inf")
+        return (
+            job.state == JobState.PREEMPTING,
+            job.priority_class.preemptible,
+            -job.priority_class.value,
+            admitted,
+            job.pk,
+        )
+
+    def beyond(guarantee: int) -> dict[int, int]:
+        room, result = guarantee, {}
+        for job in sorted(jobs, key=protection):
+            inside = min(room, job.gpus)
+            room -= inside
+            result[job.pk] = job.gpus - inside
+        return result
+
+    before, after = beyond(guarantee_before), beyond(guarantee_after)
+    borrowed_before = max(used - guarantee_before, 0)
+    borrowed_after = max(used - guarantee_after, 0)
+    over_limit = (
+        max(borrowed_after - borrow_limit_after, 0) if borrow_limit_after is not None else 0
+    )
+    over_limit_before = (
+        max(borrowed_before - borrow_limit_before, 0) if borrow_limit_before is not None else 0
+    )
+    listed = []
+    for job in sorted(jobs, key=protection):
+        if job.state == JobState.PREEMPTING or not after[job.pk]:
+            continue
+        if after[job.pk] <= before[job.pk] and over_limit <= over_limit_before:
+            continue
+        listed.append(
+            {
+                "job_id": job.pk,
+                "job_name": job.name,
+                "team": job.team.slug,
+                "gpus": job.gpus,
+                "beyond": after[job.pk],
+                "beyond_before": before[job.pk],
+                "why": exposure_words(
+                    team=team.slug,
+                    guarantee=guarantee_after,
+                    beyond=after[job.pk],
+                    gpus=job.gpus,
+                    over_borrow_limit=borrow_limit_after if over_limit else None,
+                ),
+            }
+        )
+    return {
+        "team": team.slug,
+        "flavor": flavor.name,
+        "used": used,
+        "beyond": borrowed_after,
+        "beyond_before": borrowed_before,
+        "over_borrow_limit": over_limit,
+        "jobs": listed,
+    }
+
+
+def exposure_words(
+    *, team: str, guarantee: int, beyond: int, gpus: int, over_borrow_limit: int | None
+) -> str:
+    """Why a running job is exposed by a quota change, in one sentence."""
+    where = f"{beyond} of its {gpus} GPUs" if beyond < gpus else f"all {gpus} of its GPUs"
+    text = f"{where} would run beyond {team}'s guarantee of {guarantee}"
+    if over_borrow_limit is not None:
+        text += f", over the new borrow limit of {over_borrow_limit}"
+    return (
+        f"{text}: it keeps them for now, but borrowed GPUs are the first to be reclaimed "
+        "when an owner needs them, and the job would be preempted whole."
+    )
+
+
+def _scope_reclaimed(result: dict[str, Any], visible_team_ids: set[int] | None) -> None:
+    """Keep the reclaimed jobs of the teams the asking user may read by name and
+    sum the others up, so a preview never names another tenant's jobs."""
+    if visible_team_ids is None:
+        result["reclaimed_elsewhere"] = {"jobs": 0, "gpus": 0}
+        return
+    visible_slugs = set(Team.objects.filter(id__in=visible_team_ids).values_list("slug", flat=True))
+    named, hidden = [], []
+    for item in result.get("reclaimed", []):
+        team = item.get("team") or item.get("queue")
+        (named if team in visible_slugs else hidden).append(item)
+    result["reclaimed"] = named
+    result["reclaimed_elsewhere"] = {
+        "jobs": len(hidden),
+        "gpus": sum(int(item.get("gpus") or 0) for item in hidden),
+    }
+
+
 def quota_preview(
     *,
     quota: Quota,
@@ -76,10 +199,15 @@ def quota_preview(
     borrow_limit: Any = UNSET,
     lend_limit: Any = UNSET,
     weight: Any = UNSET,
+    visible_team_ids: set[int] | None = None,
 ) -> dict[str, Any]:
     """Validate a quota edit exactly like `quota_update`, save nothing, and say
-    what it would do: running jobs that would be reclaimed, admissions it would
-    allow, and how every fair share moves."""
+    what it would do: running jobs that would be reclaimed, running jobs it leaves
+    beyond the guarantee (`exposed`), admissions it would allow, and how every fair
+    share moves.
+
+    `visible_team_ids` are the teams the asking user may read (None: all, for
+    admins): reclaimed jobs of other teams are only counted (`reclaimed_elsewhere`)."""
     new_guarantee = quota.guarantee if guarantee is UNSET else guarantee
     new_borrow = quota.borrow_limit if borrow_limit is UNSET else borrow_limit
     new_lend = quota.lend_limit if lend_limit is UNSET else lend_limit
@@ -107,6 +235,15 @@ def quota_preview(
         fairshare.apply_changes(snapshot, [change]), flavor=quota.flavor.name
     )
     _describe_reclaimed(result.get("reclaimed", []))
+    _scope_reclaimed(result, visible_team_ids)
+    result["exposed"] = exposed_work(
+        team=quota.team,
+        flavor=quota.flavor,
+        guarantee_before=quota.guarantee,
+        guarantee_after=new_guarantee,
+        borrow_limit_before=quota.borrow_limit,
+        borrow_limit_after=new_borrow,
+    )
     result["non_preemptible"] = non_preemptible_work(
         team=quota.team, flavor=quota.flavor, guarantee=new_guarantee
     )

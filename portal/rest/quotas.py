@@ -344,6 +344,15 @@ class QuotaPreviewResultSerializer(serializers.Serializer[Any]):
         child=serializers.DictField(),
         help_text="Running jobs the change would preempt, with the reason.",
     )
+    reclaimed_elsewhere = serializers.DictField(
+        help_text="Reclaimed jobs of teams you may not read, only counted: `jobs` and `gpus`."
+    )
+    exposed = serializers.DictField(
+        help_text="Running jobs of the team the change leaves beyond its guarantee or over its "
+        "new borrow limit: they keep their GPUs for now but are the first to be reclaimed. "
+        "`used`, `beyond` (GPUs beyond the guarantee after the change), `beyond_before`, "
+        "`over_borrow_limit` and `jobs` (each with `beyond`, `beyond_before` and `why`)."
+    )
     released = serializers.ListField(child=serializers.CharField(), required=False)
     admitted = serializers.ListField(
         child=serializers.DictField(),
@@ -703,7 +712,17 @@ class QuotaViewSet(
         self._check_editable(quota.team)
         incoming = QuotaPreviewSerializer(data=request.data)
         incoming.is_valid(raise_exception=True)
-        return Response(quota_preview(quota=quota, **incoming.validated_data))
+        access = access_of(request)
+        values = dict(incoming.validated_data)
+        # A reason belongs to a saved change; a preview saves nothing.
+        values.pop("reason", None)
+        return Response(
+            quota_preview(
+                quota=quota,
+                visible_team_ids=None if access.is_admin else set(access.readable_teams),
+                **values,
+            )
+        )
 
 
 @extend_schema_view(

@@ -144,10 +144,16 @@ def _editable_quota(request: HttpRequest, pk: int) -> Quota:
     return quota
 
 
-def _preview(quota: Quota, form: QuotaForm) -> dict[str, Any] | None:
-    """The consequences of the edit, or None with the services' messages on the form."""
+def _preview(request: HttpRequest, quota: Quota, form: QuotaForm) -> dict[str, Any] | None:
+    """The consequences of the edit, or None with the services' messages on the form.
+    Reclaimed jobs of teams the user may not read are only counted."""
+    access = access_for(request.user)
     try:
-        return preview_change(quota=quota, **form.values())
+        return preview_change(
+            quota=quota,
+            visible_team_ids=None if access.is_admin else set(access.readable_teams),
+            **form.values(),
+        )
     except ValidationError as error:
         form.add_service_errors(error)
         return None
@@ -185,6 +191,8 @@ def preview_context(consequences: dict[str, Any] | None) -> dict[str, Any]:
         "change": consequences.get("change") or {},
         "non_preemptible": consequences.get("non_preemptible") or {},
         "decayed_usage": consequences.get("decayed_usage") or [],
+        "exposed": consequences.get("exposed") or {},
+        "reclaimed_elsewhere": consequences.get("reclaimed_elsewhere") or {},
     }
 
 
@@ -249,7 +257,7 @@ def quota_edit(request: HttpRequest, pk: int) -> HttpResponse:
                     )
                     return redirect("team-detail", slug=quota.team.slug)
             else:
-                consequences = _preview(quota, form)
+                consequences = _preview(request, quota, form)
         status = 200 if form.is_valid() else 400
     else:
         form = QuotaForm.for_quota(quota)
@@ -271,7 +279,7 @@ def quota_preview(request: HttpRequest, pk: int) -> HttpResponse:
     edit and saves nothing."""
     quota = _editable_quota(request, pk)
     form = QuotaForm.for_quota(quota, request.POST)
-    consequences = _preview(quota, form) if form.is_valid() else None
+    consequences = _preview(request, quota, form) if form.is_valid() else None
     status = 200 if form.is_valid() else 400
     return render(
         request,
