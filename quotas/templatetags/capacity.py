@@ -26,13 +26,17 @@ def _shortfalls(context: template.Context) -> list[CapacityShortfall]:
 
 @register.inclusion_tag("quotas/_capacity_warning.html", takes_context=True)
 def capacity_warnings(
-    context: template.Context, flavor: str | None = None, flavors: Any = None
+    context: template.Context,
+    flavor: str | None = None,
+    flavors: Any = None,
+    compact: bool = False,
 ) -> dict[str, Any]:
-    """The warnings of one flavor, of the flavors in `flavors`, or (neither) of all."""
+    """The warnings of one flavor, of the flavors in `flavors`, or (neither) of all;
+    `compact` leaves out the explanation (the dashboard's flavor card is narrow)."""
     shortfalls = _shortfalls(context)
     if flavor is not None:
         shortfalls = [item for item in shortfalls if item.flavor == flavor]
     elif flavors is not None:
         wanted = set(flavors)
         shortfalls = [item for item in shortfalls if item.flavor in wanted]
-    return {"shortfalls": shortfalls, "user": context.get("user")}
+    return {"shortfalls": shortfalls, "compact": compact, "user": context.get("user")}
