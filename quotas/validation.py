@@ -70,7 +70,11 @@ def parse_weight(raw: Any) -> Any:
     if isinstance(raw, bool) or raw is None:
         return raw
     if isinstance(raw, int | float):
-        return float(raw) if math.isfinite(raw) else raw
+        try:
+            number = float(raw)
+        except OverflowError:  # an int beyond any float
+            return raw
+        return number if math.isfinite(number) else raw
     if isinstance(raw, str):
         try:
             number = float(raw.strip())
@@ -126,7 +130,8 @@ class AllowedRange:
         if self.whole:
             if not isinstance(value, int):
                 return False
-        elif not isinstance(value, int | float) or not math.isfinite(value):
+        elif not isinstance(value, float) or not math.isfinite(value):
+            # `parse_weight` made every readable number a float.
             return False
         return self.low <= value <= self.high
 
@@ -157,7 +162,7 @@ WEIGHT_RANGE = AllowedRange("weight", MIN_WEIGHT, MAX_WEIGHT, whole=False)
 
 def check_weight(value: Any) -> None:
     """Refuse a team weight outside its range (ValidationError naming `weight`)."""
-    if (message := WEIGHT_RANGE.check(value)) is not None:
+    if (message := WEIGHT_RANGE.check(parse_weight(value))) is not None:
         raise ValidationError({"weight": [message]})
 
 

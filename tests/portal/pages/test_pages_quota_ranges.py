@@ -157,7 +157,15 @@ def test_every_refused_field_is_named_at_once(world: Any) -> None:
 
 @pytest.mark.parametrize(
     ("sent", "shown"),
-    [(0, "0"), (-1, "-1"), ("abc", "abc"), (None, "nothing"), (2e6, "2000000"), (True, "True")],
+    [
+        (0, "0"),
+        (-1, "-1"),
+        ("abc", "abc"),
+        (None, "nothing"),
+        (2e6, "2000000"),
+        (True, "True"),
+        (10**400, "1" + "0" * 38 + "…"),
+    ],
 )
 def test_a_weight_is_refused_with_its_range(world: Any, sent: Any, shown: str) -> None:
     client = world.client("admin")
