@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -265,7 +266,8 @@ def test_a_signal_during_a_save_is_remembered(tmp_path: Path) -> None:
 class _SlowToWrite:
     """A state entry whose serialisation takes ``seconds``: a write that is still running.
 
-    It is written as the plain integer 7, which loads anywhere; staging keeps the
+    It is written as the plain mapping {"written": 7}, which the trap's weights-only
+    loader accepts (a pickled call of ``int`` would be refused); staging keeps the
     object itself, so only the background write pays the delay.
     """
 
@@ -275,9 +277,9 @@ class _SlowToWrite:
     def __deepcopy__(self, memo: dict[int, Any]) -> _SlowToWrite:
         return self
 
-    def __reduce__(self) -> tuple[type[int], tuple[int]]:
+    def __reduce__(self) -> tuple[type[OrderedDict[str, int]], tuple[list[tuple[str, int]]]]:
         time.sleep(self.seconds)
-        return (int, (7,))
+        return (OrderedDict, ([("written", 7)],))
 
 
 class _SlowState:
@@ -327,7 +329,7 @@ def test_a_background_save_returns_at_once_and_commits_the_state_of_its_step(
         tmp_path, {"model": fresh, "optimizer": fresh_optimizer, "slow": restored}, signals=()
     ) as resumed:
         assert resumed.resume() == 2
-    assert restored.loaded == 7
+    assert restored.loaded == {"written": 7}
     for name, value in fresh.state_dict().items():
         assert torch.equal(value, snapshot[name]), name
 

@@ -22,15 +22,21 @@ from typing import Any, NoReturn, TextIO
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from gracetrap import checkpoints, protocol
 from gracetrap.events import POST_TIMEOUT_SECONDS, EventReporter, NoticePoller
 from gracetrap.ports import release_rendezvous_port
-from gracetrap.state import Stateful, adapt_state, capture_rng_state, restore_rng_state
+from gracetrap.state import (
+    SafeLoadPlanner,
+    SafeReader,
+    Stateful,
+    adapt_state,
+    capture_rng_state,
+    restore_rng_state,
+)
 
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -923,7 +929,9 @@ class Trap:
         return 0
 
     def _load(self, path: Path, step: int) -> None:
-        reader = FileSystemReader(path)
+        # Neither the index nor any value is unpickled freely: a folder that names
+        # anything but tensors and plain data is refused (gracetrap.state).
+        reader = SafeReader(path)
         saved_keys = set(reader.read_metadata().state_dict_metadata)
         rng_key = _rng_key(self.rank())
         # DCP loads into these dicts in place; each object then takes its own back.
@@ -942,7 +950,7 @@ class Trap:
             dcp_load(
                 target,
                 storage_reader=reader,
-                planner=DefaultLoadPlanner(),
+                planner=SafeLoadPlanner(),
                 no_dist=not self._initialised(),
             )
         if target[_STEP_KEY] != step:
