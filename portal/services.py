@@ -76,3 +76,13 @@ def api_token_revoke(*, user: AbstractBaseUser, token: ApiToken) -> ApiToken:
         token.revoked_at = timezone.now()
         token.save(update_fields=["revoked_at"])
     return token
+
+
+@transaction.atomic
+def api_tokens_revoke_all(*, user: AbstractBaseUser) -> int:
+    """Revoke every active token of `user`; returns how many. Called when the
+    password changes: a token minted with the old password (by `qm login`, say,
+    on a machine the user no longer trusts) must not outlive it."""
+    return ApiToken.objects.filter(user_id=user.pk, revoked_at__isnull=True).update(
+        revoked_at=timezone.now()
+    )

@@ -271,6 +271,20 @@ QM_RUNNER_GID_BASE = env_int("QM_RUNNER_GID_BASE", 2**31, minimum=65536)
 # The local runtime's virtual nodes: name:flavor:gpus, comma-separated. Empty
 # means "the nodes in the database".
 QM_LOCAL_NODES = env_str("QM_LOCAL_NODES", "") or ""
+# The local runtime's sandbox per rank (preemption/runtimes/sandbox.py): its own PID,
+# mount and (per gang) network namespace, a cgroup that the gang's kill empties, and
+# these limits per rank. `auto` sandboxes where the machine can and warns where it
+# cannot; `on` refuses to launch without one (production should say `on`); `off`
+# never sandboxes. Sizes take K, M, G or T (binary units).
+QM_LOCAL_SANDBOX = env_choice("QM_LOCAL_SANDBOX", "auto", ("auto", "on", "off"))
+QM_RANK_PIDS_MAX = env_int("QM_RANK_PIDS_MAX", 4096, minimum=8)
+try:
+    from preemption.runtimes.sandbox import parse_size as _parse_size
+
+    QM_RANK_MEMORY_MAX = _parse_size(env_str("QM_RANK_MEMORY_MAX", "64G") or "")
+    QM_RANK_FILE_SIZE_MAX = _parse_size(env_str("QM_RANK_FILE_SIZE_MAX", "256G") or "")
+except ValueError as _error:
+    raise ImproperlyConfigured(f"QM_RANK_MEMORY_MAX or QM_RANK_FILE_SIZE_MAX: {_error}") from None
 QM_K8S_NAMESPACE = env_str("QM_K8S_NAMESPACE", "quartermaster") or "quartermaster"
 QM_K8S_NAMESPACE_PER_TEAM = env_bool("QM_K8S_NAMESPACE_PER_TEAM", False)
 QM_K8S_KUBECONFIG = env_str("QM_K8S_KUBECONFIG", "") or ""
@@ -311,6 +325,10 @@ QM_START_TIMEOUT_SECONDS = env_float("QM_START_TIMEOUT_SECONDS", 300.0, minimum=
 # How much of the end of each rank's log is kept once its attempt ends, for
 # runtimes that forget logs with their pods (Kubernetes).
 QM_LOG_TAIL_BYTES = env_int("QM_LOG_TAIL_BYTES", 4 << 20, minimum=0)
+# How much of each rank's log the local runtime keeps: its first and its last
+# bytes, with a line saying how much was cut between them (capped_log.py).
+QM_RANK_LOG_HEAD_BYTES = env_int("QM_RANK_LOG_HEAD_BYTES", 64 << 20, minimum=1 << 16)
+QM_RANK_LOG_TAIL_BYTES = env_int("QM_RANK_LOG_TAIL_BYTES", 64 << 20, minimum=1 << 16)
 # How far into a live Kubernetes log a read may reach (the pod log API has no
 # offset, so a read streams from the start).
 QM_K8S_LOG_SCAN_BYTES = env_int("QM_K8S_LOG_SCAN_BYTES", 64 << 20, minimum=1 << 20)
@@ -378,12 +396,11 @@ QM_TRAP_EVENT_LOCK_TIMEOUT_SECONDS = env_float(
     "QM_TRAP_EVENT_LOCK_TIMEOUT_SECONDS", 5.0, minimum=0.01
 )
 
-# Login throttling (portal/throttling.py): this many wrong passwords for one
-# account lock that account out (from every address), and this many from one
-# address lock that address out (for every account), for the lockout time.
+# Login throttling (portal/throttling.py): this many wrong passwords from one
+# address lock that address out for the lockout time (AXES_LOCKOUT_PARAMETERS,
+# with the containment settings below).
 AXES_FAILURE_LIMIT = env_int("QM_LOGIN_FAILURE_LIMIT", 10, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env_int("QM_LOGIN_LOCKOUT_MINUTES", 15, minimum=1))
-AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
 AXES_LOCKOUT_CALLABLE = "portal.throttling.lockout_response"
 # How many reverse proxies (an ingress, a load balancer) stand in front of the
 # web server; each appends the address it saw to X-Forwarded-For.
@@ -403,6 +420,46 @@ if QM_TOKEN_DEFAULT_DAYS > QM_TOKEN_MAX_DAYS:
     raise ImproperlyConfigured(
         f"QM_TOKEN_DEFAULT_DAYS ({QM_TOKEN_DEFAULT_DAYS}) exceeds QM_TOKEN_MAX_DAYS ({QM_TOKEN_MAX_DAYS})"
     )
+
+# Containment: what one researcher or team may take of the shared control
+# plane (README, "Security model").
+# Jobs waiting to run (pending or requeued) that one person may have, and that
+# one team may have where an admin set no limit on it or a team above it
+# (quotas.Team.max_queued_jobs, inherited down the tree like priority classes).
+QM_MAX_QUEUED_JOBS_PER_USER = env_int("QM_MAX_QUEUED_JOBS_PER_USER", 1000, minimum=1)
+QM_MAX_QUEUED_JOBS_PER_TEAM = env_int("QM_MAX_QUEUED_JOBS_PER_TEAM", 2000, minimum=1)
+QM_MAX_WEBHOOKS_PER_TEAM = env_int("QM_MAX_WEBHOOKS_PER_TEAM", 10, minimum=1)
+# API requests per signed-in user and per anonymous address (portal/throttling.py),
+# as N/second, N/minute, N/hour or N/day. The counts live in Django's cache, a
+# per-process one unless CACHES names a shared one. The trap's events endpoint
+# has its own per-rank limit (QM_TRAP_EVENTS_PER_RANK) and is not throttled here.
+_RATE_PERIODS = ("second", "minute", "hour", "day")
+QM_API_RATE_USER = env_str("QM_API_RATE_USER", "1200/minute") or ""
+QM_API_RATE_ANON = env_str("QM_API_RATE_ANON", "120/minute") or ""
+for _name, _rate in (
+    ("QM_API_RATE_USER", QM_API_RATE_USER),
+    ("QM_API_RATE_ANON", QM_API_RATE_ANON),
+):
+    _count, _, _period = _rate.partition("/")
+    if not (_count.isdigit() and int(_count) > 0 and _period in _RATE_PERIODS):
+        raise ImproperlyConfigured(
+            f"{_name} must be a count per period such as 1200/minute "
+            f"(second, minute, hour or day), got {_rate!r}"
+        )
+REST_FRAMEWORK["DEFAULT_THROTTLE_CLASSES"] = [
+    "portal.throttling.UserRequestThrottle",
+    "portal.throttling.AnonRequestThrottle",
+]
+# Whether /api/schema/ and /api/docs/ need a signed-in user: the schema lists
+# every endpoint and field, which an outsider has no need of.
+QM_API_SCHEMA_REQUIRES_SIGN_IN = env_bool("QM_API_SCHEMA_REQUIRES_SIGN_IN", True)
+# A changed password revokes the user's API tokens, as it ends their sessions.
+AUTH_PASSWORD_VALIDATORS.append({"NAME": "portal.auth.RevokeTokensOnPasswordChange"})
+# A login is locked out per address: ten wrong passwords from one address lock
+# that address out (for every account, so it cannot guess its way across
+# accounts either), while the account stays open from everywhere else. Locking
+# the account itself would let anyone lock its owner out from afar.
+AXES_LOCKOUT_PARAMETERS = ["ip_address"]
 
 LOGGING = {
     "version": 1,

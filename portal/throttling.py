@@ -7,15 +7,19 @@ portal's sign-in page, the Django admin's and the API's token login
 each view counting for itself, and it keeps the failures in the database, so
 every web worker process sees the same count (a per-process cache would give
 each gunicorn worker its own allowance). The limits come from settings:
-`AXES_FAILURE_LIMIT` wrong passwords per account or per address (whichever
-reaches it first) lock both out for `AXES_COOLOFF_TIME`, and a try during the
-lockout starts the wait again.
+`AXES_FAILURE_LIMIT` wrong passwords from one address lock that address out
+(for every account) for `AXES_COOLOFF_TIME`, and a try during the lockout starts
+the wait again. The account itself is never locked: wrong passwords sent from
+elsewhere would otherwise lock its owner out from afar, and each address that
+guesses gets only its few tries.
 
 This module holds the pieces axes leaves to the project: the backend that lets
 in-process callers without a request through, the client's address behind
 `QM_PROXY_COUNT` reverse proxies, and the answer a locked-out request gets
 (JSON with `Retry-After` for the API, the sign-in page with the reason for a
-browser).
+browser). It also holds the API's request rates (DRF throttles per user and per
+anonymous address, QM_API_RATE_USER and QM_API_RATE_ANON), answered 429 with
+`Retry-After` by DRF.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from axes.backends import AxesStandaloneBackend
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
+from rest_framework.request import Request
+from rest_framework.throttling import AnonRateThrottle, UserRateThrottle
 
 
 class LoginThrottleBackend(AxesStandaloneBackend):
@@ -83,7 +89,7 @@ def lockout_seconds() -> int:
 def lockout_reason() -> str:
     minutes = max(1, round(lockout_seconds() / 60))
     return (
-        f"Too many failed sign-ins for this account or from this address. Sign-in is locked "
+        f"Too many failed sign-ins from this address. Sign-in from it is locked "
         f"for {minutes} minute{'s' if minutes != 1 else ''}, even with the right password; "
         "each further try starts the wait again."
     )
@@ -104,3 +110,28 @@ def lockout_response(
         )
     response["Retry-After"] = str(lockout_seconds())
     return response
+
+
+# --- API request rates --------------------------------------------------------------
+
+
+class UserRequestThrottle(UserRateThrottle):
+    """Requests per signed-in user (settings.QM_API_RATE_USER).
+
+    The rate is read from settings at each request rather than from DRF's
+    `DEFAULT_THROTTLE_RATES`, which DRF copies once at import, so a changed
+    setting (a test's, above all) takes effect."""
+
+    def get_rate(self) -> str:
+        return str(settings.QM_API_RATE_USER)
+
+
+class AnonRequestThrottle(AnonRateThrottle):
+    """Requests per anonymous client address (settings.QM_API_RATE_ANON), the
+    address counted as the login lockout counts it (`client_address`)."""
+
+    def get_rate(self) -> str:
+        return str(settings.QM_API_RATE_ANON)
+
+    def get_ident(self, request: Request) -> str:
+        return client_address(request) or super().get_ident(request)

@@ -28,6 +28,7 @@ import pytest
 from django.apps import apps
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.core.cache import cache
 from hypothesis import settings as hypothesis_settings
 from rest_framework.test import APIClient
 
@@ -87,6 +88,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rest = items[first_transactional:]
     rest.sort(key=lambda item: not serialized_transactional(item))
     items[first_transactional:] = rest
+
+
+@pytest.fixture(autouse=True)
+def _fresh_request_counts() -> None:
+    """The API's request rates count in Django's cache, which outlives a test: each
+    test starts with none counted, as a user or an address would after a quiet
+    minute, so no test is throttled for what the ones before it sent."""
+    cache.clear()
 
 
 @dataclass

@@ -8,6 +8,7 @@ read answers 404 whatever the endpoint; writes go through the services.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -256,9 +257,41 @@ class JobDetailSerializer(JobSerializer):
         return CadenceSerializer(cadence).data if cadence is not None else None
 
 
+@dataclass(frozen=True)
+class UnknownTeam:
+    """A team name no team has: refused by `checked_submission` exactly as a team
+    the user may not submit to, so a refusal never tells whether a name exists."""
+
+    slug: str
+
+
+class SubmitTeamField(NamedRelatedField):
+    """The team a job is submitted to. A name no team has becomes `UnknownTeam`
+    rather than a 400 of its own (a 403 for an existing team's name would tell
+    a researcher which hidden teams exist)."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        try:
+            return super().to_internal_value(data)
+        except serializers.ValidationError:
+            if isinstance(data, bool) or not isinstance(data, str | int):
+                raise
+            return UnknownTeam(slug=str(data)[:100].replace("\x00", ""))
+
+
+def may_not_submit(slugs: list[str]) -> Exception:
+    """The one refusal for teams that are hidden, not allowed or not there at all."""
+    names = ", ".join(slugs)
+    return deny(f"You may not submit jobs to team{'s' if len(slugs) > 1 else ''} {names}.")
+
+
+def _may_submit(team: Team | UnknownTeam, access: Access) -> bool:
+    return isinstance(team, Team) and access.can_submit_to(team.pk)
+
+
 class JobSubmitSerializer(serializers.Serializer[Any]):
     name = serializers.CharField(required=False, allow_blank=True, default="")
-    team = NamedRelatedField(slug_field="slug", queryset=Team.objects.all())
+    team = SubmitTeamField(slug_field="slug", queryset=Team.objects.all())
     flavor = NamedRelatedField(
         slug_field="name", queryset=ResourceFlavor.objects.all(), list_valid=True
     )
@@ -328,9 +361,9 @@ def checked_submission(payload: Any, *, access: Access) -> dict[str, Any]:
     incoming = JobSubmitSerializer(data=payload)
     incoming.is_valid(raise_exception=True)
     values = dict(incoming.validated_data)
-    team: Team = values["team"]
-    if not access.can_submit_to(team.pk):
-        raise deny(f"You may not submit jobs to team {team.slug}.")
+    team: Team | UnknownTeam = values["team"]
+    if not _may_submit(team, access):
+        raise may_not_submit([team.slug])
     return values
 
 
@@ -681,11 +714,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
             raise ValidationError(_batch_errors(incoming.errors))
         items = [dict(item) for item in incoming.validated_data["jobs"]]
         access = access_of(request)
-        refused = sorted({i["team"].slug for i in items if not access.can_submit_to(i["team"].pk)})
+        refused = sorted({i["team"].slug for i in items if not _may_submit(i["team"], access)})
         if refused:
-            raise deny(
-                f"You may not submit jobs to team{'s' if len(refused) > 1 else ''} {', '.join(refused)}."
-            )
+            raise may_not_submit(refused)
         try:
             jobs = services.job_submit_many(
                 submitter=request.user,
@@ -802,7 +833,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
             "already known are ignored. A refused event changes nothing and the answer says why."
         ),
         request=TrapEventSerializer,
-        responses=responses(TrapEventAcceptedSerializer, 400, 403, 404, 429, 503, status_code=202),
+        responses=responses(TrapEventAcceptedSerializer, 400, 403, 429, 503, status_code=202),
         auth=[{"jobEventsToken": []}],
     )
     @extend_schema(
@@ -821,6 +852,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
         detail=True,
         methods=["get", "post"],
         authentication_classes=[JobEventsTokenAuthentication],
+        # The trap polls twice a second from every rank, and a node's ranks share
+        # an address: events have their own per-rank limit (QM_TRAP_EVENTS_PER_RANK).
+        throttle_classes=[],
         filter_backends=[],
         pagination_class=None,
     )
@@ -833,8 +867,8 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
                 )
             return Response(NoticeAnswerSerializer(request.auth).data)
         if not isinstance(request.auth, Attempt):
-            if _job_by_id(pk) is None:
-                raise NotFound(f"No job {pk}.")
+            # The same answer whether or not job `pk` exists: without the job's
+            # own token nothing is told about it.
             raise deny(
                 "This endpoint needs the open attempt's events token "
                 "(Authorization: Bearer <QM_EVENTS_TOKEN>)."

@@ -121,12 +121,15 @@ def test_a_class_the_team_may_not_use_refuses_the_batch(world: Any) -> None:
 def test_unknown_names_and_wrong_types_are_400_by_place(world: Any) -> None:
     response = post(
         world.client("researcher"),
-        {"jobs": [spec(team="no-such-team"), spec(), spec(ranks="two")]},
+        # An unknown team is refused as a hidden one is (403, tests/security/test_security_names.py).
+        {"jobs": [spec(flavor="no-such-flavor"), spec(), spec(ranks="two")]},
     )
     assert response.status_code == 400
     errors = response.json()["jobs"]
     assert (
-        set(errors) == {"0", "2"} and set(errors["0"]) == {"team"} and set(errors["2"]) == {"ranks"}
+        set(errors) == {"0", "2"}
+        and set(errors["0"]) == {"flavor"}
+        and set(errors["2"]) == {"ranks"}
     )
     assert not Job.objects.exists()
 

@@ -118,7 +118,7 @@ def test_the_attempts_list_reads_checkpoint_steps_in_a_fixed_number_of_queries(
 
 
 def test_the_schema_documents_checkpoint_step(world: Any) -> None:
-    schema = yaml.safe_load(world.client("anonymous").get("/api/schema/").content)
+    schema = yaml.safe_load(world.client("researcher").get("/api/schema/").content)
     components = schema["components"]["schemas"]
     attempt = components["Attempt"]["properties"]["checkpoint_step"]
     assert attempt["type"] == "integer" and attempt.get("nullable") is True

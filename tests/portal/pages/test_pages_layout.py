@@ -103,5 +103,7 @@ def test_unknown_team_is_never_answered_with_a_list_of_teams(world: Any) -> None
         "post",
         "/api/v1/jobs/",
         {"team": "nope", "flavor": "h100-80gb", "ranks": 1, "gpus_per_rank": 1, "command": "true"},
+        status=403,
     )
-    assert body == {"team": ["Object with slug=nope does not exist."]}
+    # Refused as a hidden team is, so the answer says nothing of which teams exist.
+    assert body == {"detail": "You may not submit jobs to team nope."}
