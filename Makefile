@@ -81,6 +81,7 @@ bench: venv services engine k8s
 	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) bench/bench_cycle.py
 	$(PY) bench/bench_submit.py
 	$(PY) bench/bench_k8s.py
+	$(PY) bench/bench_sandbox.py
 
 ## bench-kueue: Kueue's own scalability test (built from the Go module proxy) and Quartermaster
 ## on the same generator config, in one run, as one side-by-side table (bench/README.md);

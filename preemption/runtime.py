@@ -21,6 +21,7 @@ from preemption.runtimes.kubernetes import (
 from preemption.runtimes.local import LocalRuntime
 from preemption.runtimes.mimic import MimicRuntime
 from preemption.runtimes.runner import RunnerAccount, RunnerLookup, find_runner
+from preemption.runtimes.sandbox import SandboxConfig, SandboxLimits, support
 from quotas.models import Node
 from quotas.services import node_topology_sync
 
@@ -90,6 +91,18 @@ def local_runner() -> RunnerAccount | None:
     return None
 
 
+def local_sandbox() -> SandboxConfig:
+    """The local runtime's sandbox settings (QM_LOCAL_SANDBOX and the rank limits)."""
+    return SandboxConfig(
+        mode=settings.QM_LOCAL_SANDBOX,
+        limits=SandboxLimits(
+            pids_max=settings.QM_RANK_PIDS_MAX,
+            memory_max=settings.QM_RANK_MEMORY_MAX,
+            file_size_max=settings.QM_RANK_FILE_SIZE_MAX,
+        ),
+    )
+
+
 def use_runtime(runtime: Runtime | None) -> None:
     """Point this process at a specific runtime (the drill and tests do)."""
     global _override
@@ -129,6 +142,11 @@ def runtime_problems() -> list[str]:
         return [f"Kubernetes runtime {severity}: {NO_CHECKPOINT_VOLUME}"]
     if settings.QM_RUNTIME == "mimic":
         return [MIMIC_RUNS_NOTHING]
+    if settings.QM_RUNTIME == "local" and settings.QM_LOCAL_SANDBOX != "off":
+        found = support()
+        if not found.available:
+            what = "refusing to launch" if settings.QM_LOCAL_SANDBOX == "on" else "unsandboxed"
+            return [f"Local runtime {what}: ranks cannot be sandboxed here: {found.reason}"]
     return []
 
 
@@ -173,7 +191,12 @@ def get_runtime() -> Runtime:
         return _kubernetes_runtime()
     if settings.QM_RUNTIME == "mimic":
         return MimicRuntime(root=Path(settings.QM_RUNS_DIR) / "mimic", inventory=inventory())
-    return LocalRuntime(root=settings.QM_RUNS_DIR, inventory=inventory(), runner=local_runner())
+    return LocalRuntime(
+        root=settings.QM_RUNS_DIR,
+        inventory=inventory(),
+        runner=local_runner(),
+        sandbox=local_sandbox(),
+    )
 
 
 def _kubernetes_runtime() -> Runtime:

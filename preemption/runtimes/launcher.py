@@ -45,6 +45,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from preemption.runtimes import processes
+from preemption.runtimes import sandbox as sandboxes
 from preemption.runtimes.records import (
     EXIT_FILE,
     EXITS_FIFO,
@@ -162,8 +163,29 @@ def _no_new_privileges() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
 
 
-def rank_identity(run_as: dict[str, Any] | None) -> dict[str, Any]:
-    """Popen's arguments that start the rank as the job's user, in the job's group only."""
+def rank_command(
+    script: str, run_as: dict[str, Any] | None, sandbox: dict[str, Any] | None
+) -> list[str]:
+    """What the keeper runs: the rank's shell script, in the gang's sandbox if it has
+    one (sandbox.py), where `unshare` switches to the job's user and group."""
+    if sandbox is not None:
+        return sandboxes.rank_command(script, run_as)
+    return ["/bin/sh", "-c", script]
+
+
+def rank_identity(
+    run_as: dict[str, Any] | None, sandbox: dict[str, Any] | None = None, rank: int = 0
+) -> dict[str, Any]:
+    """Popen's arguments that start the rank as the job's user, in the job's group only;
+    in a sandbox, the child first joins the rank's cgroups and the gang's network
+    namespace as root, and `unshare` drops to the job's user later (rank_command)."""
+    if sandbox is not None:
+
+        def enter_sandbox() -> None:
+            sandboxes.enter(sandbox, rank)
+            _no_new_privileges()
+
+        return {"preexec_fn": enter_sandbox}
     if run_as is None:
         return {}
     return {
@@ -216,7 +238,7 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
     started_at = time.time()
     try:
         process = subprocess.Popen(
-            ["/bin/sh", "-c", SHELL_PREFIX + gang["command"]],
+            rank_command(SHELL_PREFIX + gang["command"], run_as, gang.get("sandbox")),
             stdin=subprocess.DEVNULL,
             stdout=log_fd,
             stderr=subprocess.STDOUT,
@@ -224,7 +246,7 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
             env=env,
             start_new_session=True,
             umask=RANK_UMASK,
-            **rank_identity(run_as),
+            **rank_identity(run_as, gang.get("sandbox"), rank),
         )
     except OSError as error:
         os.write(log_fd, f"quartermaster: could not start rank {rank}: {error}\n".encode())
@@ -293,6 +315,17 @@ def _child(work: Callable[[], None]) -> NoReturn:
         os._exit(status)
 
 
+def _end_sandbox(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
+    """Once a rank has exited, nothing it started may live on: kill what is left in its
+    cgroup; the last rank of the gang to exit removes the gang's sandbox."""
+    sandbox = gang.get("sandbox")
+    if sandbox is None:
+        return
+    sandboxes.kill(sandbox, rank)
+    if all((gang_dir / str(other) / EXIT_FILE).exists() for other in range(len(gang["ranks"]))):
+        sandboxes.release(sandbox)
+
+
 def _become_keeper(gang_dir: Path, gang: dict[str, Any], rank: int) -> NoReturn:
     """Run in the forked child: detach, then keep the rank."""
 
@@ -303,6 +336,7 @@ def _become_keeper(gang_dir: Path, gang: dict[str, Any], rank: int) -> NoReturn:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, _ignore)
         keep_rank(gang_dir, gang, rank)
+        _end_sandbox(gang_dir, gang, rank)
         _announce_exit(gang_dir.parent.parent / EXITS_FIFO, int(gang_dir.parent.name))
 
     _child(keep)

@@ -69,6 +69,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import random
 import secrets
@@ -87,6 +88,7 @@ from pathlib import Path
 from typing import Any
 
 from preemption.runtimes import processes
+from preemption.runtimes import sandbox as sandboxes
 from preemption.runtimes.base import (
     MTBP_FILE_ENV,
     GangGuard,
@@ -122,6 +124,9 @@ from preemption.runtimes.records import (
     write_record,
 )
 from preemption.runtimes.runner import RunnerAccount
+
+logger = logging.getLogger(__name__)
+_warned_without_sandbox = False
 
 # The folder that holds the `preemption` package: the launcher is started there so that
 # `python -m preemption.runtimes.launcher` imports this very code. Ranks run in their
@@ -176,6 +181,7 @@ class LocalRuntime:
         python: str = sys.executable,
         master_addr: str = "127.0.0.1",
         runner: RunnerAccount | None = None,
+        sandbox: sandboxes.SandboxConfig | None = None,
     ) -> None:
         # An absolute root, since the launcher and the ranks run in another folder and
         # the orphan scan compares the QM_RANK_DIR marker as a string.
@@ -185,6 +191,8 @@ class LocalRuntime:
         self.master_addr = master_addr
         # Who ranks run as; None runs them as this process's own user (see the docstring).
         self.runner = runner
+        # Whether ranks run in a sandbox (sandbox.py); None never makes one.
+        self.sandbox = sandbox
 
     def watch_exits(self, stop: threading.Event, on_exit: Callable[[list[int]], None]) -> None:
         """Call ``on_exit`` with the ids of the jobs whose ranks have just exited, until
@@ -236,6 +244,7 @@ class LocalRuntime:
         completed by the next one. A forgotten gang is never launched again.
         """
         self._validate(spec)
+        sandboxed = self._sandboxed()
         gang_dir = self.gang_dir(spec.gang)
         if (gang_dir / FORGOTTEN_FILE).exists():
             return
@@ -246,7 +255,7 @@ class LocalRuntime:
             if not (gang_dir / GANG_FILE).exists():
                 # The first launch picks the master port; a concurrent one loses the race
                 # to write the record and uses the winner's port.
-                create_record(gang_dir / GANG_FILE, self._gang_record(spec))
+                create_record(gang_dir / GANG_FILE, self._gang_record(spec, sandboxed))
             if spec.mtbp_seconds is not None:
                 self.publish_preemption_risk(spec.gang, spec.mtbp_seconds, team=spec.team)
             launched = read_record(gang_dir / GANG_FILE)
@@ -357,6 +366,9 @@ class LocalRuntime:
                 pgid = _recorded_group(read_record(rank_dir / STARTED_FILE))
                 if pgid is not None:
                     _signal_group(pgid, signals.SIGKILL)
+            if record.get("sandbox") is not None:
+                # Every process the gang started, whatever group or session it made.
+                sandboxes.kill(record["sandbox"])
         except OSError as error:
             raise RuntimeTemporaryError(f"cannot kill gang {gang}: {error}") from error
         # Children that left their rank's process group, or outlived a rank that already
@@ -454,6 +466,8 @@ class LocalRuntime:
         live = [o.rank for o in self.observe(gang) if o.phase not in ENDED_PHASES]
         if live:
             raise RuntimePermanentError(f"gang {gang} still has live ranks {live}")
+        if record.get("sandbox") is not None:
+            sandboxes.release(record["sandbox"])
         write_record(gang_dir / FORGOTTEN_FILE, {"forgotten_at": time.time()})
         # Unlisted before its record goes: a forget cut short here is completed by the
         # next one, which still finds the record.
@@ -555,13 +569,19 @@ class LocalRuntime:
         found: dict[GangId, list[GangProcess]] = {gang: [] for gang in records}
         if not folders:
             return found
+        # A sandboxed gang's cgroups hold every process it started, marker or not.
+        members: dict[int, tuple[GangId, int]] = {}
+        for gang, record in records.items():
+            if record.get("sandbox") is not None:
+                for pid, rank in sandboxes.pids(record["sandbox"]).items():
+                    members[pid] = (gang, rank)
         for owners in groups.values():
             owners.sort(key=lambda owner: owner[0])
         oldest = min(start for _, start in folders.values())
         table = list(processes.live_processes(skip=os.getpid()))
         leaders = {process.pid: process.created_at for process in table}
         for process in table:
-            owner = _group_owner(groups, process, leaders)
+            owner = members.get(process.pid) or _group_owner(groups, process, leaders)
             if owner is None and process.created_at >= oldest:
                 owner = _marked_owner(folders, process)
             if owner is not None:
@@ -608,7 +628,39 @@ class LocalRuntime:
                 f"gang {spec.gang} is placed on nodes not in the inventory: {unknown}"
             )
 
-    def _gang_record(self, spec: GangSpec) -> dict[str, Any]:
+    def _sandboxed(self) -> bool:
+        """Whether this launch makes a sandbox: always with QM_LOCAL_SANDBOX=on (a
+        machine that cannot make one refuses the launch), where the machine can with
+        `auto` (else a warning, once per process, says why not), never with `off`."""
+        if self.sandbox is None or self.sandbox.mode == "off":
+            return False
+        found = sandboxes.support()
+        if found.available:
+            return True
+        if self.sandbox.mode == "on":
+            raise RuntimePermanentError(
+                f"QM_LOCAL_SANDBOX=on, and this machine cannot sandbox ranks: {found.reason}"
+            )
+        global _warned_without_sandbox
+        if not _warned_without_sandbox:
+            _warned_without_sandbox = True
+            logger.warning(
+                "ranks of the local runtime run without a sandbox (they can see every "
+                "process and reach every port of this host, with no limits): %s",
+                found.reason,
+            )
+        return False
+
+    def _gang_record(self, spec: GangSpec, sandboxed: bool = False) -> dict[str, Any]:
+        sandbox = None
+        if sandboxed:
+            assert self.sandbox is not None
+            sandbox = sandboxes.prepare(
+                sandboxes.gang_name(self.root, spec.job_id, spec.attempt),
+                self.gang_dir(spec.gang),
+                len(spec.ranks),
+                self.sandbox.limits,
+            )
         return {
             "job_id": spec.job_id,
             "attempt": spec.attempt,
@@ -631,6 +683,7 @@ class LocalRuntime:
                 "gid": self.runner.job_gid(spec.job_id),
             },
             "launched_at": time.time(),
+            "sandbox": sandbox,
         }
 
     def _prepare_folders(self, spec: GangSpec) -> None:
