@@ -946,6 +946,7 @@ def test_the_launcher_starts_without_loading_the_runtimes() -> None:
             "preemption.runtimes.launcher",
             "preemption.runtimes.processes",
             "preemption.runtimes.records",
+            "preemption.runtimes.sandbox",
         ]
     )
     assert runtimes_package.LocalRuntime is LocalRuntime
