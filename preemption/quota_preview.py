@@ -174,11 +174,18 @@ def exposure_words(
     )
 
 
-def _scope_reclaimed(result: dict[str, Any], visible_team_ids: set[int] | None) -> None:
-    """Keep the reclaimed jobs of the teams the asking user may read by name and
-    sum the others up, so a preview never names another tenant's jobs."""
+def _scope_to_reader(result: dict[str, Any], visible_team_ids: set[int] | None) -> None:
+    """Name only what the asking user may read and sum up the rest, so a preview never
+    shows another tenant's jobs, fair shares or usage: reclaimed and admitted jobs of
+    other teams are counted (`reclaimed_elsewhere`, `admitted_elsewhere`), their
+    released jobs dropped, their fair shares added up per flavor
+    (`fair_share_elsewhere`) and their decayed usage only counted
+    (`decayed_usage_elsewhere`). None (an admin) names everything."""
     if visible_team_ids is None:
         result["reclaimed_elsewhere"] = {"jobs": 0, "gpus": 0}
+        result["admitted_elsewhere"] = {"jobs": 0, "gpus": 0}
+        result["fair_share_elsewhere"] = {}
+        result["decayed_usage_elsewhere"] = 0
         return
     visible_slugs = set(Team.objects.filter(id__in=visible_team_ids).values_list("slug", flat=True))
     named, hidden = [], []
@@ -190,6 +197,41 @@ def _scope_reclaimed(result: dict[str, Any], visible_team_ids: set[int] | None) 
         "jobs": len(hidden),
         "gpus": sum(int(item.get("gpus") or 0) for item in hidden),
     }
+    job_ids = {
+        key
+        for key in (_job_key(item.get("id")) for item in result.get("admitted", []))
+        if key is not None
+    } | {key for key in map(_job_key, result.get("released", [])) if key is not None}
+    jobs = {job.pk: job for job in Job.objects.select_related("team").filter(id__in=job_ids)}
+
+    def readable(value: Any) -> bool:
+        job = jobs.get(_job_key(value) or -1)
+        return job is not None and job.team.slug in visible_slugs
+
+    admitted = result.get("admitted", [])
+    hidden_admitted = [item for item in admitted if not readable(item.get("id"))]
+    result["admitted"] = [item for item in admitted if readable(item.get("id"))]
+    result["admitted_elsewhere"] = {
+        "jobs": len(hidden_admitted),
+        "gpus": sum(
+            job.gpus
+            for item in hidden_admitted
+            if (job := jobs.get(_job_key(item.get("id")) or -1)) is not None
+        ),
+    }
+    result["released"] = [item for item in result.get("released", []) if readable(item)]
+    fair_share = result.get("fair_share", {})
+    elsewhere: dict[str, dict[str, Any]] = {}
+    for queue in [queue for queue in fair_share if queue not in visible_slugs]:
+        for flavor, move in fair_share.pop(queue).items():
+            total = elsewhere.setdefault(flavor, {"teams": 0, "before": 0.0, "after": 0.0})
+            total["teams"] += 1
+            total["before"] += move.get("before") or 0.0
+            total["after"] += move.get("after") or 0.0
+    result["fair_share_elsewhere"] = elsewhere
+    usage = result.get("decayed_usage", [])
+    result["decayed_usage"] = [item for item in usage if item.get("team") in visible_slugs]
+    result["decayed_usage_elsewhere"] = len(usage) - len(result["decayed_usage"])
 
 
 def quota_preview(
@@ -207,7 +249,7 @@ def quota_preview(
     share moves.
 
     `visible_team_ids` are the teams the asking user may read (None: all, for
-    admins): reclaimed jobs of other teams are only counted (`reclaimed_elsewhere`)."""
+    admins): what concerns other teams is only counted or summed (`_scope_to_reader`)."""
     new_guarantee = quota.guarantee if guarantee is UNSET else guarantee
     new_borrow = quota.borrow_limit if borrow_limit is UNSET else borrow_limit
     new_lend = quota.lend_limit if lend_limit is UNSET else lend_limit
@@ -235,7 +277,7 @@ def quota_preview(
         fairshare.apply_changes(snapshot, [change]), flavor=quota.flavor.name
     )
     _describe_reclaimed(result.get("reclaimed", []))
-    _scope_reclaimed(result, visible_team_ids)
+    _scope_to_reader(result, visible_team_ids)
     result["exposed"] = exposed_work(
         team=quota.team,
         flavor=quota.flavor,

@@ -347,6 +347,17 @@ class QuotaPreviewResultSerializer(serializers.Serializer[Any]):
     reclaimed_elsewhere = serializers.DictField(
         help_text="Reclaimed jobs of teams you may not read, only counted: `jobs` and `gpus`."
     )
+    admitted_elsewhere = serializers.DictField(
+        help_text="Admitted jobs of teams you may not read, only counted: `jobs` and `gpus`."
+    )
+    fair_share_elsewhere = serializers.DictField(
+        help_text="Per flavor, the fair shares of the teams you may not read, added up: "
+        "`teams`, `before` and `after` (`fair_share` names only teams you may read)."
+    )
+    decayed_usage_elsewhere = serializers.IntegerField(
+        help_text="How many teams you may not read recent usage makes smaller after the change "
+        "(`decayed_usage` names only teams you may read)."
+    )
     exposed = serializers.DictField(
         help_text="Running jobs of the team the change leaves beyond its guarantee or over its "
         "new borrow limit: they keep their GPUs for now but are the first to be reclaimed. "

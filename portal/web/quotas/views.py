@@ -146,7 +146,7 @@ def _editable_quota(request: HttpRequest, pk: int) -> Quota:
 
 def _preview(request: HttpRequest, quota: Quota, form: QuotaForm) -> dict[str, Any] | None:
     """The consequences of the edit, or None with the services' messages on the form.
-    Reclaimed jobs of teams the user may not read are only counted."""
+    What concerns teams the user may not read is only counted or summed."""
     access = access_for(request.user)
     try:
         return preview_change(
@@ -193,6 +193,13 @@ def preview_context(consequences: dict[str, Any] | None) -> dict[str, Any]:
         "decayed_usage": consequences.get("decayed_usage") or [],
         "exposed": consequences.get("exposed") or {},
         "reclaimed_elsewhere": consequences.get("reclaimed_elsewhere") or {},
+        "admitted_elsewhere": consequences.get("admitted_elsewhere") or {},
+        "fair_share_elsewhere": [
+            {"flavor": flavor, **total, "delta": total["after"] - total["before"]}
+            for flavor, total in sorted((consequences.get("fair_share_elsewhere") or {}).items())
+            if abs(total["after"] - total["before"]) > 1e-9
+        ],
+        "decayed_usage_elsewhere": consequences.get("decayed_usage_elsewhere") or 0,
     }
 
 
