@@ -74,7 +74,7 @@ from preemption.models import (
     TrapEvent,
 )
 from preemption.runtime import get_runtime, local_runner
-from preemption.runtimes import iter_trap_events, processes, read_whole_log
+from preemption.runtimes import iter_log_chunks, iter_trap_events_in_chunks, processes
 from preemption.runtimes.base import GangId
 from preemption.services import job_cancel, job_submit
 from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team
@@ -842,8 +842,8 @@ class Drill:
         lost = 0
         for attempt in Attempt.objects.filter(job_id__in=jobs):
             for rank in range(attempt.job.ranks):
-                log = read_whole_log(runtime, GangId(attempt.job_id, attempt.number), rank)
-                for event in iter_trap_events(log):
+                log = iter_log_chunks(runtime, GangId(attempt.job_id, attempt.number), rank)
+                for event in iter_trap_events_in_chunks(log):
                     if not TrapEvent.objects.filter(fingerprint=fingerprint(event)).exists():
                         lost += 1
         return {"orphaned_ranks": orphans, "double_preemptions": double, "lost_events": lost}

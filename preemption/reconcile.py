@@ -71,7 +71,7 @@ from preemption.models import (
 )
 from preemption.notice import announced_notice, notice_plan, record_notice_commit
 from preemption.runtime import get_runtime
-from preemption.runtimes import iter_trap_events, processes, read_whole_log
+from preemption.runtimes import iter_log_chunks, iter_trap_events_in_chunks, processes
 from preemption.runtimes.base import (
     STUCK_REASONS,
     GangId,
@@ -1360,21 +1360,23 @@ def _steady(row: OpenAttempt, observations: list[RankObservation], taken: bool) 
 
 
 def ingest_logs(job: Job, attempt: Attempt, ranks: Iterable[Rank], runtime: Runtime) -> int:
-    """Read every rank's QM_EVENT lines so no event is lost when its POST was."""
+    """Read every rank's QM_EVENT lines so no event is lost when its POST was.
+
+    Each log is streamed a chunk at a time and its events ingested as they are
+    found, so a log of any length costs one chunk and one line of memory; a log
+    that cannot be read to its end keeps the events found before."""
 
     added = 0
     gang = GangId(job.pk, attempt.number)
     for rank in ranks:
         try:
-            log = read_whole_log(runtime, gang, rank.index)
+            for event in iter_trap_events_in_chunks(iter_log_chunks(runtime, gang, rank.index)):
+                try:
+                    added += ingest_trap_event(attempt=attempt, event=event, source="log")
+                except Exception as exc:
+                    logger.warning("ignoring a refused trap event in %s: %s", rank, exc)
         except (RuntimeTemporaryError, RuntimePermanentError, OSError):
             logger.warning("could not read the log of %s", rank, exc_info=True)
-            continue
-        for event in iter_trap_events(log):
-            try:
-                added += ingest_trap_event(attempt=attempt, event=event, source="log")
-            except Exception as exc:
-                logger.warning("ignoring a refused trap event in %s: %s", rank, exc)
     return added
 
 

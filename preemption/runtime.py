@@ -12,6 +12,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from preemption.runtimes import parse_inventory
 from preemption.runtimes.base import NodeInventory, Runtime
+from preemption.runtimes.capped_log import LogCap
 from preemption.runtimes.kubernetes import (
     NO_CHECKPOINT_VOLUME,
     KubernetesRuntime,
@@ -196,6 +197,9 @@ def get_runtime() -> Runtime:
         inventory=inventory(),
         runner=local_runner(),
         sandbox=local_sandbox(),
+        log_cap=LogCap(
+            head_bytes=settings.QM_RANK_LOG_HEAD_BYTES, tail_bytes=settings.QM_RANK_LOG_TAIL_BYTES
+        ),
     )
 
 

@@ -24,11 +24,11 @@ if TYPE_CHECKING:
         Runtime,
         RuntimePermanentError,
         RuntimeTemporaryError,
-        read_whole_log,
+        iter_log_chunks,
     )
     from preemption.runtimes.inventory import parse_inventory
     from preemption.runtimes.local import GangProcess, LocalRuntime
-    from preemption.runtimes.trap_events import iter_trap_events
+    from preemption.runtimes.trap_events import iter_trap_events, iter_trap_events_in_chunks
 
 _HOMES = {
     "GangGuard": "base",
@@ -40,11 +40,12 @@ _HOMES = {
     "Runtime": "base",
     "RuntimePermanentError": "base",
     "RuntimeTemporaryError": "base",
-    "read_whole_log": "base",
+    "iter_log_chunks": "base",
     "parse_inventory": "inventory",
     "GangProcess": "local",
     "LocalRuntime": "local",
     "iter_trap_events": "trap_events",
+    "iter_trap_events_in_chunks": "trap_events",
 }
 
 __all__ = [
@@ -59,9 +60,10 @@ __all__ = [
     "Runtime",
     "RuntimePermanentError",
     "RuntimeTemporaryError",
+    "iter_log_chunks",
     "iter_trap_events",
+    "iter_trap_events_in_chunks",
     "parse_inventory",
-    "read_whole_log",
 ]
 
 

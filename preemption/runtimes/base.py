@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -274,13 +274,12 @@ def os_errors_are_temporary(error: Exception) -> type[RuntimeTemporaryError] | N
     return RuntimeTemporaryError if isinstance(error, OSError) else None
 
 
-def read_whole_log(runtime: Runtime, gang: GangId, rank: int, chunk: int = 1 << 20) -> bytes:
-    """One rank's whole log, read ``chunk`` bytes at a time."""
-    parts = []
+def iter_log_chunks(
+    runtime: Runtime, gang: GangId, rank: int, chunk: int = 1 << 20
+) -> Iterator[bytes]:
+    """One rank's log from its start, ``chunk`` bytes at a time, to be used as it is
+    read: a log may be far larger than the memory of whoever reads it."""
     offset = 0
-    while True:
-        part = runtime.read_log(gang, rank, offset, chunk)
-        if not part:
-            return b"".join(parts)
-        parts.append(part)
+    while part := runtime.read_log(gang, rank, offset, chunk):
+        yield part
         offset += len(part)

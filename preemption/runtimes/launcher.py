@@ -46,6 +46,7 @@ from typing import Any, NoReturn
 
 from preemption.runtimes import processes
 from preemption.runtimes import sandbox as sandboxes
+from preemption.runtimes.capped_log import CappedLog, LogCap, copy_until_exit, open_output_pipe
 from preemption.runtimes.records import (
     EXIT_FILE,
     EXITS_FIFO,
@@ -234,13 +235,16 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
     run_as = gang.get("run_as")
     work_dir = work_folder(rank_dir, run_as)
     env = rank_environment(gang, rank, rank_dir, work_dir)
-    log_fd = os.open(rank_dir / RANK_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    # The rank writes into a pipe and the keeper alone into the log, which keeps the
+    # log's head and tail only (capped_log.py says why a pipe).
+    log = CappedLog(rank_dir / RANK_LOG, LogCap.from_record(gang.get("log_cap")))
+    output, rank_output = open_output_pipe()
     started_at = time.time()
     try:
         process = subprocess.Popen(
             rank_command(SHELL_PREFIX + gang["command"], run_as, gang.get("sandbox")),
             stdin=subprocess.DEVNULL,
-            stdout=log_fd,
+            stdout=rank_output,
             stderr=subprocess.STDOUT,
             cwd=work_dir,
             env=env,
@@ -249,11 +253,13 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
             **rank_identity(run_as, gang.get("sandbox"), rank),
         )
     except OSError as error:
-        os.write(log_fd, f"quartermaster: could not start rank {rank}: {error}\n".encode())
-        os.close(log_fd)
+        os.close(output)
+        os.close(rank_output)
+        log.write(f"quartermaster: could not start rank {rank}: {error}\n".encode())
+        log.close()
         _record_exit(rank_dir, EXIT_NOT_STARTED, started=False)
         return
-    os.close(log_fd)
+    os.close(rank_output)
     write_record(
         rank_dir / STARTED_FILE,
         {
@@ -271,7 +277,12 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
     ):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, requested)
-    returncode = process.wait()
+    try:
+        returncode = copy_until_exit(output, log, process)
+    finally:
+        # Cut to its cap before the exit is recorded: whoever reads the log after the
+        # exit reads its final form.
+        log.close()
     _record_exit(rank_dir, returncode if returncode >= 0 else 128 - returncode, started=True)
 
 

@@ -24,8 +24,10 @@ scratch (launcher.rank_environment). The folders, all made by this runtime:
     <root>/<job>/<attempt>/           control plane, 0711: gang.json (which holds the
                                       job's events token) and launcher.log are 0600
     <root>/<job>/<attempt>/<rank>/    control plane, 0711: the records and rank.log are
-                                      0600; the keeper hands the log to the rank as an
-                                      open file, so the rank cannot forge its records
+                                      0600; the rank writes into a pipe that its keeper
+                                      copies into the log, keeping its head and tail
+                                      (capped_log.py), so the rank cannot forge its
+                                      records nor fill the disk
     .../<rank>/work/                  the job's user and group, 0700: the private
                                       folder the rank works in
     $QM_CHECKPOINT_DIR                control plane, group = the job's, 0770: the ranks
@@ -102,6 +104,7 @@ from preemption.runtimes.base import (
     os_errors_are_temporary,
     translate_errors,
 )
+from preemption.runtimes.capped_log import DEFAULT_LOG_CAP, LogCap
 from preemption.runtimes.launcher import inherited_environment
 from preemption.runtimes.records import (
     EXIT_FILE,
@@ -182,6 +185,7 @@ class LocalRuntime:
         master_addr: str = "127.0.0.1",
         runner: RunnerAccount | None = None,
         sandbox: sandboxes.SandboxConfig | None = None,
+        log_cap: LogCap = DEFAULT_LOG_CAP,
     ) -> None:
         # An absolute root, since the launcher and the ranks run in another folder and
         # the orphan scan compares the QM_RANK_DIR marker as a string.
@@ -193,6 +197,8 @@ class LocalRuntime:
         self.runner = runner
         # Whether ranks run in a sandbox (sandbox.py); None never makes one.
         self.sandbox = sandbox
+        # How much of each rank's log its keeper keeps (capped_log.py).
+        self.log_cap = log_cap
 
     def watch_exits(self, stop: threading.Event, on_exit: Callable[[list[int]], None]) -> None:
         """Call ``on_exit`` with the ids of the jobs whose ranks have just exited, until
@@ -684,6 +690,7 @@ class LocalRuntime:
             },
             "launched_at": time.time(),
             "sandbox": sandbox,
+            "log_cap": self.log_cap.record(),
         }
 
     def _prepare_folders(self, spec: GangSpec) -> None:

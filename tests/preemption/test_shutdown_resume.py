@@ -25,7 +25,7 @@ from preemption.reconcile import (
     reconcile_jobs,
     runtime_shutdown,
 )
-from preemption.runtimes import GangId, iter_trap_events, read_whole_log
+from preemption.runtimes import GangId, iter_log_chunks, iter_trap_events_in_chunks
 from preemption.services import job_submit
 from tests.preemption.conftest import state_of, train_command
 
@@ -44,11 +44,11 @@ def _committed_in_logs(job: Job, runtime: Any) -> int:
     """The last step every rank's log says was committed."""
     steps = []
     for rank in range(job.ranks):
-        log = read_whole_log(runtime, GangId(job.pk, 1), rank)
+        log = iter_log_chunks(runtime, GangId(job.pk, 1), rank)
         steps.append(
             max(
                 event["step"]
-                for event in iter_trap_events(log)
+                for event in iter_trap_events_in_chunks(log)
                 if event["event"] == "checkpoint_committed"
             )
         )

@@ -943,6 +943,7 @@ def test_the_launcher_starts_without_loading_the_runtimes() -> None:
         [
             "preemption",
             "preemption.runtimes",
+            "preemption.runtimes.capped_log",
             "preemption.runtimes.launcher",
             "preemption.runtimes.processes",
             "preemption.runtimes.records",
