@@ -328,3 +328,21 @@ def test_the_rank_log_page_reads_one_chunk_of_a_4_gib_log(
             assert answer.content.endswith(ending)
             assert answer["X-Next-Offset"] == str(size)
         assert read < 4 * MIB, f"read {read} bytes of a {size}-byte log for {query!r}"
+
+
+def test_the_logs_api_is_held_to_the_api_rate_of_its_user(
+    world: Any, huge_log: tuple[Job, Attempt, int, bytes], settings: Any
+) -> None:
+    # Each read is bounded now, and the API's per-user rate bounds how many there are:
+    # the logs endpoint has no exemption of its own.
+    settings.QM_API_RATE_USER = "3/minute"
+    job = huge_log[0]
+    client = world.client("researcher")
+    answers = [client.get(f"/api/v1/jobs/{job.pk}/logs/?rank=0&tail=64") for _ in range(4)]
+
+    assert [answer.status_code for answer in answers] == [200, 200, 200, 429]
+    assert int(answers[-1]["Retry-After"]) > 0
+    # Another user's allowance is their own.
+    assert (
+        world.client("admin").get(f"/api/v1/jobs/{job.pk}/logs/?rank=0&tail=64").status_code == 200
+    )
