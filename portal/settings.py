@@ -301,13 +301,19 @@ if not QM_K8S_CHECKPOINT_MOUNT_PATH.startswith("/") or QM_K8S_CHECKPOINT_MOUNT_P
 # Observe gang pods through a watch (one listing, then changes; re-listed on
 # 410 Gone) instead of listing every pod on every reconcile cycle.
 QM_K8S_WATCH_PODS = env_bool("QM_K8S_WATCH_PODS", True)
-QM_K8S_RUN_AS_USER = env_int("QM_K8S_RUN_AS_USER", 1000, minimum=1)
-# CPU and memory each rank requests (and is limited to) per GPU it holds:
-# "flavor=quantity" pairs, and a default for flavors not named.
+# Job N's ranks run as uid and gid QM_K8S_JOB_UID_BASE + N, and own its checkpoint
+# folder (preemption/runtimes/kubernetes.py, "Checkpoints").
+QM_K8S_JOB_UID_BASE = env_int("QM_K8S_JOB_UID_BASE", 2**30, minimum=1)
+# CPU, memory and ephemeral storage each rank requests (and is limited to) per GPU
+# it holds: "flavor=quantity" pairs, and a default for flavors not named.
 QM_K8S_CPU_PER_GPU = env_mapping("QM_K8S_CPU_PER_GPU", {})
 QM_K8S_MEMORY_PER_GPU = env_mapping("QM_K8S_MEMORY_PER_GPU", {})
+QM_K8S_EPHEMERAL_STORAGE_PER_GPU = env_mapping("QM_K8S_EPHEMERAL_STORAGE_PER_GPU", {})
 QM_K8S_DEFAULT_CPU_PER_GPU = env_str("QM_K8S_DEFAULT_CPU_PER_GPU", "4") or "4"
 QM_K8S_DEFAULT_MEMORY_PER_GPU = env_str("QM_K8S_DEFAULT_MEMORY_PER_GPU", "16Gi") or "16Gi"
+QM_K8S_DEFAULT_EPHEMERAL_STORAGE_PER_GPU = (
+    env_str("QM_K8S_DEFAULT_EPHEMERAL_STORAGE_PER_GPU", "20Gi") or "20Gi"
+)
 # Per-team image allow-list, "team=prefix|prefix,team2=prefix": a team named
 # here may run only images starting with one of its prefixes.
 QM_K8S_IMAGE_ALLOWLIST = {

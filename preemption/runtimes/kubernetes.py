@@ -25,8 +25,9 @@ Objects of one gang (job id, attempt), all in one namespace:
   a required node affinity to the node the engine placed it on, and the
   finalizer ``quartermaster.dev/exit-code``. Pods meet the "restricted" Pod
   Security Standard (non-root, no privilege escalation, no capabilities,
-  seccomp RuntimeDefault, no service-account token), request and limit CPU
-  and memory by flavor, and mount the checkpoint volume at its mount path. The finalizer keeps a deleted
+  seccomp RuntimeDefault, no service-account token), request and limit CPU,
+  memory and ``ephemeral-storage`` by flavor, and mount only their own job's
+  folder of the checkpoint volume (see "Checkpoints" below). The finalizer keeps a deleted
   pod's object (with its final container status) until ``forget()``, so an
   exit code is never lost between the kubelet reporting it and a worker
   reading it, even across a worker restart. kube-scheduler stops counting a
@@ -38,6 +39,42 @@ retried with backoff, and a gang still blocked raises RuntimeTemporaryError
 and shows in ``eviction_blocked()``; the reconciler retries each cycle and,
 once the grace deadline has passed, kills the gang (the preemption is then
 "forced past a disruption budget"). Killing deletes every pod with grace 0.
+
+Checkpoints. One ReadWriteMany claim holds every job's checkpoints, so each
+rank must reach its own job's folder and nothing else of it:
+
+* every job runs as a uid and gid of its own, ``job_uid_base + job id``
+  (``runAsUser``, ``runAsGroup`` and ``fsGroup``), as the local runtime's
+  runner does, so the kernel (or the NFS server) keeps two jobs' files apart;
+* the rank container mounts the claim with ``subPath`` set to its job's
+  folder, the last part of ``QM_CHECKPOINT_DIR`` (``job-<id>-<random>``), at
+  ``QM_CHECKPOINT_DIR`` itself: the volume's root and the other jobs' folders
+  are not in its filesystem at all;
+* the folder must exist with the job's owner before that mount: a kubelet
+  creates a missing subPath folder as root (mode copied from the volume root),
+  and applies ``fsGroup`` to a volume only where its driver manages ownership,
+  and then to the whole shared volume, never to one folder. An init container
+  ``checkpoint-folder`` therefore creates it, running as the job's own uid and
+  with the claim's root mounted: ``mkdir -m 0700``, then it checks that the
+  folder is a directory the job owns (a name someone else took first fails the
+  pod rather than sharing a folder). No step needs root or a capability, so the
+  pod stays within "restricted", and the control plane mounts no claim itself.
+  The root must let any uid create entries without listing or removing
+  anyone's: mode ``1733`` (``deploy/checkpoints.yaml`` says how);
+* the driver of the claim must not apply ``fsGroup`` to it (``fsGroupPolicy``
+  ``None``, or the default ``ReadWriteOnceWithFSType``, which leaves
+  ReadWriteMany volumes alone): ``File`` would hand every folder on the volume
+  to the group of the last job started.
+
+A planted file in a folder could run code in the job that resumes from it;
+gracetrap loads checkpoints without unpickling anything, and this layout keeps
+anyone but the job from writing there in the first place.
+
+GPUs come to a rank only through its ``nvidia.com/gpu`` limit: ``CUDA_*`` and
+``NVIDIA_*`` from a job's env never reach the pod spec (the submission refuses
+them already), since NVIDIA's container runtime reads ``NVIDIA_VISIBLE_DEVICES``
+to choose the devices it exposes. The init container asks for no GPU and sets
+``NVIDIA_VISIBLE_DEVICES=void``, so an image that says ``all`` gets none there.
 
 This module imports nothing from Django: the portal hands it plain values.
 """
@@ -61,6 +98,7 @@ import urllib3
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
+from preemption.job_rules import image_admitted
 from preemption.runtimes.base import (
     MTBP_FILE_ENV,
     GangGuard,
@@ -101,6 +139,24 @@ CONTAINER_NAME = "rank"
 RISK_KEY = "mtbp"
 RISK_VOLUME = "preemption-risk"
 RISK_MOUNT_PATH = "/var/run/quartermaster/risk"
+# The checkpoint volume: the rank container's mount is its job's folder only; the
+# init container that makes that folder sees the claim's root here.
+CHECKPOINT_VOLUME = "checkpoints"
+CHECKPOINT_FOLDER_CONTAINER = "checkpoint-folder"
+CHECKPOINT_VOLUME_ROOT = "/var/run/quartermaster/checkpoint-volume"
+CHECKPOINT_VOLUME_ENV = "QM_CHECKPOINT_VOLUME"
+_CHECKPOINT_FOLDER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Job N runs as uid and gid job_uid_base + N. Kubernetes accepts ids up to 2**31 - 1;
+# the default base leaves about a billion job ids below that, and sits far above the
+# ids that distributions and directory services hand to people and services, so no
+# job's files belong to a real user of a node or of the file server.
+DEFAULT_JOB_UID_BASE = 2**30
+MAX_POD_UID = 2**31 - 1
+# What the GPU runtime itself reads (preemption.job_rules refuses them at submission):
+# a job's NVIDIA_VISIBLE_DEVICES=all would expose every GPU of the node.
+RESERVED_GPU_ENV_PREFIXES = ("CUDA_", "NVIDIA_")
+# The init container only makes a folder: small requests, and a limit on everything.
+CHECKPOINT_FOLDER_RESOURCES = {"cpu": "100m", "memory": "64Mi", "ephemeral-storage": "16Mi"}
 
 # The container's main process. The kubelet signals only PID 1, and a shell as
 # PID 1 neither passes SIGTERM on nor dies of it, so the workload would only
@@ -122,6 +178,20 @@ done
 exit "$status"
 """
 
+# The init container's script: make the job's folder on the claim's root (mode 1733:
+# anyone may create, no one may list or remove another's) and refuse a folder that
+# is not the job's own directory, a symlink or a name someone else took first.
+CHECKPOINT_FOLDER_SCRIPT = r"""folder="$QM_CHECKPOINT_VOLUME/$1"
+mkdir -m 0700 "$folder" 2>/dev/null || true
+if [ -d "$folder" ] && [ ! -L "$folder" ] && [ -O "$folder" ]; then
+    exit 0
+fi
+echo "quartermaster: cannot make the checkpoint folder $1 as uid $(id -u): it exists" \
+     "and is not this job's directory, or the volume's root does not let uid $(id -u)" \
+     "create it (it must be mode 1733)" >&2
+exit 1
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class KubernetesRuntimeConfig:
@@ -137,6 +207,11 @@ class KubernetesRuntimeConfig:
     with its pod. Ranks run as ``run_as_user`` under the "restricted" Pod
     Security Standard, with ``cpu_per_gpu``/``memory_per_gpu`` (by flavor,
     else the defaults) times the rank's GPUs as requests and limits.
+    Job N's ranks run as uid and gid ``job_uid_base + N`` (see the module
+    docstring), and ``ephemeral_storage_per_gpu`` (by flavor, else the default)
+    times the rank's GPUs is its ``ephemeral-storage`` request and limit: a rank
+    that fills the node's disk is evicted alone instead of putting the node under
+    DiskPressure, which evicts other teams' pods.
     ``image_allowlist`` maps a team to the image prefixes it may run; a team
     not named may run any image. ``events_cidrs``/``events_port`` are where
     the portal's events URL is reached: the only egress the jobs namespace's
@@ -162,11 +237,13 @@ class KubernetesRuntimeConfig:
     checkpoint_claim: str | None = None
     checkpoint_mount_path: str = "/checkpoints"
     require_checkpoint_claim: bool = False
-    run_as_user: int = 1000
+    job_uid_base: int = DEFAULT_JOB_UID_BASE
     cpu_per_gpu: Mapping[str, str] = field(default_factory=dict)
     memory_per_gpu: Mapping[str, str] = field(default_factory=dict)
+    ephemeral_storage_per_gpu: Mapping[str, str] = field(default_factory=dict)
     default_cpu_per_gpu: str = "4"
     default_memory_per_gpu: str = "16Gi"
+    default_ephemeral_storage_per_gpu: str = "20Gi"
     image_allowlist: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     events_cidrs: tuple[str, ...] = ()
     events_port: int = 443
@@ -231,6 +308,32 @@ NO_CHECKPOINT_VOLUME = (
 )
 DNS_LABEL_MAX = 63
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def job_uid(base: int, job_id: int) -> int:
+    """The uid and gid every rank of job ``job_id`` runs as, and its checkpoint folder's owner."""
+    uid = base + job_id
+    if base < 1 or job_id < 0 or uid > MAX_POD_UID:
+        raise RuntimePermanentError(
+            f"job {job_id} has no user id: {base} + {job_id} is outside 1..{MAX_POD_UID}, "
+            "the ids Kubernetes accepts (lower QM_K8S_JOB_UID_BASE)"
+        )
+    return uid
+
+
+def checkpoint_folder(path: str, claim: str | None, mount_path: str) -> str | None:
+    """The job's folder on the checkpoint volume (the ``subPath``), or None when
+    ``path`` is not on it.
+
+    Only a folder directly under the mount path, with a plain name, is a job's:
+    that is how the control plane names them (``job-<id>-<random>``).
+    """
+    if not on_checkpoint_volume(path, claim, mount_path):
+        return None
+    relative = posixpath.relpath(posixpath.normpath(path), posixpath.normpath(mount_path))
+    if not _CHECKPOINT_FOLDER_NAME.match(relative) or relative in (".", ".."):
+        return None
+    return relative
 
 
 def team_namespace(prefix: str, team: str) -> str:
@@ -504,7 +607,9 @@ class KubernetesRuntime:
     def _check_image(self, spec: GangSpec) -> None:
         allowed = self.settings.image_allowlist.get(spec.team)
         image = spec.image or self.settings.default_image
-        if allowed is not None and not any(image.startswith(prefix) for prefix in allowed):
+        # Matched by path segment, as at submission (where the lists of the teams
+        # above are checked too): a raw prefix would admit a look-alike repository.
+        if allowed is not None and not any(image_admitted(image, prefix) for prefix in allowed):
             raise RuntimePermanentError(
                 f"image {image} is not allowed for team {spec.team}: "
                 f"allowed are {', '.join(allowed) or 'none'}"
@@ -569,7 +674,7 @@ class KubernetesRuntime:
         env: list[dict[str, Any]] = [
             {"name": key, "value": value}
             for key, value in sorted(spec.env.items())
-            if key != EVENTS_TOKEN_KEY
+            if key != EVENTS_TOKEN_KEY and not key.startswith(RESERVED_GPU_ENV_PREFIXES)
         ]
         env += [
             {"name": "RANK", "value": str(rank)},
@@ -589,19 +694,22 @@ class KubernetesRuntime:
         if spec.team:
             labels[TEAM_LABEL] = spec.team
         resources = self.rank_resources(spec)
+        container_security: dict[str, Any] = {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        image = spec.image or self.settings.default_image
         container: dict[str, Any] = {
             "name": CONTAINER_NAME,
-            "image": spec.image or self.settings.default_image,
+            "image": image,
             "command": ["/bin/sh", "-c", RANK_ENTRYPOINT, "qm-rank", spec.command],
             "env": env,
             "resources": {"limits": resources, "requests": resources},
-            "securityContext": {
-                "allowPrivilegeEscalation": False,
-                "capabilities": {"drop": ["ALL"]},
-                "runAsNonRoot": True,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
+            "securityContext": container_security,
         }
+        uid = job_uid(self.settings.job_uid_base, spec.job_id)
         pod_spec: dict[str, Any] = {
             "restartPolicy": "Never",
             # The Pod Security Standard "restricted": no root, no escalation, no
@@ -610,9 +718,10 @@ class KubernetesRuntime:
             "automountServiceAccountToken": False,
             "securityContext": {
                 "runAsNonRoot": True,
-                "runAsUser": self.settings.run_as_user,
-                "runAsGroup": self.settings.run_as_user,
-                "fsGroup": self.settings.run_as_user,
+                # The job's own ids (module docstring: "Checkpoints").
+                "runAsUser": uid,
+                "runAsGroup": uid,
+                "fsGroup": uid,
                 "seccompProfile": {"type": "RuntimeDefault"},
             },
             "priorityClassName": spec.priority_class,
@@ -652,16 +761,52 @@ class KubernetesRuntime:
         container["volumeMounts"] = [
             {"name": RISK_VOLUME, "mountPath": RISK_MOUNT_PATH, "readOnly": True}
         ]
-        if self.settings.checkpoint_claim:
+        checkpoint_dir = spec.env.get("QM_CHECKPOINT_DIR", "")
+        folder = checkpoint_folder(
+            checkpoint_dir, self.settings.checkpoint_claim, self.settings.checkpoint_mount_path
+        )
+        if folder is not None:
+            # Only the job's own folder, where its ranks expect it; never the claim's root.
             pod_spec["volumes"].append(
                 {
-                    "name": "checkpoints",
+                    "name": CHECKPOINT_VOLUME,
                     "persistentVolumeClaim": {"claimName": self.settings.checkpoint_claim},
                 }
             )
             container["volumeMounts"].append(
-                {"name": "checkpoints", "mountPath": self.settings.checkpoint_mount_path}
+                {
+                    "name": CHECKPOINT_VOLUME,
+                    "mountPath": posixpath.normpath(checkpoint_dir),
+                    "subPath": folder,
+                }
             )
+            pod_spec["initContainers"] = [
+                {
+                    "name": CHECKPOINT_FOLDER_CONTAINER,
+                    # The job's image: it already has the /bin/sh the rank needs, and
+                    # it runs as the job's uid, with no more reach than the rank has.
+                    "image": image,
+                    "command": [
+                        "/bin/sh",
+                        "-c",
+                        CHECKPOINT_FOLDER_SCRIPT,
+                        CHECKPOINT_FOLDER_CONTAINER,
+                        folder,
+                    ],
+                    "env": [
+                        {"name": CHECKPOINT_VOLUME_ENV, "value": CHECKPOINT_VOLUME_ROOT},
+                        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
+                    ],
+                    "resources": {
+                        "limits": dict(CHECKPOINT_FOLDER_RESOURCES),
+                        "requests": dict(CHECKPOINT_FOLDER_RESOURCES),
+                    },
+                    "securityContext": dict(container_security),
+                    "volumeMounts": [
+                        {"name": CHECKPOINT_VOLUME, "mountPath": CHECKPOINT_VOLUME_ROOT}
+                    ],
+                }
+            ]
         return {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -676,14 +821,20 @@ class KubernetesRuntime:
         }
 
     def rank_resources(self, spec: GangSpec) -> dict[str, str]:
-        """One rank's requests and limits: its GPUs and the flavor's CPU and memory per GPU."""
+        """One rank's requests and limits: its GPUs and the flavor's CPU, memory and
+        ephemeral storage per GPU."""
         gpus = spec.gpus_per_rank
-        cpu = self.settings.cpu_per_gpu.get(spec.flavor, self.settings.default_cpu_per_gpu)
-        memory = self.settings.memory_per_gpu.get(spec.flavor, self.settings.default_memory_per_gpu)
+        settings = self.settings
+        cpu = settings.cpu_per_gpu.get(spec.flavor, settings.default_cpu_per_gpu)
+        memory = settings.memory_per_gpu.get(spec.flavor, settings.default_memory_per_gpu)
+        disk = settings.ephemeral_storage_per_gpu.get(
+            spec.flavor, settings.default_ephemeral_storage_per_gpu
+        )
         return {
             GPU_RESOURCE: str(gpus),
             "cpu": _scaled(cpu, gpus),
             "memory": _scaled(memory, gpus),
+            "ephemeral-storage": _scaled(disk, gpus),
         }
 
     def _create_ignoring_conflict(
@@ -1495,6 +1646,13 @@ def rank_observation(
             exit_code = int(status.state.terminated.exit_code)
             started_at = _parse_time(status.state.terminated.started_at)
             exited_at = _parse_time(status.state.terminated.finished_at)
+    if exit_code is None and pod.status.phase == "Failed":
+        # The rank never started: a failed init container (its checkpoint folder) ended it.
+        for status in pod.status.init_container_statuses or []:
+            terminated = status.state.terminated if status.state is not None else None
+            if terminated is not None and terminated.exit_code:
+                exit_code = int(terminated.exit_code)
+                exited_at = _parse_time(terminated.finished_at)
     node = pod.spec.node_name or labels.get(NODE_LABEL, "")
     if signalled_at is None:
         condition = _disruption(pod)
@@ -1536,10 +1694,13 @@ def rank_observation(
 
 
 def _waiting_reason(pod: Any) -> str:
-    """Why a pod that has not started is waiting: its container's reason, else unschedulable."""
-    for status in pod.status.container_statuses or []:
-        if status.state is not None and status.state.waiting is not None:
-            return str(status.state.waiting.reason or "")
+    """Why a pod that has not started is waiting: its containers' reason (an init
+    container's first: the rank's then only says PodInitializing), else unschedulable."""
+    statuses = [*(pod.status.init_container_statuses or []), *(pod.status.container_statuses or [])]
+    for status in statuses:
+        waiting = status.state.waiting if status.state is not None else None
+        if waiting is not None and waiting.reason != "PodInitializing":
+            return str(waiting.reason or "")
     for condition in pod.status.conditions or []:
         if condition.type == "PodScheduled" and condition.status == "False":
             return str(condition.reason or "Unschedulable")

@@ -86,6 +86,7 @@ def running_agent(
     *,
     pool_size: int,
     run_processes: bool = False,
+    run_as_pod_users: bool = False,
 ) -> Iterator[NodeAgent]:
     """A started node agent for ``nodes`` on its own API client, stopped afterwards."""
     configuration = client.Configuration()
@@ -99,6 +100,7 @@ def running_agent(
         work_dir=work_dir,
         serving_cert=(pki / "apiserver.crt", pki / "apiserver.key"),
         run_processes=run_processes,
+        run_as_pod_users=run_as_pod_users,
     )
     agent.start()
     try:

@@ -47,7 +47,7 @@ def test_every_rank_pod_is_admitted_as_restricted(
 ) -> None:
     core = client.CoreV1Api(k8s_api)
     runtime = make_runtime(
-        run_as_user=4242,
+        job_uid_base=4242,
         cpu_per_gpu={"h100": "12"},
         memory_per_gpu={"h100": "100Gi"},
         events_cidrs=("10.20.0.0/16",),
@@ -61,14 +61,20 @@ def test_every_rank_pod_is_admitted_as_restricted(
     for pod in pods:
         assert pod.spec.automount_service_account_token is False
         assert pod.spec.security_context.run_as_non_root is True
-        assert pod.spec.security_context.run_as_user == 4242
+        # Job 401 runs as the base plus its id.
+        assert pod.spec.security_context.run_as_user == 4242 + 401
         assert pod.spec.security_context.seccomp_profile.type == "RuntimeDefault"
         container = pod.spec.containers[0]
         context = container.security_context
         assert context.allow_privilege_escalation is False
         assert context.capabilities.drop == ["ALL"]
         assert context.seccomp_profile.type == "RuntimeDefault"
-        expected = {"nvidia.com/gpu": "2", "cpu": "24", "memory": "200Gi"}
+        expected = {
+            "nvidia.com/gpu": "2",
+            "cpu": "24",
+            "memory": "200Gi",
+            "ephemeral-storage": "40Gi",
+        }
         assert container.resources.requests == expected
         assert container.resources.limits == expected
 

@@ -22,7 +22,23 @@ lies under one of the container's volume mounts of a PersistentVolumeClaim,
 whose files live in one folder per claim (``<work_dir>/volumes/<namespace>/
 <claim>``) that every node sees. So a file written outside a declared volume
 on one node is not there on another. (The command itself and its
-interpreter are the host's: the agent's "image" is the host.)
+interpreter are the host's: the agent's "image" is the host.) A volume mount's
+``subPath`` is honoured: the container's path is that folder of the claim, and
+a missing one is created as the kubelet does (by root, with the mode of the
+claim's root). A claim's folder starts out as an administrator prepares the real
+checkpoint volume: owned by root, mode 1733 (anyone may create an entry, no one
+may list the folder or remove someone else's entry).
+
+A process pod's init containers run first, one after another, each to its end
+(their output is their own container log); one that fails fails the pod, with
+its exit code in ``initContainerStatuses``, and the main container never starts.
+With ``run_as_pod_users`` (the agent must run as root) every process runs as the
+pod's ``runAsUser`` and ``runAsGroup`` (a container's own override the pod's),
+with ``fsGroup`` and ``supplementalGroups`` as its supplementary groups, as a
+container runtime starts it; ids are numbers, nothing needs to exist in
+/etc/passwd. Each node's ``/tmp`` is then mode 1777 and the working folder
+belongs to that user. It is off by default because the older process-mode tests
+hand their ranks root-only temporary folders.
 
 A ConfigMap volume is written into the node's root filesystem at its mount
 path before the process starts (each key, or each of ``items``, a file), and
@@ -77,6 +93,10 @@ ANNOTATION_EXIT_CODE = "agent.quartermaster.dev/exit-code"
 FLAVOR_LABEL = "quartermaster.dev/flavor"
 GPU_RESOURCE = "nvidia.com/gpu"
 LEASE_NAMESPACE = "kube-node-lease"
+# A claim's folder as the administrator prepares the checkpoint volume's root
+# (deploy/checkpoints.yaml): sticky, writable and passable by all, listable by none.
+CLAIM_ROOT_MODE = 0o1733
+INIT_TIMEOUT_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -140,8 +160,12 @@ class NodeAgent:
         run_processes: bool = False,
         pullable_images: Iterable[str] | None = None,
         config_map_seconds: float = 1.0,
+        run_as_pod_users: bool = False,
     ) -> None:
         self.api_client = api_client
+        if run_as_pod_users and os.geteuid() != 0:
+            raise PermissionError("run_as_pod_users needs the node agent to run as root")
+        self.run_as_pod_users = run_as_pod_users
         self.pullable_images = None if pullable_images is None else tuple(pullable_images)
         self.core = client.CoreV1Api(api_client)
         self.coordination = client.CoordinationV1Api(api_client)
@@ -159,6 +183,8 @@ class NodeAgent:
         self._containers: dict[tuple[str, str], Container] = {}
         # Pods (by uid) whose image this agent cannot pull: they wait, never start.
         self._pull_failed: set[str] = set()
+        # Pods (by uid) whose init container failed: terminal, never started again.
+        self._init_failed: set[str] = set()
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._lost_nodes: set[str] = set()
@@ -392,6 +418,16 @@ class NodeAgent:
                     self._pull_failed.discard(pod.metadata.uid)
                     self._writer.submit(self._report_never_started, pod)
                 return
+            if container is None and pod.metadata.uid in self._init_failed:
+                if pod.metadata.deletion_timestamp is not None:
+                    self._init_failed.discard(pod.metadata.uid)
+                    self._writer.submit(
+                        self._delete_now,
+                        pod.metadata.namespace,
+                        pod.metadata.name,
+                        pod.metadata.uid,
+                    )
+                return
             if container is None:
                 if pod.metadata.deletion_timestamp is not None:
                     # Never started here (or finished before this agent
@@ -431,6 +467,14 @@ class NodeAgent:
         """The shared folder behind a PersistentVolumeClaim, the same from every node."""
         return self.work_dir / "volumes" / namespace / claim
 
+    def _prepared_claim_folder(self, namespace: str, claim: str) -> Path:
+        folder = self.claim_folder(namespace, claim)
+        with self._lock:
+            if not folder.exists():
+                folder.mkdir(parents=True)
+                os.chmod(folder, CLAIM_ROOT_MODE)
+        return folder
+
     def host_path(self, pod: Any, spec: Any, path: str) -> str:
         """Where a path inside ``pod``'s container lives on this host."""
         claims = {
@@ -447,8 +491,14 @@ class NodeAgent:
         for mount in mounts:
             base = os.path.normpath(mount.mount_path)
             if normal == base or normal.startswith(base.rstrip("/") + "/"):
-                folder = self.claim_folder(pod.metadata.namespace, claims[mount.name])
-                folder.mkdir(parents=True, exist_ok=True)
+                folder = self._prepared_claim_folder(pod.metadata.namespace, claims[mount.name])
+                if mount.sub_path:
+                    root_mode = folder.stat().st_mode & 0o7777
+                    folder = folder / mount.sub_path
+                    if not folder.exists():
+                        # As the kubelet does: made by root, with the root's mode.
+                        folder.mkdir(parents=True, exist_ok=True)
+                        os.chmod(folder, root_mode)
                 return str(folder / os.path.relpath(normal, base))
         return str(self.node_root(pod.spec.node_name) / normal.lstrip("/"))
 
@@ -485,6 +535,14 @@ class NodeAgent:
             exit_code_on_term=int(annotations.get(ANNOTATION_EXIT_ON_TERM, "143")),
         )
         if container.mode == "process":
+            # Before the rank's own paths are resolved: a kubelet makes a missing
+            # subPath folder (as root) only when it starts that container.
+            try:
+                self._run_init_containers(pod)
+            except _InitFailed as failed:
+                self._init_failed.add(pod.metadata.uid)
+                self._writer.submit(self._report_init_failure, pod, failed)
+                return None
             try:
                 env = self._resolve_env(pod, spec)
             except ApiException as error:
@@ -499,8 +557,8 @@ class NodeAgent:
                 )
                 return None
             argv = list(spec.command or []) + list(spec.args or [])
-            work = Path(self.host_path(pod, spec, spec.working_dir or f"/tmp/{name}"))
-            work.mkdir(parents=True, exist_ok=True)
+            identity = self._identity(pod, spec)
+            work = self._working_folder(pod, spec, name, identity)
             with open(container.log_path, "ab") as out:
                 container.process = subprocess.Popen(
                     argv,
@@ -510,6 +568,7 @@ class NodeAgent:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
+                    **identity,
                 )
             waiter = threading.Thread(
                 target=self._wait_process, args=(container,), daemon=True, name=f"wait-{name}"
@@ -528,6 +587,113 @@ class NodeAgent:
                 timer.start()
         self._writer.submit(self._report_running, pod, container)
         return container
+
+    def _identity(self, pod: Any, spec: Any) -> dict[str, Any]:
+        """Popen's user, group and extra_groups for a container, as a container runtime
+        sets them from the security contexts; nothing without ``run_as_pod_users``."""
+        if not self.run_as_pod_users:
+            return {}
+        pod_context = pod.spec.security_context
+        own = spec.security_context
+        user = (own.run_as_user if own else None) or (
+            pod_context.run_as_user if pod_context else None
+        )
+        group = (own.run_as_group if own else None) or (
+            pod_context.run_as_group if pod_context else None
+        )
+        extra: list[int] = []
+        if pod_context is not None:
+            if pod_context.fs_group is not None:
+                extra.append(int(pod_context.fs_group))
+            extra.extend(int(g) for g in pod_context.supplemental_groups or [])
+        identity: dict[str, Any] = {"extra_groups": sorted(set(extra))}
+        if user is not None:
+            identity["user"] = int(user)
+        if group is not None:
+            identity["group"] = int(group)
+        return identity
+
+    def _working_folder(self, pod: Any, spec: Any, name: str, identity: dict[str, Any]) -> Path:
+        if identity:
+            tmp = self.node_root(pod.spec.node_name) / "tmp"
+            tmp.mkdir(parents=True, exist_ok=True)
+            os.chmod(tmp, 0o1777)
+        work = Path(self.host_path(pod, spec, spec.working_dir or f"/tmp/{name}"))
+        work.mkdir(parents=True, exist_ok=True)
+        if identity.get("user") is not None and not spec.working_dir:
+            os.chown(work, identity["user"], identity.get("group", -1))
+        return work
+
+    def _run_init_containers(self, pod: Any) -> None:
+        """Run each init container to its end, in order; raise _InitFailed on the first
+        that fails (or cannot start). Runs on the watch thread: init containers here
+        are short (the runtime's makes a folder)."""
+        log_dir = self.work_dir / "logs" / pod.metadata.namespace
+        for spec in pod.spec.init_containers or []:
+            log_path = log_dir / f"{pod.metadata.name}_{spec.name}.log"
+            try:
+                env = self._resolve_env(pod, spec)
+                identity = self._identity(pod, spec)
+                work = self._working_folder(pod, spec, f"{pod.metadata.name}-{spec.name}", identity)
+                with open(log_path, "ab") as out:
+                    code = subprocess.run(
+                        list(spec.command or []) + list(spec.args or []),
+                        env=env,
+                        cwd=str(work),
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        timeout=INIT_TIMEOUT_SECONDS,
+                        check=False,
+                        **identity,
+                    ).returncode
+            except (ApiException, OSError, subprocess.TimeoutExpired) as error:
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(log_path, "ab") as out:
+                    out.write(f"init container {spec.name} did not run: {error}\n".encode())
+                raise _InitFailed(spec.name, spec.image or "", 128) from error
+            if code != 0:
+                raise _InitFailed(spec.name, spec.image or "", 128 - code if code < 0 else code)
+
+    def _report_init_failure(self, pod: Any, failed: _InitFailed) -> None:
+        """A pod whose init container failed: Failed, as the kubelet reports it with
+        restartPolicy Never, the rank's container never started."""
+        now = _now_rfc3339()
+        main = pod.spec.containers[0]
+        body = {
+            "status": {
+                "phase": "Failed",
+                "initContainerStatuses": [
+                    {
+                        "name": failed.name,
+                        "image": failed.image,
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {
+                            "terminated": {
+                                "exitCode": failed.exit_code,
+                                "reason": "Error",
+                                "startedAt": now,
+                                "finishedAt": now,
+                            }
+                        },
+                    }
+                ],
+                "containerStatuses": [
+                    {
+                        "name": main.name,
+                        "image": main.image or "",
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {"waiting": {"reason": "PodInitializing"}},
+                    }
+                ],
+            }
+        }
+        with contextlib.suppress(ApiException):
+            self.core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, body)
 
     def _config_map_files(self, pod: Any, spec: Any) -> list[tuple[Path, str, str]]:
         """Where each file of the container's ConfigMap volumes lies on this host."""
@@ -930,6 +1096,16 @@ class NodeAgent:
         """The agent's record of a pod's container, if it ran here."""
         with self._lock:
             return self._containers.get((namespace, pod))
+
+
+class _InitFailed(Exception):
+    """An init container that exited non-zero or could not start."""
+
+    def __init__(self, name: str, image: str, exit_code: int) -> None:
+        super().__init__(f"init container {name} exited {exit_code}")
+        self.name = name
+        self.image = image
+        self.exit_code = exit_code
 
 
 def _free_port() -> int:
