@@ -11,8 +11,10 @@ something else already listens there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -79,7 +81,11 @@ def _user_environment(var_dir: Path, port: int) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def portal(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Portal]:
-    folder = tmp_path_factory.mktemp("make-run")
+    # Kept after the run (make test's var/test/smoke), for its log and the ranks' logs.
+    var = os.environ.get("QM_VAR_DIR")
+    folder = Path(var) / "make-run" if var else tmp_path_factory.mktemp("make-run")
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
     var_dir = folder / "var"
     log = folder / "make-run.log"
     port = _port()
@@ -114,9 +120,18 @@ def portal(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Portal]:
         ]
         yield running
     finally:
+        # After a failure too: web, worker and beat run in sessions of their own, out of
+        # make's process group, so nothing of this portal may be left to a later run.
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            os.killpg(process.pid, signal.SIGINT)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        for pid in _processes_of(var_dir):
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
 
 
 def test_the_demo_is_seeded_and_its_personas_printed(portal: Portal) -> None:
@@ -160,13 +175,18 @@ def test_ctrl_c_stops_the_portal_and_every_rank_of_the_demo(portal: Portal) -> N
     assert re.search(r"Stopped \d+ rank processes", portal.output()), portal.output()[-2000:]
 
 
-def _processes_of(var_dir: Path) -> list[str]:
-    """Processes working in the portal's folder or naming it: its web, worker, beat,
-    and the ranks of its jobs, which run in folders under it."""
-    found = []
+def _processes_of(var_dir: Path) -> dict[int, str]:
+    """The processes of the portal that keeps its files in `var_dir`: web, worker and
+    beat (their environment names the folder) and the ranks of its jobs (they work
+    in folders under it), each by pid with its command line."""
+    found = {}
     for process in psutil.process_iter(["pid", "cwd", "cmdline"]):
         cwd = process.info["cwd"] or ""
         cmdline = " ".join(process.info["cmdline"] or [])
-        if cwd.startswith(str(var_dir)) or str(var_dir) in cmdline:
-            found.append(f"{process.info['pid']} {cmdline}")
+        try:
+            named = process.environ().get("QM_VAR_DIR") == str(var_dir)
+        except psutil.Error:
+            named = False
+        if named or cwd.startswith(str(var_dir)) or str(var_dir) in cmdline:
+            found[process.info["pid"]] = cmdline
     return found
