@@ -1,5 +1,6 @@
 """The rules a job's free-text fields must keep to ever run: environment
-variables, the image reference, and the size of the command and name.
+variables, the image reference (and the teams' image allow-lists), and the
+size of the command and name.
 
 Each function returns the reasons a value is refused (empty when it is fine),
 so `job_submit` can gather every field's reasons into one 400 answer.
@@ -15,7 +16,7 @@ registry client, far more than one regular expression's worth of code.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 # POSIX portable environment names: letters, digits and underscores, not
 # starting with a digit. Anything else (`=` above all) cannot be passed through
@@ -26,6 +27,11 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 # A job that set them could post events as another attempt or break its gang.
 RESERVED_ENV_PREFIX = "QM_"
 RESERVED_ENV_NAMES = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"})
+# The GPU runtime's own: the runtime gives each rank CUDA_VISIBLE_DEVICES for
+# the GPUs placed on it, and NVIDIA's container runtime reads NVIDIA_* (above
+# all NVIDIA_VISIBLE_DEVICES) to choose the devices it exposes. A job that set
+# them could reach GPUs other jobs were given.
+RESERVED_GPU_ENV_PREFIXES = ("CUDA_", "NVIDIA_")
 MAX_ENV_VARS = 200
 MAX_ENV_NAME = 255
 # Linux refuses one argument or variable longer than 128 KiB (MAX_ARG_STRLEN);
@@ -73,6 +79,11 @@ def env_errors(env: Mapping[str, str]) -> list[str]:
                 f"{name} is set by the runtime for every rank (QM_* and the rendezvous "
                 "variables RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."
             )
+        elif name.upper().startswith(RESERVED_GPU_ENV_PREFIXES):
+            errors.append(
+                f"{name} is reserved: the runtime sets CUDA_* and NVIDIA_* to confine each "
+                "rank to the GPUs it was given."
+            )
         if "\x00" in value:
             errors.append(f"The value of {shown!r} contains a NUL character.")
         elif len(value) > MAX_ENV_VALUE:
@@ -98,6 +109,35 @@ def image_errors(image: str) -> list[str]:
         ]
     if len(match.group("name")) > MAX_IMAGE_NAME:
         return [f"The repository name is longer than {MAX_IMAGE_NAME} characters."]
+    return []
+
+
+def image_admitted(image: str, prefix: str) -> bool:
+    """Whether an allow-list entry `prefix` (a registry and repository path,
+    such as registry.example.org/vision) admits `image`.
+
+    Matched by path segment, never as raw text: the prefix must be the image's
+    whole repository or end where one of its `/`-separated parts ends, so
+    registry.example.org/vision admits registry.example.org/vision/trainer:1 but
+    not registry.example.org/vision-exfil/trainer. A trailing `/` on the prefix
+    means the same as none; the image's tag or digest is not part of the match."""
+    repository = image.split("@", 1)[0]
+    # A colon after the last slash starts a tag; one before it is a registry's port.
+    if repository.rfind(":") > repository.rfind("/"):
+        repository = repository[: repository.rfind(":")]
+    root = prefix.rstrip("/")
+    return bool(root) and (repository == root or repository.startswith(root + "/"))
+
+
+def image_allowlist_errors(image: str, lists: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
+    """Why `image` may not run under these allow-lists, each (team, prefixes)
+    from the top of the team tree down; every list must admit it."""
+    for team, prefixes in lists:
+        if not any(image_admitted(image, prefix) for prefix in prefixes):
+            return [
+                f"Image {image} is not allowed for the jobs of team {team} and its "
+                f"sub-teams; allowed are images under: {', '.join(prefixes) or 'none'}."
+            ]
     return []
 
 

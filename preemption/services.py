@@ -3,14 +3,16 @@ reconcilers, which act for the system, live in cycle.py and reconcile.py."""
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Count
 from django.utils import timezone
 
 from core.access import TeamTree
@@ -21,6 +23,7 @@ from preemption.reconcile import request_stop
 from preemption.runtime import checkpoint_dir_for
 from preemption.wakeup import queue_cycle
 from preemption.webhooks import notify
+from quotas.limits import image_allow_lists, queued_job_limits
 from quotas.models import Node, PriorityClass, ResourceFlavor, Team
 from quotas.selectors import PriorityAllowance, priority_allowances, team_tree, topology_levels
 
@@ -134,6 +137,9 @@ def job_submit_many(
 
     Each request is checked as `job_submit` checks one, and a batch with any
     refused request raises `BatchValidationError` with every request's reasons.
+    An image outside the allow-lists of the team and the teams above it is
+    refused by request; a batch that would leave the submitter or a team with
+    more waiting jobs than allowed raises `QueueLimitReached`, and nothing is queued.
     What the checks read (the tree, the teams' priority allowances, the flavors'
     nodes) is read once for the batch, and the jobs are written with one insert,
     so a batch costs a fixed number of queries whatever its size. The caller
@@ -148,12 +154,22 @@ def job_submit_many(
     ).values_list("flavor_id", "gpus"):
         node_gpus[flavor_id].append(gpus)
     levels = topology_levels()
+    images = image_allow_lists(team_ids={r.team.pk for r in requests}, tree=tree)
     per_request: list[dict[str, list[str]]] = []
     classes: list[PriorityClass] = []
     for request in requests:
         errors, priority_class = _request_errors(
             request, tree, allowances[request.team.pk], node_gpus[request.flavor.pk], levels
         )
+        if (
+            "image" not in errors
+            and isinstance(request.image, str)
+            and request.image
+            and (
+                reasons := job_rules.image_allowlist_errors(request.image, images[request.team.pk])
+            )
+        ):
+            errors["image"] = reasons
         per_request.append(errors)
         if not errors:
             assert priority_class is not None
@@ -163,6 +179,7 @@ def job_submit_many(
     # Only the writes share a transaction: on SQLite it holds the database's one
     # write lock from its start, and the checks above only read.
     with transaction.atomic():
+        _check_queue_limits(submitter=submitter, requests=requests, tree=tree)
         jobs = Job.objects.bulk_create(
             [
                 Job(
@@ -192,6 +209,54 @@ def job_submit_many(
         update_rows(jobs, ["checkpoint_dir"])
         queue_cycle()
     return jobs
+
+
+class QueueLimitReached(ValidationError):
+    """Queuing these jobs would pass a limit on waiting jobs (the submitter's or
+    a team's, like Slurm's MaxSubmitJobs); nothing was queued."""
+
+
+def _check_queue_limits(
+    *, submitter: AbstractBaseUser, requests: Sequence[JobRequest], tree: TeamTree
+) -> None:
+    """Refuse the whole submission if it would leave the submitter, or any team,
+    with more jobs waiting (pending or requeued) than allowed.
+
+    Runs in the writing transaction with the submitter's and the teams' rows
+    locked (on SQLite the transaction holds the database's write lock anyway),
+    so two submissions at once cannot both pass the same count."""
+    adding = Counter(r.team.pk for r in requests)
+    list(Team.objects.select_for_update().filter(pk__in=sorted(adding)).values_list("pk"))
+    list(get_user_model().objects.select_for_update().filter(pk=submitter.pk).values_list("pk"))
+    waiting = Job.objects.filter(state__in=WAITING_STATES)
+    reasons: dict[str, list[str]] = {}
+    user_limit = settings.QM_MAX_QUEUED_JOBS_PER_USER
+    mine = waiting.filter(submitter_id=submitter.pk).count()
+    if mine + len(requests) > user_limit:
+        reasons["submitter"] = [
+            f"You may have at most {user_limit} queued jobs (you have {mine}); "
+            f"{len(requests)} more would pass the limit."
+        ]
+    limits = queued_job_limits(team_ids=adding, tree=tree)
+    counts = dict(
+        waiting.filter(team_id__in=adding)
+        .values("team_id")
+        .annotate(n=Count("id"))
+        .values_list("team_id", "n")
+    )
+    slugs = {r.team.pk: r.team.slug for r in requests}
+    for team_id, more in sorted(adding.items()):
+        limit, has = limits[team_id], counts.get(team_id, 0)
+        if has + more > limit.limit:
+            where = (
+                "" if limit.set_by in (None, slugs[team_id]) else f" (set on team {limit.set_by})"
+            )
+            reasons.setdefault("team", []).append(
+                f"team {slugs[team_id]} may have at most {limit.limit} queued jobs (it has "
+                f"{has}){where}; {more} more would pass the limit."
+            )
+    if reasons:
+        raise QueueLimitReached(reasons)
 
 
 def _request_errors(

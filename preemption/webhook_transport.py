@@ -102,6 +102,12 @@ def why_not_public(address: Address) -> str | None:
         (address.is_unspecified, "the unspecified address"),
         (address.is_reserved, "a reserved address"),
         (address.is_private, "a private address"),
+        # fec0::/10, deprecated by RFC 3879 but still routed inside some sites;
+        # Python counts it neither private nor reserved, and calls it global.
+        (
+            isinstance(address, ipaddress.IPv6Address) and address.is_site_local,
+            "a site-local address",
+        ),
     ):
         if test:
             return name

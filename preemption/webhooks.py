@@ -29,13 +29,14 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Count, Min
 from django.utils import timezone
 
 from preemption.models import Job, Webhook, WebhookDelivery
@@ -230,15 +231,45 @@ def _record(outcome: _Outcome, hook: Webhook) -> bool:
     return False
 
 
+def _due_fairly(now: datetime, limit: int) -> list[WebhookDelivery]:
+    """Up to `limit` due deliveries, each team with some due getting its share.
+
+    Taking the oldest `limit` overall would let one team that floods its
+    receivers (or points ten webhooks at a receiver that never answers) fill
+    every run and starve every other team's notices. Instead the run is shared
+    out as water fills vessels: each team gets an equal part, and what a team
+    with fewer due leaves over goes to the others. With more teams than
+    `limit`, those with the oldest notices go first."""
+    due = WebhookDelivery.objects.filter(
+        delivered_at__isnull=True, given_up_at__isnull=True, next_try_at__lte=now
+    )
+    teams = list(
+        due.values("webhook__team_id")
+        .annotate(oldest=Min("next_try_at"), waiting=Count("id"))
+        .order_by("oldest", "webhook__team_id")
+        .values_list("webhook__team_id", "waiting")[:limit]
+    )
+    shares: dict[int, int] = {}
+    left = limit
+    for place, (team_id, waiting) in enumerate(sorted(teams, key=lambda team: team[1])):
+        shares[team_id] = min(waiting, max(1, left // (len(teams) - place)))
+        left -= shares[team_id]
+    chosen: list[WebhookDelivery] = []
+    for team_id, _ in teams:
+        chosen.extend(
+            due.filter(webhook__team_id=team_id)
+            .select_related("webhook")
+            .order_by("next_try_at", "id")[: shares[team_id]]
+        )
+    return chosen
+
+
 def deliver_due(*, limit: int = 50) -> int:
     """Try every delivery that is due, each webhook in its own thread; returns
-    how many were delivered."""
+    how many were delivered. Each team's receivers get a bounded share of a
+    run's `limit` (`_due_fairly`)."""
     now = timezone.now()
-    due = list(
-        WebhookDelivery.objects.select_related("webhook")
-        .filter(delivered_at__isnull=True, given_up_at__isnull=True, next_try_at__lte=now)
-        .order_by("next_try_at", "id")[:limit]
-    )
+    due = _due_fairly(now, limit)
     per_hook: dict[int, tuple[Webhook, list[_Notice]]] = {}
     for delivery in due:
         # Claim the row so two workers never post the same notice at once; the
@@ -310,6 +341,20 @@ def webhook_create(
             {
                 "events": [
                     f"Unknown events {', '.join(unknown)}; choose from {', '.join(Webhook.EVENTS)}."
+                ]
+            }
+        )
+    # The team's row is locked so that two registrations at once cannot both
+    # pass the count.
+    Team.objects.select_for_update().filter(pk=team.pk).first()
+    limit = settings.QM_MAX_WEBHOOKS_PER_TEAM
+    existing = Webhook.objects.filter(team=team).count()
+    if existing >= limit:
+        raise ValidationError(
+            {
+                "team": [
+                    f"Team {team.slug} may have at most {limit} webhooks (it has {existing}); "
+                    "remove one first."
                 ]
             }
         )

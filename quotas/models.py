@@ -52,6 +52,12 @@ class Team(models.Model):
     list of its own can only narrow its parent's (see
     `quotas.selectors.priority_allowance`). `default_priority_class` is the
     class of a job submitted without one (null: the parent's default).
+
+    `max_queued_jobs` caps the jobs waiting to run (pending or requeued) that
+    the team may have, like Slurm's MaxSubmitJobs. It is inherited the way
+    priority classes are: a team's own limit can only narrow those above it,
+    and where no team on the way up sets one the site default applies
+    (settings.QM_MAX_QUEUED_JOBS_PER_TEAM; `quotas.limits.queued_job_limits`).
     """
 
     parent = models.ForeignKey(
@@ -75,6 +81,14 @@ class Team(models.Model):
         on_delete=models.SET_NULL,
         related_name="default_for_teams",
         help_text="The class of a job submitted without one; empty: the parent team's.",
+    )
+    max_queued_jobs = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text=(
+            "How many jobs the team may have waiting to run; empty: the teams' above "
+            "it, or the site default. A limit here can only narrow theirs."
+        ),
     )
 
     class Meta:

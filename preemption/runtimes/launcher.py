@@ -87,7 +87,9 @@ EXIT_NOT_STARTED = 127
 # HOME, TMPDIR, USER and LOGNAME describe the rank's own folder and user, not the control
 # plane's (PYTHONPATH and VIRTUAL_ENV would point it into the control plane's code).
 INHERITED_NAMES = frozenset({"PATH", "TERM", "TZ", "LANG", "LANGUAGE", "LD_LIBRARY_PATH"})
-INHERITED_PREFIXES = ("LC_", "CUDA_", "NCCL_", "GLOO_", "TORCH_")
+# Never CUDA_* or NVIDIA_*: the control plane's own (CUDA_VISIBLE_DEVICES above all)
+# would hand a rank the GPUs of the whole machine; the runtime sets a rank's own.
+INHERITED_PREFIXES = ("LC_", "NCCL_", "GLOO_", "TORCH_")
 
 # Files and folders a rank creates are its own alone unless it says otherwise.
 RANK_UMASK = 0o077
