@@ -115,7 +115,15 @@ class MembershipInline(admin.TabularInline):
 class TeamAdminForm(forms.ModelForm):  # type: ignore[type-arg]
     class Meta:
         model = Team
-        fields = ["slug", "name", "parent", "weight", "priority_classes", "default_priority_class"]
+        fields = [
+            "slug",
+            "name",
+            "parent",
+            "weight",
+            "priority_classes",
+            "default_priority_class",
+            "max_queued_jobs",
+        ]
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean() or {}
@@ -137,7 +145,7 @@ class TeamAdminForm(forms.ModelForm):  # type: ignore[type-arg]
 @admin.register(Team)
 class TeamAdmin(admin.ModelAdmin):
     form = TeamAdminForm
-    list_display = ["slug", "name", "parent", "weight", "default_priority_class"]
+    list_display = ["slug", "name", "parent", "weight", "default_priority_class", "max_queued_jobs"]
     list_filter = ["parent"]
     search_fields = ["slug", "name"]
     filter_horizontal = ["priority_classes"]
@@ -146,7 +154,7 @@ class TeamAdmin(admin.ModelAdmin):
     def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         # A new team starts with its parent's classes; they are changed on the
         # team's own page, where the service can check them against the tree.
-        fields = ["slug", "name", "parent", "weight"]
+        fields = ["slug", "name", "parent", "weight", "max_queued_jobs"]
         return fields if obj is None else [*fields, "priority_classes", "default_priority_class"]
 
     def save_model(self, request: HttpRequest, obj: Team, form: Any, change: bool) -> None:

@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 from axes.models import AccessAttempt
+from django.test import Client
 from rest_framework.test import APIClient
 
 from preemption.models import Job, JobState
+from quotas.models import Team
 from tests import builders
 from tests.conftest import database_state
 
@@ -130,8 +132,6 @@ def test_one_person_is_capped_across_teams(world: Any, settings: Any) -> None:
 
 
 def test_the_portal_form_shows_the_limit(world: Any, settings: Any) -> None:
-    from django.test import Client
-
     settings.QM_MAX_QUEUED_JOBS_PER_TEAM = 1
     _queued(world, world.vision, 1)
     client = Client()
@@ -214,3 +214,26 @@ def test_a_bad_rate_setting_stops_the_start(rate: str) -> None:
     )
     assert result.returncode != 0
     assert "ImproperlyConfigured: QM_API_RATE_USER must be a count per period" in result.stderr
+
+
+def test_an_admin_sets_a_teams_limit_on_the_admin_site(world: Any) -> None:
+    admin = Client()
+    admin.force_login(world.users["admin"])
+    response = admin.post(
+        "/admin/quotas/team/add/",
+        {
+            "slug": "robotics",
+            "name": "Robotics",
+            "parent": world.ml.pk,
+            "weight": "1",
+            "max_queued_jobs": "7",
+            "quotas-TOTAL_FORMS": "0",
+            "quotas-INITIAL_FORMS": "0",
+            "memberships-TOTAL_FORMS": "0",
+            "memberships-INITIAL_FORMS": "0",
+        },
+    )
+    assert response.status_code == 302, response.content.decode()[:2000]
+    assert Team.objects.get(slug="robotics").max_queued_jobs == 7
+    page = admin.get(f"/admin/quotas/team/{world.vision.pk}/change/").content.decode()
+    assert 'name="max_queued_jobs"' in page
