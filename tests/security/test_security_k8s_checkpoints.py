@@ -90,9 +90,9 @@ def secure_agent(
         yield agent
 
 
-def _agent_logs(agent: NodeAgent, namespace: str) -> str:
-    """Every container log the agent kept in ``namespace``, init containers' included."""
-    folder = agent.work_dir / "logs" / namespace
+def _agent_logs(agent: NodeAgent, in_namespace: str) -> str:
+    """Every container log the agent kept in ``in_namespace``, init containers' included."""
+    folder = agent.work_dir / "logs" / in_namespace
     return "\n".join(f"{p.name}: {p.read_text()}" for p in sorted(folder.glob("*.log")))
 
 
