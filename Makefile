@@ -58,6 +58,7 @@ engine: venv
 ## k8s: build the test control plane and Helm from the Go module proxy (cached by version)
 k8s: venv
 	@bash tools/k8s/build.sh
+	@bash tools/k8s/build-kubelet.sh
 	@bash tools/k8s/build-helm.sh
 
 wheel: venv

@@ -51,6 +51,7 @@ CONTROLLERS = (
     "namespace-controller",
     "node-lifecycle-controller",
     "taint-eviction-controller",
+    "root-ca-certificate-publisher-controller",
 )
 
 SERVICE_CIDR = "10.0.0.0/24"

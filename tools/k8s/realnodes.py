@@ -1,0 +1,684 @@
+"""Real kubelets as nodes of the test control plane.
+
+``RealNodes`` starts, on this machine, one containerd and one kubelet v1.34 per
+node, registered to a running ``ControlPlane``, and gives each Node
+``nvidia.com/gpu`` capacity. Pods then run as real containers (runc, overlayfs,
+a network namespace on a bridge), so a rank meets what a production kubelet
+does to it: SIGTERM to the container's PID 1, SIGKILL at the end of
+``terminationGracePeriodSeconds``, and an exit code the kubelet reports.
+
+What each node gets (``/work/shared/REAL-NODES.md`` says why each item is there):
+
+* containerd with its own root, state, sockets, runc root and opt folder; CRI
+  config ``restrict_oom_score_adj = true`` (root here lacks CAP_SYS_RESOURCE),
+  ``disable_apparmor``, ``netns_mounts_under_state_dir`` and the overlayfs
+  snapshotter. The rank and pause images of ``tools.k8s.images`` are imported;
+* a CNI ``bridge`` network with ``host-local`` addresses, ``isGateway`` and
+  ``ipMasq`` off, so nothing host-wide changes. Both nodes share one bridge with
+  a range of addresses each, so their pods reach one another;
+* a kubelet with its own root folder, ports, cgroup root (created under every
+  cgroup v1 hierarchy) and pod log folder, a client certificate from the test CA
+  (``O=system:nodes``, ``CN=system:node:<name>``) and a serving certificate, on
+  ``--node-ip`` = this machine's first non-loopback address. It accepts the API
+  server's client certificate for logs; image garbage collection and disk
+  eviction are set so they never fire on a shared disk.
+
+Cluster DNS is not run: pods get the host's resolver, so ``MASTER_ADDR`` does
+not resolve inside a pod. The kubelet sets a few kernel tunables when it starts
+(``vm.overcommit_memory``, ``kernel.panic``...); ``stop`` puts back the values it
+found. ``stop`` takes everything down in this order: kubelets; every containerd
+task and container; containerd (and any shim left); the mounts under the run
+folder; the cgroups, deepest first; the bridge; the kernel tunables; the Node
+objects.
+
+``unavailable_reason()`` says why this machine cannot run real nodes (not root,
+no overlayfs, no containerd...), for a test to skip with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from tools.k8s import images
+from tools.k8s.controlplane import (
+    REPO_ROOT,
+    ControlPlane,
+    _die_with_parent,
+    _issue_certificate,
+    write_kubeconfig,
+)
+
+BUILD_KUBELET = REPO_ROOT / "tools" / "k8s" / "build-kubelet.sh"
+CNI_BIN_DIR = Path("/usr/lib/cni")
+GPU_RESOURCE = "nvidia.com/gpu"
+FLAVOR_LABEL = "quartermaster.dev/flavor"
+POD_SUBNET = "10.213.0.0/16"
+# Set by the kubelet at start (pkg/kubelet/cm: setupKernelTunables); put back by stop().
+KERNEL_TUNABLES = (
+    "vm/overcommit_memory",
+    "vm/panic_on_oom",
+    "kernel/panic",
+    "kernel/panic_on_oops",
+    "kernel/keys/root_maxkeys",
+    "kernel/keys/root_maxbytes",
+)
+# Host folders the kubelet (device-plugins socket, log links) and containerd's shims
+# (their sockets) create wherever they are rooted; removed by stop() when this run
+# made them and they are empty again.
+HOST_FOLDERS = (
+    Path("/var/lib/kubelet/device-plugins"),
+    Path("/var/lib/kubelet"),
+    Path("/var/log/containers"),
+    Path("/run/containerd/s"),
+    Path("/run/containerd"),
+)
+REQUIRED_COMMANDS = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "ip", "openssl")
+
+
+class RealNodeError(RuntimeError):
+    """Real nodes could not be built, started or reached."""
+
+
+def unavailable_reason() -> str | None:
+    """Why real nodes cannot run on this machine, or None when they can."""
+    if os.geteuid() != 0:
+        return "real nodes need root (containerd, mounts, cgroups, a bridge)"
+    if "overlay" not in Path("/proc/filesystems").read_text():
+        return "the kernel has no overlayfs for containerd's snapshotter"
+    missing = [name for name in REQUIRED_COMMANDS if shutil.which(name) is None]
+    if missing:
+        return f"missing {', '.join(missing)}: bin/test-services installs containerd, runc"
+    if not (CNI_BIN_DIR / "bridge").exists() or not (CNI_BIN_DIR / "host-local").exists():
+        return (
+            f"no CNI bridge and host-local plugins in {CNI_BIN_DIR} (containernetworking-plugins)"
+        )
+    if not _cgroup_v1_mounts():
+        return "no cgroup v1 hierarchy: these nodes are set up for cgroup v1 only"
+    if not (shutil.which("gcc") or shutil.which("cc")):
+        return "no C compiler for the pause image"
+    if _node_ip() is None:
+        return "this machine has no non-loopback IPv4 address for --node-ip"
+    return None
+
+
+def build_kubelet() -> Path:
+    """Build (or find in the cache) the kubelet; returns its path."""
+    result = subprocess.run(
+        ["bash", str(BUILD_KUBELET)], check=False, capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise RealNodeError(f"build-kubelet.sh failed:\n{result.stderr[-4000:]}")
+    kubelet = Path(result.stdout.strip().splitlines()[-1]) / "kubelet"
+    if not kubelet.exists():
+        raise RealNodeError(f"build-kubelet.sh printed no folder holding a kubelet: {kubelet}")
+    return kubelet
+
+
+def _cgroup_v1_mounts() -> list[Path]:
+    """Mount points of every cgroup v1 hierarchy."""
+    return _cgroup_mounts(("cgroup",))
+
+
+def _cgroup_mounts(kinds: tuple[str, ...]) -> list[Path]:
+    mounts = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        if right.split(" ", 1)[0] in kinds:
+            mounts.append(Path(left.split()[4]))
+    return mounts
+
+
+def _node_ip() -> str | None:
+    result = subprocess.run(
+        ["ip", "-j", "-4", "addr", "show", "scope", "global"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        return None
+    for link in json.loads(result.stdout or "[]"):
+        for address in link.get("addr_info", []):
+            if address.get("local"):
+                return str(address["local"])
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def _terminate(process: subprocess.Popen[bytes] | None, timeout: float = 15.0) -> None:
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
+def _kill_pids(pids: set[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@dataclass
+class RealNode:
+    """One node: its folders, ports and processes."""
+
+    name: str
+    index: int
+    dir: Path
+    kubelet_port: int = 0
+    healthz_port: int = 0
+    containerd: subprocess.Popen[bytes] | None = None
+    kubelet: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket(self) -> Path:
+        """containerd's gRPC socket."""
+        return self.dir / "containerd" / "containerd.sock"
+
+    @property
+    def kubelet_root(self) -> Path:
+        """The kubelet's --root-dir."""
+        return self.dir / "kubelet"
+
+
+@dataclass
+class RealNodes:
+    """Two (or more) real nodes of a running control plane."""
+
+    plane: ControlPlane
+    run_dir: Path
+    names: tuple[str, ...] = ("real-node-0", "real-node-1")
+    gpus: int = 8
+    flavor: str = "h100"
+    die_with_parent: bool = True
+    nodes: list[RealNode] = field(default_factory=list)
+    rank_image: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        token = uuid.uuid4().hex[:6]
+        self.bridge = f"qmbr{token}"
+        self.cgroup_root = f"qm-realnodes-{token}"
+        self.node_ip = _node_ip() or ""
+        self._kernel_tunables: dict[str, str] = {}
+        self._host_folders_before: set[Path] = set()
+        self._api: client.ApiClient | None = None
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self, *, timeout: float = 120.0) -> None:
+        """Start every node and wait until each is Ready with its GPUs; stop all on failure."""
+        reason = unavailable_reason()
+        if reason is not None:
+            raise RealNodeError(reason)
+        assert self.plane.state is not None
+        begun = time.monotonic()
+        kubelet = build_kubelet()
+        rank, pause = images.rank_image(), images.pause_image()
+        self.rank_image = rank.name
+        self.timings["build"] = time.monotonic() - begun
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        configuration = client.Configuration()
+        config.load_kube_config(
+            config_file=self.plane.state.kubeconfig, client_configuration=configuration
+        )
+        self._api = client.ApiClient(configuration)
+        self._host_folders_before = {path for path in HOST_FOLDERS if path.exists()}
+        self._kernel_tunables = {
+            key: (Path("/proc/sys") / key).read_text().strip()
+            for key in KERNEL_TUNABLES
+            if (Path("/proc/sys") / key).exists()
+        }
+        try:
+            self._pki()
+            for index, name in enumerate(self.names):
+                node = RealNode(name=name, index=index, dir=self.run_dir / name)
+                self.nodes.append(node)
+                self._start_containerd(node, pause.name)
+            started = time.monotonic()
+            for node in self.nodes:
+                self._import(node, rank.archive)
+                self._import(node, pause.archive)
+            self.timings["import"] = time.monotonic() - started
+            for node in self.nodes:
+                self._start_kubelet(node, kubelet)
+            self._wait_ready(time.monotonic() + timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.timings["start"] = time.monotonic() - begun
+
+    def stop(self) -> None:
+        """Take every node down, leaving no process, mount, cgroup or bridge behind."""
+        begun = time.monotonic()
+        for node in self.nodes:
+            _terminate(node.kubelet)
+        for node in self.nodes:
+            self._remove_containers(node)
+        for node in self.nodes:
+            _terminate(node.containerd)
+            _kill_pids(self._leftover_processes(node))
+        self._unmount_all()
+        self._remove_cgroups()
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+        for key, value in self._kernel_tunables.items():
+            with contextlib.suppress(OSError):
+                (Path("/proc/sys") / key).write_text(value)
+        self._remove_log_links()
+        self._remove_host_folders()
+        if self._api is not None:
+            core = client.CoreV1Api(self._api)
+            for node in self.nodes:
+                try:
+                    core.delete_node(node.name)
+                except ApiException as error:
+                    if error.status != 404:
+                        raise
+            self._api.close()
+            self._api = None
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.nodes = []
+        self.timings["stop"] = time.monotonic() - begun
+
+    # -- set-up ------------------------------------------------------------------
+    def _pki(self) -> None:
+        """Node client and serving certificates from the test CA, in the run folder."""
+        pki = self.run_dir / "pki"
+        pki.mkdir(parents=True, exist_ok=True)
+        for name in ("ca.crt", "ca.key"):
+            shutil.copy(self.plane.pki / name, pki / name)
+        assert self.plane.state is not None
+        for name in self.names:
+            _issue_certificate(
+                pki,
+                f"{name}-client",
+                f"/O=system:nodes/CN=system:node:{name}",
+                "extendedKeyUsage=clientAuth\n",
+            )
+            _issue_certificate(
+                pki,
+                f"{name}-serving",
+                f"/CN={name}",
+                f"subjectAltName=IP:{self.node_ip},DNS:{name}\nextendedKeyUsage=serverAuth\n",
+            )
+            write_kubeconfig(
+                self.run_dir / f"{name}.kubeconfig",
+                server=self.plane.state.server,
+                pki=pki,
+                user=f"{name}-client",
+            )
+
+    def _spawn(self, node: RealNode, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(node.dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+        process = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
+        )
+        log.close()
+        return process
+
+    def _check_alive(self, node: RealNode, name: str) -> None:
+        process = node.containerd if name == "containerd" else node.kubelet
+        if process is not None and process.poll() is not None:
+            tail = (node.dir / f"{name}.log").read_text(errors="replace")[-3000:]
+            raise RealNodeError(f"{name} of {node.name} exited with {process.returncode}:\n{tail}")
+
+    def _containerd_config(self, node: RealNode, pause_image: str) -> str:
+        base = node.dir / "containerd"
+        cri = '[plugins."io.containerd.grpc.v1.cri"]'
+        return f"""version = 2
+root = "{base / "root"}"
+state = "{base / "state"}"
+oom_score = 0
+disabled_plugins = [
+  "io.containerd.snapshotter.v1.aufs",
+  "io.containerd.snapshotter.v1.btrfs",
+  "io.containerd.snapshotter.v1.devmapper",
+  "io.containerd.snapshotter.v1.zfs",
+]
+
+[grpc]
+  address = "{node.socket}"
+
+[ttrpc]
+  address = "{node.socket}.ttrpc"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{base / "opt"}"
+
+{cri}
+  sandbox_image = "{pause_image}"
+  disable_apparmor = true
+  restrict_oom_score_adj = true
+  netns_mounts_under_state_dir = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  enable_selinux = false
+
+{cri[:-1]}.containerd]
+  snapshotter = "overlayfs"
+  default_runtime_name = "runc"
+
+{cri[:-1]}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+
+{cri[:-1]}.containerd.runtimes.runc.options]
+  SystemdCgroup = false
+  Root = "{base / "runc"}"
+
+{cri[:-1]}.cni]
+  bin_dir = "{CNI_BIN_DIR}"
+  conf_dir = "{node.dir / "cni"}"
+  max_conf_num = 1
+"""
+
+    def _cni_config(self, node: RealNode) -> dict[str, object]:
+        third = 10 + node.index
+        return {
+            "cniVersion": "0.4.0",
+            "name": "quartermaster-real-nodes",
+            "plugins": [
+                {
+                    "type": "bridge",
+                    "bridge": self.bridge,
+                    "isGateway": False,
+                    "ipMasq": False,
+                    "hairpinMode": False,
+                    "ipam": {
+                        "type": "host-local",
+                        "dataDir": str(node.dir / "ipam"),
+                        "ranges": [
+                            [
+                                {
+                                    "subnet": POD_SUBNET,
+                                    "rangeStart": f"10.213.{third}.2",
+                                    "rangeEnd": f"10.213.{third}.254",
+                                }
+                            ]
+                        ],
+                    },
+                },
+                {"type": "loopback"},
+            ],
+        }
+
+    def _ctr(
+        self, node: RealNode, *args: str, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["ctr", "--address", str(node.socket), "--namespace", "k8s.io", *args],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=timeout,
+        )
+
+    def _start_containerd(self, node: RealNode, pause_image: str) -> None:
+        (node.dir / "containerd").mkdir(parents=True)
+        (node.dir / "cni").mkdir()
+        (node.dir / "cni" / "10-bridge.conflist").write_text(json.dumps(self._cni_config(node)))
+        config_file = node.dir / "containerd.toml"
+        config_file.write_text(self._containerd_config(node, pause_image))
+        node.containerd = self._spawn(
+            node, "containerd", ["containerd", "--config", str(config_file)]
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            self._check_alive(node, "containerd")
+            if node.socket.exists() and self._ctr(node, "version", timeout=10).returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise RealNodeError(f"containerd of {node.name} did not answer within 30 s")
+            time.sleep(0.1)
+
+    def _import(self, node: RealNode, archive: Path) -> None:
+        result = self._ctr(node, "images", "import", str(archive))
+        if result.returncode != 0:
+            raise RealNodeError(f"ctr images import {archive} on {node.name}: {result.stderr}")
+
+    def _create_cgroups(self) -> None:
+        for mount in _cgroup_v1_mounts():
+            folder = mount / self.cgroup_root
+            folder.mkdir(exist_ok=True)
+            if (mount / "cpuset.cpus").exists():
+                for name in ("cpuset.cpus", "cpuset.mems"):
+                    (folder / name).write_text((mount / name).read_text())
+
+    def _kubelet_config(self, node: RealNode) -> dict[str, object]:
+        pki = self.run_dir / "pki"
+        never = {
+            "memory.available": "1Mi",
+            "nodefs.available": "1Mi",
+            "nodefs.inodesFree": "1",
+            "imagefs.available": "1Mi",
+            "imagefs.inodesFree": "1",
+        }
+        return {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "address": self.node_ip,
+            "port": node.kubelet_port,
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": node.healthz_port,
+            "tlsCertFile": str(pki / f"{node.name}-serving.crt"),
+            "tlsPrivateKeyFile": str(pki / f"{node.name}-serving.key"),
+            "authentication": {
+                "anonymous": {"enabled": False},
+                "webhook": {"enabled": False},
+                "x509": {"clientCAFile": str(pki / "ca.crt")},
+            },
+            # Only the API server (system:masters) holds a certificate of the test CA
+            # that it presents to kubelets.
+            "authorization": {"mode": "AlwaysAllow"},
+            "containerRuntimeEndpoint": f"unix://{node.socket}",
+            "cgroupDriver": "cgroupfs",
+            "cgroupRoot": f"/{self.cgroup_root}/{node.name}",
+            "failSwapOn": False,
+            "failCgroupV1": False,
+            "makeIPTablesUtilChains": False,
+            "hairpinMode": "none",
+            "podLogsDir": str(node.dir / "pod-logs"),
+            "resolvConf": "/etc/resolv.conf",
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "evictionHard": never,
+            "evictionPressureTransitionPeriod": "5s",
+            "nodeStatusUpdateFrequency": "2s",
+            "nodeStatusReportFrequency": "10s",
+            "rotateCertificates": False,
+            "serverTLSBootstrap": False,
+            "registerNode": True,
+            "maxPods": 60,
+        }
+
+    def _start_kubelet(self, node: RealNode, kubelet: Path) -> None:
+        self._create_cgroups()
+        for mount in _cgroup_v1_mounts():
+            folder = mount / self.cgroup_root / node.name
+            folder.mkdir(exist_ok=True)
+            if (mount / "cpuset.cpus").exists():
+                for name in ("cpuset.cpus", "cpuset.mems"):
+                    (folder / name).write_text((mount / name).read_text())
+        node.kubelet_port, node.healthz_port = _free_port(), _free_port()
+        node.kubelet_root.mkdir(parents=True)
+        (node.dir / "pod-logs").mkdir()
+        config_file = node.dir / "kubelet.json"
+        config_file.write_text(json.dumps(self._kubelet_config(node), indent=2))
+        node.kubelet = self._spawn(
+            node,
+            "kubelet",
+            [
+                str(kubelet),
+                f"--config={config_file}",
+                f"--kubeconfig={self.run_dir / f'{node.name}.kubeconfig'}",
+                f"--root-dir={node.kubelet_root}",
+                f"--cert-dir={node.dir / 'kubelet-pki'}",
+                f"--node-ip={self.node_ip}",
+                f"--hostname-override={node.name}",
+                f"--node-labels={FLAVOR_LABEL}={self.flavor}",
+                "--v=2",
+            ],
+        )
+
+    def _wait_ready(self, deadline: float) -> None:
+        core = client.CoreV1Api(self._api)
+        waiting = {node.name: node for node in self.nodes}
+        while waiting:
+            for node in waiting.values():
+                self._check_alive(node, "kubelet")
+                self._check_alive(node, "containerd")
+            for name in list(waiting):
+                try:
+                    found = core.read_node(name)
+                except ApiException as error:
+                    if error.status != 404:
+                        raise
+                    continue
+                ready = [c for c in found.status.conditions or [] if c.type == "Ready"]
+                if ready and ready[0].status == "True":
+                    self.give_gpus(name)
+                    del waiting[name]
+            if waiting and time.monotonic() > deadline:
+                tails = "\n".join(
+                    f"--- {node.name}:\n"
+                    + (node.dir / "kubelet.log").read_text(errors="replace")[-2000:]
+                    for node in waiting.values()
+                )
+                raise RealNodeError(f"nodes {sorted(waiting)} not Ready in time:\n{tails}")
+            time.sleep(0.2)
+
+    def give_gpus(self, name: str) -> None:
+        """Patch ``nvidia.com/gpu`` into the Node's capacity (again after a kubelet restart)."""
+        gpus = str(self.gpus)
+        client.CoreV1Api(self._api).patch_node_status(
+            name,
+            {"status": {"capacity": {GPU_RESOURCE: gpus}, "allocatable": {GPU_RESOURCE: gpus}}},
+        )
+
+    def log(self, name: str, component: str = "kubelet") -> str:
+        """The tail of a node's kubelet or containerd log, for failure messages."""
+        path = self.run_dir / name / f"{component}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    # -- teardown ----------------------------------------------------------------
+    def _remove_containers(self, node: RealNode) -> None:
+        if node.containerd is None or node.containerd.poll() is not None:
+            return
+        try:
+            listing = self._ctr(node, "tasks", "ls", "-q", timeout=20)
+            for task in listing.stdout.split():
+                self._ctr(node, "tasks", "kill", "-s", "SIGKILL", task, timeout=20)
+            for task in listing.stdout.split():
+                self._ctr(node, "tasks", "delete", "-f", task, timeout=20)
+            containers = self._ctr(node, "containers", "ls", "-q", timeout=20).stdout.split()
+            if containers:
+                self._ctr(node, "containers", "rm", *containers, timeout=60)
+        except subprocess.TimeoutExpired:
+            pass  # containerd is stopped next; leftover processes are killed after it
+
+    def _leftover_processes(self, node: RealNode) -> set[int]:
+        """Shims of this node's containerd and anything still in this run's cgroups."""
+        found: set[int] = set()
+        marker = str(node.socket).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"containerd-shim" in cmdline and marker in cmdline:
+                found.add(int(entry.name))
+        for mount in _cgroup_v1_mounts():
+            root = mount / self.cgroup_root / node.name
+            if root.exists():
+                for procs in root.rglob("cgroup.procs"):
+                    try:
+                        found |= {int(p) for p in procs.read_text().split()}
+                    except OSError:
+                        continue
+        return found
+
+    def _unmount_all(self) -> None:
+        """Unmount everything under the run folder, deepest first."""
+        prefix = str(self.run_dir.resolve())
+        for _ in range(5):
+            points = []
+            for line in Path("/proc/self/mountinfo").read_text().splitlines():
+                point = line.split()[4].replace("\\040", " ")
+                if point == prefix or point.startswith(prefix + "/"):
+                    points.append(point)
+            if not points:
+                return
+            for point in sorted(set(points), key=lambda p: p.count("/"), reverse=True):
+                result = subprocess.run(["umount", point], capture_output=True, check=False)
+                if result.returncode != 0:
+                    subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+
+    def _remove_cgroups(self) -> None:
+        # The kubelet's libcontainer also makes its cgroups in a hybrid host's
+        # cgroup2 hierarchy ("unified"), not only under the v1 controllers.
+        for mount in _cgroup_mounts(("cgroup", "cgroup2")):
+            root = mount / self.cgroup_root
+            if not root.exists():
+                continue
+            folders = sorted(
+                (p for p in root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
+            )
+            for folder in [*folders, root]:
+                for _ in range(50):
+                    try:
+                        folder.rmdir()
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        time.sleep(0.1)  # a process just killed is still leaving it
+
+    def _remove_log_links(self) -> None:
+        """The kubelet links container logs from /var/log/containers; drop this run's links."""
+        folder = Path("/var/log/containers")
+        if not folder.is_dir():
+            return
+        prefix = str(self.run_dir)
+        for link in folder.iterdir():
+            if link.is_symlink() and os.readlink(link).startswith(prefix):
+                link.unlink()
+
+    def _remove_host_folders(self) -> None:
+        """Remove the host folders this run's kubelets and shims made, once empty."""
+        if not self.nodes:
+            return
+        made = [path for path in HOST_FOLDERS if path not in self._host_folders_before]
+        socket_path = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
+        if socket_path.parent in made and socket_path.is_socket():
+            socket_path.unlink()
+        for path in made:  # deepest first, as HOST_FOLDERS lists them
+            with contextlib.suppress(OSError):  # not empty: something else uses it now
+                path.rmdir()
