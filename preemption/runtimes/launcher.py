@@ -166,13 +166,9 @@ def _no_new_privileges() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
 
 
-def rank_command(
-    script: str, run_as: dict[str, Any] | None, sandbox: dict[str, Any] | None
-) -> list[str]:
-    """What the keeper runs: the rank's shell script, in the gang's sandbox if it has
-    one (sandbox.py), where `unshare` switches to the job's user and group."""
-    if sandbox is not None:
-        return sandboxes.rank_command(script, run_as)
+def rank_command(script: str) -> list[str]:
+    """What the keeper runs: the rank's shell script (in the gang's sandbox, if it has
+    one, which rank_identity's preexec step enters)."""
     return ["/bin/sh", "-c", script]
 
 
@@ -181,11 +177,12 @@ def rank_identity(
 ) -> dict[str, Any]:
     """Popen's arguments that start the rank as the job's user, in the job's group only;
     in a sandbox, the child first joins the rank's cgroups and the gang's network
-    namespace as root, and `unshare` drops to the job's user later (rank_command)."""
+    namespace and makes the rank's PID and mount namespaces as root, and drops to the
+    job's user only in the process that executes the rank (sandbox.enter)."""
     if sandbox is not None:
 
         def enter_sandbox() -> None:
-            sandboxes.enter(sandbox, rank)
+            sandboxes.enter(sandbox, rank, run_as)
             _no_new_privileges()
 
         return {"preexec_fn": enter_sandbox}
@@ -199,7 +196,9 @@ def rank_identity(
     }
 
 
-def _record_exit(rank_dir: Path, exit_code: int, *, started: bool) -> None:
+def _record_exit(rank_dir: Path, exit_code: int, *, started: bool, reason: str = "") -> None:
+    """The rank's exit record; `reason` says why it ended when the runtime can tell
+    (sandbox.end_reason: "killed: out of memory (limit 64 MiB)")."""
     write_record(
         rank_dir / EXIT_FILE,
         {
@@ -207,6 +206,7 @@ def _record_exit(rank_dir: Path, exit_code: int, *, started: bool) -> None:
             "exited_at": time.time(),
             "signal": exit_code - 128 if exit_code > 128 else None,
             "started": started,
+            "reason": reason,
         },
         durable=True,
     )
@@ -244,7 +244,7 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
     started_at = time.time()
     try:
         process = subprocess.Popen(
-            rank_command(SHELL_PREFIX + gang["command"], run_as, gang.get("sandbox")),
+            rank_command(SHELL_PREFIX + gang["command"]),
             stdin=subprocess.DEVNULL,
             stdout=rank_output,
             stderr=subprocess.STDOUT,
@@ -285,7 +285,10 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
         # Cut to its cap before the exit is recorded: whoever reads the log after the
         # exit reads its final form.
         log.close()
-    _record_exit(rank_dir, returncode if returncode >= 0 else 128 - returncode, started=True)
+    exit_code = returncode if returncode >= 0 else 128 - returncode
+    sandbox = gang.get("sandbox")
+    reason = "" if sandbox is None else sandboxes.end_reason(sandbox, rank, exit_code)
+    _record_exit(rank_dir, exit_code, started=True, reason=reason)
 
 
 def _announce_exit(fifo: Path, job_id: int) -> None:
@@ -362,6 +365,10 @@ def fork_keepers(gang_dir: Path, ranks: list[int], report: Callable[[int], None]
     if gang is None:
         print(f"no {GANG_FILE} in {gang_dir}", file=sys.stderr)
         return
+    if gang.get("sandbox") is not None:
+        # The ranks' cgroups and the gang's network namespace, in one pass before any
+        # keeper needs them; a failure forks no keeper, so no rank runs unconfined.
+        sandboxes.create(gang["sandbox"], ranks)
     for rank in ranks:
         sys.stdout.flush()
         sys.stderr.flush()

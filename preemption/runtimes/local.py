@@ -664,7 +664,6 @@ class LocalRuntime:
             sandbox = sandboxes.prepare(
                 sandboxes.gang_name(self.root, spec.job_id, spec.attempt),
                 self.gang_dir(spec.gang),
-                len(spec.ranks),
                 self.sandbox.limits,
             )
         return {

@@ -10,37 +10,58 @@ start processes or write files until the host runs out. The sandbox closes each:
   quartermaster/<gang>/<rank>`), that every process the rank starts is born into: the
   rank's child joins it before it executes anything, so nothing escapes it by forking
   early. Ending a rank or a gang kills what is in the cgroup (cgroup.kill on v2 where
-  the kernel has it; else freeze, SIGKILL every pid, thaw, so nothing forks meanwhile).
-  The cgroup holds the limits: pids.max and the memory limit per rank.
-- A PID namespace and a mount namespace per rank with its own /proc (util-linux
-  `unshare --pid --mount --fork --mount-proc`): a rank sees only its own processes.
-  Its first process is a small shell that only waits for the rank's own shell, so a
-  workload never runs as the namespace's init (which would ignore SIGTERM from the
-  host); when the rank's shell ends, that init exits and the kernel kills whatever the
-  rank left running in the namespace.
-- One network namespace per gang, bound to a file in the gang's folder (`unshare
-  --net=<file>`), with only loopback, brought up by each rank as it enters: the ranks
-  of a gang rendezvous on 127.0.0.1 among themselves, and reach nothing else.
+  the kernel has it; else freeze, SIGKILL every pid, thaw, so nothing forks meanwhile;
+  a gang is frozen once, at its own folder, which freezes every rank below it).
+  The cgroup holds the limits: pids.max and the memory limit per rank (with no swap
+  beyond it). A rank that allocates past its memory limit is killed by the kernel's OOM
+  killer inside its cgroup, not the host's; `oom_kills` counts those kills, so the
+  keeper can record why the rank died (`end_reason`).
+- A PID namespace and a mount namespace per rank with its own /proc: a rank sees only
+  its own processes. The namespace's first process (its init) is not the workload: it
+  only waits for the rank's shell, reaping whatever the rank orphans meanwhile, and
+  exits with the shell's status, so a workload never runs as the namespace's init
+  (which would ignore SIGTERM from the host); when the init exits, the kernel kills
+  whatever the rank left running in the namespace. The init stays root, so the rank,
+  which runs as the job's user, can neither signal nor trace it.
+- One network namespace per gang, bound to a file in the gang's folder, with only
+  loopback, brought up by each rank as it enters: the ranks of a gang rendezvous on
+  127.0.0.1 among themselves, and reach nothing else.
 - RLIMIT_FSIZE on every process of the rank: a write past the limit fails with EFBIG
   (after SIGXFSZ, which ends a process that does not catch it).
 
-Why here, with util-linux and the kernel's files, and not a library: the cgroup
-libraries on PyPI are either v1 only and unmaintained for years (cgroupspy, cgroup-utils)
-or thin wrappers over one version (cgroupsv2), and none creates namespaces; systemd's
-transient scopes (systemd-run) would tie the runtime to systemd, which containers and
-CI machines do not run. bubblewrap would make the namespaces but not the cgroups, and
-is not on every host; util-linux `unshare` is. The cgroup work is writing a few files,
-which this module does for v1 (one hierarchy per controller: pids, memory, freezer)
-and v2 (one unified hierarchy), whichever the host has.
+Who does what, and why with the kernel's calls (unshare(2), setns(2), mount(2) through
+ctypes, as Python 3.11 has no os.unshare) and not util-linux `unshare`: the runtime
+writes the gang's paths into gang.json (`prepare`, no system calls beyond reading this
+process's mounts once), and the launch server's per-request child makes the cgroups and
+the network namespace in one pass before it forks the keepers (`create`): a
+single-threaded process where forking is safe, unlike the worker. Each keeper starts its
+rank with `enter` as the child's preexec step: join the cgroups and the network
+namespace, unshare the PID and mount namespaces, then fork twice in Python: the child
+the keeper waits on stays on the host's side and passes the init's status on (what
+`unshare --fork --kill-child` did), its child is the init and mounts /proc, and the
+init's child drops to the job's user and execs the rank's shell. Every one of those is
+a fork of a small, already running process; with `unshare` and a shell as the init the
+same start was three more programs to execute (`unshare`, `sh` as init, `env` to give
+SIGUSR2 back) and one more for the network namespace, which nearly doubled the time to
+start a rank (bench/bench_sandbox.py measures it).
+
+Why no library: the cgroup libraries on PyPI are either v1 only and unmaintained for
+years (cgroupspy, cgroup-utils) or thin wrappers over one version (cgroupsv2), and none
+creates namespaces; systemd's transient scopes (systemd-run) would tie the runtime to
+systemd, which containers and CI machines do not run. bubblewrap would make the
+namespaces but not the cgroups, and is not on every host, nor would it save the
+programs it costs to execute. The cgroup work is writing a few files, which this module
+does for v1 (one hierarchy per controller: pids, memory, freezer) and v2 (one unified
+hierarchy), whichever the host has.
 
 What it costs and what it does not do: a rank's pid and exit code are still its
-keeper's to record (the keeper's child is `unshare`, on the host's side of the
-namespace); signals to the rank's process group reach every process of the rank as
-before. Each rank has a PID namespace of its own, so libraries that compare the PID
-namespaces of two ranks (NCCL's same-process checks) treat them as separate hosts'
-processes would be; their rendezvous and sockets are unaffected. There is no disk quota
-beyond the largest file: a size-limited tmpfs as the work folder would lose the
-rank's files at its end, which the runtime keeps.
+keeper's to record (the keeper's child, on the host's side of the namespace); signals to
+the rank's process group reach every process of the rank as before. Each rank has a PID
+namespace of its own, so libraries that compare the PID namespaces of two ranks (NCCL's
+same-process checks) treat them as separate hosts' processes would be; their rendezvous
+and sockets are unaffected. There is no disk quota beyond the largest file: a
+size-limited tmpfs as the work folder would lose the rank's files at its end, which the
+runtime keeps.
 
 Everything here is standard library only: it runs between fork and exec in the keeper.
 """
@@ -49,20 +70,21 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import functools
 import hashlib
 import os
 import resource
-import shutil
 import signal
 import socket
 import struct
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 MODES = ("auto", "on", "off")
 
@@ -72,18 +94,27 @@ V2_CONTROLLERS = ("pids", "memory")
 CGROUP_FOLDER = "quartermaster"
 NETNS_FILE = "netns"
 
-# The first process of a rank's PID namespace: it survives the signals the control plane
-# sends the rank's process group (a namespace's init gets only the signals it handles),
-# waits for the rank's own shell and exits with its status. `env --default-signal`
-# gives the rank back the default SIGUSR2 that `unshare`'s side ignores (see enter()).
-NAMESPACE_INIT = (
-    "trap : TERM USR2 INT HUP\n"
-    f'{shutil.which("env") or "/usr/bin/env"} --default-signal=USR2 /bin/sh -c "$1"\n'
-    "exit $?"
-)
-UNSHARE = shutil.which("unshare") or "/usr/bin/unshare"
+# The signals the control plane sends a rank's process group. The two processes of the
+# sandbox that are not the rank's (the host-side one and the init) ignore them, and the
+# rank's shell gets each back at its default before it executes.
+RANK_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
 
+# The exit status of a sandbox process that failed before the rank's shell could start
+# (as a shell reports a command it could not execute).
+EXIT_NOT_STARTED = 127
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWPID = 0x20000000
 _CLONE_NEWNET = 0x40000000
+_MS_NOSUID = 0x2
+_MS_NODEV = 0x4
+_MS_NOEXEC = 0x8
+_MS_BIND = 0x1000
+_MS_REC = 0x4000
+_MS_PRIVATE = 1 << 18
+_MNT_DETACH = 2
+_PR_SET_PDEATHSIG = 1
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
@@ -124,6 +155,8 @@ class SandboxSupport:
     available: bool
     reason: str
     cgroup_version: int | None = None
+    # Where gang cgroups go: (controller, folder) per v1 hierarchy, or ("unified", folder).
+    bases: tuple[tuple[str, str], ...] = ()
 
 
 def parse_size(text: str) -> int:
@@ -206,6 +239,26 @@ def _enable_v2(base: Path) -> None:
             (folder / "cgroup.subtree_control").write_text(controllers)
 
 
+# A child that makes every namespace a rank needs and mounts a /proc in them: the
+# kernel's answer on this machine (a container without CAP_SYS_ADMIN, a seccomp filter,
+# user namespaces only) before any launch depends on it.
+_PROBE = f"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def check(result, what):
+    if result != 0:
+        sys.exit(f"{{what}}: {{os.strerror(ctypes.get_errno())}}")
+check(libc.unshare({_CLONE_NEWPID | _CLONE_NEWNS | _CLONE_NEWNET}), "unshare")
+check(libc.mount(None, b"/", None, {_MS_REC | _MS_PRIVATE}, None), "mount --make-rprivate /")
+child = os.fork()
+if child == 0:
+    check(libc.mount(b"proc", b"/proc", b"proc", {_MS_NOSUID | _MS_NODEV | _MS_NOEXEC}, None),
+          "mount /proc")
+    os._exit(0 if os.getpid() == 1 else 1)
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+"""
+
+
 @functools.cache
 def support() -> SandboxSupport:
     """Whether this process can make sandboxes (asked once per process)."""
@@ -215,21 +268,20 @@ def support() -> SandboxSupport:
             f"the control plane runs as uid {os.geteuid()}, not root: namespaces "
             "and cgroups need root",
         )
-    if shutil.which("unshare") is None or shutil.which("env") is None:
-        return SandboxSupport(False, "util-linux `unshare` is not installed")
     version: int | None = None
     reason = ""
+    bases: dict[str, Path] = {}
     try:
-        bases = _v1_bases()
-        if bases is not None:
-            for base in bases.values():
+        found = _v1_bases()
+        if found is not None:
+            for base in found.values():
                 base.mkdir(mode=0o755, exist_ok=True)
-            version = 1
+            version, bases = 1, found
         else:
             base, reason = _v2_base()
             if base is not None:
                 _enable_v2(base)
-                version = 2
+                version, bases = 2, {"unified": base}
     except OSError as error:
         reason = f"cannot make a cgroup: {error}"
         if error.errno == 16:  # EBUSY
@@ -240,16 +292,14 @@ def support() -> SandboxSupport:
     if version is None:
         return SandboxSupport(False, reason)
     probe = subprocess.run(
-        [UNSHARE, "--pid", "--mount", "--net", "--fork", "--mount-proc", "true"],
-        capture_output=True,
-        text=True,
-        check=False,
+        [sys.executable, "-I", "-S", "-c", _PROBE], capture_output=True, text=True, check=False
     )
     if probe.returncode != 0:
-        return SandboxSupport(
-            False, f"unshare cannot make namespaces here: {probe.stderr.strip()}", version
-        )
-    return SandboxSupport(True, "", version)
+        why = probe.stderr.strip().splitlines()[-1:] or [f"status {probe.returncode}"]
+        return SandboxSupport(False, f"cannot make namespaces here: {why[0]}", version)
+    return SandboxSupport(
+        True, "", version, tuple((name, str(folder)) for name, folder in bases.items())
+    )
 
 
 # ------------------------------------------------------------- making a gang's sandbox
@@ -262,54 +312,88 @@ def gang_name(root: Path, job_id: int, attempt: int) -> str:
     return f"{digest}-{job_id}-{attempt}"
 
 
-def prepare(name: str, gang_dir: Path, rank_count: int, limits: SandboxLimits) -> dict[str, Any]:
-    """Make the gang's cgroups (one per rank, with its limits) and its network namespace;
-    the record the keepers and the runtime find them by (in gang.json). Idempotent: a
-    concurrent or repeated launch of the gang makes and records the same ones."""
+def prepare(name: str, gang_dir: Path, limits: SandboxLimits) -> dict[str, Any]:
+    """The record the keepers and the runtime find the gang's sandbox by (in gang.json):
+    its cgroup folders, its network namespace's file and the limits. Makes nothing:
+    `create` does, in the launch server's child that forks the keepers."""
     found = support()
     if not found.available:
         raise OSError(f"no sandbox on this machine: {found.reason}")
-    cgroups: dict[str, str] = {}
-    if found.cgroup_version == 1:
-        bases = _v1_bases()
-        assert bases is not None
-        for controller, base in bases.items():
-            cgroups[controller] = str(base / name)
-    else:
-        base, _ = _v2_base()
-        assert base is not None
-        cgroups["unified"] = str(base / name)
-    for rank in range(rank_count):
-        for controller, folder in cgroups.items():
-            leaf = Path(folder) / str(rank)
-            leaf.mkdir(mode=0o755, parents=True, exist_ok=True)
-            _write_limits(controller, leaf, limits)
-    netns = gang_dir / NETNS_FILE
-    if not _is_netns(netns):
-        with contextlib.suppress(FileExistsError):
-            os.close(os.open(netns, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        subprocess.run(
-            [UNSHARE, f"--net={netns}", "true"], check=True, capture_output=True, text=True
-        )
     return {
         "version": found.cgroup_version,
-        "cgroups": cgroups,
-        "netns": str(netns),
+        "cgroups": {controller: str(Path(base) / name) for controller, base in found.bases},
+        "netns": str(gang_dir / NETNS_FILE),
         "limits": limits.record(),
     }
 
 
-def _write_limits(controller: str, leaf: Path, limits: SandboxLimits) -> None:
+def create(sandbox: dict[str, Any], ranks: list[int]) -> None:
+    """Make the cgroups of `ranks` (with their limits) and the gang's network namespace,
+    in one pass. Idempotent: a concurrent or repeated launch of the gang makes the same
+    ones. Run in the launch server's child, which is single-threaded (see the module
+    docstring)."""
+    limits = sandbox["limits"]
+    for controller, folder in sandbox["cgroups"].items():
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o755)
+        for rank in ranks:
+            leaf = f"{folder}/{rank}"
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(leaf, 0o755)
+            _write_limits(controller, leaf, limits)
+    netns = Path(sandbox["netns"])
+    if not _is_netns(netns):
+        _bind_new_netns(netns)
+
+
+def _write(path: str, value: str) -> None:
+    descriptor = os.open(path, os.O_WRONLY)
+    try:
+        os.write(descriptor, value.encode())
+    finally:
+        os.close(descriptor)
+
+
+def _write_limits(controller: str, leaf: str, limits: dict[str, int]) -> None:
+    memory_max = str(limits["memory_max"])
     if controller == "pids":
-        (leaf / "pids.max").write_text(str(limits.pids_max))
+        _write(f"{leaf}/pids.max", str(limits["pids_max"]))
     elif controller == "memory":
-        (leaf / "memory.limit_in_bytes").write_text(str(limits.memory_max))
-    elif controller == "unified":
-        (leaf / "pids.max").write_text(str(limits.pids_max))
-        (leaf / "memory.max").write_text(str(limits.memory_max))
-        # No swap: the limit is the memory the rank may hold, not where it sits.
+        _write(f"{leaf}/memory.limit_in_bytes", memory_max)
+        # No swap beyond the limit where the kernel accounts swap (memsw), so the limit is
+        # the memory the rank may hold, not where it sits.
         with contextlib.suppress(FileNotFoundError):
-            (leaf / "memory.swap.max").write_text("0")
+            _write(f"{leaf}/memory.memsw.limit_in_bytes", memory_max)
+    elif controller == "unified":
+        _write(f"{leaf}/pids.max", str(limits["pids_max"]))
+        _write(f"{leaf}/memory.max", memory_max)
+        with contextlib.suppress(FileNotFoundError):
+            _write(f"{leaf}/memory.swap.max", "0")
+
+
+def _bind_new_netns(netns: Path) -> None:
+    """A new network namespace, bound to the file `netns` so it outlives its processes;
+    this process goes back to its own network namespace after."""
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(netns, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    own = os.open("/proc/self/ns/net", os.O_RDONLY)
+    try:
+        _check(_LIBC.unshare(_CLONE_NEWNET), "unshare a network namespace")
+        try:
+            _check(
+                _LIBC.mount(b"/proc/self/ns/net", bytes(netns), None, _MS_BIND, None),
+                f"bind the network namespace to {netns}",
+            )
+        finally:
+            _check(_LIBC.setns(own, _CLONE_NEWNET), "go back to the host's network namespace")
+    finally:
+        os.close(own)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"{what}: {os.strerror(error)}")
 
 
 def _is_netns(path: Path) -> bool:
@@ -323,49 +407,91 @@ def _is_netns(path: Path) -> bool:
 # -------------------------------------------------------- entering it (fork to exec)
 
 
-def rank_command(script: str, run_as: dict[str, Any] | None) -> list[str]:
-    """The rank's shell script run in a PID and mount namespace of its own, under a
-    small init (NAMESPACE_INIT), as the job's user and group alone when it has them."""
-    identity = []
-    if run_as is not None:
-        identity = ["--setgid", str(int(run_as["gid"])), "--setuid", str(int(run_as["uid"]))]
-    return [
-        UNSHARE,
-        "--pid",
-        "--mount",
-        "--fork",
-        "--mount-proc",
-        "--kill-child",
-        *identity,
-        "/bin/sh",
-        "-c",
-        NAMESPACE_INIT,
-        "qm-rank",
-        script,
-    ]
-
-
-def enter(sandbox: dict[str, Any], rank: int) -> None:
-    """In the rank's child, between fork and exec, still as root: join the rank's
-    cgroups, the gang's network namespace (loopback up), and set the file size limit.
-
-    `unshare`, which runs next, ignores the SIGUSR2 notice meant for the rank (it would
-    die of it); the namespace's init hands the rank the default action back."""
+def enter(sandbox: dict[str, Any], rank: int, run_as: dict[str, Any] | None) -> None:
+    """In the rank's child, between fork and exec, as root: join the rank's cgroups and
+    the gang's network namespace (loopback up), set the file size limit, and make the
+    rank's PID and mount namespaces. Returns only in the process that is to execute the
+    rank's shell: the init's child, as the job's user and group alone when it has them.
+    The child the keeper started waits on the init (`_pass_on_status`), and the init on
+    the rank's shell (`_namespace_init`); neither returns."""
     pid = str(os.getpid())
     for folder in sandbox["cgroups"].values():
-        with open(Path(folder) / str(rank) / "cgroup.procs", "w") as procs:
-            procs.write(pid)
+        _write(f"{folder}/{rank}/cgroup.procs", pid)
     descriptor = os.open(sandbox["netns"], os.O_RDONLY)
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(descriptor, _CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), "setns into the gang's network namespace failed")
+        _check(_LIBC.setns(descriptor, _CLONE_NEWNET), "setns into the gang's network namespace")
     finally:
         os.close(descriptor)
     _loopback_up()
     size = int(sandbox["limits"]["file_size_max"])
     resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    _check(_LIBC.unshare(_CLONE_NEWPID | _CLONE_NEWNS), "unshare the PID and mount namespaces")
+    # Mounts made in here stay in here (as `unshare --propagation private` does).
+    _check(_LIBC.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
+    for signum in RANK_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    init = os.fork()
+    if init != 0:
+        _pass_on_status(init)
+    # The namespace's init (pid 1 in it). It dies with the process the keeper waits on,
+    # as `unshare --kill-child` had it, so no sandbox outlives its record.
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    try:
+        # The host's /proc shows the host's processes: detach it, mount the namespace's.
+        _check(_LIBC.umount2(b"/proc", _MNT_DETACH), "unmount the host's /proc")
+        _check(
+            _LIBC.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None),
+            "mount the namespace's /proc",
+        )
+        shell = os.fork()
+    except BaseException:
+        os._exit(EXIT_NOT_STARTED)
+    if shell != 0:
+        _namespace_init(shell)
+    try:
+        if run_as is not None:
+            os.setgroups([])
+            os.setgid(int(run_as["gid"]))
+            os.setuid(int(run_as["uid"]))
+        for signum in RANK_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
+    except BaseException:
+        os._exit(EXIT_NOT_STARTED)
+
+
+def _close_descriptors() -> None:
+    """Close every descriptor: the rank's log pipe and the pipe on which the keeper
+    learns that the rank's shell executed must close when the shell's side does."""
+    os.closerange(0, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+def _pass_on_status(init: int) -> NoReturn:
+    """The process the keeper waits on: end as the init ended, as `unshare` did."""
+    try:
+        _close_descriptors()
+        _, status = os.waitpid(init, 0)
+        if os.WIFSIGNALED(status):
+            signum = os.WTERMSIG(status)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    finally:
+        os._exit(EXIT_NOT_STARTED)
+
+
+def _namespace_init(shell: int) -> NoReturn:
+    """Pid 1 of the rank's namespace: reap every child until the rank's shell ends, then
+    end with its status (128 + the signal that ended it, as a shell reports it), and
+    the kernel ends whatever is left in the namespace."""
+    try:
+        _close_descriptors()
+        while True:
+            pid, status = os.wait()
+            if pid == shell:
+                code = os.waitstatus_to_exitcode(status)
+                os._exit(code if code >= 0 else 128 - code)
+    finally:
+        os._exit(EXIT_NOT_STARTED)
 
 
 def _loopback_up() -> None:
@@ -388,11 +514,18 @@ def _leaves(sandbox: dict[str, Any], controller: str, rank: int | None) -> list[
     return []
 
 
+# What reading or writing a cgroup's file raises once the cgroup is removed: ENOENT
+# when it is gone before the file is opened, ENODEV when it goes while the file is open.
+_GONE = (errno.ENOENT, errno.ENODEV)
+
+
 def _procs(leaf: Path) -> list[int]:
     try:
         return [int(line) for line in (leaf / "cgroup.procs").read_text().split()]
-    except FileNotFoundError:
-        return []
+    except OSError as error:
+        if error.errno in _GONE:
+            return []
+        raise
 
 
 def pids(sandbox: dict[str, Any], rank: int | None = None) -> dict[int, int]:
@@ -405,42 +538,87 @@ def pids(sandbox: dict[str, Any], rank: int | None = None) -> dict[int, int]:
     return found
 
 
+def oom_kills(sandbox: dict[str, Any], rank: int) -> int:
+    """How many processes of the rank the OOM killer ended in its cgroup (the kernel's
+    count: `oom_kill` in memory.oom_control on v1, memory.events on v2); 0 when the
+    kernel does not count them or the cgroup is gone."""
+    controller = "memory" if "memory" in sandbox["cgroups"] else "unified"
+    name = "memory.oom_control" if controller == "memory" else "memory.events"
+    try:
+        lines = (Path(sandbox["cgroups"][controller]) / str(rank) / name).read_text()
+    except OSError:
+        return 0
+    for line in lines.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def end_reason(sandbox: dict[str, Any], rank: int, exit_code: int) -> str:
+    """Why the rank ended, when its cgroup tells: "killed: out of memory (limit 64 MiB)"
+    for a rank that failed after the OOM killer ended one of its processes; else ""."""
+    if exit_code == 0 or not oom_kills(sandbox, rank):
+        return ""
+    return f"killed: out of memory (limit {format_size(int(sandbox['limits']['memory_max']))})"
+
+
+def format_size(size: int) -> str:
+    """`64 MiB`, `2 GiB`, `1536 KiB`: the largest binary unit that divides it."""
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size % factor == 0:
+            return f"{size // factor} {unit}"
+    return f"{size} bytes"
+
+
 def kill(sandbox: dict[str, Any], rank: int | None = None, *, wait_seconds: float = 5.0) -> None:
     """SIGKILL every process in the gang's (or one rank's) cgroups, none of which can fork
-    meanwhile, and wait (up to `wait_seconds`) until they are gone."""
-    if "unified" in sandbox["cgroups"]:
-        for leaf in _leaves(sandbox, "unified", rank):
-            if (leaf / "cgroup.kill").exists():
-                with contextlib.suppress(FileNotFoundError):
-                    (leaf / "cgroup.kill").write_text("1")
-            else:
-                _frozen_kill(leaf / "cgroup.freeze", "1", "0", leaf)
+    meanwhile, and wait (up to `wait_seconds`) until they are gone. The whole gang is
+    killed at its own folder, at once (v2's cgroup.kill and both freezers act on every
+    cgroup below the one written)."""
+    cgroups = sandbox["cgroups"]
+    if "unified" in cgroups:
+        target = Path(cgroups["unified"]) / ("" if rank is None else str(rank))
+        try:
+            (target / "cgroup.kill").write_text("1")
+        except OSError as error:
+            if error.errno not in _GONE:
+                raise
+            if target.is_dir():  # a kernel before 5.14, which has no cgroup.kill
+                _frozen_kill(sandbox, rank, target / "cgroup.freeze", "1", "0")
     else:
-        for leaf in _leaves(sandbox, "freezer", rank):
-            _frozen_kill(leaf / "freezer.state", "FROZEN", "THAWED", leaf)
+        target = Path(cgroups["freezer"]) / ("" if rank is None else str(rank))
+        _frozen_kill(sandbox, rank, target / "freezer.state", "FROZEN", "THAWED")
     deadline = time.monotonic() + wait_seconds
+    pause = 0.0005
     while pids(sandbox, rank) and time.monotonic() < deadline:
-        time.sleep(0.01)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
 
 
-def _frozen_kill(state: Path, frozen: str, thawed: str, leaf: Path) -> None:
-    if not _procs(leaf):
+def _frozen_kill(
+    sandbox: dict[str, Any], rank: int | None, state: Path, frozen: str, thawed: str
+) -> None:
+    """Freeze, SIGKILL every process, thaw. The cgroup may go at any moment (the keepers
+    remove a gang's cgroups as its last rank ends): then there is nothing left to kill."""
+    if not pids(sandbox, rank):
         return
     try:
         state.write_text(frozen)
-    except FileNotFoundError:
-        return
-    try:
-        # v1 reports FREEZING until every task has stopped; a bounded wait, since a task
-        # stuck in the kernel is killed all the same once thawed.
-        deadline = time.monotonic() + 1.0
-        while state.read_text().strip() not in (frozen, "1") and time.monotonic() < deadline:
-            time.sleep(0.001)
-        for pid in _procs(leaf):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    finally:
-        state.write_text(thawed)
+        try:
+            # v1 reports FREEZING until every task has stopped; a bounded wait, since a
+            # task stuck in the kernel is killed all the same once thawed.
+            deadline = time.monotonic() + 1.0
+            while state.read_text().strip() not in (frozen, "1") and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            for pid in pids(sandbox, rank):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        finally:
+            state.write_text(thawed)
+    except OSError as error:
+        if error.errno not in _GONE:
+            raise
 
 
 def release(sandbox: dict[str, Any]) -> None:
@@ -456,6 +634,5 @@ def release(sandbox: dict[str, Any]) -> None:
             Path(sandbox["cgroups"][controller]).rmdir()
     netns = Path(sandbox["netns"])
     if _is_netns(netns):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.umount2(str(netns).encode(), 2)  # MNT_DETACH
+        _LIBC.umount2(bytes(netns), _MNT_DETACH)
     netns.unlink(missing_ok=True)

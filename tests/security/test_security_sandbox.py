@@ -341,6 +341,38 @@ def test_the_ranks_of_one_gang_still_rendezvous_inside_their_sandbox(scene: Scen
     assert_victim_untouched(scene)
 
 
+def test_killing_gangs_while_their_keepers_remove_their_cgroups_never_fails(
+    scene: Scene,
+) -> None:
+    # kill() freezes and kills a gang's cgroups while the keepers of its dying ranks
+    # remove them: a cgroup that goes meanwhile (ENOENT, or ENODEV once its file is
+    # open) has nothing left to kill, and is no error. The race is lost in a few gangs
+    # of ten, so ten gangs of four ranks go through it.
+    for job_id in range(321, 331):
+        spec = gang(job_id, "echo up; exec sleep 60", var=scene.var, ranks=4)
+        scene.runtime.launch(spec)
+        wait_until(
+            lambda gang=spec.gang: all(
+                b"up" in scene.runtime.read_log(gang, rank) for rank in range(4)
+            ),
+            f"gang {job_id} to start",
+        )
+        record = read_record(scene.runtime.gang_dir(spec.gang) / GANG_FILE)
+        assert record is not None
+
+        scene.runtime.kill(spec.gang)
+
+        wait_until(
+            lambda gang=spec.gang: all(o.phase == "exited" for o in scene.runtime.observe(gang)),
+            f"gang {job_id} to stop",
+        )
+        assert [o.exit_code for o in scene.runtime.observe(spec.gang)] == [137] * 4
+        scene.runtime.forget(spec.gang)
+        assert sandboxes.pids(record["sandbox"]) == {}
+        assert not any(Path(folder).exists() for folder in record["sandbox"]["cgroups"].values())
+    assert_victim_untouched(scene)
+
+
 @pytest.fixture
 def no_sandbox_here(monkeypatch: pytest.MonkeyPatch) -> str:
     reason = "the control plane runs as uid 1000, not root: namespaces and cgroups need root"
