@@ -1,0 +1,76 @@
+"""Real kubelets for the Kubernetes tests: two nodes with containerd and runc.
+
+``real_nodes`` starts them once per session on the session's control plane
+(``tools.k8s.realnodes``) and takes them down at the end; a machine that cannot
+run them (not root, no overlayfs, no containerd) skips these tests and says why.
+The ``namespace`` here does not start the node agent: pods of these tests run
+on the real nodes only.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tests.k8s.conftest import delete_namespace
+from tools.k8s.controlplane import ControlPlane
+from tools.k8s.realnodes import RealNodes, unavailable_reason
+
+REAL_NODE_NAMES = ("real-node-0", "real-node-1")
+
+
+def _report(config: pytest.Config, line: str) -> None:
+    """A line in the terminal whether or not output is captured."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def real_nodes(
+    request: pytest.FixtureRequest,
+    control_plane: ControlPlane,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RealNodes]:
+    """Two real nodes (containerd + kubelet v1.34) with 8 GPUs each, Ready."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"REAL NODES CANNOT RUN ON THIS MACHINE: {reason}")
+    nodes = RealNodes(control_plane, tmp_path_factory.mktemp("real-nodes"), names=REAL_NODE_NAMES)
+    nodes.start()
+    _report(
+        request.config,
+        "real nodes up: "
+        + ", ".join(f"{step} {seconds:.1f} s" for step, seconds in nodes.timings.items()),
+    )
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
+        _report(request.config, f"real nodes down in {nodes.timings['stop']:.1f} s")
+
+
+@pytest.fixture
+def namespace(k8s_api: client.ApiClient, real_nodes: RealNodes) -> Iterator[str]:
+    """A fresh namespace with its default service account; removed after the test."""
+    core = client.CoreV1Api(k8s_api)
+    name = f"qm-real-{uuid.uuid4().hex[:8]}"
+    core.create_namespace({"metadata": {"name": name}})
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            core.read_namespaced_service_account("default", name)
+            break
+        except ApiException as error:
+            if error.status != 404 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    try:
+        yield name
+    finally:
+        delete_namespace(core, name)
