@@ -175,11 +175,13 @@ def rank_command(script: str) -> list[str]:
 def rank_identity(
     run_as: dict[str, Any] | None, sandbox: dict[str, Any] | None = None, rank: int = 0
 ) -> dict[str, Any]:
-    """Popen's arguments that start the rank as the job's user, in the job's group only;
-    in a sandbox, the child first joins the rank's cgroups and the gang's network
-    namespace and makes the rank's PID and mount namespaces as root, and drops to the
-    job's user only in the process that executes the rank (sandbox.enter)."""
+    """Popen's arguments that start the rank as the job's user, in the job's group only.
+    In a sandbox, the keeper's next child is made the init of a new PID namespace, which
+    joins the rank's cgroups and the gang's network namespace and makes the rank's mount
+    namespace as root; only the process that executes the rank drops to the job's user
+    (sandbox.enter)."""
     if sandbox is not None:
+        sandboxes.new_pid_namespace()
 
         def enter_sandbox() -> None:
             sandboxes.enter(sandbox, rank, run_as)

@@ -34,16 +34,16 @@ ctypes, as Python 3.11 has no os.unshare) and not util-linux `unshare`: the runt
 writes the gang's paths into gang.json (`prepare`, no system calls beyond reading this
 process's mounts once), and the launch server's per-request child makes the cgroups and
 the network namespace in one pass before it forks the keepers (`create`): a
-single-threaded process where forking is safe, unlike the worker. Each keeper starts its
-rank with `enter` as the child's preexec step: join the cgroups and the network
-namespace, unshare the PID and mount namespaces, then fork twice in Python: the child
-the keeper waits on stays on the host's side and passes the init's status on (what
-`unshare --fork --kill-child` did), its child is the init and mounts /proc, and the
-init's child drops to the job's user and execs the rank's shell. Every one of those is
-a fork of a small, already running process; with `unshare` and a shell as the init the
-same start was three more programs to execute (`unshare`, `sh` as init, `env` to give
-SIGUSR2 back) and one more for the network namespace, which nearly doubled the time to
-start a rank (bench/bench_sandbox.py measures it).
+single-threaded process where forking is safe, unlike the worker. Each keeper unshares
+a PID namespace just before it starts its rank (`new_pid_namespace`), so the child it
+starts and waits on is the namespace's init; that child, in its preexec step (`enter`),
+joins the cgroups and the network namespace, makes its mount namespace and /proc, and
+forks the process that drops to the job's user and executes the rank's shell. A rank
+so costs one more fork of a small, already running process than a rank without a
+sandbox; with util-linux `unshare` and a shell as the init the same start executed
+three more programs (`unshare`, `sh` as the init, `env` to give SIGUSR2 back), forked
+twice more, and ran one more program per gang for its network namespace, which nearly
+doubled the time to start a rank (bench/bench_sandbox.py measures it).
 
 Why no library: the cgroup libraries on PyPI are either v1 only and unmaintained for
 years (cgroupspy, cgroup-utils) or thin wrappers over one version (cgroupsv2), and none
@@ -55,13 +55,14 @@ does for v1 (one hierarchy per controller: pids, memory, freezer) and v2 (one un
 hierarchy), whichever the host has.
 
 What it costs and what it does not do: a rank's pid and exit code are still its
-keeper's to record (the keeper's child, on the host's side of the namespace); signals to
-the rank's process group reach every process of the rank as before. Each rank has a PID
-namespace of its own, so libraries that compare the PID namespaces of two ranks (NCCL's
-same-process checks) treat them as separate hosts' processes would be; their rendezvous
-and sockets are unaffected. There is no disk quota beyond the largest file: a
-size-limited tmpfs as the work folder would lose the rank's files at its end, which the
-runtime keeps.
+keeper's to record (its child, the init, whose status is the rank's shell's). The init
+is a fork of the keeper, a Python process, so each rank holds one such process more,
+sharing its pages with the keeper until written. Signals to the rank's process group
+reach every process of the rank as before. Each rank has a PID namespace of its own, so
+libraries that compare the PID namespaces of two ranks (NCCL's same-process checks)
+treat them as separate hosts' processes would be; their rendezvous and sockets are
+unaffected. There is no disk quota beyond the largest file: a size-limited tmpfs as the
+work folder would lose the rank's files at its end, which the runtime keeps.
 
 Everything here is standard library only: it runs between fork and exec in the keeper.
 """
@@ -114,7 +115,6 @@ _MS_BIND = 0x1000
 _MS_REC = 0x4000
 _MS_PRIVATE = 1 << 18
 _MNT_DETACH = 2
-_PR_SET_PDEATHSIG = 1
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
@@ -407,16 +407,23 @@ def _is_netns(path: Path) -> bool:
 # -------------------------------------------------------- entering it (fork to exec)
 
 
+def new_pid_namespace() -> None:
+    """In the keeper, just before it starts the rank: its next child is the first process
+    (pid 1) of a new PID namespace, the rank's init (see `enter`). The keeper itself stays
+    where it is, and starts no other process."""
+    _check(_LIBC.unshare(_CLONE_NEWPID), "unshare a PID namespace")
+
+
 def enter(sandbox: dict[str, Any], rank: int, run_as: dict[str, Any] | None) -> None:
-    """In the rank's child, between fork and exec, as root: join the rank's cgroups and
-    the gang's network namespace (loopback up), set the file size limit, and make the
-    rank's PID and mount namespaces. Returns only in the process that is to execute the
-    rank's shell: the init's child, as the job's user and group alone when it has them.
-    The child the keeper started waits on the init (`_pass_on_status`), and the init on
-    the rank's shell (`_namespace_init`); neither returns."""
-    pid = str(os.getpid())
+    """In the keeper's child, pid 1 of the rank's PID namespace (`new_pid_namespace`),
+    between fork and exec, as root: join the rank's cgroups and the gang's network
+    namespace (loopback up), set the file size limit, make the rank's mount namespace
+    with its own /proc, then fork the rank's shell. Returns only in that child, as the
+    job's user and group alone when it has them; the init waits on it
+    (`_namespace_init`) and never returns."""
     for folder in sandbox["cgroups"].values():
-        _write(f"{folder}/{rank}/cgroup.procs", pid)
+        # 0 is the writer itself, whatever its pid in the namespace the kernel reads.
+        _write(f"{folder}/{rank}/cgroup.procs", "0")
     descriptor = os.open(sandbox["netns"], os.O_RDONLY)
     try:
         _check(_LIBC.setns(descriptor, _CLONE_NEWNET), "setns into the gang's network namespace")
@@ -425,27 +432,19 @@ def enter(sandbox: dict[str, Any], rank: int, run_as: dict[str, Any] | None) -> 
     _loopback_up()
     size = int(sandbox["limits"]["file_size_max"])
     resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-    _check(_LIBC.unshare(_CLONE_NEWPID | _CLONE_NEWNS), "unshare the PID and mount namespaces")
+    _check(_LIBC.unshare(_CLONE_NEWNS), "unshare a mount namespace")
     # Mounts made in here stay in here (as `unshare --propagation private` does).
     _check(_LIBC.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
+    # The namespace's own /proc, over the host's. The host's is not unmounted (which
+    # costs the kernel a grace period, a millisecond or more per rank): the rank, not
+    # root and without privileges to gain, cannot unmount what covers it.
+    _check(
+        _LIBC.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None),
+        "mount the namespace's /proc",
+    )
     for signum in RANK_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    init = os.fork()
-    if init != 0:
-        _pass_on_status(init)
-    # The namespace's init (pid 1 in it). It dies with the process the keeper waits on,
-    # as `unshare --kill-child` had it, so no sandbox outlives its record.
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    try:
-        # The host's /proc shows the host's processes: detach it, mount the namespace's.
-        _check(_LIBC.umount2(b"/proc", _MNT_DETACH), "unmount the host's /proc")
-        _check(
-            _LIBC.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None),
-            "mount the namespace's /proc",
-        )
-        shell = os.fork()
-    except BaseException:
-        os._exit(EXIT_NOT_STARTED)
+    shell = os.fork()
     if shell != 0:
         _namespace_init(shell)
     try:
@@ -459,32 +458,14 @@ def enter(sandbox: dict[str, Any], rank: int, run_as: dict[str, Any] | None) -> 
         os._exit(EXIT_NOT_STARTED)
 
 
-def _close_descriptors() -> None:
-    """Close every descriptor: the rank's log pipe and the pipe on which the keeper
-    learns that the rank's shell executed must close when the shell's side does."""
-    os.closerange(0, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-
-
-def _pass_on_status(init: int) -> NoReturn:
-    """The process the keeper waits on: end as the init ended, as `unshare` did."""
-    try:
-        _close_descriptors()
-        _, status = os.waitpid(init, 0)
-        if os.WIFSIGNALED(status):
-            signum = os.WTERMSIG(status)
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
-    finally:
-        os._exit(EXIT_NOT_STARTED)
-
-
 def _namespace_init(shell: int) -> NoReturn:
     """Pid 1 of the rank's namespace: reap every child until the rank's shell ends, then
     end with its status (128 + the signal that ended it, as a shell reports it), and
-    the kernel ends whatever is left in the namespace."""
+    the kernel ends whatever is left in the namespace. Its descriptors close first: the
+    rank's log pipe and the pipe on which the keeper learns that the shell executed must
+    close when the shell's side does."""
     try:
-        _close_descriptors()
+        os.closerange(0, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         while True:
             pid, status = os.wait()
             if pid == shell:
