@@ -1,4 +1,9 @@
-"""Parse the local runtime's inventory of virtual nodes from a settings string."""
+"""Parse the local runtime's inventory of virtual nodes from a settings string.
+
+A node's GPU count also names its GPUs: the runtime gives each rank indices from 0 to
+that count less one (gpu_slots.py). On a real GPU host the node is this host and the
+indices are its devices; nothing checks that the host has that many.
+"""
 
 from __future__ import annotations
 

@@ -115,8 +115,16 @@ def rank_environment(
     gang: dict[str, Any], rank: int, rank_dir: Path, work_dir: Path
 ) -> dict[str, str]:
     """The environment of one rank: inherited basics, its own folder and user, the spec's,
-    then the rendezvous."""
+    then the rendezvous and the GPUs the runtime gave it (gpu_slots.py).
+
+    CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES name the rank's GPUs on its node,
+    comma-separated; a rank of a gang recorded without them (before GPUs were assigned)
+    gets them empty, which shows it no GPU rather than every GPU of the host."""
     placement = gang["ranks"][rank]
+    gpu_indices = gang.get("gpu_indices")
+    # Joined here rather than by gpu_slots, which the launcher does not load (it starts
+    # an interpreter per launch and keeps its imports few).
+    devices = "" if not gpu_indices else ",".join(str(index) for index in gpu_indices[rank])
     run_as = gang.get("run_as")
     user = run_as["user"] if run_as else pwd.getpwuid(os.geteuid()).pw_name
     env = inherited_environment(os.environ)
@@ -138,6 +146,8 @@ def rank_environment(
             "QM_NODE": str(placement["node"]),
             RANK_DIR_ENV: str(rank_dir),
             "PYTHONUNBUFFERED": "1",
+            "CUDA_VISIBLE_DEVICES": devices,
+            "NVIDIA_VISIBLE_DEVICES": devices,
         }
     )
     return env

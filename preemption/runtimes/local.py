@@ -4,8 +4,10 @@ Each rank runs in its own session and process group, started by a keeper process
 launcher.py) that waits on it and records its pid, start time and exit code on disk under
 `<root>/<job_id>/<attempt>/<rank>/` (layout in records.py). The runtime object holds no
 state of its own: a fresh LocalRuntime over the same root, in another process or after a
-restart, observes exactly what the previous one did. Nodes and GPUs are virtual: they come
-from a configured inventory and only label the ranks.
+restart, observes exactly what the previous one did. Nodes are virtual: they come from a
+configured inventory and label the ranks. Each rank is given GPU indices of its node that
+no other live gang there holds, recorded in gang.json, and sees only those through
+CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES (gpu_slots.py).
 
 Isolation. A rank runs a researcher's command, so it must not reach the control plane's
 secret key, database or processes, nor another job's files. Given a runner account (see
@@ -19,6 +21,8 @@ scratch (launcher.rank_environment). The folders, all made by this runtime:
     <root>/                           control plane, 0711: nobody else may list the jobs
     <root>/gangs/                     control plane, 0700: the index of live gangs and
                                       their master ports (records.py)
+    <root>/gpus/                      control plane, 0700: a lock file per node, held
+                                      while a launch picks its GPUs (gpu_slots.py)
     <root>/<job>/                     control plane, group = the job's, 0710: the job's
                                       ranks may pass through it, no other job's may
     <root>/<job>/<attempt>/           control plane, 0711: gang.json (which holds the
@@ -89,7 +93,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from preemption.runtimes import processes
+from preemption.runtimes import gpu_slots, processes
 from preemption.runtimes import sandbox as sandboxes
 from preemption.runtimes.base import (
     MTBP_FILE_ENV,
@@ -259,9 +263,9 @@ class LocalRuntime:
             self._prepare_folders(spec)
             index = self._gang_index()
             if not (gang_dir / GANG_FILE).exists():
-                # The first launch picks the master port; a concurrent one loses the race
-                # to write the record and uses the winner's port.
-                create_record(gang_dir / GANG_FILE, self._gang_record(spec, sandboxed))
+                # The first launch picks the master port and the GPUs; a concurrent one
+                # loses the race to write the record and uses the winner's.
+                self._record_gang(spec, sandboxed, index)
             if spec.mtbp_seconds is not None:
                 self.publish_preemption_risk(spec.gang, spec.mtbp_seconds, team=spec.team)
             launched = read_record(gang_dir / GANG_FILE)
@@ -657,7 +661,58 @@ class LocalRuntime:
             )
         return False
 
-    def _gang_record(self, spec: GangSpec, sandboxed: bool = False) -> dict[str, Any]:
+    def _record_gang(self, spec: GangSpec, sandboxed: bool, index: Path) -> None:
+        """Write the gang's record, with the GPUs of each rank, and list it in the index.
+
+        Under the GPU locks of the gang's nodes (gpu_slots.py), from reading what the
+        live gangs hold until the record and its index entry exist, so that a
+        concurrent launch of another gang either sees this one's GPUs or waits.
+        """
+        gang_dir = self.gang_dir(spec.gang)
+        nodes = {placement.node for placement in spec.ranks}
+        with gpu_slots.node_locks(self.root, nodes):
+            if (gang_dir / GANG_FILE).exists():
+                return
+            capacity = {node.name: node.gpus for node in self.inventory}
+            try:
+                gpu_indices = gpu_slots.assign_gpus(
+                    spec.ranks, spec.gpus_per_rank, capacity, self._held_gpus(nodes)
+                )
+            except gpu_slots.GpuShortage as error:
+                # The engine placed the gang on GPUs this runtime's records still give
+                # to live gangs: launching would share them.
+                raise RuntimePermanentError(f"cannot launch gang {spec.gang}: {error}") from error
+            record = self._gang_record(spec, sandboxed, gpu_indices)
+            if create_record(gang_dir / GANG_FILE, record):
+                create_claim(index / _index_entry(spec.gang, int(record["master_port"])))
+
+    def _held_gpus(self, nodes: set[str]) -> dict[str, set[int]]:
+        """The GPU indices of ``nodes`` that live gangs hold, read from their records.
+
+        A gang holds them until every one of its ranks has ended (exited or lost); a
+        gang recorded without `gpu_indices` (before they were assigned) holds none.
+        """
+        held: dict[str, set[int]] = {node: set() for node in nodes}
+        for gang in self._listed_gangs():
+            record = read_record(self.gang_dir(gang) / GANG_FILE)
+            if record is None or not record.get("gpu_indices"):
+                continue
+            placed = [
+                (str(placement["node"]), indices)
+                for placement, indices in zip(record["ranks"], record["gpu_indices"], strict=True)
+                if placement["node"] in nodes
+            ]
+            if not placed:
+                continue
+            if all(o.phase in ENDED_PHASES for o in self.observe(gang)):
+                continue
+            for node, indices in placed:
+                held[node].update(int(index) for index in indices)
+        return held
+
+    def _gang_record(
+        self, spec: GangSpec, sandboxed: bool, gpu_indices: list[list[int]]
+    ) -> dict[str, Any]:
         sandbox = None
         if sandboxed:
             assert self.sandbox is not None
@@ -672,6 +727,8 @@ class LocalRuntime:
             "command": spec.command,
             "ranks": _placement_records(spec),
             "gpus_per_rank": spec.gpus_per_rank,
+            # Per rank, in the order of `ranks`: the indices of its node's GPUs it sees.
+            "gpu_indices": gpu_indices,
             "grace_seconds": spec.grace_seconds,
             "priority_class": spec.priority_class,
             "env": {**spec.env, MTBP_FILE_ENV: str(self.gang_dir(spec.gang) / MTBP_FILE)},

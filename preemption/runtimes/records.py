@@ -2,7 +2,8 @@
 
 Layout under the runtime's root (`var/runs` by default)::
 
-    <job_id>/<attempt>/gang.json         the launched spec, master port, who ranks run as, launch time
+    <job_id>/<attempt>/gang.json         the launched spec, master port, each rank's GPU indices,
+                                         who ranks run as, launch time
     <job_id>/<attempt>/forgotten.json    tombstone written by forget(); the gang is never relaunched
     <job_id>/<attempt>/launcher.log      stderr of the launcher processes
     <job_id>/<attempt>/<rank>/keeper.json   pid and start ticks of the process waiting on the rank
@@ -16,6 +17,8 @@ Layout under the runtime's root (`var/runs` by default)::
     gangs/<job_id>.<attempt>.<master_port>  one empty entry per gang launched and not yet
                                          forgotten: the runtime lists and the master ports
                                          it has promised, read with one directory listing
+    gpus/<node>.lock                     one lock file per node, flocked while a launch picks
+                                         the GPUs of its ranks there (gpu_slots.py)
     exits.fifo                           a named pipe, the control plane's only (0600): a
                                          keeper writes a line to it when its rank has exited,
                                          if someone listens (LocalRuntime.watch_exits)

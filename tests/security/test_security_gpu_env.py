@@ -73,8 +73,11 @@ def test_a_rank_sees_none_of_the_control_planes_gpu_variables(
     spec = GangSpec(
         job_id=1,
         attempt=1,
-        # Each rank prints the names of its environment, one a line.
-        command="env | cut -d= -f1 | sort; echo done",
+        # Each rank prints the names of its environment, one a line, and its GPUs.
+        command=(
+            "env | cut -d= -f1 | sort; "
+            'echo "gpus=$CUDA_VISIBLE_DEVICES/$NVIDIA_VISIBLE_DEVICES"; echo done'
+        ),
         ranks=(
             RankPlacement(rank=0, node="node-a", local_rank=0),
             RankPlacement(rank=1, node="node-a", local_rank=1),
@@ -100,4 +103,8 @@ def test_a_rank_sees_none_of_the_control_planes_gpu_variables(
         names = log.splitlines()
         # The launcher was started with them, and passes its other inherited names on.
         assert "NCCL_DEBUG" in names and "RANK" in names, names
-        assert not [name for name in names if name.startswith(("CUDA_", "NVIDIA_"))], names
+        # Only the two the runtime sets itself, naming the rank's own GPU, not the
+        # control plane's eight.
+        gpu_names = [name for name in names if name.startswith(("CUDA_", "NVIDIA_"))]
+        assert gpu_names == ["CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"], names
+        assert f"gpus={rank}/{rank}" in names, names

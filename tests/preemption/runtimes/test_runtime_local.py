@@ -40,6 +40,7 @@ from preemption.runtimes import (
     parse_inventory,
     processes,
 )
+from preemption.runtimes.gpu_slots import LOCK_FOLDER as GPU_LOCK_FOLDER
 from preemption.runtimes.local import (
     MASTER_PORT_FLOOR,
     PROJECT_ROOT,
@@ -621,7 +622,9 @@ def test_the_gang_index_lists_each_live_gang_with_its_port_and_is_built_for_an_o
     fresh = LocalRuntime(runtime.root, parse_inventory(INVENTORY), runner=runtime.runner)
     assert [(o.job_id, o.phase) for o in fresh.observe()] == [(21, "running")]
     assert listed() == [f"21.1.{ports[running.gang]}"]
-    assert sorted(p.name for p in runtime.root.iterdir()) == sorted(["21", "22", GANG_INDEX])
+    assert sorted(p.name for p in runtime.root.iterdir()) == sorted(
+        ["21", "22", GANG_INDEX, GPU_LOCK_FOLDER]
+    )
 
     # A launch never picks a port the index promised to another gang, even when the
     # index holds all but one of the ports it picks from at random.
