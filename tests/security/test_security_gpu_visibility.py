@@ -83,9 +83,7 @@ def shown_gpus(runtime: LocalRuntime, spec: GangSpec) -> list[tuple[str, str]]:
     pattern = re.compile(rb"cuda=(\S*) nvidia=(\S*)\n")
 
     def printed() -> bool:
-        return all(
-            pattern.search(runtime.read_log(spec.gang, rank.rank)) for rank in spec.ranks
-        )
+        return all(pattern.search(runtime.read_log(spec.gang, rank.rank)) for rank in spec.ranks)
 
     wait_until(printed, what=f"every rank of {spec.gang} to print its GPUs")
     shown = []
@@ -248,7 +246,9 @@ def _placements(*nodes: str) -> tuple[RankPlacement, ...]:
         pytest.param(
             _placements("a", "b", "a"), 1, {"b": {0}}, [[0], [1], [1]], id="per-node-numbering"
         ),
-        pytest.param(_placements("a"), 0, {"a": set(range(8))}, [[]], id="no-gpus-fits-a-full-node"),
+        pytest.param(
+            _placements("a"), 0, {"a": set(range(8))}, [[]], id="no-gpus-fits-a-full-node"
+        ),
     ],
 )
 def test_assign_gpus(
@@ -263,4 +263,3 @@ def test_assign_gpus(
 def test_assign_gpus_names_the_node_short_of_gpus() -> None:
     with pytest.raises(GpuShortage, match=r"node b has 3 of its 4 GPUs free, .* need 4"):
         assign_gpus(_placements("a", "b", "b"), 2, {"a": 8, "b": 4}, {"b": {3}})
-
