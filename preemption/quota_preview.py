@@ -174,7 +174,9 @@ def exposure_words(
     )
 
 
-def _scope_to_reader(result: dict[str, Any], visible_team_ids: set[int] | None) -> None:
+def _scope_to_reader(
+    result: dict[str, Any], visible_team_ids: set[int] | None, snapshot: fairshare.Snapshot
+) -> None:
     """Name only what the asking user may read and sum up the rest, so a preview never
     shows another tenant's jobs, fair shares or usage: reclaimed and admitted jobs of
     other teams are counted (`reclaimed_elsewhere`, `admitted_elsewhere`), their
@@ -197,27 +199,20 @@ def _scope_to_reader(result: dict[str, Any], visible_team_ids: set[int] | None) 
         "jobs": len(hidden),
         "gpus": sum(int(item.get("gpus") or 0) for item in hidden),
     }
-    job_ids = {
-        key
-        for key in (_job_key(item.get("id")) for item in result.get("admitted", []))
-        if key is not None
-    } | {key for key in map(_job_key, result.get("released", [])) if key is not None}
-    jobs = {job.pk: job for job in Job.objects.select_related("team").filter(id__in=job_ids)}
+    # The plan's own workloads say whose each admitted or released job is: no query.
+    workloads = {workload.id: workload for workload in snapshot.workloads}
 
     def readable(value: Any) -> bool:
-        job = jobs.get(_job_key(value) or -1)
-        return job is not None and job.team.slug in visible_slugs
+        workload = workloads.get(str(value))
+        return workload is not None and workload.queue in visible_slugs
 
     admitted = result.get("admitted", [])
-    hidden_admitted = [item for item in admitted if not readable(item.get("id"))]
+    hidden_admitted = [workloads.get(str(item.get("id"))) for item in admitted]
+    hidden_admitted = [w for w in hidden_admitted if w is None or w.queue not in visible_slugs]
     result["admitted"] = [item for item in admitted if readable(item.get("id"))]
     result["admitted_elsewhere"] = {
         "jobs": len(hidden_admitted),
-        "gpus": sum(
-            job.gpus
-            for item in hidden_admitted
-            if (job := jobs.get(_job_key(item.get("id")) or -1)) is not None
-        ),
+        "gpus": sum(w.ranks * w.gpus_per_rank for w in hidden_admitted if w is not None),
     }
     result["released"] = [item for item in result.get("released", []) if readable(item)]
     fair_share = result.get("fair_share", {})
@@ -277,7 +272,7 @@ def quota_preview(
         fairshare.apply_changes(snapshot, [change]), flavor=quota.flavor.name
     )
     _describe_reclaimed(result.get("reclaimed", []))
-    _scope_to_reader(result, visible_team_ids)
+    _scope_to_reader(result, visible_team_ids, snapshot)
     result["exposed"] = exposed_work(
         team=quota.team,
         flavor=quota.flavor,
