@@ -460,7 +460,7 @@ REST_FRAMEWORK["DEFAULT_THROTTLE_CLASSES"] = [
 # every endpoint and field, which an outsider has no need of.
 QM_API_SCHEMA_REQUIRES_SIGN_IN = env_bool("QM_API_SCHEMA_REQUIRES_SIGN_IN", True)
 # A changed password revokes the user's API tokens, as it ends their sessions.
-AUTH_PASSWORD_VALIDATORS.append({"NAME": "portal.auth.RevokeTokensOnPasswordChange"})
+AUTH_PASSWORD_VALIDATORS.append({"NAME": "portal.password_hooks.RevokeTokensOnPasswordChange"})
 # A login is locked out per address: ten wrong passwords from one address lock
 # that address out (for every account, so it cannot guess its way across
 # accounts either), while the account stays open from everywhere else. Locking
