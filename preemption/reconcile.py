@@ -1814,6 +1814,11 @@ def live_rank_count(*, runtime: Runtime | None = None) -> tuple[int, int]:
     return len(live), sum(len(ranks) for ranks in live.values())
 
 
+# How often the shutdown's close looks again at jobs still stopping, and how long apart.
+CLOSE_PASSES = 20
+CLOSE_PASS_SECONDS = 0.25
+
+
 class RankShutdown:
     """Stopping every rank the runtime runs because the portal that owns them stops.
 
@@ -1920,14 +1925,21 @@ class RankShutdown:
         job_ids = sorted({gang.job_id for gang in self.signalled})
         if not job_ids:
             return {}
-        try:
-            reconcile_jobs(job_ids=job_ids, runtime=self.runtime)
-        except Exception:
-            logger.warning(
-                "closing the stopped jobs %s failed; the next start closes them",
-                job_ids,
-                exc_info=True,
-            )
+        # A pass may leave a job stopping for a moment yet (a rank's end is recorded
+        # by its keeper just after the rank is gone); a few passes, a fixed number.
+        for _ in range(CLOSE_PASSES):
+            try:
+                reconcile_jobs(job_ids=job_ids, runtime=self.runtime)
+            except Exception:
+                logger.warning(
+                    "closing the stopped jobs %s failed; the next start closes them",
+                    job_ids,
+                    exc_info=True,
+                )
+                break
+            if not Job.objects.filter(pk__in=job_ids, state=JobState.PREEMPTING).exists():
+                break
+            time.sleep(CLOSE_PASS_SECONDS)
         return dict(
             Job.objects.filter(pk__in=job_ids, state=JobState.REQUEUED)
             .order_by("pk")

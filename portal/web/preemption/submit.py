@@ -226,7 +226,8 @@ def _initial_from(job: Job) -> dict[str, Any]:
         "priority_class": job.priority_class.name,
         "image": job.image,
         "command": job.command,
-        "env": "\n".join(f"{name}={value}" for name, value in (job.env or {}).items()),
+        # By name: PostgreSQL's jsonb keeps keys in its own order, SQLite as written.
+        "env": "\n".join(f"{name}={value}" for name, value in sorted((job.env or {}).items())),
         "retries": job.retries,
         "topology_level": job.topology_level,
         "topology_required": "required" if job.topology_required else "preferred",

@@ -344,7 +344,7 @@ def test_submit_again_fills_the_form_in_from_the_job_and_queues_a_copy(world: An
     assert 'name="ranks" value="3"' in body and 'name="gpus_per_rank" value="2"' in body
     assert 'name="retries" value="1"' in body
     assert "torchrun train.py --lr 3e-4</textarea>" in body
-    assert "SEED=7\nMODE=a b</textarea>" in body
+    assert "MODE=a b\nSEED=7</textarea>" in body  # by name, on either database
     assert re.search(r'name="topology_required" value="required"[^>]*checked', body)
     assert not re.search(r'name="topology_required" value="preferred"[^>]*checked', body)
     # What the browser sends back for the filled-in form queues the same job again.
