@@ -67,7 +67,7 @@ wheel: venv
 ## test: set everything up (PostgreSQL, Redis, the Kubernetes control plane) and run the whole suite
 test: venv services lint engine k8s
 	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
-	@rm -rf $(JUNIT) var/test/sqlite && mkdir -p $(JUNIT)
+	@rm -rf $(JUNIT) var/test/sqlite && mkdir -p $(JUNIT) var/test/sqlite
 	$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ignore=tests/smoke --junitxml=$(JUNIT)/postgresql.xml $(PYTEST_ARGS)
 	$(SQLITE_TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ds tests.sqlite_settings --durations=5 --junitxml=$(JUNIT)/sqlite.xml $(SQLITE_TESTS)
 	QM_VAR_DIR=$(CURDIR)/var/test/smoke $(VENV)/bin/pytest -p no:cacheprovider --durations=0 --junitxml=$(JUNIT)/make-run.xml tests/smoke
