@@ -435,7 +435,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("State", job["state"]),
         ("Priority class", job["priority_class"]),
         ("GPUs", gpus_words(job)),
-        ("Command", command_as_typed(job["command"])),
+        ("Command", job.get("command_as_typed") or job["command"]),
         ("Submitted", short_time(job["submitted_at"])),
         ("Finished", short_time(job["finished_at"])),
     ]
@@ -491,41 +491,6 @@ def gpus_words(job: dict[str, Any]) -> str:
     if job["ranks"] != 1:
         shape += f" = {_counted(job['gpus'], 'GPU')}"
     return f"{shape} ({job['flavor']})"
-
-
-# Words the shell takes as they are (shlex.quote leaves the same ones bare).
-_BARE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789@%+=:,./-_")
-# Characters a double-quoted word would still expand (`!` in an interactive bash).
-_EXPANDED_IN_DOUBLE_QUOTES = frozenset('"$`\\!')
-
-
-def _typed_word(word: str) -> str:
-    """One word quoted the way a person types it: bare where it may be, else in
-    double quotes, else in single quotes, else as shlex quotes it."""
-    if word and set(word) <= _BARE:
-        return word
-    if word and not set(word) & _EXPANDED_IN_DOUBLE_QUOTES:
-        return f'"{word}"'
-    if "'" not in word:
-        return f"'{word}'"
-    return shlex.quote(word)
-
-
-def command_as_typed(command: str) -> str:
-    """The job's command as its submitter typed it.
-
-    `qm submit -- WORDS` stores the words joined by shlex.join, so that `sh -c` splits
-    them back exactly; that joining quotes a word with a single quote in it as
-    `'"'"'`, which nobody types. Such a command is shown with the quoting a person
-    would use for the same words; a command written as one line (`--command`, the
-    web form) is shown as it was written."""
-    try:
-        words = shlex.split(command)
-    except ValueError:
-        return command
-    if not words or shlex.join(words) != command:
-        return command
-    return " ".join(_typed_word(word) for word in words)
 
 
 def _preemption_line(event: dict[str, Any]) -> str:

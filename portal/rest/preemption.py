@@ -49,6 +49,7 @@ from preemption.models import (
 from preemption.notice import NoticeAnswer, notice_answer
 from preemption.reasons import describe_preemption, why_waiting
 from preemption.runtimes.base import RuntimePermanentError
+from preemption.typed_command import command_as_typed
 from preemption.webhooks import webhook_create, webhook_delete
 from quotas.models import PriorityClass, ResourceFlavor, Team
 
@@ -246,10 +247,24 @@ class JobDetailSerializer(JobSerializer):
         help_text="The running job's preemption risk and the checkpoint interval its trap "
         "chose from it; null when no attempt is open."
     )
+    command_as_typed = serializers.SerializerMethodField(
+        help_text="`command` as its submitter typed it, for reading: words that `qm submit` "
+        "joined for `sh` are quoted again the way a person writes them (the same words); "
+        "any other command as stored. What runs is `command`."
+    )
 
     class Meta(JobSerializer.Meta):
-        fields = [*JobSerializer.Meta.fields, "checkpoint_step", "attempts", "cadence"]
+        fields = [
+            *JobSerializer.Meta.fields,
+            "checkpoint_step",
+            "attempts",
+            "cadence",
+            "command_as_typed",
+        ]
         read_only_fields = fields
+
+    def get_command_as_typed(self, job: Job) -> str:
+        return command_as_typed(job.command)
 
     @extend_schema_field(CadenceSerializer(allow_null=True))
     def get_cadence(self, job: Job) -> dict[str, Any] | None:

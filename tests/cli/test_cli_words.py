@@ -1,4 +1,5 @@
-"""How `qm show` words a job's shape and command: one line per case."""
+"""How `qm show` words a job's shape, and how a job's command is worded as typed
+(the API's `command_as_typed`, which `qm show` prints): one line per case."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import shlex
 
 import pytest
 
-from qmcli.cli import command_as_typed, gpus_words
+from preemption.typed_command import command_as_typed
+from qmcli.cli import gpus_words
 
 
 @pytest.mark.parametrize(
@@ -33,7 +35,7 @@ def test_gpus_words(ranks: int, gpus_per_rank: int, words: str) -> None:
     [
         (["python", "train.py", "--steps", "10"], "python train.py --steps 10"),
         (["python", "-c", "print('hi')"], "python -c \"print('hi')\""),
-        (["echo", "a b", ""], "echo \"a b\" ''"),
+        (["echo", "a b", ""], "echo 'a b' ''"),
         (["echo", "$HOME `date`"], "echo '$HOME `date`'"),
         (["say", 'it\'s "x"'], "say 'it'\"'\"'s \"x\"'"),
         (["echo", "wow!"], "echo 'wow!'"),
