@@ -122,6 +122,14 @@ def test_eviction_reaches_each_containers_workload_which_exits_0_completed(
         status = _container_status(core, namespace, gang, rank)
         assert status.state.terminated.exit_code == 0
         assert status.state.terminated.reason == "Completed"
+        # The container runtime finishes writing a container's log a moment after the
+        # container ends, so the handler's last line may be read a little later.
+        wait_for(
+            lambda r=rank: CAUGHT.search(_log(real_runtime, gang, r)) is not None,
+            timeout=15,
+            interval=0.25,
+            what="the workload's SIGTERM handler line in its log",
+        )
         caught = CAUGHT.search(_log(real_runtime, gang, rank))
         assert caught is not None, "the workload never caught SIGTERM"
         delays.append(float(caught.group(1)) - evicted_at)
