@@ -124,8 +124,16 @@ def node_agent(
 @pytest.fixture
 def namespace(k8s_api: client.ApiClient, node_agent: NodeAgent) -> Iterator[str]:
     """A fresh namespace with its default service account; removed after the test."""
+    with fresh_namespace(k8s_api, "qm-test") as name:
+        yield name
+
+
+@contextmanager
+def fresh_namespace(k8s_api: client.ApiClient, prefix: str) -> Iterator[str]:
+    """A new namespace named `prefix-<random>`, once its default service account
+    exists; deleted, with everything in it, on leaving."""
     core = client.CoreV1Api(k8s_api)
-    name = f"qm-test-{uuid.uuid4().hex[:8]}"
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     core.create_namespace({"metadata": {"name": name}})
     deadline = time.monotonic() + 30
     while True:

@@ -9,15 +9,12 @@ on the real nodes only.
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import Iterator
 
 import pytest
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
-from tests.k8s.conftest import delete_namespace
+from tests.k8s.conftest import fresh_namespace
 from tools.k8s.controlplane import ControlPlane
 from tools.k8s.realnodes import RealNodes, unavailable_reason
 
@@ -57,20 +54,6 @@ def real_nodes(
 
 @pytest.fixture
 def namespace(k8s_api: client.ApiClient, real_nodes: RealNodes) -> Iterator[str]:
-    """A fresh namespace with its default service account; removed after the test."""
-    core = client.CoreV1Api(k8s_api)
-    name = f"qm-real-{uuid.uuid4().hex[:8]}"
-    core.create_namespace({"metadata": {"name": name}})
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            core.read_namespaced_service_account("default", name)
-            break
-        except ApiException as error:
-            if error.status != 404 or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-    try:
+    """A fresh namespace with its default service account (no node agent); removed after."""
+    with fresh_namespace(k8s_api, "qm-real") as name:
         yield name
-    finally:
-        delete_namespace(core, name)
