@@ -47,6 +47,29 @@ PERSONAS = ("admin", "manager", "other_manager", "researcher", "other_researcher
 PASSWORD = "correct-horse-battery-staple"
 
 
+TESTS = Path(__file__).resolve().parent
+# Tests that share something one pytest-xdist worker must own alone, by group:
+# `--dist loadgroup` sends every test of a group to the same worker, one after another.
+# The Kubernetes control plane is session-scoped, a kube-apiserver and etcd per worker
+# would cost more than they save, and the real nodes (containerd, kubelets as root) and
+# the drill's Redis database are one per machine.
+KUBERNETES_GROUP = "kubernetes"
+
+
+@pytest.hookimpl(tryfirst=True, specname="pytest_collection_modifyitems")
+def mark_xdist_groups(items: list[pytest.Item]) -> None:
+    """Mark the tests of a shared resource with their xdist group; first, because xdist
+    reads the marks in a hook of its own that runs before this file's plain hooks."""
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if (
+            Path(str(item.path)).is_relative_to(TESTS / "k8s")
+            or "control_plane" in fixtures
+            or item.get_closest_marker("k8s") is not None
+        ):
+            item.add_marker(pytest.mark.xdist_group(KUBERNETES_GROUP))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the transactional tests that restore the migrated rows

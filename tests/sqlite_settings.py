@@ -4,11 +4,13 @@ embedded default's SQLite (SQLITE_TESTS in the Makefile).
 
 Run as `DATABASE_URL=sqlite:///<file> QM_SQLITE_TEST_NAME=<file> pytest --ds
 tests.sqlite_settings ...`; pytest-django would otherwise use an in-memory database,
-whose locking differs from the file database `make run` uses."""
+whose locking differs from the file database `make run` uses. Under pytest-xdist each
+worker gets `<file>_gw0`, ... from pytest-django, and a QM_VAR_DIR of its own from
+tests/worker_settings.py."""
 
 import os
 
-from portal.settings import *  # noqa: F403
-from portal.settings import DATABASES
+from tests.worker_settings import *  # noqa: F403
+from tests.worker_settings import DATABASES
 
 DATABASES["default"]["TEST"] = {"NAME": os.environ["QM_SQLITE_TEST_NAME"]}
