@@ -59,6 +59,7 @@ engine: venv
 k8s: venv
 	@bash tools/k8s/build.sh
 	@bash tools/k8s/build-kubelet.sh
+	@bash tools/k8s/build-coredns.sh
 	@bash tools/k8s/build-helm.sh
 
 wheel: venv

@@ -7,7 +7,10 @@ Two images, each written as an OCI image layout in a tar that
   with the shared libraries they load, and empty ``tmp``, ``proc``, ``sys``,
   ``dev`` and ``etc``. It is what a rank pod of the Kubernetes runtime needs:
   ``/bin/sh`` runs the runtime's entrypoint, and a shell workload can trap
-  SIGTERM and say when it caught it (``date +%s.%N``). A few megabytes;
+  SIGTERM and say when it caught it (``date +%s.%N``). Where the host has a
+  static busybox (Debian's busybox-static, which bin/test-services installs), its
+  ``nc`` and ``nslookup`` too, so a rank can resolve ``MASTER_ADDR`` through the
+  cluster DNS and reach a port of another rank. A few megabytes;
 * the pause image: a static build of Kubernetes' pause program (it sleeps as
   the sandbox's PID 1, exits on SIGINT or SIGTERM and reaps zombies).
 
@@ -35,6 +38,9 @@ from pathlib import Path
 RANK_REPOSITORY = "quartermaster.test/rank"
 PAUSE_REPOSITORY = "quartermaster.test/pause"
 RANK_TOOLS = ("sh", "date", "sleep", "cat")
+# Debian's busybox-static; its applets are links to it in the image.
+BUSYBOX = Path("/bin/busybox")
+BUSYBOX_APPLETS = ("nc", "nslookup")
 
 # Kubernetes' pause.c, reduced: PID 1 of every pod sandbox.
 PAUSE_SOURCE = r"""
@@ -105,9 +111,20 @@ def _canonical(path: Path) -> str:
     return text
 
 
+def static_busybox() -> Path | None:
+    """The host's busybox when it is a static binary (one file, no libraries), else None."""
+    if not BUSYBOX.exists():
+        return None
+    real = BUSYBOX.resolve()
+    return real if not _library_closure(real) else None
+
+
 def _rank_files() -> dict[str, Path]:
     """Image path -> host file (resolved) for the rank image."""
     files: dict[str, Path] = {}
+    busybox = static_busybox()
+    if busybox is not None:
+        files["usr/bin/busybox"] = busybox
     for tool in RANK_TOOLS:
         found = shutil.which(tool)
         if found is None:
@@ -238,6 +255,9 @@ def rank_image() -> BuiltImage:
     for path, source in sorted(files.items()):
         hasher.update(path.encode() + b"\0" + hashlib.sha256(source.read_bytes()).digest())
     symlinks = {"bin": "usr/bin", "lib": "usr/lib", "lib64": "usr/lib64", "sbin": "usr/sbin"}
+    if "usr/bin/busybox" in files:
+        symlinks |= {f"usr/bin/{applet}": "busybox" for applet in BUSYBOX_APPLETS}
+        hasher.update(" ".join(BUSYBOX_APPLETS).encode())
     dirs = {"tmp": 0o1777, "proc": 0o555, "sys": 0o555, "dev": 0o755, "etc": 0o755}
 
     def build(name: str, archive: Path) -> None:

@@ -15,7 +15,11 @@ What each node gets (``/work/shared/REAL-NODES.md`` says why each item is there)
   snapshotter. The rank and pause images of ``tools.k8s.images`` are imported;
 * a CNI ``bridge`` network with ``host-local`` addresses, ``isGateway`` and
   ``ipMasq`` off, so nothing host-wide changes. Both nodes share one bridge with
-  a range of addresses each, so their pods reach one another;
+  a range of addresses each, so their pods reach one another. The bridge is made
+  here, before any pod, with the host's address on it (``dns_address``, the
+  first of the subnet), the one host address a pod reaches: its cluster DNS
+  listens there. The subnet is a /16 of ``POD_SUBNETS`` that no route of this
+  machine covers yet, so a second run beside this one gets its own;
 * a kubelet with its own root folder, ports, cgroup root (created under every
   cgroup v1 hierarchy) and pod log folder, a client certificate from the test CA
   (``O=system:nodes``, ``CN=system:node:<name>``) and a serving certificate, on
@@ -23,13 +27,21 @@ What each node gets (``/work/shared/REAL-NODES.md`` says why each item is there)
   server's client certificate for logs; image garbage collection and disk
   eviction are set so they never fire on a shared disk.
 
-Cluster DNS is not run: pods get the host's resolver, so ``MASTER_ADDR`` does
-not resolve inside a pod. The kubelet sets a few kernel tunables when it starts
-(``vm.overcommit_memory``, ``kernel.panic``...); ``stop`` puts back the values it
-found. ``stop`` takes everything down in this order: kubelets; every containerd
-task and container; containerd (and any shim left); the mounts under the run
-folder; the cgroups, deepest first; the bridge; the kernel tunables; the Node
-objects.
+Cluster DNS is real: CoreDNS (``tools/k8s/build-coredns.sh``) runs as a host
+process bound to ``dns_address``, serving ``cluster.local`` from the API server
+with its ``kubernetes`` plugin, and each kubelet's ``clusterDNS`` names it, so a
+pod resolves the headless-Service names the runtime gives ``MASTER_ADDR``
+(``rank-0.<gang>.<namespace>.svc.cluster.local``). CoreDNS reads those names from
+EndpointSlices, which the test control plane does not make (its controller
+manager runs only what the other tests need): a second controller manager,
+running only the EndpointSlice controller, runs beside the nodes.
+
+The kubelet sets a few kernel tunables when it starts (``vm.overcommit_memory``,
+``kernel.panic``...); ``stop`` puts back the values it found. ``stop`` takes
+everything down in this order: kubelets; every containerd task and container;
+containerd (and any shim left); CoreDNS and the EndpointSlice controller; the
+mounts under the run folder; the cgroups, deepest first; the bridge; the kernel
+tunables; the Node objects.
 
 ``unavailable_reason()`` says why this machine cannot run real nodes (not root,
 no overlayfs, no containerd...), for a test to skip with.
@@ -38,6 +50,7 @@ no overlayfs, no containerd...), for a test to skip with.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import shutil
@@ -45,6 +58,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,10 +76,14 @@ from tools.k8s.controlplane import (
 )
 
 BUILD_KUBELET = REPO_ROOT / "tools" / "k8s" / "build-kubelet.sh"
+BUILD_COREDNS = REPO_ROOT / "tools" / "k8s" / "build-coredns.sh"
 CNI_BIN_DIR = Path("/usr/lib/cni")
 GPU_RESOURCE = "nvidia.com/gpu"
 FLAVOR_LABEL = "quartermaster.dev/flavor"
-POD_SUBNET = "10.213.0.0/16"
+# The /16s a run may take for its pods: each node gets 10.<b>.<10 + index>.0/24 of it,
+# and the host 10.<b>.0.1, outside every node's range.
+POD_SUBNETS = tuple(ipaddress.IPv4Network(f"10.{b}.0.0/16") for b in range(213, 233))
+CLUSTER_DOMAIN = "cluster.local"
 # Set by the kubelet at start (pkg/kubelet/cm: setupKernelTunables); put back by stop().
 KERNEL_TUNABLES = (
     "vm/overcommit_memory",
@@ -116,15 +134,22 @@ def unavailable_reason() -> str | None:
 
 def build_kubelet() -> Path:
     """Build (or find in the cache) the kubelet; returns its path."""
-    result = subprocess.run(
-        ["bash", str(BUILD_KUBELET)], check=False, capture_output=True, text=True
-    )
+    return _build(BUILD_KUBELET, "kubelet")
+
+
+def build_coredns() -> Path:
+    """Build (or find in the cache) CoreDNS; returns its path."""
+    return _build(BUILD_COREDNS, "coredns")
+
+
+def _build(script: Path, binary: str) -> Path:
+    result = subprocess.run(["bash", str(script)], check=False, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RealNodeError(f"build-kubelet.sh failed:\n{result.stderr[-4000:]}")
-    kubelet = Path(result.stdout.strip().splitlines()[-1]) / "kubelet"
-    if not kubelet.exists():
-        raise RealNodeError(f"build-kubelet.sh printed no folder holding a kubelet: {kubelet}")
-    return kubelet
+        raise RealNodeError(f"{script.name} failed:\n{result.stderr[-4000:]}")
+    built = Path(result.stdout.strip().splitlines()[-1]) / binary
+    if not built.exists():
+        raise RealNodeError(f"{script.name} printed no folder holding {binary}: {built}")
+    return built
 
 
 def _cgroup_v1_mounts() -> list[Path]:
@@ -155,6 +180,24 @@ def _node_ip() -> str | None:
             if address.get("local"):
                 return str(address["local"])
     return None
+
+
+def _free_pod_subnet() -> ipaddress.IPv4Network:
+    """The first of ``POD_SUBNETS`` that no route of this machine overlaps."""
+    result = subprocess.run(
+        ["ip", "-j", "-4", "route", "show", "table", "all"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    taken = []
+    for route in json.loads(result.stdout or "[]") if result.returncode == 0 else []:
+        with contextlib.suppress(ValueError):
+            taken.append(ipaddress.IPv4Network(route.get("dst", ""), strict=False))
+    for subnet in POD_SUBNETS:
+        if not any(subnet.overlaps(route) for route in taken):
+            return subnet
+    raise RealNodeError(f"every pod subnet of {POD_SUBNETS[0]}..{POD_SUBNETS[-1]} is in use")
 
 
 def _free_port() -> int:
@@ -215,16 +258,26 @@ class RealNodes:
     die_with_parent: bool = True
     nodes: list[RealNode] = field(default_factory=list)
     rank_image: str = ""
+    # Whether the rank image has busybox's nc and nslookup (see tools.k8s.images).
+    rank_has_busybox: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    coredns: subprocess.Popen[bytes] | None = None
+    slice_controller: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
         token = uuid.uuid4().hex[:6]
         self.bridge = f"qmbr{token}"
         self.cgroup_root = f"qm-realnodes-{token}"
         self.node_ip = _node_ip() or ""
+        self.pod_subnet = POD_SUBNETS[0]
         self._kernel_tunables: dict[str, str] = {}
         self._host_folders_before: set[Path] = set()
         self._api: client.ApiClient | None = None
+
+    @property
+    def dns_address(self) -> str:
+        """The host's address on the pods' bridge, where the cluster DNS listens."""
+        return str(self.pod_subnet.network_address + 1)
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self, *, timeout: float = 120.0) -> None:
@@ -234,9 +287,10 @@ class RealNodes:
             raise RealNodeError(reason)
         assert self.plane.state is not None
         begun = time.monotonic()
-        kubelet = build_kubelet()
+        kubelet, coredns = build_kubelet(), build_coredns()
         rank, pause = images.rank_image(), images.pause_image()
         self.rank_image = rank.name
+        self.rank_has_busybox = images.static_busybox() is not None
         self.timings["build"] = time.monotonic() - begun
         self.run_dir.mkdir(parents=True, exist_ok=True)
         configuration = client.Configuration()
@@ -252,6 +306,9 @@ class RealNodes:
         }
         try:
             self._pki()
+            self.pod_subnet = _free_pod_subnet()
+            self._make_bridge()
+            self._start_cluster_dns(coredns, time.monotonic() + timeout)
             for index, name in enumerate(self.names):
                 node = RealNode(name=name, index=index, dir=self.run_dir / name)
                 self.nodes.append(node)
@@ -279,6 +336,8 @@ class RealNodes:
         for node in self.nodes:
             _terminate(node.containerd)
             _kill_pids(self._leftover_processes(node))
+        _terminate(self.coredns)
+        _terminate(self.slice_controller)
         self._unmount_all()
         self._remove_cgroups()
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
@@ -329,8 +388,8 @@ class RealNodes:
                 user=f"{name}-client",
             )
 
-    def _spawn(self, node: RealNode, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        log = open(node.dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+    def _spawn(self, folder: Path, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(folder / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
         process = subprocess.Popen(
             args,
             stdout=log,
@@ -398,7 +457,8 @@ disabled_plugins = [
 """
 
     def _cni_config(self, node: RealNode) -> dict[str, object]:
-        third = 10 + node.index
+        base = self.pod_subnet.network_address
+        first, last = base + ((10 + node.index) << 8) + 2, base + ((10 + node.index) << 8) + 254
         return {
             "cniVersion": "0.4.0",
             "name": "quartermaster-real-nodes",
@@ -415,9 +475,9 @@ disabled_plugins = [
                         "ranges": [
                             [
                                 {
-                                    "subnet": POD_SUBNET,
-                                    "rangeStart": f"10.213.{third}.2",
-                                    "rangeEnd": f"10.213.{third}.254",
+                                    "subnet": str(self.pod_subnet),
+                                    "rangeStart": str(first),
+                                    "rangeEnd": str(last),
                                 }
                             ]
                         ],
@@ -426,6 +486,80 @@ disabled_plugins = [
                 {"type": "loopback"},
             ],
         }
+
+    def _make_bridge(self) -> None:
+        """The pods' bridge, with the host's address on it for the cluster DNS."""
+        prefix = self.pod_subnet.prefixlen
+        for command in (
+            ["ip", "link", "add", "name", self.bridge, "type", "bridge"],
+            ["ip", "addr", "add", f"{self.dns_address}/{prefix}", "dev", self.bridge],
+            ["ip", "link", "set", self.bridge, "up"],
+        ):
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                raise RealNodeError(f"{' '.join(command)}: {result.stderr.strip()}")
+
+    def _corefile(self, health_port: int, ready_port: int) -> str:
+        assert self.plane.state is not None
+        # No upstream: a rank needs the cluster's names only, and this machine may
+        # have no resolver a pod could reach. Records carry a TTL of 0, so a name
+        # asked for before its pod had an address is not remembered empty.
+        return f""".:53 {{
+    bind {self.dns_address}
+    errors
+    health 127.0.0.1:{health_port}
+    ready 127.0.0.1:{ready_port}
+    kubernetes {CLUSTER_DOMAIN} {{
+        kubeconfig {self.plane.state.kubeconfig}
+        ttl 0
+    }}
+}}
+"""
+
+    def _start_cluster_dns(self, coredns: Path, deadline: float) -> None:
+        """The EndpointSlice controller, and CoreDNS on the bridge; wait until it serves."""
+        assert self.plane.state is not None
+        folder = self.run_dir / "dns"
+        folder.mkdir()
+        controller_kubeconfig = self.plane.run_dir / "controller-manager.kubeconfig"
+        self.slice_controller = self._spawn(
+            folder,
+            "endpointslice-controller",
+            [
+                str(Path(self.plane.state.bin_dir) / "kube-controller-manager"),
+                f"--kubeconfig={controller_kubeconfig}",
+                f"--authentication-kubeconfig={controller_kubeconfig}",
+                f"--authorization-kubeconfig={controller_kubeconfig}",
+                "--controllers=endpointslice-controller",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                "--secure-port=0",
+                "--use-service-account-credentials=false",
+                "--v=1",
+            ],
+        )
+        health_port, ready_port = _free_port(), _free_port()
+        corefile = folder / "Corefile"
+        corefile.write_text(self._corefile(health_port, ready_port))
+        self.coredns = self._spawn(folder, "coredns", [str(coredns), "-conf", str(corefile)])
+        # /ready answers 200 once the kubernetes plugin has listed what it serves.
+        while True:
+            for name, process in (
+                ("coredns", self.coredns),
+                ("endpointslice-controller", self.slice_controller),
+            ):
+                if process.poll() is not None:
+                    tail = (folder / f"{name}.log").read_text(errors="replace")[-3000:]
+                    raise RealNodeError(f"{name} exited with {process.returncode}:\n{tail}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{ready_port}/ready", timeout=2):
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                tail = (folder / "coredns.log").read_text(errors="replace")[-3000:]
+                raise RealNodeError(f"CoreDNS was not ready in time:\n{tail}")
+            time.sleep(0.1)
 
     def _ctr(
         self, node: RealNode, *args: str, timeout: float = 60
@@ -445,7 +579,7 @@ disabled_plugins = [
         config_file = node.dir / "containerd.toml"
         config_file.write_text(self._containerd_config(node, pause_image))
         node.containerd = self._spawn(
-            node, "containerd", ["containerd", "--config", str(config_file)]
+            node.dir, "containerd", ["containerd", "--config", str(config_file)]
         )
         deadline = time.monotonic() + 30
         while True:
@@ -505,6 +639,8 @@ disabled_plugins = [
             "hairpinMode": "none",
             "podLogsDir": str(node.dir / "pod-logs"),
             "resolvConf": "/etc/resolv.conf",
+            "clusterDNS": [self.dns_address],
+            "clusterDomain": CLUSTER_DOMAIN,
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
             "evictionHard": never,
@@ -535,7 +671,7 @@ disabled_plugins = [
         config_file = node.dir / "kubelet.json"
         config_file.write_text(json.dumps(self._kubelet_config(node), indent=2))
         node.kubelet = self._spawn(
-            node,
+            node.dir,
             "kubelet",
             [
                 str(kubelet),
