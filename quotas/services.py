@@ -8,12 +8,14 @@ import math
 import re
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 
 from core.access import TeamTree
 from quotas.job_ledger import job_ledger
+from quotas.limits import QueuedJobLimit, queued_job_limits
 from quotas.models import (
     DEFAULT_NOTICE_SECONDS,
     AuditEntry,
@@ -77,6 +79,7 @@ def _team_values(team: Team) -> dict[str, Any]:
         "name": team.name,
         "weight": team.weight,
         "parent": team.parent.slug if team.parent_id else None,
+        "max_queued_jobs": team.max_queued_jobs,
     }
 
 
@@ -91,6 +94,42 @@ def _check_count(field: str, value: int | None, *, allow_none: bool = False) -> 
         raise ValidationError({field: [f"Must not be negative (got {value})."]})
     if value > MAX_GPUS:
         raise ValidationError({field: [f"Must be at most {MAX_GPUS} GPUs (got {value})."]})
+
+
+MAX_QUEUED_JOBS = 1_000_000
+
+
+def _check_queued_limit(value: int | None) -> None:
+    """A team's own queued-job limit: a whole number from 0 (nothing may wait) up."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_QUEUED_JOBS:
+        raise ValidationError(
+            {
+                "max_queued_jobs": [
+                    f"Must be a whole number from 0 to {MAX_QUEUED_JOBS:,}, or null to inherit "
+                    f"the limit of the teams above (got {value!r})."
+                ]
+            }
+        )
+
+
+def _check_queued_limit_narrows(team: Team, value: int) -> None:
+    """Refuse a limit above the one the teams above `team` (or the site) allow."""
+    if team.parent_id is None:
+        above = QueuedJobLimit(limit=settings.QM_MAX_QUEUED_JOBS_PER_TEAM, set_by=None)
+    else:
+        above = queued_job_limits(team_ids=[team.parent_id], tree=team_tree())[team.parent_id]
+    if value > above.limit:
+        source = f"team {above.set_by}" if above.set_by else "the site default"
+        raise ValidationError(
+            {
+                "max_queued_jobs": [
+                    f"Must be at most {above.limit:,}, the limit {source} sets above "
+                    f"{team.slug}; only platform admins may raise it (got {value:,})."
+                ]
+            }
+        )
 
 
 # --- flavors and nodes -----------------------------------------------------
@@ -298,10 +337,21 @@ def team_update(
     name: str | None = None,
     weight: float | None = None,
     parent: Team | Any | None = UNSET,
+    max_queued_jobs: int | Any | None = UNSET,
+    may_widen: bool = True,
 ) -> Team:
+    """Change a team's name, weight, place in the tree or queued-job limit
+    (None: inherit the limit of the teams above it, or the site default). Without
+    `may_widen` (a manager's edit) the limit may only narrow the one in force above."""
     team = Team.objects.select_for_update().get(pk=team.pk)
     before = _team_values(team)
     fields: list[str] = []
+    if max_queued_jobs is not UNSET and max_queued_jobs != team.max_queued_jobs:
+        _check_queued_limit(max_queued_jobs)
+        if not may_widen and max_queued_jobs is not None:
+            _check_queued_limit_narrows(team, max_queued_jobs)
+        team.max_queued_jobs = max_queued_jobs
+        fields.append("max_queued_jobs")
     if name is not None:
         team.name = name
         fields.append("name")

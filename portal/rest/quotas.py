@@ -24,7 +24,9 @@ from core.api import IsAdminOrReadOnly, NamedRelatedField, Pagination, deny, res
 from portal.rest.access import access_of
 from preemption.quota_preview import quota_preview
 from quotas import selectors, services
+from quotas.limits import queued_job_limits
 from quotas.models import AuditEntry, Node, PriorityClass, Quota, ResourceFlavor, Team
+from quotas.services import MAX_QUEUED_JOBS
 from quotas.validation import WEIGHT_RANGE, parse_count, parse_weight
 
 # --- fields ----------------------------------------------------------------------
@@ -115,22 +117,60 @@ class NodeSerializer(serializers.ModelSerializer[Node]):
         return labels
 
 
+class QueuedJobLimitSerializer(serializers.Serializer[Any]):
+    limit = serializers.IntegerField(help_text="The most jobs the team may have waiting.")
+    set_by = serializers.CharField(
+        allow_null=True, help_text="The team whose own limit this is; null: the site default."
+    )
+
+
 class TeamSerializer(serializers.ModelSerializer[Team]):
+    """A team. `max_queued_jobs` is its own limit (null: inherited); `queued_job_limit`
+    the one in force, the smallest set on it or above it (`quotas.limits`)."""
+
     parent = NamedRelatedField(
         slug_field="slug", queryset=Team.objects.all(), allow_null=True, required=False
     )
     weight = WeightField(required=False)
+    queued_job_limit = serializers.SerializerMethodField()
 
     class Meta:
         model = Team
-        fields = ["id", "slug", "name", "parent", "weight", "created_at"]
-        read_only_fields = ["id", "created_at"]
+        fields = [
+            "id",
+            "slug",
+            "name",
+            "parent",
+            "weight",
+            "max_queued_jobs",
+            "queued_job_limit",
+            "created_at",
+        ]
+        read_only_fields = ["id", "created_at", "max_queued_jobs"]
         extra_kwargs = {"slug": {"validators": []}, "name": {"required": False}}
+
+    @extend_schema_field(QueuedJobLimitSerializer)
+    def get_queued_job_limit(self, team: Team) -> dict[str, Any]:
+        limits = self.context.get("queued_job_limits") or {}
+        found = limits.get(team.pk)
+        if found is None:
+            found = queued_job_limits(team_ids=[team.pk], tree=selectors.team_tree())[team.pk]
+        return {"limit": found.limit, "set_by": found.set_by}
 
 
 class TeamUpdateSerializer(serializers.Serializer[Any]):
     name = serializers.CharField(max_length=120, required=False)
     weight = WeightField(required=False)
+    max_queued_jobs = serializers.IntegerField(
+        allow_null=True,
+        required=False,
+        min_value=0,
+        max_value=MAX_QUEUED_JOBS,
+        help_text=(
+            "The most jobs the team may have waiting; null: inherit the limit of the teams "
+            "above it (or the site default). It can only narrow theirs."
+        ),
+    )
     parent = NamedRelatedField(
         slug_field="slug", queryset=Team.objects.all(), allow_null=True, required=False
     )
@@ -545,6 +585,18 @@ class TeamViewSet(
     def get_queryset(self) -> Any:
         return selectors.team_list(user=self.request.user)
 
+    def get_serializer(self, *args: Any, **kwargs: Any) -> Any:
+        """The serializer, with the queued-job limits in force of the teams it shows
+        worked out in one pass (`quotas.limits`), however many there are."""
+        shown = args[0] if args else None
+        teams = shown if isinstance(shown, list) else [shown] if isinstance(shown, Team) else []
+        if teams:
+            kwargs.setdefault("context", self.get_serializer_context())
+            kwargs["context"]["queued_job_limits"] = queued_job_limits(
+                team_ids=[team.pk for team in teams], tree=selectors.team_tree()
+            )
+        return super().get_serializer(*args, **kwargs)
+
     def perform_create(self, serializer: Any) -> None:
         if not access_of(self.request).is_admin:
             raise deny("Only platform admins may add teams.")
@@ -573,8 +625,10 @@ class TeamViewSet(
             name=values.get("name"),
             weight=values.get("weight"),
             parent=values.get("parent", services.UNSET),
+            max_queued_jobs=values.get("max_queued_jobs", services.UNSET),
+            may_widen=access.is_admin,
         )
-        return Response(TeamSerializer(team).data)
+        return Response(self.get_serializer(team).data)
 
     def perform_destroy(self, instance: Team) -> None:
         if not access_of(self.request).is_admin:

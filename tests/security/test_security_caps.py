@@ -237,3 +237,78 @@ def test_an_admin_sets_a_teams_limit_on_the_admin_site(world: Any) -> None:
     assert Team.objects.get(slug="robotics").max_queued_jobs == 7
     page = admin.get(f"/admin/quotas/team/{world.vision.pk}/change/").content.decode()
     assert 'name="max_queued_jobs"' in page
+
+
+# --- the limits through the REST API -------------------------------------------------------
+
+
+def test_the_team_api_shows_each_teams_own_limit_and_the_one_in_force(world: Any) -> None:
+    world.ml.max_queued_jobs = 40
+    world.ml.save(update_fields=["max_queued_jobs"])
+    teams = {
+        team["slug"]: team
+        for team in world.client("manager").get("/api/v1/teams/?page_size=100").json()["results"]
+    }
+    assert teams["ml"]["max_queued_jobs"] == 40
+    assert teams["vision"]["max_queued_jobs"] is None
+    assert teams["vision"]["queued_job_limit"] == {"limit": 40, "set_by": "ml"}
+
+
+def test_an_admin_sets_and_clears_a_teams_limit_through_the_api(world: Any, settings: Any) -> None:
+    settings.QM_MAX_QUEUED_JOBS_PER_TEAM = 50
+    admin = world.client("admin")
+    answer = admin.patch(f"/api/v1/teams/{world.vision.pk}/", {"max_queued_jobs": 500}, "json")
+    assert answer.status_code == 200, answer.content
+    assert answer.json()["queued_job_limit"] == {"limit": 500, "set_by": "vision"}
+    assert Team.objects.get(pk=world.vision.pk).max_queued_jobs == 500
+    cleared = admin.patch(f"/api/v1/teams/{world.vision.pk}/", {"max_queued_jobs": None}, "json")
+    assert cleared.json()["queued_job_limit"] == {"limit": 50, "set_by": None}
+    assert Team.objects.get(pk=world.vision.pk).max_queued_jobs is None
+
+
+def test_a_manager_may_narrow_a_sub_teams_limit_but_not_widen_it(world: Any, settings: Any) -> None:
+    settings.QM_MAX_QUEUED_JOBS_PER_TEAM = 50
+    world.ml.max_queued_jobs = 20
+    world.ml.save(update_fields=["max_queued_jobs"])
+    manager = world.client("manager")
+    narrowed = manager.patch(f"/api/v1/teams/{world.vision.pk}/", {"max_queued_jobs": 5}, "json")
+    assert narrowed.status_code == 200, narrowed.content
+    assert Team.objects.get(pk=world.vision.pk).max_queued_jobs == 5
+    before = database_state()
+    reason = _refused(
+        manager.patch(f"/api/v1/teams/{world.vision.pk}/", {"max_queued_jobs": 21}, "json"),
+        "max_queued_jobs",
+    )
+    assert reason == (
+        "Must be at most 20, the limit team ml sets above vision; only platform admins "
+        "may raise it (got 21)."
+    )
+    assert database_state() == before
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        (-1, "Ensure this value is greater than or equal to 0."),
+        ("many", "A valid integer is required."),
+        (10**7, "Ensure this value is less than or equal to 1000000."),
+    ],
+)
+def test_a_bad_limit_is_refused_with_its_reason_and_changes_nothing(
+    world: Any, value: Any, reason: str
+) -> None:
+    before = database_state()
+    answer = world.client("admin").patch(
+        f"/api/v1/teams/{world.vision.pk}/", {"max_queued_jobs": value}, "json"
+    )
+    assert _refused(answer, "max_queued_jobs") == reason
+    assert database_state() == before
+
+
+def test_a_manager_cannot_set_the_limit_of_a_team_outside_their_subtree(world: Any) -> None:
+    before = database_state()
+    answer = world.client("other_manager").patch(
+        f"/api/v1/teams/{world.vision.pk}/", {"max_queued_jobs": 1}, "json"
+    )
+    assert answer.status_code == 404, answer.content
+    assert database_state() == before
