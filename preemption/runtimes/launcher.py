@@ -387,6 +387,9 @@ def fork_keepers(gang_dir: Path, ranks: list[int], report: Callable[[int], None]
         if os.fork() == 0:
             _become_keeper(gang_dir, gang, rank)
         report(rank)
+    if gang.get("sandbox") is not None:
+        # While the keepers start (sandbox.prime_migrations says why).
+        sandboxes.prime_migrations(gang["sandbox"])
 
 
 def _serve_one(request: bytes) -> bytes:

@@ -10,8 +10,8 @@ start processes or write files until the host runs out. The sandbox closes each:
   quartermaster/<gang>/<rank>`), that every process the rank starts is born into: the
   rank's child joins it before it executes anything, so nothing escapes it by forking
   early. Ending a rank or a gang kills what is in the cgroup (cgroup.kill on v2 where
-  the kernel has it; else freeze, SIGKILL every pid, thaw, so nothing forks meanwhile;
-  a gang is frozen once, at its own folder, which freezes every rank below it).
+  the kernel has it, at the gang's folder for a gang; else one pass of SIGKILL, which
+  kills each rank's PID namespace with its init, forks made meanwhile included).
   The cgroup holds the limits: pids.max and the memory limit per rank (with no swap
   beyond it). A rank that allocates past its memory limit is killed by the kernel's OOM
   killer inside its cgroup, not the host's; `oom_kills` counts those kills, so the
@@ -24,7 +24,7 @@ start processes or write files until the host runs out. The sandbox closes each:
   whatever the rank left running in the namespace. The init stays root, so the rank,
   which runs as the job's user, can neither signal nor trace it.
 - One network namespace per gang, bound to a file in the gang's folder, with only
-  loopback, brought up by each rank as it enters: the ranks of a gang rendezvous on
+  loopback, brought up once as the namespace is made: the ranks of a gang rendezvous on
   127.0.0.1 among themselves, and reach nothing else.
 - RLIMIT_FSIZE on every process of the rank: a write past the limit fails with EFBIG
   (after SIGXFSZ, which ends a process that does not catch it).
@@ -51,7 +51,7 @@ creates namespaces; systemd's transient scopes (systemd-run) would tie the runti
 systemd, which containers and CI machines do not run. bubblewrap would make the
 namespaces but not the cgroups, and is not on every host, nor would it save the
 programs it costs to execute. The cgroup work is writing a few files, which this module
-does for v1 (one hierarchy per controller: pids, memory, freezer) and v2 (one unified
+does for v1 (one hierarchy per controller: pids, memory) and v2 (one unified
 hierarchy), whichever the host has.
 
 What it costs and what it does not do: a rank's pid and exit code are still its
@@ -89,8 +89,9 @@ from typing import Any, NoReturn
 
 MODES = ("auto", "on", "off")
 
-# The v1 hierarchies a rank joins: limits (pids, memory) and the freezer for the kill.
-V1_CONTROLLERS = ("pids", "memory", "freezer")
+# The v1 hierarchies a rank joins, for its limits. No freezer: the kill needs none
+# (see `kill`), and a third hierarchy cost a folder and a write per rank.
+V1_CONTROLLERS = ("pids", "memory")
 V2_CONTROLLERS = ("pids", "memory")
 CGROUP_FOLDER = "quartermaster"
 NETNS_FILE = "netns"
@@ -346,6 +347,21 @@ def create(sandbox: dict[str, Any], ranks: list[int]) -> None:
         _bind_new_netns(netns)
 
 
+def prime_migrations(sandbox: dict[str, Any]) -> None:
+    """Pay, in the launch server's child once it has forked the keepers, the RCU grace
+    period that the kernel makes the first cgroup migration after a quiet moment wait
+    (a write to cgroup.procs takes the global cgroup_threadgroup_rwsem for writing, which
+    waits for one grace period, 6 to 14 ms here, unless another writer had it a grace
+    period ago or less). Each rank's init joins its cgroups as it starts; primed here,
+    concurrently with the keepers' own start, those joins find the lock warm and take
+    microseconds instead of the grace period each. The write moves this process into the
+    cgroup it is already in, the control plane's own, which changes nothing; a failure
+    costs only the time it saves."""
+    folder = next(iter(sandbox["cgroups"].values()))
+    with contextlib.suppress(OSError):
+        _write(f"{Path(folder).parent.parent}/cgroup.procs", "0")
+
+
 def _write(path: str, value: str) -> None:
     descriptor = os.open(path, os.O_WRONLY)
     try:
@@ -380,6 +396,7 @@ def _bind_new_netns(netns: Path) -> None:
     try:
         _check(_LIBC.unshare(_CLONE_NEWNET), "unshare a network namespace")
         try:
+            _loopback_up()
             _check(
                 _LIBC.mount(b"/proc/self/ns/net", bytes(netns), None, _MS_BIND, None),
                 f"bind the network namespace to {netns}",
@@ -417,7 +434,7 @@ def new_pid_namespace() -> None:
 def enter(sandbox: dict[str, Any], rank: int, run_as: dict[str, Any] | None) -> None:
     """In the keeper's child, pid 1 of the rank's PID namespace (`new_pid_namespace`),
     between fork and exec, as root: join the rank's cgroups and the gang's network
-    namespace (loopback up), set the file size limit, make the rank's mount namespace
+    namespace, set the file size limit, make the rank's mount namespace
     with its own /proc, then fork the rank's shell. Returns only in that child, as the
     job's user and group alone when it has them; the init waits on it
     (`_namespace_init`) and never returns."""
@@ -429,7 +446,6 @@ def enter(sandbox: dict[str, Any], rank: int, run_as: dict[str, Any] | None) -> 
         _check(_LIBC.setns(descriptor, _CLONE_NEWNET), "setns into the gang's network namespace")
     finally:
         os.close(descriptor)
-    _loopback_up()
     size = int(sandbox["limits"]["file_size_max"])
     resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
     _check(_LIBC.unshare(_CLONE_NEWNS), "unshare a mount namespace")
@@ -511,7 +527,7 @@ def _procs(leaf: Path) -> list[int]:
 
 def pids(sandbox: dict[str, Any], rank: int | None = None) -> dict[int, int]:
     """Every live process in the gang's (or one rank's) cgroups: pid -> rank."""
-    controller = "freezer" if "freezer" in sandbox["cgroups"] else "unified"
+    controller = "pids" if "pids" in sandbox["cgroups"] else "unified"
     found: dict[int, int] = {}
     for leaf in _leaves(sandbox, controller, rank):
         for pid in _procs(leaf):
@@ -552,59 +568,58 @@ def format_size(size: int) -> str:
     return f"{size} bytes"
 
 
-def kill(sandbox: dict[str, Any], rank: int | None = None, *, wait_seconds: float = 5.0) -> None:
-    """SIGKILL every process in the gang's (or one rank's) cgroups, none of which can fork
-    meanwhile, and wait (up to `wait_seconds`) until they are gone. The whole gang is
-    killed at its own folder, at once (v2's cgroup.kill and both freezers act on every
-    cgroup below the one written)."""
+def kill(sandbox: dict[str, Any], rank: int | None = None) -> None:
+    """SIGKILL every process in the gang's (or one rank's) cgroups, with no escape, and
+    return without waiting for them to go.
+
+    On v2 where the kernel has cgroup.kill (5.14), one write kills every process below
+    the folder written, forks made meanwhile included. Elsewhere one pass of SIGKILL over
+    the cgroups' processes is enough, and needs no freezer: every process of a rank is in
+    the rank's PID namespace (no process can leave its PID namespace), whose init is in
+    the rank's cgroup before the rank's shell exists; once the init is killed, the kernel
+    kills whatever is left in its namespace and lets no process fork there any more, so a
+    process forked during the pass dies with the rest.
+
+    Nothing here waits: the kernel lets a namespace's init be reaped only once every
+    other process of the namespace is gone, so the keeper that records the rank's exit
+    records it when the rank's last process has gone. `release` waits, as a cgroup with
+    a process in it cannot be removed."""
     cgroups = sandbox["cgroups"]
     if "unified" in cgroups:
         target = Path(cgroups["unified"]) / ("" if rank is None else str(rank))
         try:
-            (target / "cgroup.kill").write_text("1")
+            _write(str(target / "cgroup.kill"), "1")
+            return
         except OSError as error:
             if error.errno not in _GONE:
                 raise
-            if target.is_dir():  # a kernel before 5.14, which has no cgroup.kill
-                _frozen_kill(sandbox, rank, target / "cgroup.freeze", "1", "0")
-    else:
-        target = Path(cgroups["freezer"]) / ("" if rank is None else str(rank))
-        _frozen_kill(sandbox, rank, target / "freezer.state", "FROZEN", "THAWED")
-    deadline = time.monotonic() + wait_seconds
+            if not target.is_dir():
+                return
+            # A kernel before 5.14, which has no cgroup.kill: the pass below.
+    for pid in pids(sandbox, rank):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _wait_until_empty(sandbox: dict[str, Any], seconds: float) -> None:
+    """Wait, up to `seconds`, until no process is left in the gang's cgroups. Looks at
+    once, and is normally done then: `release` runs after every rank has exited."""
+    deadline = time.monotonic() + seconds
     pause = 0.0005
-    while pids(sandbox, rank) and time.monotonic() < deadline:
+    while pids(sandbox) and time.monotonic() < deadline:
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
 
 
-def _frozen_kill(
-    sandbox: dict[str, Any], rank: int | None, state: Path, frozen: str, thawed: str
-) -> None:
-    """Freeze, SIGKILL every process, thaw. The cgroup may go at any moment (the keepers
-    remove a gang's cgroups as its last rank ends): then there is nothing left to kill."""
-    if not pids(sandbox, rank):
-        return
-    try:
-        state.write_text(frozen)
-        try:
-            # v1 reports FREEZING until every task has stopped; a bounded wait, since a
-            # task stuck in the kernel is killed all the same once thawed.
-            deadline = time.monotonic() + 1.0
-            while state.read_text().strip() not in (frozen, "1") and time.monotonic() < deadline:
-                time.sleep(0.0005)
-            for pid in pids(sandbox, rank):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        finally:
-            state.write_text(thawed)
-    except OSError as error:
-        if error.errno not in _GONE:
-            raise
-
-
 def release(sandbox: dict[str, Any]) -> None:
-    """Kill what is left in the gang's cgroups, remove them and its network namespace."""
+    """Kill what is left in the gang's cgroups, remove its network namespace, then its
+    cgroups (last, so that a gang whose cgroups are gone has nothing left at all)."""
     kill(sandbox)
+    _wait_until_empty(sandbox, 5.0)
+    netns = Path(sandbox["netns"])
+    if _is_netns(netns):
+        _LIBC.umount2(bytes(netns), _MNT_DETACH)
+    netns.unlink(missing_ok=True)
     for controller in sandbox["cgroups"]:
         # A cgroup with a process left in it (one stuck in the kernel) stays; the next
         # release, at forget(), removes it.
@@ -613,7 +628,3 @@ def release(sandbox: dict[str, Any]) -> None:
                 leaf.rmdir()
         with contextlib.suppress(OSError):
             Path(sandbox["cgroups"][controller]).rmdir()
-    netns = Path(sandbox["netns"])
-    if _is_netns(netns):
-        _LIBC.umount2(bytes(netns), _MNT_DETACH)
-    netns.unlink(missing_ok=True)

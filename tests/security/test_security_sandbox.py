@@ -10,6 +10,7 @@ are untouched. (sandbox.py says how the sandbox is made.)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 import shutil
@@ -164,10 +165,20 @@ def test_a_rank_that_double_forks_and_setsids_dies_with_its_job(scene: Scene) ->
     wait_until(lambda: b"escaped" in scene.runtime.read_log(job, 0), "the rank to escape")
     record = read_record(scene.runtime.gang_dir(job) / GANG_FILE)
     assert record is not None and record["sandbox"] is not None
+
+    def escapees() -> list[int]:
+        found = []
+        for pid in sandboxes.pids(record["sandbox"]):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if psutil.Process(pid).cmdline() == ["sleep", "300"]:
+                    found.append(pid)
+        return found
+
+    # The grandchild may still be between its fork and its exec when "escaped" prints.
+    wait_until(lambda: escapees(), "the escapee to execute sleep")
     members = sandboxes.pids(record["sandbox"])
-    escapees = [pid for pid in members if psutil.Process(pid).cmdline() == ["sleep", "300"]]
     # The escapee left the rank's session and carries no marker, yet is the job's.
-    [escapee] = escapees
+    [escapee] = escapees()
     assert psutil.Process(escapee).environ() == {}
     assert escapee in {process.pid for process in scene.runtime.gang_processes(job)}
 
@@ -178,6 +189,43 @@ def test_a_rank_that_double_forks_and_setsids_dies_with_its_job(scene: Scene) ->
     assert sandboxes.pids(record["sandbox"]) == {}
     # Its keeper reaps the rank's first process; the rest are gone at once.
     wait_until(lambda: not any(is_alive(pid, None) for pid in members), "all to die", timeout=5)
+    assert scene.runtime.gang_processes(job) == []
+    assert_victim_untouched(scene)
+
+
+def test_a_rank_that_keeps_forking_dies_whole_with_one_kill_pass(scene: Scene) -> None:
+    # sandbox.kill freezes nothing: one SIGKILL pass over the cgroup kills the rank's
+    # init, and the kernel then kills the rest of the rank's PID namespace and lets no
+    # process fork in it, so children forked while the pass runs die all the same.
+    job = GangId(318, 1)
+    forker = textwrap.dedent(
+        """
+        import os, time
+        print("forking", flush=True)
+        while True:
+            try:
+                if os.fork() == 0:
+                    os.setsid()
+                    time.sleep(300)
+                    os._exit(0)
+            except OSError:
+                time.sleep(0.001)
+        """
+    )
+    scene.runtime.launch(gang(job.job_id, python(forker), var=scene.var))
+    wait_until(lambda: b"forking" in scene.runtime.read_log(job, 0), "the rank to fork")
+    record = read_record(scene.runtime.gang_dir(job) / GANG_FILE)
+    assert record is not None
+    wait_until(lambda: len(sandboxes.pids(record["sandbox"])) > 20, "the rank to fork more")
+
+    # The sandbox's own kill alone: no process group signal from the runtime before it.
+    sandboxes.kill(record["sandbox"])
+
+    wait_until(lambda: sandboxes.pids(record["sandbox"]) == {}, "every process to die")
+    wait_until(
+        lambda: all(o.phase == "exited" for o in scene.runtime.observe(job)), "the rank to end"
+    )
+    assert [o.exit_code for o in scene.runtime.observe(job)] == [137]
     assert scene.runtime.gang_processes(job) == []
     assert_victim_untouched(scene)
 
