@@ -22,8 +22,8 @@ from preemption.runtimes.kubernetes import (
 from preemption.runtimes.local import LocalRuntime
 from preemption.runtimes.mimic import MimicRuntime
 from preemption.runtimes.runner import RunnerAccount, RunnerLookup, find_runner
-from preemption.runtimes.sandbox import SandboxConfig, SandboxLimits, support
-from quotas.models import Node
+from preemption.runtimes.sandbox import FlavorLimits, SandboxConfig, SandboxLimits, support
+from quotas.models import Node, ResourceFlavor
 from quotas.services import node_topology_sync
 
 SYNC_PRIORITY_CLASSES_TASK = "preemption.tasks.sync_priority_classes"
@@ -93,7 +93,8 @@ def local_runner() -> RunnerAccount | None:
 
 
 def local_sandbox() -> SandboxConfig:
-    """The local runtime's sandbox settings (QM_LOCAL_SANDBOX and the rank limits)."""
+    """The local runtime's sandbox settings (QM_LOCAL_SANDBOX and the site's rank
+    limits), with each flavor's own limits looked up as its gangs launch."""
     return SandboxConfig(
         mode=settings.QM_LOCAL_SANDBOX,
         limits=SandboxLimits(
@@ -101,6 +102,23 @@ def local_sandbox() -> SandboxConfig:
             memory_max=settings.QM_RANK_MEMORY_MAX,
             file_size_max=settings.QM_RANK_FILE_SIZE_MAX,
         ),
+        flavor_limits=flavor_sandbox_limits,
+    )
+
+
+def flavor_sandbox_limits(flavor: str) -> FlavorLimits | None:
+    """The limits a flavor sets for its ranks (ResourceFlavor's `rank_*` fields); None
+    where it sets none, or no flavor has that name."""
+    row = (
+        ResourceFlavor.objects.filter(name=flavor)
+        .values_list("rank_pids_max", "rank_memory_per_gpu", "rank_file_size_max")
+        .first()
+    )
+    if row is None or row == (None, None, None):
+        return None
+    pids_max, memory_per_gpu, file_size_max = row
+    return FlavorLimits(
+        pids_max=pids_max, memory_per_gpu=memory_per_gpu, file_size_max=file_size_max
     )
 
 

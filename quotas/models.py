@@ -4,17 +4,50 @@ priority classes, memberships and the audit log."""
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
 
 from core.access import Role
 
+# The smallest limits a flavor may set for its ranks' sandbox on the local runtime: below
+# them a rank could not start its shell and Python (the site's QM_RANK_PIDS_MAX has the
+# same floor).
+RANK_PIDS_MIN = 8
+RANK_MEMORY_PER_GPU_MIN = 64 << 20
+RANK_FILE_SIZE_MIN = 1 << 20
+
 
 class ResourceFlavor(models.Model):
-    """A kind of GPU that quotas are counted in, e.g. `h100-80gb`."""
+    """A kind of GPU that quotas are counted in, e.g. `h100-80gb`.
+
+    The `rank_*` fields override, for the ranks of jobs on this flavor, the site's
+    limits of the local runtime's sandbox (QM_RANK_PIDS_MAX, QM_RANK_MEMORY_MAX,
+    QM_RANK_FILE_SIZE_MAX); empty means the site's. Memory is given per GPU, since a
+    rank with more GPUs feeds more of them: a rank's limit is this times its GPUs.
+    """
 
     name = models.SlugField(max_length=63, unique=True)
     description = models.CharField(max_length=200, blank=True)
+    rank_pids_max = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(RANK_PIDS_MIN)],
+        help_text="Processes and threads a rank may have at once; empty: the site's limit.",
+    )
+    rank_memory_per_gpu = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(RANK_MEMORY_PER_GPU_MIN)],
+        help_text="Bytes of memory a rank may hold per GPU it has; empty: the site's "
+        "limit per rank.",
+    )
+    rank_file_size_max = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(RANK_FILE_SIZE_MIN)],
+        help_text="Bytes of the largest file a rank may write; empty: the site's limit.",
+    )
 
     class Meta:
         ordering = ["name"]

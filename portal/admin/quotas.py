@@ -10,8 +10,12 @@ from django.contrib import admin
 from django.core.exceptions import ValidationError
 from django.http import HttpRequest
 
+from preemption.runtimes.sandbox import format_size, parse_size
 from quotas import services
 from quotas.models import (
+    RANK_FILE_SIZE_MIN,
+    RANK_MEMORY_PER_GPU_MIN,
+    RANK_PIDS_MIN,
     AuditEntry,
     Membership,
     Node,
@@ -24,10 +28,84 @@ from quotas.models import (
 from quotas.selectors import node_topology, scheduling_policy, topology_levels
 
 
+class SizeField(forms.CharField):
+    """Bytes, typed as `512M` or `64G` (binary units) and shown the same way; empty
+    means none. Refuses anything else, or less than `minimum`, saying so."""
+
+    def __init__(self, *, minimum: int, **kwargs: Any) -> None:
+        super().__init__(required=False, **kwargs)
+        self.minimum = minimum
+
+    def prepare_value(self, value: Any) -> Any:
+        if isinstance(value, int):
+            return format_size(value)
+        return value
+
+    def to_python(self, value: Any) -> int | None:  # type: ignore[override]
+        text = str(super().to_python(value)).strip()
+        if not text:
+            return None
+        try:
+            size = parse_size(text)
+        except ValueError:
+            raise forms.ValidationError(
+                f"{text!r} is not a size: give a number with K, M, G or T, such as 512M or 64G."
+            ) from None
+        if size < self.minimum:
+            raise forms.ValidationError(
+                f"{text} is too small: a rank needs at least {format_size(self.minimum)}."
+            )
+        return size
+
+
+class ResourceFlavorAdminForm(forms.ModelForm):  # type: ignore[type-arg]
+    """A flavor with its ranks' sandbox limits on the local runtime, sizes in binary units."""
+
+    rank_pids_max = forms.IntegerField(
+        required=False,
+        min_value=RANK_PIDS_MIN,
+        label="Rank processes max",
+        help_text="Processes and threads a rank may have at once; empty: the site's "
+        "QM_RANK_PIDS_MAX.",
+    )
+    rank_memory_per_gpu = SizeField(
+        minimum=RANK_MEMORY_PER_GPU_MIN,
+        label="Rank memory per GPU",
+        help_text="Memory a rank may hold per GPU it has, such as 32G; empty: the site's "
+        "QM_RANK_MEMORY_MAX per rank. A rank past it is killed by the kernel.",
+    )
+    rank_file_size_max = SizeField(
+        minimum=RANK_FILE_SIZE_MIN,
+        label="Rank largest file",
+        help_text="The largest file a rank may write, such as 100G; empty: the site's "
+        "QM_RANK_FILE_SIZE_MAX.",
+    )
+
+    class Meta:
+        model = ResourceFlavor
+        fields = [
+            "name",
+            "description",
+            "rank_pids_max",
+            "rank_memory_per_gpu",
+            "rank_file_size_max",
+        ]
+
+
 @admin.register(ResourceFlavor)
 class ResourceFlavorAdmin(admin.ModelAdmin):
-    list_display = ["name", "description"]
+    form = ResourceFlavorAdminForm
+    list_display = ["name", "description", "rank_limits"]
     search_fields = ["name"]
+
+    @admin.display(description="rank limits (local runtime)")
+    def rank_limits(self, obj: ResourceFlavor) -> str:
+        limits = [
+            f"{obj.rank_pids_max} processes" if obj.rank_pids_max else "",
+            f"{format_size(obj.rank_memory_per_gpu)} per GPU" if obj.rank_memory_per_gpu else "",
+            f"files up to {format_size(obj.rank_file_size_max)}" if obj.rank_file_size_max else "",
+        ]
+        return ", ".join(limit for limit in limits if limit) or "the site's"
 
 
 class NodeAdminForm(forms.ModelForm):  # type: ignore[type-arg]

@@ -719,7 +719,8 @@ class LocalRuntime:
             sandbox = sandboxes.prepare(
                 sandboxes.gang_name(self.root, spec.job_id, spec.attempt),
                 self.gang_dir(spec.gang),
-                self.sandbox.limits,
+                # The flavor's own limits where it sets them (asked once per gang).
+                self.sandbox.limits_for(spec.flavor, spec.gpus_per_rank),
             )
         return {
             "job_id": spec.job_id,

@@ -83,6 +83,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -141,12 +142,38 @@ class SandboxLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class FlavorLimits:
+    """A flavor's own limits for its ranks (quotas.ResourceFlavor's `rank_*` fields);
+    None leaves the site's. Memory is per GPU of the rank."""
+
+    pids_max: int | None = None
+    memory_per_gpu: int | None = None
+    file_size_max: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SandboxConfig:
     """The settings' choice: `auto` sandboxes where the machine can and says why not
-    elsewhere, `on` refuses to launch without a sandbox, `off` never makes one."""
+    elsewhere, `on` refuses to launch without a sandbox, `off` never makes one.
+    `limits` are the site's; `flavor_limits`, asked at each launch, a flavor's own."""
 
     mode: str
     limits: SandboxLimits
+    flavor_limits: Callable[[str], FlavorLimits | None] | None = None
+
+    def limits_for(self, flavor: str, gpus_per_rank: int) -> SandboxLimits:
+        """The limits of one rank of a gang on `flavor` with `gpus_per_rank` GPUs: the
+        flavor's where it sets them, else the site's."""
+        own = self.flavor_limits(flavor) if self.flavor_limits is not None and flavor else None
+        if own is None:
+            return self.limits
+        return SandboxLimits(
+            pids_max=own.pids_max or self.limits.pids_max,
+            memory_max=own.memory_per_gpu * max(gpus_per_rank, 1)
+            if own.memory_per_gpu
+            else self.limits.memory_max,
+            file_size_max=own.file_size_max or self.limits.file_size_max,
+        )
 
 
 @dataclass(frozen=True, slots=True)
