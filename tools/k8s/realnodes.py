@@ -273,6 +273,7 @@ class RealNodes:
         self._kernel_tunables: dict[str, str] = {}
         self._host_folders_before: set[Path] = set()
         self._api: client.ApiClient | None = None
+        self._kubelet_binary = Path()
 
     @property
     def dns_address(self) -> str:
@@ -308,7 +309,9 @@ class RealNodes:
             self._pki()
             self.pod_subnet = _free_pod_subnet()
             self._make_bridge()
-            self._start_cluster_dns(coredns, time.monotonic() + timeout)
+            started = time.monotonic()
+            self._start_cluster_dns(coredns, started + timeout)
+            self.timings["dns"] = time.monotonic() - started
             for index, name in enumerate(self.names):
                 node = RealNode(name=name, index=index, dir=self.run_dir / name)
                 self.nodes.append(node)
@@ -389,7 +392,8 @@ class RealNodes:
             )
 
     def _spawn(self, folder: Path, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        log = open(folder / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+        # Appended to: a restarted kubelet adds to its node's log.
+        log = open(folder / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         process = subprocess.Popen(
             args,
             stdout=log,
@@ -670,11 +674,16 @@ disabled_plugins = [
         (node.dir / "pod-logs").mkdir()
         config_file = node.dir / "kubelet.json"
         config_file.write_text(json.dumps(self._kubelet_config(node), indent=2))
+        self._kubelet_binary = kubelet
+        self._run_kubelet(node)
+
+    def _run_kubelet(self, node: RealNode) -> None:
+        config_file = node.dir / "kubelet.json"
         node.kubelet = self._spawn(
             node.dir,
             "kubelet",
             [
-                str(kubelet),
+                str(self._kubelet_binary),
                 f"--config={config_file}",
                 f"--kubeconfig={self.run_dir / f'{node.name}.kubeconfig'}",
                 f"--root-dir={node.kubelet_root}",
@@ -686,9 +695,9 @@ disabled_plugins = [
             ],
         )
 
-    def _wait_ready(self, deadline: float) -> None:
+    def _wait_ready(self, deadline: float, nodes: list[RealNode] | None = None) -> None:
         core = client.CoreV1Api(self._api)
-        waiting = {node.name: node for node in self.nodes}
+        waiting = {node.name: node for node in (self.nodes if nodes is None else nodes)}
         while waiting:
             for node in waiting.values():
                 self._check_alive(node, "kubelet")
@@ -720,6 +729,63 @@ disabled_plugins = [
             name,
             {"status": {"capacity": {GPU_RESOURCE: gpus}, "allocatable": {GPU_RESOURCE: gpus}}},
         )
+
+    def lose_node(self, name: str, *, with_containers: bool) -> None:
+        """Lose a node as a crashed machine would: SIGKILL its kubelet and, with
+        ``with_containers``, every container of it (pods' sandboxes too); containerd
+        stays up, so ``restart_kubelet`` can bring the node back."""
+        node = self._node(name)
+        if node.kubelet is not None:
+            node.kubelet.kill()
+            node.kubelet.wait(10)
+        if with_containers:
+            tasks = self._ctr(node, "tasks", "ls", "-q", timeout=20).stdout.split()
+            for task in tasks:
+                self._ctr(node, "tasks", "kill", "-s", "SIGKILL", task, timeout=20)
+
+    def restart_kubelet(self, name: str, *, timeout: float = 60.0) -> None:
+        """Start a lost node's kubelet again and wait until it is Ready with its GPUs."""
+        node = self._node(name)
+        if node.kubelet is not None and node.kubelet.poll() is None:
+            return
+        self._run_kubelet(node)
+        deadline = time.monotonic() + timeout
+        self._wait_ready(deadline, [node])
+        # A restarted kubelet zeroes the extended resources it has no device plugin
+        # for, possibly after the patch above: patch until two reads a second apart agree.
+        core = client.CoreV1Api(self._api)
+        held = 0
+        while held < 2:
+            capacity = core.read_node(name).status.capacity or {}
+            held = held + 1 if capacity.get(GPU_RESOURCE) == str(self.gpus) else 0
+            if held == 0:
+                self.give_gpus(name)
+            if time.monotonic() > deadline:
+                raise RealNodeError(f"{name} lost its {GPU_RESOURCE} again after its restart")
+            time.sleep(0.5)
+
+    def running_pods(self, name: str) -> set[str]:
+        """Names of the pods that have a container running on node ``name``, as its
+        containerd sees them (whatever the kubelet or the API server say)."""
+        node = self._node(name)
+        found = set()
+        for line in self._ctr(node, "tasks", "ls", timeout=20).stdout.splitlines()[1:]:
+            task, _, status = [*line.split(), "", "", ""][:3]
+            if status != "RUNNING":
+                continue
+            info = self._ctr(node, "containers", "info", task, timeout=20)
+            if info.returncode != 0:
+                continue  # gone meanwhile
+            labels = json.loads(info.stdout).get("Labels") or {}
+            if labels.get("io.cri-containerd.kind") == "container":
+                found.add(labels.get("io.kubernetes.pod.name", ""))
+        return found
+
+    def _node(self, name: str) -> RealNode:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise RealNodeError(f"no real node {name}")
 
     def log(self, name: str, component: str = "kubelet") -> str:
         """The tail of a node's kubelet or containerd log, for failure messages."""
