@@ -34,7 +34,7 @@ from portal.services import api_token_create, api_token_revoke
 from preemption.models import ACTIVE_STATES, WAITING_STATES
 from preemption.reasons import describe_preemption
 from preemption.runtime import runtime_problems
-from preemption.selectors import job_list, preemption_event_list
+from preemption.selectors import job_list, preemption_event_list, with_stop_reason
 from quotas.selectors import access_for, priority_class_list, priority_class_teams
 from telemetry.selectors import (
     UsageNow,
@@ -81,7 +81,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         team_bars.append({"row": row, "bars": bars})
     jobs = job_list(user=request.user)
     pending, pending_count = pending_jobs(jobs=jobs, first_submitter_id=request.user.pk)
-    mine, mine_count = own_jobs(jobs=jobs, submitter_id=request.user.pk)
+    mine, mine_count = own_jobs(jobs=with_stop_reason(jobs), submitter_id=request.user.pk)
     preemptions = list(
         preemption_event_list(user=request.user)
         .select_related("preemptor__priority_class")

@@ -222,6 +222,17 @@ class DurationTimesCount(Func):
     output_field = DurationField()
 
 
+def with_stop_reason(jobs: QuerySet[Job]) -> QuerySet[Job]:
+    """`jobs` with `stop_reason`: the reason of the stop under way on each job's open
+    attempt ("" when none), read in the same query, so that a list words a stopping
+    job as its page does (`reasons.job_state_words`: "Stopping", not "Preempting",
+    for the gang guard's stop or the portal's shutdown)."""
+    stop_reason = PreemptionEvent.objects.filter(
+        job=OuterRef("pk"), victim_attempt__ended_at__isnull=True, outcome=""
+    ).values("reason")[:1]
+    return jobs.annotate(stop_reason=Coalesce(Subquery(stop_reason), Value("")))
+
+
 def job_table(
     jobs: QuerySet[Job],
     *,
@@ -233,7 +244,8 @@ def job_table(
     against `search` (name or command, case-insensitive), with the time its
     attempts ran (`run_time`) and that time times its GPUs (`gpu_time`), and
     ordered by a whitelisted sort key. With `first_submitter_id` that user's
-    own jobs come first, in the chosen order among themselves."""
+    own jobs come first, in the chosen order among themselves; with `stop_reason`
+    (`with_stop_reason`)."""
     if search.strip():
         needle = search.strip()
         jobs = jobs.filter(Q(name__icontains=needle) | Q(command__icontains=needle))
@@ -246,12 +258,16 @@ def job_table(
         .annotate(total=Sum(Coalesce("ended_at", Now()) - F("admitted_at")))
         .values("total")
     )
-    jobs = jobs.annotate(
-        gpu_count=ExpressionWrapper(
-            F("ranks") * F("gpus_per_rank"), output_field=PositiveIntegerField()
-        ),
-        run_time=Subquery(run_time, output_field=DurationField()),
-    ).annotate(gpu_time=DurationTimesCount(F("run_time"), F("gpu_count")))
+    jobs = (
+        with_stop_reason(jobs)
+        .annotate(
+            gpu_count=ExpressionWrapper(
+                F("ranks") * F("gpus_per_rank"), output_field=PositiveIntegerField()
+            ),
+            run_time=Subquery(run_time, output_field=DurationField()),
+        )
+        .annotate(gpu_time=DurationTimesCount(F("run_time"), F("gpu_count")))
+    )
     key = job_sort_key(sort)
     descending = key.startswith("-")
     ordering: list[Any] = []

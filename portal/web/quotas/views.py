@@ -19,7 +19,7 @@ from django.views.decorators.http import require_POST
 
 from portal.web.quotas.forms import QuotaForm
 from preemption.quota_preview import quota_preview as preview_change
-from preemption.selectors import job_list
+from preemption.selectors import job_list, with_stop_reason
 from preemption.templatetags.jobs import duration
 from quotas.models import Membership, Quota, Team
 from quotas.selectors import (
@@ -95,7 +95,7 @@ def team_detail(request: HttpRequest, slug: str) -> HttpResponse:
     for entry in audit:
         entry.changes = audit_changes(entry.before, entry.after)  # type: ignore[attr-defined]
     members = list(Membership.objects.filter(team=team).select_related("user"))
-    jobs = list(job_list(user=request.user).filter(team_id__in=subtree)[:10])
+    jobs = list(with_stop_reason(job_list(user=request.user)).filter(team_id__in=subtree)[:10])
     ancestors = []
     for ancestor_id in reversed(access.tree.ancestors(team.pk)):
         if access.can_read_team(ancestor_id):

@@ -51,11 +51,11 @@ def _preempted(
     """A reclaim of `attempt` by a vision job, decided `decided_ago` seconds ago."""
     owner = builders.job(world, world.vision, ranks=1, gpus_per_rank=8, name="owner")
     decided = timezone.now() - timedelta(seconds=decided_ago)
+    fields.setdefault("reason", PreemptionEvent.Reason.RECLAIM)
     return PreemptionEvent.objects.create(
         victim_attempt=attempt,
         job=job,
         preemptor=owner,
-        reason=PreemptionEvent.Reason.RECLAIM,
         decided_at=decided,
         grace_seconds=60,
         deadline=decided + timedelta(seconds=60),
@@ -215,6 +215,34 @@ def test_a_cancelled_running_job_reads_cancelling_on_its_page_and_in_the_jobs_li
     _preempted(world, victim, victim.attempts.get(), decided_ago=5)
     Job.objects.filter(pk=victim.pk).update(state=JobState.PREEMPTING)
     assert 'data-field="state">Preempting</span>' in _page(world, victim)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("reason", "shown"),
+    [
+        (PreemptionEvent.Reason.GANG_GUARD, "Stopping"),
+        (PreemptionEvent.Reason.SHUTDOWN, "Stopping"),
+        (PreemptionEvent.Reason.RECLAIM, "Preempting"),
+    ],
+)
+def test_the_jobs_list_words_a_stopping_job_as_its_page_does(
+    world: Any, reason: str, shown: str
+) -> None:
+    job = builders.running_job(world, world.vision, name="stopping", rank_fields={})
+    _preempted(world, job, job.attempts.get(), decided_ago=5, reason=reason)
+    Job.objects.filter(pk=job.pk).update(state=JobState.PREEMPTING)
+    assert f'data-field="state">{shown}</span>' in _page(world, job)
+    listing = page_client(world, "researcher").get(reverse("job-list")).content.decode()
+    row = listing[listing.index(f'data-job="{job.pk}"') :]
+    row = row[: row.index("</tr>")]
+    assert f">{shown}</span>" in row
+    # The researcher's own jobs on the dashboard, and the team's jobs on its page.
+    for where in (reverse("dashboard"), reverse("team-detail", args=["vision"])):
+        other = page_client(world, "researcher").get(where).content.decode()
+        row = other[other.index(f"#{job.pk}</a>") :]
+        row = row[: row.index("</tr>")]
+        assert f">{shown}</span>" in row, where
 
 
 @pytest.mark.django_db
