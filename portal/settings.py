@@ -314,6 +314,16 @@ QM_K8S_DEFAULT_MEMORY_PER_GPU = env_str("QM_K8S_DEFAULT_MEMORY_PER_GPU", "16Gi")
 QM_K8S_DEFAULT_EPHEMERAL_STORAGE_PER_GPU = (
     env_str("QM_K8S_DEFAULT_EPHEMERAL_STORAGE_PER_GPU", "20Gi") or "20Gi"
 )
+# Every rank container's imagePullPolicy: IfNotPresent, Never where nodes hold their
+# images and no registry is reachable (an image a node lacks then waits as
+# ErrImageNeverPull and fails the attempt at QM_START_TIMEOUT_SECONDS), Always
+# where tags move.
+QM_K8S_IMAGE_PULL_POLICY = env_str("QM_K8S_IMAGE_PULL_POLICY", "IfNotPresent") or "IfNotPresent"
+if QM_K8S_IMAGE_PULL_POLICY not in ("Always", "IfNotPresent", "Never"):
+    raise ImproperlyConfigured(
+        "QM_K8S_IMAGE_PULL_POLICY must be Always, IfNotPresent or Never, "
+        f"got {QM_K8S_IMAGE_PULL_POLICY!r}"
+    )
 # Per-team image allow-list, "team=prefix|prefix,team2=prefix": a team named
 # here may run only images starting with one of its prefixes.
 QM_K8S_IMAGE_ALLOWLIST = {

@@ -148,6 +148,7 @@ def kubernetes_config() -> KubernetesRuntimeConfig:
         events_port=settings.QM_K8S_EVENTS_PORT,
         log_scan_bytes=settings.QM_K8S_LOG_SCAN_BYTES,
         watch_pods=settings.QM_K8S_WATCH_PODS,
+        image_pull_policy=settings.QM_K8S_IMAGE_PULL_POLICY,
         topology_labels=dict(settings.QM_TOPOLOGY_LABELS),
     )
 

@@ -97,15 +97,26 @@ class RankObservation:
     exited_at: float | None
     signal_sent_at: float | None
     waiting_reason: str = ""
+    # Why an exited rank ended, where the runtime knows: "out-of-memory" when the
+    # kernel's OOM killer ended it inside its memory limit (`memory_limit`, bytes).
+    end_reason: str = ""
+    memory_limit: int | None = None
 
 
 # Reasons a starting rank may wait for ever (Kubernetes' names): past the start
-# timeout the attempt fails with them instead of holding its GPUs.
+# timeout the attempt fails with them instead of holding its GPUs. The kubelet
+# retries each of them without end: ErrImageNeverPull is an image absent from a
+# node whose pull policy is Never (set by the runtime or by an admission webhook
+# in an air-gapped cluster), and a missing Secret or ConfigMap keeps
+# CreateContainerConfigError until someone creates it.
 STUCK_REASONS = frozenset(
     {
         "ErrImagePull",
         "ImagePullBackOff",
+        "ErrImageNeverPull",
         "InvalidImageName",
+        "RegistryUnavailable",
+        "SignatureValidationFailed",
         "CreateContainerConfigError",
         "CreateContainerError",
         "Unschedulable",

@@ -180,8 +180,15 @@ exit "$status"
 
 # The init container's script: make the job's folder on the claim's root (mode 1733:
 # anyone may create, no one may list or remove another's) and refuse a folder that
-# is not the job's own directory, a symlink or a name someone else took first.
+# is not the job's own directory, a symlink or a name someone else took first. It
+# runs in the job's image, which needs /bin/sh for the rank anyway and mkdir for
+# this (a real kubelet showed it: an image of a shell alone failed here, saying so).
 CHECKPOINT_FOLDER_SCRIPT = r"""folder="$QM_CHECKPOINT_VOLUME/$1"
+if ! command -v mkdir >/dev/null; then
+    echo "quartermaster: the job's image has no mkdir, which makes its checkpoint" \
+         "folder $1 before the rank starts" >&2
+    exit 1
+fi
 mkdir -m 0700 "$folder" 2>/dev/null || true
 if [ -d "$folder" ] && [ ! -L "$folder" ] && [ -O "$folder" ]; then
     exit 0
@@ -221,6 +228,10 @@ class KubernetesRuntimeConfig:
     them on every call.
     A 429 from the Eviction API is retried for ``eviction_retry_seconds`` before
     the call gives up with RuntimeTemporaryError.
+    ``image_pull_policy`` is every container's ``imagePullPolicy``, set
+    explicitly so a node never decides by the tag (``:latest`` means Always):
+    ``IfNotPresent`` by default, ``Never`` where nodes have their images
+    preloaded and no registry is reachable, ``Always`` where tags move.
     """
 
     namespace: str = "quartermaster"
@@ -251,6 +262,10 @@ class KubernetesRuntimeConfig:
     api_workers: int = 32
     log_scan_bytes: int = 64 << 20
     watch_pods: bool = False
+    image_pull_policy: str = "IfNotPresent"
+
+
+IMAGE_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,6 +423,11 @@ class KubernetesRuntime:
         self.settings = settings or KubernetesRuntimeConfig()
         if self.settings.require_checkpoint_claim and not self.settings.checkpoint_claim:
             raise RuntimePermanentError(NO_CHECKPOINT_VOLUME)
+        if self.settings.image_pull_policy not in IMAGE_PULL_POLICIES:
+            raise RuntimePermanentError(
+                f"image pull policy {self.settings.image_pull_policy!r} is not one of "
+                f"{', '.join(IMAGE_PULL_POLICIES)}"
+            )
         self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
         self._pool = ThreadPoolExecutor(
@@ -490,6 +510,7 @@ class KubernetesRuntime:
         """
         gang = spec.gang
         self._check_image(spec)
+        self._check_env(spec)
         namespace = self.namespace_for(spec.team)
         if self.settings.namespace_per_team and spec.team:
             self._ensure_namespace(namespace)
@@ -615,6 +636,17 @@ class KubernetesRuntime:
                 f"allowed are {', '.join(allowed) or 'none'}"
             )
 
+    @staticmethod
+    def _check_env(spec: GangSpec) -> None:
+        """Refuse, before anything is created, a gang whose env names the GPU runtime's
+        variables: NVIDIA_VISIBLE_DEVICES=all would expose every GPU of the node."""
+        reserved = sorted(key for key in spec.env if key.startswith(RESERVED_GPU_ENV_PREFIXES))
+        if reserved:
+            raise RuntimePermanentError(
+                f"{gang_name(spec.gang)} sets {', '.join(reserved)}: CUDA_* and NVIDIA_* are "
+                f"reserved, a rank gets its GPUs through its {GPU_RESOURCE} limit only"
+            )
+
     def _ensure_namespace(self, namespace: str) -> None:
         try:
             self.core.create_namespace(
@@ -704,6 +736,7 @@ class KubernetesRuntime:
         container: dict[str, Any] = {
             "name": CONTAINER_NAME,
             "image": image,
+            "imagePullPolicy": self.settings.image_pull_policy,
             "command": ["/bin/sh", "-c", RANK_ENTRYPOINT, "qm-rank", spec.command],
             "env": env,
             "resources": {"limits": resources, "requests": resources},
@@ -786,6 +819,7 @@ class KubernetesRuntime:
                     # The job's image: it already has the /bin/sh the rank needs, and
                     # it runs as the job's uid, with no more reach than the rank has.
                     "image": image,
+                    "imagePullPolicy": self.settings.image_pull_policy,
                     "command": [
                         "/bin/sh",
                         "-c",
@@ -1054,7 +1088,7 @@ class KubernetesRuntime:
         disrupted = {
             (int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]), int(labels[RANK_LABEL]))
             for pod in pods
-            if _disruption(pod) is not None
+            if _taken_by(pod) is not None
             for labels in [pod.metadata.labels or {}]
         }
         with self._lock:
@@ -1078,6 +1112,17 @@ class KubernetesRuntime:
             )
             world_size = int((record.data or {}).get("world_size", "0"))
             ranks = pods_by_gang.get(key, {})
+            # Evictions of every rank with no signal on record are this runtime's own,
+            # seen before its record of them landed; an eviction of only some ranks is
+            # someone else's (a drain), which the gang guard must see.
+            evicted_as_gang = (
+                signalled_at is None
+                and world_size > 0
+                and all(
+                    rank in ranks and _evicted_through_api(ranks[rank])
+                    for rank in range(world_size)
+                )
+            )
             for rank in range(world_size):
                 pod = ranks.get(rank)
                 if pod is None:
@@ -1098,7 +1143,11 @@ class KubernetesRuntime:
                         )
                     )
                 else:
-                    observations.append(rank_observation(pod, signalled_at, ready_nodes))
+                    observations.append(
+                        rank_observation(
+                            pod, signalled_at, ready_nodes, evicted_as_gang=evicted_as_gang
+                        )
+                    )
         observations.sort(key=lambda o: (o.job_id, o.attempt, o.rank))
         return observations
 
@@ -1219,7 +1268,10 @@ class KubernetesRuntime:
 
         ``PreemptionByScheduler`` means kube-scheduler took the rank's node for
         a higher-priority pod; ``EvictionByEvictionAPI`` is an eviction (ours
-        or a drain); ``DeletionByTaintManager`` follows a lost node.
+        or a drain); ``DeletionByTaintManager`` follows a lost node. A pod the
+        kubelet's eviction manager evicted for passing its ephemeral-storage limit
+        carries no such condition (seen on a real kubelet v1.34), only the pod's
+        reason ``Evicted`` and the kubelet's message: ``Evicted: <message>``.
         """
         location = self._gang_location(gang)
         if location is None:
@@ -1227,9 +1279,9 @@ class KubernetesRuntime:
         pods = self.core.list_namespaced_pod(location[0], label_selector=self._selector(gang)).items
         found = {}
         for pod in pods:
-            condition = _disruption(pod)
-            if condition is not None:
-                found[int(pod.metadata.labels[RANK_LABEL])] = str(condition.reason)
+            reason = _taken_by(pod)
+            if reason is not None:
+                found[int(pod.metadata.labels[RANK_LABEL])] = reason
         return found
 
     def watch_ranks(
@@ -1623,14 +1675,47 @@ def _disruption(pod: Any) -> Any | None:
     return None
 
 
+def _taken_by(pod: Any) -> str | None:
+    """Why something other than the rank ended or is ending its pod, or None: the
+    DisruptionTarget condition's reason, else the kubelet's own eviction (the pod's
+    reason ``Evicted``, which a limit eviction sets without a condition)."""
+    condition = _disruption(pod)
+    if condition is not None:
+        return str(condition.reason)
+    if pod.status.reason == "Evicted":
+        return f"Evicted: {(pod.status.message or '').strip()}"
+    return None
+
+
+def _evicted_through_api(pod: Any) -> bool:
+    """Whether the pod is being deleted by an Eviction API call (anyone's)."""
+    condition = _disruption(pod)
+    return (
+        condition is not None
+        and condition.reason == "EvictionByEvictionAPI"
+        and pod.metadata.deletion_timestamp is not None
+    )
+
+
 def rank_observation(
-    pod: Any, signalled_at: float | None, ready_nodes: set[str] | None = None
+    pod: Any,
+    signalled_at: float | None,
+    ready_nodes: set[str] | None = None,
+    *,
+    evicted_as_gang: bool = False,
 ) -> RankObservation:
     """Map one rank pod to a RankObservation.
 
     Terminal phases are ``exited`` with the container's exit code; a pod on a
     node that is not Ready is ``lost``; a pod being deleted or marked with a
     DisruptionTarget condition is ``terminating``.
+
+    ``signalled_at`` is when this runtime signalled the gang, from its own record
+    (in memory, then the gang record's annotation). An Eviction API call carries no
+    mark of who made it, so without that record the pod's eviction counts as the
+    runtime's own only when ``evicted_as_gang`` says every rank of the gang is being
+    evicted: one rank evicted alone (``kubectl drain`` of its node) is someone
+    else's, and the gang guard then stops the rest.
     """
     labels = pod.metadata.labels or {}
     started_at = exited_at = None
@@ -1654,16 +1739,10 @@ def rank_observation(
                 exit_code = int(terminated.exit_code)
                 exited_at = _parse_time(terminated.finished_at)
     node = pod.spec.node_name or labels.get(NODE_LABEL, "")
-    if signalled_at is None:
-        condition = _disruption(pod)
-        if (
-            condition is not None
-            and condition.reason == "EvictionByEvictionAPI"
-            and pod.metadata.deletion_timestamp is not None
-        ):
-            grace = pod.metadata.deletion_grace_period_seconds or 0
-            signalled_at = _parse_time(pod.metadata.deletion_timestamp)
-            signalled_at = None if signalled_at is None else signalled_at - grace
+    if signalled_at is None and evicted_as_gang and _evicted_through_api(pod):
+        grace = pod.metadata.deletion_grace_period_seconds or 0
+        signalled_at = _parse_time(pod.metadata.deletion_timestamp)
+        signalled_at = None if signalled_at is None else signalled_at - grace
     if pod.status.phase in ("Succeeded", "Failed"):
         phase = "exited"
     elif pod.metadata.deletion_timestamp is not None and not pod.spec.node_name:

@@ -154,6 +154,7 @@ def test_settings_come_from_values(helm: Helm):
         "runtime.checkpoints.storageClassName=nfs-rwx",
         f"runtime.events.cidrs={{{EVENTS_CIDR}}}",
         "runtime.cpuPerGpu.h100=12",
+        "runtime.imagePullPolicy=Never",
         "runtime.imageAllowlist.vision={registry.example.org/vision/,ghcr.io/vision/}",
         "secrets.databaseUrl.name=pg",
         "web.replicas=4",
@@ -165,6 +166,7 @@ def test_settings_come_from_values(helm: Helm):
     assert config["QM_K8S_CHECKPOINT_CLAIM"] == "ckpt"
     assert config["QM_K8S_EVENTS_CIDRS"] == EVENTS_CIDR
     assert config["QM_K8S_CPU_PER_GPU"] == "h100=12"
+    assert config["QM_K8S_IMAGE_PULL_POLICY"] == "Never"
     assert config["QM_K8S_IMAGE_ALLOWLIST"] == "vision=registry.example.org/vision/|ghcr.io/vision/"
     claim = by_kind(objects, "PersistentVolumeClaim")["ckpt"]
     assert claim["metadata"]["namespace"] == "gangs"
@@ -195,6 +197,7 @@ def test_settings_come_from_values(helm: Helm):
         (["podSecurityContext.runAsNonRoot=false"], "at '/podSecurityContext/runAsNonRoot'"),
         (["runtime.jobsNamespace=Team_A"], "at '/runtime/jobsNamespace'"),
         (["runtime.events.cidrs={10.0.0.0}"], "at '/runtime/events/cidrs/0'"),
+        (["runtime.imagePullPolicy=Sometimes"], "at '/runtime/imagePullPolicy'"),
     ],
 )
 def test_bad_values_are_refused_with_the_reason(helm: Helm, values: list[str], message: str):

@@ -1,4 +1,4 @@
-"""Kubernetes checkpoints belong to one job: its own folder, uid and disk, no GPU env.
+"""Kubernetes checkpoints belong to one job: its own folder, uid and disk; no GPU env.
 
 Every rank used to mount the one checkpoint claim at its root as the same uid,
 so a rank could list every team's checkpoints, read their weights and plant a
@@ -132,14 +132,9 @@ def test_two_teams_jobs_get_their_own_folder_uid_and_disk_and_no_gpu_env(
         checkpoint_mount_path=MOUNT,
         ephemeral_storage_per_gpu={"h100": "50Gi"},
     )
-    planted_env = {
-        "NVIDIA_VISIBLE_DEVICES": "all",
-        "NVIDIA_DRIVER_CAPABILITIES": "all",
-        "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
-        "LEARNING_RATE": "0.1",
-    }
-    vision, vision_folder = _job(611, "gpu-node-0", team="vision", gpus_per_rank=2, env=planted_env)
-    nlp, nlp_folder = _job(612, "gpu-node-1", team="nlp", flavor="a100", env=planted_env)
+    own_env = {"LEARNING_RATE": "0.1"}
+    vision, vision_folder = _job(611, "gpu-node-0", team="vision", gpus_per_rank=2, env=own_env)
+    nlp, nlp_folder = _job(612, "gpu-node-1", team="nlp", flavor="a100", env=own_env)
     for spec in (vision, nlp):
         runtime.launch(spec)  # the restricted namespace's admission would refuse here
     wait_for(lambda: all_in(runtime, vision.gang, "running", 1), timeout=60, what="vision runs")
@@ -185,6 +180,38 @@ def test_two_teams_jobs_get_their_own_folder_uid_and_disk_and_no_gpu_env(
     assert seen[611]["sub_path"] != seen[612]["sub_path"]
     assert seen[611]["uid"] != seen[612]["uid"]
     assert seen[611]["fs_group"] != seen[612]["fs_group"]
+
+
+@pytest.mark.k8s
+@pytest.mark.parametrize(
+    "planted",
+    [
+        {"NVIDIA_VISIBLE_DEVICES": "all"},
+        {"NVIDIA_DRIVER_CAPABILITIES": "all", "LEARNING_RATE": "0.1"},
+        {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"},
+    ],
+)
+def test_a_gang_naming_the_gpu_runtimes_variables_is_refused_before_anything_exists(
+    make_runtime: MakeRuntime,  # noqa: F811
+    k8s_api: client.ApiClient,  # noqa: F811
+    restricted: str,
+    planted: dict[str, str],
+) -> None:
+    core = client.CoreV1Api(k8s_api)
+    runtime = make_runtime()
+    spec, _ = _job(613, "gpu-node-0", team="vision", env=planted)
+    with pytest.raises(RuntimePermanentError) as refused:
+        runtime.launch(spec)
+    reserved = sorted(name for name in planted if name != "LEARNING_RATE")
+    assert f"qm-613-1 sets {', '.join(reserved)}: CUDA_* and NVIDIA_* are reserved" in str(
+        refused.value
+    )
+    assert core.list_namespaced_pod(restricted).items == []
+    assert (
+        core.list_namespaced_config_map(restricted, label_selector="quartermaster.dev/gang").items
+        == []
+    )
+    assert runtime.observe(spec.gang) == []
 
 
 # Job A keeps a secret in its checkpoint folder; job B, told exactly where it lies on
