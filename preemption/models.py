@@ -200,6 +200,9 @@ class Rank(models.Model):
         EXITED = "exited", "Exited"
         LOST = "lost", "Lost"
 
+    class EndReason(models.TextChoices):
+        OUT_OF_MEMORY = "out-of-memory", "Killed past its memory limit"
+
     attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="rank_set")
     index = models.PositiveIntegerField()
     node = models.CharField(max_length=253)
@@ -211,6 +214,10 @@ class Rank(models.Model):
     signal_sent_at = models.DateTimeField(null=True, blank=True)
     signal_received_at = models.DateTimeField(null=True, blank=True)
     exited_at = models.DateTimeField(null=True, blank=True)
+    # Why it ended where the runtime knows (RankObservation.end_reason), and the memory
+    # limit it was past; preemption.reasons.rank_end_words words them.
+    end_reason = models.CharField(max_length=16, choices=EndReason.choices, blank=True)
+    memory_limit = models.PositiveBigIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["attempt_id", "index"]

@@ -15,7 +15,8 @@ from datetime import UTC, datetime
 from django.utils import timezone
 
 import fairshare
-from preemption.models import WAITING_STATES, Job, JobState, PreemptionEvent
+from preemption.models import WAITING_STATES, Job, JobState, PreemptionEvent, Rank
+from preemption.runtimes.sandbox import format_size
 
 Reason = PreemptionEvent.Reason
 
@@ -109,6 +110,19 @@ def describe_preemption(event: PreemptionEvent) -> str:
         victim_gpus=event.job.gpus if event.job_id else 0,
         cause=event.cause,
     )
+
+
+def rank_end_words(rank: Rank) -> str:
+    """How a failed rank ended, as the job's failure, the gang guard's cause, the job
+    page, the API and `qm show` say it, lower case and without a full stop: "rank 1 was
+    killed: it used more than its memory limit of 2 GiB" where the runtime saw the
+    kernel's OOM killer end it; else its exit code."""
+    if rank.end_reason == Rank.EndReason.OUT_OF_MEMORY and rank.memory_limit:
+        return (
+            f"rank {rank.index} was killed: it used more than its memory limit of "
+            f"{format_size(rank.memory_limit)}"
+        )
+    return f"rank {rank.index} exited with code {rank.exit_code}"
 
 
 def protection_words(until: datetime) -> str:

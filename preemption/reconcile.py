@@ -70,6 +70,7 @@ from preemption.models import (
     TrapEvent,
 )
 from preemption.notice import announced_notice, notice_plan, record_notice_commit
+from preemption.reasons import rank_end_words
 from preemption.runtime import get_runtime
 from preemption.runtimes import iter_log_chunks, iter_trap_events_in_chunks, processes
 from preemption.runtimes.base import (
@@ -857,7 +858,7 @@ def _decide(
             elif first.state == "lost":
                 cause = f"rank {first.index} was lost"
             else:
-                cause = f"rank {first.index} exited with code {first.exit_code}"
+                cause = rank_end_words(first)
             event = request_stop(job=job, reason="gang-guard", cause=f"gang guard: {cause}")
             if event is not None:
                 notify(
@@ -1282,6 +1283,9 @@ def _rank_changes(rank: Rank | RankRow, obs: RankObservation) -> dict[str, Any]:
         changes["exited_at"] = _when(obs.exited_at)
     if obs.signal_sent_at is not None and rank.signal_sent_at is None:
         changes["signal_sent_at"] = _when(obs.signal_sent_at)
+    if obs.end_reason in Rank.EndReason.values and rank.end_reason != obs.end_reason:
+        changes["end_reason"] = obs.end_reason
+        changes["memory_limit"] = obs.memory_limit
     return changes
 
 
@@ -1296,6 +1300,8 @@ class RankRow:
     started_at: datetime | None
     exited_at: datetime | None
     signal_sent_at: datetime | None
+    end_reason: str
+    memory_limit: int | None
 
 
 @dataclass(slots=True)
@@ -1645,9 +1651,7 @@ def _finish_attempt(
         attempts = Attempt.objects.filter(job=job).count()
         broken = next((r for r in ranks if r.state == "lost" or r.exit_code not in (0, None)), None)
         why = (event.cause if event is not None else "") or (
-            f"rank {broken.index} exited with code {broken.exit_code}"
-            if broken
-            else "a rank failed"
+            rank_end_words(broken) if broken else "a rank failed"
         )
         own = _failed_on_its_own(ranks)
         if own and job.retries_used >= job.retries:

@@ -47,7 +47,7 @@ from preemption.models import (
     Webhook,
 )
 from preemption.notice import NoticeAnswer, notice_answer
-from preemption.reasons import describe_preemption, why_waiting
+from preemption.reasons import describe_preemption, rank_end_words, why_waiting
 from preemption.runtimes.base import RuntimePermanentError
 from preemption.typed_command import command_as_typed
 from preemption.webhooks import webhook_create, webhook_delete
@@ -68,6 +68,15 @@ class RankSerializer(serializers.ModelSerializer[Rank]):
     state = serializers.CharField(
         read_only=True, help_text="starting, running, terminating, exited or lost."
     )
+    end_reason = serializers.CharField(
+        read_only=True,
+        help_text="Why the rank ended where the runtime knows: out-of-memory when the "
+        "kernel killed it past its memory limit; empty otherwise.",
+    )
+    ended_because = serializers.SerializerMethodField(
+        help_text='Why the rank ended, in words: "rank 1 was killed: it used more than its '
+        'memory limit of 2 GiB"; empty where the runtime does not know more than the code.'
+    )
 
     class Meta:
         model = Rank
@@ -80,6 +89,9 @@ class RankSerializer(serializers.ModelSerializer[Rank]):
             "node",
             "state",
             "exit_code",
+            "end_reason",
+            "ended_because",
+            "memory_limit",
             "pid",
             "pod_name",
             "started_at",
@@ -88,6 +100,9 @@ class RankSerializer(serializers.ModelSerializer[Rank]):
             "exited_at",
         ]
         read_only_fields = fields
+
+    def get_ended_because(self, rank: Rank) -> str:
+        return rank_end_words(rank) if rank.end_reason else ""
 
 
 class AttemptSerializer(serializers.ModelSerializer[Attempt]):

@@ -208,9 +208,16 @@ def rank_identity(
     }
 
 
-def _record_exit(rank_dir: Path, exit_code: int, *, started: bool, reason: str = "") -> None:
+def _record_exit(
+    rank_dir: Path,
+    exit_code: int,
+    *,
+    started: bool,
+    reason: str = "",
+    memory_limit: int | None = None,
+) -> None:
     """The rank's exit record; `reason` says why it ended when the runtime can tell
-    (sandbox.end_reason: "killed: out of memory (limit 64 MiB)")."""
+    (sandbox.end_reason: sandbox.OUT_OF_MEMORY, with the `memory_limit` it was past)."""
     write_record(
         rank_dir / EXIT_FILE,
         {
@@ -219,6 +226,7 @@ def _record_exit(rank_dir: Path, exit_code: int, *, started: bool, reason: str =
             "signal": exit_code - 128 if exit_code > 128 else None,
             "started": started,
             "reason": reason,
+            "memory_limit": memory_limit,
         },
         durable=True,
     )
@@ -300,7 +308,8 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
     exit_code = returncode if returncode >= 0 else 128 - returncode
     sandbox = gang.get("sandbox")
     reason = "" if sandbox is None else sandboxes.end_reason(sandbox, rank, exit_code)
-    _record_exit(rank_dir, exit_code, started=True, reason=reason)
+    memory_limit = int(sandbox["limits"]["memory_max"]) if reason else None
+    _record_exit(rank_dir, exit_code, started=True, reason=reason, memory_limit=memory_limit)
 
 
 def _announce_exit(fifo: Path, job_id: int) -> None:

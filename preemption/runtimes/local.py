@@ -898,6 +898,7 @@ class LocalRuntime:
             signal_sent_at=(
                 None if signal_record is None else float(signal_record["signal_sent_at"])
             ),
+            **_end_reason(exit_record),
         )
 
     @staticmethod
@@ -1218,3 +1219,16 @@ def _port_is_free(port: int) -> bool:
                     continue
                 raise
     return True
+
+
+def _end_reason(exit_record: dict[str, Any] | None) -> dict[str, Any]:
+    """The observation's end_reason and memory_limit from the rank's exit record: the
+    reasons the runtime knows only (an exit record the rank's keeper wrote, never the
+    rank)."""
+    if exit_record is None or exit_record.get("reason") != sandboxes.OUT_OF_MEMORY:
+        return {}
+    limit = exit_record.get("memory_limit")
+    return {
+        "end_reason": sandboxes.OUT_OF_MEMORY,
+        "memory_limit": int(limit) if isinstance(limit, int) else None,
+    }

@@ -579,12 +579,17 @@ def oom_kills(sandbox: dict[str, Any], rank: int) -> int:
     return 0
 
 
+# The end reason of a rank the kernel's OOM killer ended inside its cgroup
+# (preemption.reasons words it, with the rank's memory limit).
+OUT_OF_MEMORY = "out-of-memory"
+
+
 def end_reason(sandbox: dict[str, Any], rank: int, exit_code: int) -> str:
-    """Why the rank ended, when its cgroup tells: "killed: out of memory (limit 64 MiB)"
-    for a rank that failed after the OOM killer ended one of its processes; else ""."""
+    """Why the rank ended, when its cgroup tells: OUT_OF_MEMORY for a rank that failed
+    after the OOM killer ended one of its processes; else ""."""
     if exit_code == 0 or not oom_kills(sandbox, rank):
         return ""
-    return f"killed: out of memory (limit {format_size(int(sandbox['limits']['memory_max']))})"
+    return OUT_OF_MEMORY
 
 
 def format_size(size: int) -> str:

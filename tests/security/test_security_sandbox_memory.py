@@ -130,7 +130,10 @@ def test_a_rank_past_its_memory_limit_is_oom_killed_in_its_cgroup_and_no_one_els
     exit_record = read_record(scene.runtime.gang_dir(job) / "0" / EXIT_FILE)
     assert exit_record is not None
     assert exit_record["signal"] == 9
-    assert exit_record["reason"] == "killed: out of memory (limit 64 MiB)"
+    assert (exit_record["reason"], exit_record["memory_limit"]) == ("out-of-memory", MEMORY_MAX)
+    # The runtime tells the control plane why, with the limit (the words are the
+    # control plane's: test_security_sandbox_oom_reason.py).
+    assert (observed.end_reason, observed.memory_limit) == ("out-of-memory", MEMORY_MAX)
     # The victim of another team and its cgroup saw no OOM kill, and run on.
     assert psutil.pid_exists(scene.victim_pid)
     record = read_record(scene.runtime.gang_dir(scene.victim) / GANG_FILE)
@@ -149,6 +152,7 @@ def test_a_rank_that_stays_under_its_memory_limit_ends_with_no_reason(scene: Sce
     exit_record = read_record(scene.runtime.gang_dir(job) / "0" / EXIT_FILE)
     assert exit_record is not None
     assert (exit_record["exit_code"], exit_record["reason"]) == (0, "")
+    assert scene.runtime.observe(job)[0].end_reason == ""
 
 
 def fake_cgroup(tmp_path: Path, version: int, oom_kills: int) -> dict[str, object]:
@@ -168,10 +172,10 @@ def fake_cgroup(tmp_path: Path, version: int, oom_kills: int) -> dict[str, objec
 @pytest.mark.parametrize(
     ("version", "kills", "exit_code", "reason"),
     [
-        (1, 1, 137, "killed: out of memory (limit 3 GiB)"),
-        (2, 2, 137, "killed: out of memory (limit 3 GiB)"),
+        (1, 1, 137, "out-of-memory"),
+        (2, 2, 137, "out-of-memory"),
         # A child killed, and the rank failed on its own: the kill is still why.
-        (1, 1, 1, "killed: out of memory (limit 3 GiB)"),
+        (1, 1, 1, "out-of-memory"),
         # The rank handled its child's death and succeeded: nothing to explain.
         (2, 1, 0, ""),
         (1, 0, 137, ""),
