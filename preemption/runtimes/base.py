@@ -101,10 +101,6 @@ class RankObservation:
     # kernel's OOM killer ended it inside its memory limit (`memory_limit`, bytes).
     end_reason: str = ""
     memory_limit: int | None = None
-    # Why an exited rank ended, where the runtime knows: "out-of-memory" when the
-    # kernel's OOM killer ended it inside its memory limit (`memory_limit`, bytes).
-    end_reason: str = ""
-    memory_limit: int | None = None
 
 
 # Reasons a starting rank may wait for ever (Kubernetes' names): past the start
