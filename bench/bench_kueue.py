@@ -11,8 +11,8 @@ test does not have: owners come back for the quota they lent, on our own config
 with the work the victims lost since their last checkpoint (bench/kueue_reclaim.py
 for Kueue's side).
 
-Usage: .venv/bin/python bench/bench_kueue.py [--config baseline|PATH] [--no-reclaim]
-                                             [--json out.json]
+Usage: .venv/bin/python bench/bench_kueue.py [--config baseline|tas|PATH] [--no-reclaim]
+                                             [--scale 1.0] [--json out.json]
        KUEUE_CONFIG=large-scale make bench-kueue
 """
 
@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -47,6 +50,27 @@ def _load() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
+def scaled_config(config: Path, scale: float, folder: Path) -> Path:
+    """A copy of the generator config with every workload set's count multiplied by
+    `scale` (at least one each), written under `folder`, for both sides to run: the
+    same queues, quotas, topology, intervals and running times over a shorter window
+    of arrivals."""
+    if not (math.isfinite(scale) and 0 < scale <= 1):
+        raise ValueError(f"--scale must be more than 0 and at most 1, got {scale!r}")
+    data = yaml.safe_load(config.read_text())
+    for cohort in data.get("cohorts") or []:
+        for queues in cohort.get("queuesSets") or []:
+            for workloads in queues.get("workloadsSets") or []:
+                workloads["count"] = max(1, round(int(workloads["count"]) * scale))
+    out = folder / f"{config.parent.name}-x{scale:g}" / "generator.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        f"# {config} with every workload set's count times {scale:g} (bench/bench_kueue.py)\n"
+        + yaml.safe_dump(data, sort_keys=False)
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -61,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="also run the reclaim comparison (about 5 minutes)",
     )
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="run both sides on a copy of the config with every workload set's count "
+        "times this (0 < scale <= 1); the table's title says so",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write both sides' figures")
     args = parser.parse_args(argv)
 
@@ -68,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     k8s_bin = build_k8s()
     try:
         config = resolve_config(kueue_dir, args.config)
-    except KueueRunError as exc:
+        if args.scale != 1.0:
+            config = scaled_config(config, args.scale, REPO_ROOT / "var" / "bench" / "kueue")
+    except (KueueRunError, ValueError) as exc:
         print(f"bench_kueue: {exc}", file=sys.stderr)
         return 2
 
@@ -91,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         format_table(
             kueue,
             quartermaster,
-            title=f"{config.parent.name} ({config}) on {platform.node()}, {os.cpu_count()} CPUs",
+            title=f"{config.parent.name} ({config}) on {platform.node()}, {os.cpu_count()} CPUs"
+            + (f", SCALED: every workload set's count x {args.scale:g}" if args.scale != 1 else ""),
         )
     )
     costs = kueue.get("processes") or {}

@@ -77,7 +77,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,7 @@ from django.conf import settings  # noqa: E402
 from django.contrib.auth import get_user_model  # noqa: E402
 from django.db import connection, transaction  # noqa: E402
 from django.db.models import Max  # noqa: E402
+from django.test import override_settings  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
 from bench.portal_health import wait_healthy  # noqa: E402
@@ -111,7 +112,7 @@ from preemption.runtimes.mimic import (  # noqa: E402
     gang_progress,
 )
 from preemption.snapshot import build_snapshot, held_jobs  # noqa: E402
-from quotas.models import PriorityClass  # noqa: E402
+from quotas.models import Node, PriorityClass  # noqa: E402
 from quotas.services import (  # noqa: E402
     flavor_create,
     node_upsert,
@@ -158,8 +159,38 @@ class WorkloadClass:
     name: str
     runtime_ms: int
     priority: int
+    # Per pod, in the config's units (`GeneratorConfig.unit_millis`).
     request: int
     checkpoints: Checkpoints = Checkpoints()
+    pods: int = 1
+    # The topology level the pods ask for (its name in the config's topology), and how:
+    # "required", "preferred" or "balanced" (Kueue's slice-required request, each
+    # `slice_size` pods inside one domain).
+    topology_level: str | None = None
+    topology_constraint: str = ""
+    slice_size: int | None = None
+
+
+@dataclass(frozen=True)
+class TopologyLevel:
+    """One level of the config's topology, outermost first: `count` domains under each
+    domain of the level above, read from the node label `node_label`."""
+
+    name: str
+    count: int
+    node_label: str
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The config's topology section: its levels and the capacity of each node (the
+    innermost level's domains), in the config's units."""
+
+    name: str
+    levels: tuple[TopologyLevel, ...]
+    node_capacity: int
+    # The label Kueue's resource flavor selects its nodes by (value "tas").
+    flavor_node_label: str = ""
 
 
 @dataclass(frozen=True)
@@ -191,6 +222,11 @@ class CohortSet:
 class GeneratorConfig:
     flavor: str
     cohorts: tuple[CohortSet, ...]
+    # What one unit of Quartermaster's counts stands for, in thousandths of the config's
+    # resource (millicores): 1000 where every quantity is whole, less where a request
+    # is "500m" (Quartermaster counts whole GPUs).
+    unit_millis: int = 1000
+    topology: Topology | None = None
 
 
 def _whole(value: Any, where: str) -> int:
@@ -213,17 +249,125 @@ def _checkpoints(workload: dict[str, Any], where: str) -> Checkpoints:
     return Checkpoints(every_ms=every, save_on_stop_ms=save)
 
 
-def load_config(path: Path) -> GeneratorConfig:
-    """Read a Kueue scheduler performance generator config (runner/generator's Config).
+# The constraints of Kueue's generator (tasConstraint) and whether Quartermaster's job
+# must keep all its ranks inside one domain of the level. Quartermaster has no slices:
+# a "balanced" workload (Kueue's slice-required request, each slice of `sliceSize`
+# pods inside one domain) is mapped to the whole gang inside one domain, which holds
+# every slice inside one domain too; it is stricter than Kueue's request, never looser.
+TOPOLOGY_REQUIRED = {"required": True, "balanced": True, "preferred": False}
 
-    Topology-aware fields (podCount, tasLevel, a topology section) are refused:
-    Quartermaster's translation of them is not the same test.
+
+def _millis(value: Any, where: str) -> int:
+    """A Kubernetes CPU quantity in thousandths: "20" or 20 is 20000, "500m" is 500,
+    "1.5" is 1500."""
+    text = str(value).strip()
+    match = re.fullmatch(r"(\d+)(?:\.(\d{1,3}))?|(\d+)m", text)
+    if not match:
+        raise ConfigError(f"{where}: expected a quantity such as 20 or 500m, got {value!r}")
+    if match.group(3) is not None:
+        return int(match.group(3))
+    return int(match.group(1)) * 1000 + int((match.group(2) or "0").ljust(3, "0"))
+
+
+def _quantities(data: dict[str, Any]) -> list[int]:
+    """Every quantity of the resource in the config, in thousandths: the queues' quotas
+    and limits, the workloads' requests and the nodes' capacity."""
+    found = []
+    for c, cohort in enumerate(data["cohorts"]):
+        for q, qs in enumerate(cohort.get("queuesSets") or []):
+            where = f"cohorts[{c}].queuesSets[{q}]"
+            for key in ("nominalQuota", "borrowingLimit", "lendingLimit"):
+                if qs.get(key) not in (None, ""):
+                    found.append(_millis(qs[key], f"{where}.{key}"))
+            for w, ws in enumerate(qs.get("workloadsSets") or []):
+                for k, wl in enumerate(ws.get("workloads") or []):
+                    at = f"{where}.workloadsSets[{w}].workloads[{k}].request"
+                    found.append(_millis(wl.get("request"), at))
+    levels = (data.get("topology") or {}).get("levels") or []
+    if levels:
+        cpu = ((levels[-1] or {}).get("capacity") or {}).get("cpu") or "96"
+        found.append(_millis(cpu, f"topology.levels[{len(levels) - 1}].capacity.cpu"))
+    return found
+
+
+def _topology(data: dict[str, Any], unit: int, where: str) -> Topology | None:
+    """The config's topology section, as Kueue's generator reads it (runner/generator's
+    TopologyConfig): at least two levels, the last one the nodes, each with its count."""
+    section = data.get("topology")
+    if not section:
+        return None
+    raw_levels = section.get("levels") if isinstance(section, dict) else None
+    if not isinstance(raw_levels, list) or len(raw_levels) < 2:
+        raise ConfigError(f"{where}: topology.levels must list at least two levels")
+    levels = []
+    for i, level in enumerate(raw_levels):
+        at = f"{where}: topology.levels[{i}]"
+        name, label = str(level.get("name") or ""), str(level.get("nodeLabel") or "")
+        if not name or not label:
+            raise ConfigError(f"{at}: every level needs a name and a nodeLabel")
+        count = _whole(level.get("count"), f"{at}.count")
+        if count < 1:
+            raise ConfigError(f"{at}.count: must be at least 1")
+        levels.append(TopologyLevel(name=name, count=count, node_label=label))
+    if len({level.name for level in levels}) < len(levels):
+        raise ConfigError(f"{where}: topology level names must differ")
+    cpu = ((raw_levels[-1] or {}).get("capacity") or {}).get("cpu") or "96"
+    flavor = data.get("resourceFlavor") or {}
+    return Topology(
+        name=str(section.get("name") or "default"),
+        levels=tuple(levels),
+        node_capacity=_millis(cpu, f"{where}: topology node capacity") // unit,
+        flavor_node_label=str(flavor.get("nodeLabel") or ""),
+    )
+
+
+def _workload_topology(
+    wl: dict[str, Any], topology: Topology | None, at: str
+) -> tuple[str | None, str, int | None]:
+    """A workload class's topology request: the level's name, the constraint and the
+    slice size; a level is named in the config by its node label."""
+    label = str(wl.get("tasLevel") or "")
+    if not label:
+        return None, "", None
+    if topology is None:
+        raise ConfigError(f"{at}.tasLevel: the config has no topology section")
+    names = {level.node_label: level.name for level in topology.levels}
+    if label not in names:
+        raise ConfigError(
+            f"{at}.tasLevel: {label!r} is none of the topology's node labels ({', '.join(names)})"
+        )
+    constraint = str(wl.get("tasConstraint") or "")
+    if constraint not in TOPOLOGY_REQUIRED:
+        raise ConfigError(
+            f"{at}.tasConstraint: {constraint!r} is not translated "
+            f"(one of {', '.join(TOPOLOGY_REQUIRED)})"
+        )
+    slice_size = _optional_whole(wl.get("sliceSize"), f"{at}.sliceSize")
+    return names[label], constraint, slice_size
+
+
+def load_config(path: Path) -> GeneratorConfig:
+    """Read a Kueue scheduler performance generator config (runner/generator's Config),
+    topology-aware ones included (a topology section, podCount, tasLevel,
+    tasConstraint, sliceSize).
+
+    Quartermaster counts whole units, so the config's quantities are counted in the
+    largest unit that divides all of them (`unit_millis`): a whole CPU where they are
+    all whole, 250m for Kueue's tas config (requests of 500m, 1250m and 2500m).
     """
     data = yaml.safe_load(Path(path).read_text())
     if not isinstance(data, dict) or not data.get("cohorts"):
         raise ConfigError(f"{path}: the config must contain at least one cohort")
-    if data.get("topology"):
-        raise ConfigError(f"{path}: topology-aware configs are not translated")
+    # At most a whole CPU, so configs of whole quantities keep their numbers.
+    unit = math.gcd(1000, *_quantities(data))
+    topology = _topology(data, unit, str(path))
+
+    def quantity(value: Any, where: str) -> int:
+        return _millis(value, where) // unit
+
+    def optional_quantity(value: Any, where: str) -> int | None:
+        return None if value is None or value == "" else quantity(value, where)
+
     flavor = str((data.get("resourceFlavor") or {}).get("name") or FLAVOR)
     cohorts = []
     for c, cohort in enumerate(data["cohorts"]):
@@ -238,15 +382,21 @@ def load_config(path: Path) -> GeneratorConfig:
                 classes = []
                 for k, wl in enumerate(ws.get("workloads") or []):
                     at = f"{where}.workloadsSets[{w}].workloads[{k}]"
-                    if wl.get("tasLevel") or int(wl.get("podCount") or 1) != 1:
-                        raise ConfigError(f"{at}: multi-pod and topology workloads are refused")
+                    pods = _whole(wl.get("podCount") or 1, f"{at}.podCount")
+                    if pods < 1:
+                        raise ConfigError(f"{at}.podCount: must be at least 1")
+                    level, constraint, slice_size = _workload_topology(wl, topology, at)
                     classes.append(
                         WorkloadClass(
                             name=str(wl["className"]),
                             runtime_ms=_whole(wl.get("runtimeMs", 0), f"{at}.runtimeMs"),
                             priority=int(wl.get("priority", 0)),
-                            request=_whole(wl["request"], f"{at}.request"),
+                            request=quantity(wl["request"], f"{at}.request"),
                             checkpoints=_checkpoints(wl, at),
+                            pods=pods,
+                            topology_level=level,
+                            topology_constraint=constraint,
+                            slice_size=slice_size,
                         )
                     )
                 workload_sets.append(
@@ -263,11 +413,13 @@ def load_config(path: Path) -> GeneratorConfig:
                 QueueSet(
                     class_name=str(qs["className"]),
                     count=_whole(qs["count"], f"{where}.count"),
-                    nominal=_whole(qs["nominalQuota"], f"{where}.nominalQuota"),
-                    borrowing_limit=_optional_whole(
+                    nominal=quantity(qs["nominalQuota"], f"{where}.nominalQuota"),
+                    borrowing_limit=optional_quantity(
                         qs.get("borrowingLimit"), f"{where}.borrowingLimit"
                     ),
-                    lending_limit=_optional_whole(qs.get("lendingLimit"), f"{where}.lendingLimit"),
+                    lending_limit=optional_quantity(
+                        qs.get("lendingLimit"), f"{where}.lendingLimit"
+                    ),
                     within_cluster_queue=within,
                     workload_sets=tuple(workload_sets),
                 )
@@ -279,7 +431,9 @@ def load_config(path: Path) -> GeneratorConfig:
                 queue_sets=tuple(queue_sets),
             )
         )
-    return GeneratorConfig(flavor=flavor, cohorts=tuple(cohorts))
+    return GeneratorConfig(
+        flavor=flavor, cohorts=tuple(cohorts), unit_millis=unit, topology=topology
+    )
 
 
 @dataclass(frozen=True)
@@ -306,11 +460,25 @@ class Workload:
     runtime_ms: int
     arrival_s: float
     checkpoints: Checkpoints = Checkpoints()
+    # A gang of `pods` ranks of `request` units each; a topology level its ranks ask
+    # to share a domain of, as a requirement or only a preference.
+    pods: int = 1
+    topology_level: str | None = None
+    topology_required: bool = True
+    topology_constraint: str = ""
+    slice_size: int | None = None
+
+    @property
+    def units(self) -> int:
+        """What the whole workload holds while it runs."""
+        return self.pods * self.request
 
 
 @dataclass
 class Expansion:
     flavor: str
+    unit_millis: int = 1000
+    topology: Topology | None = None
     cohorts: dict[str, list[Queue]] = field(default_factory=dict)
     workloads: list[Workload] = field(default_factory=list)
     policies: dict[int, str] = field(default_factory=dict)
@@ -320,7 +488,7 @@ def expand(config: GeneratorConfig, scale: float = 1.0) -> Expansion:
     """Every cohort, queue and workload of the config, named as Kueue's generator names them."""
     if not (math.isfinite(scale) and scale > 0):
         raise ConfigError(f"scale must be a positive number, got {scale!r}")
-    out = Expansion(flavor=config.flavor)
+    out = Expansion(flavor=config.flavor, unit_millis=config.unit_millis, topology=config.topology)
     for cohort_set in config.cohorts:
         for c in range(cohort_set.count):
             cohort = f"{cohort_set.class_name}-{c}"
@@ -358,6 +526,13 @@ def expand(config: GeneratorConfig, scale: float = 1.0) -> Expansion:
                                         runtime_ms=wl.runtime_ms,
                                         arrival_s=order * ws.interval_ms / 1000.0,
                                         checkpoints=wl.checkpoints,
+                                        pods=wl.pods,
+                                        topology_level=wl.topology_level,
+                                        topology_required=TOPOLOGY_REQUIRED.get(
+                                            wl.topology_constraint, True
+                                        ),
+                                        topology_constraint=wl.topology_constraint,
+                                        slice_size=wl.slice_size,
                                     )
                                 )
     out.workloads.sort(key=lambda w: w.arrival_s)
@@ -391,8 +566,18 @@ def _setup_world(expansion: Expansion) -> tuple[str, dict[str, Any]]:
         username="kueue-bench", email="kueue-bench@example.org", password=None
     )
     flavor = flavor_create(actor=None, name=expansion.flavor)
-    total = sum(q.nominal for queues in expansion.cohorts.values() for q in queues)
-    node_upsert(actor=None, name="kueue-quota", flavor=flavor, gpus=total)
+    if expansion.topology is None:
+        total = sum(q.nominal for queues in expansion.cohorts.values() for q in queues)
+        node_upsert(actor=None, name="kueue-quota", flavor=flavor, gpus=total)
+    else:
+        for name, labels in topology_nodes(expansion.topology).items():
+            node_upsert(
+                actor=None,
+                name=name,
+                flavor=flavor,
+                gpus=expansion.topology.node_capacity,
+                labels=labels,
+            )
     classes = [
         priority_class_save(
             actor=None,
@@ -438,6 +623,91 @@ def _setup_world(expansion: Expansion) -> tuple[str, dict[str, Any]]:
     return api_token_create(user=user, name="kueue-bench")[1], limits
 
 
+def topology_nodes(topology: Topology) -> dict[str, dict[str, str]]:
+    """The nodes Kueue's generator creates for `topology` (runner/generator's
+    generateTopologyNodes), by name, with their labels.
+
+    Every combination of the levels' domains is a node, named as Kueue names it
+    (node-b0-r2-n15). Kueue labels a node with the plain domain at each level
+    ("rack-2") and tells domains apart by their whole path from the outermost level;
+    Quartermaster tells them apart by the label's value alone, so each label here
+    carries the path ("block-0.rack-2"): the same domains, and a rack-2 under another
+    block is another rack, as in Kueue.
+    """
+    nodes: dict[str, dict[str, str]] = {}
+
+    def visit(depth: int, path: list[str]) -> None:
+        if depth == len(topology.levels):
+            name = "node-" + "-".join(f"{part[0]}{part.rsplit('-', 1)[1]}" for part in path)
+            labels = {
+                level.node_label: ".".join(path[: i + 1]) for i, level in enumerate(topology.levels)
+            }
+            if topology.flavor_node_label:
+                labels[topology.flavor_node_label] = "tas"
+            nodes[name] = labels
+            return
+        level = topology.levels[depth]
+        for i in range(level.count):
+            visit(depth + 1, [*path, f"{level.name}-{i}"])
+
+    visit(0, [])
+    return nodes
+
+
+def topology_labels_setting(topology: Topology | None) -> dict[str, str]:
+    """QM_TOPOLOGY_LABELS for the config: each of its levels, outermost first, read
+    from the node label Kueue's Topology names for it. Without a topology, none."""
+    if topology is None:
+        return {}
+    return {level.name: level.node_label for level in topology.levels}
+
+
+def placement_check(
+    jobs: list[dict[str, Any]], node_labels: dict[str, dict[str, str]], topology: Topology | None
+) -> dict[str, Any]:
+    """Whether each attempt's ranks sit where its workload asked, from the placements
+    recorded (`Attempt.placement`, [{"node", "ranks"}]).
+
+    `jobs` are rows of `_collect`'s, each with its workload's `topology_level`,
+    `topology_required` and its attempts' `placements`. An attempt of a workload that
+    requires a level and whose nodes span more than one domain of it counts in
+    `across_required`; one of a workload that only prefers it, in `across_preferred`
+    (allowed, and shown). An attempt whose placement names a node the run does not
+    have counts in `unknown_nodes`.
+    """
+    labels = topology_labels_setting(topology)
+    checked = across_required = across_preferred = unknown = 0
+    offenders: list[str] = []
+    for job in jobs:
+        level = job.get("topology_level")
+        if not level:
+            continue
+        key = labels.get(level)
+        for placement in job["placements"]:
+            checked += 1
+            domains = set()
+            for entry in placement:
+                node = node_labels.get(entry["node"])
+                if node is None or key is None or key not in node:
+                    unknown += 1
+                    domains.add(None)
+                else:
+                    domains.add(node[key])
+            if len(domains) > 1:
+                if job["topology_required"]:
+                    across_required += 1
+                    offenders.append(f"{job['queue']}/{job['name']}")
+                else:
+                    across_preferred += 1
+    return {
+        "attempts_checked": checked,
+        "across_required": across_required,
+        "across_preferred": across_preferred,
+        "unknown_nodes": unknown,
+        "offenders": offenders[:20],
+    }
+
+
 # --------------------------------------------------------------- the processes
 
 
@@ -456,9 +726,12 @@ def _database_url() -> str:
 
 
 @contextmanager
-def _control_plane(var_dir: Path, port: int, *, web_workers: int) -> Iterator[dict[str, Path]]:
+def _control_plane(
+    var_dir: Path, port: int, *, web_workers: int, topology_labels: dict[str, str] | None = None
+) -> Iterator[dict[str, Path]]:
     """The portal, a Celery worker and beat, as `make run` starts them, on PostgreSQL
-    and Redis with the mimic runtime; stopped (and reaped) on the way out."""
+    and Redis with the mimic runtime; stopped (and reaped) on the way out. With
+    `topology_labels`, the processes' QM_TOPOLOGY_LABELS."""
     if not settings.CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
         raise SystemExit("the comparison runs on Redis: set CELERY_BROKER_URL=redis://...")
     # Messages left in the broker by an earlier run would only cost the worker time.
@@ -474,6 +747,8 @@ def _control_plane(var_dir: Path, port: int, *, web_workers: int) -> Iterator[di
         "PYTHONUNBUFFERED": "1",
         "LOG_LEVEL": "WARNING",
     }
+    if topology_labels:
+        env["QM_TOPOLOGY_LABELS"] = ",".join(f"{k}={v}" for k, v in topology_labels.items())
     commands = {
         "web": web_command(bind=f"127.0.0.1:{port}", workers=web_workers, quiet=True),
         "worker": [*worker_command(hostname="kueue-bench@%h"), "--loglevel", "INFO"],
@@ -530,12 +805,14 @@ def _job_body(workload: Workload, flavor: str) -> dict[str, Any]:
         "team": workload.queue,
         "flavor": flavor,
         "priority_class": priority_class_name(workload.priority),
-        "ranks": 1,
+        "ranks": workload.pods,
         "gpus_per_rank": workload.request,
         "command": f"sleep {workload.runtime_ms / 1000:g}",
         "name": workload.name,
         "max_attempts": 100,
         "env": workload.checkpoints.env(),
+        "topology_level": workload.topology_level or "",
+        "topology_required": workload.topology_required,
     }
 
 
@@ -688,7 +965,7 @@ def _collect(
     )
     attempts: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for attempt in Attempt.objects.filter(job_id__in=[j["id"] for j in jobs]).values(
-        "job_id", "number", "admitted_at", "launched_at", "ended_at", "end_reason"
+        "job_id", "number", "admitted_at", "launched_at", "ended_at", "end_reason", "placement"
     ):
         attempts[attempt["job_id"]].append(attempt)
     admission: dict[str, list[float]] = defaultdict(list)
@@ -732,6 +1009,9 @@ def _collect(
                 "first_admitted_s": tries[0]["admitted_at"].timestamp() - start if tries else None,
                 "state": job["state"],
                 "attempts": len(tries),
+                "topology_level": workload.topology_level,
+                "topology_required": workload.topology_required,
+                "placements": [attempt["placement"] for attempt in tries],
             }
         )
     capacity = sum(q["nominal"] for q in limits.values())
@@ -753,7 +1033,7 @@ def _collect(
         "end_noticed_after_exit": _quantiles(end_delay) if end_delay else {},
         "gpu_seconds": {
             "held": gpu_seconds,
-            "work": sum(w.request * w.runtime_ms / 1000 for w in expansion.workloads),
+            "work": sum(w.units * w.runtime_ms / 1000 for w in expansion.workloads),
         },
         "teams": {
             slug: {**limit, "peak_gpus": _peak(held.get(slug, []))}
@@ -769,6 +1049,12 @@ def _collect(
                 for j in jobs
             },
         ),
+        "placement": placement_check(
+            rows,
+            {n["name"]: n["labels"] for n in Node.objects.values("name", "labels")},
+            expansion.topology,
+        ),
+        "unit_millis": expansion.unit_millis,
         "jobs": rows,
     }
 
@@ -855,6 +1141,7 @@ def run_quartermaster(
     """
     expansion = expand(load_config(Path(generator_config_path)), scale)
     token, limits = _setup_world(expansion)
+    topology_labels = topology_labels_setting(expansion.topology)
     own_dir = var_dir is None
     if var_dir is None:
         folder = Path(tempfile.mkdtemp(prefix="qm-kueue-", dir=_scratch_parent()))
@@ -862,7 +1149,14 @@ def run_quartermaster(
         folder = Path(var_dir)
     port = _free_port()
     try:
-        with _control_plane(folder, port, web_workers=web_workers) as logs:
+        with (
+            override_settings(QM_TOPOLOGY_LABELS=topology_labels)
+            if topology_labels
+            else nullcontext(),
+            _control_plane(
+                folder, port, web_workers=web_workers, topology_labels=topology_labels
+            ) as logs,
+        ):
             start = time.time() + 1.0
             groups = arrival_groups(expansion.workloads, together=together)
             cursor = iter(range(len(groups)))
