@@ -5,9 +5,10 @@ Decides, for every pending workload of one flavor, whether it starts now on free
 waits for GPUs already being released (R11), takes victims (reclaim, priority or fair
 share; consolidation when free GPUs are scattered) and waits for them, or waits with a
 reason. Workloads are taken from a heap of queues: work that fits inside its queue's
-guarantee (its own or an ancestor's) first, then the queue furthest below its fair
-share (ties: older submission); inside a queue, higher priority first, then older
-submission. Work admitted earlier in
+guarantee (its own or an ancestor's) first, and of that the work inside its queue's own
+guarantee first, oldest submission first across queues; then the queue furthest below
+its fair share (ties: older submission); inside a queue, higher priority first, then
+older submission. Work admitted earlier in
 the same plan may be taken back before it starts, and workloads still waiting get more
 passes, so that the next cycle does not undo the plan.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 
@@ -61,9 +63,13 @@ DOMAIN_SEARCHES_PER_MODE = 2
 PROTECTION_SEARCHES_PER_PLAN = 16
 
 # The key of a queue in a pass's heap: (how far beyond the guarantees its next job goes,
-# as _guarantee_rank says, usage minus fair share, the next job's submission, queue
+# as _guarantee_rank says, INSIDE_OWN_GUARANTEE for a job inside its queue's own guarantee
+# and otherwise usage minus fair share (see _queue_key), the next job's submission, queue
 # name, queue index).
 QueueKey = tuple[int, float, float, str, int]
+# The second part of the key of a job inside its queue's own guarantee: before any other
+# work of its guarantee rank, and among such jobs the older submission first.
+INSIDE_OWN_GUARANTEE = -math.inf
 
 # How a workload that found no way in waits: FlavorPlanner.changes when it was planned,
 # its reason, until when its victims are protected, and whether it tried to preempt.
@@ -276,6 +282,7 @@ class FlavorPlanner:
         ledger = self.ledger
         usage = ledger.usage
         fair_share = ledger.fair_share
+        guarantee = ledger.guarantee
         boost = ledger.order_boost
         names = self.tree.names
         # Methods are called through ``self``, not bound to locals: compiled, a call
@@ -289,12 +296,16 @@ class FlavorPlanner:
             if at < len(jobs):
                 # The key of _queue_key, spelled out: this loop runs once per workload.
                 head = jobs[at]
-                used = usage[queue]
-                below = used - fair_share[queue]
                 gpus = head.gpus
+                used = usage[queue]
+                if used + gpus <= guarantee[queue]:
+                    distance = INSIDE_OWN_GUARANTEE
+                else:
+                    below = used - fair_share[queue]
+                    distance = below * boost[queue] if below < 0 else below
                 key = (
                     self._guarantee_rank(queue, gpus),
-                    below * boost[queue] if below < 0 else below,
+                    distance,
                     head.workload.submitted_at,
                     names[queue],
                     queue,
@@ -350,7 +361,10 @@ class FlavorPlanner:
                 # A job of another size: of its key only the guarantee rank can differ.
                 gpus = job.gpus
                 if first is not None:
+                    # A job of another size: its rank, and whether it fits inside the
+                    # queue's own guarantee, may differ.
                     rank = self._guarantee_rank(queue, gpus)
+                    below = self._order_distance(queue, gpus)
                     if rank > first[0] or (rank == first[0] and below > first[1]):
                         break
                     tied = rank == first[0] and below == first[1]
@@ -375,20 +389,44 @@ class FlavorPlanner:
 
     def _queue_key(self, queue: int, head: PendingJob) -> QueueKey:
         # Work that fits inside its queue's guarantee goes before any borrowing: otherwise
-        # a borrower would take GPUs that the guarantee reclaims in the next cycle. Then
-        # the queue furthest below its fair share goes first, the distance weighed by
-        # how little it used recently (decayed usage); ties by older submission.
-        ledger = self.ledger
-        usage = ledger.usage[queue]
-        below = usage - ledger.fair_share[queue]
-        gpus = head.gpus
+        # a borrower would take GPUs that the guarantee reclaims in the next cycle.
+        #
+        # Among work inside its own queue's guarantee, the older submission goes first,
+        # whichever queue is further below its fair share. A guarantee promises each job
+        # that fits in it a start within one cycle and a grace window, and such a job
+        # reclaims its own victims when it is planned. Ordered by fair share, a queue with a stream of
+        # jobs far below its share went first in every plan: each GPU freed by another
+        # team's victim went to the stream's newest job, and the older job it was freed
+        # for only claimed GPUs still being released, again and again, for as long as
+        # the stream lasted. Ordered by age, each plan hands the GPUs freed (and those
+        # being released) to the jobs that reclaimed first, so the capacity freed for a
+        # job stays with it across cycles without a reservation the snapshot would have
+        # to carry; this is the job-age order of Slurm's multifactor priority and the
+        # FIFO order of Kueue's queues, applied to the promise. A job waits only for the
+        # older work inside guarantees, whose victims were chosen no later than its own.
+        #
+        # Other work goes by the queue furthest below its fair share, the distance weighed
+        # by how little it used recently (decayed usage); ties by older submission. That
+        # includes work beyond its queue's guarantee that fits in the part of an
+        # ancestor's guarantee no sibling uses or holds (rank 0, see _beyond_guarantee),
+        # which comes after the work inside own guarantees: the promise is the queue's.
         return (
-            self._guarantee_rank(queue, gpus),
-            below * ledger.order_boost[queue] if below < 0 else below,
+            self._guarantee_rank(queue, head.gpus),
+            self._order_distance(queue, head.gpus),
             head.workload.submitted_at,
             self.tree.names[queue],
             queue,
         )
+
+    def _order_distance(self, queue: int, gpus: int) -> float:
+        """The second part of a queue's key when its next job takes ``gpus`` GPUs (see
+        _queue_key)."""
+        ledger = self.ledger
+        usage = ledger.usage[queue]
+        if usage + gpus <= ledger.guarantee[queue]:
+            return INSIDE_OWN_GUARANTEE
+        below = usage - ledger.fair_share[queue]
+        return below * ledger.order_boost[queue] if below < 0 else below
 
     def _guarantee_rank(self, queue: int, gpus: int) -> int:
         """Where ``gpus`` more for ``queue`` stand in the order: 0 inside every

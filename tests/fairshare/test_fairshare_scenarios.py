@@ -206,6 +206,22 @@ ORDER_BOUND = [
     w("a1").gpus(8),
 ]
 
+# Team c (no guarantee) holds n0 and seven of n1's GPUs, c5 and c6 the youngest (the
+# cheapest victims). a (guarantee 6, two jobs: 2 GPUs below its fair share) and b
+# (guarantee 2, one older job: 1 below) wait inside their guarantees for the one free GPU:
+# the oldest job takes it, the others reclaim (../shared/cases/guarantee-handoff/ over many
+# cycles: by fair share, a's jobs took every GPU freed for b's).
+HANDOFF_QUEUES = [team("a", guarantee=6), team("b", guarantee=2), team("c")]
+HANDOFF = [
+    w("c_n0").queue("c").gpus(8).running("n0"),
+    *(w(f"c{i}").queue("c").gpus(1).running("n1") for i in range(5)),
+    w("c5").queue("c").gpus(1).running("n1", since=10),
+    w("c6").queue("c").gpus(1).running("n1", since=20),
+    w("a1").gpus(1).submitted(10),
+    w("a2").gpus(1).submitted(5),
+    w("b1").queue("b").gpus(1).submitted(50),
+]
+
 # One line per case, as in a table.
 # fmt: off
 CASES = [
@@ -266,6 +282,7 @@ CASES = [
     Case("blocked_job_does_not_block_others", N2, AB, [w("big").gpus(16).submitted(500), w("small").gpus(4)], admit={"small"}, wait={"big": "no node of flavor h100 has 16 GPUs"}),
     Case("no_node_has_enough_free_gpus", [Node("m0", "h100", 16)], [team("a", guarantee=16)], [w("x").gpus(4).running("m0"), w("big").gpus(16)], wait={"big": "no node of flavor h100 has 16 free GPUs"}),
     Case("queue_furthest_below_fair_share_first", N3, [team("a", guarantee=16), team("b")], [w("a0").gpus(8).running("n0"), w("b0").queue("b").gpus(8).running("n1"), w("b1").queue("b").gpus(8).submitted(900), w("a1").gpus(8).submitted(10)], admit={"a1"}, wait={"b1": "free GPUs"}),
+    Case("inside_own_guarantee_oldest_first_across_queues", N2, HANDOFF_QUEUES, HANDOFF, admit={"b1"}, preempt={"c5": "reclaim", "c6": "reclaim"}, wait={"a1": "released by job c5", "a2": "released by jobs c5, c6"}),
     Case("ties_go_to_older_submission", N3, AB0, [w("a0").gpus(8).running("n0"), w("b0").queue("b").gpus(8).running("n1"), w("a1").gpus(8).submitted(10), w("b1").queue("b").gpus(8).submitted(900)], admit={"b1"}, wait={"a1": "free GPUs"}),
     Case("inside_queue_priority_then_age", N2, AB, [w("x").gpus(8).running("n0"), w("old").gpus(8).submitted(900), w("hi").priority(100).gpus(8).submitted(5)], admit={"hi"}, wait={"old": "free GPUs"}),
     Case("cheapest_victim_lower_priority_first", N3, AB, [w("b0").queue("b").gpus(8).running("n0"), w("b_low").queue("b").priority(-1).gpus(8).running("n1", since=7200), w("b_norm").queue("b").gpus(8).running("n2", since=60), w("a1").gpus(8)], preempt={"b_low": "reclaim"}),
