@@ -43,7 +43,7 @@ from itertools import chain
 from typing import Any
 
 import fairshare
-from simulation.report import Ledger, Report
+from simulation.report import JobKey, Ledger, Report
 from simulation.traces import ClusterNode, TraceJob
 
 POLICIES = ("fifo", "static", "fairshare")
@@ -366,12 +366,17 @@ class Simulation:
         job.pending_since = now
         job.workload = self._pending_workload(job)
         self.pending[job.id] = job.workload
-        self.ledger.job_pending(job.team, job.gpus, requeued=requeued)
+        self.ledger.job_pending(job.team, job.gpus, requeued=requeued, job=self._key(job))
         self._want_cycle(self._cycle_after(now))
+
+    @staticmethod
+    def _key(job: SimJob) -> JobKey:
+        """How the ledger knows a job, in its team's queue order (see report.JobKey)."""
+        return (job.submitted_at, job.index, job.name)
 
     def _admit(self, job: SimJob, placement: Any, now: float) -> None:
         del self.pending[job.id]
-        self.ledger.job_admitted(job.team, job.gpus)
+        self.ledger.job_admitted(job.team, job.gpus, job=self._key(job))
         job.pending_seconds += now - job.pending_since
         job.state = "running"
         job.attempt += 1

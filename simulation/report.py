@@ -7,9 +7,10 @@ whose :meth:`Report.to_dict` is the JSON document documented in ``simulation/REA
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,13 @@ from typing import Any
 # The allocation goal of issue 8: with lending, at least this share of the GPUs is allocated
 # whenever demand exceeds capacity.
 ALLOCATION_GOAL = 0.9
+# The longest waits inside the guarantee that the report names, job by job.
+WAIT_EXAMPLES = 20
+
+# A job as the ledger tracks its wait inside the guarantee: (submission time, index in the
+# trace, name). The first two give its team's queue order (older first), the index keeps
+# two jobs of one name apart.
+JobKey = tuple[float, int, str]
 
 
 def percentile(values: Sequence[float], share: float) -> float:
@@ -26,6 +34,12 @@ def percentile(values: Sequence[float], share: float) -> float:
     ordered = sorted(values)
     rank = max(1, math.ceil(share * len(ordered)))
     return ordered[rank - 1]
+
+
+def _wait_summary(values: Iterable[float]) -> dict[str, float]:
+    """How many jobs waited inside the guarantee, and the summary of their waits."""
+    waits = list(values)
+    return {"jobs": len(waits), **_summary(waits)}
 
 
 def _summary(values: Sequence[float]) -> dict[str, float]:
@@ -59,6 +73,13 @@ class TeamLedger:
     pending_gpus: int = 0
     completion_seconds: list[float] = field(default_factory=list)
     queueing_seconds: list[float] = field(default_factory=list)
+    # Pending jobs told by key, in queue order (older submission first), with their GPUs.
+    queue: list[tuple[JobKey, int]] = field(default_factory=list)
+    # Per job that fits inside the unused guarantee now: since when it fits.
+    fits_since: dict[JobKey, float] = field(default_factory=dict)
+    # Per job that ever fitted while pending: its longest such stretch, ended by its start
+    # or by no longer fitting (an older job of its team requeued ahead of it).
+    inside_waits: dict[JobKey, float] = field(default_factory=dict)
 
     def is_below_line(self) -> bool:
         """True while the team holds less than min(guarantee, admissible demand).
@@ -70,6 +91,27 @@ class TeamLedger:
         """
         headroom = self.guarantee - self.used
         return headroom > 0 and bool(self.pending_sizes) and min(self.pending_sizes) <= headroom
+
+    def fitting_jobs(self) -> set[JobKey]:
+        """The pending jobs that fit inside the unused guarantee, taken in queue order.
+
+        The guarantee promises a job a start within one cycle plus the grace window from
+        the moment it fits in what its team holds below the line, after its team's older
+        pending jobs that fit (the engine plans a team's jobs oldest first, and a job too
+        large for what is left does not hold back a smaller one behind it).
+        """
+        room = self.guarantee - self.used
+        fitting: set[JobKey] = set()
+        if room <= 0 or not self.pending_sizes:
+            return fitting
+        smallest = min(self.pending_sizes)
+        for key, gpus in self.queue:
+            if room < smallest:
+                break
+            if gpus <= room:
+                fitting.add(key)
+                room -= gpus
+        return fitting
 
     def wants_surplus(self) -> bool:
         """True while what the team holds and waits for together exceeds its guarantee."""
@@ -172,6 +214,21 @@ class Ledger:
             ledger.below_since = self.now
         elif not below and ledger.below_since is not None:
             self._close_below(ledger)
+        if ledger.queue or ledger.fits_since:
+            self._check_fits(ledger)
+
+    def _check_fits(self, ledger: TeamLedger) -> None:
+        """Start the inside-guarantee wait of each job that now fits, end the others'."""
+        fitting = ledger.fitting_jobs()
+        for key in [key for key in ledger.fits_since if key not in fitting]:
+            self._close_fit(ledger, key)
+        for key in fitting:
+            if key not in ledger.fits_since:
+                ledger.fits_since[key] = self.now
+
+    def _close_fit(self, ledger: TeamLedger, key: JobKey) -> None:
+        wait = self.now - ledger.fits_since.pop(key)
+        ledger.inside_waits[key] = max(ledger.inside_waits.get(key, 0.0), wait)
 
     def _close_below(self, ledger: TeamLedger) -> None:
         assert ledger.below_since is not None
@@ -184,9 +241,17 @@ class Ledger:
         """A job arrived (whether or not it will ever fit the cluster)."""
         self.team(team).jobs += 1
 
-    def job_pending(self, team: str, gpus: int, *, requeued: bool) -> None:
-        """A job became pending: on arrival, or again after its preemption."""
+    def job_pending(
+        self, team: str, gpus: int, *, requeued: bool, job: JobKey | None = None
+    ) -> None:
+        """A job became pending: on arrival, or again after its preemption.
+
+        With ``job`` its wait inside the guarantee is measured (see ``fitting_jobs``); pass
+        the same key when it is admitted.
+        """
         ledger = self.team(team)
+        if job is not None:
+            bisect.insort(ledger.queue, (job, gpus))
         self.pending_jobs += 1
         if not requeued:
             self.demand += gpus
@@ -194,9 +259,15 @@ class Ledger:
         ledger.pending_gpus += gpus
         self._check_line(ledger)
 
-    def job_admitted(self, team: str, gpus: int) -> None:
-        """A pending job was admitted and now holds ``gpus`` GPUs."""
+    def job_admitted(self, team: str, gpus: int, *, job: JobKey | None = None) -> None:
+        """A pending job was admitted and now holds ``gpus`` GPUs (``job``: the key it was
+        made pending with; its wait inside the guarantee ends here)."""
         ledger = self.team(team)
+        if job is not None:
+            at = bisect.bisect_left(ledger.queue, (job, gpus))
+            del ledger.queue[at]
+            if job in ledger.fits_since:
+                self._close_fit(ledger, job)
         self.pending_jobs -= 1
         count = ledger.pending_sizes[gpus] - 1
         if count:
@@ -245,6 +316,8 @@ class Ledger:
         for ledger in self.teams.values():
             if ledger.below_since is not None:
                 self._close_below(ledger)
+            for key in list(ledger.fits_since):
+                self._close_fit(ledger, key)
 
     def report(self, **run: Any) -> Report:
         """Build the report; ``run`` holds the run's settings and counters (see Report)."""
@@ -265,6 +338,7 @@ class Ledger:
                 "gpu_hours_lent": round(ledger.gpu_seconds_lent / 3600, 3),
                 "seconds_below_guarantee_line": round(ledger.seconds_below_line, 3),
                 "longest_below_guarantee_line_seconds": round(ledger.longest_below_line_seconds, 3),
+                "inside_guarantee_wait_seconds": _wait_summary(ledger.inside_waits.values()),
                 "seconds_wanting_surplus": round(ledger.seconds_wanting_surplus, 3),
                 "preemptions": ledger.preemptions,
                 "lost_gpu_hours": round(ledger.lost_gpu_seconds / 3600, 3),
@@ -273,6 +347,14 @@ class Ledger:
             }
             for name, ledger in self.teams.items()
         }
+        waits = sorted(
+            (
+                (wait, team, key)
+                for team, ledger in self.teams.items()
+                for key, wait in ledger.inside_waits.items()
+            ),
+            key=lambda item: (-item[0], item[2][0], item[2][1]),
+        )
         return Report(
             run=dict(run),
             simulated_seconds=round(span, 3),
@@ -301,6 +383,12 @@ class Ledger:
                 max((t.longest_below_line_seconds for t in self.teams.values()), default=0.0), 3
             ),
             teams=teams,
+            longest_inside_guarantee_wait_seconds=round(waits[0][0], 3) if waits else 0.0,
+            longest_inside_guarantee_waits=[
+                {"job": key[2], "team": team, "submitted_at": key[0], "seconds": round(wait, 3)}
+                for wait, team, key in waits[:WAIT_EXAMPLES]
+            ],
+            inside_guarantee_wait_by_job={f"{key[2]}#{key[1]}": wait for wait, _, key in waits},
         )
 
 
@@ -319,6 +407,13 @@ class Report:
     teams: dict[str, dict[str, Any]]
     # Queueing delay of the jobs that ran as more than one rank (the gangs topology concerns).
     gang_queueing_delay_seconds: dict[str, float] = field(default_factory=lambda: _summary(()))
+    # Each job's longest wait from the moment it fitted inside its team's unused guarantee
+    # until it started (see TeamLedger.fitting_jobs): the longest, the longest few job by
+    # job, and every job's (``name#index``; not in the JSON, whose per-team summaries carry
+    # the max and p99).
+    longest_inside_guarantee_wait_seconds: float = 0.0
+    longest_inside_guarantee_waits: list[dict[str, Any]] = field(default_factory=list)
+    inside_guarantee_wait_by_job: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain JSON-able data (names documented in simulation/README.md)."""
@@ -332,6 +427,8 @@ class Report:
             "preemptions": self.preemptions,
             "lost_gpu_hours": self.lost_gpu_hours,
             "longest_below_guarantee_line_seconds": self.longest_below_guarantee_line_seconds,
+            "longest_inside_guarantee_wait_seconds": self.longest_inside_guarantee_wait_seconds,
+            "longest_inside_guarantee_waits": self.longest_inside_guarantee_waits,
             "teams": self.teams,
         }
 
@@ -361,4 +458,11 @@ class Report:
             f"preemptions {self.preemptions}, lost {self.lost_gpu_hours:.1f} GPU-hours; longest "
             f"stretch of a team below its guarantee line "
             f"{self.longest_below_guarantee_line_seconds:.1f} s",
+            f"wait of a job inside its team's unused guarantee until it starts: longest "
+            f"{self.longest_inside_guarantee_wait_seconds:.1f} s; per team (jobs, p99, max): "
+            + ", ".join(
+                f"{name} {wait['jobs']}, {wait['p99']:.1f} s, {wait['max']:.1f} s"
+                for name, team in self.teams.items()
+                if (wait := team["inside_guarantee_wait_seconds"])["jobs"]
+            ),
         ]

@@ -24,6 +24,8 @@ TOP_LEVEL = {
     "preemptions",
     "lost_gpu_hours",
     "longest_below_guarantee_line_seconds",
+    "longest_inside_guarantee_wait_seconds",
+    "longest_inside_guarantee_waits",
     "teams",
 }
 ALLOCATION = {
@@ -44,6 +46,7 @@ TEAM = {
     "gpu_hours_lent",
     "seconds_below_guarantee_line",
     "longest_below_guarantee_line_seconds",
+    "inside_guarantee_wait_seconds",
     "seconds_wanting_surplus",
     "preemptions",
     "lost_gpu_hours",
@@ -103,6 +106,11 @@ def test_cli_writes_the_documented_json_report(
     assert report["teams"]["vision"]["gpu_hours_borrowed"] > 0
     assert report["teams"]["speech"]["gpu_hours_lent"] > 0
     assert report["longest_below_guarantee_line_seconds"] <= 2 + 10
+    # Each job's wait inside its guarantee, beside the stretches: speech's jobs fitted.
+    assert set(report["teams"]["speech"]["inside_guarantee_wait_seconds"]) == {"jobs", *SUMMARY}
+    assert report["teams"]["speech"]["inside_guarantee_wait_seconds"]["jobs"] >= 1
+    assert 0 <= report["longest_inside_guarantee_wait_seconds"] <= 2 + 10
+    assert "wait of a job inside its team's unused guarantee until it starts" in captured.out
 
 
 def test_every_report_name_is_documented_in_the_readme() -> None:
