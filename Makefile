@@ -20,6 +20,10 @@ SQLITE_TESTS ?= tests/portal/pages tests/portal/api tests/preemption/test_cycle_
 SQLITE_TEST_ENV := DATABASE_URL=sqlite:///$(CURDIR)/var/test/sqlite/portal.sqlite3 \
 	QM_SQLITE_TEST_NAME=$(CURDIR)/var/test/sqlite/test.sqlite3 QM_VAR_DIR=$(CURDIR)/var/test/sqlite QM_ENGINE=compiled
 JUNIT := var/test/junit
+# pytest-xdist workers for the PostgreSQL and the SQLite runs. Most tests wait on real
+# processes, signals and timers rather than compute, so more workers than cores pay.
+TEST_WORKERS ?= 4
+SQLITE_TEST_WORKERS ?= 2
 BUILD_ENGINE := QM_ENGINE=python $(PY) -c 'from fairshare.native import main; main()'
 
 .PHONY: run test lint bench bench-kueue venv services engine k8s wheel drill clean
@@ -69,10 +73,27 @@ wheel: venv
 test: venv services lint engine k8s
 	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
 	@rm -rf $(JUNIT) var/test/sqlite && mkdir -p $(JUNIT) var/test/sqlite
-	$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ignore=tests/smoke --junitxml=$(JUNIT)/postgresql.xml $(PYTEST_ARGS)
-	$(SQLITE_TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ds tests.sqlite_settings --durations=5 --junitxml=$(JUNIT)/sqlite.xml $(SQLITE_TESTS)
+	@# Three pytest runs at once, apart (their own databases and QM_VAR_DIRs): the suite on
+	@# PostgreSQL on xdist workers, its Kubernetes tests in one process of their own (one
+	@# control plane and its nodes per machine), and the SQLite run. The last two print
+	@# their output, from their logs, once the first has ended. A PYTEST_ARGS that picks
+	@# only Kubernetes tests, or none, leaves one of the PostgreSQL runs nothing to run (5).
+	@$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ignore=tests/smoke -m k8s --durations=5 \
+		--junitxml=$(JUNIT)/kubernetes.xml $(PYTEST_ARGS) > $(JUNIT)/kubernetes.log 2>&1 & kubernetes=$$!; \
+	$(SQLITE_TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ds tests.sqlite_settings -n $(SQLITE_TEST_WORKERS) \
+		--durations=5 --junitxml=$(JUNIT)/sqlite.xml $(SQLITE_TESTS) > $(JUNIT)/sqlite.log 2>&1 & sqlite=$$!; \
+	echo "The Kubernetes tests and the SQLite run go on beside this run (their output follows it)"; \
+	$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ignore=tests/smoke -m "not k8s" -n $(TEST_WORKERS) \
+		--junitxml=$(JUNIT)/postgresql.xml $(PYTEST_ARGS); postgresql=$$?; \
+	wait $$kubernetes; kubernetes=$$?; wait $$sqlite; sqlite=$$?; \
+	test $$postgresql = 5 && postgresql=0; test $$kubernetes = 5 && kubernetes=0; \
+	echo "== the Kubernetes tests on PostgreSQL (-m k8s), from $(JUNIT)/kubernetes.log"; \
+	cat $(JUNIT)/kubernetes.log; \
+	echo "== the SQLite run (--ds tests.sqlite_settings), from $(JUNIT)/sqlite.log"; \
+	cat $(JUNIT)/sqlite.log; \
+	test $$postgresql = 0 && test $$kubernetes = 0 && test $$sqlite = 0
 	QM_VAR_DIR=$(CURDIR)/var/test/smoke $(VENV)/bin/pytest -p no:cacheprovider --durations=0 --junitxml=$(JUNIT)/make-run.xml tests/smoke
-	@$(PY) tools/test_totals.py $(JUNIT)/postgresql.xml $(JUNIT)/sqlite.xml $(JUNIT)/make-run.xml
+	@$(PY) tools/test_totals.py $(JUNIT)/postgresql.xml $(JUNIT)/kubernetes.xml $(JUNIT)/sqlite.xml $(JUNIT)/make-run.xml
 
 ## bench: print the benchmarks' figures
 bench: export QM_ENGINE := compiled

@@ -48,26 +48,29 @@ PASSWORD = "correct-horse-battery-staple"
 
 
 TESTS = Path(__file__).resolve().parent
-# Tests that share something one pytest-xdist worker must own alone, by group:
-# `--dist loadgroup` sends every test of a group to the same worker, one after another.
-# The Kubernetes control plane is session-scoped, a kube-apiserver and etcd per worker
-# would cost more than they save, and the real nodes (containerd, kubelets as root) and
-# the drill's Redis database are one per machine.
-KUBERNETES_GROUP = "kubernetes"
 
 
 @pytest.hookimpl(tryfirst=True, specname="pytest_collection_modifyitems")
-def mark_xdist_groups(items: list[pytest.Item]) -> None:
-    """Mark the tests of a shared resource with their xdist group; first, because xdist
-    reads the marks in a hook of its own that runs before this file's plain hooks."""
+def pytest_mark_kubernetes_tests(items: list[pytest.Item]) -> None:
+    """Mark `k8s` every test that needs the Kubernetes control plane, wherever it is.
+
+    `make test` runs these in a pytest process of their own beside the xdist workers
+    (`-m k8s`): the control plane, the kubelet stand-in's nodes and the real nodes are
+    session-wide and one per machine, and a kube-apiserver per worker would cost more
+    than it saves. First, so that `-m` sees the marks."""
     for item in items:
-        fixtures = getattr(item, "fixturenames", ())
-        if (
-            Path(str(item.path)).is_relative_to(TESTS / "k8s")
-            or "control_plane" in fixtures
-            or item.get_closest_marker("k8s") is not None
+        if Path(str(item.path)).is_relative_to(TESTS / "k8s") or "control_plane" in getattr(
+            item, "fixturenames", ()
         ):
-            item.add_marker(pytest.mark.xdist_group(KUBERNETES_GROUP))
+            item.add_marker(pytest.mark.k8s)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_setupnodes(config: pytest.Config, specs: list[Any]) -> None:
+    """Start the xdist workers on the settings this process loaded: tests/worker_settings.py
+    put `portal.settings` in the environment for the processes tests start, and a worker
+    would take the environment's over the ini file's."""
+    os.environ["DJANGO_SETTINGS_MODULE"] = settings.SETTINGS_MODULE
 
 
 @pytest.hookimpl(trylast=True)

@@ -9,7 +9,8 @@ before the settings read it. The variable is changed in the environment, so the 
 a test starts (a Celery worker, `manage.py`, ranks) use the same folder as the test.
 
 Those processes read `portal.settings`, as they do without xdist: this module sits in
-the tests folder, which they need not be able to import.
+the tests folder, which they need not be able to import (tests/conftest.py hands this
+module's name to the workers themselves when xdist starts them).
 """
 
 import os
