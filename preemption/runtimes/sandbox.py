@@ -465,9 +465,7 @@ def enter(sandbox: dict[str, Any], rank: int, run_as: dict[str, Any] | None) -> 
     with its own /proc, then fork the rank's shell. Returns only in that child, as the
     job's user and group alone when it has them; the init waits on it
     (`_namespace_init`) and never returns."""
-    for folder in sandbox["cgroups"].values():
-        # 0 is the writer itself, whatever its pid in the namespace the kernel reads.
-        _write(f"{folder}/{rank}/cgroup.procs", "0")
+    join_cgroups(sandbox, rank)
     descriptor = os.open(sandbox["netns"], os.O_RDONLY)
     try:
         _check(_LIBC.setns(descriptor, _CLONE_NEWNET), "setns into the gang's network namespace")
@@ -499,6 +497,14 @@ def enter(sandbox: dict[str, Any], rank: int, run_as: dict[str, Any] | None) -> 
             signal.signal(signum, signal.SIG_DFL)
     except BaseException:
         os._exit(EXIT_NOT_STARTED)
+
+
+def join_cgroups(sandbox: dict[str, Any], rank: int) -> None:
+    """Move this process into the rank's cgroups (every process it starts after is born
+    there); `enter` does it first thing."""
+    for folder in sandbox["cgroups"].values():
+        # 0 is the writer itself, whatever its pid in the namespace the kernel reads.
+        _write(f"{folder}/{rank}/cgroup.procs", "0")
 
 
 def _namespace_init(shell: int) -> NoReturn:

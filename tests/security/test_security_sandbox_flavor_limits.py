@@ -10,6 +10,7 @@ flavor's lower process limit is refused at that limit, not the site's.
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 import sys
@@ -141,11 +142,9 @@ def test_a_rank_that_forks_past_its_flavors_process_limit_is_refused_there(
 
     runtime.launch(spec)
 
+    # Until the rank's last line is whole: the keeper may copy it in two parts.
     wait_until(
-        lambda: (
-            b"REFUSED AFTER" in runtime.read_log(spec.gang, 0)
-            or b"NOT LIMITED" in runtime.read_log(spec.gang, 0)
-        ),
+        lambda: re.search(rb"(REFUSED AFTER|NOT LIMITED).*\n", runtime.read_log(spec.gang, 0)),
         "the rank to reach its limit",
     )
     log = runtime.read_log(spec.gang, 0).decode()
