@@ -109,11 +109,13 @@ bench: venv services engine k8s
 
 ## bench-kueue: Kueue's own scalability test (built from the Go module proxy) and Quartermaster
 ## on the same generator config, in one run, as one side-by-side table (bench/README.md);
-## KUEUE_CONFIG=large-scale or KUEUE_CONFIG=path/to/generator.yaml picks another config
+## KUEUE_CONFIG=tas (the topology-aware one) or KUEUE_CONFIG=path/to/generator.yaml picks another
+## config; KUEUE_ARGS passes more options (--no-reclaim, --scale 0.2: both sides on the same scaled copy)
 KUEUE_CONFIG ?= baseline
+KUEUE_ARGS ?=
 bench-kueue: venv services engine k8s
 	@bash tools/kueue/build.sh
-	$(TEST_ENV) $(PY) bench/bench_kueue.py --config $(KUEUE_CONFIG)
+	$(TEST_ENV) $(PY) bench/bench_kueue.py --config $(KUEUE_CONFIG) $(KUEUE_ARGS)
 
 drill: venv engine
 	$(PY) manage.py migrate --noinput -v0
