@@ -11,11 +11,19 @@ admission. `run_quartermaster` does the same with Quartermaster:
   (and lend up to its lending limit) inside its cohort; a cohort team holds the sum
   of its queues' quotas and neither borrows nor lends, since Kueue's cohorts share
   nothing with each other. The capacity is one node of that sum, because Kueue's
-  test has no nodes: its only limit is quota.
+  test has no nodes: its only limit is quota. A topology-aware config (Kueue's
+  `tas`) has nodes: they are created as Kueue's generator creates them, with its
+  names and labels, and its topology's levels become Quartermaster's
+  (QM_TOPOLOGY_LABELS); `topology_nodes` says how domains are labelled.
 - each distinct priority becomes a priority class of that value, preempting lower
   ones where the queues' `withinClusterQueue` is `LowerPriority`; reclaim within a
   cohort is Quartermaster's own rule (R6) and always on.
-- each workload is a one-rank job of `request` GPUs with the command
+- quantities are counted in the largest unit that divides them all, at most a whole
+  CPU (`GeneratorConfig.unit_millis`: 250m for `tas`, whose requests are 500m, 1250m
+  and 2500m), since Quartermaster counts whole GPUs.
+- each workload is a job of `podCount` ranks (one where the config says none) of
+  `request` GPUs each, with the topology level it asks for (required for Kueue's
+  `required` and `balanced`, only preferred for `preferred`), with the command
   `sleep <runtimeMs / 1000>`, submitted through the REST API with an API token at
   its arrival time: Kueue's generator runs every workload set of every queue as its
   own stream that waits `creationIntervalMs` before each workload, so the n-th
@@ -43,7 +51,9 @@ when an evicted workload is admitted again), here from `Job.submitted_at` to the
 last attempt's `admitted_at`; usage is GPU-seconds held (admission to the end of the
 attempt) over the quota's capacity for the run, as the recorder's CPU-milliseconds
 used over the nominal quota and the monitored time; total time runs from the first
-arrival's start to the last job's end.
+arrival's start to the last job's end. On a topology-aware config,
+`placement_check` reads every attempt's placement and counts those spread over more
+than one domain of the level their workload required (none may be) or preferred.
 
 `scale` multiplies every workload set's count (at least one each), keeping the
 queues, quotas, intervals and running times, so a smaller run spreads the same
