@@ -22,6 +22,7 @@ from bench.kueue_qm import (
     topology_labels_setting,
     topology_nodes,
 )
+from bench.kueue_table import comparison_rows, format_table
 from preemption.cycle import schedule_cycle
 from preemption.models import Attempt, Job
 from quotas.models import Node
@@ -153,3 +154,27 @@ def test_the_check_counts_a_gang_placed_across_a_rack_it_requires() -> None:
         "unknown_nodes": 1,
         "offenders": ["q/spread"],
     }
+
+
+def test_the_table_shows_the_placement_check_with_its_goal() -> None:
+    kueue = {"total_s": 400.0, "admission": {"small-required-rack": {"mean_s": 240.0}}}
+    quartermaster: dict[str, Any] = {
+        "total_s": 150.0,
+        "admission": {"small-required-rack": {"mean_s": 60.0}},
+        "placement": {"attempts_checked": 15000, "across_required": 0, "across_preferred": 7},
+    }
+    rows = {row.label: row for row in comparison_rows(kueue, quartermaster)}
+
+    assert rows["placed across a required domain"].verdict == "met"
+    assert rows["placed across a required domain"].kueue is None
+    assert rows["placed across a preferred domain"].quartermaster == 7
+    assert rows["placed across a preferred domain"].verdict == ""
+    table = format_table(kueue, quartermaster)
+    assert "placed across a required domain" in table and "QM <= 0: met" in table
+
+    quartermaster["placement"]["across_required"] = 2
+    rows = {row.label: row for row in comparison_rows(kueue, quartermaster)}
+    assert rows["placed across a required domain"].verdict == "missed"
+    # A config without topology checks no placement and shows no such row.
+    del quartermaster["placement"]
+    assert not any("placed across" in row.label for row in comparison_rows(kueue, quartermaster))
