@@ -375,15 +375,14 @@ def create(sandbox: dict[str, Any], ranks: list[int]) -> None:
 
 
 def prime_migrations(sandbox: dict[str, Any]) -> None:
-    """Pay, in the launch server's child once it has forked the keepers, the RCU grace
-    period that the kernel makes the first cgroup migration after a quiet moment wait
-    (a write to cgroup.procs takes the global cgroup_threadgroup_rwsem for writing, which
-    waits for one grace period, 6 to 14 ms here, unless another writer had it a grace
-    period ago or less). Each rank's init joins its cgroups as it starts; primed here,
-    concurrently with the keepers' own start, those joins find the lock warm and take
-    microseconds instead of the grace period each. The write moves this process into the
-    cgroup it is already in, the control plane's own, which changes nothing; a failure
-    costs only the time it saves."""
+    """Pay the RCU grace period that the kernel makes the first cgroup migration after a
+    quiet moment wait: a write to cgroup.procs takes the global cgroup_threadgroup_rwsem
+    for writing, which waits for one grace period (6 to 14 ms here) unless another writer
+    had it within about a grace period. Each rank's init joins its cgroups as it starts;
+    primed by a process of its own, forked as the launch begins, those joins find the
+    lock warm, or share the grace period under way, instead of each waiting for a whole
+    one. The write moves this process into the cgroup it is already in, the control
+    plane's own, which changes nothing; a failure costs only the time it saves."""
     folder = next(iter(sandbox["cgroups"].values()))
     with contextlib.suppress(OSError):
         _write(f"{Path(folder).parent.parent}/cgroup.procs", "0")
