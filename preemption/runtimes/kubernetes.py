@@ -70,10 +70,10 @@ A planted file in a folder could run code in the job that resumes from it;
 gracetrap loads checkpoints without unpickling anything, and this layout keeps
 anyone but the job from writing there in the first place.
 
-GPUs come to a rank only through its ``nvidia.com/gpu`` limit: ``CUDA_*`` and
-``NVIDIA_*`` from a job's env never reach the pod spec (the submission refuses
-them already), since NVIDIA's container runtime reads ``NVIDIA_VISIBLE_DEVICES``
-to choose the devices it exposes. The init container asks for no GPU and sets
+GPUs come to a rank only through its ``nvidia.com/gpu`` limit: a gang whose env
+names ``CUDA_*`` or ``NVIDIA_*`` is refused by ``launch()`` before anything is
+created (the submission refuses them already), since NVIDIA's container runtime
+reads ``NVIDIA_VISIBLE_DEVICES`` to choose the devices it exposes. The init container asks for no GPU and sets
 ``NVIDIA_VISIBLE_DEVICES=void``, so an image that says ``all`` gets none there.
 
 This module imports nothing from Django: the portal hands it plain values.
