@@ -513,6 +513,15 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
             if plain_steps is not None:
                 steps += plain_steps
                 kept -= {attempt.pk for attempt, _ in plain}
+            stopping = [
+                (attempt, observations)
+                for attempt, observations, _ in pending
+                if attempt.pk in kept and _stopping(attempt, observations, rows)
+            ]
+            stopped = _decide_stops(stopping, rows, delivery)
+            if stopped is not None:
+                steps += stopped.steps
+                kept -= stopped.decided
             for attempt, observations, was_taken in pending:
                 if attempt.pk not in kept:
                     continue
@@ -527,7 +536,9 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
                         delivery=delivery,
                         rows=rows,
                     ),
-                    savepoint=True,
+                    # A launch already recorded writes nothing: a savepoint would
+                    # only cost two statements per admitted job.
+                    savepoint=not _launch_recorded(attempt, rows),
                 )
                 if step is not None:
                     steps.append(step)
@@ -734,25 +745,13 @@ def _decide_plain(
     if not plain:
         return []
     now = timezone.now()
-    written: list[Rank] = []
-    fields: set[str] = set()
+    written = _ObservedRanks()
     for attempt, observations in plain:
-        ranks = rows.ranks[attempt.pk]
-        for obs in observations:
-            changes = _rank_changes(ranks[obs.rank], obs)
-            if changes:
-                # A copy, so that the one-by-one decisions after a failure still see
-                # the ranks as the database has them.
-                rank = copy.copy(ranks[obs.rank])
-                for name, value in changes.items():
-                    setattr(rank, name, value)
-                written.append(rank)
-                fields.update(changes)
+        written.add(rows.ranks[attempt.pk], observations)
     admitted = [attempt.job_id for attempt, _ in plain if attempt.job.state == JobState.ADMITTED]
     try:
         with transaction.atomic():
-            if written:
-                update_rows(written, sorted(fields))
+            written.write()
             if admitted:
                 Job.objects.filter(pk__in=admitted, state=JobState.ADMITTED).update(
                     state=JobState.RUNNING, running_at=now
@@ -769,6 +768,174 @@ def _decide_plain(
         for attempt, observations in plain
         if all(obs.phase == "exited" for obs in observations)
     ]
+
+
+class _ObservedRanks:
+    """The ranks whose recorded state an observation changed, as copies with the
+    changes applied, written together in one statement (`write`). The copies leave
+    the ranks read under lock as the database has them, so that the one-by-one
+    decisions after a failed batch still see them so."""
+
+    def __init__(self) -> None:
+        self.ranks: list[Rank] = []
+        self.fields: set[str] = set()
+
+    def add(self, ranks: dict[int, Rank], observations: list[RankObservation]) -> dict[int, str]:
+        """Take the changes `observations` make to `ranks`; each rank's state after them."""
+        states = {index: rank.state for index, rank in ranks.items()}
+        for obs in observations:
+            changes = _rank_changes(ranks[obs.rank], obs)
+            if changes:
+                rank = copy.copy(ranks[obs.rank])
+                for name, value in changes.items():
+                    setattr(rank, name, value)
+                self.ranks.append(rank)
+                self.fields.update(changes)
+                states[obs.rank] = rank.state
+        return states
+
+    def extend(self, other: _ObservedRanks) -> None:
+        self.ranks += other.ranks
+        self.fields |= other.fields
+
+    def write(self) -> None:
+        if self.ranks:
+            update_rows(self.ranks, sorted(self.fields))
+
+
+def _launch_recorded(attempt: Attempt, rows: _Rows) -> bool:
+    """Whether the attempt only waits for the launch its admission recorded: `_decide`
+    then writes nothing, and hands the launch on to the act step."""
+    return (
+        attempt.ended_at is None
+        and attempt.launched_at is None
+        and attempt.action == Attempt.Action.LAUNCH
+        and attempt.pk not in rows.events
+    )
+
+
+def _stopping(attempt: Attempt, observations: list[RankObservation], rows: _Rows) -> bool:
+    """Whether the attempt is being stopped the common way: a launched gang with a
+    stop recorded (a preemption, a cancel), every one of its ranks seen, and no
+    action of it claimed by a worker. For such an attempt `_decide` records what the
+    ranks did and moves the stop on (signal, kill at the deadline, finish once every
+    rank exited); `_decide_stops` does it for all of them at once. A cycle that
+    preempts two thousand jobs leaves as many such attempts to the next pass."""
+    ranks = rows.ranks.get(attempt.pk, {})
+    return (
+        attempt.ended_at is None
+        and attempt.launched_at is not None
+        and attempt.action_claimed_at is None
+        and attempt.pk in rows.events
+        and bool(ranks)
+        and sorted(obs.rank for obs in observations) == sorted(ranks)
+    )
+
+
+@dataclass
+class _Decided:
+    """What deciding a group of attempts together gave: the steps to act on, and the
+    attempts it decided (the rest are decided one by one)."""
+
+    steps: list[Step]
+    decided: set[int]
+
+
+def _decide_stops(
+    stopping: list[tuple[Attempt, list[RankObservation]]], rows: _Rows, delivery: str | None
+) -> _Decided | None:
+    """Decide for the attempts being stopped the common way (`_stopping`) as `_decide`
+    does for each, in a fixed number of queries however many: one write of their
+    ranks, one of their jobs still marked admitted, and one of the actions they now
+    need per kind of action. An attempt whose stop waits on a checkpoint notice is
+    left out, to `_decide`. None when the writes failed: nothing of them is kept,
+    and the caller decides for them one by one, so one attempt's trouble stays its
+    own."""
+    if not stopping:
+        return _Decided([], set())
+    now = timezone.now()
+    written = _ObservedRanks()
+    steps: list[Step] = []
+    decided: set[int] = set()
+    running: list[int] = []
+    for attempt, observations in stopping:
+        event = rows.events[attempt.pk]
+        ranks = rows.ranks[attempt.pk]
+        states = _ObservedRanks()
+        phases = states.add(ranks, observations)
+        alive = [i for i, phase in phases.items() if phase not in TERMINAL_PHASES]
+        if (
+            alive
+            and event.signal_sent_at is None
+            and not _evicted_without_notice(attempt, event, delivery, now)
+        ):
+            continue
+        decided.add(attempt.pk)
+        written.extend(states)
+        if attempt.job.state == JobState.ADMITTED and (
+            not alive or all(phase != "starting" for phase in phases.values())
+        ):
+            running.append(attempt.job_id)
+        if not alive:
+            steps.append(Step(FINISH, attempt, event))
+        elif event.signal_sent_at is None:
+            action = (
+                Attempt.Action.KILL
+                if now >= event.deadline
+                and attempt.action == Attempt.Action.SIGNAL
+                and attempt.action_tries > 0
+                else Attempt.Action.SIGNAL
+            )
+            steps.append(Step(action, attempt, event, alive=alive))
+        elif now >= event.deadline:
+            steps.append(Step(Attempt.Action.KILL, attempt, event, alive=alive))
+    intended: dict[str, list[int]] = defaultdict(list)
+    for step in steps:
+        if step.action != FINISH and step.attempt.action != step.action:
+            intended[step.action].append(step.attempt.pk)
+    try:
+        with transaction.atomic():
+            written.write()
+            if running:
+                Job.objects.filter(pk__in=running, state=JobState.ADMITTED).update(
+                    state=JobState.RUNNING, running_at=now
+                )
+            for action, pks in intended.items():
+                Attempt.objects.filter(pk__in=pks, ended_at__isnull=True).update(
+                    action=action,
+                    action_claimed_at=None,
+                    action_tries=0,
+                    action_error="",
+                    action_not_before=None,
+                )
+    except SoftTimeLimitExceeded:
+        raise
+    except Exception:
+        if transaction.get_connection().needs_rollback:
+            raise
+        logger.exception("recording %d stops together failed; one by one", len(decided))
+        return None
+    for step in steps:
+        if step.action != FINISH and step.attempt.action != step.action:
+            step.attempt.action, step.attempt.action_tries = step.action, 0
+    return _Decided(steps, decided)
+
+
+def _evicted_without_notice(
+    attempt: Attempt, event: PreemptionEvent, delivery: str | None, now: datetime
+) -> bool:
+    """Whether a stop whose signal has not been sent goes ahead with no checkpoint
+    notice first, as `_notice_first` judges it: none is planned for this victim, or
+    the notice's window has passed, or the deadline has come with the signal tried."""
+    if (
+        now >= event.deadline
+        and attempt.action == Attempt.Action.SIGNAL
+        and attempt.action_tries > 0
+    ):
+        return True
+    if event.notice_deadline is not None:
+        return now >= event.notice_deadline
+    return notice_plan(event=event, attempt=attempt, delivery=delivery, now=now) is None
 
 
 def _decide(
@@ -1022,9 +1189,12 @@ DONE = {
 
 
 def _record_plain_outcomes(steps: list[Step], claim: datetime) -> set[int]:
-    """Record the launches and forgets that went through, a fixed number of
-    statements however many; the ids of the attempts recorded (those whose claim is
-    still this pass's).
+    """Record the calls that went through, a fixed number of statements however
+    many; the ids of the attempts recorded (those whose claim is still this pass's).
+    What `_record_outcome` records for each: the action done, a launch's time, a
+    signal's or a notice's on its preemption (and a signal's on the ranks it was
+    sent to), a kill's. A cycle that preempts two thousand jobs has as many signals
+    to record at the next pass.
 
     Each launch keeps the moment its own call returned. Those times are written in
     one statement (core.rows.update_rows): as a CASE with a WHEN per attempt, Django
@@ -1033,7 +1203,7 @@ def _record_plain_outcomes(steps: list[Step], claim: datetime) -> set[int]:
     closed before its launch was recorded (`_plain`)."""
     now = timezone.now()
     recorded: set[int] = set()
-    for action in (Attempt.Action.LAUNCH, Attempt.Action.FORGET):
+    for action in PLAIN_OUTCOMES:
         group = {step.attempt.pk: step for step in steps if step.action == action}
         if not group:
             continue
@@ -1057,8 +1227,84 @@ def _record_plain_outcomes(steps: list[Step], claim: datetime) -> set[int]:
             update_rows(attempts, [*DONE, "launched_at"])
         else:
             Attempt.objects.filter(pk__in=locked).update(**DONE)
+            done = [group[pk] for pk in locked]
+            if action == Attempt.Action.SIGNAL:
+                _signals_sent(done, now)
+            elif action == Attempt.Action.NOTICE:
+                _sent_at_once(done, "notice_sent_at", now)
+            elif action == Attempt.Action.KILL:
+                _kills_done(done, now)
         recorded.update(locked)
     return recorded
+
+
+PLAIN_OUTCOMES = (
+    Attempt.Action.LAUNCH,
+    Attempt.Action.NOTICE,
+    Attempt.Action.SIGNAL,
+    Attempt.Action.KILL,
+    Attempt.Action.FORGET,
+)
+
+
+def _stops(steps: list[Step]) -> dict[int, Step]:
+    """The steps by the id of the preemption they carry out."""
+    by_event: dict[int, Step] = {}
+    for step in steps:
+        assert step.event is not None
+        by_event[step.event.pk] = step
+    return by_event
+
+
+def _sent_at_once(steps: list[Step], name: str, now: datetime) -> None:
+    """Write on each step's preemption, where it has none yet, the moment its call
+    began (`name`: signal_sent_at or notice_sent_at), one statement for them all."""
+    by_event = _stops(steps)
+    unsent = (
+        PreemptionEvent.objects.select_for_update()
+        .filter(pk__in=by_event, **{f"{name}__isnull": True})
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+    update_rows(
+        [PreemptionEvent(pk=pk, **{name: by_event[pk].called_at or now}) for pk in unsent], [name]
+    )
+
+
+def _signals_sent(steps: list[Step], now: datetime) -> None:
+    """`_signal_sent` for every step at once: on its preemption and on the ranks it
+    was sent to, where none was recorded before."""
+    _sent_at_once(steps, "signal_sent_at", now)
+    by_attempt = {step.attempt.pk: step for step in steps}
+    alive = {pk: set(step.alive) for pk, step in by_attempt.items()}
+    unsent = (
+        Rank.objects.select_for_update()
+        .filter(attempt_id__in=by_attempt, signal_sent_at__isnull=True)
+        .order_by("attempt_id", "index")
+        .values_list("pk", "attempt_id", "index")
+    )
+    update_rows(
+        [
+            Rank(pk=pk, signal_sent_at=by_attempt[attempt_id].called_at or now)
+            for pk, attempt_id, index in unsent
+            if index in alive[attempt_id]
+        ],
+        ["signal_sent_at"],
+    )
+
+
+def _kills_done(steps: list[Step], now: datetime) -> None:
+    """Record each step's kill on its preemption, where none was recorded before,
+    and that a disruption budget was overridden where it was (`Step.forced`)."""
+    by_event = _stops(steps)
+    for forced in (False, True):
+        events = [pk for pk, step in by_event.items() if step.forced == forced]
+        if not events:
+            continue
+        killed: dict[str, Any] = {"killed_at": now}
+        if forced:
+            killed["outcome"] = PreemptionEvent.Outcome.FORCED
+        PreemptionEvent.objects.filter(pk__in=events, killed_at__isnull=True).update(**killed)
 
 
 def _call(step: Step, runtime: Runtime) -> Exception | None:
