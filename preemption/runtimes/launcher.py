@@ -307,8 +307,10 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
         log.close()
     exit_code = returncode if returncode >= 0 else 128 - returncode
     sandbox = gang.get("sandbox")
-    reason = "" if sandbox is None else sandboxes.end_reason(sandbox, rank, exit_code)
-    memory_limit = int(sandbox["limits"]["memory_max"]) if reason else None
+    reason, memory_limit = "", None
+    if sandbox is not None:
+        reason = sandboxes.end_reason(sandbox, rank, exit_code)
+        memory_limit = int(sandbox["limits"]["memory_max"]) if reason else None
     _record_exit(rank_dir, exit_code, started=True, reason=reason, memory_limit=memory_limit)
 
 
