@@ -6,7 +6,9 @@ file that would run in their pods on resume. Here the pod specs are built by the
 runtime and created on the real API server of tests/k8s, in a namespace that
 enforces the "restricted" Pod Security Standard; the node agent runs the ranks
 as host processes as the pods' own users (``run_as_pod_users``), so the kernel
-judges what a rank of one job may do to another job's folder.
+judges what a rank of one job may do to another job's folder. The same attacks
+run in real containers on real kubelets in
+tests/k8s/realnodes/test_real_containment.py.
 """
 
 from __future__ import annotations
