@@ -672,6 +672,27 @@ def topology_labels_setting(topology: Topology | None) -> dict[str, str]:
     return {level.name: level.node_label for level in topology.levels}
 
 
+def topology_env(expansion: Expansion) -> dict[str, str]:
+    """The settings the processes need for a topology-aware config: its levels
+    (QM_TOPOLOGY_LABELS) and the nodes with their domains as the runtime's inventory
+    (QM_LOCAL_NODES, name:flavor:gpus:level=domain/...). The runtime's nodes are where
+    the engine's topology comes from (the sync_node_topology task writes what the
+    runtime reports over the nodes' labels every minute), and the mimic runtime reports
+    its inventory, which is otherwise the database's nodes without their topology."""
+    topology = expansion.topology
+    if topology is None:
+        return {}
+    labels = topology_labels_setting(topology)
+    inventory = []
+    for name, node_labels in topology_nodes(topology).items():
+        domains = "/".join(f"{level}={node_labels[key]}" for level, key in labels.items())
+        inventory.append(f"{name}:{expansion.flavor}:{topology.node_capacity}:{domains}")
+    return {
+        "QM_TOPOLOGY_LABELS": ",".join(f"{level}={key}" for level, key in labels.items()),
+        "QM_LOCAL_NODES": ",".join(inventory),
+    }
+
+
 def placement_check(
     jobs: list[dict[str, Any]], node_labels: dict[str, dict[str, str]], topology: Topology | None
 ) -> dict[str, Any]:
@@ -737,11 +758,11 @@ def _database_url() -> str:
 
 @contextmanager
 def _control_plane(
-    var_dir: Path, port: int, *, web_workers: int, topology_labels: dict[str, str] | None = None
+    var_dir: Path, port: int, *, web_workers: int, extra_env: dict[str, str] | None = None
 ) -> Iterator[dict[str, Path]]:
     """The portal, a Celery worker and beat, as `make run` starts them, on PostgreSQL
-    and Redis with the mimic runtime; stopped (and reaped) on the way out. With
-    `topology_labels`, the processes' QM_TOPOLOGY_LABELS."""
+    and Redis with the mimic runtime; stopped (and reaped) on the way out. `extra_env`
+    adds QM_ settings of the run's own (`topology_env`)."""
     if not settings.CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
         raise SystemExit("the comparison runs on Redis: set CELERY_BROKER_URL=redis://...")
     # Messages left in the broker by an earlier run would only cost the worker time.
@@ -757,8 +778,7 @@ def _control_plane(
         "PYTHONUNBUFFERED": "1",
         "LOG_LEVEL": "WARNING",
     }
-    if topology_labels:
-        env["QM_TOPOLOGY_LABELS"] = ",".join(f"{k}={v}" for k, v in topology_labels.items())
+    env.update(extra_env or {})
     commands = {
         "web": web_command(bind=f"127.0.0.1:{port}", workers=web_workers, quiet=True),
         "worker": [*worker_command(hostname="kueue-bench@%h"), "--loglevel", "INFO"],
@@ -1164,7 +1184,7 @@ def run_quartermaster(
             if topology_labels
             else nullcontext(),
             _control_plane(
-                folder, port, web_workers=web_workers, topology_labels=topology_labels
+                folder, port, web_workers=web_workers, extra_env=topology_env(expansion)
             ) as logs,
         ):
             start = time.time() + 1.0

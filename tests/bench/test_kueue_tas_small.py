@@ -19,12 +19,15 @@ from bench.kueue_qm import (
     expand,
     load_config,
     placement_check,
+    topology_env,
     topology_labels_setting,
     topology_nodes,
 )
 from bench.kueue_table import comparison_rows, format_table
 from preemption.cycle import schedule_cycle
 from preemption.models import Attempt, Job
+from preemption.runtime import sync_node_topology
+from preemption.runtimes import parse_inventory
 from quotas.models import Node
 
 pytestmark = pytest.mark.django_db
@@ -113,6 +116,39 @@ def test_every_admitted_gang_sits_inside_the_rack_it_requires() -> None:
         "unknown_nodes": 0,
         "offenders": [],
     }
+
+
+def test_the_runtime_reports_the_nodes_topology_so_the_periodic_sync_keeps_it(
+    tmp_path: Path,
+) -> None:
+    expansion = expand(load_config(CONFIG))
+    env = topology_env(expansion)
+    assert env["QM_TOPOLOGY_LABELS"] == (
+        "block=cloud.provider.com/topology-block,rack=cloud.provider.com/topology-rack,"
+        "node=kubernetes.io/hostname"
+    )
+    inventory = {node.name: node for node in parse_inventory(env["QM_LOCAL_NODES"])}
+    assert inventory["node-b0-r1-n0"].flavor == "tas-flavor"
+    assert inventory["node-b0-r1-n0"].gpus == 2
+    assert dict(inventory["node-b0-r1-n0"].topology) == {
+        "block": "block-0",
+        "rack": "block-0.rack-1",
+        "node": "block-0.rack-1.node-0",
+    }
+    # The processes' settings: the mimic runtime reports this inventory, and the sync
+    # task that writes it over the nodes' labels every minute changes nothing (without
+    # it the runtime reported the nodes without their topology, and the sync wiped it).
+    with override_settings(
+        QM_TOPOLOGY_LABELS=topology_labels_setting(expansion.topology),
+        QM_RUNTIME="mimic",
+        QM_RUNS_DIR=str(tmp_path),
+        QM_LOCAL_NODES=env["QM_LOCAL_NODES"],
+    ):
+        _setup_world(expansion)
+        before = {n.name: n.labels for n in Node.objects.all()}
+        assert sync_node_topology() == []
+    assert {n.name: n.labels for n in Node.objects.all()} == before
+    assert before["node-b0-r1-n0"][RACK] == "block-0.rack-1"
 
 
 def test_the_check_counts_a_gang_placed_across_a_rack_it_requires() -> None:
