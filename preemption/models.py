@@ -202,6 +202,7 @@ class Rank(models.Model):
 
     class EndReason(models.TextChoices):
         OUT_OF_MEMORY = "out-of-memory", "Killed past its memory limit"
+        DISK_LIMIT = "disk-limit", "Evicted past its ephemeral-storage limit"
 
     attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="rank_set")
     index = models.PositiveIntegerField()

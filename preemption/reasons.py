@@ -116,11 +116,17 @@ def rank_end_words(rank: Rank) -> str:
     """How a failed rank ended, as the job's failure, the gang guard's cause, the job
     page, the API and `qm show` say it, lower case and without a full stop: "rank 1 was
     killed: it used more than its memory limit of 2 GiB" where the runtime saw the
-    kernel's OOM killer end it; else its exit code."""
+    kernel's OOM killer end it, "rank 0 was evicted by its node: ..." where a kubelet
+    evicted it for its disk; else its exit code."""
     if rank.end_reason == Rank.EndReason.OUT_OF_MEMORY and rank.memory_limit:
         return (
             f"rank {rank.index} was killed: it used more than its memory limit of "
             f"{format_size(rank.memory_limit)}"
+        )
+    if rank.end_reason == Rank.EndReason.DISK_LIMIT:
+        return (
+            f"rank {rank.index} was evicted by its node: it wrote more than its "
+            "ephemeral-storage limit"
         )
     return f"rank {rank.index} exited with code {rank.exit_code}"
 

@@ -71,7 +71,8 @@ class RankSerializer(serializers.ModelSerializer[Rank]):
     end_reason = serializers.CharField(
         read_only=True,
         help_text="Why the rank ended where the runtime knows: out-of-memory when the "
-        "kernel killed it past its memory limit; empty otherwise.",
+        "kernel killed it past its memory limit, disk-limit when its Kubernetes node "
+        "evicted it past its ephemeral-storage limit; empty otherwise.",
     )
     ended_because = serializers.SerializerMethodField(
         help_text='Why the rank ended, in words: "rank 1 was killed: it used more than its '

@@ -98,7 +98,8 @@ class RankObservation:
     signal_sent_at: float | None
     waiting_reason: str = ""
     # Why an exited rank ended, where the runtime knows: "out-of-memory" when the
-    # kernel's OOM killer ended it inside its memory limit (`memory_limit`, bytes).
+    # kernel's OOM killer ended it inside its memory limit (`memory_limit`, bytes);
+    # "disk-limit" when a kubelet evicted it past its ephemeral-storage limit.
     end_reason: str = ""
     memory_limit: int | None = None
 

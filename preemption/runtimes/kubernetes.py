@@ -1687,6 +1687,16 @@ def _taken_by(pod: Any) -> str | None:
     return None
 
 
+def _end_reason(pod: Any) -> str:
+    """Why an ended pod ended, where the protocol has a name for it: "disk-limit" when
+    the kubelet evicted it past its ephemeral-storage limit (its message, as kubelet
+    v1.34 words it: "Pod ephemeral local storage usage exceeds the total limit of
+    containers 16Mi." or "Container rank exceeded its local ephemeral storage limit")."""
+    if pod.status.reason == "Evicted" and "ephemeral" in (pod.status.message or ""):
+        return "disk-limit"
+    return ""
+
+
 def _evicted_through_api(pod: Any) -> bool:
     """Whether the pod is being deleted by an Eviction API call (anyone's)."""
     condition = _disruption(pod)
@@ -1759,6 +1769,7 @@ def rank_observation(
         phase = "starting"
     return RankObservation(
         waiting_reason=_waiting_reason(pod) if phase == "starting" else "",
+        end_reason=_end_reason(pod) if phase == "exited" else "",
         job_id=int(labels[JOB_LABEL]),
         attempt=int(labels[ATTEMPT_LABEL]),
         rank=int(labels[RANK_LABEL]),

@@ -14,7 +14,7 @@ kubelet v1.34 run them, so what is proven is what a production node does:
   read and overwrite team A's folder and plant a file in it, before doing what it
   was asked. Its rank then tries to reach A's folder from where it runs;
 * a rank that fills its container's disk past its ``ephemeral-storage`` limit
-  is evicted by the kubelet's eviction manager, alone;
+  is evicted by the kubelet's eviction manager, alone, and its job says so;
 * a process that double-forks and calls ``setsid`` dies with its pod: the
   container's PID namespace ends with its PID 1, which the host's process table
   shows (no process of the job's uid remains);
@@ -43,7 +43,7 @@ import psutil
 import pytest
 from kubernetes import client
 
-from preemption.models import Attempt, JobState
+from preemption.models import Attempt, Job, JobState, Rank
 from preemption.reconcile import reconcile_jobs
 from preemption.runtimes.base import GangId, GangSpec, RuntimePermanentError
 from preemption.runtimes.kubernetes import (
@@ -444,46 +444,60 @@ while :; do sleep 0.2; done
 QUIET_COMMAND = "echo quiet; while :; do sleep 0.2; done"
 
 
-def test_a_rank_filling_its_disk_past_its_limit_is_evicted_alone_by_the_kubelet(
-    small_runtime: MakeRuntime, real_nodes: RealNodes, k8s_api: client.ApiClient, restricted: str
+def test_a_rank_filling_its_disk_past_its_limit_is_evicted_alone_and_its_job_says_why(
+    world: Any,
+    small_runtime: MakeRuntime,
+    k8s_api: client.ApiClient,
+    restricted: str,
 ) -> None:
     core = client.CoreV1Api(k8s_api)
     runtime = small_runtime(default_ephemeral_storage_per_gpu="16Mi")
-    filler = gang_spec(956, {NODES[0]: 1, NODES[1]: 1}, command=FILL_COMMAND, grace_seconds=3)
+    job, attempt = _admitted_job(world, list(NODES))
+    Job.objects.filter(pk=job.pk).update(command=FILL_COMMAND)
+    gang = GangId(job.pk, 1)
     bystander = gang_spec(957, {NODES[0]: 1}, command=QUIET_COMMAND, grace_seconds=3)
     bystander = dataclasses.replace(bystander, team="nlp")
-    runtime.launch(filler)
     runtime.launch(bystander)
+    reconcile_jobs(runtime=runtime)  # launches the filling job
     wait_for(lambda: all_in(runtime, bystander.gang, "running", 1), timeout=60, what="bystander")
     began = time.monotonic()
 
     def evicted() -> bool:
-        pod = core.read_namespaced_pod(pod_name(filler.gang, 0), restricted)
+        pod = core.read_namespaced_pod(pod_name(gang, 0), restricted)
         return pod.status.reason == "Evicted"
 
     wait_for(evicted, timeout=120, interval=1, what="the kubelet to evict the filling rank")
     waited = time.monotonic() - began
-    pod = core.read_namespaced_pod(pod_name(filler.gang, 0), restricted)
+    pod = core.read_namespaced_pod(pod_name(gang, 0), restricted)
     print(f"evicted {waited:.0f} s after launch: {pod.status.message}")
     assert "ephemeral" in pod.status.message
     assert "16Mi" in pod.status.message
     # The kubelet sets no DisruptionTarget condition here, only the pod's reason; the
-    # runtime reports it, and the gang guard stops the filler's other rank.
-    assert runtime.disruptions(filler.gang) == {0: f"Evicted: {pod.status.message.strip()}"}
-    wait_for(lambda: runtime.observe(filler.gang)[0].phase == "exited", timeout=30, what="exit")
-    print(f"the evicted rank's exit code: {runtime.observe(filler.gang)[0].exit_code}")
-    assert runtime.guard_victims() == [filler.gang]
-    assert runtime.enforce_gang_guard(lambda _: 3) == [filler.gang]
-    _wait_exited(runtime, filler.gang, 2)
+    # runtime reports it, and the gang guard stops the job's other rank.
+    assert runtime.disruptions(gang) == {0: f"Evicted: {pod.status.message.strip()}"}
+    deadline = time.monotonic() + 60
+    while Attempt.objects.get(pk=attempt.pk).ended_at is None:
+        assert time.monotonic() < deadline, "the attempt never ended"
+        reconcile_jobs(runtime=runtime)
+        time.sleep(0.3)
+    attempt.refresh_from_db()
+    assert attempt.end_reason == Attempt.EndReason.GANG_GUARD
+    ranks = list(Rank.objects.filter(attempt=attempt).order_by("index"))
+    print(f"ranks: {[(r.state, r.exit_code, r.end_reason) for r in ranks]}")
+    assert [r.end_reason for r in ranks] == [Rank.EndReason.DISK_LIMIT, ""]
+    assert ranks[1].state == "exited" and ranks[1].signal_sent_at is not None
+    job.refresh_from_db()
+    words = "rank 0 was evicted by its node: it wrote more than its ephemeral-storage limit"
+    assert f"gang guard: {words}" in job.waiting_reason, job.waiting_reason
+
     # The other team's job, on the same node, runs on untouched.
     [quiet] = runtime.observe(bystander.gang)
     assert quiet.phase == "running" and quiet.signal_sent_at is None
     bystander_pod = core.read_namespaced_pod(pod_name(bystander.gang, 0), restricted)
     assert bystander_pod.status.phase == "Running" and bystander_pod.status.reason is None
     assert runtime.disruptions(bystander.gang) == {}
-    for gang in (filler.gang, bystander.gang):
-        runtime.kill(gang)
-        runtime.forget(gang)
+    runtime.kill(bystander.gang)
+    runtime.forget(bystander.gang)
 
 
 ESCAPE_COMMAND = r"""(setsid sleep 1007 </dev/null >/dev/null 2>&1 &)
