@@ -672,6 +672,14 @@ def topology_labels_setting(topology: Topology | None) -> dict[str, str]:
     return {level.name: level.node_label for level in topology.levels}
 
 
+def queue_limits_env(expansion: Expansion) -> dict[str, str]:
+    """Room for the whole config in the queue: Kueue's test keeps thousands of workloads
+    waiting at once, all from one client, past the deployment's default caps on
+    queued jobs per person (1,000) and per team (2,000), which would refuse them."""
+    room = str(max(1, len(expansion.workloads)))
+    return {"QM_MAX_QUEUED_JOBS_PER_USER": room, "QM_MAX_QUEUED_JOBS_PER_TEAM": room}
+
+
 def topology_env(expansion: Expansion) -> dict[str, str]:
     """The settings the processes need for a topology-aware config: its levels
     (QM_TOPOLOGY_LABELS) and the nodes with their domains as the runtime's inventory
@@ -1184,7 +1192,10 @@ def run_quartermaster(
             if topology_labels
             else nullcontext(),
             _control_plane(
-                folder, port, web_workers=web_workers, extra_env=topology_env(expansion)
+                folder,
+                port,
+                web_workers=web_workers,
+                extra_env={**queue_limits_env(expansion), **topology_env(expansion)},
             ) as logs,
         ):
             start = time.time() + 1.0

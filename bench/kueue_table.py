@@ -260,6 +260,9 @@ def quartermaster_lines(figures: dict[str, Any]) -> list[str]:
             f"p99 {submission['request_p99_s']:.2f} s; the last sent up to "
             f"{submission['late_max_s']:.1f} s after its arrival time)"
         )
+    refused = submission.get("errors") or []
+    if refused:
+        lines.append(f"  REFUSED: {len(refused)} requests, the first: {refused[0]}")
     launch = figures.get("launch_after_admission") or {}
     noticed = figures.get("end_noticed_after_exit") or {}
     if launch and noticed:
