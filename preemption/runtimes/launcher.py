@@ -365,14 +365,6 @@ def _end_sandbox(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
         sandboxes.release(sandbox)
 
 
-def _prime(sandbox: dict[str, Any]) -> None:
-    """Run in a forked child: let go of the server's pipe (its reader waits for every
-    writer to close), then prime the cgroup migrations."""
-    for descriptor in _KEEPER_CLOSES:
-        os.close(descriptor)
-    sandboxes.prime_migrations(sandbox)
-
-
 def _become_keeper(gang_dir: Path, gang: dict[str, Any], rank: int) -> NoReturn:
     """Run in the forked child: detach, then keep the rank."""
 
@@ -397,10 +389,6 @@ def fork_keepers(gang_dir: Path, ranks: list[int], report: Callable[[int], None]
         print(f"no {GANG_FILE} in {gang_dir}", file=sys.stderr)
         return
     if gang.get("sandbox") is not None:
-        # A process of its own pays the cgroup lock's grace period while the cgroups,
-        # the keepers and their ranks are made (sandbox.prime_migrations says why).
-        if os.fork() == 0:
-            _child(lambda: _prime(gang["sandbox"]))
         # The ranks' cgroups and the gang's network namespace, in one pass before any
         # keeper needs them; a failure forks no keeper, so no rank runs unconfined.
         sandboxes.create(gang["sandbox"], ranks)
@@ -410,6 +398,11 @@ def fork_keepers(gang_dir: Path, ranks: list[int], report: Callable[[int], None]
         if os.fork() == 0:
             _become_keeper(gang_dir, gang, rank)
         report(rank)
+    if gang.get("sandbox") is not None:
+        # While the keepers start (sandbox.prime_migrations says why). A process of its
+        # own forked earlier for this measured slower on a busy machine: its fork costs
+        # more than the head start it gives.
+        sandboxes.prime_migrations(gang["sandbox"])
 
 
 def _serve_one(request: bytes) -> bytes:

@@ -48,9 +48,9 @@ doubled the time to start a rank (bench/bench_sandbox.py measures it).
 Where the rest of the time goes, measured on this host (cgroup v1, 2 cores, Linux
 6.18), and why it stays: (1) joining a v1 cgroup takes the kernel's global
 cgroup_threadgroup_rwsem for writing, whose first taker after a quiet moment waits for
-an RCU grace period, 6 to 14 ms, shared by the writers of that moment; a process forked
-as the launch begins takes it first (`prime_migrations`), so the inits mostly find it
-warm (20 to 100 us a join) but, on a loaded machine, share what is left of that grace
+an RCU grace period, 6 to 14 ms, shared by the writers of that moment; the launch
+server's child takes it first, once it has forked the keepers (`prime_migrations`), so
+the inits mostly find it warm (20 to 100 us a join) or share what is left of that grace
 period. Only the host can remove it (cgroup v2 mounted with `favordynmods`, or v2's
 clone3 with CLONE_INTO_CGROUP, which Python 3.11 cannot call safely). (2) The init's
 fork of the keeper, a Python process: about 1 to 2 ms, the page tables and the pages
@@ -393,10 +393,11 @@ def prime_migrations(sandbox: dict[str, Any]) -> None:
     quiet moment wait: a write to cgroup.procs takes the global cgroup_threadgroup_rwsem
     for writing, which waits for one grace period (6 to 14 ms here) unless another writer
     had it within about a grace period. Each rank's init joins its cgroups as it starts;
-    primed by a process of its own, forked as the launch begins, those joins find the
-    lock warm, or share the grace period under way, instead of each waiting for a whole
-    one. The write moves this process into the cgroup it is already in, the control
-    plane's own, which changes nothing; a failure costs only the time it saves."""
+    primed by the launch server's child once it has forked the keepers, concurrently with
+    their own start, those joins find the lock warm, or share the grace period under way,
+    instead of each waiting for a whole one. The write moves this process into the cgroup
+    it is already in, the control plane's own, which changes nothing; a failure costs
+    only the time it saves."""
     folder = next(iter(sandbox["cgroups"].values()))
     with contextlib.suppress(OSError):
         _write(f"{Path(folder).parent.parent}/cgroup.procs", "0")
