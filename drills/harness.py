@@ -98,6 +98,11 @@ DISTURBANCES = ("kill-rank", "second-sigterm", "short-grace", "kill-worker")
 # One kill-rank round needs one retry; the second leaves room for a disturbance that
 # lands during the restart.
 BORROWER_RETRIES = 2
+# Two hooks for a test cluster of real kubelets on this machine (tests/k8s/realnodes):
+# nodes of fewer GPUs, so that eight ranks span two nodes, and the web server on an
+# address the pods reach (the host's address on their bridge) rather than loopback.
+GPUS_PER_NODE_ENV = "QM_DRILL_GPUS_PER_NODE"
+BIND_ADDRESS_ENV = "QM_DRILL_BIND_ADDRESS"
 
 
 class DrillError(RuntimeError):
@@ -110,12 +115,15 @@ class Services:
 
     env: dict[str, str]
     port: int
+    address: str = "127.0.0.1"
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     log_dir: Path = Path()
 
     def start(self, name: str) -> None:
         commands = {
-            "web": web_command(bind=f"127.0.0.1:{self.port}", workers=2, threads=8, timeout=60),
+            "web": web_command(
+                bind=f"{self.address}:{self.port}", workers=2, threads=8, timeout=60
+            ),
             "worker": worker_command(hostname=f"drill-{os.getpid()}-{time.time_ns()}@%h"),
             "beat": beat_command(schedule=self.log_dir / "celerybeat-schedule"),
         }
@@ -187,19 +195,22 @@ class Drill:
         if notice not in NOTICE_MODES:
             raise DrillError("--notice must be on, off or both")
         self.notice_modes = NOTICE_MODES[notice]
-        self.nodes = max(1, math.ceil(ranks / 8))
-        self.capacity = self.nodes * 8
+        gpus_per_node = os.environ.get(GPUS_PER_NODE_ENV) or "8"
+        if not gpus_per_node.isdigit() or not 1 <= int(gpus_per_node) <= 64:
+            raise DrillError(f"{GPUS_PER_NODE_ENV} must be between 1 and 64, got {gpus_per_node!r}")
+        self.gpus_per_node = int(gpus_per_node)
+        self.bind_address = os.environ.get(BIND_ADDRESS_ENV) or "127.0.0.1"
+        self.nodes = max(1, math.ceil(ranks / self.gpus_per_node))
+        self.capacity = self.nodes * self.gpus_per_node
         self.work = Path(tempfile.mkdtemp(prefix="qm-drill-", dir=settings.VAR_DIR))
         self.dumps = self.work / "dumps"
         self.dumps.mkdir(mode=0o700)
-        if runtime == "local":
-            runner = local_runner()
-            if runner is not None:
-                # The borrowers' ranks run as users of their jobs' own and write their
-                # final state here: they may pass through the drill's folder and add files
-                # to this one, but neither list it nor remove another job's files.
-                self.work.chmod(0o711)
-                self.dumps.chmod(0o1733)
+        if (runtime == "local" and local_runner() is not None) or runtime == "kubernetes":
+            # The borrowers' ranks run as users of their jobs' own and write their
+            # final state here: they may pass through the drill's folder and add files
+            # to this one, but neither list it nor remove another job's files.
+            self.work.chmod(0o711)
+            self.dumps.chmod(0o1733)
         self.train = settings.BASE_DIR / "examples" / "train_ddp.py"
         self.sleeper = settings.BASE_DIR / "examples" / "sleeper.py"
         self.started = time.monotonic()
@@ -242,8 +253,11 @@ class Drill:
                 schedulable=False,
             )
         for name in sorted(wanted):
-            if not Node.objects.filter(name=name, flavor=flavor, gpus=8, schedulable=True).exists():
-                node_upsert(actor=actor, name=name, flavor=flavor, gpus=8, schedulable=True)
+            gpus = self.gpus_per_node
+            if not Node.objects.filter(
+                name=name, flavor=flavor, gpus=gpus, schedulable=True
+            ).exists():
+                node_upsert(actor=actor, name=name, flavor=flavor, gpus=gpus, schedulable=True)
         root = Team.objects.filter(slug="drill").first() or team_create(
             actor=actor, slug="drill", name="Drill"
         )
@@ -382,22 +396,24 @@ class Drill:
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
-            "QM_PUBLIC_URL": f"http://127.0.0.1:{port}",
+            "QM_PUBLIC_URL": f"http://{self.bind_address}:{port}",
             "QM_RETRY_BACKOFF_SECONDS": "1",
             "QM_CYCLE_SECONDS": "1",
         }
         self.public_url = env["QM_PUBLIC_URL"]
-        services = Services(env=env, port=port, log_dir=self.work)
+        services = Services(env=env, port=port, address=self.bind_address, log_dir=self.work)
         for name in ("web", "worker", "beat"):
             services.start(name)
-        self._wait(lambda: self._http_ok(port), "the web server", timeout=60)
-        self.log(f"web on 127.0.0.1:{port}, Celery worker and beat started (logs in {self.work})")
+        self._wait(lambda: self._http_ok(self.bind_address, port), "the web server", timeout=60)
+        self.log(
+            f"web on {self.bind_address}:{port}, Celery worker and beat started (logs in {self.work})"
+        )
         return services
 
     @staticmethod
-    def _http_ok(port: int) -> bool:
+    def _http_ok(address: str, port: int) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((address, port), timeout=0.5):
                 return True
         except OSError:
             return False
@@ -438,7 +454,7 @@ class Drill:
                 **os.environ,
                 "RANK": str(rank),
                 "WORLD_SIZE": str(self.ranks),
-                "LOCAL_RANK": str(rank % 8),
+                "LOCAL_RANK": str(rank % self.gpus_per_node),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": "1",
@@ -486,7 +502,7 @@ class Drill:
             team=self.owner,
             flavor=self.flavor,
             ranks=self.nodes,
-            gpus_per_rank=8,
+            gpus_per_rank=self.gpus_per_node,
             command=command,
             priority_class=self.critical,
             name=name,
@@ -573,7 +589,7 @@ class Drill:
         )
         critical = self.submit_critical(name=f"{label}-critical")
         self.log(
-            f"submitted critical job {critical.pk}: {self.nodes} × 8 GPUs under ai-prod-critical"
+            f"submitted critical job {critical.pk}: {self.nodes} × {self.gpus_per_node} GPUs under ai-prod-critical"
         )
         self._wait(
             lambda: PreemptionEvent.objects.filter(job=borrower, preemptor=critical).exists(),

@@ -200,6 +200,17 @@ def _free_pod_subnet() -> ipaddress.IPv4Network:
     raise RealNodeError(f"every pod subnet of {POD_SUBNETS[0]}..{POD_SUBNETS[-1]} is in use")
 
 
+def _full_reference(image: str) -> str:
+    """An image name as the CRI normalizes it: ``python:3.11`` is
+    ``docker.io/library/python:3.11``."""
+    first, _, rest = image.partition("/")
+    if not rest:
+        return f"docker.io/library/{image}"
+    if "." in first or ":" in first or first == "localhost":
+        return image
+    return f"docker.io/{image}"
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
@@ -261,6 +272,13 @@ class RealNodes:
     # Whether the rank image has busybox's nc and nslookup (see tools.k8s.images).
     rank_has_busybox: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    # Host folders every container of these nodes sees at the same path: (path,
+    # writable). For ranks that run the host's Python and virtual environment
+    # (read-only) and write where the test reads (see ``_base_runtime_spec``).
+    host_mounts: tuple[tuple[str, bool], ...] = ()
+    # More names for the rank image on every node, so pods asking for an image by
+    # one of these names (a runtime's default image, say) run it without a pull.
+    image_aliases: tuple[str, ...] = ()
     coredns: subprocess.Popen[bytes] | None = None
     slice_controller: subprocess.Popen[bytes] | None = None
 
@@ -320,6 +338,8 @@ class RealNodes:
             for node in self.nodes:
                 self._import(node, rank.archive)
                 self._import(node, pause.archive)
+                for alias in self.image_aliases:
+                    self._tag(node, rank.name, alias)
             self.timings["import"] = time.monotonic() - started
             for node in self.nodes:
                 self._start_kubelet(node, kubelet)
@@ -414,6 +434,9 @@ class RealNodes:
     def _containerd_config(self, node: RealNode, pause_image: str) -> str:
         base = node.dir / "containerd"
         cri = '[plugins."io.containerd.grpc.v1.cri"]'
+        base_spec = ""
+        if self.host_mounts:
+            base_spec = f'  base_runtime_spec = "{self._base_runtime_spec(node)}"\n\n'
         return f"""version = 2
 root = "{base / "root"}"
 state = "{base / "state"}"
@@ -450,7 +473,7 @@ disabled_plugins = [
 {cri[:-1]}.containerd.runtimes.runc]
   runtime_type = "io.containerd.runc.v2"
 
-{cri[:-1]}.containerd.runtimes.runc.options]
+{base_spec}{cri[:-1]}.containerd.runtimes.runc.options]
   SystemdCgroup = false
   Root = "{base / "runc"}"
 
@@ -459,6 +482,34 @@ disabled_plugins = [
   conf_dir = "{node.dir / "cni"}"
   max_conf_num = 1
 """
+
+    def _base_runtime_spec(self, node: RealNode) -> Path:
+        """containerd's default OCI spec plus ``host_mounts``, as every container's base.
+
+        This is how a node gives all its containers something of the host, as
+        the NVIDIA container toolkit gives them the driver's libraries: the pods
+        do not ask for it. Here it lets a rank run the host's Python, torch and
+        the project without baking gigabytes into an image (a one-machine test
+        cluster only: a production node has its image's Python).
+        """
+        result = subprocess.run(["ctr", "oci", "spec"], capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RealNodeError(f"ctr oci spec: {result.stderr.strip()}")
+        spec = json.loads(result.stdout)
+        # The CRI plugin's own default has no /run of its own; it adds what a pod needs.
+        spec["mounts"] = [m for m in spec["mounts"] if m["destination"] != "/run"]
+        for path, writable in self.host_mounts:
+            spec["mounts"].append(
+                {
+                    "destination": path,
+                    "type": "bind",
+                    "source": path,
+                    "options": ["rbind", "rw" if writable else "ro", "nosuid", "nodev"],
+                }
+            )
+        target = node.dir / "base-runtime-spec.json"
+        target.write_text(json.dumps(spec, indent=2))
+        return target
 
     def _cni_config(self, node: RealNode) -> dict[str, object]:
         base = self.pod_subnet.network_address
@@ -598,6 +649,15 @@ disabled_plugins = [
         result = self._ctr(node, "images", "import", str(archive))
         if result.returncode != 0:
             raise RealNodeError(f"ctr images import {archive} on {node.name}: {result.stderr}")
+
+    def _tag(self, node: RealNode, image: str, alias: str) -> None:
+        reference = _full_reference(alias)
+        self._ctr(node, "images", "rm", reference)  # a tag left by an earlier alias
+        result = self._ctr(node, "images", "tag", image, reference)
+        if result.returncode != 0:
+            raise RealNodeError(
+                f"ctr images tag {image} {reference} on {node.name}: {result.stderr}"
+            )
 
     def _create_cgroups(self) -> None:
         for mount in _cgroup_v1_mounts():
