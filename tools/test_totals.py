@@ -27,9 +27,8 @@ def main(paths: list[str]) -> int:
             failed += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
             skipped += int(suite.get("skipped", 0))
         for case in root.iter("testcase"):
-            # xdist's loadgroup adds "@group" to the names of grouped tests.
-            name = case.get("name", "").split("@")[0]
-            timings.append((float(case.get("time", 0)), f"{case.get('classname')}::{name} ({run})"))
+            name = f"{case.get('classname')}::{case.get('name')} ({run})"
+            timings.append((float(case.get("time", 0)), name))
     print(f"{len(paths)} pytest runs; the {SLOWEST} slowest tests:")
     for seconds, name in sorted(timings, reverse=True)[:SLOWEST]:
         print(f"{seconds:8.2f} s  {name}")
