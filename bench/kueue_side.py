@@ -147,6 +147,12 @@ def resolve_config(kueue_dir: Path, config: str) -> Path:
     return path
 
 
+def is_topology_aware(generator_config: Path) -> bool:
+    """Whether the config has a topology section (Kueue's tas config)."""
+    data = yaml.safe_load(Path(generator_config).read_text())
+    return isinstance(data, dict) and bool(data.get("topology"))
+
+
 def percentile(values: list[float], fraction: float) -> float:
     """Nearest-rank percentile (the value at rank ceil(fraction * n))."""
     if not values:
@@ -206,6 +212,11 @@ def parse_results(output_dir: Path) -> dict[str, Any]:
         firsts.append(first)
         lasts.append(last)
     capacity_total = quota_total * (max(lasts) - min(firsts)) * 1000 if firsts else 0.0
+    if workloads and used_total == 0:
+        raise KueueRunError(
+            f"Kueue admitted none of the {workloads} workloads (no CPU used by any cluster "
+            f"queue in {summary_path}): its figures would compare nothing"
+        )
 
     return {
         "total_s": stats["wallMs"] / 1000,
@@ -279,6 +290,11 @@ def run_kueue(
         "--logToFile=true",
         "--metricsScrapeInterval=5s",
     ]
+    if is_topology_aware(generator_config):
+        # As Kueue's `make run-tas-performance-scheduler` starts it: without TAS's
+        # controllers minimalkueue never admits a workload of a topology flavor, and the
+        # recorder stops once the generator is done, with nothing recorded.
+        command.append("--enableTAS=true")
     env = {k: v for k, v in os.environ.items() if k != "PROJECT_DIR"}
     env["KUBEBUILDER_ASSETS"] = str(k8s_bin)
     load_before = os.getloadavg()
