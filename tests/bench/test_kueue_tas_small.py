@@ -23,6 +23,7 @@ from bench.kueue_qm import (
     topology_labels_setting,
     topology_nodes,
 )
+from bench.kueue_side import KueueRunError, is_topology_aware, parse_results
 from bench.kueue_table import comparison_rows, format_table
 from preemption.cycle import schedule_cycle
 from preemption.models import Attempt, Job
@@ -214,3 +215,31 @@ def test_the_table_shows_the_placement_check_with_its_goal() -> None:
     # A config without topology checks no placement and shows no such row.
     del quartermaster["placement"]
     assert not any("placed across" in row.label for row in comparison_rows(kueue, quartermaster))
+
+
+def test_kueues_runner_gets_tas_on_a_topology_config_and_a_run_admitting_nothing_is_refused(
+    tmp_path: Path,
+) -> None:
+    assert is_topology_aware(CONFIG)
+    assert not is_topology_aware(CONFIG.with_name("kueue_small.yaml"))
+
+    # What Kueue's runner left when minimalkueue ran without TAS: every workload
+    # recorded, none admitted, no CPU used.
+    (tmp_path / "summary.yaml").write_text(
+        "clusterQueueClasses:\n  cq:\n    cpuAverageUsage: 0\n    cpuUsed: 0\n"
+        '    firstEventTime: "2026-12-06T11:10:29.848126756Z"\n'
+        '    lastEventTime: "2026-12-06T11:12:22.098112094Z"\n    nominalQuota: 600000\n'
+        "droppedWorkloadEvents: 0\nworkloadClasses:\n  small-required-rack:\n"
+        "    averageTimeToAdmissionMs: 0\n    averageTimeToFinishMs: 0\n    count: 2\n"
+        "    totalEvictions: 0\n"
+    )
+    (tmp_path / "wlStates.csv").write_text(
+        "id,class name,namespace,name,ms to admitted,ms to finish,num evictions\n"
+        "0,small-required-rack,cq-0-0-cohort-0,small-required-rack-0-0-0,0,0,0\n"
+        "1,small-required-rack,cq-0-0-cohort-0,small-required-rack-0-1-0,0,0,0\n"
+    )
+    (tmp_path / "minimalkueue.stats.yaml").write_text(
+        "maxrss: 267928\nsysMs: 1446\nuserMs: 12006\nwallMs: 121129\n"
+    )
+    with pytest.raises(KueueRunError, match="admitted none of the 2 workloads"):
+        parse_results(tmp_path)
