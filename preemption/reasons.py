@@ -131,6 +131,60 @@ def rank_end_words(rank: Rank) -> str:
     return f"rank {rank.index} exited with code {rank.exit_code}"
 
 
+# What took a rank away, by the reason of its pod's DisruptionTarget condition, said
+# of the rank's node: an eviction through the API is what `kubectl drain` makes.
+_DISRUPTED_NODE_WORDS = {
+    "EvictionByEvictionAPI": "was drained",
+    "PreemptionByScheduler": "gave the rank's GPUs to a higher-priority pod",
+    "DeletionByTaintManager": "was lost",
+    "TerminationByKubelet": "stopped its pods",
+}
+
+
+def disruption_words(*, nodes: dict[int, str], taken: dict[int, str], received: list[int]) -> str:
+    """Why a gang that ended on a stop nobody in the control plane ordered is requeued
+    rather than done, lower case: "disrupted: node h100-node-2 was drained".
+
+    `nodes` is each rank's node; `taken` the ranks the runtime saw taken away, with
+    the reason it saw (a DisruptionTarget condition's, or "Evicted: <message>" from a
+    kubelet); `received` the ranks whose trap reported a signal that was never sent."""
+    said: list[str] = []
+    for rank in sorted(taken):
+        node = nodes.get(rank, "") or "?"
+        reason = taken[rank]
+        if reason in _DISRUPTED_NODE_WORDS:
+            words = f"node {node} {_DISRUPTED_NODE_WORDS[reason]}"
+        elif reason.startswith("Evicted:"):
+            message = reason.removeprefix("Evicted:").strip()
+            words = f"node {node} evicted rank {rank}" + (f": {message}" if message else "")
+        else:
+            words = f"rank {rank} on node {node} was taken away ({reason})"
+        if words not in said:
+            said.append(words)
+    if not said:
+        ranks = sorted(received)
+        where = sorted({nodes.get(rank, "") or "?" for rank in ranks})
+        said.append(
+            f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))} on "
+            f"{'node' if len(where) == 1 else 'nodes'} {', '.join(where)} got a stop signal "
+            "that Quartermaster did not send"
+        )
+    return "disrupted: " + "; ".join(said)
+
+
+def disruption_requeue_words(
+    disruption: str, *, checkpoint_step: int | None, resume_step: int | None
+) -> str:
+    """Why a disrupted job waits, and where it resumes (see `disruption_words`)."""
+    if checkpoint_step is not None:
+        where = f"requeued from its checkpoint at step {checkpoint_step}"
+    elif resume_step is not None:
+        where = f"requeued; resumes at step {resume_step}"
+    else:
+        where = "requeued with no checkpoint, so it starts over"
+    return f"{disruption}; {where}"
+
+
 def protection_words(until: datetime) -> str:
     """A waiting job whose only possible victims are protected by their minimum runtime,
     said with the moment the protection ends (hours and minutes, UTC)."""

@@ -70,7 +70,7 @@ from preemption.models import (
     TrapEvent,
 )
 from preemption.notice import announced_notice, notice_plan, record_notice_commit
-from preemption.reasons import rank_end_words
+from preemption.reasons import disruption_requeue_words, disruption_words, rank_end_words
 from preemption.runtime import get_runtime
 from preemption.runtimes import iter_log_chunks, iter_trap_events_in_chunks, processes
 from preemption.runtimes.base import (
@@ -1654,10 +1654,17 @@ def _finish(steps: list[Step], runtime: Runtime) -> None:
         if _guarded(step.attempt, functools.partial(_ingest_ends, step, ranks, runtime)):
             closing.append((step, ranks, held.get(step.gang, [])))
     closed: list[tuple[Step, list[Rank]]] = []
+    disrupted = _disruptions([item for item in closing if item[0].event is None], runtime)
     with transaction.atomic():
         # Gangs that ended on their own with every rank exiting 0, the common end,
         # are closed together in a fixed number of queries; the rest one by one.
-        succeeded = [item for item in closing if item[0].event is None and not _broken(item[1])]
+        succeeded = [
+            item
+            for item in closing
+            if item[0].event is None
+            and not _broken(item[1])
+            and item[0].attempt.pk not in disrupted
+        ]
         together = _close_succeeded_together(succeeded, timezone.now())
         batched: set[int] = set()
         if together is not None:
@@ -1673,7 +1680,14 @@ def _finish(steps: list[Step], runtime: Runtime) -> None:
                     closed.append((Step(Attempt.Action.FORGET, attempt), ranks))
                 continue
             close = functools.partial(
-                _finish_attempt, attempt.job, attempt, ranks, step.event, orphaned, timezone.now()
+                _finish_attempt,
+                attempt.job,
+                attempt,
+                ranks,
+                step.event,
+                orphaned,
+                timezone.now(),
+                disruption=disrupted.get(attempt.pk, ""),
             )
             if _guarded(attempt, close, savepoint=True):
                 attempt.action, attempt.action_tries = Attempt.Action.FORGET, 0
@@ -1683,6 +1697,47 @@ def _finish(steps: list[Step], runtime: Runtime) -> None:
     for step, ranks in closed:
         _guarded(step.attempt, functools.partial(save_log_tails, step.attempt, ranks, runtime))
     _carry_out([step for step, _ in closed], runtime)
+
+
+def _disruptions(
+    closing: list[tuple[Step, list[Rank], list[int]]], runtime: Runtime
+) -> dict[int, str]:
+    """The ended attempts, of those with no stop on record, that something outside
+    the control plane stopped, with why in words (`disruption_words`): a rank the
+    runtime saw taken away (a drain's eviction, which carries no mark of ours), or a
+    rank whose trap reported a signal that the control plane never sent (a host's
+    shutdown, a person's kill). Such a gang may end with every rank exiting 0, its
+    trap having checkpointed on that signal, but its work is not done. One query,
+    read after the ranks' trap events were ingested, plus what the runtime's gang
+    guard kept from its last observation."""
+    if not closing:
+        return {}
+    received: dict[int, list[int]] = defaultdict(list)
+    for attempt_id, index in Rank.objects.filter(
+        attempt_id__in=[step.attempt.pk for step, _, _ in closing],
+        signal_received_at__isnull=False,
+        signal_sent_at__isnull=True,
+    ).values_list("attempt_id", "index"):
+        received[attempt_id].append(index)
+    guard = runtime.gang_guard
+    words: dict[int, str] = {}
+    for step, ranks, _ in closing:
+        taken: dict[int, str] = {}
+        if guard is not None and step.attempt.launched_at is not None:
+            taken = guard.taken_ranks(step.gang)
+        # A rank the control plane signalled was stopped by it; one evicted past a
+        # limit of its own (its memory, its disk) ended by its own doing.
+        excused = {
+            rank.index for rank in ranks if rank.signal_sent_at is not None or rank.end_reason
+        }
+        taken = {index: why for index, why in taken.items() if index not in excused}
+        if taken or received.get(step.attempt.pk):
+            words[step.attempt.pk] = disruption_words(
+                nodes={rank.index: rank.node for rank in ranks},
+                taken=taken,
+                received=received.get(step.attempt.pk, []),
+            )
+    return words
 
 
 def _held_ports(steps: list[Step], runtime: Runtime) -> dict[GangId, list[int]]:
@@ -1822,9 +1877,16 @@ def _finish_attempt(
     event: PreemptionEvent | None,
     orphaned: list[int],
     now: datetime,
+    *,
+    disruption: str = "",
 ) -> bool:
     """Free the GPUs and decide what becomes of the job; the gang is to be
-    forgotten next. False when another worker closed the attempt first."""
+    forgotten next. False when another worker closed the attempt first.
+
+    `disruption` says why, where something outside the control plane stopped the
+    gang (`_disruptions`): with no stop of the control plane's own, the job is then
+    requeued from its checkpoint as preempted by the cluster, whatever its ranks'
+    exit codes, and no retry of its own is counted."""
     codes = [rank.exit_code for rank in ranks]
     exited_at = max((rank.exited_at for rank in ranks if rank.exited_at), default=now)
     failed = _broken(ranks)
@@ -1851,6 +1913,12 @@ def _finish_attempt(
         }.get(reason, Attempt.EndReason.PREEMPTED)
         if job.cancel_requested_at is not None:
             end_reason = Attempt.EndReason.CANCELLED
+    elif disruption:
+        end_reason = (
+            Attempt.EndReason.CANCELLED
+            if job.cancel_requested_at is not None
+            else Attempt.EndReason.PREEMPTED
+        )
     elif failed:
         end_reason = Attempt.EndReason.FAILED
     else:
@@ -1878,6 +1946,19 @@ def _finish_attempt(
     elif end_reason == Attempt.EndReason.CANCELLED:
         update.update(state=JobState.CANCELLED, finished_at=now)
         notice = ("finished", {"state": "cancelled", "exit_codes": codes})
+    elif end_reason == Attempt.EndReason.PREEMPTED and event is None:
+        # Stopped by the cluster, not by the control plane: requeued as a preemption.
+        update.update(
+            state=JobState.REQUEUED,
+            requeued_at=now,
+            waiting_reason=disruption_requeue_words(
+                disruption, checkpoint_step=last_step, resume_step=resume_step
+            )[:300],
+        )
+        notice = (
+            "requeued",
+            {"resume_step": resume_step, "reason": "disrupted", "cause": disruption},
+        )
     elif end_reason == Attempt.EndReason.PREEMPTED:
         update.update(
             state=JobState.REQUEUED,

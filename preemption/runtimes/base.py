@@ -152,6 +152,11 @@ class GangGuard(Protocol):
         """The gangs that lost a rank to something other than the rank itself."""
         ...
 
+    def taken_ranks(self, gang: GangId) -> dict[int, str]:
+        """The gang's ranks that something other than the control plane and the rank
+        itself ended (a drain, a kubelet's eviction), with why, as last observed."""
+        ...
+
 
 class ExitWatcher(Protocol):
     """An optional capability: a runtime that can say, as it happens, that ranks exited,

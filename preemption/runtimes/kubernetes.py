@@ -34,7 +34,10 @@ Objects of one gang (job id, attempt), all in one namespace:
   pod's GPUs once its phase is terminal, finalizer or not.
 
 Signalling is the ``policy/v1`` Eviction API for every rank concurrently with
-``deleteOptions.gracePeriodSeconds``; a 429 (a PodDisruptionBudget says no) is
+``deleteOptions.gracePeriodSeconds``, each pod first marked with the annotation
+``quartermaster.dev/stop-requested`` (killing marks them too): an eviction of an
+unmarked rank, of one rank or of all, is someone else's (``kubectl drain``, the
+kubelet, kube-scheduler), a disruption, even to a worker restarted since; a 429 (a PodDisruptionBudget says no) is
 retried with backoff, and a gang still blocked raises RuntimeTemporaryError
 and shows in ``eviction_blocked()``; the reconciler retries each cycle and,
 once the grace deadline has passed, kills the gang (the preemption is then
@@ -131,6 +134,11 @@ LAUNCHED_ANNOTATION = "quartermaster.dev/launched-at"
 SIGNALLED_ANNOTATION = "quartermaster.dev/signalled-at"
 GRACE_ANNOTATION = "quartermaster.dev/grace-seconds"
 KILLED_ANNOTATION = "quartermaster.dev/killed-at"
+# Set on a rank pod before this runtime evicts or deletes it for its own stop:
+# "<attempt>/<signal or kill>/<when>". An Eviction API call carries no mark of who
+# made it, so this is how the runtime, and a restarted one, tells its own stop of a
+# rank from a drain's, the kubelet's or kube-scheduler's (a disruption).
+STOP_REQUESTED_ANNOTATION = "quartermaster.dev/stop-requested"
 GPU_RESOURCE = "nvidia.com/gpu"
 LOG_CHUNK_BYTES = 64 * 1024
 EVENTS_TOKEN_KEY = "QM_EVENTS_TOKEN"
@@ -447,9 +455,10 @@ class KubernetesRuntime:
         self._pod_cache_ready = threading.Event()
         self._pod_watch: threading.Thread | None = None
         self._closing = threading.Event()
-        # (job, attempt, rank) of pods carrying a DisruptionTarget condition at
-        # the latest observe(): something other than the rank itself ended it.
-        self._disrupted: set[tuple[int, int, int]] = set()
+        # (job, attempt, rank) of pods that something other than this runtime and
+        # the rank itself ended or is ending at the latest observe() (an unmarked
+        # pod with a DisruptionTarget condition or the kubelet's eviction), with why.
+        self._disrupted: dict[tuple[int, int, int], str] = {}
         # time.monotonic() of the last Eviction answer of the latest signal():
         # the end of "decision to last eviction answered".
         self.last_eviction_answered_at = 0.0
@@ -955,11 +964,15 @@ class KubernetesRuntime:
         now = time.time()
         with self._lock:
             first_signal = gang not in self._signalled
-            self._signalled.setdefault(gang, now)
+            signalled_at = self._signalled.setdefault(gang, now)
+        mark = stop_mark(gang.attempt, "signal", signalled_at)
         deadline = time.monotonic() + self.settings.eviction_retry_seconds
         outcomes = list(
             self._pool.map(
-                lambda rank: (rank, *self._evict(namespace, pod_name(gang, rank), grace, deadline)),
+                lambda rank: (
+                    rank,
+                    *self._evict(namespace, pod_name(gang, rank), grace, deadline, mark),
+                ),
                 range(world_size),
             )
         )
@@ -1003,9 +1016,11 @@ class KubernetesRuntime:
         )
 
     def _evict(
-        self, namespace: str, name: str, grace: int, deadline: float
+        self, namespace: str, name: str, grace: int, deadline: float, mark: str
     ) -> tuple[str | None, float]:
-        """Evict one pod: (None when done, else why it is still blocked; when answered)."""
+        """Mark one pod as stopped by this runtime, then evict it: (None when done, else
+        why it is still blocked; when answered). The mark goes first, so no eviction of
+        this runtime's is ever seen unmarked, not even by a worker started after it."""
         body = {
             "apiVersion": "policy/v1",
             "kind": "Eviction",
@@ -1013,8 +1028,12 @@ class KubernetesRuntime:
             "deleteOptions": {"gracePeriodSeconds": grace},
         }
         pause = 0.05
+        marked = False
         while True:
             try:
+                if not marked:
+                    self._mark_stop(namespace, name, mark)
+                    marked = True
                 # The answer's body is not needed: skip deserializing it.
                 self.core.create_namespaced_pod_eviction(
                     name, namespace, body, _preload_content=False
@@ -1032,6 +1051,15 @@ class KubernetesRuntime:
             time.sleep(pause)
             pause = min(pause * 2, 0.5)
 
+    def _mark_stop(self, namespace: str, name: str, mark: str) -> None:
+        """Annotate a rank pod with this runtime's stop (see STOP_REQUESTED_ANNOTATION)."""
+        self.core.patch_namespaced_pod(
+            name,
+            namespace,
+            {"metadata": {"annotations": {STOP_REQUESTED_ANNOTATION: mark}}},
+            _preload_content=False,
+        )
+
     def eviction_blocked(self, gang: GangId) -> dict[int, str]:
         """Ranks whose last eviction a PodDisruptionBudget refused, with the reason."""
         with self._lock:
@@ -1043,11 +1071,22 @@ class KubernetesRuntime:
         if location is None:
             return
         namespace, world_size = location
-        self._annotate(gang, namespace, {KILLED_ANNOTATION: f"{time.time():.6f}"})
+        killed_at = time.time()
+        self._annotate(gang, namespace, {KILLED_ANNOTATION: f"{killed_at:.6f}"})
         body = client.V1DeleteOptions(grace_period_seconds=0)
+        with self._lock:
+            signalled_at = self._signalled.get(gang)
+        # A pod this runtime signalled keeps its signal's mark; one it kills unsignalled
+        # (a gang stuck at its start) is marked as killed, so neither reads as a disruption.
+        mark = (
+            stop_mark(gang.attempt, "signal", signalled_at)
+            if signalled_at is not None
+            else stop_mark(gang.attempt, "kill", killed_at)
+        )
 
         def delete(rank: int) -> Exception | None:
             try:
+                self._mark_stop(namespace, pod_name(gang, rank), mark)
                 self.core.delete_namespaced_pod(pod_name(gang, rank), namespace, body=body)
             except ApiException as error:
                 if not _is_gone(error):
@@ -1086,9 +1125,11 @@ class KubernetesRuntime:
             pods_by_gang.setdefault(key, {})[int(labels[RANK_LABEL])] = pod
         observations: list[RankObservation] = []
         disrupted = {
-            (int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]), int(labels[RANK_LABEL]))
+            (int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]), int(labels[RANK_LABEL])): reason
             for pod in pods
-            if _taken_by(pod) is not None
+            if stop_marked_at(pod) is None
+            for reason in [_taken_by(pod)]
+            if reason is not None
             for labels in [pod.metadata.labels or {}]
         }
         with self._lock:
@@ -1096,7 +1137,9 @@ class KubernetesRuntime:
                 self._disrupted = disrupted
             else:
                 self._disrupted = {
-                    key for key in self._disrupted if key[:2] != (gang.job_id, gang.attempt)
+                    key: reason
+                    for key, reason in self._disrupted.items()
+                    if key[:2] != (gang.job_id, gang.attempt)
                 } | disrupted
         for record in records:
             labels = record.metadata.labels or {}
@@ -1112,17 +1155,6 @@ class KubernetesRuntime:
             )
             world_size = int((record.data or {}).get("world_size", "0"))
             ranks = pods_by_gang.get(key, {})
-            # Evictions of every rank with no signal on record are this runtime's own,
-            # seen before its record of them landed; an eviction of only some ranks is
-            # someone else's (a drain), which the gang guard must see.
-            evicted_as_gang = (
-                signalled_at is None
-                and world_size > 0
-                and all(
-                    rank in ranks and _evicted_through_api(ranks[rank])
-                    for rank in range(world_size)
-                )
-            )
             for rank in range(world_size):
                 pod = ranks.get(rank)
                 if pod is None:
@@ -1143,11 +1175,7 @@ class KubernetesRuntime:
                         )
                     )
                 else:
-                    observations.append(
-                        rank_observation(
-                            pod, signalled_at, ready_nodes, evicted_as_gang=evicted_as_gang
-                        )
-                    )
+                    observations.append(rank_observation(pod, signalled_at, ready_nodes))
         observations.sort(key=lambda o: (o.job_id, o.attempt, o.rank))
         return observations
 
@@ -1557,6 +1585,18 @@ class KubernetesRuntime:
             disrupted = set(self._disrupted)
         return gang_guard_victims(observations, disrupted=disrupted)
 
+    def taken_ranks(self, gang: GangId) -> dict[int, str]:
+        """The gang's ranks that something other than this runtime and the rank itself
+        ended or is ending, as the latest observe() saw them, with the reason (a
+        DisruptionTarget condition's, such as ``EvictionByEvictionAPI`` for a drain, or
+        ``Evicted: <the kubelet's message>``). No API call: it reads what observe() kept."""
+        with self._lock:
+            return {
+                rank: reason
+                for (job_id, attempt, rank), reason in self._disrupted.items()
+                if (job_id, attempt) == (gang.job_id, gang.attempt)
+            }
+
     def enforce_gang_guard(self, grace_seconds: Callable[[GangId], float]) -> list[GangId]:
         """Evict the rest of every gang that lost a rank to someone else.
 
@@ -1697,22 +1737,28 @@ def _end_reason(pod: Any) -> str:
     return ""
 
 
-def _evicted_through_api(pod: Any) -> bool:
-    """Whether the pod is being deleted by an Eviction API call (anyone's)."""
-    condition = _disruption(pod)
-    return (
-        condition is not None
-        and condition.reason == "EvictionByEvictionAPI"
-        and pod.metadata.deletion_timestamp is not None
-    )
+def stop_mark(attempt: int, kind: str, at: float) -> str:
+    """The value of STOP_REQUESTED_ANNOTATION: "<attempt>/<kind>/<when>"."""
+    return f"{attempt}/{kind}/{at:.6f}"
+
+
+def stop_marked_at(pod: Any) -> float | None:
+    """When this runtime asked to stop the pod, from its STOP_REQUESTED_ANNOTATION,
+    or None when it never did (or the mark is not one of its own)."""
+    mark = (pod.metadata.annotations or {}).get(STOP_REQUESTED_ANNOTATION)
+    if not mark:
+        return None
+    attempt, _, rest = mark.partition("/")
+    if attempt != (pod.metadata.labels or {}).get(ATTEMPT_LABEL):
+        return None
+    try:
+        return float(rest.rpartition("/")[2])
+    except ValueError:
+        return None
 
 
 def rank_observation(
-    pod: Any,
-    signalled_at: float | None,
-    ready_nodes: set[str] | None = None,
-    *,
-    evicted_as_gang: bool = False,
+    pod: Any, signalled_at: float | None, ready_nodes: set[str] | None = None
 ) -> RankObservation:
     """Map one rank pod to a RankObservation.
 
@@ -1721,11 +1767,12 @@ def rank_observation(
     DisruptionTarget condition is ``terminating``.
 
     ``signalled_at`` is when this runtime signalled the gang, from its own record
-    (in memory, then the gang record's annotation). An Eviction API call carries no
-    mark of who made it, so without that record the pod's eviction counts as the
-    runtime's own only when ``evicted_as_gang`` says every rank of the gang is being
-    evicted: one rank evicted alone (``kubectl drain`` of its node) is someone
-    else's, and the gang guard then stops the rest.
+    (in memory, then the gang record's annotation); without it, the pod's own mark
+    (STOP_REQUESTED_ANNOTATION, set before its eviction or deletion) says so. An
+    Eviction API call carries no mark of who made it, so an eviction of an unmarked
+    pod is someone else's (``kubectl drain``, the kubelet, kube-scheduler), whether
+    of one rank or of every rank: its signal is not recorded as sent, and the gang
+    guard and the reconciler see a disruption.
     """
     labels = pod.metadata.labels or {}
     started_at = exited_at = None
@@ -1749,10 +1796,8 @@ def rank_observation(
                 exit_code = int(terminated.exit_code)
                 exited_at = _parse_time(terminated.finished_at)
     node = pod.spec.node_name or labels.get(NODE_LABEL, "")
-    if signalled_at is None and evicted_as_gang and _evicted_through_api(pod):
-        grace = pod.metadata.deletion_grace_period_seconds or 0
-        signalled_at = _parse_time(pod.metadata.deletion_timestamp)
-        signalled_at = None if signalled_at is None else signalled_at - grace
+    if signalled_at is None:
+        signalled_at = stop_marked_at(pod)
     if pod.status.phase in ("Succeeded", "Failed"):
         phase = "exited"
     elif pod.metadata.deletion_timestamp is not None and not pod.spec.node_name:
