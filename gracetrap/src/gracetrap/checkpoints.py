@@ -5,6 +5,19 @@ has written its ``.metadata`` file, which it does last, after every rank's data 
 on disk. Everything else here keeps that invariant true across a kill at any moment:
 the pointer is replaced by rename, and a folder being deleted is first renamed out
 of the ``step_N`` namespace so that a half-deleted folder can never look complete.
+
+Fencing. A rank of an older attempt can outlive its attempt unseen (a node that lost
+only its kubelet, a network partition, a rank no sandbox holds) and go on writing to
+the job's folder while a newer attempt trains from it. The folder therefore has an
+epoch, the highest attempt that claimed it: each attempt creates its own
+``epoch-<attempt>`` file (``O_EXCL``) before it loads anything, so the epoch only
+ever grows and two claimants never overwrite each other's claim. Each attempt saves
+into folders of its own, ``step_N.attempt_E``, so an older attempt can never write
+into a newer one's files; a rank checks the epoch before its commit and right after
+it, and stops once a newer attempt owns the folder (:class:`FencedError`). Resuming
+orders commits by (epoch, step), so even a commit that slipped in between a claim
+and its writer's check never wins over the newer attempt's own. A folder named
+``step_N`` (written without an attempt, or before fencing existed) is epoch 0.
 """
 
 from __future__ import annotations
@@ -20,8 +33,31 @@ from typing import Any
 
 METADATA_FILE = ".metadata"
 LATEST_POINTER = "latest"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+EPOCH_PREFIX = "epoch-"
+_STEP_DIR = re.compile(r"^step_(\d+)(?:\.attempt_(\d+))?$")
+_EPOCH_FILE = re.compile(r"^epoch-(\d+)$")
 _DISCARD_PREFIX = ".discard-"
+
+
+class FencedError(RuntimeError):
+    """A newer attempt of the job has claimed the checkpoint folder: this rank must stop.
+
+    Its arguments are plain integers so that it crosses process boundaries intact
+    (DCP gathers a failed commit's exception to every rank by pickle).
+    """
+
+    def __init__(self, owner: int, mine: int) -> None:
+        super().__init__(owner, mine)
+        self.owner = owner
+        self.mine = mine
+
+    def __str__(self) -> str:
+        return fenced_line(self.owner, self.mine)
+
+
+def fenced_line(owner: int, mine: int) -> str:
+    """The one line a fenced rank logs before it stops."""
+    return f"fenced: attempt {owner} of this job owns the checkpoints now; attempt {mine} stops"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,11 +67,58 @@ class CheckpointInfo:
     step: int
     path: Path
     complete: bool
+    epoch: int = 0
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """How new the checkpoint is: a newer attempt's commit is newer than any older
+        attempt's, whatever their steps."""
+        return (self.epoch, self.step)
 
 
-def step_dir(checkpoint_dir: Path, step: int) -> Path:
-    """The folder that holds the checkpoint taken after ``step``."""
-    return checkpoint_dir / f"step_{step}"
+def step_dir(checkpoint_dir: Path, step: int, epoch: int = 0) -> Path:
+    """The folder that holds the checkpoint taken after ``step`` by attempt ``epoch``."""
+    if epoch == 0:
+        return checkpoint_dir / f"step_{step}"
+    return checkpoint_dir / f"step_{step}.attempt_{epoch}"
+
+
+def current_epoch(checkpoint_dir: Path) -> int:
+    """The highest attempt that claimed the folder (0 when none did)."""
+    try:
+        entries = os.scandir(checkpoint_dir)
+    except FileNotFoundError:
+        return 0
+    with entries:
+        epochs = [int(m.group(1)) for e in entries if (m := _EPOCH_FILE.match(e.name))]
+    return max(epochs, default=0)
+
+
+def claim_epoch(checkpoint_dir: Path, epoch: int, *, owner: str = "") -> int:
+    """Claim the folder for attempt ``epoch``; return the folder's epoch afterwards.
+
+    The claim is a file of its own, created with ``O_EXCL`` and made durable before
+    this returns, so that the epoch (the highest such file) can only grow: no
+    claimant can lower it, however the claims interleave. The ranks of one attempt
+    all claim the same file, and all but the first find it there. A return value
+    above ``epoch`` means a newer attempt owns the folder already.
+    """
+    if epoch < 1:
+        raise ValueError(f"an attempt number starts at 1, not {epoch}")
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    claim = checkpoint_dir / f"{EPOCH_PREFIX}{epoch}"
+    try:
+        fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        pass
+    else:
+        # Who claimed, for a person reading the folder; the epoch is in the name.
+        with os.fdopen(fd, "w") as handle:
+            json.dump({"attempt": epoch, "owner": owner, "claimed_at": time.time()}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        fsync_dir(checkpoint_dir)
+    return current_epoch(checkpoint_dir)
 
 
 def is_complete(path: Path) -> bool:
@@ -44,7 +127,7 @@ def is_complete(path: Path) -> bool:
 
 
 def list_checkpoints(checkpoint_dir: Path) -> list[CheckpointInfo]:
-    """Every ``step_N`` folder, newest step first, complete or not."""
+    """Every checkpoint folder, newest first by (epoch, step), complete or not."""
     found: list[CheckpointInfo] = []
     try:
         entries = list(os.scandir(checkpoint_dir))
@@ -54,8 +137,9 @@ def list_checkpoints(checkpoint_dir: Path) -> list[CheckpointInfo]:
         match = _STEP_DIR.match(entry.name)
         if match and entry.is_dir(follow_symlinks=False):
             path = Path(entry.path)
-            found.append(CheckpointInfo(int(match.group(1)), path, is_complete(path)))
-    found.sort(key=lambda info: info.step, reverse=True)
+            epoch = int(match.group(2)) if match.group(2) is not None else 0
+            found.append(CheckpointInfo(int(match.group(1)), path, is_complete(path), epoch))
+    found.sort(key=lambda info: info.order, reverse=True)
     return found
 
 
@@ -92,12 +176,19 @@ def read_pointer(checkpoint_dir: Path) -> dict[str, Any] | None:
 
 
 def write_pointer(
-    checkpoint_dir: Path, *, step: int, seconds: float, nbytes: int, world_size: int
+    checkpoint_dir: Path,
+    *,
+    step: int,
+    seconds: float,
+    nbytes: int,
+    world_size: int,
+    epoch: int = 0,
 ) -> None:
     """Replace ``latest`` atomically: write a temporary file, fsync, rename, fsync the folder."""
     content = {
         "step": step,
-        "path": step_dir(checkpoint_dir, step).name,
+        "path": step_dir(checkpoint_dir, step, epoch).name,
+        "epoch": epoch,
         "seconds": seconds,
         "bytes": nbytes,
         "world_size": world_size,
@@ -127,17 +218,19 @@ def prune(checkpoint_dir: Path, keep: int) -> list[int]:
 
     Incomplete folders older than the newest complete checkpoint are leftovers of a
     killed save and are dropped too; an incomplete folder newer than that may be a
-    save in progress and is left alone. Returns the steps removed.
+    save in progress and is left alone. "Newer" is by (epoch, step), the order a
+    resume follows, so every attempt that prunes keeps the same checkpoints. Returns
+    the steps removed.
     """
     removed: list[int] = []
     checkpoints = list_checkpoints(checkpoint_dir)
     complete = [info for info in checkpoints if info.complete]
-    newest_complete = complete[0].step if complete else None
+    newest_complete = complete[0].order if complete else None
     for info in complete[max(keep, 1) :]:
         discard(info.path)
         removed.append(info.step)
     for info in checkpoints:
-        if not info.complete and newest_complete is not None and info.step < newest_complete:
+        if not info.complete and newest_complete is not None and info.order < newest_complete:
             discard(info.path)
             removed.append(info.step)
     for entry in os.scandir(checkpoint_dir):

@@ -45,6 +45,12 @@ _WORLD_SIZE_KEY = "gracetrap_world_size"
 _STATE_KEY = "state"
 # A `cadence` event is sent again when the interval moved by more than this fraction.
 CADENCE_REPORT_FRACTION = 0.1
+# A rank that a newer attempt fenced off exits with this code: nonzero (it did not
+# finish), and apart from Python's 1 for an uncaught exception and 128+n for a signal.
+FENCED_EXIT_CODE = 3
+# Between saves, rank 0 looks at the folder's epoch this often, so that a fenced rank
+# that saves rarely (or only when signalled) stops burning its GPU soon all the same.
+FENCE_CHECK_SECONDS = 5.0
 
 
 def _rng_key(rank: int) -> str:
@@ -233,6 +239,52 @@ def _skip_the_last_collections() -> None:
         atexit.register(_freeze_objects)
 
 
+def _fencing_owner(error: BaseException) -> int | None:
+    """The attempt that fenced this one off, when ``error`` is (or wraps) a fencing."""
+    if isinstance(error, checkpoints.FencedError):
+        return error.owner
+    if isinstance(error, CheckpointException):
+        # DCP gathers each rank's failure as (exception, traceback summary).
+        for failure in error.failures.values():
+            owner = _fencing_owner(failure[0])
+            if owner is not None:
+                return owner
+    return None
+
+
+class _FencedWriter(FileSystemWriter):
+    """DCP's file-system writer, whose commit (the ``.metadata`` rename) is fenced.
+
+    ``finish`` runs on the coordinating rank once every rank's data is on disk. It
+    checks the folder's epoch before the metadata is written, and again right after
+    the rename: a newer attempt may have claimed the folder in between, and then the
+    commit is taken back (the metadata removed) before anyone is told it happened.
+    The :class:`~gracetrap.checkpoints.FencedError` reaches every rank through DCP.
+    """
+
+    def __init__(self, path: Path, *, root: Path, epoch: int | None, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.root = root
+        self.epoch = epoch
+
+    def _check(self) -> None:
+        if self.epoch is None:
+            return
+        owner = checkpoints.current_epoch(self.root)
+        if owner > self.epoch:
+            raise checkpoints.FencedError(owner, self.epoch)
+
+    def finish(self, *args: Any, **kwargs: Any) -> None:
+        """Commit the checkpoint unless a newer attempt owns the folder."""
+        self._check()
+        super().finish(*args, **kwargs)
+        try:
+            self._check()
+        except checkpoints.FencedError:
+            Path(self._get_metadata_path()).unlink(missing_ok=True)
+            raise
+
+
 def _prune_after(previous: threading.Thread | None, root: Path, keep: int) -> None:
     # Runs in the pruning thread: wait for the previous pruning, then prune.
     if previous is not None:
@@ -270,6 +322,11 @@ class Trap:
     ``QM_JOB_ID`` and ``QM_ATTEMPT``. ``state`` maps names to the objects to checkpoint:
     models, optimizers and anything with ``state_dict()``/``load_state_dict()``. RNG
     states and the step are always included.
+
+    With an attempt number, the trap claims the checkpoint folder for its attempt as
+    it is built (before anything is loaded) and stops with ``FENCED_EXIT_CODE`` once a
+    newer attempt has claimed it (see ``gracetrap.checkpoints``). Without one (training
+    run by hand), it claims nothing and saves into the folder's newest lineage.
 
     Typical loop::
 
@@ -333,9 +390,10 @@ class Trap:
             )
         self._mtbp_fixed = mtbp_seconds
         self._mtbp_hint = protocol.MtbpHint()
+        self.attempt = attempt if attempt is not None else _env_int("QM_ATTEMPT")
         self.events = EventReporter(
             job_id=job_id if job_id is not None else _job_id_from_env(),
-            attempt=attempt if attempt is not None else _env_int("QM_ATTEMPT"),
+            attempt=self.attempt,
             rank=self.rank,
             events_url=events_url if events_url is not None else _env("QM_EVENTS_URL"),
             events_token=events_token if events_token is not None else _env("QM_EVENTS_TOKEN"),
@@ -365,6 +423,14 @@ class Trap:
         # The (MTBP, interval) of the latest `cadence` event, so that it is reported
         # when it changes rather than at every step.
         self._reported_cadence: tuple[float, float] | None = None
+        # The lineage this trap saves into and resumes from: its attempt when it has
+        # one (then it is fenced: `_fencing`), else the folder's newest.
+        self.epoch = 0
+        self._fencing = False
+        self._fenced_by = 0
+        self._fence_checked_at = time.monotonic()
+        self._poller: NoticePoller | None = None
+        self._claim()
         _register_settle()
         # Registered after the settle wait, so it runs before it (atexit is last in,
         # first out): a rank's own signal that arrives after its last report (on
@@ -388,6 +454,94 @@ class Trap:
             async_saves=self.async_saves,
             mtbp_seconds=self.mtbp_seconds(),
         )
+
+    # ----------------------------------------------------------------- fencing
+
+    def _claim(self) -> None:
+        """Claim the checkpoint folder for this attempt, before anything is loaded."""
+        if self.checkpoint_dir is None:
+            return
+        if self.attempt is None:
+            self.epoch = checkpoints.current_epoch(self.checkpoint_dir)
+            return
+        try:
+            owner = checkpoints.claim_epoch(
+                self.checkpoint_dir,
+                self.attempt,
+                owner=f"job {self.events.job_id} rank {self.rank()} pid {os.getpid()}",
+            )
+        except OSError as error:
+            # A folder this rank cannot write to holds no checkpoint of its either.
+            print(
+                f"gracetrap: cannot claim {self.checkpoint_dir} for attempt {self.attempt} "
+                f"({error}); its checkpoints are not fenced",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.epoch = self.attempt
+            return
+        self.epoch = self.attempt
+        self._fencing = True
+        if owner > self.epoch:
+            # A rank that starts after a newer attempt claimed the folder never trains.
+            self._stop_fenced(owner)
+
+    def _newer_owner(self) -> int:
+        """The folder's epoch when a newer attempt claimed it, else 0 (a local look)."""
+        if not self._fencing or self.checkpoint_dir is None:
+            return 0
+        if self._fenced_by:
+            return self._fenced_by
+        owner = checkpoints.current_epoch(self.checkpoint_dir)
+        return owner if owner > self.epoch else 0
+
+    def _owner_to_agree(self) -> float:
+        """What this rank brings to an agreement on fencing: rank 0 looks at the folder
+        now and then, any rank passes on a fencing it met in a background save."""
+        if not self._fencing:
+            return 0.0
+        if self._fenced_by:
+            return float(self._fenced_by)
+        if self.rank() == 0 and time.monotonic() - self._fence_checked_at >= FENCE_CHECK_SECONDS:
+            self._fence_checked_at = time.monotonic()
+            return float(self._newer_owner())
+        return 0.0
+
+    @property
+    def fenced(self) -> bool:
+        """True once a newer attempt of the job was found to own the checkpoint folder."""
+        return self._fenced_by > 0
+
+    def _stop_fenced(
+        self, owner: int, step: int | None = None, path: Path | None = None
+    ) -> NoReturn:
+        """Stop this rank for good: a newer attempt owns the checkpoints.
+
+        Every rank of the gang reaches this at the same point (the decision comes from
+        an all-reduce, or from DCP, which raises alike on every rank), so the gang can
+        still leave its process group in step. What this attempt had staged for a
+        commit is removed: its folder is its own, nobody else writes there.
+        """
+        self._fenced_by = owner
+        line = checkpoints.fenced_line(owner, self.epoch)
+        print(f"gracetrap: {line}", file=sys.stderr, flush=True)
+        if path is not None and self.rank() == 0 and not checkpoints.is_complete(path):
+            checkpoints.discard(path)
+        if step is not None:
+            self.events.emit("checkpoint_skipped", step=step, reason=line)
+        # No more pruning from this rank: the folder is the newer attempt's to tidy.
+        self._pruner = None
+        if self._poller is not None:
+            self._poller.stop()
+        if self._initialised():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        self.events.emit("exiting", code=FENCED_EXIT_CODE)
+        self.events.flush(POST_TIMEOUT_SECONDS)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _skip_the_last_collections()
+        sys.exit(FENCED_EXIT_CODE)
 
     # ----------------------------------------------------------------- signals
 
@@ -521,8 +675,10 @@ class Trap:
         # starts the grace window for all of them.
         signal_at = -self._signal_at if self._signal_at is not None else -math.inf
         flag = 1.0 if self._signal_at is not None else 0.0
-        values = [flag, signal_at, notice_at, time.time(), due]
-        flag, earliest, notice_at, now, due = self._reduce_max(values)
+        values = [flag, signal_at, notice_at, time.time(), due, self._owner_to_agree()]
+        flag, earliest, notice_at, now, due, owner = self._reduce_max(values)
+        if owner > 0:
+            self._stop_fenced(int(owner), step)
         self._agreed_due = (step, due > 0)
         if flag > 0:
             self._stop_agreed_at = -earliest
@@ -687,13 +843,15 @@ class Trap:
         # One background write at a time: it also settles what is already on disk.
         self.wait_for_save()
         root = self.checkpoint_dir
-        path = checkpoints.step_dir(root, step)
+        path = checkpoints.step_dir(root, step, self.epoch)
         leader = self.rank() == 0
         already = 0.0
+        owner = 0.0 if self._fenced_by == 0 else float(self._fenced_by)
         if leader:
             root.mkdir(parents=True, exist_ok=True)
+            owner = max(owner, float(self._newer_owner()))
             newest = checkpoints.complete_checkpoints(root)
-            if not newest or step <= newest[0].step:
+            if not newest or (self.epoch, step) <= newest[0].order:
                 # Pruning drops incomplete folders older than the newest complete one,
                 # which this save's folder would be until it commits: let it finish.
                 # A save of a newer step is never touched by it, so the deletion of
@@ -706,7 +864,10 @@ class Trap:
                 # The remnant of a save that was killed: start that step afresh.
                 checkpoints.discard(path)
         # This reduction doubles as the barrier after rank 0 prepared the folder.
-        (already,) = self._reduce_max([already])
+        already, owner = self._reduce_max([already, owner])
+        if owner > 0:
+            # Nothing was written yet: a newer attempt owns the folder.
+            self._stop_fenced(int(owner), step)
         if already:
             self.events.emit(
                 "checkpoint_skipped", step=step, reason=f"step {step} is already checkpointed"
@@ -717,9 +878,20 @@ class Trap:
         if background:
             return self._save_in_background(step, path, notice, entered)
         started = time.monotonic()
-        writer = FileSystemWriter(path, sync_files=True, thread_count=self.save_threads)
-        with _single_process_quietly(), _crc32(self.checksums):
-            dcp_save(self._dcp_state(step), storage_writer=writer, no_dist=not self._initialised())
+        writer = self._writer(path)
+        try:
+            with _single_process_quietly(), _crc32(self.checksums):
+                dcp_save(
+                    self._dcp_state(step), storage_writer=writer, no_dist=not self._initialised()
+                )
+        except (Exception, CheckpointException) as error:
+            # DCP raises alike on every rank. A fencing says so itself; any other
+            # failure of a fenced rank (a newer attempt's pruning removed the folder
+            # under it) is one too, as the folder's epoch shows.
+            fenced_by = _fencing_owner(error) or self._newer_owner()
+            if fenced_by:
+                self._stop_fenced(fenced_by, step, path)
+            raise
         nbytes = 0.0
         if leader:
             checkpoints.fsync_dir(path)
@@ -728,7 +900,12 @@ class Trap:
         seconds, nbytes = self._reduce_max([time.monotonic() - started, nbytes])
         if leader:
             checkpoints.write_pointer(
-                root, step=step, seconds=seconds, nbytes=int(nbytes), world_size=self.world_size()
+                root,
+                step=step,
+                seconds=seconds,
+                nbytes=int(nbytes),
+                world_size=self.world_size(),
+                epoch=self.epoch,
             )
         stall = time.monotonic() - entered
         self._save_seconds.append(seconds)
@@ -746,6 +923,16 @@ class Trap:
         if leader:
             self._start_pruning()
         return checkpoints.CheckpointInfo(step, path, True)
+
+    def _writer(self, path: Path) -> FileSystemWriter:
+        assert self.checkpoint_dir is not None
+        return _FencedWriter(
+            path,
+            root=self.checkpoint_dir,
+            epoch=self.epoch if self._fencing else None,
+            sync_files=True,
+            thread_count=self.save_threads,
+        )
 
     def _start_pruning(self) -> None:
         # Deleting old checkpoints is slow on big files and never needed for safety,
@@ -800,7 +987,7 @@ class Trap:
         root = self.checkpoint_dir
         started = time.monotonic()
         try:
-            writer = FileSystemWriter(pending.path, sync_files=True, thread_count=self.save_threads)
+            writer = self._writer(pending.path)
             with _crc32(self.checksums):
                 if self._initialised():
                     dcp_save(staged, storage_writer=writer, process_group=group)
@@ -826,6 +1013,7 @@ class Trap:
                     seconds=seconds,
                     nbytes=int(nbytes),
                     world_size=self.world_size(),
+                    epoch=self.epoch,
                 )
             pending.seconds = seconds
             pending.nbytes = int(nbytes)
@@ -856,6 +1044,20 @@ class Trap:
             return
         pending.reported = True
         if pending.error is not None:
+            fenced_by = _fencing_owner(pending.error) or self._newer_owner()
+            if fenced_by:
+                # Agreed with the other ranks at the next all-reduce (should_stop,
+                # save), which then stops the gang together.
+                self._fenced_by = fenced_by
+                if self.rank() == 0 and not checkpoints.is_complete(pending.path):
+                    checkpoints.discard(pending.path)
+                self.events.emit(
+                    "checkpoint_skipped",
+                    step=pending.step,
+                    notice=pending.notice,
+                    reason=checkpoints.fenced_line(fenced_by, self.epoch),
+                )
+                return
             self.events.emit(
                 "checkpoint_skipped",
                 step=pending.step,
@@ -902,16 +1104,25 @@ class Trap:
         """
         if self.checkpoint_dir is None:
             return 0
-        candidates = checkpoints.complete_checkpoints(self.checkpoint_dir)
+        # Newest first by (epoch, step): a newer attempt's commit wins over any step of
+        # an older one, and commits of attempts newer than this one (none, unless this
+        # one is fenced already) are not this lineage's to take.
+        candidates = [
+            info
+            for info in checkpoints.complete_checkpoints(self.checkpoint_dir)
+            if not self._fencing or info.epoch <= self.epoch
+        ]
         # Every rank must load the same checkpoint: follow rank 0's listing.
-        steps = [info.step for info in candidates] if self.rank() == 0 else []
-        (count,) = self._reduce_max([float(len(steps))])
-        chosen: list[int] = []
+        listed = [info.order for info in candidates] if self.rank() == 0 else []
+        (count,) = self._reduce_max([float(len(listed))])
+        chosen: list[tuple[int, int]] = []
         for index in range(int(count)):
-            (step,) = self._reduce_max([float(steps[index]) if steps else -1.0])
-            chosen.append(int(step))
-        for step in chosen:
-            path = checkpoints.step_dir(self.checkpoint_dir, step)
+            epoch, step = self._reduce_max(
+                [float(value) for value in listed[index]] if listed else [-1.0, -1.0]
+            )
+            chosen.append((int(epoch), int(step)))
+        for epoch, step in chosen:
+            path = checkpoints.step_dir(self.checkpoint_dir, step, epoch)
             try:
                 self._load(path, step)
             except (Exception, CheckpointException) as error:
@@ -972,6 +1183,11 @@ class Trap:
         self._report_signal()
         self._report_notice()
         self._finish_background_or_exit(step)
+        if self._fencing:
+            # A fenced rank neither saves nor exits as if its attempt ended well.
+            (owner,) = self._reduce_max([float(self._newer_owner())])
+            if owner > 0:
+                self._stop_fenced(int(owner), step)
         reason = self._skip_reason()
         if self._committed_step == step:
             # A notice (or a regular save) already committed this very step: nothing
@@ -1092,6 +1308,9 @@ class Trap:
         if self._poller is not None:
             self._poller.stop()
         self.wait_for_save()
+        if self._fenced_by:
+            # The last background save met a newer attempt's claim.
+            self._stop_fenced(self._fenced_by)
         self._wait_for_pruning()
         self.restore_signal_handlers()
         self._report_signal()
