@@ -202,10 +202,10 @@ def launch(
 
 
 def step_dirs(checkpoint_dir: Path) -> dict[int, bool]:
-    """step -> complete, for every step_N folder."""
+    """step -> complete, for every step_N folder (step_N.attempt_E of an attempt)."""
     found = {}
     for path in checkpoint_dir.glob("step_*"):
-        found[int(path.name.split("_")[1])] = (path / ".metadata").is_file()
+        found[int(path.name.split("_")[1].split(".")[0])] = (path / ".metadata").is_file()
     return found
 
 
