@@ -55,6 +55,7 @@ def main() -> int:
     parser.add_argument("--die-after-rename", action="store_true")
     parser.add_argument("--dump", type=Path, default=None)
     parser.add_argument("--wait-after-resume", type=Path, default=None)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -73,6 +74,9 @@ def main() -> int:
         loss.backward()
         optimizer.step()
         print(f"STEP {step} LOSS {loss.item().hex()}", flush=True)
+        time.sleep(args.step_sleep)
+        if trap.should_stop(step):
+            trap.save_and_exit(step)
         if step == args.hold_commit:
             assert args.go is not None
             _hold_the_commit(args.go, args.die_after_rename)

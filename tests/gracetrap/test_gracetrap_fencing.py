@@ -321,3 +321,28 @@ def test_a_stale_commit_renamed_in_just_after_the_claim_is_never_resumed_from(
             assert torch.equal(value, resumed["optimizer"]["state"][index][key]), (index, key)
     assert torch.equal(expected["torch_rng"], resumed["torch_rng"])
     assert expected["python_rng"] == resumed["python_rng"]
+
+
+def test_a_stale_rank_that_never_saves_stops_soon_and_a_late_one_never_trains(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "checkpoints"
+    stale = _worker(folder, 1, "--steps", "1000000", "--step-sleep", "0.01")
+    try:
+        _wait_for_line(stale, "STEP 3 ", timeout=120)
+        claim_epoch(folder, 2)
+        claimed_at = time.monotonic()
+        code, output = _finish(stale, timeout=60)
+    finally:
+        stale.kill()
+    # Rank 0 looks at the folder every few seconds between saves: no GPU burns on.
+    assert time.monotonic() - claimed_at < 30
+    assert code == FENCED_EXIT_CODE, output
+    assert f"gracetrap: {fenced_line(2, 1)}" in output
+    assert list_checkpoints(folder) == []
+
+    # A rank of attempt 1 that starts only now is fenced before it loads anything.
+    late = _worker(folder, 1, "--steps", "10")
+    code, output = _finish(late)
+    assert code == FENCED_EXIT_CODE, output
+    assert f"gracetrap: {fenced_line(2, 1)}" in output and "RESUMED" not in output
