@@ -619,12 +619,13 @@ def test_a_drain_evicting_one_rank_is_not_taken_for_our_own_signal_and_the_guard
     runtime.forget(gang)
 
 
-def test_every_rank_evicted_before_the_signal_is_on_record_counts_as_our_own_signal(
+def test_every_rank_evicted_unmarked_with_no_signal_on_record_is_not_our_own_signal(
     small_runtime: MakeRuntime, k8s_api: client.ApiClient, restricted: str
 ) -> None:
-    """What a second worker sees between the first one's evictions and its record of
-    them on the gang's ConfigMap: every rank evicted, no signal on record. That is
-    the runtime's own signal, not a drain; no guard is needed."""
+    """Every rank evicted, no signal on record, and no pod marked by the runtime: a
+    drain of every rank, not the runtime's own signal, which marks each pod before
+    its eviction (tests/k8s/realnodes/test_real_drain.py has the runtime's own
+    eviction seen by a restarted worker). No rank is left for the guard to stop."""
     core = client.CoreV1Api(k8s_api)
     runtime = small_runtime()
     spec = gang_spec(960, {NODES[0]: 1, NODES[1]: 1}, command=RANK_COMMAND, grace_seconds=5)
@@ -644,7 +645,8 @@ def test_every_rank_evicted_before_the_signal_is_on_record_counts_as_our_own_sig
     other = small_runtime()
     observed = other.observe(gang)
     assert [o.phase for o in observed] == ["terminating", "terminating"], observed
-    assert all(o.signal_sent_at is not None for o in observed), observed
+    assert all(o.signal_sent_at is None for o in observed), observed
+    assert other.taken_ranks(gang) == {0: "EvictionByEvictionAPI", 1: "EvictionByEvictionAPI"}
     assert other.guard_victims() == []
     _wait_exited(other, gang, 2)
     other.forget(gang)
