@@ -132,13 +132,23 @@ def rank_end_words(rank: Rank) -> str:
 
 
 # What took a rank away, by the reason of its pod's DisruptionTarget condition, said
-# of the rank's node: an eviction through the API is what `kubectl drain` makes.
+# of the rank's node (one node, several): an eviction through the API is what
+# `kubectl drain` makes.
 _DISRUPTED_NODE_WORDS = {
-    "EvictionByEvictionAPI": "was drained",
-    "PreemptionByScheduler": "gave the rank's GPUs to a higher-priority pod",
-    "DeletionByTaintManager": "was lost",
-    "TerminationByKubelet": "stopped its pods",
+    "EvictionByEvictionAPI": ("was drained", "were drained"),
+    "PreemptionByScheduler": (
+        "gave a rank's GPUs to a higher-priority pod",
+        "gave ranks' GPUs to higher-priority pods",
+    ),
+    "DeletionByTaintManager": ("was lost", "were lost"),
+    "TerminationByKubelet": ("stopped its pods", "stopped their pods"),
 }
+
+
+def _nodes(names: list[str]) -> str:
+    if len(names) == 1:
+        return f"node {names[0]}"
+    return f"nodes {', '.join(names[:-1])} and {names[-1]}"
 
 
 def disruption_words(*, nodes: dict[int, str], taken: dict[int, str], received: list[int]) -> str:
@@ -148,26 +158,29 @@ def disruption_words(*, nodes: dict[int, str], taken: dict[int, str], received: 
     `nodes` is each rank's node; `taken` the ranks the runtime saw taken away, with
     the reason it saw (a DisruptionTarget condition's, or "Evicted: <message>" from a
     kubelet); `received` the ranks whose trap reported a signal that was never sent."""
+    by_reason: dict[str, list[str]] = {}
     said: list[str] = []
     for rank in sorted(taken):
         node = nodes.get(rank, "") or "?"
         reason = taken[rank]
         if reason in _DISRUPTED_NODE_WORDS:
-            words = f"node {node} {_DISRUPTED_NODE_WORDS[reason]}"
+            named = by_reason.setdefault(reason, [])
+            if node not in named:
+                named.append(node)
         elif reason.startswith("Evicted:"):
             message = reason.removeprefix("Evicted:").strip()
-            words = f"node {node} evicted rank {rank}" + (f": {message}" if message else "")
+            said.append(f"node {node} evicted rank {rank}" + (f": {message}" if message else ""))
         else:
-            words = f"rank {rank} on node {node} was taken away ({reason})"
-        if words not in said:
-            said.append(words)
+            said.append(f"rank {rank} on node {node} was taken away ({reason})")
+    for reason, named in by_reason.items():
+        one, several = _DISRUPTED_NODE_WORDS[reason]
+        said.insert(0, f"{_nodes(sorted(named))} {one if len(named) == 1 else several}")
     if not said:
         ranks = sorted(received)
         where = sorted({nodes.get(rank, "") or "?" for rank in ranks})
         said.append(
             f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))} on "
-            f"{'node' if len(where) == 1 else 'nodes'} {', '.join(where)} got a stop signal "
-            "that Quartermaster did not send"
+            f"{_nodes(where)} got a stop signal that Quartermaster did not send"
         )
     return "disrupted: " + "; ".join(said)
 

@@ -80,8 +80,8 @@ def test_an_outside_sigterm_to_every_rank_requeues_from_the_checkpoint_and_resum
     assert job.finished_at is None and job.retries_used == 0
     checkpoint = Checkpoint.objects.filter(job=job).order_by("-step").first()
     assert checkpoint is not None, "the traps committed no checkpoint"
-    node = ended[0].node if ended[0].node == ended[1].node else None
-    where = f"node {node}" if node else f"nodes {', '.join(sorted({r.node for r in ended}))}"
+    used = sorted({rank.node for rank in ended})
+    where = f"node {used[0]}" if len(used) == 1 else f"nodes {used[0]} and {used[1]}"
     assert job.waiting_reason == (
         f"disrupted: ranks 0, 1 on {where} got a stop signal that Quartermaster did not "
         f"send; requeued from its checkpoint at step {checkpoint.step}"
@@ -140,7 +140,7 @@ TWO_NODES = {0: "h100-node-2", 1: "h100-node-3"}
             TWO_NODES,
             {0: "PreemptionByScheduler"},
             [],
-            "disrupted: node h100-node-2 gave the rank's GPUs to a higher-priority pod",
+            "disrupted: node h100-node-2 gave a rank's GPUs to a higher-priority pod",
             id="kube-scheduler's preemption",
         ),
         pytest.param(
@@ -149,6 +149,13 @@ TWO_NODES = {0: "h100-node-2", 1: "h100-node-3"}
             [],
             "disrupted: node h100-node-2 evicted rank 0: The node was low on resource: memory.",
             id="a kubelet's eviction under node pressure",
+        ),
+        pytest.param(
+            TWO_NODES,
+            {0: "EvictionByEvictionAPI", 1: "EvictionByEvictionAPI"},
+            [],
+            "disrupted: nodes h100-node-2 and h100-node-3 were drained",
+            id="a drain of the nodes of every rank",
         ),
         pytest.param(
             TWO_NODES,
