@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,14 @@ from tests import builders
 hypothesis_settings.register_profile("suite", derandomize=True)
 hypothesis_settings.register_profile("explore", derandomize=False)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
+
+# `make test` starts two of its pytest runs in the background, where the shell ignores
+# SIGINT, and every process a test starts would inherit that: give the run (and so those
+# processes) SIGINT's usual handling back, as in a run started in the foreground, so
+# tests of signals see the same, and Ctrl-C stops every run. An xdist worker keeps what
+# xdist gave it.
+if "PYTEST_XDIST_WORKER" not in os.environ and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 PERSONAS = ("admin", "manager", "other_manager", "researcher", "other_researcher", "anonymous")
 PASSWORD = "correct-horse-battery-staple"

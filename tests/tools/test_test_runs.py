@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,33 @@ def test_the_closing_lines_name_the_ten_slowest_tests_of_all_runs(
     ]
     assert lines[1].split()[0] == "30.50"
     assert lines[-1] == f"total: {14 - failures} passed, {failures} failed"
+
+
+INNER_TEST = """
+import signal, subprocess, sys
+
+def test_sigint_is_handled_as_in_the_foreground():
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    code = "import signal; print(signal.getsignal(signal.SIGINT) != signal.SIG_IGN)"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.stdout.strip() == "True"
+"""
+
+
+def test_a_run_started_in_the_background_handles_sigint_as_in_the_foreground(
+    tmp_path: Path,
+) -> None:
+    # A shell starts a background command with SIGINT ignored; so does this preexec_fn.
+    inner = REPO_ROOT / "tests" / "tools" / f"test_inner_{tmp_path.name}.py"
+    inner.write_text(INNER_TEST)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", str(inner)],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        )
+    finally:
+        inner.unlink()
+    assert result.returncode == 0, result.stdout[-3000:]
