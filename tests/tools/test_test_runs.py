@@ -107,6 +107,8 @@ def test_a_run_started_in_the_background_handles_sigint_as_in_the_foreground(
         result = subprocess.run(
             [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", str(inner)],
             cwd=REPO_ROOT,
+            # A run of its own, not a part of this one's xdist worker.
+            env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
             capture_output=True,
             text=True,
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
