@@ -11,6 +11,7 @@ the race between a claim and a commit, tests/gracetrap/gracetrap_fence_worker.py
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -85,8 +86,6 @@ def test_a_newer_attempts_commit_wins_over_any_step_of_an_older_one(tmp_path: Pa
 
 
 def test_the_fenced_line_names_both_attempts_and_survives_a_pickle() -> None:
-    import pickle
-
     error = pickle.loads(pickle.dumps(FencedError(3, 2)))
     assert (error.owner, error.mine) == (3, 2)
     assert str(error) == fenced_line(3, 2)
