@@ -10,8 +10,9 @@ nothing in an event is taken on trust:
   before the attempt was admitted;
 * a committed step is bounded, and may not run further ahead of the job's last
   committed step than the attempt could have trained (QM_TRAP_MAX_STEPS_PER_SECOND);
-* a checkpoint's path is the server's own (`<checkpoint_dir>/step_<N>`, the
-  folder the trap saves to); the client's path is ignored;
+* a checkpoint's path is the server's own (`<checkpoint_dir>/step_<N>.attempt_<A>`,
+  the folder the trap of attempt A saves step N to, gracetrap's `step_dir`); the
+  client's path is ignored;
 * the duplicate key is (job, attempt, rank, event, step), so the same event
   arriving by POST and from the log is stored once, and changing `at` or any
   free-form field makes no new event;
@@ -380,7 +381,11 @@ def _apply(job: Job, attempt: Attempt, stored: TrapEvent) -> None:
             transaction.on_commit(partial(_evict_once_answered, attempt.pk))
         # The folder the trap saves this step to; what the client names is
         # never recorded as a checkpoint's path.
-        path = f"{job.checkpoint_dir}/step_{stored.step}" if job.checkpoint_dir else ""
+        path = (
+            f"{job.checkpoint_dir}/step_{stored.step}.attempt_{attempt.number}"
+            if job.checkpoint_dir
+            else ""
+        )
         if not checkpoint_is_durable(path):
             # Written where the next attempt cannot find it (a pod's own
             # filesystem): kept as a trap event, never offered for resume.

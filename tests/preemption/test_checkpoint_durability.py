@@ -73,7 +73,7 @@ def test_jobs_on_kubernetes_checkpoint_into_the_volume(world: Any, kubernetes: N
     assert re.fullmatch(rf"/checkpoints/job-{job.pk}-[0-9a-f]{{12}}", job.checkpoint_dir)
     assert ingest_trap_event(attempt=_attempt(job), event=_committed(job, 7), source="post")
     checkpoint = Checkpoint.objects.get(job=job)
-    assert checkpoint.path == f"{job.checkpoint_dir}/step_7"
+    assert checkpoint.path == f"{job.checkpoint_dir}/step_7.attempt_1"
     job.refresh_from_db()
     assert job.resume_step == 8
 
@@ -94,7 +94,7 @@ def test_a_path_the_rank_names_is_never_recorded(world: Any, kubernetes: None, w
         attempt=_attempt(job), event=_committed(job, 9, path=where), source="log"
     )
     [checkpoint] = Checkpoint.objects.filter(job=job)
-    assert checkpoint.path == f"{job.checkpoint_dir}/step_9"
+    assert checkpoint.path == f"{job.checkpoint_dir}/step_9.attempt_1"
     assert where not in checkpoint.path
     # The event itself is kept: the job's history still shows what the rank said.
     assert job.trap_events.filter(event="checkpoint_committed").count() == 1

@@ -265,7 +265,9 @@ def test_a_forged_checkpoint_is_recorded_with_the_servers_time_path_and_a_bounde
     response = _post(jobs, Attack("", lambda j: forged, 202, ""))
     assert response.status_code == 202 and response.json() == {"accepted": 1, "duplicates": 0}
     checkpoint = Checkpoint.objects.get(job=jobs.train, step=150)
-    assert checkpoint.path == f"{jobs.train.checkpoint_dir}/step_150"
+    assert checkpoint.path == (
+        f"{jobs.train.checkpoint_dir}/step_150.attempt_{checkpoint.attempt.number}"
+    )
     assert before_post <= checkpoint.committed_at.timestamp() <= time.time()
     stored = TrapEvent.objects.get(job=jobs.train, step=150)
     assert stored.at <= time.time() and "path" not in stored.payload
