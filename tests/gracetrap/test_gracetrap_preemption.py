@@ -186,6 +186,29 @@ def test_events_are_posted_workers_survive_and_a_second_signal_is_harmless(
     assert posted == sorted(events, key=lambda e: e["at"])
 
 
+def test_a_signal_that_arrives_after_the_trap_closed_does_not_kill_the_exiting_rank(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's own SIGTERM comes once the gang stopped on rank 0's and the trap closed,
+    while the interpreter shuts down: the rank still exits 0, not by the signal."""
+    gang = launch(
+        2,
+        tmp_path / "checkpoints",
+        tmp_path / "logs",
+        ["--at-exit"],
+        script=Path(__file__).with_name("gracetrap_late_signal.py"),
+    )
+    try:
+        codes = gang.wait(timeout=120)
+    finally:
+        gang.kill()
+
+    assert codes == [0, 0], gang.tail()
+    names = [event["event"] for event in gang.ranks[1].events()]
+    assert names[-2:] == ["checkpoint_committed", "exiting"], names
+    assert len(step_dirs(tmp_path / "checkpoints")) == 1
+
+
 def test_a_signal_that_arrives_during_the_final_save_is_still_reported(tmp_path: Path) -> None:
     gang = launch(
         2,

@@ -1313,8 +1313,19 @@ class Trap:
             self._stop_fenced(self._fenced_by)
         self._wait_for_pruning()
         self.restore_signal_handlers()
+        if self._stop_agreed_at is not None:
+            self._ignore_late_stop_signals()
         self._report_signal()
         self.events.flush(POST_TIMEOUT_SECONDS)
+
+    def _ignore_late_stop_signals(self) -> None:
+        """After a stop the gang agreed on, a stop signal that arrives late (on
+        Kubernetes each rank's SIGTERM comes from its own node's kubelet, seconds
+        apart under load, and the gang may already have stopped on another rank's)
+        must not turn a clean exit into death by signal while the process shuts down:
+        the rank is on its way out, and the deadline's SIGKILL still bounds it."""
+        for signum in self.signals:
+            signal.signal(signum, signal.SIG_IGN)
 
     def __enter__(self) -> Trap:
         return self
