@@ -173,7 +173,12 @@ CHECKPOINT_FOLDER_RESOURCES = {"cpu": "100m", "memory": "64Mi", "ephemeral-stora
 # group: every process of the rank gets it at once. The child shell, like the
 # local runtime's, waits for its foreground command on SIGTERM and exits with
 # its status, so a workload that checkpoints and exits 0 records 0. `wait` is
-# repeated while the child lives because a trapped signal interrupts it.
+# repeated while the child lives because a trapped signal interrupts it; and once
+# more after: a wait the trap cut short may already have collected the child's exit
+# (dash and busybox ash then answer 128+15 and keep the real status for one more
+# wait; 127 means it was already waited for). bash can still lose it (its wait
+# then answers -1), so on an image whose /bin/sh is bash a rank signalled just as it
+# exits may read 255.
 RANK_ENTRYPOINT = r"""trap 'trap "" TERM; kill -TERM 0' TERM
 /bin/sh -c "trap 'exit \$?' TERM
 $1" &
@@ -183,6 +188,9 @@ while :; do
     status=$?
     kill -0 "$child" 2>/dev/null || break
 done
+wait "$child" 2>/dev/null
+again=$?
+[ "$again" -eq 127 ] || status=$again
 exit "$status"
 """
 
