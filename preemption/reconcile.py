@@ -1272,9 +1272,10 @@ def _sent_at_once(steps: list[Step], name: str, now: datetime) -> None:
 
 
 def _signals_sent(steps: list[Step], now: datetime) -> None:
-    """`_signal_sent` for every step at once: on its preemption and on the ranks it
-    was sent to, where none was recorded before."""
-    _sent_at_once(steps, "signal_sent_at", now)
+    """`_signal_sent` for every step at once: on the ranks it was sent to and on its
+    preemption, where none was recorded before. Ranks first, as the trap's events
+    take them (`preemption.ingest`: the rank's row, then its preemption): in the
+    other order a pass and a rank's report could each hold what the other waits for."""
     by_attempt = {step.attempt.pk: step for step in steps}
     alive = {pk: set(step.alive) for pk, step in by_attempt.items()}
     unsent = (
@@ -1291,6 +1292,7 @@ def _signals_sent(steps: list[Step], now: datetime) -> None:
         ],
         ["signal_sent_at"],
     )
+    _sent_at_once(steps, "signal_sent_at", now)
 
 
 def _kills_done(steps: list[Step], now: datetime) -> None:
@@ -1407,13 +1409,15 @@ def _record_outcome(step: Step, claim: datetime, error: Exception | None) -> Non
 
 
 def _signal_sent(step: Step, sent: datetime) -> None:
+    """The signal's time on the ranks it was sent to, then on its preemption (the
+    order of `_signals_sent`)."""
     assert step.event is not None
-    PreemptionEvent.objects.filter(pk=step.event.pk, signal_sent_at__isnull=True).update(
-        signal_sent_at=sent
-    )
     Rank.objects.filter(
         attempt=step.attempt, signal_sent_at__isnull=True, index__in=step.alive
     ).update(signal_sent_at=sent)
+    PreemptionEvent.objects.filter(pk=step.event.pk, signal_sent_at__isnull=True).update(
+        signal_sent_at=sent
+    )
 
 
 def _permanent(
@@ -2146,7 +2150,9 @@ def live_rank_count(*, runtime: Runtime | None = None) -> tuple[int, int]:
 
 
 # How often the shutdown's close looks again at jobs still stopping, and how long apart.
-CLOSE_PASSES = 20
+# `RankShutdown._close_stopped`: passes until the stopped jobs are closed, for at most
+# this long (a loaded machine's keepers may record their ranks' ends late).
+CLOSE_PASSES_SECONDS = 30.0
 CLOSE_PASS_SECONDS = 0.25
 
 
@@ -2257,8 +2263,9 @@ class RankShutdown:
         if not job_ids:
             return {}
         # A pass may leave a job stopping for a moment yet (a rank's end is recorded
-        # by its keeper just after the rank is gone); a few passes, a fixed number.
-        for _ in range(CLOSE_PASSES):
+        # by its keeper just after the rank is gone); passes for a bounded time.
+        deadline = time.monotonic() + CLOSE_PASSES_SECONDS
+        while time.monotonic() < deadline:
             try:
                 reconcile_jobs(job_ids=job_ids, runtime=self.runtime)
             except Exception:
