@@ -404,6 +404,9 @@ class Trap:
         self._signal_at: float | None = None
         self._signal_reported = False
         self._stop_agreed_at: float | None = None
+        # Set by `save_and_exit` just before its SystemExit: `close` then keeps the
+        # trap's handler on the stop signals rather than putting the previous ones back.
+        self._exiting = False
         self._save_seconds: list[float] = []
         self._previous_handlers: dict[signal.Signals, Any] = {}
         self._closed = False
@@ -1215,6 +1218,7 @@ class Trap:
         sys.stdout.flush()
         sys.stderr.flush()
         _skip_the_last_collections()
+        self._exiting = True
         sys.exit(self.exit_code)
 
     def _finish_background_or_exit(self, step: int) -> None:
@@ -1313,19 +1317,22 @@ class Trap:
             self._stop_fenced(self._fenced_by)
         self._wait_for_pruning()
         self.restore_signal_handlers()
-        if self._stop_agreed_at is not None:
-            self._ignore_late_stop_signals()
+        if self._exiting:
+            self._hear_late_stop_signals()
         self._report_signal()
         self.events.flush(POST_TIMEOUT_SECONDS)
 
-    def _ignore_late_stop_signals(self) -> None:
-        """After a stop the gang agreed on, a stop signal that arrives late (on
-        Kubernetes each rank's SIGTERM comes from its own node's kubelet, seconds
-        apart under load, and the gang may already have stopped on another rank's)
-        must not turn a clean exit into death by signal while the process shuts down:
-        the rank is on its way out, and the deadline's SIGKILL still bounds it."""
+    def _hear_late_stop_signals(self) -> None:
+        """While the process exits after a stop the gang agreed on (`save_and_exit`;
+        a trap closed without exiting puts the previous handlers back), the trap's own
+        handler stays on the stop signals. A rank's own signal may come late: on
+        Kubernetes each rank's SIGTERM comes from its own node's kubelet, seconds apart
+        under load, and the gang may have stopped on another rank's already. With the
+        default handler back it would turn a clean exit into death by signal while the
+        interpreter shuts down; the trap's handler only notes it, and the exit hook
+        reports it (`_report_signal_at_exit`). The deadline's SIGKILL still bounds it."""
         for signum in self.signals:
-            signal.signal(signum, signal.SIG_IGN)
+            signal.signal(signum, self._on_signal)
 
     def __enter__(self) -> Trap:
         return self
