@@ -39,8 +39,14 @@ def process_pod(name: str, script: str, *, grace: int = 30, gpus: int = 1) -> di
 
 
 def pod_log(core: client.CoreV1Api, name: str, namespace: str) -> str:
-    # An empty log comes back as None.
-    return core.read_namespaced_pod_log(name, namespace) or ""
+    """The pod's log so far: empty while its container has not started (the API server
+    answers 400 or 404 until the node serves a log), and an empty log comes back as None."""
+    try:
+        return core.read_namespaced_pod_log(name, namespace) or ""
+    except client.exceptions.ApiException as error:
+        if error.status in (400, 404):
+            return ""
+        raise
 
 
 def terminated(core: client.CoreV1Api, name: str, namespace: str) -> Any:
