@@ -28,6 +28,14 @@ def _report(config: pytest.Config, line: str) -> None:
         reporter.write_line(line)
 
 
+def require_real_nodes() -> None:
+    """Skip, loudly and with the reason, where this machine cannot run a kubelet (not
+    root, no overlayfs, no containerd...): the one place the real-node tier skips."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"REAL NODES CANNOT RUN ON THIS MACHINE: {reason}")
+
+
 @pytest.fixture(scope="session")
 def real_nodes(
     request: pytest.FixtureRequest,
@@ -35,9 +43,7 @@ def real_nodes(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[RealNodes]:
     """Two real nodes (containerd + kubelet v1.34) with 8 GPUs each, Ready."""
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"REAL NODES CANNOT RUN ON THIS MACHINE: {reason}")
+    require_real_nodes()
     nodes = RealNodes(control_plane, tmp_path_factory.mktemp("real-nodes"), names=REAL_NODE_NAMES)
     nodes.start()
     _report(

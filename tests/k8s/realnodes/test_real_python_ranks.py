@@ -26,9 +26,10 @@ from kubernetes import client
 
 from preemption.runtimes.kubernetes import KubernetesRuntime, KubernetesRuntimeConfig
 from tests.k8s.conftest import fresh_namespace
+from tests.k8s.realnodes.conftest import require_real_nodes
 from tools.k8s.controlplane import REPO_ROOT, ControlPlane
 from tools.k8s.gangs import all_in, gang_spec
-from tools.k8s.realnodes import RealNodes, unavailable_reason
+from tools.k8s.realnodes import RealNodes
 from tools.k8s.wait import wait_for
 
 GPUS_PER_NODE = 4
@@ -47,9 +48,7 @@ def drill_nodes(
     control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory, drill_folder: Path
 ) -> Iterator[RealNodes]:
     """drill-node-0 and drill-node-1, 4 GPUs each, whose containers see the host's Python."""
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"REAL NODES CANNOT RUN ON THIS MACHINE: {reason}")
+    require_real_nodes()
     python_prefix = Path(os.path.realpath(sys.executable)).parents[1]
     nodes = RealNodes(
         control_plane,
