@@ -24,13 +24,15 @@ from tools.k8s.wait import wait_for
 
 MakeRuntime = Callable[..., KubernetesRuntime]
 
-# Rank 0 listens on MASTER_PORT for one connection and prints what it got. Rank 1
+# Rank 0 listens on MASTER_PORT until a connection brings a line, and prints it. Rank 1
 # asks the cluster DNS for MASTER_ADDR until it answers (rank 0's pod may not have
 # its address yet), then connects to it by name, again until rank 0 listens.
 RENDEZVOUS = r"""
 if [ "$RANK" = 0 ]; then
     echo "listening on $MASTER_PORT"
-    nc -l -p "$MASTER_PORT"
+    # A connection that brings no line (seen now and then under load) does not end it.
+    until got=$(nc -l -p "$MASTER_PORT") && [ -n "$got" ]; do :; done
+    echo "$got"
     echo "rank 0 done"
 else
     echo "first query $(date +%s.%N)"
@@ -46,6 +48,9 @@ else
         sleep 0.2
     done
     echo "rank 1 sent"
+    # Once more, should that line have reached rank 0 empty; refused once it is done.
+    sleep 1
+    echo "hello from rank 1 at $(date +%s.%N)" | nc -w 2 "$MASTER_ADDR" "$MASTER_PORT" || true
 fi
 """
 
