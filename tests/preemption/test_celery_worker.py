@@ -36,19 +36,37 @@ def _worker_env(tmp_path: Path) -> dict[str, str]:
     }
 
 
+def _start_worker(queue: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """The portal's own worker command line, on a queue of its own with one process,
+    once it says it is ready: tasks expire five seconds after they are sent, and a
+    worker starting on a loaded machine may take longer than that to take them."""
+    with open(log, "wb") as out:
+        worker = subprocess.Popen(
+            [*worker_command(hostname=f"{queue}@%h", concurrency=1), "--pool", "solo", "-Q", queue],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and worker.poll() is None:
+        if re.search(rf"{queue}@\S+ ready\.", log.read_text(errors="replace")):
+            return worker
+        time.sleep(0.2)
+    worker.terminate()
+    worker.wait(timeout=30)
+    raise AssertionError(
+        f"the worker never said it was ready:\n{log.read_text(errors='replace')[-6000:]}"
+    )
+
+
 def test_a_real_worker_admits_runs_and_finishes_a_job(world: Any, tmp_path: Path) -> None:
     assert settings.CELERY_BROKER_URL.startswith("redis://"), "make test runs this against Redis"
     queue = f"test-{uuid.uuid4().hex[:8]}"
     env = _worker_env(tmp_path)
-    worker = subprocess.Popen(
-        # The portal's own worker command line, on a queue of its own with one process.
-        [*worker_command(hostname=f"{queue}@%h", concurrency=1), "--pool", "solo", "-Q", queue],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    log = tmp_path / "worker.log"
+    worker = _start_worker(queue, env, log)
     try:
         job = job_submit(
             submitter=world.users["researcher"],
@@ -79,13 +97,15 @@ def test_a_real_worker_admits_runs_and_finishes_a_job(world: Any, tmp_path: Path
         ) == [0, 0]
     except AssertionError as failure:
         worker.terminate()
-        output = worker.communicate(timeout=30)[0].decode(errors="replace")
+        worker.wait(timeout=30)
+        output = log.read_text(errors="replace")
         # What the worker said is the way to tell why it did not get there.
         raise AssertionError(f"{failure}\nthe worker's output:\n{output[-6000:]}") from failure
     finally:
         if worker.poll() is None:
             worker.terminate()
-    output = worker.communicate(timeout=30)[0].decode(errors="replace")
+    worker.wait(timeout=30)
+    output = log.read_text(errors="replace")
     assert "preemption.tasks.schedule_cycle" in output and "succeeded" in output
 
 
@@ -106,15 +126,7 @@ def test_a_worker_keeps_its_database_session_across_tasks(world: Any, tmp_path: 
     tasks = 12
     database = connection.settings_dict["NAME"]
     before = _sessions_opened(database)
-    with open(log, "wb") as out:
-        worker = subprocess.Popen(
-            [*worker_command(hostname=f"{queue}@%h", concurrency=1), "--pool", "solo", "-Q", queue],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    worker = _start_worker(queue, env, log)
     try:
         for _ in range(tasks):
             reconcile.apply_async(kwargs={"job_ids": []}, queue=queue)
