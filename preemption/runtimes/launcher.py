@@ -97,6 +97,9 @@ RANK_UMASK = 0o077
 # Descriptors a keeper closes as it starts: the pipe on which the server's child reports
 # the keepers it forked (see _serve_one).
 _KEEPER_CLOSES: list[int] = []
+# The read end of the pipe on which the keepers' forker says the gang's sandbox is made
+# (fork_keepers); a keeper's rank waits on it before it enters the sandbox.
+_SANDBOX_MADE: list[int] = []
 
 # prctl(2): once set, execve never grants privileges (setuid bits, file capabilities).
 PR_SET_NO_NEW_PRIVS = 38
@@ -183,19 +186,30 @@ def rank_command(script: str) -> list[str]:
 
 
 def rank_identity(
-    run_as: dict[str, Any] | None, sandbox: dict[str, Any] | None = None, rank: int = 0
+    run_as: dict[str, Any] | None,
+    sandbox: dict[str, Any] | None = None,
+    rank: int = 0,
+    argv: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Popen's arguments that start the rank as the job's user, in the job's group only.
     In a sandbox, the keeper's next child is made the init of a new PID namespace, which
     joins the rank's cgroups and the gang's network namespace and makes the rank's mount
-    namespace as root; only the process that executes the rank drops to the job's user
-    (sandbox.enter)."""
+    namespace as root, then drops to the job's user and starts the rank (`argv` with the
+    environment `env`) itself (sandbox.enter): the child Popen starts never returns to
+    execute what Popen was given."""
     if sandbox is not None:
         sandboxes.new_pid_namespace()
 
         def enter_sandbox() -> None:
-            sandboxes.enter(sandbox, rank, run_as)
-            _no_new_privileges()
+            sandboxes.enter(
+                sandbox,
+                rank,
+                run_as,
+                argv or [],
+                env or {},
+                made=_SANDBOX_MADE[0] if _SANDBOX_MADE else None,
+            )
 
         return {"preexec_fn": enter_sandbox}
     if run_as is None:
@@ -263,8 +277,9 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
     output, rank_output = open_output_pipe()
     started_at = time.time()
     try:
+        argv = rank_command(SHELL_PREFIX + gang["command"])
         process = subprocess.Popen(
-            rank_command(SHELL_PREFIX + gang["command"]),
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=rank_output,
             stderr=subprocess.STDOUT,
@@ -272,9 +287,10 @@ def keep_rank(gang_dir: Path, gang: dict[str, Any], rank: int) -> None:
             env=env,
             start_new_session=True,
             umask=RANK_UMASK,
-            **rank_identity(run_as, gang.get("sandbox"), rank),
+            **rank_identity(run_as, gang.get("sandbox"), rank, argv, env),
         )
-    except OSError as error:
+    except (OSError, subprocess.SubprocessError) as error:
+        # SubprocessError: the sandbox could not be entered (`enter` raised in the child).
         os.close(output)
         os.close(rank_output)
         log.write(f"quartermaster: could not start rank {rank}: {error}\n".encode())
@@ -388,21 +404,32 @@ def fork_keepers(gang_dir: Path, ranks: list[int], report: Callable[[int], None]
     if gang is None:
         print(f"no {GANG_FILE} in {gang_dir}", file=sys.stderr)
         return
-    if gang.get("sandbox") is not None:
-        # The ranks' cgroups and the gang's network namespace, in one pass before any
-        # keeper needs them; a failure forks no keeper, so no rank runs unconfined.
-        sandboxes.create(gang["sandbox"], ranks)
+    sandbox = gang.get("sandbox")
+    if sandbox is not None:
+        # The keepers start while this process makes the ranks' cgroups and the gang's
+        # network namespace, which took a millisecond or more a gang before any keeper
+        # started; each rank enters the sandbox only once this pipe says it is made.
+        made, making = os.pipe()
+        _SANDBOX_MADE.append(made)
+        _KEEPER_CLOSES.append(making)
     for rank in ranks:
         sys.stdout.flush()
         sys.stderr.flush()
         if os.fork() == 0:
             _become_keeper(gang_dir, gang, rank)
         report(rank)
-    if gang.get("sandbox") is not None:
-        # While the keepers start (sandbox.prime_migrations says why). A process of its
-        # own forked earlier for this measured slower on a busy machine: its fork costs
-        # more than the head start it gives.
-        sandboxes.prime_migrations(gang["sandbox"])
+    if sandbox is not None:
+        os.close(made)
+        try:
+            sandboxes.create(sandbox, ranks)
+        except BaseException:
+            # One refusal for each rank that waits: none runs unconfined.
+            os.write(making, sandboxes.NOT_MADE * len(ranks))
+            raise
+        finally:
+            os.close(making)
+        # While the keepers start (sandbox.prime_migrations says why).
+        sandboxes.prime_migrations(sandbox)
 
 
 def _serve_one(request: bytes) -> bytes:

@@ -377,12 +377,15 @@ class LocalRuntime:
                 if pgid is not None:
                     _signal_group(pgid, signals.SIGKILL)
             if record.get("sandbox") is not None:
-                # Every process the gang started, whatever group or session it made.
+                # Every process the gang started, whatever group or session it made:
+                # none can leave its rank's cgroup or PID namespace, so nothing is left
+                # for a scan of the process table to find.
                 sandboxes.kill(record["sandbox"])
+                return
         except OSError as error:
             raise RuntimeTemporaryError(f"cannot kill gang {gang}: {error}") from error
-        # Children that left their rank's process group, or outlived a rank that already
-        # exited, would otherwise hold GPUs and ports forever.
+        # Without a sandbox, children that left their rank's process group, or outlived a
+        # rank that already exited, would otherwise hold GPUs and ports forever.
         for process in self.gang_processes(gang):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signals.SIGKILL)

@@ -21,8 +21,11 @@ start processes or write files until the host runs out. The sandbox closes each:
   only waits for the rank's shell, reaping whatever the rank orphans meanwhile, and
   exits with the shell's status, so a workload never runs as the namespace's init
   (which would ignore SIGTERM from the host); when the init exits, the kernel kills
-  whatever the rank left running in the namespace. The init stays root, so the rank,
-  which runs as the job's user, can neither signal nor trace it.
+  whatever the rank left running in the namespace. The rank cannot end, stop or trace
+  its init, though both run as the job's user: the kernel drops every signal sent to
+  a namespace's init from inside it that the init has no handler for (SIGKILL and
+  SIGSTOP included), and a process that changed its user from root cannot be traced
+  or read through /proc by that user.
 - One network namespace per gang, bound to a file in the gang's folder, with only
   loopback, brought up once as the namespace is made: the ranks of a gang rendezvous on
   127.0.0.1 among themselves, and reach nothing else.
@@ -34,16 +37,18 @@ ctypes, as Python 3.11 has no os.unshare) and not util-linux `unshare`: the runt
 writes the gang's paths into gang.json (`prepare`, no system calls beyond reading this
 process's mounts once), and the launch server's per-request child makes the cgroups and
 the network namespace in one pass before it forks the keepers (`create`): a
-single-threaded process where forking is safe, unlike the worker. Each keeper unshares
-a PID namespace just before it starts its rank (`new_pid_namespace`), so the child it
-starts and waits on is the namespace's init; that child, in its preexec step (`enter`),
-joins the cgroups and the network namespace, makes its mount namespace and /proc, and
-forks the process that drops to the job's user and executes the rank's shell. A rank
-so costs one more fork of a small, already running process than a rank without a
-sandbox; with util-linux `unshare` and a shell as the init the same start executed
-three more programs (`unshare`, `sh` as the init, `env` to give SIGUSR2 back), forked
-twice more, and ran one more program per gang for its network namespace, which nearly
-doubled the time to start a rank (bench/bench_sandbox.py measures it).
+single-threaded process where forking is safe, unlike the worker; it forks the keepers
+first and makes the sandbox while they start, and each rank waits for it on a pipe.
+Each keeper unshares a PID namespace just before it starts its rank
+(`new_pid_namespace`), so the child it starts and waits on is the namespace's init;
+that child, in its preexec step (`enter`), joins the cgroups and the network namespace,
+makes its mount namespace and /proc, drops to the job's user and starts the rank's
+shell with posix_spawn(3), which unlike a fork copies nothing of the init's memory (a
+fork of this Python process was a millisecond or more, the largest part of what the
+sandbox added). With util-linux `unshare` and a shell as the init the same start
+executed three more programs (`unshare`, `sh` as the init, `env` to give SIGUSR2 back),
+forked twice more, and ran one more program per gang for its network namespace, which
+nearly doubled the time to start a rank (bench/bench_sandbox.py measures it).
 
 Where the rest of the time goes, measured on this host (cgroup v1, 2 cores, Linux
 6.18), and why it stays: (1) joining a v1 cgroup takes the kernel's global
@@ -52,12 +57,11 @@ an RCU grace period, 6 to 14 ms, shared by the writers of that moment; the launc
 server's child takes it first, once it has forked the keepers (`prime_migrations`), so
 the inits mostly find it warm (20 to 100 us a join) or share what is left of that grace
 period. Only the host can remove it (cgroup v2 mounted with `favordynmods`, or v2's
-clone3 with CLONE_INTO_CGROUP, which Python 3.11 cannot call safely). (2) The init's
-fork of the keeper, a Python process: about 1 to 2 ms, the page tables and the pages
-either side writes before the shell executes. (3) At a rank's end the kernel tears down
+clone3 with CLONE_INTO_CGROUP, which Python 3.11 cannot call safely). (2) At a rank's end the kernel tears down
 its PID namespace and its mount namespace, whose unmounts wait for a grace period: 0.7
 to 1.3 ms from SIGKILL to the keeper's wait returning, against 0.2 ms without. The
-stop needs no freezer and waits for nothing of its own (see `kill`).
+stop needs no freezer and waits for nothing of its own (see `kill`), and no scan of the
+process table: nothing of a sandboxed gang is outside its cgroups.
 
 Why no library: the cgroup libraries on PyPI are either v1 only and unmaintained for
 years (cgroupspy, cgroup-utils) or thin wrappers over one version (cgroupsv2), and none
@@ -97,12 +101,16 @@ import struct
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 MODES = ("auto", "on", "off")
+
+# What the process making a gang's sandbox writes, once for each rank, when it failed.
+NOT_MADE = b"!"
 
 # The v1 hierarchies a rank joins, for its limits. No freezer: the kill needs none
 # (see `kill`), and a third hierarchy cost a folder and a write per rank.
@@ -134,6 +142,9 @@ _MNT_DETACH = 2
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
+_PR_SET_NO_NEW_PRIVS = 38
+_SYS_CLOSE_RANGE = 436
+_CLOSE_RANGE_CLOEXEC = 1 << 2
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -472,45 +483,89 @@ def new_pid_namespace() -> None:
     _check(_LIBC.unshare(_CLONE_NEWPID), "unshare a PID namespace")
 
 
-def enter(sandbox: dict[str, Any], rank: int, run_as: dict[str, Any] | None) -> None:
+def enter(
+    sandbox: dict[str, Any],
+    rank: int,
+    run_as: dict[str, Any] | None,
+    argv: list[str],
+    env: dict[str, str],
+    made: int | None = None,
+) -> NoReturn:
     """In the keeper's child, pid 1 of the rank's PID namespace (`new_pid_namespace`),
-    between fork and exec, as root: join the rank's cgroups and the gang's network
-    namespace, set the file size limit, make the rank's mount namespace
-    with its own /proc, then fork the rank's shell. Returns only in that child, as the
-    job's user and group alone when it has them; the init waits on it
-    (`_namespace_init`) and never returns."""
-    join_cgroups(sandbox, rank)
-    descriptor = os.open(sandbox["netns"], os.O_RDONLY)
+    between fork and exec, as root: wait until the gang's sandbox is made (`made`, the
+    read end of the pipe that the process making it closes then: see
+    `wait_until_made`), join the rank's cgroups and the gang's network namespace, set
+    the file size limit, make the rank's mount namespace with its own /proc; then, as
+    the job's user and group alone when it has them and with no privileges to gain,
+    start the rank's shell (`argv`, with the environment `env`) and wait on it as the
+    namespace's init (`_namespace_init`). Never returns.
+
+    The init drops to the job's user itself because posix_spawn(3), which starts the
+    shell without copying the init's memory, cannot change the user; the module's
+    docstring says why the rank still cannot reach its init."""
     try:
-        _check(_LIBC.setns(descriptor, _CLONE_NEWNET), "setns into the gang's network namespace")
-    finally:
-        os.close(descriptor)
-    size = int(sandbox["limits"]["file_size_max"])
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-    _check(_LIBC.unshare(_CLONE_NEWNS), "unshare a mount namespace")
-    # Mounts made in here stay in here (as `unshare --propagation private` does).
-    _check(_LIBC.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
-    # The namespace's own /proc, over the host's. The host's is not unmounted (which
-    # costs the kernel a grace period, a millisecond or more per rank): the rank, not
-    # root and without privileges to gain, cannot unmount what covers it.
-    _check(
-        _LIBC.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None),
-        "mount the namespace's /proc",
-    )
-    for signum in RANK_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-    shell = os.fork()
-    if shell != 0:
-        _namespace_init(shell)
-    try:
+        if made is not None:
+            wait_until_made(made)
+        join_cgroups(sandbox, rank)
+        descriptor = os.open(sandbox["netns"], os.O_RDONLY)
+        try:
+            _check(
+                _LIBC.setns(descriptor, _CLONE_NEWNET), "setns into the gang's network namespace"
+            )
+        finally:
+            os.close(descriptor)
+        size = int(sandbox["limits"]["file_size_max"])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+        _check(_LIBC.unshare(_CLONE_NEWNS), "unshare a mount namespace")
+        # Mounts made in here stay in here (as `unshare --propagation private` does).
+        _check(_LIBC.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
+        # The namespace's own /proc, over the host's. The host's is not unmounted (which
+        # costs the kernel a grace period, a millisecond or more per rank): the rank, not
+        # root and without privileges to gain, cannot unmount what covers it.
+        _check(
+            _LIBC.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None),
+            "mount the namespace's /proc",
+        )
+        for signum in RANK_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
         if run_as is not None:
             os.setgroups([])
             os.setgid(int(run_as["gid"]))
             os.setuid(int(run_as["uid"]))
-        for signum in RANK_SIGNALS:
-            signal.signal(signum, signal.SIG_DFL)
+        _check(_LIBC.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+        # The shell inherits its standard streams only (subprocess would have closed the
+        # rest after this step, which the init never returns from).
+        _close_on_exec_from(3)
+        shell = os.posix_spawn(argv[0], argv, env, setsigdef=RANK_SIGNALS)
     except BaseException:
+        traceback.print_exc()
         os._exit(EXIT_NOT_STARTED)
+    _namespace_init(shell)
+
+
+def _close_on_exec_from(lowest: int) -> None:
+    """Mark every descriptor from `lowest` up close-on-exec: close_range(2) with
+    CLOSE_RANGE_CLOEXEC where the kernel has it (5.11), else one by one."""
+    if _LIBC.syscall(_SYS_CLOSE_RANGE, lowest, 0xFFFFFFFF, _CLOSE_RANGE_CLOEXEC) == 0:
+        return
+    for name in os.listdir("/proc/self/fd"):
+        descriptor = int(name)
+        if descriptor >= lowest:
+            with contextlib.suppress(OSError):
+                os.set_inheritable(descriptor, False)
+
+
+def wait_until_made(made: int) -> None:
+    """Block until the process making the gang's sandbox (`create`) closes the pipe whose
+    read end is `made`: an end of file says the sandbox is made; a byte NOT_MADE, of
+    which it writes one for each rank, says it could not be, and this raises, so that
+    the rank never starts unconfined."""
+    answer = os.read(made, 1)
+    os.close(made)
+    if answer:
+        raise OSError(
+            errno.EIO, "the gang's sandbox could not be made (see the gang's launcher.log)"
+        )
 
 
 def join_cgroups(sandbox: dict[str, Any], rank: int) -> None:

@@ -298,6 +298,47 @@ def test_a_rank_sees_no_other_jobs_process_nor_reaches_their_ports_or_the_hosts(
     assert_victim_untouched(scene)
 
 
+# A rank goes for its own namespace's init, which runs as the rank's user: signals that
+# would end or stop it, a trace, and its environment and memory through /proc.
+AT_THE_INIT = textwrap.dedent(
+    """
+    import ctypes, errno, os, signal, time
+    print("INIT UID", open("/proc/1/status").read().split("Uid:")[1].split()[0], os.getuid())
+    for sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM, signal.SIGINT):
+        os.kill(1, sig)
+    time.sleep(0.3)
+    print("INIT STATE", open("/proc/1/stat").read().split(") ")[1].split()[0])
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.ptrace(16, 1, None, None) == 0:
+        print("TRACED")
+    else:
+        print("TRACE REFUSED", errno.errorcode[ctypes.get_errno()])
+    for name in ("environ", "mem"):
+        try:
+            open(f"/proc/1/{name}", "rb").read(1)
+            print(name, "READ")
+        except OSError as error:
+            print(name, "REFUSED", errno.errorcode[error.errno])
+    print("STILL HERE", flush=True)
+    """
+)
+
+
+def test_a_rank_can_neither_end_stop_trace_nor_read_its_init(scene: Scene) -> None:
+    [log] = run_job(scene, 319, python(AT_THE_INIT))
+    # Had the init died, the kernel would have killed the rank with it (137, no line).
+    assert exit_codes(scene, 319) == [0], log
+    uid_line = next(line for line in log.splitlines() if line.startswith("INIT UID"))
+    init_uid, rank_uid = uid_line.split()[2:]
+    assert init_uid == rank_uid != "0", log
+    # Sleeping in its wait, neither stopped (T) nor gone.
+    assert "INIT STATE S" in log, log
+    assert "TRACE REFUSED EPERM" in log, log
+    assert "environ REFUSED EACCES" in log and "mem REFUSED EACCES" in log, log
+    assert "STILL HERE" in log
+    assert_victim_untouched(scene)
+
+
 FORK_BOMB = textwrap.dedent(
     """
     import errno, os, time
@@ -428,6 +469,36 @@ def no_sandbox_here(monkeypatch: pytest.MonkeyPatch) -> str:
         sandboxes, "support", lambda: sandboxes.SandboxSupport(available=False, reason=reason)
     )
     return reason
+
+
+def test_a_gang_whose_sandbox_cannot_be_made_runs_none_of_its_ranks(
+    runner_account: RunnerAccount, runner_tmp_path: Path
+) -> None:
+    # The keepers start while the gang's sandbox is made; a limit the kernel refuses
+    # fails the making, and each rank, waiting for it, ends before its command runs.
+    runtime = LocalRuntime(
+        runner_tmp_path / "runs",
+        parse_inventory(INVENTORY),
+        runner=runner_account,
+        sandbox=sandboxes.SandboxConfig(
+            mode="on",
+            limits=sandboxes.SandboxLimits(pids_max=-5, memory_max=1 << 30, file_size_max=1 << 20),
+        ),
+    )
+    spec = gang(320, "echo ran", var=runner_tmp_path, ranks=3)
+    runtime.launch(spec)
+    wait_until(
+        lambda: all(o.phase == "exited" for o in runtime.observe(spec.gang)),
+        "the ranks to end",
+    )
+    assert [o.exit_code for o in runtime.observe(spec.gang)] == [127, 127, 127]
+    for rank in range(3):
+        log = runtime.read_log(spec.gang, rank).decode()
+        assert "the gang's sandbox could not be made" in log, log
+        assert "ran" not in log.splitlines(), log
+    launcher_log = (runtime.gang_dir(spec.gang) / "launcher.log").read_text()
+    assert "pids.max" in launcher_log and "Invalid argument" in launcher_log, launcher_log
+    runtime.forget(spec.gang)
 
 
 def test_with_sandbox_on_a_machine_that_cannot_make_one_refuses_to_launch(
