@@ -25,7 +25,7 @@ from rest_framework import exceptions as api_exceptions
 
 from core.access import Access
 from core.forms import add_service_errors
-from portal.rest.preemption import MAX_ID, JobSubmitSerializer, checked_submission
+from portal.rest.preemption_serializers import MAX_ID, JobSubmitSerializer, checked_submission
 from preemption.models import Job
 from preemption.selectors import job_list as job_selector
 from preemption.services import MAX_RETRIES, job_submit
