@@ -36,10 +36,10 @@ from preemption.reasons import describe_preemption
 from preemption.runtime import runtime_problems
 from preemption.selectors import job_list, preemption_event_list, with_stop_reason
 from quotas.selectors import access_for, priority_class_list, priority_class_teams
+from telemetry.history_selectors import overview_teams
 from telemetry.selectors import (
     UsageNow,
     flavors_now,
-    overview_teams,
     own_jobs,
     pending_jobs,
     team_rows,

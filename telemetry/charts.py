@@ -14,8 +14,10 @@ from datetime import datetime
 
 import plotly.graph_objects as go
 
+from telemetry.history_selectors import UtilizationPoint
 from telemetry.mission import MISSION
-from telemetry.selectors import CheckpointAgainstGrace, SimulationReport, UtilizationPoint
+from telemetry.preemption_selectors import CheckpointAgainstGrace
+from telemetry.report_selectors import SimulationReport
 
 # One palette for every chart, matching the portal's CSS.
 PALETTE = (

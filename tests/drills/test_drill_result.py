@@ -13,7 +13,7 @@ import pytest
 from drills.result import ChaosRound, DrillResult, RoundFigures
 from telemetry.mission import MISSION
 from telemetry.models import DrillRun
-from telemetry.selectors import mission_matrix
+from telemetry.report_selectors import mission_matrix
 from tests.drills.rounds import GOOD
 
 TARGET_SIGNAL = MISSION.signal_propagation_seconds

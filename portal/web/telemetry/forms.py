@@ -6,7 +6,7 @@ from typing import Any
 
 from django import forms
 
-from telemetry.selectors import AUTO_PERIOD
+from telemetry.history_selectors import AUTO_PERIOD
 
 PERIODS = (
     (AUTO_PERIOD, "since sampling began (1 to 24 hours)"),

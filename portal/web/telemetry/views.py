@@ -21,24 +21,23 @@ from portal.auth import BearerTokenAuthentication
 from portal.web.telemetry.forms import PeriodForm
 from quotas.selectors import access_for
 from telemetry import charts
-from telemetry.metrics import render_metrics
-from telemetry.selectors import (
+from telemetry.history_selectors import (
     chart_teams,
-    checkpoints_against_grace,
-    exit_codes,
     first_sample_at,
-    flavor_names,
-    flavors_now,
     gpu_hours,
-    latest_drills,
-    mission_matrix,
     period_bounds,
     readable_team_slugs,
-    recovery_seconds,
-    signal_latencies,
-    simulation_reports,
     utilization_points,
 )
+from telemetry.metrics import render_metrics
+from telemetry.preemption_selectors import (
+    checkpoints_against_grace,
+    exit_codes,
+    recovery_seconds,
+    signal_latencies,
+)
+from telemetry.report_selectors import latest_drills, mission_matrix, simulation_reports
+from telemetry.selectors import flavor_names, flavors_now
 
 
 @login_required

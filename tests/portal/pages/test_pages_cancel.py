@@ -20,7 +20,11 @@ from django.utils import timezone
 from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
 from preemption.services import job_cancel
 from quotas.selectors import access_for
-from telemetry.selectors import checkpoints_against_grace, recovery_seconds, signal_latencies
+from telemetry.preemption_selectors import (
+    checkpoints_against_grace,
+    recovery_seconds,
+    signal_latencies,
+)
 from tests.portal.pages.conftest import page_client
 
 pytestmark = pytest.mark.django_db

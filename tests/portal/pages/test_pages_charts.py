@@ -8,7 +8,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from telemetry import charts
-from telemetry.selectors import CheckpointAgainstGrace, UtilizationPoint, mission_matrix
+from telemetry.history_selectors import UtilizationPoint
+from telemetry.preemption_selectors import CheckpointAgainstGrace
+from telemetry.report_selectors import mission_matrix
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
 

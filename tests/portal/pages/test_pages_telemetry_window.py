@@ -13,8 +13,8 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
+from telemetry.history_selectors import CHART_MOMENTS
 from telemetry.models import UtilizationSample
-from telemetry.selectors import CHART_MOMENTS
 from tests.portal.pages.conftest import page_client
 
 pytestmark = pytest.mark.django_db
