@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from drills.harness import lost_gpu_seconds
+from drills.measure import lost_gpu_seconds
 from drills.result import DrillResult
 from preemption.models import Attempt, PreemptionEvent, Rank, TrapEvent
 from telemetry.mission import MISSION

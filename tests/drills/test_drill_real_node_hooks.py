@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from drills.harness import BIND_ADDRESS_ENV, GPUS_PER_NODE_ENV, Drill, DrillError
+from drills.base import BIND_ADDRESS_ENV, GPUS_PER_NODE_ENV, DrillError
+from drills.harness import Drill
 from quotas.models import Node, Quota
 from tests.conftest import mission_class
 

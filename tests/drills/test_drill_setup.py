@@ -108,7 +108,7 @@ def test_a_larger_then_smaller_drill_moves_the_quotas_in_a_valid_order() -> None
 def test_a_refused_setup_is_reported_and_changes_nothing(settings: Any) -> None:
     """Another top-level team already holds the drill flavor's GPUs: the root's
     guarantee cannot be raised, and the drill says why instead of forcing it."""
-    from drills.harness import DrillError
+    from drills.base import DrillError
     from quotas.services import flavor_create, node_upsert, quota_set, team_create
 
     flavor = flavor_create(actor=None, name="drill-gpu")
