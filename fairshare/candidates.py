@@ -8,176 +8,37 @@ between queues whose shares say the move does not flap back). Inside each kind t
 cheapest victims come first (R9: lower priority, then least lost work). A victim is
 skipped when taking it would only move the loss onto lower work of its own queue (it
 would preempt that work by R7 once requeued).
+
+The work it scans and its R9 order are ``work.py``'s; what a reclaim scan keeps while it
+runs is ``reclaim_scan.py``'s. Judges and orders candidates; never chooses which of them
+a preemptor takes (``preemption.py``) nor places a job.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Iterator, Mapping
-from operator import attrgetter
+from collections.abc import Iterator
 from typing import cast
 
 from .ledger import QuotaLedger
-from .model import FAIR_SHARE, PREEMPT_LOWER_PRIORITY, PRIORITY, RECLAIM, PriorityClass, Workload
+from .model import FAIR_SHARE, PREEMPT_LOWER_PRIORITY, PRIORITY, RECLAIM
+from .reclaim_scan import ReclaimScan, closed_below_lca
 from .rules import (
     r3_guarantee_overshoot,
     r6_may_reclaim,
     r7_may_preempt_by_priority,
     r8_may_preempt_for_fair_share,
-    r9_lost_gpu_seconds,
-    r9_victim_order,
 )
 from .tree import LcaChain, QueueTree
+from .work import PendingJob, RunningWork, VictimOrder, by_order
 
 _INF = float("inf")
-
-# R9's order of victims, cheapest first (``rules.r9_victim_order``: priority, lost
-# GPU-seconds, minus the admission time, id). Typed as a tuple of any length on
-# purpose: compiled, a tuple of fixed length is kept unboxed, and every read of a
-# candidate's order would build a new tuple and new floats (the victim scans read them
-# for every heap entry); a tuple of any length is kept as it is.
-VictimOrder = tuple[object, ...]
 
 # An entry of a scan's heap: the candidate's order followed by its queue, its index and
 # the list it is in (the queue's candidates, or only those admitted in this plan); see
 # ``_scan_entry``.
 ScanEntry = tuple[object, ...]
-
-# The sort key of a candidate or a pending job: its ``order``, read by the sort in C.
-by_order = attrgetter("order")
-# The same for a candidate's GPUs.
-by_gpus = attrgetter("gpus")
-
-
-class RunningWork:
-    """A running workload (or one admitted earlier in this plan) as a candidate victim."""
-
-    __slots__ = (
-        "gpus",
-        "lost",
-        "minimum",
-        "nodes",
-        "order",
-        "planned",
-        "priority_class",
-        "queue",
-        "runtime",
-        "shield_version",
-        "shielded",
-        "victim",
-        "workload",
-    )
-
-    def __init__(
-        self,
-        workload: Workload,
-        queue: int,
-        priority_class: PriorityClass,
-        nodes: tuple[tuple[int, int], ...],
-        now: float,
-        minimum: Mapping[str, float],
-        planned: bool = False,
-    ) -> None:
-        self.workload = workload
-        # Per preemption reason: the seconds it runs before it may be taken for it.
-        self.minimum = minimum
-        # Admitted earlier in this same plan rather than running in the snapshot.
-        self.planned = planned
-        self.queue = queue
-        self.priority_class = priority_class
-        self.gpus = workload.gpus
-        # (node index, GPUs on that node) pairs.
-        self.nodes = nodes
-        # Taken as a victim in this plan.
-        self.victim = False
-        # The GPU-seconds it would lose (R9), the second part of its order.
-        self.lost = r9_lost_gpu_seconds(
-            self.gpus, now, workload.admitted_at, workload.last_checkpoint_at
-        )
-        self.order: VictimOrder = r9_victim_order(
-            priority_class.value, self.lost, workload.admitted_at, workload.id
-        )
-        # Seconds since admission; the snapshot's clock does not move during a plan.
-        admitted = workload.admitted_at
-        self.runtime = _INF if admitted is None else now - admitted
-        # The answer of VictimCandidates.shielded and the queue's shield version it holds for.
-        self.shield_version = -1
-        self.shielded = False
-
-
-class PendingJob:
-    """A pending workload as the planner sees it."""
-
-    __slots__ = (
-        "attempted_at_version",
-        "gpus",
-        "priority",
-        "priority_class",
-        "queue",
-        "submitted_at",
-        "workload",
-    )
-
-    def __init__(self, workload: Workload, queue: int, priority_class: PriorityClass) -> None:
-        self.workload = workload
-        self.queue = queue
-        self.priority_class = priority_class
-        self.gpus = workload.gpus
-        # Its place inside its queue (``in_queue_order``): higher priority first, then
-        # older submission, then id.
-        self.priority = priority_class.value
-        self.submitted_at = workload.submitted_at
-        # The planner's candidates version when it last tried to preempt for it, -1
-        # before it ever did: a later pass retries it only once new candidates came.
-        self.attempted_at_version = -1
-
-
-_by_submission = attrgetter("submitted_at")
-
-
-def in_queue_order(jobs: list[PendingJob]) -> None:
-    """Sort a queue's pending ``jobs``: higher priority first, then older submission,
-    then id.
-
-    Sorted by submission time and then, stably, by priority rather than by one tuple key:
-    a sort of plain floats or plain ints compares them directly, while a tuple key is
-    compared element by element through Python's generic comparison, and sorting the
-    pending jobs was the largest part of a plan's set-up. Jobs of one priority submitted
-    at the same moment are few; each run of them is sorted by id afterwards.
-    """
-    jobs.sort(key=_by_submission)
-    # Then stably by priority: the priorities are those of a few classes, so the jobs are
-    # dealt out by priority rather than sorted a second time.
-    by_priority: dict[int, list[PendingJob]] = {}
-    for job in jobs:
-        same_priority = by_priority.get(job.priority)
-        if same_priority is None:
-            by_priority[job.priority] = [job]
-        else:
-            same_priority.append(job)
-    if len(by_priority) > 1:
-        jobs[:] = [
-            job for priority in sorted(by_priority, reverse=True) for job in by_priority[priority]
-        ]
-    end = len(jobs)
-    start = 0
-    while start < end:
-        first = jobs[start]
-        stop = start + 1
-        while (
-            stop < end
-            and jobs[stop].submitted_at == first.submitted_at
-            and jobs[stop].priority == first.priority
-        ):
-            stop += 1
-        if stop - start > 1:
-            jobs[start:stop] = sorted(jobs[start:stop], key=_by_id)
-        start = stop
-
-
-def _by_id(job: PendingJob) -> str:
-    return job.workload.id
 
 
 def _scan_entry(order: VictimOrder, queue: int, at: int, runs: list[RunningWork]) -> ScanEntry:
@@ -201,133 +62,6 @@ def next_live(runs: list[RunningWork], start: int) -> int:
     while start < end and runs[start].victim:
         start += 1
     return start
-
-
-def closed_below_lca(
-    tree: QueueTree,
-    queue: int,
-    held: list[int],
-    ledger: QuotaLedger,
-    without_planned: bool,
-) -> list[bool]:
-    """Per queue with children: whether it or one of its ancestors, below the lowest
-    common ancestor with ``queue``, holds at most its guarantee line; ``held`` is every
-    queue's usage, less the GPUs of its own work admitted in this plan with
-    ``without_planned``, and less the GPUs reserved for its waiting jobs in both cases.
-
-    A donor whose parent is closed so gives nothing to ``queue`` (R3: every queue on its
-    chain up to the common ancestor must stay above its line). A full cluster has
-    hundreds of donors under a few dozen parents, and a victim scan judges every
-    donor it meets: judging each parent once per scan spares walking every donor's
-    chain (on the engine benchmark's running-heavy cluster, 700,000 chains a plan).
-    """
-    waiting = ledger.waiting_usage
-    planned = ledger.planned_usage
-    line = ledger.line
-    parent = tree.parent
-    on_path = tree.depth_on_path[queue]
-    closed = [False] * len(parent)
-    for x in tree.inner_top_down:
-        if x in on_path:
-            continue
-        left = held[x] - waiting[x]
-        if without_planned:
-            left -= planned[x]
-        above = parent[x]
-        closed[x] = left <= line[x] or (above != -1 and closed[above])
-    return closed
-
-
-class ReclaimStream:
-    """The candidates a reclaim scan yields, kept as it yields them.
-
-    A workload whose reclaim search fails then tries a priority search, whose
-    candidates are its own queue's lower work followed by the very same reclaim scan
-    (``VictimCandidates.priority``). Nothing that scan reads changes in between: a
-    failed search gives back every change it made, and the priority candidates taken
-    first lower only the usage of the preemptor's queue and its ancestors, while the
-    scan reads the usage of the donors and of their ancestors below the common
-    ancestor. So the priority search reads the kept candidates again; on a saturated
-    cluster the scan was the larger part of the searches that fail.
-
-    The kept candidates stand for the whole scan only when the search read it to its
-    end (``ended``) or up to its cap (``MAX_CANDIDATES_PER_ATTEMPT`` + 1 read), which
-    ``complete`` says.
-    """
-
-    __slots__ = ("ended", "items")
-
-    def __init__(self) -> None:
-        self.items: list[tuple[RunningWork, str]] = []
-        self.ended = False
-
-    def record(self, scan: Iterator[tuple[RunningWork, str]]) -> Iterator[tuple[RunningWork, str]]:
-        """``scan``'s candidates, each kept before it is yielded."""
-        items = self.items
-        for item in scan:
-            items.append(item)
-            yield item
-        self.ended = True
-
-    def complete(self, cap: int) -> bool:
-        """Whether the kept candidates are all a search with ``cap`` can read."""
-        return self.ended or len(self.items) > cap
-
-
-class _ReclaimScan:
-    """Where one reclaim scan stands among the donor queues (see
-    ``VictimCandidates.reclaim``): a class rather than closures over the scan's
-    locals, so that the compiled scan calls its helpers directly."""
-
-    __slots__ = (
-        "chains",
-        "closed",
-        "closed_running",
-        "frontier",
-        "heads",
-        "lca_row",
-        "position",
-        "queue",
-        "start_usage",
-    )
-
-    def __init__(
-        self,
-        queue: int,
-        lca_row: list[LcaChain | None],
-        start_usage: list[int],
-        heads: list[tuple[VictimOrder, int]],
-    ) -> None:
-        # The reclaiming queue.
-        self.queue = queue
-        self.lca_row = lca_row
-        # Every queue's usage when the scan began.
-        self.start_usage = start_usage
-        # closed_below_lca with that usage, for donors with work admitted in this plan
-        # and for donors with only running work to give; made when first needed.
-        self.closed: list[bool] | None = None
-        self.closed_running: list[bool] | None = None
-        # The donor heads as they stood when the scan began, cheapest first; the scan
-        # has looked at those before ``position``, and ``frontier`` is the last of them
-        # it admitted (-1: none left).
-        self.heads = heads
-        self.position = 0
-        self.frontier = -1
-        # Per donor admitted: its queues up to the common ancestor with ``queue``.
-        self.chains: dict[int, tuple[int, ...]] = {}
-
-    def closed_below(self, tree: QueueTree, ledger: QuotaLedger, only_running: bool) -> list[bool]:
-        """``closed_below_lca`` as the ledger stood when the scan began, for donors with
-        only running work to give or not; made once per scan."""
-        if only_running:
-            if self.closed_running is None:
-                self.closed_running = closed_below_lca(
-                    tree, self.queue, self.start_usage, ledger, True
-                )
-            return self.closed_running
-        if self.closed is None:
-            self.closed = closed_below_lca(tree, self.queue, self.start_usage, ledger, False)
-        return self.closed
 
 
 class VictimCandidates:
@@ -457,7 +191,7 @@ class VictimCandidates:
         else:
             del heads[at]
 
-    def _push_next_head(self, scan: _ReclaimScan, heap: list[ScanEntry]) -> None:
+    def _push_next_head(self, scan: ReclaimScan, heap: list[ScanEntry]) -> None:
         """Push onto a reclaim scan's ``heap`` the first live candidate of the next
         queue of its donor heads that the scan admits as a donor, and move the scan's
         position past it (its frontier is that queue, or -1 when none is left).
@@ -483,7 +217,7 @@ class VictimCandidates:
         scan.position = position
         scan.frontier = -1
 
-    def _admits_donor(self, scan: _ReclaimScan, donor: int) -> bool:
+    def _admits_donor(self, scan: ReclaimScan, donor: int) -> bool:
         """Whether the reclaim scan may take work of ``donor``: the donor and its chain
         up to the common ancestor with the scan's queue run above their lines as the
         ledger stood when the scan began (R6, R3); records the chain."""
@@ -623,7 +357,7 @@ class VictimCandidates:
         heap: list[ScanEntry] = []
         # Donors are judged as the ledger stood when the scan began, whenever the scan
         # reaches them: the victims it yields change the usage as it goes.
-        scan = _ReclaimScan(queue, tree.lca_row(queue), usage[:], self.donor_heads[:])
+        scan = ReclaimScan(queue, tree.lca_row(queue), usage[:], self.donor_heads[:])
         chains = scan.chains
         self._push_next_head(scan, heap)
         straddlers: list[tuple[int, VictimOrder, RunningWork]] = []

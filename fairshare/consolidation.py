@@ -14,11 +14,12 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from operator import itemgetter
 
-from .candidates import PendingJob, RunningWork, VictimCandidates, by_gpus, by_order
+from .candidates import VictimCandidates
 from .ledger import QuotaLedger
 from .model import CONSOLIDATE, RECLAIM
 from .nodes import NodeMap, Placement
 from .preemption import Victims, r3_budget, reclaimable_by_node, room_on
+from .work import PendingJob, RunningWork, by_gpus, by_order
 
 # How many consolidation searches a plan may run: each is a pass over the running work.
 CONSOLIDATIONS_PER_PLAN = 8

@@ -9,11 +9,16 @@ Flavors never share GPUs, so each flavor is planned on its own by a ``FlavorPlan
   takes (a terminating victim no longer counts), and whether a queue may take more;
 - ``nodes.py``: the physical view, per node the GPUs free now and those on their way
   back from terminating victims (R1, R11), and where a gang's ranks go (R10);
+- ``work.py``: running work as candidate victims and pending jobs, each in its order
+  (R9's order of victims);
 - ``candidates.py``: which running work may be taken for reclaim, priority or fair
-  share, cheapest first (R3, R6-R9);
+  share, cheapest first (R3, R6-R9), with what a reclaim scan keeps in
+  ``reclaim_scan.py``;
 - ``preemption.py``: which candidates one preemptor takes;
 - ``consolidation.py``: which small jobs move when free GPUs are scattered;
-- ``cycle.py``: the order of the pending workloads and what becomes of each;
+- ``cycle.py``: the order of the pending workloads and what becomes of each, over
+  ``searches.py`` (the preemption searches for one workload) and ``decisions.py`` (the
+  planning state, and what is decided: admitted, victims taken, waiting and why);
 - ``status.py``: every queue's standing after the plan.
 
 The rules themselves (R1-R11) are the small functions of ``rules.py``.

@@ -48,15 +48,19 @@ COMPILED = (
     "candidates",
     "consolidation",
     "cycle",
+    "decisions",
     "engine",
     "ledger",
     "model",
     "nodes",
     "preemption",
+    "reclaim_scan",
     "rules",
+    "searches",
     "shares",
     "status",
     "tree",
+    "work",
 )
 CHOICES = ("auto", "compiled", "python")
 PACKAGE = Path(__file__).resolve().parent

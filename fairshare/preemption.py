@@ -13,11 +13,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from operator import itemgetter
 
-from .candidates import PendingJob, RunningWork, VictimCandidates, by_order
+from .candidates import VictimCandidates
 from .ledger import QuotaLedger
 from .model import RECLAIM
 from .nodes import NodeMap, Placement
 from .rules import r3_guarantee_overshoot
+from .work import PendingJob, RunningWork, by_order
 
 # A failed preemption attempt examines at most this many candidate victims. It bounds a
 # plan's time on a saturated cluster; a workload that needs more victims than that waits.

@@ -12,7 +12,6 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fairshare import Node, QuotaChange, consequences_to_dict, diff
-from fairshare.candidates import PendingJob, in_queue_order
 from fairshare.consolidation import restart_in_any_order
 from fairshare.nodes import NodeMap
 from fairshare.rules import (
@@ -32,6 +31,7 @@ from fairshare.rules import (
     r10_place,
     r11_releasing_first,
 )
+from fairshare.work import PendingJob, in_queue_order
 
 CLS = {c.name: c for c in CLASSES}
 

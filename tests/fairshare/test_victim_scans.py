@@ -23,9 +23,9 @@ from fairshare_builders import (
 from fairshare_builders import workload as w
 
 from fairshare import Node, Snapshot
-from fairshare.candidates import closed_below_lca
 from fairshare.cycle import FlavorPlanner
 from fairshare.native import python_sources
+from fairshare.reclaim_scan import closed_below_lca
 from fairshare.tree import prepare
 
 
@@ -165,7 +165,7 @@ def _reclaim_scans_and_plan(snapshot: Snapshot, *, kept: bool) -> tuple[int, obj
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(candidates.VictimCandidates, "reclaim", counted)
         if not kept:
-            patch.setattr(candidates.ReclaimStream, "complete", lambda self, cap: False)
+            patch.setattr(sources.reclaim_scan.ReclaimStream, "complete", lambda self, cap: False)
         result = sources.plan(snapshot)
     return scans, plain(result)
 
