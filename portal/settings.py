@@ -302,7 +302,7 @@ if not QM_K8S_CHECKPOINT_MOUNT_PATH.startswith("/") or QM_K8S_CHECKPOINT_MOUNT_P
 # 410 Gone) instead of listing every pod on every reconcile cycle.
 QM_K8S_WATCH_PODS = env_bool("QM_K8S_WATCH_PODS", True)
 # Job N's ranks run as uid and gid QM_K8S_JOB_UID_BASE + N, and own its checkpoint
-# folder (preemption/runtimes/kubernetes.py, "Checkpoints").
+# folder (preemption/runtimes/kubernetes/__init__.py, "Checkpoints").
 QM_K8S_JOB_UID_BASE = env_int("QM_K8S_JOB_UID_BASE", 2**30, minimum=1)
 # CPU, memory and ephemeral storage each rank requests (and is limited to) per GPU
 # it holds: "flavor=quantity" pairs, and a default for flavors not named.

@@ -5,7 +5,7 @@ chart is linted, rendered with default and namespace-per-team values, and the
 rendered objects are applied to the test control plane with server-side apply
 and strict field validation. The API server then answers the questions that
 matter: what each component's service account may do (SubjectAccessReview,
-checked against every Kubernetes call preemption/runtimes/kubernetes.py makes),
+checked against every Kubernetes call preemption/runtimes/kubernetes/ makes),
 the jobs namespace's NetworkPolicy, and whether the pods of every Deployment
 pass the "restricted" Pod Security admission.
 
@@ -32,13 +32,13 @@ import yaml
 from kubernetes import client, dynamic
 from kubernetes.client.exceptions import ApiException
 
-from preemption.runtimes.kubernetes import MANAGED_BY, MANAGED_BY_LABEL
+from preemption.runtimes.kubernetes.config import MANAGED_BY, MANAGED_BY_LABEL
 from tests.k8s.conftest import delete_namespace
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART = REPO_ROOT / "deploy" / "helm" / "quartermaster"
 BUILD_HELM = REPO_ROOT / "tools" / "k8s" / "build-helm.sh"
-RUNTIME_MODULE = REPO_ROOT / "preemption" / "runtimes" / "kubernetes.py"
+RUNTIME_PACKAGE = REPO_ROOT / "preemption" / "runtimes" / "kubernetes"
 CONTAINERFILE = REPO_ROOT / "Containerfile"
 EVENTS_CIDR = "10.20.0.0/16"
 FIELD_MANAGER = "qm-helm-test"
@@ -359,7 +359,7 @@ RESOURCES: dict[str, tuple[str, str, str, bool]] = {
 @pytest.fixture(scope="module")
 def runtime_calls() -> set[tuple[str, str, bool]]:
     """(verb, client resource name, across namespaces) of every API call the runtime makes."""
-    source = RUNTIME_MODULE.read_text()
+    source = "\n".join(path.read_text() for path in sorted(RUNTIME_PACKAGE.glob("*.py")))
     calls = set()
     pattern = r"\b(?:core|networking|scheduling)\.(create|delete|patch|list|read|replace)_(\w+)"
     for verb, rest in re.findall(pattern, source):

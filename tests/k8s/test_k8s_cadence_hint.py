@@ -15,10 +15,10 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from preemption.runtimes.base import GangId
-from preemption.runtimes.kubernetes import (
+from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes.config import (
     GANG_LABEL,
     RISK_MOUNT_PATH,
-    KubernetesRuntime,
     gang_name,
     pod_name,
     risk_config_map_name,

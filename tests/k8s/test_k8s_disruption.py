@@ -18,7 +18,8 @@ from kubernetes import client
 from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
 from preemption.reconcile import reconcile_jobs, request_stop
 from preemption.runtimes.base import GangId
-from preemption.runtimes.kubernetes import GANG_LABEL, KubernetesRuntime, gang_name
+from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes.config import GANG_LABEL, gang_name
 from preemption.services import job_submit
 from quotas.models import PriorityClass
 from tests.conftest import PASSWORD

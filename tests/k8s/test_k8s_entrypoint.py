@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from preemption.runtimes.kubernetes import RANK_ENTRYPOINT
+from preemption.runtimes.kubernetes.spec import RANK_ENTRYPOINT
 
 SHELLS = {
     "dash": ["/bin/dash"],

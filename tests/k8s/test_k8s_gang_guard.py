@@ -7,7 +7,9 @@ from collections.abc import Callable
 from kubernetes import client
 
 from preemption.runtimes.base import GangId, RankObservation
-from preemption.runtimes.kubernetes import KubernetesRuntime, gang_guard_victims, pod_name
+from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes.config import pod_name
+from preemption.runtimes.kubernetes.observe import gang_guard_victims
 from tools.k8s.gangs import all_in, gang_spec
 from tools.k8s.node_agent import (
     ANNOTATION_EXIT_ON_TERM,

@@ -17,16 +17,15 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from preemption.runtimes.base import RuntimePermanentError
-from preemption.runtimes.kubernetes import (
+from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes.config import (
     GANG_LABEL,
     MANAGED_BY,
     MANAGED_BY_LABEL,
-    NETWORK_POLICY_NAME,
-    KubernetesRuntime,
     gang_name,
-    namespace_labels,
     team_namespace,
 )
+from preemption.runtimes.kubernetes.policies import NETWORK_POLICY_NAME, namespace_labels
 from tests.k8s.conftest import delete_namespace
 from tools.k8s.gangs import all_in, gang_spec
 from tools.k8s.wait import wait_for

@@ -8,12 +8,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from preemption.runtimes.kubernetes import (
-    MANAGED_BY,
-    MANAGED_BY_LABEL,
-    PriorityClassSpec,
-    reconcile_priority_classes,
-)
+from preemption.runtimes.kubernetes import PriorityClassSpec, reconcile_priority_classes
+from preemption.runtimes.kubernetes.config import MANAGED_BY, MANAGED_BY_LABEL
 
 UNOWNED = "someone-elses-class"
 

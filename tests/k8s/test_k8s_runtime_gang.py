@@ -13,13 +13,9 @@ import pytest
 from kubernetes import client
 
 from preemption.runtimes.base import GangId, RuntimeTemporaryError
-from preemption.runtimes.kubernetes import (
-    EXIT_CODE_FINALIZER,
-    KubernetesRuntime,
-    gang_guard_victims,
-    gang_name,
-    pod_name,
-)
+from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes.config import EXIT_CODE_FINALIZER, gang_name, pod_name
+from preemption.runtimes.kubernetes.observe import gang_guard_victims
 from tests.k8s.conftest import delete_namespace
 from tools.k8s.gangs import all_in, gang_spec, phases
 from tools.k8s.node_agent import (

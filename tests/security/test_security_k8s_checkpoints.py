@@ -24,16 +24,14 @@ import pytest
 from kubernetes import client
 
 from preemption.runtimes.base import GangSpec, RuntimePermanentError
-from preemption.runtimes.kubernetes import (
+from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes.config import DEFAULT_JOB_UID_BASE, GPU_RESOURCE, pod_name
+from preemption.runtimes.kubernetes.policies import namespace_labels
+from preemption.runtimes.kubernetes.spec import (
     CHECKPOINT_FOLDER_CONTAINER,
     CHECKPOINT_VOLUME_ROOT,
-    DEFAULT_JOB_UID_BASE,
-    GPU_RESOURCE,
-    KubernetesRuntime,
     checkpoint_folder,
     job_uid,
-    namespace_labels,
-    pod_name,
 )
 from tests.k8s.conftest import (  # noqa: F401  (fixtures used by name)
     control_plane,

@@ -46,14 +46,10 @@ from kubernetes import client
 from preemption.models import Attempt, Job, JobState, Rank
 from preemption.reconcile import reconcile_jobs
 from preemption.runtimes.base import GangId, GangSpec, RuntimePermanentError
-from preemption.runtimes.kubernetes import (
-    CHECKPOINT_FOLDER_CONTAINER,
-    DEFAULT_JOB_UID_BASE,
-    KubernetesRuntime,
-    job_uid,
-    namespace_labels,
-    pod_name,
-)
+from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes.config import DEFAULT_JOB_UID_BASE, pod_name
+from preemption.runtimes.kubernetes.policies import namespace_labels
+from preemption.runtimes.kubernetes.spec import CHECKPOINT_FOLDER_CONTAINER, job_uid
 from tests.k8s.test_k8s_disruption import _admitted_job
 from tools.k8s import images
 from tools.k8s.gangs import all_in, gang_spec

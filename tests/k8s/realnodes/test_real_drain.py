@@ -26,7 +26,8 @@ from kubernetes import client
 from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank
 from preemption.reconcile import reconcile_jobs
 from preemption.runtimes.base import GangId
-from preemption.runtimes.kubernetes import STOP_REQUESTED_ANNOTATION, KubernetesRuntime, pod_name
+from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes.config import STOP_REQUESTED_ANNOTATION, pod_name
 
 # restricted and small_runtime are fixtures of the containment tests, used here too.
 from tests.k8s.realnodes.test_real_containment import (

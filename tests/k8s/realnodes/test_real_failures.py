@@ -18,7 +18,8 @@ from kubernetes import client
 from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
 from preemption.reconcile import reconcile_jobs, request_stop
 from preemption.runtimes.base import GangId
-from preemption.runtimes.kubernetes import GANG_LABEL, KubernetesRuntime, gang_name, pod_name
+from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes.config import GANG_LABEL, gang_name, pod_name
 from tests.k8s.test_k8s_disruption import _admitted_job
 from tools.k8s.gangs import all_in
 from tools.k8s.realnodes import RealNodes

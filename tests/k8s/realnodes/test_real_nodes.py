@@ -20,7 +20,8 @@ from kubernetes import client
 from preemption.models import Attempt, JobState
 from preemption.reconcile import reconcile_jobs
 from preemption.runtimes.base import GangId
-from preemption.runtimes.kubernetes import GPU_RESOURCE, KubernetesRuntime, pod_name
+from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes.config import GPU_RESOURCE, pod_name
 from tests.k8s.conftest import HIGH_PRIORITY
 from tests.k8s.test_k8s_disruption import _admitted_job
 from tools.k8s.gangs import all_in, gang_spec

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from preemption.runtimes.kubernetes import team_namespace
+from preemption.runtimes.kubernetes.config import team_namespace
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 PREFIX = "qm-team-"

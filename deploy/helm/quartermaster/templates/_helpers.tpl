@@ -101,7 +101,7 @@ timeoutSeconds: 15
 
 {{/*
 Rules of the runtime in the namespaces gangs run in, by component. The worker's
-are exactly what preemption/runtimes/kubernetes.py calls; the web process only
+are exactly what preemption/runtimes/kubernetes/ calls; the web process only
 reads logs (finding a gang's namespace through its record first).
 */}}
 {{- define "quartermaster.workerJobRules" -}}
