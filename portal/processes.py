@@ -73,7 +73,7 @@ def _celery(*args: str, quiet: bool, warning_filters: Sequence[str] = ()) -> lis
 # Celery warns at each start of a worker that runs as root, on stderr, in eight lines.
 # The embedded portal's worker runs as root by design: the local runtime starts every
 # rank as a user and group of its job's own, which only root may do (see
-# preemption/runtimes/local.py), so the warning told each new user of `make run` about a
+# preemption/runtimes/local/), so the warning told each new user of `make run` about a
 # choice made for them. Celery has no setting for it (C_FORCE_ROOT only lets a root
 # worker accept pickle), and its SecurityWarning class cannot be named in a -W option
 # (the interpreter reads those before it can import Celery), so the filter names the

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-import preemption.runtimes.local as local_runtime
+import preemption.runtimes.local.launch_server as launch_servers
 from preemption.runtimes import GangSpec, LocalRuntime, RankPlacement, parse_inventory
 from preemption.runtimes.runner import RunnerAccount
 from tests.conftest import database_state
@@ -58,7 +58,7 @@ def fresh_launcher(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("CUDA_HOME", "/usr/local/cuda")
     monkeypatch.setenv("NCCL_DEBUG", "WARN")
     servers: dict[Any, Any] = {}
-    monkeypatch.setattr(local_runtime, "_LAUNCH_SERVERS", servers)
+    monkeypatch.setattr(launch_servers, "_LAUNCH_SERVERS", servers)
     yield
     for server in servers.values():
         server.stop()

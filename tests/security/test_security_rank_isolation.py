@@ -33,7 +33,7 @@ from django.core.exceptions import ImproperlyConfigured
 from preemption import runtime as runtime_settings
 from preemption.runtime import get_runtime, local_runner
 from preemption.runtimes import GangId, GangSpec, LocalRuntime, RankPlacement, parse_inventory
-from preemption.runtimes.local import PROJECT_ROOT
+from preemption.runtimes.local.launch_server import PROJECT_ROOT
 from preemption.runtimes.records import EXITS_FIFO, STARTED_FILE, read_record
 from preemption.runtimes.runner import RunnerAccount, find_runner
 from tests.waiting import wait_until

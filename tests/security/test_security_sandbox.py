@@ -523,16 +523,16 @@ def test_with_sandbox_on_a_machine_that_cannot_make_one_refuses_to_launch(
 def test_with_sandbox_auto_on_a_machine_that_cannot_make_one_runs_and_says_why(
     no_sandbox_here: str, runner_tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from preemption.runtimes import local
+    from preemption.runtimes.local import runtime as local_runtime
 
-    local._warned_without_sandbox = False
+    local_runtime._warned_without_sandbox = False
     runtime = LocalRuntime(
         runner_tmp_path / "runs",
         parse_inventory(INVENTORY),
         sandbox=sandboxes.SandboxConfig(mode="auto", limits=LIMITS),
     )
     spec = gang(317, "echo ran", var=runner_tmp_path)
-    with caplog.at_level(logging.WARNING, logger="preemption.runtimes.local"):
+    with caplog.at_level(logging.WARNING, logger="preemption.runtimes.local.runtime"):
         runtime.launch(spec)
     wait_until(lambda: runtime.observe(spec.gang)[0].phase == "exited", "the rank to end")
     assert runtime.observe(spec.gang)[0].exit_code == 0

@@ -41,13 +41,9 @@ from preemption.runtimes import (
     processes,
 )
 from preemption.runtimes.gpu_slots import LOCK_FOLDER as GPU_LOCK_FOLDER
-from preemption.runtimes.local import (
-    MASTER_PORT_FLOOR,
-    PROJECT_ROOT,
-    _ephemeral_port_floor,
-    _group_owner,
-    launch_server,
-)
+from preemption.runtimes.local.launch_server import PROJECT_ROOT, launch_server
+from preemption.runtimes.local.ports import MASTER_PORT_FLOOR, ephemeral_port_floor
+from preemption.runtimes.local.scan import _group_owner
 from preemption.runtimes.processes import ProcessInfo
 from preemption.runtimes.records import (
     EXITS_FIFO,
@@ -628,7 +624,7 @@ def test_the_gang_index_lists_each_live_gang_with_its_port_and_is_built_for_an_o
 
     # A launch never picks a port the index promised to another gang, even when the
     # index holds all but one of the ports it picks from at random.
-    floor = _ephemeral_port_floor()
+    floor = ephemeral_port_floor()
     for port in range(MASTER_PORT_FLOOR, floor):
         if port != floor - 1:
             (index / f"9{port}.1.{port}").touch()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from preemption.runtimes import GangId, LocalRuntime, RuntimePermanentError
-from preemption.runtimes.local import MTBP_FILE
+from preemption.runtimes.local.folders import MTBP_FILE
 from preemption.runtimes.runner import RunnerAccount
 from tests.preemption.runtimes.test_runtime_local import (
     gang_spec,
