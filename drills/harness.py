@@ -66,14 +66,7 @@ from drills.result import ChaosRound, DrillResult, RoundFigures
 from drills.setup import DrillSetup
 from portal.processes import beat_command, web_command, worker_command
 from preemption.logs import read_rank_log
-from preemption.models import (
-    FINAL_STATES,
-    Attempt,
-    Job,
-    JobState,
-    PreemptionEvent,
-    Rank,
-)
+from preemption.models import FINAL_STATES, Attempt, Job, JobState, PreemptionEvent, Rank
 from preemption.services import job_submit
 from quotas.models import PriorityClass
 from telemetry.services import drill_run_record

@@ -19,14 +19,7 @@ from drills.base import DrillBase
 from drills.integrity import compare_with_reference
 from drills.result import RoundFigures
 from preemption.ingest import fingerprint
-from preemption.models import (
-    Attempt,
-    Job,
-    JobState,
-    PreemptionEvent,
-    Rank,
-    TrapEvent,
-)
+from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank, TrapEvent
 from preemption.runtime import get_runtime
 from preemption.runtimes import iter_log_chunks, iter_trap_events_in_chunks, processes
 from preemption.runtimes.base import GangId

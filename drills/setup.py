@@ -10,10 +10,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 
 from drills.base import FLAVOR, DrillBase, DrillError
-from preemption.models import (
-    FINAL_STATES,
-    Job,
-)
+from preemption.models import FINAL_STATES, Job
 from preemption.services import job_cancel
 from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team
 from quotas.services import (

@@ -15,14 +15,7 @@ from rest_framework import serializers
 from core.access import Access
 from core.api import NamedRelatedField, deny
 from preemption import selectors, services
-from preemption.models import (
-    Attempt,
-    Checkpoint,
-    Job,
-    PreemptionEvent,
-    Rank,
-    Webhook,
-)
+from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, Webhook
 from preemption.reasons import describe_preemption, rank_end_words, why_waiting
 from preemption.typed_command import command_as_typed
 from quotas.models import PriorityClass, ResourceFlavor, Team

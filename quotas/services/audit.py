@@ -9,10 +9,7 @@ from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 
-from quotas.models import (
-    AuditEntry,
-    Team,
-)
+from quotas.models import AuditEntry, Team
 
 UNSET: Any = object()
 

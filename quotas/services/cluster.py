@@ -14,16 +14,8 @@ from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 
 from quotas.job_ledger import job_ledger
-from quotas.models import (
-    Node,
-    ResourceFlavor,
-    SchedulingPolicy,
-)
-from quotas.selectors import (
-    node_topology,
-    scheduling_policy,
-    topology_levels,
-)
+from quotas.models import Node, ResourceFlavor, SchedulingPolicy
+from quotas.selectors import node_topology, scheduling_policy, topology_levels
 from quotas.services.audit import audit
 from quotas.services.priority_classes import MIN_RUNTIME_FIELDS
 from quotas.validation import MAX_GPUS

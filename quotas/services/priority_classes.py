@@ -11,11 +11,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
-from quotas.models import (
-    DEFAULT_NOTICE_SECONDS,
-    PriorityClass,
-    Team,
-)
+from quotas.models import DEFAULT_NOTICE_SECONDS, PriorityClass, Team
 from quotas.services.audit import audit
 
 # --- priority classes and memberships ----------------------------------------

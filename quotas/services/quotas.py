@@ -11,14 +11,8 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
-from quotas.models import (
-    Quota,
-    ResourceFlavor,
-    Team,
-)
-from quotas.selectors import (
-    team_tree,
-)
+from quotas.models import Quota, ResourceFlavor, Team
+from quotas.selectors import team_tree
 from quotas.services.audit import UNSET, audit
 from quotas.validation import guarantee_range, quota_ranges
 

@@ -15,17 +15,8 @@ from django.db import transaction
 from core.access import TeamTree
 from quotas.job_ledger import job_ledger
 from quotas.limits import QueuedJobLimit, queued_job_limits
-from quotas.models import (
-    Membership,
-    PriorityClass,
-    Quota,
-    Team,
-)
-from quotas.selectors import (
-    PriorityAllowance,
-    priority_allowance,
-    team_tree,
-)
+from quotas.models import Membership, PriorityClass, Quota, Team
+from quotas.selectors import PriorityAllowance, priority_allowance, team_tree
 from quotas.services.audit import UNSET, audit
 from quotas.services.quotas import validate_guarantee_in_tree
 from quotas.validation import check_weight
