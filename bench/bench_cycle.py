@@ -67,7 +67,8 @@ from django.db import connection, transaction  # noqa: E402
 import fairshare  # noqa: E402
 from preemption.cycle import CycleResult, _apply, _lock, schedule_cycle  # noqa: E402
 from preemption.models import Attempt, Checkpoint, Job, JobState, Rank  # noqa: E402
-from preemption.reconcile import gang_spec, reconcile_jobs  # noqa: E402
+from preemption.reconcile import reconcile_jobs  # noqa: E402
+from preemption.reconcile.steps import gang_spec  # noqa: E402
 from preemption.runtime import inventory  # noqa: E402
 from preemption.runtimes.mimic import MimicRuntime  # noqa: E402
 from preemption.snapshot import read_snapshot  # noqa: E402

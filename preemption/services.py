@@ -1,5 +1,5 @@
 """Writes to jobs from people: submit and cancel. The scheduling cycle and the
-reconcilers, which act for the system, live in cycle.py and reconcile.py."""
+reconcilers, which act for the system, live in cycle.py and reconcile/."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from portal.services import api_token_create
 from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank
-from preemption.reconcile import gang_spec
+from preemption.reconcile.steps import gang_spec
 from preemption.runtime import use_runtime
 from preemption.runtimes.base import GangId, GangSpec, NodeInventory, RankPlacement
 from preemption.runtimes.local import LocalRuntime

@@ -14,7 +14,7 @@ import pytest
 from preemption import risk
 from preemption.cadence import preemption_risk_refresh
 from preemption.models import Attempt, Checkpoint, Job, JobState, TrapEvent
-from preemption.reconcile import ingest_logs
+from preemption.reconcile.logs import ingest_logs
 from preemption.runtimes import LocalRuntime
 from preemption.services import job_submit
 from tests.preemption.conftest import ROOT, state_of, train_command

@@ -23,9 +23,9 @@ from celery.exceptions import SoftTimeLimitExceeded
 from django.db import connection, transaction
 from django.utils import timezone
 
-from preemption import reconcile
 from preemption.cycle import schedule_cycle
 from preemption.models import Attempt, Job, JobState, Rank
+from preemption.reconcile import decide as decide_stage
 from preemption.reconcile import launch_admitted, reconcile_jobs
 from preemption.runtimes import GangId, GangSpec, LocalRuntime
 from preemption.services import job_submit
@@ -277,14 +277,14 @@ def test_the_task_time_limit_ends_the_pass_and_undoes_its_decisions(
         lambda: [o.phase for o in local_runtime.observe(GangId(first.pk, 1))] == ["running"],
         "the first job's rank running",
     )
-    decide = reconcile._decide
+    decide = decide_stage._decide
 
     def decide_until_the_limit(attempt: Attempt, *args: Any, **kwargs: Any) -> Any:
         if attempt.job_id == second.pk:
             raise SoftTimeLimitExceeded()
         return decide(attempt, *args, **kwargs)
 
-    monkeypatch.setattr(reconcile, "_decide", decide_until_the_limit)
+    monkeypatch.setattr(decide_stage, "_decide", decide_until_the_limit)
     with pytest.raises(SoftTimeLimitExceeded):
         reconcile_jobs(job_ids=[first.pk, second.pk], runtime=local_runtime)
     assert state_of(first) == JobState.ADMITTED

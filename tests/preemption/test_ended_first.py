@@ -11,10 +11,9 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from preemption import reconcile
 from preemption.cycle import schedule_cycle
 from preemption.models import Attempt, Job, JobState, PreemptionEvent
-from preemption.reconcile import launch_admitted, reconcile_jobs, request_stop
+from preemption.reconcile import launch_admitted, passes, reconcile_jobs, request_stop
 from preemption.runtimes import GangId, LocalRuntime
 from preemption.services import job_submit
 from tests.preemption.conftest import sleeper_command, state_of
@@ -114,7 +113,7 @@ def test_a_stop_decided_after_the_pass_read_a_finished_job_is_ended_first_not_le
     and its close of those that ended: the close still sees it, and the stop is
     `ended-first` instead of an open preemption that no count could ever drop."""
     job = ended_job(world, local_runtime)
-    real_finish = reconcile._finish
+    real_finish = passes.finish
     stops = []
 
     def finish_after_a_stop(steps: list[Any], runtime: Any) -> None:
@@ -126,7 +125,7 @@ def test_a_stop_decided_after_the_pass_read_a_finished_job_is_ended_first_not_le
         )
         real_finish(steps, runtime)
 
-    monkeypatch.setattr(reconcile, "_finish", finish_after_a_stop)
+    monkeypatch.setattr(passes, "finish", finish_after_a_stop)
     reconcile_jobs(runtime=local_runtime)
 
     assert len(stops) == 1 and stops[0] is not None

@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 
-from preemption import reconcile
 from preemption.cycle import schedule_cycle
 from preemption.models import Attempt, Job, JobState
-from preemption.reconcile import listen_for_exits
+from preemption.reconcile import exits, hold, listen_for_exits, passes, reconcile_jobs
 from preemption.runtime import use_runtime
 from preemption.runtimes import GangId
 from preemption.runtimes.mimic import MimicRuntime
@@ -33,7 +32,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 def handed_over(monkeypatch: pytest.MonkeyPatch) -> list[list[int] | None]:
     """The passes the listener hands to the worker instead of running them itself."""
     sent: list[list[int] | None] = []
-    monkeypatch.setattr(reconcile, "send_reconcile", lambda job_ids=None: sent.append(job_ids))
+    monkeypatch.setattr(exits, "send_reconcile", lambda job_ids=None: sent.append(job_ids))
     return sent
 
 
@@ -111,7 +110,7 @@ def test_a_pass_that_fails_is_handed_to_the_worker(
     def broken(**_: Any) -> int:
         raise RuntimeError("the database went away")
 
-    monkeypatch.setattr(reconcile, "reconcile_jobs", broken)
+    monkeypatch.setattr(exits, "reconcile_jobs", broken)
     jobs = launched(world, "sleep 0.2")
     stop = threading.Event()
     listener = threading.Thread(target=listen_for_exits, args=(stop,))
@@ -147,15 +146,15 @@ def test_the_periodic_pass_leaves_fresh_ends_to_a_live_listener(
     open_attempts = Attempt.objects.filter(job__in=jobs, ended_at__isnull=True)
     marker = Path(settings.VAR_DIR) / "exits.listening"
     marker.touch()  # as a live listener does
-    assert reconcile.exits_listened()
-    reconcile.reconcile_jobs()
+    assert hold.exits_listened()
+    reconcile_jobs()
     assert open_attempts.count() == 2, "the periodic pass left them to the listener"
     # The listener's own pass is a pass of those jobs.
-    reconcile.reconcile_jobs(job_ids=[jobs[0].pk])
+    reconcile_jobs(job_ids=[jobs[0].pk])
     assert list(open_attempts.values_list("job_id", flat=True)) == [jobs[1].pk]
     # An end older than the listener's settling time is the periodic pass's again.
-    monkeypatch.setattr(reconcile, "SETTLE_SECONDS", 0.0)
-    reconcile.reconcile_jobs()
+    monkeypatch.setattr(passes, "SETTLE_SECONDS", 0.0)
+    reconcile_jobs()
     assert open_attempts.count() == 0
 
 
@@ -169,10 +168,10 @@ def test_a_listener_that_stopped_beating_is_not_waited_for(
     )
     marker = Path(settings.VAR_DIR) / "exits.listening"
     marker.touch()
-    past = time.time() - 10 * reconcile.LISTENER_BEAT_SECONDS
+    past = time.time() - 10 * hold.LISTENER_BEAT_SECONDS
     os.utime(marker, (past, past))
-    assert not reconcile.exits_listened()
-    reconcile.reconcile_jobs()
+    assert not hold.exits_listened()
+    reconcile_jobs()
     assert not Attempt.objects.filter(job__in=jobs, ended_at__isnull=True).exists()
 
 
@@ -183,7 +182,7 @@ def test_a_listener_beats_while_it_lives_and_takes_its_marker_away(
     listener = threading.Thread(target=listen_for_exits, args=(stop,))
     listener.start()
     try:
-        wait_until(reconcile.exits_listened, "the listener's marker")
+        wait_until(hold.exits_listened, "the listener's marker")
         first = (Path(settings.VAR_DIR) / "exits.listening").stat().st_mtime
         wait_until(
             lambda: (Path(settings.VAR_DIR) / "exits.listening").stat().st_mtime > first,
@@ -194,4 +193,4 @@ def test_a_listener_beats_while_it_lives_and_takes_its_marker_away(
         listener.join(timeout=10)
     assert not listener.is_alive()
     assert not (Path(settings.VAR_DIR) / "exits.listening").exists()
-    assert not reconcile.exits_listened()
+    assert not hold.exits_listened()

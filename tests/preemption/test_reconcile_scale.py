@@ -18,7 +18,8 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
-from preemption.reconcile import gang_spec, reconcile_jobs
+from preemption.reconcile import reconcile_jobs
+from preemption.reconcile.steps import gang_spec
 from preemption.runtimes import GangId
 from preemption.runtimes.mimic import MimicRuntime
 from tests import builders

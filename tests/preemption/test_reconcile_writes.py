@@ -19,7 +19,6 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from psycopg.errors import DeadlockDetected
 
-from preemption import reconcile
 from preemption.cycle import schedule_cycle
 from preemption.models import (
     Attempt,
@@ -30,7 +29,11 @@ from preemption.models import (
     Webhook,
     WebhookDelivery,
 )
-from preemption.reconcile import reconcile_jobs
+from preemption.reconcile import decide as decide_stage
+from preemption.reconcile import finish as finish_stage
+from preemption.reconcile import reconcile_jobs, request_stop
+from preemption.reconcile.finish import ClosedTogether
+from preemption.reconcile.steps import FINISH, Step
 from preemption.runtimes import GangId
 from preemption.runtimes.mimic import MimicRuntime
 from tests import builders
@@ -165,11 +168,11 @@ def test_an_attempt_closed_by_another_worker_first_is_left_alone(
         ended_at=other_end, end_reason=Attempt.EndReason.FAILED
     )
     Job.objects.filter(pk=jobs[0].pk).update(state=JobState.FAILED)
-    steps = [reconcile.Step(reconcile.FINISH, attempt) for attempt in attempts]
+    steps = [Step(FINISH, attempt) for attempt in attempts]
     items = [(step, [], []) for step in steps]
     with transaction.atomic():
-        closed = reconcile._close_succeeded_together(items, timezone.now())
-    assert closed == reconcile.ClosedTogether({attempts[1].pk, attempts[2].pk}, set())
+        closed = finish_stage._close_succeeded_together(items, timezone.now())
+    assert closed == ClosedTogether({attempts[1].pk, attempts[2].pk}, set())
     assert Job.objects.get(pk=jobs[0].pk).state == JobState.FAILED
     first = Attempt.objects.get(pk=attempts[0].pk)
     assert (first.ended_at, first.end_reason) == (other_end, Attempt.EndReason.FAILED)
@@ -182,13 +185,13 @@ def test_an_attempt_whose_stop_was_decided_since_the_pass_read_it_is_not_closed_
 ) -> None:
     jobs, attempts = three_ended(world)
     # Read by the pass with no stop; the scheduler then decided to stop the second.
-    steps = [reconcile.Step(reconcile.FINISH, attempt) for attempt in attempts]
-    stop = reconcile.request_stop(job=jobs[1], reason="priority", cause="a critical job")
+    steps = [Step(FINISH, attempt) for attempt in attempts]
+    stop = request_stop(job=jobs[1], reason="priority", cause="a critical job")
     assert stop is not None
     items = [(step, [], []) for step in steps]
     with transaction.atomic():
-        closed = reconcile._close_succeeded_together(items, timezone.now())
-    assert closed == reconcile.ClosedTogether({attempts[0].pk, attempts[2].pk}, {attempts[1].pk})
+        closed = finish_stage._close_succeeded_together(items, timezone.now())
+    assert closed == ClosedTogether({attempts[0].pk, attempts[2].pk}, {attempts[1].pk})
     # Left for the close one by one, which judges the stop: nothing of it was written.
     second = Attempt.objects.get(pk=attempts[1].pk)
     assert second.ended_at is None and second.end_reason == ""
@@ -209,7 +212,7 @@ def test_when_closing_together_fails_each_attempt_is_closed_on_its_own(
         Job.objects.filter(pk=jobs[0].pk).update(failure_reason="written by the batch")
         raise ValueError("a row the batch could not take")
 
-    monkeypatch.setattr(reconcile, "_close_succeeded", broken)
+    monkeypatch.setattr(finish_stage, "_close_succeeded", broken)
     wait_until(
         lambda: all(o.phase == "exited" for j in jobs for o in mimic.observe(GangId(j.pk, 1))),
         "every gang's time over",
@@ -242,9 +245,7 @@ def test_plain_ends_are_decided_together_and_the_rest_one_by_one(
             "every gang's time over",
             timeout=30,
         )
-        return jobs, queries(
-            lambda: reconcile.reconcile_jobs(job_ids=[j.pk for j in jobs], runtime=mimic)
-        )
+        return jobs, queries(lambda: reconcile_jobs(job_ids=[j.pk for j in jobs], runtime=mimic))
 
     few, few_queries = ended_pass(2)
     many, many_queries = ended_pass(12)
@@ -313,15 +314,15 @@ def test_an_end_seen_before_its_launch_was_recorded_is_decided_with_the_rest(
         return seen
 
     decided_alone: list[int] = []
-    decide = reconcile._decide
+    decide = decide_stage._decide
 
     def one_by_one(attempt: Attempt, *args: Any, **kwargs: Any) -> Any:
         decided_alone.append(attempt.job_id)
         return decide(attempt, *args, **kwargs)
 
     monkeypatch.setattr(mimic, "observe", observe_then_record)
-    monkeypatch.setattr(reconcile, "_decide", one_by_one)
-    reconcile.reconcile_jobs(job_ids=[job.pk for job in jobs], runtime=mimic)
+    monkeypatch.setattr(decide_stage, "_decide", one_by_one)
+    reconcile_jobs(job_ids=[job.pk for job in jobs], runtime=mimic)
 
     assert decided_alone == []
     assert set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True)) == {
@@ -368,20 +369,20 @@ def test_a_pass_undone_by_a_deadlock_decides_again_at_the_next_pass(
     nothing and the next one decides again."""
     jobs = submit(world, [world.vision] * 2)
     schedule_cycle()
-    lock_rows = reconcile._lock_rows
+    lock_rows = decide_stage._lock_rows
 
     def deadlocked(attempts: list[Attempt]) -> Any:
         lock_rows(attempts)
         Job.objects.filter(pk=jobs[0].pk).update(failure_reason="written before the deadlock")
         raise OperationalError("deadlock detected") from DeadlockDetected("deadlock detected")
 
-    monkeypatch.setattr(reconcile, "_lock_rows", deadlocked)
+    monkeypatch.setattr(decide_stage, "_lock_rows", deadlocked)
     assert reconcile_jobs() == 0
     assert Job.objects.get(pk=jobs[0].pk).failure_reason == ""
     assert set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True)) == {
         JobState.ADMITTED
     }
-    monkeypatch.setattr(reconcile, "_lock_rows", lock_rows)
+    monkeypatch.setattr(decide_stage, "_lock_rows", lock_rows)
     assert reconcile_jobs() == 2
     assert set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True)) == {
         JobState.RUNNING

@@ -16,11 +16,11 @@ from preemption.reconcile import (
     RankShutdown,
     hold_launches,
     launch_admitted,
-    launches_held,
     live_rank_count,
     reconcile_jobs,
-    runtime_shutdown,
 )
+from preemption.reconcile.hold import launches_held
+from preemption.reconcile.shutdown import runtime_shutdown
 from preemption.runtimes import GangId, processes
 from preemption.runtimes.records import write_record
 from preemption.services import job_submit

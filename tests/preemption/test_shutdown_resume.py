@@ -18,13 +18,9 @@ import pytest
 
 from preemption.models import Checkpoint, Job, JobState, PreemptionEvent
 from preemption.reasons import why_waiting
-from preemption.reconcile import (
-    RankShutdown,
-    ingest_logs,
-    live_rank_count,
-    reconcile_jobs,
-    runtime_shutdown,
-)
+from preemption.reconcile import RankShutdown, live_rank_count, reconcile_jobs
+from preemption.reconcile.logs import ingest_logs
+from preemption.reconcile.shutdown import runtime_shutdown
 from preemption.runtimes import GangId, iter_log_chunks, iter_trap_events_in_chunks
 from preemption.services import job_submit
 from tests.preemption.conftest import state_of, train_command

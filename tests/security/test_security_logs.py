@@ -24,7 +24,7 @@ from django.test import Client
 from django.urls import reverse
 
 from preemption.models import Attempt, Job, TrapEvent
-from preemption.reconcile import ingest_logs
+from preemption.reconcile.logs import ingest_logs
 from preemption.runtime import use_runtime
 from preemption.runtimes import (
     GangId,

@@ -26,7 +26,7 @@ from rest_framework.test import APIClient
 from preemption.event_tokens import attempt_events_token
 from preemption.ingest import ingest_trap_event
 from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank, TrapEvent
-from preemption.reconcile import gang_spec
+from preemption.reconcile.steps import gang_spec
 
 YEAR_5107 = 98_000_000_000.0  # a Unix time in the year 5107
 
