@@ -46,6 +46,7 @@ WaitOutcome = tuple[int, str, float | None, bool]
 
 
 def jobs_phrase(ids: list[str]) -> str:
+    """``ids`` in words for a reason: "job a", or "jobs a, b, c and 2 more" (each once)."""
     unique = list(dict.fromkeys(ids))
     shown = ", ".join(unique[:3])
     more = f" and {len(unique) - 3} more" if len(unique) > 3 else ""
