@@ -3,7 +3,7 @@
 The abort this guards against: "terminate called without an active exception" on a
 rank of a gloo gang that ended with a bare ``dist.destroy_process_group()``, on a
 loaded machine: a gloo worker thread still handling the last collective's tensors
-while the interpreter shuts down; see ``gracetrap.trap._let_gloo_workers_settle``.
+while the interpreter shuts down; see ``gracetrap.gloo._let_gloo_workers_settle``.
 """
 
 from __future__ import annotations

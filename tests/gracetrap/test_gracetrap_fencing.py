@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from gracetrap.base import FENCED_EXIT_CODE
 from gracetrap.checkpoints import (
     FencedError,
     claim_epoch,
@@ -29,7 +30,6 @@ from gracetrap.checkpoints import (
     prune,
     step_dir,
 )
-from gracetrap.trap import FENCED_EXIT_CODE
 from gracetrap_gang import launch
 
 from gracetrap import Trap, complete_checkpoints, list_checkpoints

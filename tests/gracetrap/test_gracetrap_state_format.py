@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import gracetrap.trap
+import gracetrap.saving
 import numpy as np
 import pytest
 import torch
@@ -130,7 +130,7 @@ def test_a_planted_rng_state_runs_nothing(
     payload = pickle.dumps(_Plant(marker))
     _payload_works(payload, marker)
     # The trap's RNG blob used to be a pickle; this one is the payload instead.
-    monkeypatch.setattr(gracetrap.trap, "capture_rng_state", lambda: payload)
+    monkeypatch.setattr(gracetrap.saving, "capture_rng_state", lambda: payload)
     trap, _, _ = _trap(checkpoints)
     with trap:
         trap.save(3)

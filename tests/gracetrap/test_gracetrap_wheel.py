@@ -57,7 +57,10 @@ def test_wheel_builds_and_installs_into_a_fresh_venv(tmp_path: Path) -> None:
     (wheel,) = dist.glob("gracetrap-*.whl")
     assert wheel.name.endswith("-py3-none-any.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("__init__", "trap", "checkpoints", "events", "protocol", "state", "ports"):
+    for module in (
+        *("__init__", "trap", "base", "saving", "stopping", "staging", "gloo", "environment"),
+        *("checkpoints", "events", "protocol", "state", "ports"),
+    ):
         assert f"gracetrap/{module}.py" in names
     assert "gracetrap/py.typed" in names
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))

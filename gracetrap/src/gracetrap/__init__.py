@@ -26,13 +26,14 @@ from gracetrap.events import EVENT_NAMES, EVENT_PREFIX, EventReporter, parse_eve
 from gracetrap.protocol import checkpoint_interval
 
 if TYPE_CHECKING:
+    from gracetrap.base import DEFAULT_SIGNALS
     from gracetrap.state import capture_rng_state, restore_rng_state
-    from gracetrap.trap import DEFAULT_SIGNALS, Trap, worker_init_fn
+    from gracetrap.trap import Trap, worker_init_fn
 
 _NEED_TORCH = {
     "capture_rng_state": "gracetrap.state",
     "restore_rng_state": "gracetrap.state",
-    "DEFAULT_SIGNALS": "gracetrap.trap",
+    "DEFAULT_SIGNALS": "gracetrap.base",
     "Trap": "gracetrap.trap",
     "worker_init_fn": "gracetrap.trap",
 }
