@@ -36,13 +36,13 @@ from preemption.runtimes.kubernetes import (  # noqa: E402
     KubernetesRuntime,
     KubernetesRuntimeConfig,
 )
-from tools.k8s.controlplane import ControlPlane  # noqa: E402
-from tools.k8s.gangs import all_in, gang_spec  # noqa: E402
-from tools.k8s.node_agent import (  # noqa: E402
+from tools.k8s.agent_state import (  # noqa: E402
     ANNOTATION_EXIT_ON_TERM,
     ANNOTATION_TERM_SECONDS,
     NodeSpec,
 )
+from tools.k8s.controlplane import ControlPlane  # noqa: E402
+from tools.k8s.gangs import all_in, gang_spec  # noqa: E402
 from tools.k8s.wait import wait_for  # noqa: E402
 
 GOAL_SECONDS = 0.25

@@ -33,9 +33,10 @@ from preemption.runtimes.kubernetes import (  # noqa: E402
     KubernetesRuntime,
     KubernetesRuntimeConfig,
 )
+from tools.k8s.agent_state import NodeSpec  # noqa: E402
 from tools.k8s.controlplane import ControlPlane  # noqa: E402
 from tools.k8s.gangs import gang_spec  # noqa: E402
-from tools.k8s.node_agent import NodeAgent, NodeSpec  # noqa: E402
+from tools.k8s.node_agent import NodeAgent  # noqa: E402
 from tools.k8s.requests import Recorder  # noqa: E402
 from tools.k8s.wait import wait_for  # noqa: E402
 

@@ -30,8 +30,9 @@ from preemption.runtimes.kubernetes import (  # noqa: E402
     KubernetesRuntime,
     KubernetesRuntimeConfig,
 )
+from tools.k8s.agent_state import NodeSpec  # noqa: E402
 from tools.k8s.controlplane import ControlPlane  # noqa: E402
-from tools.k8s.node_agent import NodeAgent, NodeSpec  # noqa: E402
+from tools.k8s.node_agent import NodeAgent  # noqa: E402
 
 GPU_NODES = tuple(NodeSpec(name=f"gpu-node-{i}", gpus=8, flavor="h100") for i in range(4))
 

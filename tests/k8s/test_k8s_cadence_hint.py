@@ -23,8 +23,8 @@ from preemption.runtimes.kubernetes.config import (
     pod_name,
     risk_config_map_name,
 )
+from tools.k8s.agent_state import ANNOTATION_RUN
 from tools.k8s.gangs import all_in, gang_spec
-from tools.k8s.node_agent import ANNOTATION_RUN
 from tools.k8s.wait import wait_for
 
 MakeRuntime = Callable[..., KubernetesRuntime]

@@ -16,8 +16,9 @@ from kubernetes import client
 
 from preemption.runtimes.base import RuntimePermanentError
 from preemption.runtimes.kubernetes import KubernetesRuntime, KubernetesRuntimeConfig
+from tools.k8s.agent_state import ANNOTATION_RUN
 from tools.k8s.gangs import all_in, gang_spec
-from tools.k8s.node_agent import ANNOTATION_RUN, NodeAgent
+from tools.k8s.node_agent import NodeAgent
 from tools.k8s.volumes import bound_claim, delete_claim
 from tools.k8s.wait import wait_for
 

@@ -21,8 +21,9 @@ import pytest
 from kubernetes import client
 
 from tests.k8s.conftest import running_agent
+from tools.k8s.agent_state import NodeSpec
 from tools.k8s.controlplane import ControlPlane
-from tools.k8s.node_agent import NodeAgent, NodeSpec
+from tools.k8s.node_agent import NodeAgent
 from tools.k8s.volumes import bound_claim, delete_claim
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

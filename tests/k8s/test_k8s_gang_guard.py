@@ -10,13 +10,9 @@ from preemption.runtimes.base import GangId, RankObservation
 from preemption.runtimes.kubernetes import KubernetesRuntime
 from preemption.runtimes.kubernetes.config import pod_name
 from preemption.runtimes.kubernetes.observe import gang_guard_victims
+from tools.k8s.agent_state import ANNOTATION_EXIT_ON_TERM, ANNOTATION_TERM_SECONDS, NodeSpec
 from tools.k8s.gangs import all_in, gang_spec
-from tools.k8s.node_agent import (
-    ANNOTATION_EXIT_ON_TERM,
-    ANNOTATION_TERM_SECONDS,
-    NodeAgent,
-    NodeSpec,
-)
+from tools.k8s.node_agent import NodeAgent
 from tools.k8s.wait import wait_for
 
 MakeRuntime = Callable[..., KubernetesRuntime]

@@ -22,8 +22,8 @@ from preemption.runtimes.kubernetes import KubernetesRuntime
 from preemption.services import job_submit
 from quotas.models import PriorityClass
 from tests.conftest import PASSWORD
+from tools.k8s.agent_state import ANNOTATION_RUN
 from tools.k8s.gangs import all_in, gang_spec
-from tools.k8s.node_agent import ANNOTATION_RUN
 from tools.k8s.wait import wait_for
 
 MakeRuntime = Callable[..., KubernetesRuntime]

@@ -7,7 +7,8 @@ from typing import Any
 
 from kubernetes import client
 
-from tools.k8s.node_agent import ANNOTATION_RUN, NodeAgent
+from tools.k8s.agent_state import ANNOTATION_RUN
+from tools.k8s.node_agent import NodeAgent
 from tools.k8s.wait import wait_for
 
 

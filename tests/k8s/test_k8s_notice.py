@@ -23,7 +23,8 @@ from preemption.runtimes.kubernetes import KubernetesRuntime
 from quotas.models import PriorityClass
 from tests import builders
 from tests.k8s.conftest import LOW_PRIORITY
-from tools.k8s.node_agent import ANNOTATION_RUN, NodeAgent
+from tools.k8s.agent_state import ANNOTATION_RUN
+from tools.k8s.node_agent import NodeAgent
 
 MakeRuntime = Callable[..., KubernetesRuntime]
 ROOT = Path(__file__).resolve().parents[2]

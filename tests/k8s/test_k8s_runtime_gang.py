@@ -17,12 +17,8 @@ from preemption.runtimes.kubernetes import KubernetesRuntime
 from preemption.runtimes.kubernetes.config import EXIT_CODE_FINALIZER, gang_name, pod_name
 from preemption.runtimes.kubernetes.observe import gang_guard_victims
 from tests.k8s.conftest import delete_namespace
+from tools.k8s.agent_state import ANNOTATION_EXIT_ON_TERM, ANNOTATION_RUN, ANNOTATION_TERM_SECONDS
 from tools.k8s.gangs import all_in, gang_spec, phases
-from tools.k8s.node_agent import (
-    ANNOTATION_EXIT_ON_TERM,
-    ANNOTATION_RUN,
-    ANNOTATION_TERM_SECONDS,
-)
 from tools.k8s.wait import wait_for
 
 MakeRuntime = Callable[..., KubernetesRuntime]

@@ -43,9 +43,10 @@ from tests.k8s.conftest import (  # noqa: F401  (fixtures used by name)
     running_agent,
     test_priority_classes,
 )
+from tools.k8s.agent_state import ANNOTATION_RUN, NodeSpec
 from tools.k8s.controlplane import ControlPlane
 from tools.k8s.gangs import all_in, gang_spec
-from tools.k8s.node_agent import ANNOTATION_RUN, NodeAgent, NodeSpec
+from tools.k8s.node_agent import NodeAgent
 from tools.k8s.volumes import bound_claim, delete_claim
 from tools.k8s.wait import wait_for
 
