@@ -93,7 +93,7 @@ def _openssl(*args: str, cwd: Path) -> None:
         raise ControlPlaneError(f"openssl {' '.join(args)} failed: {result.stderr}")
 
 
-def _issue_certificate(
+def issue_certificate(
     pki: Path, name: str, subject: str, extensions: str, *, days: int = 365
 ) -> None:
     """Create ``name.key`` and ``name.crt`` signed by the test CA in ``pki``."""
@@ -131,7 +131,7 @@ def generate_pki(pki: Path) -> None:
             "DNS:kubernetes.default.svc.cluster.local",
         ]
     )
-    _issue_certificate(
+    issue_certificate(
         pki,
         "apiserver",
         "/CN=kube-apiserver",
@@ -143,13 +143,13 @@ def generate_pki(pki: Path) -> None:
     # account per controller, and the default system:kube-controller-manager
     # role alone does not cover what the controllers write (node taints, for
     # one). The scheduler gets exactly the default system:kube-scheduler role.
-    _issue_certificate(pki, "admin", "/O=system:masters/CN=quartermaster-admin", client)
-    _issue_certificate(
+    issue_certificate(pki, "admin", "/O=system:masters/CN=quartermaster-admin", client)
+    issue_certificate(
         pki, "controller-manager", "/O=system:masters/CN=system:kube-controller-manager", client
     )
-    _issue_certificate(pki, "scheduler", "/CN=system:kube-scheduler", client)
+    issue_certificate(pki, "scheduler", "/CN=system:kube-scheduler", client)
     # The apiserver's client identity towards kubelets (the node agent serves logs).
-    _issue_certificate(pki, "apiserver-kubelet-client", "/O=system:masters/CN=apiserver", client)
+    issue_certificate(pki, "apiserver-kubelet-client", "/O=system:masters/CN=apiserver", client)
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=pki)
     _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
 
@@ -412,7 +412,7 @@ class ControlPlane:
             # Its own session: a Ctrl-C in the terminal that ran `up` does not
             # reach it, and `down` signals exactly the pids it recorded.
             start_new_session=True,
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
+            preexec_fn=die_with_parent_process if self.die_with_parent else None,
         )
         log.close()
         self._processes[name] = process
@@ -484,7 +484,7 @@ class ControlPlane:
         raise ControlPlaneError("the service account controller created no default account")
 
 
-def _die_with_parent() -> None:
+def die_with_parent_process() -> None:
     """In the child: receive SIGTERM when the process that started it exits (Linux)."""
     libc = ctypes.CDLL(None, use_errno=True)
     pr_set_pdeathsig = 1

@@ -17,7 +17,7 @@ from pathlib import Path
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tools.k8s.controlplane import _die_with_parent, _issue_certificate, write_kubeconfig
+from tools.k8s.controlplane import die_with_parent_process, issue_certificate, write_kubeconfig
 from tools.k8s.realnode_host import (
     CLUSTER_DOMAIN,
     CNI_BIN_DIR,
@@ -59,13 +59,13 @@ class RealNodesSetup(RealNodesState):
             shutil.copy(self.plane.pki / name, pki / name)
         assert self.plane.state is not None
         for name in self.names:
-            _issue_certificate(
+            issue_certificate(
                 pki,
                 f"{name}-client",
                 f"/O=system:nodes/CN=system:node:{name}",
                 "extendedKeyUsage=clientAuth\n",
             )
-            _issue_certificate(
+            issue_certificate(
                 pki,
                 f"{name}-serving",
                 f"/CN={name}",
@@ -87,7 +87,7 @@ class RealNodesSetup(RealNodesState):
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
+            preexec_fn=die_with_parent_process if self.die_with_parent else None,
         )
         log.close()
         return process

@@ -16,7 +16,8 @@ from collections.abc import Callable
 import pytest
 from kubernetes import client
 
-from preemption.runtimes.kubernetes import KubernetesRuntime, gang_name, pod_name
+from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes.config import gang_name, pod_name
 from tools.k8s.gangs import all_in, gang_spec
 from tools.k8s.images import BUSYBOX_APPLETS, RANK_REPOSITORY
 from tools.k8s.realnodes import RealNodes
