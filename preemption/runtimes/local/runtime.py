@@ -107,17 +107,8 @@ class LocalRuntime:
         self.log_cap = log_cap
 
     def watch_exits(self, stop: threading.Event, on_exit: Callable[[list[int]], None]) -> None:
-        """Call ``on_exit`` with the ids of the jobs whose ranks have just exited, until
-        ``stop`` is set (base.ExitWatcher).
-
-        Each keeper writes its job's id on a line of the runtime's exits pipe once its
-        rank has exited (records.py); this reads them, so the control plane can look at
-        those jobs at once rather than at its next periodic pass. Exits that arrive
-        together are reported in one call; a line that is not a job's id makes it an
-        empty list, which asks for a look at every job. The
-        pipe is made here, the control plane's alone (0600 in a folder only it may
-        list), and is refused if something else sits at its name.
-        """
+        """base.ExitWatcher: the jobs whose ranks have just exited, read from the exits
+        pipe (exits.watch_exits says how)."""
         watch_exits(self.root, stop, on_exit)
 
     # ----------------------------------------------------------------- the protocol
