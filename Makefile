@@ -26,7 +26,7 @@ TEST_WORKERS ?= 4
 SQLITE_TEST_WORKERS ?= 2
 BUILD_ENGINE := QM_ENGINE=python $(PY) -c 'from fairshare.native import main; main()'
 
-.PHONY: run test lint bench bench-kueue venv services engine k8s wheel drill clean
+.PHONY: run test lint bench bench-kueue venv services engine k8s wheel drill drill-real clean
 
 $(STAMP): pyproject.toml gracetrap/pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -78,7 +78,7 @@ test: venv services lint engine k8s
 	@# control plane and its nodes per machine), and the SQLite run. The last two print
 	@# their output, from their logs, once the first has ended. A PYTEST_ARGS that picks
 	@# only Kubernetes tests, or none, leaves one of the PostgreSQL runs nothing to run (5).
-	@$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ignore=tests/smoke -m k8s --durations=5 \
+	@$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ignore=tests/smoke -m "k8s and not real_drill" --durations=5 \
 		--junitxml=$(JUNIT)/kubernetes.xml $(PYTEST_ARGS) > $(JUNIT)/kubernetes.log 2>&1 & kubernetes=$$!; \
 	$(SQLITE_TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ds tests.sqlite_settings -n $(SQLITE_TEST_WORKERS) \
 		--durations=5 --junitxml=$(JUNIT)/sqlite.xml $(SQLITE_TESTS) > $(JUNIT)/sqlite.log 2>&1 & sqlite=$$!; \
@@ -116,6 +116,11 @@ KUEUE_ARGS ?=
 bench-kueue: venv services engine k8s
 	@bash tools/kueue/build.sh
 	$(TEST_ENV) $(PY) bench/bench_kueue.py --config $(KUEUE_CONFIG) $(KUEUE_ARGS)
+
+## drill-real: the drill on two real nodes (tests/k8s/realnodes/test_real_drill.py; several
+## minutes, so make test leaves it out), printing its figures
+drill-real: venv services engine k8s
+	$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider -m real_drill -s tests/k8s/realnodes/test_real_drill.py
 
 drill: venv engine
 	$(PY) manage.py migrate --noinput -v0

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 
 from django.conf import settings
@@ -23,6 +24,35 @@ from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank, Tra
 from preemption.runtime import get_runtime
 from preemption.runtimes import iter_log_chunks, iter_trap_events_in_chunks, processes
 from preemption.runtimes.base import GangId
+
+# The trap's events by which a rank learns of a stop: its own signal or notice, or the
+# save (or skip) of the step its gang agreed to stop at.
+TOLD_BY_SIGNAL = ("signal_received", "notice_received")
+TOLD_BY_AGREEMENT = ("checkpoint_started", "checkpoint_skipped")
+
+
+def stop_reached(
+    events: Iterable[TrapEvent], *, decided: float, agreed_step: int | None
+) -> dict[int, float]:
+    """When each rank of a victim learned of its stop (rank -> the trap's clock), from
+    the events of the victim's attempt after the decision: its own signal or notice,
+    or the checkpoint of the step the gang agreed on (`agreed_step`, the step its
+    checkpoint was taken at), whichever came first. On Kubernetes each rank's node
+    signals it when its kubelet gets to the eviction; the first signal stops the whole
+    gang at the next step, so a rank may stop, at the agreed step, before its own
+    signal arrives. A periodic checkpoint of another step tells nothing."""
+    told: dict[int, float] = {}
+    for event in sorted(events, key=lambda event: event.at):
+        if event.at < decided:
+            continue
+        by_agreement = (
+            event.event in TOLD_BY_AGREEMENT
+            and agreed_step is not None
+            and event.step == agreed_step
+        )
+        if event.event in TOLD_BY_SIGNAL or by_agreement:
+            told.setdefault(event.rank, event.at)
+    return told
 
 
 class DrillMeasurements(DrillBase):
@@ -51,7 +81,10 @@ class DrillMeasurements(DrillBase):
         victim_events = list(
             TrapEvent.objects.filter(job=borrower, attempt=event.victim_attempt.number)
         )
-        propagation = max((x for x in latencies if x is not None), default=None)
+        told = stop_reached(victim_events, decided=decided, agreed_step=event.checkpoint_step)
+        propagation = (
+            round(max(told.values()) - decided, 4) if len(told) == len(ranks) and told else None
+        )
         if notice:
             # The notice is the first word that reaches the ranks. Where it is polled,
             # only rank 0 receives it; the others know at the step boundary where the
@@ -106,6 +139,7 @@ class DrillMeasurements(DrillBase):
             signal_propagation_seconds=propagation,
             signal_latency_seconds=latencies,
             signals_received=sum(1 for x in latencies if x is not None),
+            ranks_told=len(told),
             checkpoint_seconds=event.checkpoint_seconds,
             checkpoint_step=event.checkpoint_step,
             checkpoint_committed=event.checkpoint_step is not None,

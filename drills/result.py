@@ -53,6 +53,11 @@ class RoundFigures:
     # Mean training stall per checkpoint of the round, synchronous and background saves.
     stall_sync_seconds: float | None = None
     stall_async_seconds: float | None = None
+    # Ranks that learned of the stop after the decision: by their own signal (or the
+    # notice), or by the gang's agreement on the step to stop at (that step's
+    # checkpoint), which is how a rank whose node signals it late still stops with its
+    # gang. None in documents from before it was counted (signals_received stood for it).
+    ranks_told: int | None = None
 
     def missed(
         self, *, ranks: int, grace_seconds: float, targets: MissionTargets = MISSION
@@ -63,8 +68,12 @@ class RoundFigures:
             self.signal_propagation_seconds
         ):
             missed.append(f"signal propagation {targets.signal_text}")
-        if self.signals_received != ranks:
-            missed.append(f"signal received by {self.signals_received} of {ranks} ranks")
+        told = self.signals_received if self.ranks_told is None else self.ranks_told
+        if told != ranks:
+            missed.append(
+                f"the stop reached {told} of {ranks} ranks "
+                f"(their own signal: {self.signals_received})"
+            )
         if not self.checkpoint_committed:
             missed.append("no checkpoint committed")
         elif self.checkpoint_seconds is not None and not targets.checkpoint_met(

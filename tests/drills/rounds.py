@@ -21,4 +21,5 @@ GOOD = RoundFigures(
     restart_max_abs_diff=0.0,
     recovery_seconds=12.0,
     utilization=0.8,
+    ranks_told=2,
 )

@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 
+from drills.measure import stop_reached
 from drills.result import ChaosRound, DrillResult, RoundFigures
+from preemption.models import TrapEvent
 from telemetry.mission import MISSION
 from telemetry.models import DrillRun
 from telemetry.report_selectors import mission_matrix
@@ -40,10 +42,25 @@ CASES: list[tuple[str, dict[str, Any], float, list[str]]] = [
         [f"signal propagation {MISSION.signal_text}"],
     ),
     (
-        "no rank reported the signal",
-        {"signal_propagation_seconds": None, "signals_received": 0},
+        "the stop reached no rank",
+        {"signal_propagation_seconds": None, "signals_received": 0, "ranks_told": 0},
         60.0,
-        [f"signal propagation {MISSION.signal_text}", "signal received by 0 of 2 ranks"],
+        [
+            f"signal propagation {MISSION.signal_text}",
+            "the stop reached 0 of 2 ranks (their own signal: 0)",
+        ],
+    ),
+    (
+        "one rank stopped with its gang before its own signal came",
+        {"signals_received": 1, "signal_latency_seconds": [0.30, None]},
+        60.0,
+        [],
+    ),
+    (
+        "a document from before the count of ranks told judges the signals",
+        {"signals_received": 1, "ranks_told": None},
+        60.0,
+        ["the stop reached 1 of 2 ranks (their own signal: 1)"],
     ),
     ("checkpoint fills the grace", {"checkpoint_seconds": 60.0}, 60.0, []),
     (
@@ -113,6 +130,9 @@ def test_the_json_document_keeps_its_schema() -> None:
         "time_to_free_seconds": None,
         "stall_sync_seconds": None,
         "stall_async_seconds": None,
+        # Added with the drill on real nodes, where a rank may stop with its gang
+        # before its own signal comes.
+        "ranks_told": 2,
         "passed": True,
     }
 
@@ -167,3 +187,32 @@ def test_the_drill_and_the_mission_matrix_agree(changes: dict[str, Any]) -> None
     assert rows[MATRIX_ROWS["recovery"]].passed is ("recovery" not in missed)
     assert rows[MATRIX_ROWS["signal"]].target == MISSION.signal_text == "max under 1.2 s"
     assert rows[MATRIX_ROWS["recovery"]].target == MISSION.recovery_text == "under 90 s"
+
+
+def test_a_rank_is_told_of_the_stop_by_its_signal_or_its_gangs_agreed_step() -> None:
+    def event(rank: int, name: str, at: float, step: int | None = None) -> TrapEvent:
+        return TrapEvent(rank=rank, event=name, at=at, step=step, payload={})
+
+    told = stop_reached(
+        [
+            # Before the decision: nothing it says is about this stop.
+            event(0, "signal_received", 99.0),
+            event(1, "checkpoint_started", 100.5, step=10),  # a periodic save
+            event(0, "signal_received", 101.0),
+            event(0, "checkpoint_started", 101.4, step=12),
+            # Rank 1's node signals it late: it stopped at the agreed step first.
+            event(1, "checkpoint_started", 101.5, step=12),
+            event(1, "signal_received", 103.0),
+            event(2, "notice_received", 100.8),
+            event(3, "checkpoint_skipped", 101.6, step=12),
+        ],
+        decided=100.0,
+        agreed_step=12,
+    )
+    assert told == {0: 101.0, 1: 101.5, 2: 100.8, 3: 101.6}
+    # Without an agreed step only signals and notices tell.
+    assert stop_reached(
+        [event(1, "checkpoint_started", 101.5, step=12), event(0, "signal_received", 101.0)],
+        decided=100.0,
+        agreed_step=None,
+    ) == {0: 101.0}

@@ -9,29 +9,23 @@ on a real cluster; the node agent backs the claim with one shared folder.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kubernetes import client
 
 
-def bound_claim(api_client: client.ApiClient, namespace: str, name: str) -> str:
-    """Create claim ``name`` in ``namespace`` bound to a volume of its own; return the volume."""
+def bound_claim(
+    api_client: client.ApiClient, namespace: str, name: str, *, host_path: Path | None = None
+) -> str:
+    """Create claim ``name`` in ``namespace`` bound to a volume of its own; return the volume.
+
+    The volume is a folder of the host (``host_path``) where real kubelets mount it;
+    the node agent backs every claim with a folder of its own and only needs the name.
+    The claim is made first so that the volume's claimRef carries its uid, as the
+    binder writes it: a real kubelet mounts a volume only for the claim named so."""
     core = client.CoreV1Api(api_client)
     volume = f"{namespace}-{name}"
-    core.create_persistent_volume(
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": volume},
-            "spec": {
-                "capacity": {"storage": "1Gi"},
-                "accessModes": ["ReadWriteMany"],
-                "persistentVolumeReclaimPolicy": "Delete",
-                "storageClassName": "",
-                "nfs": {"server": "nfs.invalid", "path": f"/{volume}"},
-                "claimRef": {"namespace": namespace, "name": name},
-            },
-        }
-    )
-    core.create_namespaced_persistent_volume_claim(
+    made = core.create_namespaced_persistent_volume_claim(
         namespace,
         {
             "apiVersion": "v1",
@@ -47,6 +41,27 @@ def bound_claim(api_client: client.ApiClient, namespace: str, name: str) -> str:
                 "resources": {"requests": {"storage": "1Gi"}},
             },
         },
+    )
+    source: dict[str, object] = (
+        {"nfs": {"server": "nfs.invalid", "path": f"/{volume}"}}
+        if host_path is None
+        else {"hostPath": {"path": str(host_path), "type": "Directory"}}
+    )
+    core.create_persistent_volume(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": volume},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteMany"],
+                # A host's folder is the test's to remove, not a provisioner's.
+                "persistentVolumeReclaimPolicy": "Delete" if host_path is None else "Retain",
+                "storageClassName": "",
+                **source,
+                "claimRef": {"namespace": namespace, "name": name, "uid": made.metadata.uid},
+            },
+        }
     )
     core.patch_persistent_volume_status(volume, {"status": {"phase": "Bound"}})
     core.patch_namespaced_persistent_volume_claim_status(

@@ -54,7 +54,7 @@ from tests.k8s.test_k8s_disruption import _admitted_job
 from tools.k8s import images
 from tools.k8s.gangs import all_in, gang_spec
 from tools.k8s.realnodes import RealNodes
-from tools.k8s.volumes import delete_claim
+from tools.k8s.volumes import bound_claim, delete_claim
 from tools.k8s.wait import wait_for
 
 MakeRuntime = Callable[..., KubernetesRuntime]
@@ -183,54 +183,8 @@ def volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture
 def claim(k8s_api: client.ApiClient, restricted: str, volume: Path) -> Iterator[str]:
     """A ReadWriteMany claim bound to a hostPath PersistentVolume at ``volume``, bound
-    by hand as the test control plane runs no binder (tools.k8s.volumes does the same
-    for the node agent's tests)."""
-    core = client.CoreV1Api(k8s_api)
-    name = f"{restricted}-{CLAIM}"
-    made = core.create_namespaced_persistent_volume_claim(
-        restricted,
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": CLAIM, "annotations": {"pv.kubernetes.io/bind-completed": "yes"}},
-            "spec": {
-                "accessModes": ["ReadWriteMany"],
-                "storageClassName": "",
-                "volumeName": name,
-                "resources": {"requests": {"storage": "1Gi"}},
-            },
-        },
-    )
-    # The kubelet mounts the volume only for the claim its claimRef names by uid, as
-    # the binder writes it.
-    claim_ref = {"namespace": restricted, "name": CLAIM, "uid": made.metadata.uid}
-    core.create_persistent_volume(
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": name},
-            "spec": {
-                "capacity": {"storage": "1Gi"},
-                "accessModes": ["ReadWriteMany"],
-                "persistentVolumeReclaimPolicy": "Retain",
-                "storageClassName": "",
-                "hostPath": {"path": str(volume), "type": "Directory"},
-                "claimRef": claim_ref,
-            },
-        }
-    )
-    core.patch_persistent_volume_status(name, {"status": {"phase": "Bound"}})
-    core.patch_namespaced_persistent_volume_claim_status(
-        CLAIM,
-        restricted,
-        {
-            "status": {
-                "phase": "Bound",
-                "accessModes": ["ReadWriteMany"],
-                "capacity": {"storage": "1Gi"},
-            }
-        },
-    )
+    by hand as the test control plane runs no binder (tools.k8s.volumes)."""
+    name = bound_claim(k8s_api, restricted, CLAIM, host_path=volume)
     yield CLAIM
     delete_claim(k8s_api, restricted, CLAIM, name)
 

@@ -14,68 +14,16 @@ real pods").
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from kubernetes import client
-
 from preemption.runtimes.kubernetes import KubernetesRuntime, KubernetesRuntimeConfig
-from tests.k8s.conftest import fresh_namespace
-from tests.k8s.realnodes.conftest import require_real_nodes
-from tools.k8s.controlplane import REPO_ROOT, ControlPlane
+from tools.k8s.controlplane import REPO_ROOT
 from tools.k8s.gangs import all_in, gang_spec
 from tools.k8s.realnodes import RealNodes
 from tools.k8s.wait import wait_for
-
-GPUS_PER_NODE = 4
-
-
-@pytest.fixture
-def drill_folder(tmp_path: Path) -> Path:
-    """A folder every container of the nodes may write to (the drill's QM_VAR_DIR)."""
-    folder = tmp_path / "var"
-    folder.mkdir()
-    return folder
-
-
-@pytest.fixture
-def drill_nodes(
-    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory, drill_folder: Path
-) -> Iterator[RealNodes]:
-    """drill-node-0 and drill-node-1, 4 GPUs each, whose containers see the host's Python."""
-    require_real_nodes()
-    python_prefix = Path(os.path.realpath(sys.executable)).parents[1]
-    nodes = RealNodes(
-        control_plane,
-        # Short: containerd's socket paths below it must stay under 104 characters.
-        tmp_path_factory.mktemp("nodes"),
-        names=("drill-node-0", "drill-node-1"),
-        gpus=GPUS_PER_NODE,
-        flavor="drill-gpu",
-        host_mounts=(
-            ("/usr", False),
-            (str(python_prefix), False),
-            (str(REPO_ROOT), False),
-            (str(drill_folder), True),
-        ),
-        image_aliases=(KubernetesRuntimeConfig().default_image,),
-    )
-    nodes.start()
-    try:
-        yield nodes
-    finally:
-        nodes.stop()
-
-
-@pytest.fixture
-def drill_namespace(k8s_api: client.ApiClient, drill_nodes: RealNodes) -> Iterator[str]:
-    with fresh_namespace(k8s_api, "qm-drill") as name:
-        yield name
 
 
 def test_a_rank_container_runs_the_hosts_python_with_torch_and_gracetrap(

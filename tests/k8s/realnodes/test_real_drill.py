@@ -1,0 +1,131 @@
+"""`manage.py drill --runtime kubernetes` on two real nodes: the mission's drill with
+the kubelet delivering every signal.
+
+The borrower's 8 ranks span ``drill-node-0`` and ``drill-node-1`` (4 GPUs each) as
+real containers that run the host's Python, torch and gracetrap (the nodes' host
+mounts, as in test_real_python_ranks), rendezvous through ``MASTER_ADDR`` by the
+cluster DNS, and checkpoint on a claim both nodes mount (a hostPath volume bound
+with its claim's uid). The critical job preempts them through evictions; each rank's
+kubelet sends its SIGTERM, the gang agrees on a step, saves it and exits 0, and the
+borrower resumes, bit-exact, once the critical job is done. The drill's web server
+listens on the host's address on the pods' bridge, where the trap's POSTs come from.
+
+It takes several minutes and more than the real-node tier's budget, so ``make test``
+leaves it out (marker ``real_drill``); ``make drill-real`` runs it. docs/real-nodes.md
+records its figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from tests.k8s.realnodes.conftest import DRILL_GPUS_PER_NODE, DRILL_NODE_NAMES
+from tools.k8s.controlplane import REPO_ROOT
+from tools.k8s.realnodes import RealNodes
+from tools.k8s.volumes import bound_claim, delete_claim
+
+RANKS = len(DRILL_NODE_NAMES) * DRILL_GPUS_PER_NODE
+CLAIM = "qm-checkpoints"
+
+pytestmark = [pytest.mark.k8s, pytest.mark.real_drill, pytest.mark.timeout(1500)]
+
+
+@pytest.fixture
+def drill_claim(
+    k8s_api: client.ApiClient, drill_namespace: str, drill_folder: Path
+) -> Iterator[str]:
+    """The checkpoint claim, on a folder of the host that both nodes mount."""
+    folder = drill_folder / "checkpoint-volume"
+    folder.mkdir()
+    # The root of a shared checkpoint volume, as production's would be: anyone may
+    # make a folder in it, nobody may list or touch another's (the runtime's init
+    # container makes each job's own).
+    folder.chmod(0o1733)
+    volume = bound_claim(k8s_api, drill_namespace, CLAIM, host_path=folder)
+    yield CLAIM
+    delete_claim(k8s_api, drill_namespace, CLAIM, volume)
+
+
+def test_the_drill_passes_on_real_pods(
+    drill_nodes: RealNodes,
+    kubeconfig: str,
+    drill_namespace: str,
+    drill_claim: str,
+    drill_folder: Path,
+) -> None:
+    env = {
+        **os.environ,
+        "QM_RUNTIME": "kubernetes",
+        "QM_K8S_KUBECONFIG": kubeconfig,
+        "QM_K8S_NAMESPACE": drill_namespace,
+        "QM_K8S_CHECKPOINT_CLAIM": drill_claim,
+        # What two nodes of a 2-core machine hold for 8 ranks and the critical job,
+        # set as an operator would (docs/real-nodes.md).
+        "QM_K8S_DEFAULT_CPU_PER_GPU": "100m",
+        "QM_K8S_DEFAULT_MEMORY_PER_GPU": "1Gi",
+        "QM_K8S_DEFAULT_EPHEMERAL_STORAGE_PER_GPU": "256Mi",
+        "QM_DRILL_GPUS_PER_NODE": str(DRILL_GPUS_PER_NODE),
+        "QM_DRILL_BIND_ADDRESS": drill_nodes.dns_address,
+        "DATABASE_URL": f"sqlite:///{drill_folder / 'drill.sqlite3'}",
+        "QM_VAR_DIR": str(drill_folder),
+        "CELERY_BROKER_URL": "redis://127.0.0.1:6379/8",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("QM_LOCAL_NODES", None)
+    manage = [sys.executable, str(REPO_ROOT / "manage.py")]
+    subprocess.run(
+        [*manage, "migrate", "--noinput", "-v0"], env=env, cwd=REPO_ROOT, check=True, timeout=300
+    )
+    out = drill_folder / "drill.json"
+    started = time.monotonic()
+    drill = subprocess.run(
+        [
+            *manage,
+            "drill",
+            "--runtime",
+            "kubernetes",
+            "--ranks",
+            str(RANKS),
+            "--steps",
+            "80",
+            "--critical-seconds",
+            "5",
+            "--notice",
+            "on",
+            "--json",
+            str(out),
+        ],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1380,
+    )
+    elapsed = time.monotonic() - started
+    print(drill.stdout[-8000:])
+    print(drill.stderr[-4000:], file=sys.stderr)
+    assert out.exists(), f"the drill wrote no result ({drill.returncode}): {drill.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    print(f"drill on real pods took {elapsed:.1f} s:\n{json.dumps(result, indent=2)}")
+
+    assert result["runtime"] == "kubernetes"
+    assert result["ranks"] == RANKS
+    # Every rank stopped with its gang at the agreed step, its own SIGTERM or not.
+    assert result["ranks_told"] == RANKS
+    assert result["checkpoint_committed"]
+    assert result["exit_codes"] == [0] * RANKS
+    assert result["orphaned_ports"] == 0
+    assert result["restart_integrity"] is True
+    assert result["restart_max_abs_diff"] == 0.0
+    assert result["recovery_seconds"] is not None
+    assert drill.returncode == 0, drill.stderr[-4000:]
+    assert result["passed"] is True
