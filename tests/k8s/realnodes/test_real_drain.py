@@ -26,7 +26,7 @@ from kubernetes import client
 from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank
 from preemption.reconcile import reconcile_jobs
 from preemption.runtimes.base import GangId
-from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes import KubernetesRuntime, evict
 from preemption.runtimes.kubernetes.config import STOP_REQUESTED_ANNOTATION, pod_name
 
 # restricted and small_runtime are fixtures of the containment tests, used here too.
@@ -152,7 +152,7 @@ def test_the_runtimes_own_eviction_is_its_own_to_a_restarted_control_plane(
     wait_for(lambda: all_in(runtime, gang, "running", 2), timeout=60, what="ranks running")
     for rank in (0, 1):
         _log_with(runtime, gang, rank, b"started")
-    monkeypatch.setattr(runtime, "_annotate_signal_once", lambda *args, **kwargs: None)
+    monkeypatch.setattr(evict, "_annotate_signal_once", lambda *args, **kwargs: None)
     runtime.signal(gang, 5)
     for rank in (0, 1):
         pod = core.read_namespaced_pod(pod_name(gang, rank), restricted)
