@@ -186,7 +186,11 @@ def test_a_rank_that_double_forks_and_setsids_dies_with_its_job(scene: Scene) ->
     scene.runtime.kill(job)
 
     wait_until(lambda: not is_alive(escapee, None), "the escapee to die", timeout=5)
-    assert sandboxes.pids(record["sandbox"]) == {}
+    # A killed process stays listed in its cgroup until its parent (the rank's init,
+    # itself killed) is reaped, so the cgroups empty a moment after the deaths.
+    wait_until(
+        lambda: sandboxes.pids(record["sandbox"]) == {}, "the rank's cgroups to empty", timeout=5
+    )
     # Its keeper reaps the rank's first process; the rest are gone at once.
     wait_until(lambda: not any(is_alive(pid, None) for pid in members), "all to die", timeout=5)
     assert scene.runtime.gang_processes(job) == []
