@@ -165,10 +165,11 @@ class FlavorPlanner(FlavorSearches):
         priority_class: PriorityClass | None = None
         outcome: WaitOutcome | None = None
         count = len(jobs)
+        kept = self.kept
         while at < count:
             job = jobs[at]
             workload = job.workload
-            if workload.topology_level is not None:
+            if workload.topology_level is not None or (kept and workload.id in kept):
                 break
             if job.gpus != gpus:
                 # A job of another size: of its key only the guarantee rank can differ.
@@ -298,6 +299,28 @@ class FlavorPlanner(FlavorSearches):
             above = parent[above]
         return True
 
+    def _release_kept(self, workload_id: str) -> list[int]:
+        """Count the GPUs being freed for ``workload_id``, kept for it until now, among
+        the releasing GPUs, and the free ones kept beside them among the free; the nodes
+        they are on, where it looks first if it waits.
+
+        Kept until the workload is planned, in its place in the order: from then on
+        whatever it does not take is everyone's, as any releasing GPU is."""
+        nodes = self.nodes
+        on: dict[int, None] = {}
+        for victim, on_nodes in self.kept.pop(workload_id):
+            for node, gpus in on_nodes:
+                nodes.release(node, gpus, victim)
+                on[node] = None
+        for node, gpus in self.kept_free.pop(workload_id, ()):
+            nodes.set_free(node, nodes.free[node] + gpus)
+            nodes.unplaceable_on_free.clear()
+            nodes.unplaceable_in_domain.clear()
+        self.unplaceable_on_releasing.clear()
+        self.unplaceable_in_domain_releasing.clear()
+        self.changes += 1
+        return list(on)
+
     def _plan_job(self, job: PendingJob) -> None:
         workload = job.workload
         queue = job.queue
@@ -305,6 +328,9 @@ class FlavorPlanner(FlavorSearches):
         gpus_per_rank = workload.gpus_per_rank
         ranks = workload.ranks
         priority_class = job.priority_class
+        kept_on: list[int] = []
+        if self.kept and workload.id in self.kept:
+            kept_on = self._release_kept(workload.id)
         kind = None
         if workload.topology_level is None:
             kind = (queue, ranks, gpus_per_rank, priority_class.name)
@@ -336,6 +362,11 @@ class FlavorPlanner(FlavorSearches):
                 placement = nodes.place_free(ranks, gpus_per_rank)
                 if placement is not None:
                     self._admit(job, placement)
+                    return
+            if kept_on:
+                placement = nodes.place_within(ranks, gpus_per_rank, kept_on)
+                if placement is not None:
+                    self._wait_on(job, placement)
                     return
             if nodes.releasing_nodes:
                 known_failure = self.unplaceable_on_releasing.get(gpus_per_rank)

@@ -83,6 +83,7 @@ class FlavorDecisions:
         pending: list[list[PendingJob]] = [[] for _ in range(count)]
         candidates: list[list[RunningWork]] = [[] for _ in range(count)]
         terminating: list[tuple[str, tuple[tuple[int, int], ...]]] = []
+        freed_for: list[tuple[str, str, tuple[tuple[int, int], ...]]] = []
         for workload in workloads:
             queue = tree.index[workload.queue]
             priority_class = classes[workload.priority_class]
@@ -99,7 +100,10 @@ class FlavorDecisions:
                 held[node] += on_node
             if workload.state == TERMINATING:
                 # R11: a victim already on its way counts as capacity coming back.
-                terminating.append((workload.id, on_nodes))
+                if workload.preemptor is not None:
+                    freed_for.append((workload.preemptor, workload.id, on_nodes))
+                else:
+                    terminating.append((workload.id, on_nodes))
                 continue
             leaf_usage[queue] += gpus
             if priority_class.preemptible:
@@ -120,8 +124,41 @@ class FlavorDecisions:
         self.pending = pending
         # The reasons name them in this order, whatever order the snapshot lists them
         # in: by id, shorter ids first, so that numbered jobs come in number order.
+        # GPUs being released for a workload that still waits are kept for it until it
+        # is planned (FlavorPlanner._claim_kept): had the next plan handed them to
+        # whichever job came first, the job they were freed for would pick new victims
+        # or wait on without any, and its victims would have lost their work for
+        # another. Those freed for a workload that no longer waits come back to all.
+        waiting_ids = {job.workload.id for jobs in pending for job in jobs}
+        self.kept: dict[str, list[tuple[str, tuple[tuple[int, int], ...]]]] = {}
+        for preemptor, victim, on_nodes in freed_for:
+            if preemptor in waiting_ids:
+                self.kept.setdefault(preemptor, []).append((victim, on_nodes))
+            else:
+                terminating.append((victim, on_nodes))
+        for victims in self.kept.values():
+            victims.sort(key=lambda entry: (len(entry[0]), entry[0]))
         terminating.sort(key=lambda entry: (len(entry[0]), entry[0]))
         nodes.occupy(held, terminating)
+        # The free GPUs beside them that its placement counted on, as far as the nodes
+        # of its victims hold them: without them, a job planned first could take one
+        # and leave the victims' GPUs too few for the workload they were freed for.
+        self.kept_free: dict[str, list[tuple[int, int]]] = {}
+        if self.kept:
+            sizes = {job.workload.id: job.gpus for jobs in pending for job in jobs}
+            for preemptor, victims in self.kept.items():
+                need = sizes[preemptor]
+                victim_nodes: dict[int, None] = {}
+                for _, on_nodes in victims:
+                    for node, gpus in on_nodes:
+                        need -= gpus
+                        victim_nodes[node] = None
+                for node in victim_nodes:
+                    take = min(nodes.free[node], need)
+                    if take > 0:
+                        nodes.set_free(node, nodes.free[node] - take)
+                        self.kept_free.setdefault(preemptor, []).append((node, take))
+                        need -= take
         self.ledger = QuotaLedger(
             snapshot, tree, flavor, nodes.capacity, leaf_usage, leaf_demand, pinned_usage
         )

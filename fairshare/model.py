@@ -173,7 +173,9 @@ class Workload:
     ``state`` is "pending", "running" or "terminating" (a victim in its grace window).
     ``placement`` lists (node name, number of ranks) pairs for running and terminating
     workloads. ``topology_level`` asks for all ranks inside one domain of that level
-    of ``Node.topology``.
+    of ``Node.topology``. ``preemptor`` is, for a terminating workload, the pending
+    workload its GPUs are being freed for: they are kept for that workload while it
+    waits, and go to others only once it is planned without them.
     """
 
     id: str
@@ -191,6 +193,7 @@ class Workload:
     # preferred when ``topology_required`` is False.
     topology_level: str | None = None
     topology_required: bool = True
+    preemptor: str | None = None
 
     @property
     def gpus(self) -> int:

@@ -209,6 +209,18 @@ class NodeMap:
             return None
         return [(self.index[name], on_node) for name, on_node in placed]
 
+    def place_within(self, ranks: int, gpus_per_rank: int, on: Sequence[int]) -> Placement | None:
+        """R10 on the free and releasing GPUs of the nodes ``on`` alone: where a workload
+        goes that waits for the GPUs being freed for it there."""
+        free = self.free
+        releasing = self.releasing
+        names = self.names
+        available = {names[node]: free[node] + releasing[node] for node in on}
+        placed = r10_place(ranks, gpus_per_rank, available)
+        if placed is None:
+            return None
+        return [(self.index[name], on_node) for name, on_node in placed]
+
     def _best_whole_host(
         self, ranks: int, gpus_per_rank: int, room_after: Mapping[int, int]
     ) -> int:

@@ -190,6 +190,14 @@ def _workload(record: Mapping[str, Any], where: str) -> Workload:
         required = _boolean(
             _field(topology, "required", f"{where}.topology", True), f"{where}.topology.required"
         )
+    preemptor = _field(record, "preemptor", where, None)
+    if preemptor is not None:
+        preemptor = _string(preemptor, f"{where}.preemptor")
+        if state != "terminating":
+            raise ScenarioError(
+                f"{where}.preemptor: only a terminating workload is being freed for another"
+                f" (this one is {state})"
+            )
     return Workload(
         id=str(workload_id),
         queue=_string(_field(record, "queue", where), f"{where}.queue"),
@@ -208,6 +216,7 @@ def _workload(record: Mapping[str, Any], where: str) -> Workload:
         ),
         topology_level=level,
         topology_required=required,
+        preemptor=preemptor,
     )
 
 
@@ -337,6 +346,7 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
                     if w.topology_level is not None
                     else {}
                 ),
+                **({"preemptor": w.preemptor} if w.preemptor is not None else {}),
             }
             for w in snapshot.workloads
         ],

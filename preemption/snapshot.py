@@ -185,12 +185,13 @@ def _workload(
     row: tuple[Any, ...],
     engine_state: str,
     names: Names,
-    attempt: tuple[list[dict[str, Any]], float] | None = None,
+    attempt: tuple[list[dict[str, Any]], float, int | None] | None = None,
     checkpoint: float | None = None,
 ) -> fairshare.Workload:
     """The workload of one row of `read_snapshot`'s jobs query; for running work, with
     where its open attempt runs, since when, and its last checkpoint of that attempt
-    (a checkpoint of an earlier attempt is not one of this admission's)."""
+    (a checkpoint of an earlier attempt is not one of this admission's); for a job
+    being preempted, the job its GPUs are freed for."""
     (
         job_id,
         team_id,
@@ -207,7 +208,10 @@ def _workload(
     team_slugs, class_names, flavor_names = names
     placement: tuple[tuple[str, int], ...] = ()
     admitted_at = None
+    preemptor = None
     if attempt is not None:
+        if engine_state == "terminating" and attempt[2] is not None:
+            preemptor = workload_id(attempt[2])
         placement = tuple((entry["node"], int(entry["ranks"])) for entry in attempt[0])
         admitted_at = attempt[1]
         if checkpoint is not None and checkpoint < admitted_at:
@@ -226,6 +230,7 @@ def _workload(
         last_checkpoint_at=checkpoint,
         topology_level=topology_level or None,
         topology_required=topology_required,
+        preemptor=preemptor,
     )
 
 
@@ -352,13 +357,14 @@ def read_snapshot(
     # parameters long, cost more to build and send than the rows it selects. A job that
     # changes state between the queries is either left out here (and then taken for one
     # being wound up, as below) or read here and not used.
+    # With the job a victim's GPUs are freed for, which the engine keeps them for.
     open_attempts = {
-        job_id: (placement, _seconds_of(admitted_at))
-        for job_id, placement, admitted_at in Attempt.objects.filter(
+        job_id: (placement, _seconds_of(admitted_at), preemptor)
+        for job_id, placement, admitted_at, preemptor in Attempt.objects.filter(
             job__state__in=ACTIVE_STATES, ended_at__isnull=True
         )
         .annotate(admitted=_seconds("admitted_at"))
-        .values_list("job_id", "placement", "admitted")
+        .values_list("job_id", "placement", "admitted", "preemption__preemptor_id")
     }
     checkpoints = {
         job_id: _seconds_of(last)
@@ -389,7 +395,7 @@ def read_snapshot(
                 # reconciler; its GPUs are already free.
                 continue
             checkpoint = checkpoints.get(job_id)
-            source = (row, attempt[1], checkpoint, attempt[0])
+            source = (row, attempt[1], checkpoint, attempt[0], attempt[2])
         kept = earlier.get(job_id)
         if kept is not None and kept[0] == source:
             workload = kept[1]

@@ -306,7 +306,12 @@ class Simulation:
         )
 
     def _placed_workload(
-        self, job: SimJob, state: str, placement: Any, last_checkpoint_at: float | None
+        self,
+        job: SimJob,
+        state: str,
+        placement: Any,
+        last_checkpoint_at: float | None,
+        preemptor: str | None = None,
     ) -> Any:
         return fairshare.Workload(
             id=job.id,
@@ -320,6 +325,7 @@ class Simulation:
             admitted_at=job.admitted_at,
             placement=placement,
             last_checkpoint_at=last_checkpoint_at,
+            preemptor=preemptor,
             **self._topology(job),
         )
 
@@ -398,7 +404,9 @@ class Simulation:
                 (job.work_from + self.period, self._sequence, job.index, job.attempt),
             )
 
-    def _preempt(self, job: SimJob, grace_seconds: float, now: float) -> None:
+    def _preempt(
+        self, job: SimJob, grace_seconds: float, now: float, preemptor: str | None = None
+    ) -> None:
         done, committed, last_commit = self._work_done(job, now)
         save = self.config.save_seconds
         if grace_seconds >= save:
@@ -419,7 +427,7 @@ class Simulation:
                 "the engine's plans flap"
             )
         job.workload = self._placed_workload(
-            job, "terminating", job.workload.placement, last_commit
+            job, "terminating", job.workload.placement, last_commit, preemptor
         )
         self.running[job.id] = job.workload
         self.ledger.job_preempted(job.team, lost * job.gpus)
@@ -514,7 +522,7 @@ class Simulation:
         for preemption in result.preempt:
             job = self.by_id[preemption.id]
             if job.state == "running":
-                self._preempt(job, preemption.grace_seconds, now)
+                self._preempt(job, preemption.grace_seconds, now, preemption.preemptor)
         return len(result.admit) + len(result.preempt)
 
     def _cycle(self, now: float) -> None:

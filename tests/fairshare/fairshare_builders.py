@@ -141,9 +141,10 @@ class WorkloadBuilder:
             last_checkpoint_at=None if checkpoint is None else NOW - checkpoint,
         )
 
-    def terminating(self, *nodes_: str) -> WorkloadBuilder:
+    def terminating(self, *nodes_: str, freed_for: str | None = None) -> WorkloadBuilder:
+        """A victim in its grace window on ``nodes_``, preempted for ``freed_for``."""
         self.running(*nodes_)
-        return self._with(state="terminating")
+        return self._with(state="terminating", preemptor=freed_for)
 
     def build(self) -> Workload:
         return self._w

@@ -1155,3 +1155,39 @@ def test_no_workload_has_a_waiting_reason_before_the_first_pass_plans_it(
         planner.run()
     pending = [w for w in snapshot.workloads if w.state == "pending"]
     assert len({job.workload.id for job in planned}) == len(pending)
+
+
+def apply_plan_in_grace(snapshot: Snapshot, p: Plan, now: float) -> Snapshot:
+    """The next snapshot while the plan's victims still save: admitted workloads run and
+    the victims terminate, each for the workload it was preempted for. Workloads already
+    terminating in the random snapshot (an unknown earlier plan's) have left."""
+    admitted = {a.id: a for a in p.admit}
+    victims = {e.id: e.preemptor for e in p.preempt}
+    workloads = []
+    for w in snapshot.workloads:
+        if w.state == "terminating":
+            continue
+        if w.id in admitted:
+            w = dataclasses.replace(
+                w, state="running", placement=admitted[w.id].placement, admitted_at=now
+            )
+        elif w.id in victims:
+            w = dataclasses.replace(w, state="terminating", preemptor=victims[w.id])
+        workloads.append(w)
+    return dataclasses.replace(snapshot, now=now, workloads=tuple(workloads))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(snapshots(), guarantee_situations(), crowded()))
+def test_what_is_freed_for_a_job_stays_with_it_while_its_victims_save(snapshot: Snapshot) -> None:
+    """Plan, then plan again while the victims are still saving: every job that waits for
+    its victims keeps waiting for them (or starts), and picks no new victims. Handed to
+    whichever job came first in the next plan, the GPUs left it to preempt again, or to
+    wait with nothing on its way, its victims' work lost for another's."""
+    first = checked_plan(snapshot)
+    waiting_for_victims = {e.preemptor for e in first.preempt} - {a.id for a in first.admit}
+    second = checked_plan(apply_plan_in_grace(snapshot, first, snapshot.now + 1))
+    assert not waiting_for_victims & {e.preemptor for e in second.preempt}, (first, second)
+    reasons = {wait.id: wait.reason for wait in second.waiting}
+    for job in waiting_for_victims - {a.id for a in second.admit}:
+        assert "being released by" in reasons[job], (job, reasons[job], first, second)

@@ -222,9 +222,24 @@ HANDOFF = [
     w("b1").queue("b").gpus(1).submitted(50),
 ]
 
+# Team a (guarantee 16) runs a0 on n0 and waits with a1, inside its guarantee and older
+# than b's b1, for whose sake c's v is being preempted on n1. By age a1 goes first; the
+# GPUs v frees stay with b1, which found nothing else to take (a0 is inside a's line),
+# rather than go to a1 and leave v's work lost for a job that still waits.
+KEPT_QUEUES = [team("a", guarantee=16), team("b", guarantee=8), team("c")]
+KEPT = [
+    w("a0").gpus(8).running("n0"),
+    w("a1").gpus(8).submitted(50),
+    w("b1").queue("b").gpus(8).submitted(10),
+]
+
 # One line per case, as in a table.
 # fmt: off
 CASES = [
+    Case("releasing_gpus_stay_with_the_job_they_are_freed_for", N2, KEPT_QUEUES, [*KEPT, w("v").queue("c").gpus(8).terminating("n1", freed_for="b1")], wait={"b1": "waiting for 8 GPUs being released by job v", "a1": "no node of flavor h100 has 8 free GPUs"}),
+    Case("releasing_gpus_go_to_all_once_their_job_is_gone", N2, KEPT_QUEUES, [*KEPT[:2], w("v").queue("c").gpus(8).terminating("n1", freed_for="b9")], wait={"a1": "waiting for 8 GPUs being released by job v"}),
+    Case("releasing_gpus_go_to_the_next_job_when_theirs_starts_elsewhere", N3, KEPT_QUEUES, [w("a0").gpus(8).running("n0"), w("a1").gpus(8).submitted(10), w("b1").queue("b").gpus(8).submitted(50), w("v").queue("c").gpus(8).terminating("n1", freed_for="b1")], admit={"b1"}, placement={"b1": (("n2", 1),)}, wait={"a1": "waiting for 8 GPUs being released by job v"}),
+    Case("free_gpus_beside_the_victims_stay_with_their_job", N2, KEPT_QUEUES, [w("a0").gpus(8).running("n0"), w("a1").gpus(2).submitted(50), w("b1").queue("b").gpus(8).submitted(10), w("v").queue("c").gpus(6).terminating("n1", freed_for="b1")], wait={"b1": "waiting for 6 GPUs being released by job v", "a1": "no node of flavor h100 has 2 free GPUs"}),
     Case("admit_on_free_gpus", N2, AB, [w("a1").gpus(4)], admit={"a1"}, placement={"a1": (("n0", 1),)}),
     Case("borrow_idle_guarantee", N2, AB, [w("b1").queue("b").gpus(8).running("n0"), w("b2").queue("b").gpus(8)], admit={"b2"}, borrowed={"b2": 8}),
     Case("lend_then_reclaim", N2, AB, [w("b1").queue("b").gpus(8).running("n0"), w("b2").queue("b").gpus(8).running("n1", since=60), w("a1").gpus(8)], preempt={"b2": "reclaim"}, wait={"a1": "waiting for 8 GPUs being released by job b2"}),

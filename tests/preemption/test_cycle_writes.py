@@ -26,7 +26,7 @@ from preemption.models import (
     Webhook,
     WebhookDelivery,
 )
-from preemption.snapshot import build_snapshot, held_jobs, read_snapshot
+from preemption.snapshot import build_snapshot, held_jobs, read_snapshot, workload_id
 from quotas.models import PriorityClass
 from tests import builders
 
@@ -138,10 +138,16 @@ def test_every_victim_of_a_cycle_gets_one_preemption_and_one_notice(world: Any) 
     assert sorted(notice.payload["job"]["id"] for notice in notices) == sorted(result.preempted)
     assert {notice.payload["job"]["state"] for notice in notices} == {JobState.PREEMPTING}
 
-    # The next cycle stops no victim twice.
+    # The snapshot says whom each victim's GPUs are freed for, and the next cycle keeps
+    # them for that job: it waits for its own victims and stops no victim twice.
+    victims_read = [w for w in build_snapshot().workloads if w.state == "terminating"]
+    assert sorted(int(w.id) for w in victims_read) == sorted(result.preempted)
+    assert {w.preemptor for w in victims_read} == {workload_id(urgent[0].pk)}
     _, again = cycle_queries()
     assert not set(again.preempted) & set(result.preempted)
     assert PreemptionEvent.objects.filter(job_id__in=result.preempted).count() == 8
+    urgent[0].refresh_from_db()
+    assert urgent[0].waiting_reason.startswith("waiting for 8 GPUs being released by jobs ")
 
 
 def test_only_the_jobs_of_a_class_their_team_lost_are_held(world: Any) -> None:
