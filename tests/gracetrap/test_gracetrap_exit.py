@@ -92,3 +92,42 @@ def test_a_preempted_rank_skips_only_the_last_collections_on_its_way_out(
         assert (tmp_path / "checkpoints" / "latest").exists()
     else:
         assert lines == ["FINALLY", "ATEXIT", "FINALIZED"], result.stdout
+
+
+_STORM_SCRIPT = """
+import signal, subprocess, sys, time
+import torch
+from gracetrap import Trap
+
+trap = Trap(sys.argv[1], {"model": torch.nn.Linear(2, 2)}, signals=(signal.SIGTERM,),
+            events_url="")
+# SIGTERM after SIGTERM until this process is gone, as a runtime that evicts each rank
+# on its own may send one while the rank exits: the last ones land while the
+# interpreter finalizes.
+storm = subprocess.Popen(
+    ["/bin/sh", "-c", "while kill -TERM $0 2>/dev/null; do :; done", str(trap._pid)],
+    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+)
+while trap._signal_at is None:
+    time.sleep(0.001)
+assert trap.should_stop(0)
+trap.save_and_exit(0)
+"""
+
+
+def test_a_rank_that_saved_exits_zero_under_a_storm_of_its_own_signal(tmp_path: Path) -> None:
+    """The trap's signals stay harmless until the process is gone. The interpreter puts
+    their default actions back as it finalizes, and a SIGTERM that came then ended a
+    rank that had saved and was exiting 0 with 143."""
+    codes = []
+    for run in range(5):
+        result = subprocess.run(
+            [sys.executable, "-c", _STORM_SCRIPT, str(tmp_path / f"checkpoints-{run}")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        codes.append(result.returncode)
+        assert (tmp_path / f"checkpoints-{run}" / "latest").exists(), result.stderr[-3000:]
+    assert codes == [0] * 5, codes

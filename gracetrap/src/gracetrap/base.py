@@ -142,6 +142,8 @@ class TrapBase:
         self._fence_checked_at = time.monotonic()
         self._poller: NoticePoller | None = None
         self._claim()
+        # Registered before every other exit handler of the trap, so it runs after them.
+        atexit.register(self._ignore_stop_signals_at_exit)
         register_settle()
         # Registered after the settle wait, so it runs before it (atexit is last in,
         # first out): a rank's own signal that arrives after its last report (on
@@ -327,6 +329,26 @@ class TrapBase:
             self._report_signal()
             self.events.flush(POST_TIMEOUT_SECONDS)
             sys.stdout.flush()
+
+    def _ignore_stop_signals_at_exit(self) -> None:
+        """The trap's last exit handler: from here on its signals are ignored.
+
+        As the interpreter finalizes, after the exit handlers, it puts the default
+        action back on every signal that has a Python handler, and the default action
+        of SIGTERM (and of the notice's SIGUSR2) ends the process. A rank's own signal
+        that came then (on Kubernetes each pod is evicted by its own call, often after
+        the gang already stopped on another rank's) turned the clean exit of a rank
+        that had saved into death by signal: 143 instead of 0. An ignored signal stays
+        ignored through finalization. Only signals still on the trap's handlers: a
+        trap closed without exiting has put the previous ones back."""
+        if os.getpid() != self._pid:
+            return
+        for signum in self.signals:
+            if signal.getsignal(signum) == self._on_signal:
+                signal.signal(signum, signal.SIG_IGN)
+        notice = self.notice_signal
+        if notice is not None and signal.getsignal(notice) == self._on_notice:
+            signal.signal(notice, signal.SIG_IGN)
 
     def restore_signal_handlers(self) -> None:
         """Put back the handlers that were installed before this trap."""
