@@ -53,9 +53,10 @@ class NodeMap:
         # without a scan over every node.
         self.by_free_gpus: list[dict[int, None]] = [{} for _ in range(self.max_node_gpus + 1)]
         self.free_total = 0
-        # GPUs on their way back from terminating victims, per node, and whose they are.
+        # GPUs on their way back from terminating victims, per node, and whose they are:
+        # (job, its GPUs not yet claimed), in the order claims take them.
         self.releasing = [0] * len(self.names)
-        self.releasing_jobs: list[list[str]] = [[] for _ in self.names]
+        self.releasing_jobs: list[list[tuple[str, int]]] = [[] for _ in self.names]
         self.releasing_nodes: dict[int, None] = {}
         # The node of every change of the free or releasing GPUs, in order, so that a
         # caller can tell whether an answer it computed from them still holds and which
@@ -81,24 +82,38 @@ class NodeMap:
         for job, on_nodes in terminating:
             for node, gpus in on_nodes:
                 self.releasing[node] += gpus
-                self.releasing_jobs[node].append(job)
+                self.releasing_jobs[node].append((job, gpus))
         self.releasing_nodes = {
             node: None for node, releasing in enumerate(self.releasing) if releasing > 0
         }
 
     def release(self, node: int, gpus: int, job: str) -> None:
-        """Count ``gpus`` GPUs of ``node`` as on their way back from terminating ``job``."""
+        """Count ``gpus`` GPUs of ``node`` as on their way back from terminating ``job``,
+        the first to be claimed there: they are released for the workload being planned."""
         self.releasing[node] += gpus
-        self.releasing_jobs[node].append(job)
+        self.releasing_jobs[node].insert(0, (job, gpus))
         self.releasing_nodes[node] = None
         self.changed.append(node)
 
-    def take_releasing(self, node: int, gpus: int) -> None:
-        """Claim ``gpus`` of the GPUs on their way back to ``node``."""
+    def take_releasing(self, node: int, gpus: int) -> list[str]:
+        """Claim ``gpus`` of the GPUs on their way back to ``node``; the jobs releasing
+        them, each named once."""
         self.releasing[node] -= gpus
         if self.releasing[node] == 0:
             self.releasing_nodes.pop(node, None)
         self.changed.append(node)
+        owners = self.releasing_jobs[node]
+        taken: list[str] = []
+        while gpus > 0 and owners:
+            job, left = owners[0]
+            taken.append(job)
+            if left <= gpus:
+                gpus -= left
+                owners.pop(0)
+            else:
+                owners[0] = (job, left - gpus)
+                gpus = 0
+        return taken
 
     def set_free(self, node: int, free: int) -> None:
         """Record that ``node`` now has ``free`` free GPUs."""
@@ -279,7 +294,7 @@ class NodeMap:
     def claim(self, placement: Placement, gpus_per_rank: int) -> tuple[int, list[str]]:
         """Reserve ``placement``: free GPUs first, then releasing ones (R11).
 
-        Returns how many releasing GPUs it takes and the jobs releasing them.
+        Returns how many releasing GPUs it takes and the jobs releasing those GPUs.
         """
         from_releasing = 0
         released_by: list[str] = []
@@ -291,8 +306,7 @@ class NodeMap:
             rest = r11_releasing_first(self.releasing[node], need - from_free)
             if rest:
                 from_releasing += rest
-                released_by.extend(self.releasing_jobs[node])
-                self.take_releasing(node, rest)
+                released_by.extend(self.take_releasing(node, rest))
         return from_releasing, released_by
 
     def roomiest_domains(

@@ -297,7 +297,7 @@ CASES = [
     Case("blocked_job_does_not_block_others", N2, AB, [w("big").gpus(16).submitted(500), w("small").gpus(4)], admit={"small"}, wait={"big": "no node of flavor h100 has 16 GPUs"}),
     Case("no_node_has_enough_free_gpus", [Node("m0", "h100", 16)], [team("a", guarantee=16)], [w("x").gpus(4).running("m0"), w("big").gpus(16)], wait={"big": "no node of flavor h100 has 16 free GPUs"}),
     Case("queue_furthest_below_fair_share_first", N3, [team("a", guarantee=16), team("b")], [w("a0").gpus(8).running("n0"), w("b0").queue("b").gpus(8).running("n1"), w("b1").queue("b").gpus(8).submitted(900), w("a1").gpus(8).submitted(10)], admit={"a1"}, wait={"b1": "free GPUs"}),
-    Case("inside_own_guarantee_oldest_first_across_queues", N2, HANDOFF_QUEUES, HANDOFF, admit={"b1"}, preempt={"c5": "reclaim", "c6": "reclaim"}, wait={"a1": "released by job c5", "a2": "released by jobs c5, c6"}),
+    Case("inside_own_guarantee_oldest_first_across_queues", N2, HANDOFF_QUEUES, HANDOFF, admit={"b1"}, preempt={"c5": "reclaim", "c6": "reclaim"}, wait={"a1": "released by job c5", "a2": "released by job c6"}),
     Case("ties_go_to_older_submission", N3, AB0, [w("a0").gpus(8).running("n0"), w("b0").queue("b").gpus(8).running("n1"), w("a1").gpus(8).submitted(10), w("b1").queue("b").gpus(8).submitted(900)], admit={"b1"}, wait={"a1": "free GPUs"}),
     Case("inside_queue_priority_then_age", N2, AB, [w("x").gpus(8).running("n0"), w("old").gpus(8).submitted(900), w("hi").priority(100).gpus(8).submitted(5)], admit={"hi"}, wait={"old": "free GPUs"}),
     Case("cheapest_victim_lower_priority_first", N3, AB, [w("b0").queue("b").gpus(8).running("n0"), w("b_low").queue("b").priority(-1).gpus(8).running("n1", since=7200), w("b_norm").queue("b").gpus(8).running("n2", since=60), w("a1").gpus(8)], preempt={"b_low": "reclaim"}),
@@ -319,7 +319,7 @@ CASES = [
     Case("topology_required_waits_when_no_rack_has_room", RACKS, AB, [w("x").queue("b").gpus(4).running("n0"), w("y").queue("b").gpus(4).running("n2"), w("g").gang(3, 8).within("rack")], wait={"g": "no rack of flavor h100 has room for 3 ranks of 8 GPUs together"}),
     Case("topology_preferred_falls_back_to_any_nodes", RACKS, AB, [w("x").queue("b").gpus(8).running("n0"), w("y").queue("b").gpus(8).running("n2"), w("g").gang(2, 8).within("rack", required=False)], admit={"g"}, placement={"g": (("n1", 1), ("n3", 1))}),
     Case("inside_parent_guarantee_before_borrowing", N1, [team("a", guarantee=4), team("b", guarantee=4), team("bx", "b", guarantee=2), team("by", "b")], [w("hi").cls("high").gpus(1).running("n0", since=60), w("pin").cls("critical").gpus(4), w("bx0").queue("bx").cls("critical").gpus(2).running("n0"), w("x").queue("bx").cls("high").gpus(2)], admit={"x"}, preempt={"hi": "priority"}, wait={"pin": "waiting for 1 GPUs being released by job hi"}),
-    Case("inside_own_guarantee_beyond_parents_goes_after_work_inside_every_guarantee", N_4_16, PARENT_OVER_LINE_QUEUES, PARENT_OVER_LINE, admit={"w2", "w4", "w5", "w6"}, preempt={"w1": "reclaim"}, wait={"w8": "being released by jobs w3, w1", "w7": "non-preemptible work cannot run on borrowed GPUs"}),
+    Case("inside_own_guarantee_beyond_parents_goes_after_work_inside_every_guarantee", N_4_16, PARENT_OVER_LINE_QUEUES, PARENT_OVER_LINE, admit={"w2", "w4", "w5", "w6"}, preempt={"w1": "reclaim"}, wait={"w8": "being released by job w1", "w7": "non-preemptible work cannot run on borrowed GPUs"}),
     Case("unknown_flavor_waits_with_reason", N2, AB, [w("x").flavor("a100").gpus(1)], wait={"x": "no node of flavor a100 exists"}),
 ]
 # fmt: on
