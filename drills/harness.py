@@ -139,6 +139,12 @@ class Drill(DrillSetup, DrillMeasurements):
             "QM_RETRY_BACKOFF_SECONDS": "1",
             "QM_CYCLE_SECONDS": "1",
         }
+        # The ranks reach the portal at the bind address (on real nodes, the pod
+        # network's bridge): Django answers 400 to a host it does not serve, and every
+        # trap event and notice poll of the ranks was refused.
+        hosts = list(settings.ALLOWED_HOSTS)
+        if self.bind_address not in hosts:
+            env["ALLOWED_HOSTS"] = ",".join([*hosts, self.bind_address])
         self.public_url = env["QM_PUBLIC_URL"]
         services = Services(env=env, port=port, address=self.bind_address, log_dir=self.work)
         for name in ("web", "worker", "beat"):
