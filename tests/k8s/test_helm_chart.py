@@ -198,6 +198,12 @@ def test_settings_come_from_values(helm: Helm):
         (["runtime.jobsNamespace=Team_A"], "at '/runtime/jobsNamespace'"),
         (["runtime.events.cidrs={10.0.0.0}"], "at '/runtime/events/cidrs/0'"),
         (["runtime.imagePullPolicy=Sometimes"], "at '/runtime/imagePullPolicy'"),
+        # The ranks report their trap events there: a host the portal does not serve
+        # would answer each of them 400.
+        (
+            ["portal.publicUrl=http://10.0.0.1:8000"],
+            "portal.publicUrl: its host 10.0.0.1 must be among portal.allowedHosts",
+        ),
     ],
 )
 def test_bad_values_are_refused_with_the_reason(helm: Helm, values: list[str], message: str):
