@@ -118,8 +118,11 @@ def test_drill_on_kubernetes(
 
     assert result["runtime"] == "kubernetes"
     assert result["ranks"] == RANKS
-    assert result["signals_received"] == RANKS
-    assert all(latency is not None for latency in result["signal_latency_seconds"])
+    # Every rank stopped with its gang at the agreed step. Each pod is evicted by its own
+    # call, so a rank may have saved and left before its own SIGTERM came (gracetrap then
+    # ignores it); the signal of at least one rank stopped the gang.
+    assert result["ranks_told"] == RANKS
+    assert result["signals_received"] >= 1
     assert result["signal_propagation_seconds"] < 1.2
     assert result["checkpoint_committed"]
     assert result["exit_codes"] == [0] * RANKS
