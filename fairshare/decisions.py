@@ -129,8 +129,9 @@ class FlavorDecisions:
         # whichever job came first, the job they were freed for would pick new victims
         # or wait on without any, and its victims would have lost their work for
         # another. Those freed for a workload that no longer waits come back to all.
-        waiting_ids = {job.workload.id for jobs in pending for job in jobs}
         self.kept: dict[str, list[tuple[str, tuple[tuple[int, int], ...]]]] = {}
+        # Built only when some victim names its preemptor: a plan has thousands waiting.
+        waiting_ids = {job.workload.id for jobs in pending for job in jobs} if freed_for else set()
         for preemptor, victim, on_nodes in freed_for:
             if preemptor in waiting_ids:
                 self.kept.setdefault(preemptor, []).append((victim, on_nodes))

@@ -190,16 +190,17 @@ def _held_per_node(snapshot: Snapshot, p: Plan) -> dict[str, int]:
     return held
 
 
-def apply_plan(snapshot: Snapshot, p: Plan, now: float) -> Snapshot:
+def apply_plan(snapshot: Snapshot, p: Plan, now: float, *, in_grace: bool = False) -> Snapshot:
     """The next snapshot: admitted workloads run; the plan's victims have exited and are
-    requeued as pending.
+    requeued as pending, or, ``in_grace``, still save: terminating, each for the
+    workload it was preempted for.
 
     Workloads that were already terminating in the random snapshot were picked by some
     unknown earlier plan, not by this engine; they finish and leave, so that the test
     judges only the engine's own decisions.
     """
     admitted = {a.id: a for a in p.admit}
-    victims = {e.id for e in p.preempt}
+    victims = {e.id: e.preemptor for e in p.preempt}
     workloads = []
     for w in snapshot.workloads:
         if w.state == "terminating":
@@ -208,6 +209,8 @@ def apply_plan(snapshot: Snapshot, p: Plan, now: float) -> Snapshot:
             w = dataclasses.replace(
                 w, state="running", placement=admitted[w.id].placement, admitted_at=now
             )
+        elif w.id in victims and in_grace:
+            w = dataclasses.replace(w, state="terminating", preemptor=victims[w.id])
         elif w.id in victims:
             w = dataclasses.replace(
                 w, state="pending", placement=(), admitted_at=None, last_checkpoint_at=None
@@ -1157,26 +1160,6 @@ def test_no_workload_has_a_waiting_reason_before_the_first_pass_plans_it(
     assert len({job.workload.id for job in planned}) == len(pending)
 
 
-def apply_plan_in_grace(snapshot: Snapshot, p: Plan, now: float) -> Snapshot:
-    """The next snapshot while the plan's victims still save: admitted workloads run and
-    the victims terminate, each for the workload it was preempted for. Workloads already
-    terminating in the random snapshot (an unknown earlier plan's) have left."""
-    admitted = {a.id: a for a in p.admit}
-    victims = {e.id: e.preemptor for e in p.preempt}
-    workloads = []
-    for w in snapshot.workloads:
-        if w.state == "terminating":
-            continue
-        if w.id in admitted:
-            w = dataclasses.replace(
-                w, state="running", placement=admitted[w.id].placement, admitted_at=now
-            )
-        elif w.id in victims:
-            w = dataclasses.replace(w, state="terminating", preemptor=victims[w.id])
-        workloads.append(w)
-    return dataclasses.replace(snapshot, now=now, workloads=tuple(workloads))
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(snapshots(), guarantee_situations(), crowded()))
 def test_what_is_freed_for_a_job_stays_with_it_while_its_victims_save(snapshot: Snapshot) -> None:
@@ -1186,7 +1169,7 @@ def test_what_is_freed_for_a_job_stays_with_it_while_its_victims_save(snapshot: 
     wait with nothing on its way, its victims' work lost for another's."""
     first = checked_plan(snapshot)
     waiting_for_victims = {e.preemptor for e in first.preempt} - {a.id for a in first.admit}
-    second = checked_plan(apply_plan_in_grace(snapshot, first, snapshot.now + 1))
+    second = checked_plan(apply_plan(snapshot, first, snapshot.now + 1, in_grace=True))
     assert not waiting_for_victims & {e.preemptor for e in second.preempt}, (first, second)
     reasons = {wait.id: wait.reason for wait in second.waiting}
     for job in waiting_for_victims - {a.id for a in second.admit}:
