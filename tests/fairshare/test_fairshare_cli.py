@@ -131,3 +131,21 @@ def test_integral_floats_accepted_fractions_refused() -> None:
     document["nodes"][0]["gpus"] = 7.5
     with pytest.raises(ScenarioError, match=r"nodes\[0\]\.gpus"):
         snapshot_from_dict(document)
+
+
+def test_a_preemptor_is_read_for_a_terminating_workload_and_refused_for_another() -> None:
+    document = json.loads((EXAMPLES / "two-teams.json").read_text())
+    running = next(w for w in document["workloads"] if w["state"] == "running")
+    running["preemptor"] = "someone"
+    with pytest.raises(ScenarioError, match=r"preemptor: only a terminating workload"):
+        snapshot_from_dict(document)
+    running["state"] = "terminating"
+    snapshot = snapshot_from_dict(document)
+    [read] = [w for w in snapshot.workloads if w.id == running["id"]]
+    assert read.preemptor == "someone"
+    assert (
+        snapshot_to_dict(snapshot)["workloads"][
+            [w.id for w in snapshot.workloads].index(running["id"])
+        ]["preemptor"]
+        == "someone"
+    )
