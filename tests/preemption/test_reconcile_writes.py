@@ -41,15 +41,17 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
 
-SECONDS = 1.5
+# How long a mimicked gang runs: long enough that the pass after the launch sees it
+# running on a loaded machine, short enough to wait for its end.
+SECONDS = 3
 # Each more attempt of a pass costs at most its savepoint and its release, one
 # write of its (one) rank and one of its job.
 PER_ATTEMPT = 4
 
 
-def submit(world: Any, teams: list[Any]) -> list[Job]:
+def submit(world: Any, teams: list[Any], seconds: float = SECONDS) -> list[Job]:
     return [
-        builders.job(world, team, state=JobState.PENDING, command=f"sleep {SECONDS}")
+        builders.job(world, team, state=JobState.PENDING, command=f"sleep {seconds}")
         for team in teams
     ]
 
@@ -366,8 +368,9 @@ def test_a_pass_undone_by_a_deadlock_decides_again_at_the_next_pass(
     """The decide step locks a pass's jobs, then their ranks; a writer that locked
     the other way round (none of the project's own does) would deadlock with it.
     When the database breaks such a deadlock by undoing the pass, the pass keeps
-    nothing and the next one decides again."""
-    jobs = submit(world, [world.vision] * 2)
+    nothing and the next one decides again. The gangs run long enough that the
+    second pass sees them running on a loaded machine too."""
+    jobs = submit(world, [world.vision] * 2, seconds=600)
     schedule_cycle()
     lock_rows = decide_stage._lock_rows
 
