@@ -26,7 +26,7 @@ TEST_WORKERS ?= 4
 SQLITE_TEST_WORKERS ?= 2
 BUILD_ENGINE := QM_ENGINE=python $(PY) -c 'from fairshare.native import main; main()'
 
-.PHONY: run test lint bench bench-kueue venv services engine k8s wheel drill drill-real clean
+.PHONY: run test lint bench bench-kueue venv services engine k8s wheel image drill drill-real clean
 
 $(STAMP): pyproject.toml gracetrap/pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -68,6 +68,11 @@ k8s: venv
 
 wheel: venv
 	@mkdir -p var/wheels && $(PY) -m pip wheel -q --no-deps --no-build-isolation ./gracetrap -w var/wheels && ls var/wheels
+
+## image: build the Containerfile without a registry (a Debian base from mmdebstrap, buildah's
+## layer cache) into an OCI archive for ctr images import, cached by its inputs outside the clone
+image: venv
+	$(PY) -m tools.k8s.portal_image
 
 ## test: set everything up (PostgreSQL, Redis, the Kubernetes control plane) and run the whole suite
 test: venv services lint engine k8s
