@@ -9,11 +9,14 @@ fresh namespace, deleted (with every pod in it gone) afterwards.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,7 @@ from tools.k8s.agent_state import NodeSpec  # noqa: E402
 from tools.k8s.controlplane import ControlPlane  # noqa: E402
 from tools.k8s.node_agent import NodeAgent  # noqa: E402
 
+BUILD_HELM = REPO_ROOT / "tools" / "k8s" / "build-helm.sh"
 GPU_NODES = tuple(NodeSpec(name=f"gpu-node-{i}", gpus=8, flavor="h100") for i in range(4))
 
 
@@ -229,3 +233,30 @@ def make_runtime(
     yield make
     for runtime in made:
         runtime.close()
+
+
+@dataclass(frozen=True)
+class Helm:
+    """The helm binary and an environment that keeps its config and cache in a temporary folder."""
+
+    binary: str
+    env: dict[str, str]
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [self.binary, *args], capture_output=True, text=True, timeout=300, env=self.env
+        )
+
+
+@pytest.fixture(scope="session")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
+    """Helm, built from the Go module proxy if it is not cached yet."""
+    built = subprocess.run(["bash", str(BUILD_HELM)], capture_output=True, text=True, timeout=3600)
+    assert built.returncode == 0, built.stderr[-4000:]
+    binary = built.stdout.strip().splitlines()[-1]
+    assert os.access(binary, os.X_OK), binary
+    home = tmp_path_factory.mktemp("helm-home")
+    env = dict(os.environ)
+    for kind in ("CACHE", "CONFIG", "DATA"):
+        env[f"HELM_{kind}_HOME"] = str(home / kind.lower())
+    return Helm(binary, env)

@@ -16,14 +16,12 @@ not enforced.
 from __future__ import annotations
 
 import copy
-import os
 import re
 import shlex
 import subprocess
 import tomllib
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,45 +31,14 @@ from kubernetes import client, dynamic
 from kubernetes.client.exceptions import ApiException
 
 from preemption.runtimes.kubernetes.config import MANAGED_BY, MANAGED_BY_LABEL
-from tests.k8s.conftest import delete_namespace
+from tests.k8s.conftest import BUILD_HELM, Helm, delete_namespace
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART = REPO_ROOT / "deploy" / "helm" / "quartermaster"
-BUILD_HELM = REPO_ROOT / "tools" / "k8s" / "build-helm.sh"
 RUNTIME_PACKAGE = REPO_ROOT / "preemption" / "runtimes" / "kubernetes"
 CONTAINERFILE = REPO_ROOT / "Containerfile"
 EVENTS_CIDR = "10.20.0.0/16"
 FIELD_MANAGER = "qm-helm-test"
-
-
-# -- helm ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Helm:
-    """The helm binary and an environment that keeps its config and cache in a temporary folder."""
-
-    binary: str
-    env: dict[str, str]
-
-    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [self.binary, *args], capture_output=True, text=True, timeout=300, env=self.env
-        )
-
-
-@pytest.fixture(scope="session")
-def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
-    """Helm, built from the Go module proxy if it is not cached yet."""
-    built = subprocess.run(["bash", str(BUILD_HELM)], capture_output=True, text=True, timeout=3600)
-    assert built.returncode == 0, built.stderr[-4000:]
-    binary = built.stdout.strip().splitlines()[-1]
-    assert os.access(binary, os.X_OK), binary
-    home = tmp_path_factory.mktemp("helm-home")
-    env = dict(os.environ)
-    for kind in ("CACHE", "CONFIG", "DATA"):
-        env[f"HELM_{kind}_HOME"] = str(home / kind.lower())
-    return Helm(binary, env)
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -180,6 +147,37 @@ def test_settings_come_from_values(helm: Helm):
     assert env["DATABASE_URL"]["valueFrom"]["secretKeyRef"]["name"] == "pg"
     ingress = by_kind(objects, "Ingress")["qm-quartermaster-web"]
     assert ingress["spec"]["tls"][0]["secretName"] == "portal-tls"
+
+
+def test_numbers_reach_the_portal_as_the_integers_it_reads(helm: Helm):
+    """Helm reads every number of values.yaml as a float and ``quote`` writes a large
+    one in exponent form ("1.073741824e+09"), which the portal's settings refuse at
+    start: every pod of an install crashed so until the chart wrote them as integers."""
+    config = by_kind(render(helm, "quartermaster", "quartermaster-system"), "ConfigMap")
+    data = config["quartermaster"]["data"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert data["QM_K8S_JOB_UID_BASE"] == str(values["runtime"]["jobUidBase"]) == "1073741824"
+    assert data["QM_START_TIMEOUT_SECONDS"] == str(values["runtime"]["startTimeoutSeconds"])
+    assert data["QM_K8S_EVENTS_PORT"] == str(values["runtime"]["events"]["port"])
+    assert data["QM_PROXY_COUNT"] == str(values["portal"]["proxyCount"])
+    larger = by_kind(
+        render(helm, "quartermaster", "quartermaster-system", "runtime.jobUidBase=2000000000"),
+        "ConfigMap",
+    )
+    assert larger["quartermaster"]["data"]["QM_K8S_JOB_UID_BASE"] == "2000000000"
+
+
+def test_the_web_probes_ask_for_a_host_the_portal_serves(helm: Helm):
+    """The kubelet sends the pod's address as the Host of an HTTP probe, which no
+    ALLOWED_HOSTS names: the portal answers it 400 and the pod never becomes ready
+    (as the install on real nodes found). The probes name publicUrl's host."""
+    objects = render(
+        helm, "quartermaster", "quartermaster-system",
+        "portal.publicUrl=https://qm.example.net", "portal.allowedHosts={qm.example.net}",
+    )  # fmt: skip
+    web = containers(objects)["web"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert web[probe]["httpGet"]["httpHeaders"] == [{"name": "Host", "value": "qm.example.net"}]
 
 
 @pytest.mark.parametrize(
@@ -308,7 +306,7 @@ def test_containerfile_runs_what_the_chart_runs(helm: Helm):
     assert settings["WORKDIR"] == "/app"
     assert re.search(r"COPY \. /app", CONTAINERFILE.read_text())
     env = dict(re.findall(r"([A-Z_]+)=(\S+)", settings["ENV"]))
-    assert env["PYTHONPATH"] == "/app"
+    assert env["PYTHONPATH"] == "/app:/app/gracetrap/src"
     assert env["PATH"].startswith("/opt/venv/bin:")
     objects = render(helm, "quartermaster", "quartermaster-system")
     config = by_kind(objects, "ConfigMap")["quartermaster"]["data"]
