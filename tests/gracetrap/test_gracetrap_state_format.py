@@ -10,6 +10,7 @@ the checkpoint with a clear reason and that the marker never appears.
 
 from __future__ import annotations
 
+import enum
 import io
 import os
 import pickle
@@ -22,6 +23,7 @@ import gracetrap.saving
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from gracetrap.state import (
     UnsafeCheckpointError,
     capture_rng_state,
@@ -187,6 +189,52 @@ def test_the_index_reader_names_what_it_refused(content: bytes, reason: str) -> 
         read_checkpoint_metadata(io.BytesIO(content), "step_1/.metadata")
     assert str(refused.value).startswith("gracetrap refuses to load step_1/.metadata: ")
     assert reason in str(refused.value)
+
+
+class _ByName(pickle.Pickler):
+    """Pickles enum members as Debian 12's Python 3.11.2 does: ``getattr(Enum, "NAME")``."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def _by_name(value: object) -> bytes:
+    out = io.BytesIO()
+    _ByName(out, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return out.getvalue()
+
+
+def test_an_index_written_by_a_python_that_pickles_enums_by_name_loads(tmp_path: Path) -> None:
+    """An index written on Debian 12's own Python names ``builtins.getattr`` for each
+    tensor's memory format; the reader refused every such checkpoint (a job on the
+    portal image resumed from step 0) until it resolved that getattr to enum members."""
+    trap, _, _ = _trap(tmp_path)
+    with trap:
+        trap.save(3)
+    index = pickle.loads((tmp_path / "step_3" / ".metadata").read_bytes())
+    written = _by_name(index)
+    assert b"getattr" in written
+    assert read_checkpoint_metadata(io.BytesIO(written), "step_3/.metadata") == index
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "reason"),
+    [
+        (dcp_metadata.Metadata, "__init__", "the attribute '__init__' of Metadata"),
+        (dcp_metadata._MEM_FORMAT_ENCODING, "__class__", "the attribute '__class__'"),
+        (dcp_metadata._MEM_FORMAT_ENCODING, "_member_map_", "the attribute '_member_map_'"),
+    ],
+    ids=["a class's method", "an enum's class", "an enum's internals"],
+)
+def test_getattr_in_an_index_gives_enum_members_only(owner: type, name: str, reason: str) -> None:
+    class _Ask:
+        def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+            return getattr, (owner, name)
+
+    with pytest.raises(UnsafeCheckpointError, match=reason):
+        read_checkpoint_metadata(io.BytesIO(pickle.dumps(_Ask())), "step_1/.metadata")
 
 
 def test_plain_values_load_and_objects_are_refused(tmp_path: Path) -> None:

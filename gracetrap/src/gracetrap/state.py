@@ -19,6 +19,7 @@ else is refused with :class:`UnsafeCheckpointError` before any of it is used.
 
 from __future__ import annotations
 
+import enum
 import io
 import pathlib
 import pickle
@@ -182,9 +183,29 @@ class _MetadataUnpickler(pickle.Unpickler):
         allowed = _METADATA_GLOBALS.get((module, name))
         if allowed is not None:
             return allowed
+        if (module, name) in (("builtins", "getattr"), ("__builtin__", "getattr")):
+            return self._enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise _refusal(self.source, f"it names {module}.{name}")
+
+    def _enum_member(self, owner: object, name: object) -> object:
+        """``getattr`` as a DCP index may use it: some CPython 3.11 releases
+        (Debian 12's 3.11.2; not 3.11.7) pickle an enum member as
+        ``getattr(TheEnum, "NAME")``, so a rank on such a Python wrote every index
+        so. Only a member of an enum the index may name is given; any other
+        attribute of anything is refused."""
+        allowed = set(_METADATA_GLOBALS.values())
+        if (
+            isinstance(owner, type)
+            and issubclass(owner, enum.Enum)
+            and owner in allowed
+            and isinstance(name, str)
+            and name in owner.__members__
+        ):
+            return owner[name]
+        what = getattr(owner, "__name__", type(owner).__name__)
+        raise _refusal(self.source, f"it asks for the attribute {name!r} of {what}")
 
 
 def read_checkpoint_metadata(stream: IO[bytes], source: str) -> Any:
