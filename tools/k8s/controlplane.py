@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import ipaddress
 import json
 import os
 import shutil
@@ -55,6 +56,12 @@ CONTROLLERS = (
 )
 
 SERVICE_CIDR = "10.0.0.0/24"
+# The /16s a run of real nodes may take for its pods (tools.k8s.realnodes): each
+# node gets 10.<b>.<10 + index>.0/24 of it, and the host 10.<b>.0.1, outside every
+# node's range. There is no kube-proxy, so a pod reaches the API server at that host
+# address only (through a relay, as the Helm install test does): the serving
+# certificate names each of them.
+POD_SUBNETS = tuple(ipaddress.IPv4Network(f"10.{b}.0.0/16") for b in range(213, 233))
 
 
 class ControlPlaneError(RuntimeError):
@@ -124,6 +131,7 @@ def generate_pki(pki: Path) -> None:
         [
             "IP:127.0.0.1",
             "IP:10.0.0.1",
+            *(f"IP:{subnet.network_address + 1}" for subnet in POD_SUBNETS),
             "DNS:localhost",
             "DNS:kubernetes",
             "DNS:kubernetes.default",

@@ -5,7 +5,6 @@ one node's record and the settings of a set of nodes. Starts and removes nothing
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import subprocess
 import uuid
@@ -14,16 +13,13 @@ from pathlib import Path
 
 from kubernetes import client
 
-from tools.k8s.controlplane import REPO_ROOT, ControlPlane
+from tools.k8s.controlplane import POD_SUBNETS, REPO_ROOT, ControlPlane
 
 BUILD_KUBELET = REPO_ROOT / "tools" / "k8s" / "build-kubelet.sh"
 BUILD_COREDNS = REPO_ROOT / "tools" / "k8s" / "build-coredns.sh"
 CNI_BIN_DIR = Path("/usr/lib/cni")
 GPU_RESOURCE = "nvidia.com/gpu"
 FLAVOR_LABEL = "quartermaster.dev/flavor"
-# The /16s a run may take for its pods: each node gets 10.<b>.<10 + index>.0/24 of it,
-# and the host 10.<b>.0.1, outside every node's range.
-POD_SUBNETS = tuple(ipaddress.IPv4Network(f"10.{b}.0.0/16") for b in range(213, 233))
 CLUSTER_DOMAIN = "cluster.local"
 # Set by the kubelet at start (pkg/kubelet/cm: setupKernelTunables); put back by stop().
 KERNEL_TUNABLES = (
@@ -126,6 +122,14 @@ class RealNodesState:
     # More names for the rank image on every node, so pods asking for an image by
     # one of these names (a runtime's default image, say) run it without a pull.
     image_aliases: tuple[str, ...] = ()
+    # More image archives (OCI layouts in a tar, as ``ctr images import`` reads
+    # them) imported into every node: the portal's own image, say.
+    image_archives: tuple[Path, ...] = ()
+    # What a second controller manager beside the nodes runs (the test control
+    # plane's runs only what every test needs): the EndpointSlice controller, which
+    # the cluster DNS reads, and for a Helm install the Deployment and ReplicaSet
+    # controllers, which make a Deployment's pods.
+    controllers: tuple[str, ...] = ("endpointslice-controller",)
     coredns: subprocess.Popen[bytes] | None = None
     slice_controller: subprocess.Popen[bytes] | None = None
 

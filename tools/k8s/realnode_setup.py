@@ -239,20 +239,21 @@ disabled_plugins = [
 """
 
     def _start_cluster_dns(self, coredns: Path, deadline: float) -> None:
-        """The EndpointSlice controller, and CoreDNS on the bridge; wait until it serves."""
+        """The nodes' own controllers (the EndpointSlice controller, and any more
+        ``controllers`` names), and CoreDNS on the bridge; wait until it serves."""
         assert self.plane.state is not None
         folder = self.run_dir / "dns"
         folder.mkdir()
         controller_kubeconfig = self.plane.run_dir / "controller-manager.kubeconfig"
         self.slice_controller = self._spawn(
             folder,
-            "endpointslice-controller",
+            "controllers",
             [
                 str(Path(self.plane.state.bin_dir) / "kube-controller-manager"),
                 f"--kubeconfig={controller_kubeconfig}",
                 f"--authentication-kubeconfig={controller_kubeconfig}",
                 f"--authorization-kubeconfig={controller_kubeconfig}",
-                "--controllers=endpointslice-controller",
+                f"--controllers={','.join(self.controllers)}",
                 "--leader-elect=false",
                 "--bind-address=127.0.0.1",
                 "--secure-port=0",
@@ -268,7 +269,7 @@ disabled_plugins = [
         while True:
             for name, process in (
                 ("coredns", self.coredns),
-                ("endpointslice-controller", self.slice_controller),
+                ("controllers", self.slice_controller),
             ):
                 if process.poll() is not None:
                     tail = (folder / f"{name}.log").read_text(errors="replace")[-3000:]

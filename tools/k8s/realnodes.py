@@ -202,6 +202,8 @@ class RealNodes(RealNodesTeardown):
                 self._import(node, pause.archive)
                 for alias in self.image_aliases:
                     self._tag(node, rank.name, alias)
+                for archive in self.image_archives:
+                    self._import(node, archive)
             self.timings["import"] = time.monotonic() - started
             for node in self.nodes:
                 self._start_kubelet(node, kubelet)
