@@ -63,6 +63,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from tools.k8s import images
+from tools.k8s.controlplane import POD_SUBNETS
 from tools.k8s.realnode_host import (
     BUILD_COREDNS,
     BUILD_KUBELET,
@@ -70,7 +71,6 @@ from tools.k8s.realnode_host import (
     GPU_RESOURCE,
     HOST_FOLDERS,
     KERNEL_TUNABLES,
-    POD_SUBNETS,
     REQUIRED_COMMANDS,
     RealNode,
     RealNodeError,
