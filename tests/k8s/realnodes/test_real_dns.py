@@ -49,9 +49,15 @@ else
         sleep 0.2
     done
     echo "rank 1 sent"
-    # Once more, should that line have reached rank 0 empty; refused once it is done.
-    sleep 1
-    echo "hello from rank 1 at $(date +%s.%N)" | nc -w 2 "$MASTER_ADDR" "$MASTER_PORT" || true
+    # Again, should a line have reached rank 0 empty, until rank 0 stops listening
+    # (refused once it is done). Sending once more only left rank 0 waiting for ever
+    # when that one arrived empty too (a make test run on a loaded machine).
+    tries=0
+    while [ "$tries" -lt 30 ]; do
+        sleep 0.5
+        echo "hello from rank 1 at $(date +%s.%N)" | nc -w 2 "$MASTER_ADDR" "$MASTER_PORT" || break
+        tries=$((tries + 1))
+    done
 fi
 """
 
@@ -82,7 +88,11 @@ def test_rank_1_resolves_master_addr_through_cluster_dns_and_reaches_rank_0_on_t
     spec = gang_spec(911, {"real-node-0": 1, "real-node-1": 1}, command=RENDEZVOUS, grace_seconds=3)
     gang = spec.gang
     dns_runtime.launch(spec)
-    wait_for(lambda: all_in(dns_runtime, gang, "exited", 2), timeout=90, what="both ranks exit")
+    try:
+        wait_for(lambda: all_in(dns_runtime, gang, "exited", 2), timeout=90, what="both ranks exit")
+    except TimeoutError as error:
+        logs = {r: dns_runtime.read_log(gang, r).decode(errors="replace") for r in (0, 1)}
+        raise AssertionError(f"{error}\nrank 0:\n{logs[0]}\nrank 1:\n{logs[1]}") from None
 
     pods = {r: core.read_namespaced_pod(pod_name(gang, r), namespace) for r in (0, 1)}
     assert {pods[r].spec.node_name for r in (0, 1)} == {"real-node-0", "real-node-1"}
