@@ -129,11 +129,16 @@ def test_two_teams_on_one_node_see_disjoint_halves_of_its_gpus(runtime: LocalRun
 
 
 def test_a_launch_after_a_gang_exited_reuses_its_gpus(runtime: LocalRuntime) -> None:
-    first, second = gang(1, stay=False), gang(2)
+    # The first gang stays until the second has its GPUs and is then ended: a first
+    # gang that left on its own could be over before the second launched (a loaded
+    # machine), which then took the same GPUs.
+    first, second = gang(1), gang(2)
     runtime.launch(first)
     runtime.launch(second)
     [first_gpus] = [indices(shown) for shown in shown_gpus(runtime, first)]
     [second_gpus] = [indices(shown) for shown in shown_gpus(runtime, second)]
+    assert not first_gpus & second_gpus
+    runtime.kill(first.gang)
     wait_exited(runtime, first)
 
     third = gang(3)
