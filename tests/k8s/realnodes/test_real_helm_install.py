@@ -25,7 +25,7 @@ import sysconfig
 import time
 import tomllib
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from tools.k8s.portal_image import PortalImage, build_portal_image
 from tools.k8s.realnodes import RealNodes
 from tools.k8s.relays import Relays
 from tools.k8s.volumes import bound_claim, delete_claim
+from tools.k8s.wait import wait_for
 
 CHART = REPO_ROOT / "deploy" / "helm" / "quartermaster"
 NODE_NAMES = ("helm-node-0", "helm-node-1")
@@ -124,17 +125,6 @@ def database() -> Iterator[str]:
     finally:
         with psycopg.connect(admin, autocommit=True) as connection:
             connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout:.0f} s for {what}")
-        time.sleep(every)
 
 
 def deployments_ready(apps: client.AppsV1Api, namespace: str) -> bool:
@@ -270,12 +260,12 @@ def installed(
             timings["helm install"] = time.monotonic() - started
             try:
                 wait_for(
-                    "web, worker and beat available",
                     lambda: deployments_ready(apps, namespace),
-                    420,
-                    2,
+                    timeout=420,
+                    interval=2,
+                    what="web, worker and beat available",
                 )
-            except AssertionError as error:
+            except TimeoutError as error:
                 raise AssertionError(f"{error}\n{describe(core, namespace)}") from None
             timings["portal ready"] = time.monotonic() - started
             web = pod_of(core, namespace, "web")
@@ -320,6 +310,29 @@ class Api:
         answer = self.session.request(method, f"{self.url}/api/v1/{path}", json=body, timeout=30)
         assert answer.status_code < 300, f"{method} {path}: {answer.status_code} {answer.text}"
         return answer.json() if answer.content else None
+
+    def submit(
+        self,
+        name: str,
+        priority_class: str,
+        ranks: int,
+        image: str,
+        command: str,
+        env: dict[str, str] | None = None,
+    ) -> Any:
+        """A job of the team on the nodes' flavor, ``ranks`` ranks of a node's GPUs each."""
+        body = {
+            "name": name,
+            "team": TEAM,
+            "flavor": FLAVOR,
+            "priority_class": priority_class,
+            "ranks": ranks,
+            "gpus_per_rank": GPUS_PER_NODE,
+            "image": image,
+            "command": command,
+            "env": env or {},
+        }
+        return self.call("post", "jobs/", body)
 
 
 def test_the_installed_portal_preempts_and_resumes_a_job_on_real_pods(
@@ -369,21 +382,7 @@ def test_the_installed_portal_preempts_and_resumes_a_job_on_real_pods(
         f"python /app/examples/train_ddp.py --steps {STEPS} --step-sleep {STEP_SLEEP} "
         f"--save-every {SAVE_EVERY}"
     )
-    job = api.call(
-        "post",
-        "jobs/",
-        {
-            "name": "trainer",
-            "team": TEAM,
-            "flavor": FLAVOR,
-            "priority_class": "ai-batch-preemptible",
-            "ranks": 2,
-            "gpus_per_rank": GPUS_PER_NODE,
-            "image": installed.image.name,
-            "command": train,
-            "env": env,
-        },
-    )
+    job = api.submit("trainer", "ai-batch-preemptible", 2, installed.image.name, train, env)
 
     def detail() -> dict[str, Any]:
         return dict(api.call("get", f"jobs/{job['id']}/"))
@@ -393,8 +392,8 @@ def test_the_installed_portal_preempts_and_resumes_a_job_on_real_pods(
         return found if found["state"] == "running" and found["checkpoint_step"] else None
 
     try:
-        running = wait_for("the job's first checkpoint", checkpointed, 300, 2)
-    except AssertionError as error:
+        running = wait_for(checkpointed, timeout=300, interval=2, what="the job's first checkpoint")
+    except TimeoutError as error:
         raise AssertionError(
             f"{error}: {detail()}\n{describe(core, installed.jobs_namespace)}"
         ) from None
@@ -403,19 +402,12 @@ def test_the_installed_portal_preempts_and_resumes_a_job_on_real_pods(
     pods = core.list_namespaced_pod(installed.jobs_namespace).items
     assert {p.spec.node_name for p in pods if p.status.phase == "Running"} == set(NODE_NAMES)
 
-    critical = api.call(
-        "post",
-        "jobs/",
-        {
-            "name": "critical",
-            "team": TEAM,
-            "flavor": FLAVOR,
-            "priority_class": "ai-prod-critical",
-            "ranks": 1,
-            "gpus_per_rank": GPUS_PER_NODE,
-            "image": installed.image.name,
-            "command": "python -c 'import time; time.sleep(3)'",
-        },
+    critical = api.submit(
+        "critical",
+        "ai-prod-critical",
+        1,
+        installed.image.name,
+        "python -c 'import time; time.sleep(3)'",
     )
 
     def finished() -> dict[str, Any] | None:
@@ -423,8 +415,10 @@ def test_the_installed_portal_preempts_and_resumes_a_job_on_real_pods(
         return found if found["state"] in ("succeeded", "failed", "cancelled") else None
 
     try:
-        done = wait_for("the job to finish after its preemption", finished, 420, 3)
-    except AssertionError as error:
+        done = wait_for(
+            finished, timeout=420, interval=3, what="the job to finish after its preemption"
+        )
+    except TimeoutError as error:
         raise AssertionError(
             f"{error}: {detail()}\n{describe(core, installed.jobs_namespace)}"
         ) from None
@@ -433,7 +427,9 @@ def test_the_installed_portal_preempts_and_resumes_a_job_on_real_pods(
     assert len(attempts) == 2, attempts
     preempted, resumed = attempts
     assert preempted["end_reason"] == "preempted", preempted
-    assert preempted["preempted_because"], preempted
+    assert f"preempted by job {critical['id']} of {TEAM} (ai-prod-critical" in (
+        preempted["preempted_because"] or ""
+    ), preempted
     # Every rank caught its kubelet's SIGTERM (or its gang's word), saved, and exited 0.
     assert [r["exit_code"] for r in preempted["ranks"]] == [0, 0], preempted["ranks"]
     step = preempted["checkpoint_step"]
