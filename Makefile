@@ -26,7 +26,7 @@ TEST_WORKERS ?= 4
 SQLITE_TEST_WORKERS ?= 2
 BUILD_ENGINE := QM_ENGINE=python $(PY) -c 'from fairshare.native import main; main()'
 
-.PHONY: run test lint bench bench-kueue venv services engine k8s wheel image drill drill-real clean
+.PHONY: run test lint bench bench-kueue venv services engine k8s wheel image drill drill-real helm-real clean
 
 $(STAMP): pyproject.toml gracetrap/pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -83,7 +83,7 @@ test: venv services lint engine k8s
 	@# control plane and its nodes per machine), and the SQLite run. The last two print
 	@# their output, from their logs, once the first has ended. A PYTEST_ARGS that picks
 	@# only Kubernetes tests, or none, leaves one of the PostgreSQL runs nothing to run (5).
-	@$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ignore=tests/smoke -m "k8s and not real_drill" --durations=5 \
+	@$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ignore=tests/smoke -m "k8s and not real_drill and not real_helm" --durations=5 \
 		--junitxml=$(JUNIT)/kubernetes.xml $(PYTEST_ARGS) > $(JUNIT)/kubernetes.log 2>&1 & kubernetes=$$!; \
 	$(SQLITE_TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider --ds tests.sqlite_settings -n $(SQLITE_TEST_WORKERS) \
 		--durations=5 --junitxml=$(JUNIT)/sqlite.xml $(SQLITE_TESTS) > $(JUNIT)/sqlite.log 2>&1 & sqlite=$$!; \
@@ -133,3 +133,10 @@ drill: venv engine
 
 clean:
 	rm -rf var/test var/runs var/broker
+
+## helm-real: the portal image built here and the chart installed on two real nodes, one
+## job preempted and resumed through the installed portal (tests/k8s/realnodes/
+## test_real_helm_install.py; about 4 minutes). make test leaves it out: its image build
+## and pods beside the PostgreSQL run took make test from about 25 to 31 minutes.
+helm-real: venv services engine k8s
+	$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider -m real_helm -s tests/k8s/realnodes/test_real_helm_install.py
