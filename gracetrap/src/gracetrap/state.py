@@ -168,6 +168,14 @@ _METADATA_GLOBALS[("pathlib", "PosixPath")] = pathlib.PosixPath
 _METADATA_GLOBALS[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
 
 
+# The enums among them, whose members an index may name through ``getattr``.
+_METADATA_ENUMS = frozenset(
+    value
+    for value in _METADATA_GLOBALS.values()
+    if isinstance(value, type) and issubclass(value, enum.Enum)
+)
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Resolves only the names in ``_METADATA_GLOBALS`` (and torch's dtypes).
 
@@ -195,11 +203,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         ``getattr(TheEnum, "NAME")``, so a rank on such a Python wrote every index
         so. Only a member of an enum the index may name is given; any other
         attribute of anything is refused."""
-        allowed = set(_METADATA_GLOBALS.values())
         if (
             isinstance(owner, type)
-            and issubclass(owner, enum.Enum)
-            and owner in allowed
+            and owner in _METADATA_ENUMS
             and isinstance(name, str)
             and name in owner.__members__
         ):
