@@ -25,9 +25,10 @@ from preemption.runtime import get_runtime
 from preemption.runtimes import iter_log_chunks, iter_trap_events_in_chunks, processes
 from preemption.runtimes.base import GangId
 
-# The trap's events by which a rank learns of a stop: its own signal or notice, or the
-# save (or skip) of the step its gang agreed to stop at.
-TOLD_BY_SIGNAL = ("signal_received", "notice_received")
+# The trap's events by which a rank learns of a stop: its own signal or notice, another
+# rank's signal passed on by the gang's relay, or the save (or skip) of the step its
+# gang agreed to stop at.
+TOLD_BY_SIGNAL = ("signal_received", "notice_received", "stop_heard")
 TOLD_BY_AGREEMENT = ("checkpoint_started", "checkpoint_skipped")
 
 
@@ -36,7 +37,7 @@ def stop_reached(
 ) -> dict[int, float]:
     """When each rank of a victim learned of its stop (rank -> the trap's clock), from
     the events of the victim's attempt after the decision: its own signal or notice,
-    or the checkpoint of the step the gang agreed on (`agreed_step`, the step its
+    another rank's signal that the gang's relay passed on, or the checkpoint of the step the gang agreed on (`agreed_step`, the step its
     checkpoint was taken at), whichever came first. On Kubernetes each rank's node
     signals it when its kubelet gets to the eviction; the first signal stops the whole
     gang at the next step, so a rank may stop, at the agreed step, before its own
@@ -87,8 +88,8 @@ class DrillMeasurements(DrillBase):
         )
         if notice:
             # The notice is the first word that reaches the ranks. Where it is polled,
-            # only rank 0 receives it; the others know at the step boundary where the
-            # notice's save begins.
+            # only rank 0 receives it and the gang's relay passes it on; a rank that
+            # missed the relay knows at the step boundary where the notice's save begins.
             sent = event.notice_sent_at.timestamp() if event.notice_sent_at else math.inf
             knew: dict[int, float] = {}
             for e in sorted(victim_events, key=lambda e: e.at):

@@ -44,7 +44,12 @@ def _preempt_one_rank(tmp_path: Path, world_size: int, victim: int, timeout: flo
         expected = ["trap_ready", "checkpoint_started", "checkpoint_committed", "exiting"]
         if rank.rank == victim:
             expected.insert(1, "signal_received")
+        else:
+            # The victim's signal, passed on by the gang's relay before the step's end.
+            expected.insert(1, "stop_heard")
         assert names == expected, (rank.rank, names)
+        if rank.rank != victim:
+            assert events[1]["from_rank"] == victim, events[1]
         committed = events[names.index("checkpoint_committed")]
         assert committed["step"] == stop_step
         assert committed["bytes"] > 0 and committed["seconds"] > 0
@@ -226,12 +231,15 @@ def test_a_signal_that_arrives_during_the_final_save_is_still_reported(tmp_path:
     ready, *late = gang.ranks[1].events()
     assert ready["event"] == "trap_ready"
     names = [event["event"] for event in late]
+    # Rank 0's signal reached rank 1 through the relay before its own came.
     assert names == [
+        "stop_heard",
         "checkpoint_started",
         "checkpoint_committed",
         "signal_received",
         "exiting",
     ], names
-    started, committed = late[0]["at"], late[1]["at"]
-    assert started <= late[2]["at"] <= committed
+    assert late[0]["from_rank"] == 0
+    started, committed = late[1]["at"], late[2]["at"]
+    assert started <= late[3]["at"] <= committed
     assert gang.ranks[0].events()[1]["event"] == "signal_received"

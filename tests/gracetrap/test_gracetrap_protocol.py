@@ -114,6 +114,7 @@ def test_the_event_names_and_the_protocol_import_without_torch() -> None:
         "cadence",
         "notice_received",
         "signal_received",
+        "stop_heard",
         "checkpoint_started",
         "checkpoint_committed",
         "checkpoint_skipped",

@@ -26,6 +26,7 @@ from gracetrap import checkpoints, protocol
 from gracetrap.environment import env, env_float, env_int, job_id_from_env
 from gracetrap.events import POST_TIMEOUT_SECONDS, EventReporter, NoticePoller
 from gracetrap.gloo import register_settle, skip_the_last_collections
+from gracetrap.relay import JOIN_SECONDS, GangRelay, SignalWatch
 from gracetrap.staging import BackgroundSave
 from gracetrap.state import Stateful, adapt_state
 
@@ -111,6 +112,15 @@ class TrapBase:
         self._pid = os.getpid()
         self._signal_at: float | None = None
         self._signal_reported = False
+        # Another rank's stop, passed on by the gang's relay (gracetrap.relay): when
+        # this rank heard it, from which rank, and when that rank was signalled.
+        self._heard_at: float | None = None
+        self._heard_from = -1
+        self._heard_signal_at: float | None = None
+        self._heard_reported = False
+        self._relay: GangRelay | None = None
+        self._relay_tried = False
+        self._stop_said = False
         self._stop_agreed_at: float | None = None
         # Set by `save_and_exit` just before its SystemExit: `close` then keeps the
         # trap's handler on the stop signals rather than putting the previous ones back.
@@ -150,6 +160,9 @@ class TrapBase:
         # Kubernetes each pod is evicted by its own call, often after the gang already
         # stopped on another rank's signal) is still reported on the way out.
         atexit.register(self._report_signal_at_exit)
+        # Before the handlers, so that no signal of theirs goes unseen by it.
+        self._signal_watch = SignalWatch(self._signal_arrived)
+        atexit.register(self._signal_watch.close)
         for signum in self.signals:
             self._previous_handlers[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_signal)
@@ -252,6 +265,7 @@ class TrapBase:
         self._pruner = None
         if self._poller is not None:
             self._poller.stop()
+        self._stop_relay()
         if self._initialised():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -271,21 +285,81 @@ class TrapBase:
         if os.getpid() != self._pid:
             # A forked DataLoader worker inherited this handler: its parent handles it.
             return
-        del signum
         if self._signal_at is None:
             self._signal_at = time.time()
+        self._signal_watch.poke(signum)
 
     def _on_notice(self, signum: int, frame: FrameType | None) -> None:
-        del signum, frame
+        del frame
         if os.getpid() != self._pid:
             return
-        now = time.time()
-        if now <= self._notice_answered_at + protocol.NOTICE_COALESCE_SECONDS:
+        self._take_notice(time.time())
+        self._signal_watch.poke(signum)
+
+    def _take_notice(self, at: float) -> bool:
+        """Note a notice that came at ``at``; False for a copy of one already answered."""
+        if at <= self._notice_answered_at + protocol.NOTICE_COALESCE_SECONDS:
             # A copy of the notice the ranks have just answered (one per rank is sent).
-            return
+            return False
         if self._notice_at is None:
-            self._notice_at = now
+            self._notice_at = at
             self._notice_reported = False
+        return True
+
+    # ------------------------------------------------------------------- relay
+
+    def _signal_arrived(self, signum: int, at: float) -> None:
+        """A signal's arrival, from the SignalWatch thread, at once (gracetrap.relay)."""
+        if signum in self.signals:
+            if self._signal_at is None or at < self._signal_at:
+                self._signal_at = at
+            self._say_stop()
+        elif self.notice_signal is not None and signum == self.notice_signal:
+            self._take_notice(at)
+
+    def _say_stop(self) -> None:
+        relay = self._relay
+        if relay is not None and self._signal_at is not None and not self._stop_said:
+            self._stop_said = True
+            relay.say("stop", self._signal_at)
+
+    def _heard(self, kind: str, rank: int, at: float) -> None:
+        """Another rank's word, from the relay's thread."""
+        now = time.time()
+        if kind == "stop" and self._heard_at is None:
+            self._heard_signal_at = at
+            self._heard_from = rank
+            self._heard_at = now
+        elif kind == "notice":
+            self._take_notice(now)
+
+    def _start_relay(self) -> None:
+        """Join the gang's relay, once, when the process group is there to carry it."""
+        if self._relay is not None or self._relay_tried or not self._distributed():
+            return
+        self._relay_tried = True
+        try:
+            self._relay = GangRelay(rank=self.rank(), attempt=self.attempt, on_word=self._heard)
+        except Exception as error:
+            # Without it the all-reduce at each step still carries every stop.
+            print(f"gracetrap: no relay between the ranks: {error}", file=sys.stderr, flush=True)
+            return
+        self._say_stop()
+
+    def _end_relay(self) -> None:
+        """At the gang's shutdown, where every rank is: rank 0's word ends every rank's
+        relay thread; a rank that does not hear it in time ends its own."""
+        relay = self._relay
+        if relay is None:
+            return
+        if self.rank() == 0:
+            relay.end()
+        if not relay.join(JOIN_SECONDS):
+            relay.stop()
+
+    def _stop_relay(self) -> None:
+        if self._relay is not None:
+            self._relay.stop()
 
     def _start_notice_poll(self) -> NoticePoller | None:
         """Where the runtime cannot signal the ranks (``QM_NOTICE_POLL_SECONDS``), rank 0
@@ -302,12 +376,10 @@ class TrapBase:
         ).start()
 
     def _notice_polled(self, at: float) -> None:
-        # Runs in the poll thread: the same path as the notice signal's handler.
-        if at <= self._notice_answered_at + protocol.NOTICE_COALESCE_SECONDS:
-            return
-        if self._notice_at is None:
-            self._notice_at = at
-            self._notice_reported = False
+        # Runs in the poll thread: the same path as the notice signal's handler, and
+        # only rank 0 polls, so it passes the notice on to the others at once.
+        if self._take_notice(at) and self._relay is not None:
+            self._relay.say("notice", at)
 
     def _report_notice(self) -> None:
         if self._notice_at is not None and not self._notice_reported:
@@ -323,6 +395,20 @@ class TrapBase:
         if self._signal_at is not None and not self._signal_reported:
             self._signal_reported = True
             self.events.emit("signal_received", at=self._signal_at)
+        if self._heard_at is not None and not self._heard_reported:
+            self._heard_reported = True
+            self.events.emit(
+                "stop_heard",
+                at=self._heard_at,
+                from_rank=self._heard_from,
+                signalled_at=self._heard_signal_at,
+            )
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once this rank was signalled or heard from the relay that another was:
+        the next ``should_stop`` returns True on every rank."""
+        return self._signal_at is not None or self._heard_at is not None
 
     def _report_signal_at_exit(self) -> None:
         if self._signal_at is not None and not self._signal_reported and os.getpid() == self._pid:

@@ -31,15 +31,18 @@ class TrapStopping(TrapSaving):
         rank saves ``step`` here (in the background when asynchronous saves are on)
         and training goes on. It also settles ``should_checkpoint(step)``.
         """
+        self._start_relay()
         self._report_signal()
         self._report_notice()
         self._poll_background()
         due = 1.0 if self._due_locally(step) else 0.0
         notice_at = self._notice_at if self._notice_at is not None else -math.inf
         # Negated time: the maximum of -t is the earliest signal of any rank, which
-        # starts the grace window for all of them.
-        signal_at = -self._signal_at if self._signal_at is not None else -math.inf
-        flag = 1.0 if self._signal_at is not None else 0.0
+        # starts the grace window for all of them. A rank that only heard of a signal
+        # brings that rank's time.
+        signalled_at = self._signal_at if self._signal_at is not None else self._heard_signal_at
+        signal_at = -signalled_at if signalled_at is not None else -math.inf
+        flag = 1.0 if self.stop_requested else 0.0
         values = [flag, signal_at, notice_at, time.time(), due, self._owner_to_agree()]
         flag, earliest, notice_at, now, due, owner = self._reduce_max(values)
         if owner > 0:

@@ -159,6 +159,8 @@ class Trap(TrapStopping):
         if not (dist.is_available() and dist.is_initialized()):
             return
         leader = dist.get_rank() == 0
+        # Before the barrier: once past it rank 0 may leave, and its store with it.
+        self._end_relay()
         if self._distributed():
             try:
                 if "gloo" in str(dist.get_backend()):
@@ -209,7 +211,9 @@ class Trap(TrapStopping):
             # The last background save met a newer attempt's claim.
             self._stop_fenced(self._fenced_by)
         self._wait_for_pruning()
+        self._stop_relay()
         self.restore_signal_handlers()
+        self._signal_watch.close()
         if self._exiting:
             self._hear_late_stop_signals()
         self._report_signal()

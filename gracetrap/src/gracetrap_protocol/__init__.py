@@ -15,6 +15,7 @@ EVENT_NAMES = (
     "cadence",
     "notice_received",
     "signal_received",
+    "stop_heard",
     "checkpoint_started",
     "checkpoint_committed",
     "checkpoint_skipped",
