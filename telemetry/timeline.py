@@ -43,6 +43,9 @@ class RankStory:
     signal_received: float | None
     exited: float | None
     exit_code: int | None
+    # Another rank's signal, passed on by the gang's relay before this rank's own came.
+    heard: float | None = None
+    heard_from: int | None = None
 
 
 @dataclass
@@ -168,9 +171,15 @@ def build_timeline(
         moment = _since(rank.signal_received_at, origin)
         if moment is not None:
             received_by_rank[rank.index] = moment
+    heard_by_rank: dict[int, tuple[datetime, int | None]] = {}
     for trap in mine:
         if trap.event == "signal_received":
             received_by_rank.setdefault(trap.rank, _moment(trap.at))
+        elif trap.event == "stop_heard":
+            sender = (trap.payload or {}).get("from_rank")
+            heard_by_rank.setdefault(
+                trap.rank, (_moment(trap.at), sender if isinstance(sender, int) else None)
+            )
     if received_by_rank:
         first, last = min(received_by_rank.values()), max(received_by_rank.values())
         heard = len(received_by_rank)
@@ -185,6 +194,7 @@ def build_timeline(
                 "good" if heard == len(ranks) else "warn",
             )
         )
+    _relayed_step(steps, origin, received_by_rank, heard_by_rank, len(ranks))
     # The eviction's own save starts once the signal reached the ranks. A save that
     # started before (the notice's, taken while training went on, or a regular one
     # in flight at the decision) is not it; the notice's commits say so, and their
@@ -316,6 +326,41 @@ def build_timeline(
                 signal_received=_seconds_after(received_by_rank.get(rank.index), origin),
                 exited=_seconds_after(_since(rank.exited_at, origin), origin),
                 exit_code=rank.exit_code,
+                heard=_seconds_after(heard_by_rank[rank.index][0], origin)
+                if rank.index in heard_by_rank
+                else None,
+                heard_from=heard_by_rank[rank.index][1] if rank.index in heard_by_rank else None,
             )
         )
     return timeline
+
+
+def _relayed_step(
+    steps: list[TimelineStep],
+    origin: datetime,
+    received: dict[int, datetime],
+    heard: dict[int, tuple[datetime, int | None]],
+    world_size: int,
+) -> None:
+    """The moment every rank knew of the stop, where the gang's relay told some ranks
+    of another's signal before their own came (gracetrap's `stop_heard`)."""
+    if not heard:
+        return
+    told = dict(received)
+    for rank, (moment, _) in heard.items():
+        told[rank] = min(moment, told.get(rank, moment))
+    last = max(told.values())
+    senders = sorted({sender for _, sender in heard.values() if sender is not None})
+    source = f"rank {senders[0]}'s signal" if len(senders) == 1 else "another rank's signal"
+    knew = len(told)
+    steps.append(
+        TimelineStep(
+            last,
+            f"Every rank knew of the stop ({knew} of {world_size})"
+            if knew == world_size
+            else f"{knew} of {world_size} ranks knew of the stop",
+            f"{len(heard)} heard of {source} through the gang's relay; "
+            f"the last knew after {(last - origin).total_seconds():.2f} s",
+            "good" if knew == world_size else "warn",
+        )
+    )

@@ -393,3 +393,45 @@ def test_a_notice_no_rank_answered_says_the_window_ran_out(world: Any) -> None:
     # The eviction's own save, not the notice's, is the checkpoint the timeline shows.
     assert ("+30.50 s", "Checkpoint started", "step 93") in lines
     assert ("+31.00 s", "Checkpoint committed", "step 93, 50.0 MB in 0.50 s") in lines
+
+
+def test_a_rank_told_by_the_relay_before_its_own_signal_is_shown_as_such(world: Any) -> None:
+    start = timezone.now() - timedelta(hours=1)
+    job = _job(world, "relayed")
+    attempt = _attempt(job, 1, start, start + timedelta(seconds=209))
+    decided = start + timedelta(seconds=200)
+    _preemption(world, job, attempt, decided, step=45, resume_step=46)
+    # Rank 1's own signal never came: rank 0's reached it through the gang's relay.
+    Rank.objects.filter(attempt=attempt, index=1).update(signal_received_at=None)
+    TrapEvent.objects.filter(job=job, rank=1, event="signal_received").delete()
+    TrapEvent.objects.create(
+        job=job,
+        attempt=1,
+        rank=1,
+        event="stop_heard",
+        at=(decided + timedelta(milliseconds=301)).timestamp(),
+        payload={"event": "stop_heard", "from_rank": 0, "signalled_at": 0.0},
+        fingerprint=f"{job.pk}-heard",
+        source="post",
+    )
+
+    body = (
+        page_client(world, "other_researcher")
+        .get(reverse("job-detail", args=[job.pk]))
+        .content.decode()
+    )
+    lines = _timelines(body)[1]
+    assert ("+0.30 s", "1 of 2 ranks received the signal", "first after 0.30 s, spread 0.00 s") in (
+        lines
+    )
+    assert (
+        "+0.30 s",
+        "Every rank knew of the stop (2 of 2)",
+        "1 heard of rank 0's signal through the gang's relay; the last knew after 0.30 s",
+    ) in lines
+    detail = re.search(r'<details class="ranks-detail".*?</details>', body, re.S)
+    assert detail is not None
+    rows = re.findall(r"<tr><td class=\"num\">(\d)</td>(.*?)</tr>", detail.group(0), re.S)
+    heard = {int(index): row for index, row in rows}
+    assert "+0.301 s" in heard[1] and "from rank 0" in heard[1]
+    assert "from rank" not in heard[0]
