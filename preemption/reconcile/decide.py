@@ -31,6 +31,7 @@ from preemption.reconcile.steps import (
     Step,
     gang_spec,
     guarded,
+    loaded,
 )
 from preemption.runtimes.base import RankObservation
 from preemption.webhooks import notify
@@ -160,18 +161,16 @@ def _lock_rows(attempts: list[Attempt]) -> _Rows:
     attempts[:] = [attempt for attempt in attempts if attempt.job_id in jobs]
     if not attempts:
         return _Rows({}, {})
+    # Filtered by the ids, not the objects: Django normalizes each object of an
+    # `__in` list through its related lookup, thousands of calls in a large pass.
+    ids = [attempt.pk for attempt in attempts]
     ranks: dict[int, dict[int, Rank]] = defaultdict(dict)
-    for rank in (
-        Rank.objects.select_for_update()
-        .filter(attempt__in=attempts)
-        .order_by("attempt_id", "index")
+    for rank in loaded(
+        Rank.objects.select_for_update().filter(attempt_id__in=ids).order_by("attempt_id", "index")
     ):
         ranks[rank.attempt_id][rank.index] = rank
     fresh = {
-        row["pk"]: row
-        for row in Attempt.objects.filter(pk__in=[a.pk for a in attempts]).values(
-            "pk", *ATTEMPT_FIELDS
-        )
+        row["pk"]: row for row in Attempt.objects.filter(pk__in=ids).values("pk", *ATTEMPT_FIELDS)
     }
     for attempt in attempts:
         for name in ATTEMPT_FIELDS:
@@ -180,7 +179,7 @@ def _lock_rows(attempts: list[Attempt]) -> _Rows:
             setattr(attempt.job, name, jobs[attempt.job_id][name])
     events = {
         event.victim_attempt_id: event
-        for event in PreemptionEvent.objects.filter(victim_attempt__in=attempts)
+        for event in loaded(PreemptionEvent.objects.filter(victim_attempt_id__in=ids))
     }
     return _Rows(ranks, events)
 

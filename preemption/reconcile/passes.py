@@ -35,7 +35,7 @@ from preemption.reconcile.finish import finish
 from preemption.reconcile.hold import SETTLE_SECONDS, exits_listened
 from preemption.reconcile.logs import read_victims_logs
 from preemption.reconcile.observe import read_open_attempts, steady
-from preemption.reconcile.steps import ACTION_LEASE, FINISH, Step, gang_spec
+from preemption.reconcile.steps import ACTION_LEASE, FINISH, Step, gang_spec, loaded
 from preemption.runtime import get_runtime
 from preemption.runtimes.base import (
     GangId,
@@ -150,16 +150,20 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
         to_decide.append(row.pk)
     if not to_decide:
         return len(open_attempts)
-    attempts = (
+    attempts = loaded(
         Attempt.objects.filter(
             pk__in=to_decide, ended_at__isnull=True, job__state__in=ACTIVE_STATES
         )
-        .select_related("job", "job__team", "job__priority_class", "job__flavor", "preemption")
         # Without their ranks: the decisions read them afresh under lock (_lock_rows),
         # and only a victim whose logs are due reads them before (read_victims_logs).
         # In the order of their jobs' ids, the order in which the scheduling cycle locks
         # jobs too: two transactions that lock the same jobs in one order cannot deadlock.
-        .order_by("job_id", "id")
+        .order_by("job_id", "id"),
+        "job",
+        "job__team",
+        "job__priority_class",
+        "job__flavor",
+        "preemption",
     )
     # Gangs the runtime shows nothing of although they were launched are observed
     # once more first: the pass's observation may predate their launch.

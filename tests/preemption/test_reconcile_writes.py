@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from django.db import OperationalError, connection, transaction
-from django.db.models.signals import post_init
+from django.db.models.signals import post_init, pre_init
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from psycopg.errors import DeadlockDetected
@@ -31,9 +31,10 @@ from preemption.models import (
 )
 from preemption.reconcile import decide as decide_stage
 from preemption.reconcile import finish as finish_stage
+from preemption.reconcile import passes as passes_stage
 from preemption.reconcile import reconcile_jobs, request_stop
 from preemption.reconcile.finish import ClosedTogether
-from preemption.reconcile.steps import FINISH, Step
+from preemption.reconcile.steps import FINISH, Step, loaded
 from preemption.runtimes import GangId
 from preemption.runtimes.mimic import MimicRuntime
 from tests import builders
@@ -114,7 +115,7 @@ def test_a_pass_over_many_attempts_costs_only_their_own_writes_more(
 
 
 def test_a_pass_builds_the_attempts_of_only_the_gangs_that_changed(
-    world: Any, mimic: MimicRuntime
+    world: Any, mimic: MimicRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Steady gangs are told from plain rows: a pass over them builds no attempt,
     and one whose gang stopped on its own is read whole and closed."""
@@ -128,19 +129,19 @@ def test_a_pass_builds_the_attempts_of_only_the_gangs_that_changed(
         JobState.RUNNING
     }
     built: list[int] = []
+    read_whole = passes_stage.loaded
 
-    def count(sender: type[Attempt], instance: Attempt, **_: Any) -> None:
-        built.append(instance.pk)
+    def count(rows: Any, *related: str) -> list[Any]:
+        objs = read_whole(rows, *related)
+        built.extend(obj.pk for obj in objs if isinstance(obj, Attempt))
+        return objs
 
-    post_init.connect(count, sender=Attempt)
-    try:
-        assert reconcile_jobs() == 3
-        assert built == [], "every gang runs as recorded: no attempt is built"
-        stopped = jobs[1]
-        mimic.signal(GangId(stopped.pk, 1), grace_seconds=5)
-        assert reconcile_jobs() == 3
-    finally:
-        post_init.disconnect(count, sender=Attempt)
+    monkeypatch.setattr(passes_stage, "loaded", count)
+    assert reconcile_jobs() == 3
+    assert built == [], "every gang runs as recorded: no attempt is built"
+    stopped = jobs[1]
+    mimic.signal(GangId(stopped.pk, 1), grace_seconds=5)
+    assert reconcile_jobs() == 3
     assert set(built) == {Attempt.objects.get(job=stopped).pk}
     states = dict(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("pk", "state"))
     assert states == {
@@ -417,3 +418,47 @@ def test_a_runtime_says_how_many_of_its_calls_a_pass_makes_side_by_side(
     assert all(mimic.observe(GangId(job.pk, 1)) for job in jobs)
     main = threading.get_ident()
     assert all((caller != main) == in_pool_threads for caller in callers), callers
+
+
+def test_objects_loaded_from_rows_are_those_django_builds(world: Any, mimic: MimicRuntime) -> None:
+    """`loaded` builds the attempts a pass decides for, with their jobs, teams,
+    classes, flavors and stops, from plain rows and not through `__init__`: each is
+    what `select_related` gives, field for field, related object for related object
+    (a stop or none), and can be saved as any other. Building them so skips the
+    `pre_init` and `post_init` signals, so no receiver may listen for these models."""
+    jobs = submit(world, [world.vision, world.vision, world.nlp])
+    schedule_cycle()
+    reconcile_jobs()
+    request_stop(job=jobs[0], reason="manual", cause="by a test")
+    related = ("job", "job__team", "job__priority_class", "job__flavor")
+    ours = loaded(Attempt.objects.order_by("pk"), *related, "preemption")
+    django = list(Attempt.objects.order_by("pk").select_related(*related, "preemption"))
+    assert len(ours) == len(django) == 3
+
+    def columns(obj: Any) -> dict[str, Any]:
+        return {f.attname: getattr(obj, f.attname) for f in obj._meta.concrete_fields}
+
+    for mine, theirs in zip(ours, django, strict=True):
+        assert columns(mine) == columns(theirs)
+        for path in related:
+            a, b = mine, theirs
+            for name in path.split("__"):
+                a, b = getattr(a, name), getattr(b, name)
+            assert (type(a), columns(a)) == (type(b), columns(b))
+        stop = getattr(theirs, "preemption", None)
+        if stop is None:
+            with pytest.raises(PreemptionEvent.DoesNotExist):
+                mine.preemption  # noqa: B018
+        else:
+            assert columns(mine.preemption) == columns(stop)
+    with CaptureQueriesContext(connection) as captured:
+        for mine in ours:
+            mine.job.team.slug  # noqa: B018
+            getattr(mine, "preemption", None)
+    assert len(captured) == 0, "every related object is loaded along"
+    ours[1].action_error = "saved"
+    ours[1].save(update_fields=["action_error"])
+    assert Attempt.objects.get(pk=ours[1].pk).action_error == "saved"
+    for model in (Attempt, Job, Rank, PreemptionEvent):
+        for signal in (pre_init, post_init):
+            assert not signal.has_listeners(model), f"{model.__name__} has a {signal} receiver"
