@@ -111,6 +111,9 @@ bench: venv services engine k8s
 	$(PY) bench/bench_submit.py
 	$(PY) bench/bench_k8s.py
 	$(PY) bench/bench_sandbox.py
+	@# On two real nodes: the portal's image built and installed with Helm, then the drill
+	@# with and without the notice; each a test that prints its figures (about 15 minutes).
+	$(MAKE) --no-print-directory helm-real drill-real
 
 ## bench-kueue: Kueue's own scalability test (built from the Go module proxy) and Quartermaster
 ## on the same generator config, in one run, as one side-by-side table (bench/README.md);
@@ -122,8 +125,9 @@ bench-kueue: venv services engine k8s
 	@bash tools/kueue/build.sh
 	$(TEST_ENV) $(PY) bench/bench_kueue.py --config $(KUEUE_CONFIG) $(KUEUE_ARGS)
 
-## drill-real: the drill on two real nodes (tests/k8s/realnodes/test_real_drill.py; several
-## minutes, so make test leaves it out), printing its figures
+## drill-real: the drill on two real nodes, with and without the checkpoint notice
+## (tests/k8s/realnodes/test_real_drill.py; about 10 minutes, so make test leaves it out
+## and make bench runs it), printing its figures
 drill-real: venv services engine k8s
 	$(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider -m real_drill -s tests/k8s/realnodes/test_real_drill.py
 
