@@ -24,6 +24,14 @@ from gracetrap.checkpoints import (
 )
 from gracetrap.events import EVENT_NAMES, EVENT_PREFIX, EventReporter, parse_event_line
 from gracetrap.protocol import checkpoint_interval
+from gracetrap.sampling import (
+    ElasticSampler,
+    RankBatch,
+    derive_seed,
+    rank_seed,
+    sample_seed,
+    seed_rank_streams,
+)
 
 if TYPE_CHECKING:
     from gracetrap.base import DEFAULT_SIGNALS
@@ -43,16 +51,22 @@ __all__ = [
     "EVENT_NAMES",
     "EVENT_PREFIX",
     "CheckpointInfo",
+    "ElasticSampler",
     "EventReporter",
+    "RankBatch",
     "Trap",
     "capture_rng_state",
     "checkpoint_interval",
     "complete_checkpoints",
+    "derive_seed",
     "is_complete",
     "list_checkpoints",
     "parse_event_line",
+    "rank_seed",
     "read_pointer",
     "restore_rng_state",
+    "sample_seed",
+    "seed_rank_streams",
     "worker_init_fn",
 ]
 
