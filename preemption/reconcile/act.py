@@ -28,7 +28,7 @@ from django.utils import timezone
 from core.rows import update_rows
 from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
 from preemption.reconcile.hold import launches_held
-from preemption.reconcile.steps import ACTION_LEASE, Step, guarded
+from preemption.reconcile.steps import ACTION_LEASE, Step, among, guarded
 from preemption.runtimes.base import (
     GangId,
     Runtime,
@@ -86,7 +86,7 @@ def _claim(steps: list[Step]) -> tuple[datetime, list[Step]]:
         by_action[step.action].setdefault(step.attempt.pk, step)
     claimed: list[Step] = []
     for action, group in by_action.items():
-        claimable = Attempt.objects.filter(pk__in=group, action=action).filter(
+        claimable = Attempt.objects.filter(pk__in=among(group), action=action).filter(
             Q(action_claimed_at__isnull=True) | Q(action_claimed_at__lt=now - ACTION_LEASE),
             Q(action_not_before__isnull=True) | Q(action_not_before__lte=now),
         )
@@ -96,7 +96,7 @@ def _claim(steps: list[Step]) -> tuple[datetime, list[Step]]:
             claimable.select_for_update().order_by("job_id", "pk").values_list("pk", flat=True)
         )
         if mine:
-            Attempt.objects.filter(pk__in=mine).update(action_claimed_at=now)
+            Attempt.objects.filter(pk__in=among(mine)).update(action_claimed_at=now)
         claimed += [group[pk] for pk in mine]
     return now, claimed
 
@@ -129,7 +129,7 @@ def _record_plain_outcomes(steps: list[Step], claim: datetime) -> set[int]:
         group = {step.attempt.pk: step for step in steps if step.action == action}
         if not group:
             continue
-        mine = Attempt.objects.filter(pk__in=group, action_claimed_at=claim)
+        mine = Attempt.objects.filter(pk__in=among(group), action_claimed_at=claim)
         locked = list(
             mine.select_for_update().order_by("job_id", "pk").values_list("pk", flat=True)
         )
@@ -148,7 +148,7 @@ def _record_plain_outcomes(steps: list[Step], claim: datetime) -> set[int]:
                 attempts.append(attempt)
             update_rows(attempts, [*DONE, "launched_at"])
         else:
-            Attempt.objects.filter(pk__in=locked).update(**DONE)
+            Attempt.objects.filter(pk__in=among(locked)).update(**DONE)
             done = [group[pk] for pk in locked]
             if action == Attempt.Action.SIGNAL:
                 _signals_sent(done, now)
@@ -184,7 +184,7 @@ def _sent_at_once(steps: list[Step], name: str, now: datetime) -> None:
     by_event = _stops(steps)
     unsent = (
         PreemptionEvent.objects.select_for_update()
-        .filter(pk__in=by_event, **{f"{name}__isnull": True})
+        .filter(pk__in=among(by_event), **{f"{name}__isnull": True})
         .order_by("pk")
         .values_list("pk", flat=True)
     )
@@ -202,7 +202,7 @@ def _signals_sent(steps: list[Step], now: datetime) -> None:
     alive = {pk: set(step.alive) for pk, step in by_attempt.items()}
     unsent = (
         Rank.objects.select_for_update()
-        .filter(attempt_id__in=by_attempt, signal_sent_at__isnull=True)
+        .filter(attempt_id__in=among(by_attempt), signal_sent_at__isnull=True)
         .order_by("attempt_id", "index")
         .values_list("pk", "attempt_id", "index")
     )
@@ -228,7 +228,9 @@ def _kills_done(steps: list[Step], now: datetime) -> None:
         killed: dict[str, Any] = {"killed_at": now}
         if forced:
             killed["outcome"] = PreemptionEvent.Outcome.FORCED
-        PreemptionEvent.objects.filter(pk__in=events, killed_at__isnull=True).update(**killed)
+        PreemptionEvent.objects.filter(pk__in=among(events), killed_at__isnull=True).update(
+            **killed
+        )
 
 
 def _call(step: Step, runtime: Runtime) -> Exception | None:

@@ -29,6 +29,7 @@ from preemption.reconcile.steps import (
     FINISH,
     TERMINAL_PHASES,
     Step,
+    among,
     gang_spec,
     guarded,
     loaded,
@@ -154,7 +155,7 @@ def _lock_rows(attempts: list[Attempt]) -> _Rows:
     jobs = {
         row["pk"]: row
         for row in Job.objects.select_for_update(no_key=True, skip_locked=True)
-        .filter(pk__in={attempt.job_id for attempt in attempts})
+        .filter(pk__in=among({attempt.job_id for attempt in attempts}))
         .order_by("pk")
         .values("pk", *JOB_FIELDS)
     }
@@ -166,11 +167,14 @@ def _lock_rows(attempts: list[Attempt]) -> _Rows:
     ids = [attempt.pk for attempt in attempts]
     ranks: dict[int, dict[int, Rank]] = defaultdict(dict)
     for rank in loaded(
-        Rank.objects.select_for_update().filter(attempt_id__in=ids).order_by("attempt_id", "index")
+        Rank.objects.select_for_update()
+        .filter(attempt_id__in=among(ids))
+        .order_by("attempt_id", "index")
     ):
         ranks[rank.attempt_id][rank.index] = rank
     fresh = {
-        row["pk"]: row for row in Attempt.objects.filter(pk__in=ids).values("pk", *ATTEMPT_FIELDS)
+        row["pk"]: row
+        for row in Attempt.objects.filter(pk__in=among(ids)).values("pk", *ATTEMPT_FIELDS)
     }
     for attempt in attempts:
         for name in ATTEMPT_FIELDS:
@@ -179,7 +183,7 @@ def _lock_rows(attempts: list[Attempt]) -> _Rows:
             setattr(attempt.job, name, jobs[attempt.job_id][name])
     events = {
         event.victim_attempt_id: event
-        for event in loaded(PreemptionEvent.objects.filter(victim_attempt_id__in=ids))
+        for event in loaded(PreemptionEvent.objects.filter(victim_attempt_id__in=among(ids)))
     }
     return _Rows(ranks, events)
 
@@ -239,7 +243,7 @@ def _decide_plain(
         with transaction.atomic():
             written.write()
             if admitted:
-                Job.objects.filter(pk__in=admitted, state=JobState.ADMITTED).update(
+                Job.objects.filter(pk__in=among(admitted), state=JobState.ADMITTED).update(
                     state=JobState.RUNNING, running_at=now
                 )
     except SoftTimeLimitExceeded:
@@ -350,11 +354,11 @@ def _decide_stops(
         with transaction.atomic():
             written.write()
             if running:
-                Job.objects.filter(pk__in=running, state=JobState.ADMITTED).update(
+                Job.objects.filter(pk__in=among(running), state=JobState.ADMITTED).update(
                     state=JobState.RUNNING, running_at=now
                 )
             for action, pks in intended.items():
-                Attempt.objects.filter(pk__in=pks, ended_at__isnull=True).update(
+                Attempt.objects.filter(pk__in=among(pks), ended_at__isnull=True).update(
                     action=action,
                     action_claimed_at=None,
                     action_tries=0,

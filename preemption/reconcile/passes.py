@@ -35,7 +35,7 @@ from preemption.reconcile.finish import finish
 from preemption.reconcile.hold import SETTLE_SECONDS, exits_listened
 from preemption.reconcile.logs import read_victims_logs
 from preemption.reconcile.observe import read_open_attempts, steady
-from preemption.reconcile.steps import ACTION_LEASE, FINISH, Step, gang_spec, loaded
+from preemption.reconcile.steps import ACTION_LEASE, FINISH, Step, among, gang_spec, loaded
 from preemption.runtime import get_runtime
 from preemption.runtimes.base import (
     GangId,
@@ -152,7 +152,7 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
         return len(open_attempts)
     attempts = loaded(
         Attempt.objects.filter(
-            pk__in=to_decide, ended_at__isnull=True, job__state__in=ACTIVE_STATES
+            pk__in=among(to_decide), ended_at__isnull=True, job__state__in=ACTIVE_STATES
         )
         # Without their ranks: the decisions read them afresh under lock (_lock_rows),
         # and only a victim whose logs are due reads them before (read_victims_logs).

@@ -8,6 +8,7 @@ and calls no runtime.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -17,9 +18,10 @@ from typing import Any, TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
-from django.db import transaction
-from django.db.models import ForeignObjectRel, Model, QuerySet
+from django.db import connection, transaction
+from django.db.models import BigIntegerField, ForeignObjectRel, Model, QuerySet
 from django.db.models.base import ModelState
+from django.db.models.expressions import RawSQL
 
 from preemption.event_tokens import attempt_events_token
 from preemption.models import Attempt, Job, PreemptionEvent, Rank
@@ -43,6 +45,26 @@ FINISH = "finish"
 # any single runtime call may take (the local launcher's timeout, the Celery task's
 # hard time limit).
 ACTION_LEASE = timedelta(seconds=180)
+
+
+def among(ids: Iterable[int]) -> RawSQL:
+    """The ids as one parameter, to filter by (`pk__in=among(ids)`): on PostgreSQL one
+    array, unnested, on SQLite one JSON array.
+
+    A pass over a few thousand gangs filters a dozen queries by as many ids. As an
+    `__in` list, Django wrote a placeholder and prepared a value for each id, the
+    driver interpolated each into the statement's text and the server parsed it
+    again: about 10 ms a query at 2,400 ids, against 1 ms as one parameter."""
+    numbers = [int(number) for number in ids]
+    if connection.vendor == "postgresql":
+        return RawSQL(
+            "SELECT unnest(%s::bigint[])",
+            ["{" + ",".join(map(str, numbers)) + "}"],
+            output_field=BigIntegerField(),
+        )
+    return RawSQL(
+        "SELECT value FROM json_each(%s)", [json.dumps(numbers)], output_field=BigIntegerField()
+    )
 
 
 def loaded(rows: QuerySet[M], *related: str) -> list[M]:
