@@ -41,6 +41,7 @@ from preemption.models import (
 )
 from preemption.reasons import Preemptor, preemption_words, release_words
 from preemption.reconcile import launch_admitted, reconcile_jobs
+from preemption.reconcile.steps import among
 from preemption.snapshot import Shown, read_snapshot
 from preemption.wakeup import take_cycle_request
 from preemption.webhooks import Notice, notify_each
@@ -202,7 +203,7 @@ def _admit(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
         return
     waiting = set(
         Job.objects.select_for_update(no_key=True)
-        .filter(pk__in=admissions, state__in=[JobState.PENDING, JobState.REQUEUED])
+        .filter(pk__in=among(admissions), state__in=[JobState.PENDING, JobState.REQUEUED])
         .order_by("pk")
         .values_list("pk", flat=True)
     )
@@ -212,7 +213,7 @@ def _admit(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
     # Admitted when written, not when the cycle began: a job committed while the
     # snapshot was read would otherwise be admitted before it was submitted.
     admitted_at = max(now, timezone.now())
-    Job.objects.filter(pk__in=admitted).update(
+    Job.objects.filter(pk__in=among(admitted)).update(
         state=JobState.ADMITTED, admitted_at=admitted_at, waiting_reason="", protected_until=None
     )
     numbers = next_attempt_numbers(admitted)
@@ -253,15 +254,15 @@ def _preempt(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> Non
     # preemptor (with its team and class) as model objects took a third of its writing.
     open_attempts: dict[int, int] = {}
     for attempt_id, job_id in (
-        Attempt.objects.filter(job_id__in=victims, ended_at__isnull=True)
+        Attempt.objects.filter(job_id__in=among(victims), ended_at__isnull=True)
         .order_by("pk")
         .values_list("pk", "job_id")
     ):
         open_attempts.setdefault(job_id, attempt_id)
     stopping = set(
-        PreemptionEvent.objects.filter(victim_attempt__in=list(open_attempts.values())).values_list(
-            "victim_attempt_id", flat=True
-        )
+        PreemptionEvent.objects.filter(
+            victim_attempt_id__in=among(open_attempts.values())
+        ).values_list("victim_attempt_id", flat=True)
     )
     candidates = [
         job_id
@@ -270,14 +271,14 @@ def _preempt(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> Non
     ]
     running = set(
         Job.objects.select_for_update(no_key=True)
-        .filter(pk__in=candidates, state__in=[JobState.ADMITTED, JobState.RUNNING])
+        .filter(pk__in=among(candidates), state__in=[JobState.ADMITTED, JobState.RUNNING])
         .order_by("pk")
         .values_list("pk", flat=True)
     )
     preempted = [job_id for job_id in candidates if job_id in running]
     if not preempted:
         return
-    Job.objects.filter(pk__in=preempted).update(state=JobState.PREEMPTING, preempting_at=now)
+    Job.objects.filter(pk__in=among(preempted)).update(state=JobState.PREEMPTING, preempting_at=now)
     preemptor_ids = [
         int(victims[job_id].preemptor)
         for job_id in preempted
@@ -286,7 +287,7 @@ def _preempt(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> Non
     jobs = {
         job_id: Preemptor(id=job_id, team=team, priority_class=class_name, gpus=ranks * per_rank)
         for job_id, team, class_name, ranks, per_rank in Job.objects.filter(
-            pk__in=[*preempted, *preemptor_ids]
+            pk__in=among([*preempted, *preemptor_ids])
         ).values_list("pk", "team__slug", "priority_class__name", "ranks", "gpus_per_rank")
     }
     events = []
