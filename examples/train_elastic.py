@@ -8,7 +8,9 @@ asks of a training script:
   registered in the trap's state beside the model and the optimizer, so that the
   checkpoint holds how far the job got, not how far each rank got;
 - every step takes the same global batch at any world size: each rank takes its
-  stripe of it (``sampler.take``) and accumulates gradients over its micro-batches
+  stripe of it (``sampler.take``), reads it through a DataLoader whose batch sampler
+  is the sampler's plan for the rest of the epoch (``sampler.batch_sampler``, which
+  lets the loader read ahead without moving the saved position), and accumulates gradients over its micro-batches
   (DDP's ``no_sync`` for all but the last), each micro-batch's loss being a sum
   scaled by ``loss_scale``, so the gradient is the mean over the global batch
   however many ranks share it; the learning rate therefore stays as it is;
@@ -35,14 +37,23 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
 
-from gracetrap import ElasticSampler, Trap, derive_seed, sample_seed, seed_rank_streams
+from gracetrap import (
+    ElasticSampler,
+    Trap,
+    derive_seed,
+    sample_seed,
+    seed_rank_streams,
+    worker_init_fn,
+)
 
 FEATURES = 16
 
@@ -64,28 +75,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "resized elsewhere draws other masks than an uninterrupted one",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for weights, order and data")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
     parser.add_argument("--save-every", type=int, default=0, help="regular checkpoint interval")
     parser.add_argument("--checkpoint-dir", default=None, help="default: $QM_CHECKPOINT_DIR")
     return parser.parse_args(argv)
 
 
-class SyntheticRegression:
-    """Sample ``i``: features drawn from ``(seed, i)`` and a noisy linear target.
+class SyntheticRegression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
+    """Sample ``i`` of an epoch: its id, features drawn from ``(seed, i)`` and a linear target.
 
     The augmentation noise of sample ``i`` in an epoch comes from ``sample_seed(seed,
-    epoch, i)``: the same whichever rank reads the sample, at any world size.
+    epoch, i)``: the same whichever rank reads the sample, at any world size, and in
+    whichever DataLoader worker.
     """
 
-    def __init__(self, *, seed: int, length: int) -> None:
+    def __init__(self, *, seed: int, length: int, epoch: int = 0) -> None:
         self.seed = seed
         self.length = length
+        self.epoch = epoch
         self.true_weights = torch.randn(
             FEATURES, 1, generator=torch.Generator().manual_seed(derive_seed(seed, 10))
         )
 
     def __len__(self) -> int:
         return self.length
+
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        features, target = self.sample(index, self.epoch)
+        return index, features, target
 
     def sample(self, index: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Features and target of sample ``index`` as seen in ``epoch``."""
@@ -97,12 +115,33 @@ class SyntheticRegression:
         augmented = features + 0.05 * torch.randn(FEATURES, generator=noise)
         return augmented, target
 
-    def batch(self, indices: tuple[int, ...], epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A micro-batch; an empty one is a (0, FEATURES) tensor, which a linear model takes."""
-        if not indices:
-            return torch.empty(0, FEATURES), torch.empty(0, 1)
-        pairs = [self.sample(index, epoch) for index in indices]
-        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+    def for_epoch(self, epoch: int) -> SyntheticRegression:
+        """The same samples, augmented as in ``epoch``."""
+        return SyntheticRegression(seed=self.seed, length=self.length, epoch=epoch)
+
+
+def epoch_loader(
+    dataset: SyntheticRegression,
+    sampler: ElasticSampler,
+    rank: int,
+    world_size: int,
+    args: argparse.Namespace,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches from the sampler's position to the end of its epoch.
+
+    The loader reads ahead (workers, prefetching) from a plan of the epoch that does
+    not move the sampler: the position the checkpoint saves moves only with ``take``,
+    once per step the model has actually done.
+    """
+    loader = DataLoader(
+        dataset.for_epoch(sampler.epoch),
+        batch_sampler=sampler.batch_sampler(rank, world_size, args.micro_batch),
+        num_workers=args.workers,
+        worker_init_fn=worker_init_fn if args.workers else None,
+        # The loader's base seed must not come from the global generator (see the README).
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    return iter(loader)
 
 
 def build_model(args: argparse.Namespace) -> nn.Module:
@@ -145,14 +184,24 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     loss_value = float("nan")
+    loader_epoch, loader = -1, iter(())
     while sampler.epoch < args.epochs:
+        if loader_epoch != sampler.epoch:
+            loader = epoch_loader(dataset, sampler, rank, world_size, args)
+            loader_epoch = sampler.epoch
         work = sampler.take(rank, world_size, args.micro_batch)
         seed_rank_streams(args.seed, work.epoch, step, rank)
         optimizer.zero_grad(set_to_none=True)
         summed = torch.zeros(())
         last = len(work.micro_batches) - 1
         for index, chunk in enumerate(work.micro_batches):
-            inputs, targets = dataset.batch(chunk, work.epoch)
+            if chunk:
+                ids, inputs, targets = next(loader)
+                assert tuple(ids.tolist()) == chunk, "the loader left the sampler's plan"
+            else:
+                # A short share's last micro-batch: still a pass, so that DDP's
+                # all-reduce after the last one finds every rank there.
+                inputs, targets = torch.empty(0, FEATURES), torch.empty(0, 1)
             # Gradients are all-reduced once per step, after the last micro-batch.
             syncing = index == last or world_size == 1
             with contextlib.nullcontext() if syncing else ddp_model.no_sync():

@@ -179,3 +179,22 @@ def test_a_position_of_another_dataset_or_seed_is_refused() -> None:
     other = ElasticSampler(50, global_batch=5, seed=1)
     other.load_state_dict(state)
     assert other.peek(0, 1, 5).sample_ids == tuple(saved.order()[10:15])
+
+
+def test_the_batch_sampler_holds_the_micro_batches_take_hands_out_and_moves_nothing() -> None:
+    sampler = ElasticSampler(13, global_batch=5, seed=2)
+    sampler.take(0, 2, 2)
+    state = sampler.state_dict()
+    for rank in range(4):
+        planned = sampler.batch_sampler(rank, 4, 1)
+        assert sampler.state_dict() == state
+        probe = ElasticSampler(13, global_batch=5, seed=2)
+        probe.load_state_dict(state)
+        taken = []
+        while probe.epoch == state["epoch"]:
+            taken += [list(chunk) for chunk in probe.take(rank, 4, 1).micro_batches if chunk]
+        assert planned == taken, rank
+    # Steps 1 and 2 of the epoch: 5 + 3 samples over 4 ranks; rank 3 has one sample in
+    # the first and an empty micro-batch in the second, which the loader never sees.
+    assert [len(b) for b in sampler.batch_sampler(0, 4, 1)] == [1, 1, 1]
+    assert [len(b) for b in sampler.batch_sampler(3, 4, 1)] == [1]

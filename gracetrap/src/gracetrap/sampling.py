@@ -254,6 +254,32 @@ class ElasticSampler:
             micro_batches=chunks,
         )
 
+    def batch_sampler(self, rank: int, world_size: int, micro_batch: int) -> list[list[int]]:
+        """This rank's non-empty micro-batches from the position to the end of the epoch,
+        in the order ``take`` hands them out: ``DataLoader(batch_sampler=...)`` for the
+        epoch (or for what is left of it after a resume).
+
+        It leaves the position alone, so a loader may read ahead of training (workers,
+        prefetching) without moving what the checkpoint saves; the training loop still
+        calls ``take`` once per step and pulls one loader batch per non-empty
+        micro-batch of it. An empty micro-batch (uneven shares) is not yielded, since a
+        loader cannot collate nothing.
+        """
+        ahead = ElasticSampler(
+            self.dataset_len,
+            global_batch=self.global_batch,
+            seed=self.seed,
+            epoch=self.epoch,
+            allow_uneven=self.allow_uneven,
+        )
+        ahead.consumed = self.consumed
+        ahead._order, ahead._order_epoch = self.order(), self.epoch
+        batches: list[list[int]] = []
+        while ahead.epoch == self.epoch:
+            work = ahead.take(rank, world_size, micro_batch)
+            batches.extend(list(chunk) for chunk in work.micro_batches if chunk)
+        return batches
+
     def take(self, rank: int, world_size: int, micro_batch: int) -> RankBatch:
         """This rank's part of the next global batch; the position moves past the batch."""
         batch = self.peek(rank, world_size, micro_batch)
