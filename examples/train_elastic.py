@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -79,6 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
     parser.add_argument("--save-every", type=int, default=0, help="regular checkpoint interval")
     parser.add_argument("--checkpoint-dir", default=None, help="default: $QM_CHECKPOINT_DIR")
+    parser.add_argument(
+        "--preempt-at",
+        type=int,
+        default=None,
+        help="the last rank sends itself SIGTERM after this step, so that a test stops the "
+        "gang at a step it chose (the trap's usual path: agree, save, exit 0)",
+    )
     return parser.parse_args(argv)
 
 
@@ -217,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"STEP {step} RANK {rank} LOSS {loss_value:.9f} HEX {loss_value.hex()}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if step == args.preempt_at and rank == world_size - 1:
+            signal.raise_signal(signal.SIGTERM)  # handled before it returns
         if trap.should_stop(step):
             trap.save_and_exit(step)
         if args.save_every and (step + 1) % args.save_every == 0:
