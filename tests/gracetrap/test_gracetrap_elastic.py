@@ -230,3 +230,31 @@ def test_a_resized_run_with_dropout_is_reproduced_bit_for_bit(tmp_path: Path) ->
         second.params.hex(),
     )
     assert first.samples == second.samples
+
+
+def test_a_gang_shrunk_to_one_process_and_grown_back_sees_every_sample_once(
+    tmp_path: Path,
+) -> None:
+    """Down to a single process (no process group, no DDP wrapper: DCP reads the
+    gang's checkpoint without one, under the same parameter names) and back to 2."""
+    args = [*ARGS[:1], "2", *ARGS[2:]]
+    steps = 2 * math.ceil(DATASET_LEN / 12)
+    reference = launch(1, tmp_path / "reference", tmp_path / "reference-logs", args, script=EXAMPLE)
+    try:
+        assert reference.wait(timeout=400) == [0], reference.tail()
+    finally:
+        reference.kill()
+    resized = _read(_preempted_run(tmp_path / "resized", [(2, 3), (1, 6), (2, None)], args))
+    expected = _read([reference])
+
+    assert sorted(resized.samples) == list(range(steps))
+    for step, shares in resized.samples.items():
+        (theirs,) = expected.samples[step]
+        assert sorted(i for _, _, ids in shares for i in ids) == sorted(theirs[2]), step
+    assert _per_epoch(resized) == {epoch: Counter(range(DATASET_LEN)) for epoch in range(2)}
+    for step, found in resized.losses.items():
+        (mine,) = found
+        (theirs,) = expected.losses[step]
+        relative = abs(float.fromhex(mine) - float.fromhex(theirs)) / float.fromhex(theirs)
+        assert relative <= RELATIVE_TOLERANCE, (step, mine, theirs)
+    assert abs(resized.params - expected.params) <= RELATIVE_TOLERANCE * expected.params
