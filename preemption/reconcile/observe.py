@@ -25,6 +25,9 @@ from preemption.reconcile.steps import TERMINAL_PHASES
 from preemption.runtimes.base import STUCK_REASONS, RankObservation
 
 RANK_STATES = frozenset(Rank.State.values)
+# Django builds a choices enum's `values` as a new list at each read: a pass compares
+# every rank it observes against them.
+END_REASONS = frozenset(Rank.EndReason.values)
 
 
 def _when(at: float | None) -> datetime | None:
@@ -80,7 +83,7 @@ def _rank_changes(rank: Rank | RankRow, obs: RankObservation) -> dict[str, Any]:
         changes["exited_at"] = _when(obs.exited_at)
     if obs.signal_sent_at is not None and rank.signal_sent_at is None:
         changes["signal_sent_at"] = _when(obs.signal_sent_at)
-    if obs.end_reason in Rank.EndReason.values and rank.end_reason != obs.end_reason:
+    if obs.end_reason in END_REASONS and rank.end_reason != obs.end_reason:
         changes["end_reason"] = obs.end_reason
         changes["memory_limit"] = obs.memory_limit
     return changes
@@ -178,7 +181,7 @@ class ObservedRanks:
         for obs in observations:
             changes = _rank_changes(ranks[obs.rank], obs)
             if changes:
-                rank = copy.copy(ranks[obs.rank])
+                rank = _copied(ranks[obs.rank])
                 for name, value in changes.items():
                     setattr(rank, name, value)
                 self.ranks.append(rank)
@@ -193,3 +196,14 @@ class ObservedRanks:
     def write(self) -> None:
         if self.ranks:
             update_rows(self.ranks, sorted(self.fields))
+
+
+def _copied(rank: Rank) -> Rank:
+    """A copy of the rank, as `copy.copy` makes it (its fields, and its state with a
+    cache of its own), without the pickling protocol `copy.copy` goes through for a
+    model object, which cost a pass that saw two thousand gangs start 50 ms."""
+    copied = Rank.__new__(Rank)
+    copied.__dict__.update(rank.__dict__)
+    state = copied._state = copy.copy(rank._state)
+    state.fields_cache = dict(rank._state.fields_cache)
+    return copied
