@@ -258,3 +258,25 @@ def test_a_gang_shrunk_to_one_process_and_grown_back_sees_every_sample_once(
         relative = abs(float.fromhex(mine) - float.fromhex(theirs)) / float.fromhex(theirs)
         assert relative <= RELATIVE_TOLERANCE, (step, mine, theirs)
     assert abs(resized.params - expected.params) <= RELATIVE_TOLERANCE * expected.params
+
+
+def test_a_resume_with_another_dataset_stops_at_its_first_step_instead_of_starting_over(
+    tmp_path: Path,
+) -> None:
+    """The trap passes over a checkpoint whose objects refuse it, so the sampler refuses
+    at its first step: the job stops with the reason rather than training again from
+    step 0 on other samples."""
+    args = [*ARGS[:1], "2", *ARGS[2:]]
+    _preempted_run(tmp_path, [(2, 2)], args)
+    longer = [*args[:2], "--dataset-len", "60", *args[4:]]
+    resumed = launch(
+        1, tmp_path / "checkpoints", tmp_path / "logs", longer, attempt=2, script=EXAMPLE
+    )
+    try:
+        assert resumed.wait(timeout=400) == [1], resumed.tail()
+    finally:
+        resumed.kill()
+    (rank,) = resumed.ranks
+    assert [e["step"] for e in rank.events() if e["event"] == "resumed"] == [3]
+    assert "ValueError: the checkpoint's data position was saved with dataset_len=58" in rank.text()
+    assert "SAMPLES" not in rank.text()

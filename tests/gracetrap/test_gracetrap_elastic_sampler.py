@@ -163,18 +163,34 @@ def test_even_world_sizes() -> None:
     assert even_world_sizes(12, 2, 8) == [1, 2, 3, 6]
 
 
-def test_a_position_of_another_dataset_or_seed_is_refused() -> None:
+def test_a_position_of_another_dataset_or_seed_is_refused_at_the_first_take(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     saved = ElasticSampler(50, global_batch=10, seed=1)
     saved.take(0, 2, 5)
     state = saved.state_dict()
-    with pytest.raises(ValueError, match="seed=1, this sampler has seed=2"):
-        ElasticSampler(50, global_batch=10, seed=2).load_state_dict(state)
-    with pytest.raises(ValueError, match="dataset_len=50, this sampler has dataset_len=60"):
-        ElasticSampler(60, global_batch=10, seed=1).load_state_dict(state)
-    with pytest.raises(ValueError, match="consumed missing"):
-        ElasticSampler(50, global_batch=10, seed=1).load_state_dict(
-            {key: value for key, value in state.items() if key != "consumed"}
-        )
+    cases = [
+        (ElasticSampler(50, global_batch=10, seed=2), state, "seed=1, this sampler has seed=2"),
+        (
+            ElasticSampler(60, global_batch=10, seed=1),
+            state,
+            "dataset_len=50, this sampler has dataset_len=60",
+        ),
+        (
+            ElasticSampler(50, global_batch=10, seed=1),
+            {key: value for key, value in state.items() if key != "consumed"},
+            "consumed missing",
+        ),
+        (ElasticSampler(50, global_batch=10, seed=1), {**state, "consumed": 50}, "outside"),
+    ]
+    for sampler, loaded, words in cases:
+        # Loading says so but does not raise: the trap would pass over the checkpoint.
+        sampler.load_state_dict(loaded)
+        assert words in capsys.readouterr().err
+        for use in (sampler.take, sampler.peek, sampler.batch_sampler):
+            with pytest.raises(ValueError, match=words):
+                use(0, 2, 5)
+        assert sampler.state_dict()["consumed"] == 0
     # Another global batch is allowed: the position is a sample index, not a step.
     other = ElasticSampler(50, global_batch=5, seed=1)
     other.load_state_dict(state)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,6 +191,8 @@ class ElasticSampler:
         self.consumed = 0
         self._order: list[int] | None = None
         self._order_epoch = -1
+        # Why the loaded position was refused, raised by the first take (see load_state_dict).
+        self._refused: str | None = None
 
     # ----------------------------------------------------------- arithmetic
 
@@ -234,6 +237,7 @@ class ElasticSampler:
 
     def peek(self, rank: int, world_size: int, micro_batch: int) -> RankBatch:
         """This rank's part of the next global batch, without moving the position."""
+        self._raise_if_refused()
         self.check_world_size(world_size, micro_batch)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of {world_size}")
@@ -265,6 +269,7 @@ class ElasticSampler:
         micro-batch of it. An empty micro-batch (uneven shares) is not yielded, since a
         loader cannot collate nothing.
         """
+        self._raise_if_refused()
         ahead = ElasticSampler(
             self.dataset_len,
             global_batch=self.global_batch,
@@ -305,24 +310,41 @@ class ElasticSampler:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a saved position, whatever world size saved it.
 
-        Refuses a position saved for another seed or dataset length: the same index
+        A position saved for another seed or dataset length is refused: the same index
         would name other samples, and the epoch would silently skip and repeat some.
-        The global batch may differ from the saving run's (the position is a sample
-        index, not a step); keeping it is what keeps the learning rate right.
+        The refusal is said on stderr at once and raised by the first ``take`` (or
+        ``peek``, ``batch_sampler``): raised here, it would make the trap pass over
+        the checkpoint for an older one, and in the end start the job again from step
+        0 with a line on stderr as the only sign. The global batch may differ from
+        the saving run's (the position is a sample index, not a step); keeping it is
+        what keeps the learning rate right.
         """
+        problem = self._problem_with(state_dict)
+        if problem is not None:
+            print(f"gracetrap: {problem}", file=sys.stderr, flush=True)
+            self._refused = problem
+            return
+        self._refused = None
+        self.epoch = int(state_dict["epoch"])
+        self.consumed = int(state_dict["consumed"])
+
+    def _problem_with(self, state_dict: dict[str, Any]) -> str | None:
         missing = [name for name in _STATE_FIELDS if name not in state_dict]
         if missing:
-            raise ValueError(f"not an ElasticSampler state: {', '.join(missing)} missing")
+            return f"not an ElasticSampler state: {', '.join(missing)} missing"
         for name in ("seed", "dataset_len"):
             if int(state_dict[name]) != getattr(self, name):
-                raise ValueError(
+                return (
                     f"the checkpoint's data position was saved with {name}="
                     f"{int(state_dict[name])}, this sampler has {name}={getattr(self, name)}: "
                     "its sample index would name other samples. Resume with the same "
-                    "dataset and seed, or start the epoch afresh"
+                    "dataset and seed, or start the job afresh in another checkpoint folder"
                 )
         epoch, consumed = int(state_dict["epoch"]), int(state_dict["consumed"])
         if epoch < 0 or not 0 <= consumed < self.dataset_len:
-            raise ValueError(f"position {consumed} of epoch {epoch} is outside the dataset")
-        self.epoch = epoch
-        self.consumed = consumed
+            return f"position {consumed} of epoch {epoch} is outside the dataset"
+        return None
+
+    def _raise_if_refused(self) -> None:
+        if self._refused is not None:
+            raise ValueError(self._refused)
