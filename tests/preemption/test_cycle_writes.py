@@ -230,6 +230,56 @@ def test_waiting_reasons_are_written_where_they_changed(world: Any) -> None:
     ]
 
 
+def test_every_waiting_reason_is_written_as_worded_and_only_while_its_job_waits(
+    world: Any,
+) -> None:
+    """The reasons go in one statement on PostgreSQL (the distinct reasons as one
+    array beside each job's number in it) and by shared reason on SQLite: either way
+    each job gets its own words, quotes, commas, braces, backslashes and all, with its
+    protection moment or none, cut at 300 characters; a job cancelled since the
+    snapshot keeps its own, and one whose words did not change is left alone. Here
+    every reason is shared by fewer than SHARED_REASON_JOBS jobs, so SQLite writes
+    them in one statement too."""
+    jobs = submit(world, world.vision, 6, ranks=1, gpus_per_rank=8)
+    now = timezone.now()
+    shown = read_snapshot(now=now)[2]
+    odd = "a \"quoted\", {braced} reason \\ with a comma, 'apostrophe' and ümlaut"
+    moment = now.timestamp() + 600.5
+    words = {
+        jobs[0].pk: ("no node of flavor h100 has 8 free GPUs", None),
+        jobs[1].pk: ("no node of flavor h100 has 8 free GPUs", None),
+        jobs[2].pk: (odd, moment),
+        jobs[3].pk: ("x" * 400, None),
+        jobs[4].pk: ("cancelled meanwhile", None),
+        jobs[5].pk: (shown[jobs[5].pk][0], None),
+    }
+    Job.objects.filter(pk=jobs[4].pk).update(
+        state=JobState.CANCELLED, waiting_reason="cancelled by its owner"
+    )
+    plan = fairshare.Plan(
+        admit=(),
+        preempt=(),
+        waiting=tuple(
+            fairshare.Waiting(workload_id(pk), reason, until)
+            for pk, (reason, until) in words.items()
+        ),
+        queues={},
+    )
+    with CaptureQueriesContext(connection) as queries:
+        _apply(plan, now=now, result=CycleResult(), held={}, shown=shown)
+    written = [q for q in queries.captured_queries if q["sql"].startswith("UPDATE")]
+    assert len(written) == 1
+    rows = dict(Job.objects.filter(pk__in=words).values_list("pk", "waiting_reason"))
+    assert rows[jobs[0].pk] == rows[jobs[1].pk] == "no node of flavor h100 has 8 free GPUs"
+    assert rows[jobs[2].pk] == odd
+    assert rows[jobs[3].pk] == "x" * 300
+    assert rows[jobs[4].pk] == "cancelled by its owner"
+    assert rows[jobs[5].pk] == shown[jobs[5].pk][0]
+    until = Job.objects.get(pk=jobs[2].pk).protected_until
+    assert until is not None and abs(until.timestamp() - moment) < 1e-3
+    assert Job.objects.get(pk=jobs[0].pk).protected_until is None
+
+
 def test_a_job_committed_while_the_cycle_read_its_snapshot_is_not_admitted_before_it_was_submitted(
     world: Any,
 ) -> None:
