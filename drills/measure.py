@@ -141,6 +141,9 @@ class DrillMeasurements(DrillBase):
             signal_latency_seconds=latencies,
             signals_received=sum(1 for x in latencies if x is not None),
             ranks_told=len(told),
+            signal_sent_seconds=round(event.signal_sent_at.timestamp() - decided, 4)
+            if event.signal_sent_at
+            else None,
             checkpoint_seconds=event.checkpoint_seconds,
             checkpoint_step=event.checkpoint_step,
             checkpoint_committed=event.checkpoint_step is not None,

@@ -58,6 +58,10 @@ class RoundFigures:
     # checkpoint), which is how a rank whose node signals it late still stops with its
     # gang. None in documents from before it was counted (signals_received stood for it).
     ranks_told: int | None = None
+    # The decision -> the runtime's call that signals the ranks (on Kubernetes, the
+    # evictions issued): the control plane's share of the signal propagation; the
+    # rest is the nodes' (the kubelets, or the local launcher) and the relay's.
+    signal_sent_seconds: float | None = None
 
     def missed(
         self, *, ranks: int, grace_seconds: float, targets: MissionTargets = MISSION
