@@ -128,7 +128,7 @@ def loaded(rows: QuerySet[M], *related: str) -> list[M]:
             getattr(obj, relation.field.attname): obj
             for obj in loaded(
                 remote._default_manager.using(database).filter(
-                    **{f"{relation.field.name}__in": [obj.pk for obj in built]}
+                    **{f"{relation.field.attname}__in": among(obj.pk for obj in built)}
                 )
             )
         }
