@@ -126,6 +126,12 @@ def test_a_run_resized_4_2_3_4_sees_every_sample_once_and_ends_at_the_same_loss(
             events = rank.events()
             if attempt > 1:
                 assert [e["step"] for e in events if e["event"] == "resumed"] == [resumed_at]
+                sizes = [
+                    (e["world_size"], e["saved_world_size"])
+                    for e in events
+                    if e["event"] == "resumed"
+                ]
+                assert sizes == [(world_size, len(gangs[-2].ranks))], sizes
             assert [e["step"] for e in events if e["event"] == "checkpoint_committed"] == [stop]
             assert f"RESUMED {resumed_at} WORLD {world_size} " in rank.text()
         assert stop < total_steps - 1, "the gang finished before its stop: pace it slower"

@@ -141,6 +141,8 @@ class TrapBase:
         self._last_checkpoint_at = time.monotonic()
         self._agreed_due: tuple[int, bool] | None = None
         self._committed_step: int | None = None
+        # The world size the checkpoint resumed from was written by, when it says.
+        self._saved_world_size: int | None = None
         # The (MTBP, interval) of the latest `cadence` event, so that it is reported
         # when it changes rather than at every step.
         self._reported_cadence: tuple[float, float] | None = None

@@ -364,7 +364,14 @@ class TrapSaving(TrapBase):
                 )
                 continue
             self._committed_step = step
-            self.events.emit("resumed", step=step + 1)
+            # The sizes tell a resize apart from a plain restart (an elastic job resumed
+            # at 4 ranks from the checkpoint of 8).
+            self.events.emit(
+                "resumed",
+                step=step + 1,
+                world_size=self.world_size(),
+                saved_world_size=self._saved_world_size,
+            )
             return step + 1
         return 0
 
@@ -377,6 +384,8 @@ class TrapSaving(TrapBase):
         # DCP loads into these dicts in place; each object then takes its own back.
         loaded = {name: entry.state_dict() for name, entry in self._state.items()}
         target: dict[str, Any] = {STATE_KEY: loaded, STEP_KEY: -1}
+        if WORLD_SIZE_KEY in saved_keys:
+            target[WORLD_SIZE_KEY] = -1
         if rng_key in saved_keys:
             target[rng_key] = b""
         else:
@@ -395,6 +404,8 @@ class TrapSaving(TrapBase):
             )
         if target[STEP_KEY] != step:
             raise ValueError(f"{path} holds step {target[STEP_KEY]}, not {step}")
+        saved_world_size = target.get(WORLD_SIZE_KEY, -1)
+        self._saved_world_size = saved_world_size if saved_world_size > 0 else None
         for name, entry in self._state.items():
             entry.load_state_dict(target[STATE_KEY][name])
         if rng_key in target:
