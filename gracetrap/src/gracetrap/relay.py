@@ -105,9 +105,10 @@ class SignalWatch:
         self._closed.set()
         if self.installed:
             with contextlib.suppress(ValueError):
-                if signal.set_wakeup_fd(-1) != self._writer.fileno():
+                previous = signal.set_wakeup_fd(-1)
+                if previous != self._writer.fileno():
                     # Taken over since: not ours to clear.
-                    signal.set_wakeup_fd(-1)
+                    signal.set_wakeup_fd(previous)
         with contextlib.suppress(OSError):
             self._writer.send(b"\0")
         self._thread.join(JOIN_SECONDS)
@@ -159,7 +160,6 @@ class GangRelay:
         self._posting = PrefixStore(prefix, base.clone())
         self._post_lock = threading.Lock()
         self._stopping = threading.Event()
-        self.words_heard = 0
         self._thread = threading.Thread(target=self._run, name="gracetrap-relay", daemon=True)
         self._thread.start()
         atexit.register(self.stop)
@@ -212,6 +212,5 @@ class GangRelay:
             if kind == "end" or (kind == "bye" and rank == self.rank):
                 return
             if kind != "bye" and rank != self.rank:
-                self.words_heard += 1
                 self._on_word(kind, rank, float(word.get("at", 0.0)))
             number += 1
