@@ -133,6 +133,8 @@ def test_the_json_document_keeps_its_schema() -> None:
         # Added with the drill on real nodes, where a rank may stop with its gang
         # before its own signal comes.
         "ranks_told": 2,
+        # Added with the relay: the control plane's share of the propagation.
+        "signal_sent_seconds": None,
         "passed": True,
     }
 
