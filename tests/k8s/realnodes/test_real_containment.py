@@ -246,12 +246,20 @@ def _wait_exited(runtime: KubernetesRuntime, gang: GangId, size: int = 1) -> Non
 def _log_with(runtime: KubernetesRuntime, gang: GangId, rank: int, needle: bytes) -> bytes:
     """The rank's log once it holds ``needle``: containerd finishes writing a log a
     moment after its container ends."""
-    wait_for(
-        lambda: needle in runtime.read_log(gang, rank),
-        timeout=15,
-        interval=0.2,
-        what=f"{needle!r} in the log of rank {rank}",
-    )
+    try:
+        wait_for(
+            lambda: needle in runtime.read_log(gang, rank),
+            timeout=30,
+            interval=0.2,
+            what=f"{needle!r} in the log of rank {rank}",
+        )
+    except TimeoutError as error:
+        # Whether the container ended by its own exit or by the kill tells a lost log
+        # line from a signal that never reached it.
+        pod = runtime.core.read_namespaced_pod(pod_name(gang, rank), runtime.settings.namespace)
+        states = [status.state for status in pod.status.container_statuses or []]
+        log = runtime.read_log(gang, rank)[-2000:]
+        raise AssertionError(f"{error}: container states {states}; log {log!r}") from None
     return runtime.read_log(gang, rank)
 
 
