@@ -186,7 +186,9 @@ def test_ctrl_c_stops_the_ranks_of_running_jobs(
         assert state.strip().splitlines()[-1] == "requeued"
     finally:
         for pid in _ranks(marker):
-            os.kill(pid, signal.SIGKILL)
+            # A rank listed a moment ago may have ended since (its job finished).
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_supervisor_that_kills_the_portal_soon_after_its_sigterm_leaves_no_rank_behind(
@@ -224,7 +226,9 @@ def test_a_supervisor_that_kills_the_portal_soon_after_its_sigterm_leaves_no_ran
             with contextlib.suppress(psutil.Error):
                 process.kill()
         for pid in _ranks(marker):
-            os.kill(pid, signal.SIGKILL)
+            # A rank listed a moment ago may have ended since (its job finished).
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert alive == [], f"left running after the portal's SIGTERM: {alive}"
 
 
@@ -238,7 +242,9 @@ def test_keep_jobs_leaves_the_ranks_running_and_says_so(
         assert code == 0, output
     finally:
         for pid in _ranks(marker):
-            os.kill(pid, signal.SIGKILL)
+            # A rank listed a moment ago may have ended since (its job finished).
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.django_db
