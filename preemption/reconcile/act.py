@@ -79,7 +79,12 @@ def _claim(steps: list[Step]) -> tuple[datetime, list[Step]]:
     many attempts: the claim time and the steps claimed. An attempt whose action
     changed, or that another worker claimed (and whose lease has not run out), is
     left out. The rows are locked in the order of their jobs' ids first, the order
-    in which the decide step and the scheduling cycle take their locks."""
+    in which the decide step and the scheduling cycle take their locks.
+
+    Attempts are locked FOR NO KEY UPDATE here and wherever a pass holds them: a
+    trap's checkpoint holds its rank and inserts a checkpoint naming the attempt
+    (a key-share lock on its row), and a pass that held the attempt FOR UPDATE
+    while it waited for that rank would wait for each other with the trap."""
     now = timezone.now()
     by_action: dict[str, dict[int, Step]] = defaultdict(dict)
     for step in steps:
@@ -93,7 +98,9 @@ def _claim(steps: list[Step]) -> tuple[datetime, list[Step]]:
         if action == Attempt.Action.LAUNCH:
             claimable = claimable.filter(launched_at__isnull=True, ended_at__isnull=True)
         mine = list(
-            claimable.select_for_update().order_by("job_id", "pk").values_list("pk", flat=True)
+            claimable.select_for_update(no_key=True)
+            .order_by("job_id", "pk")
+            .values_list("pk", flat=True)
         )
         if mine:
             Attempt.objects.filter(pk__in=among(mine)).update(action_claimed_at=now)
@@ -131,7 +138,9 @@ def _record_plain_outcomes(steps: list[Step], claim: datetime) -> set[int]:
             continue
         mine = Attempt.objects.filter(pk__in=among(group), action_claimed_at=claim)
         locked = list(
-            mine.select_for_update().order_by("job_id", "pk").values_list("pk", flat=True)
+            mine.select_for_update(no_key=True)
+            .order_by("job_id", "pk")
+            .values_list("pk", flat=True)
         )
         if not locked:
             continue

@@ -226,7 +226,7 @@ def _close_succeeded(
         .values_list("pk", "resume_step")
     )
     still_open = list(
-        Attempt.objects.select_for_update()
+        Attempt.objects.select_for_update(no_key=True)
         .filter(pk__in=by_attempt, job_id__in=list(resume_steps), ended_at__isnull=True)
         .order_by("job_id", "pk")
         .values_list("pk", flat=True)

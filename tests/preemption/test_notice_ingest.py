@@ -17,7 +17,9 @@ from rest_framework.test import APIClient
 from preemption import ingest
 from preemption.event_tokens import attempt_events_token
 from preemption.ingest import ingest_trap_event
-from preemption.models import Attempt, Job, PreemptionEvent, Rank, TrapEvent
+from preemption.models import Attempt, Checkpoint, Job, PreemptionEvent, Rank, TrapEvent
+from preemption.reconcile import act
+from preemption.reconcile.steps import Step
 from tests import builders
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -260,6 +262,50 @@ def test_a_checkpoint_posted_while_a_pass_holds_its_job_waits_for_it_without_a_d
     assert tries == [1]
     assert Job.objects.get(pk=attempt.job_id).resume_step == 13
     assert Rank.objects.get(attempt=attempt, index=1).exit_code == 0
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's row locks")
+def test_a_checkpoint_posted_while_a_pass_holds_its_attempt_is_stored_at_once(
+    world: Any, settings: Any
+) -> None:
+    """A reconcile pass holds the attempts whose signals it records, from its claim
+    until it has taken their ranks. A checkpoint's POST holds its rank and inserts a
+    checkpoint that names the attempt, which takes a key-share lock on the attempt's
+    row. Held FOR UPDATE, the attempt would make each wait for the other, a deadlock
+    the database breaks by undoing the pass; held FOR NO KEY UPDATE, as the pass holds
+    it, the POST goes through at once (well within its lock timeout) and the pass
+    then records its signals."""
+    settings.QM_TRAP_EVENT_LOCK_TIMEOUT_SECONDS = 0.5
+    attempt = _noticed_victim(world, ranks=2)
+    Attempt.objects.filter(pk=attempt.pk).update(action=Attempt.Action.SIGNAL)
+    attempt.refresh_from_db()
+    event = PreemptionEvent.objects.get(victim_attempt=attempt)
+    url = f"/api/v1/jobs/{attempt.job_id}/events/"
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {attempt_events_token(attempt)}"}
+    answers: list[Any] = []
+
+    def post() -> None:
+        try:
+            answers.append(
+                APIClient().post(url, _commit(1, notice=False), format="json", **headers)
+            )
+        finally:
+            connections.close_all()
+
+    with transaction.atomic():
+        claim, claimed = act._claim(
+            [Step(Attempt.Action.SIGNAL, attempt, event=event, alive=[0, 1])]
+        )
+        assert [step.attempt.pk for step in claimed] == [attempt.pk]
+        poster = threading.Thread(target=post)
+        poster.start()
+        poster.join(timeout=60)
+        [answer] = answers
+        assert answer.status_code == 202, answer.content
+        assert act._record_plain_outcomes(claimed, claim) == {attempt.pk}
+    assert Checkpoint.objects.filter(attempt=attempt, step=12).exists()
+    assert not Rank.objects.filter(attempt=attempt, signal_sent_at__isnull=True).exists()
+    assert Attempt.objects.get(pk=attempt.pk).action == Attempt.Action.NONE
 
 
 def _wait_for_a_lock_wait(timeout: float = 30) -> None:
