@@ -169,7 +169,11 @@ class FlavorPlanner(FlavorSearches):
         while at < count:
             job = jobs[at]
             workload = job.workload
-            if workload.topology_level is not None or (kept and workload.id in kept):
+            if (
+                workload.topology_level is not None
+                or workload.sizes
+                or (kept and workload.id in kept)
+            ):
                 break
             if job.gpus != gpus:
                 # A job of another size: of its key only the guarantee rank can differ.
@@ -322,15 +326,47 @@ class FlavorPlanner(FlavorSearches):
         return list(on)
 
     def _plan_job(self, job: PendingJob) -> None:
+        kept_on: list[int] = []
+        if self.kept and job.workload.id in self.kept:
+            kept_on = self._release_kept(job.workload.id)
+        if not job.workload.sizes:
+            self._plan_gang(job, kept_on)
+            return
+        if self._admit_largest_size(job):
+            return
+        # No size fits without preemption: the job preempts, or waits, for its
+        # smallest size only. Taking more than the least it can run on would cost
+        # others work that the job does not need to start.
+        smallest = job.at_size(job.workload.sizes[0])
+        self._plan_gang(smallest, kept_on)
+        job.attempted_at_version = smallest.attempted_at_version
+
+    def _admit_largest_size(self, job: PendingJob) -> bool:
+        """Admit elastic ``job`` at the largest of its sizes, up to its ranks, that its
+        quota allows and free GPUs hold; whether one did."""
+        workload = job.workload
+        gpus_per_rank = workload.gpus_per_rank
+        nodes = self.nodes
+        for ranks in reversed(workload.sizes):
+            if ranks > workload.ranks:
+                continue
+            if self.ledger.quota_reason(job.queue, ranks * gpus_per_rank, job.priority_class):
+                continue
+            placement = nodes.place_free(ranks, gpus_per_rank)
+            if placement is not None:
+                self._admit(job.at_size(ranks), placement)
+                return True
+        return False
+
+    def _plan_gang(self, job: PendingJob, kept_on: list[int]) -> None:
+        """Plan ``job`` as a gang of exactly its ranks: start it on free GPUs, wait for
+        GPUs being released, preempt for it, move small jobs aside, or let it wait."""
         workload = job.workload
         queue = job.queue
         gpus = job.gpus
         gpus_per_rank = workload.gpus_per_rank
         ranks = workload.ranks
         priority_class = job.priority_class
-        kept_on: list[int] = []
-        if self.kept and workload.id in self.kept:
-            kept_on = self._release_kept(workload.id)
         kind = None
         if workload.topology_level is None:
             kind = (queue, ranks, gpus_per_rank, priority_class.name)

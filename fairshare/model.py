@@ -176,6 +176,12 @@ class Workload:
     of ``Node.topology``. ``preemptor`` is, for a terminating workload, the pending
     workload its GPUs are being freed for: they are kept for that workload while it
     waits, and go to others only once it is planned without them.
+
+    ``sizes`` makes a gang elastic: every rank count it may run at, ascending, ``ranks``
+    among them. A pending elastic gang is admitted at the largest of its sizes up to
+    ``ranks`` that fits on free GPUs within its quota; when none does, it is planned as
+    a gang of its smallest size, preempting or waiting for that size only. Empty for a
+    gang of exactly ``ranks`` ranks.
     """
 
     id: str
@@ -194,6 +200,7 @@ class Workload:
     topology_level: str | None = None
     topology_required: bool = True
     preemptor: str | None = None
+    sizes: tuple[int, ...] = ()
 
     @property
     def gpus(self) -> int:
@@ -288,7 +295,10 @@ def minimum_runtimes(snapshot: Snapshot, priority_class: PriorityClass) -> dict[
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """Start workload ``id`` on ``placement``; ``borrowed`` of its GPUs lie beyond its guarantee."""
+    """Start workload ``id`` on ``placement``; ``borrowed`` of its GPUs lie beyond its guarantee.
+
+    ``ranks`` is the size it starts at: the workload's own, or for an elastic one the
+    size the plan chose among its ``sizes``."""
 
     id: str
     placement: tuple[tuple[str, int], ...]
@@ -299,6 +309,11 @@ class Admission:
         object.__setattr__(self, "id", id)
         object.__setattr__(self, "placement", placement)
         object.__setattr__(self, "borrowed", borrowed)
+
+    @property
+    def ranks(self) -> int:
+        """The number of ranks the placement starts."""
+        return sum(ranks for _, ranks in self.placement)
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,6 +84,12 @@ def _boolean(value: Any, where: str) -> bool:
     return value
 
 
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ScenarioError(f"{where}: expected a list, got {type(value).__name__}")
+    return value
+
+
 def _records(value: Any, where: str) -> list[Mapping[str, Any]]:
     if not isinstance(value, list):
         raise ScenarioError(f"{where}: expected a list, got {type(value).__name__}")
@@ -198,6 +204,10 @@ def _workload(record: Mapping[str, Any], where: str) -> Workload:
                 f"{where}.preemptor: only a terminating workload is being freed for another"
                 f" (this one is {state})"
             )
+    sizes = tuple(
+        _integer(size, f"{where}.sizes[{i}]", 1)
+        for i, size in enumerate(_list(_field(record, "sizes", where, []), f"{where}.sizes"))
+    )
     return Workload(
         id=str(workload_id),
         queue=_string(_field(record, "queue", where), f"{where}.queue"),
@@ -217,6 +227,7 @@ def _workload(record: Mapping[str, Any], where: str) -> Workload:
         topology_level=level,
         topology_required=required,
         preemptor=preemptor,
+        sizes=sizes,
     )
 
 
@@ -347,6 +358,7 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
                     else {}
                 ),
                 **({"preemptor": w.preemptor} if w.preemptor is not None else {}),
+                **({"sizes": list(w.sizes)} if w.sizes else {}),
             }
             for w in snapshot.workloads
         ],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import pairwise
 
 from .model import (
     PENDING,
@@ -19,6 +20,7 @@ from .model import (
     PriorityClass,
     ScenarioError,
     Snapshot,
+    Workload,
 )
 
 # What ``QueueTree.lca_chains`` answers: the queues on the other queue's path strictly
@@ -196,6 +198,8 @@ def _validate_workloads(
             raise ScenarioError(
                 f"workloads[{i}].gpus_per_rank: must be at least 1, got {workload.gpus_per_rank}"
             )
+        if workload.sizes:
+            _check_sizes(i, workload)
         if workload.state == PENDING:
             continue
         placed = 0
@@ -240,3 +244,22 @@ def prepare(snapshot: Snapshot) -> tuple[QueueTree, dict[str, PriorityClass], di
         node_gpus[node.name] = node.gpus
     _validate_workloads(snapshot, tree, classes, node_flavor, node_gpus)
     return tree, classes, node_flavor
+
+
+def _check_sizes(i: int, workload: Workload) -> None:
+    """An elastic workload's sizes: ascending whole rank counts, its own among them.
+
+    An elastic gang with a topology is refused: its smaller sizes would need a search
+    per domain and size, which the engine does not do yet."""
+    sizes = workload.sizes
+    if sizes[0] < 1 or any(a >= b for a, b in pairwise(sizes)):
+        raise ScenarioError(
+            f"workloads[{i}].sizes: must be ascending rank counts of at least 1, got {list(sizes)}"
+        )
+    if workload.ranks not in sizes:
+        raise ScenarioError(
+            f"workloads[{i}].sizes: must include the workload's {workload.ranks} ranks,"
+            f" got {list(sizes)}"
+        )
+    if workload.topology_level is not None:
+        raise ScenarioError(f"workloads[{i}].sizes: an elastic workload cannot ask for a topology")

@@ -8,6 +8,7 @@ judges whether a candidate may be taken (``candidates.py``) nor plans a job.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from operator import attrgetter
 
@@ -110,6 +111,17 @@ class PendingJob:
         # The planner's candidates version when it last tried to preempt for it, -1
         # before it ever did: a later pass retries it only once new candidates came.
         self.attempted_at_version = -1
+
+    def at_size(self, ranks: int) -> PendingJob:
+        """This elastic job as a gang of exactly ``ranks`` ranks, for one size the
+        planner tries; it shares the job's place in its queue."""
+        sized = PendingJob(
+            dataclasses.replace(self.workload, ranks=ranks, sizes=()),
+            self.queue,
+            self.priority_class,
+        )
+        sized.attempted_at_version = self.attempted_at_version
+        return sized
 
 
 _by_submission = attrgetter("submitted_at")

@@ -112,6 +112,10 @@ class WorkloadBuilder:
     def gang(self, ranks: int, gpus_per_rank: int) -> WorkloadBuilder:
         return self._with(ranks=ranks, gpus_per_rank=gpus_per_rank)
 
+    def elastic(self, *sizes: int) -> WorkloadBuilder:
+        """An elastic gang of ``sizes`` ranks (ascending), asking for the largest."""
+        return self._with(ranks=sizes[-1], sizes=sizes)
+
     def submitted(self, seconds_ago: float) -> WorkloadBuilder:
         return self._with(submitted_at=NOW - seconds_ago)
 

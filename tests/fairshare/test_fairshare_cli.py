@@ -149,3 +149,29 @@ def test_a_preemptor_is_read_for_a_terminating_workload_and_refused_for_another(
         ]["preemptor"]
         == "someone"
     )
+
+
+def test_an_elastic_workload_reads_its_sizes_and_writes_them_back() -> None:
+    document = json.loads((EXAMPLES / "two-teams.json").read_text())
+    document["workloads"][2].update(ranks=8, gpus_per_rank=1, sizes=[2, 4, 8])
+    snapshot = snapshot_from_dict(document)
+    assert snapshot.workloads[2].sizes == (2, 4, 8)
+    assert snapshot_to_dict(snapshot)["workloads"][2]["sizes"] == [2, 4, 8]
+    assert "sizes" not in snapshot_to_dict(snapshot)["workloads"][0]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "words"),
+    [
+        ([4, 2, 8], "must be ascending rank counts"),
+        ([0, 8], "sizes[0]: must be at least 1"),
+        ([2, 4], "must include the workload's 8 ranks"),
+        ([2, 4.5, 8], "sizes[1]: expected an integer"),
+        ("2:8", "sizes: expected a list"),
+    ],
+)
+def test_malformed_sizes_are_refused_naming_the_field(sizes: object, words: str) -> None:
+    document = json.loads((EXAMPLES / "two-teams.json").read_text())
+    document["workloads"][2].update(ranks=8, gpus_per_rank=1, sizes=sizes)
+    with pytest.raises(ScenarioError, match=re.escape("workloads[2].") + ".*" + re.escape(words)):
+        snapshot_from_dict(document)

@@ -42,8 +42,9 @@ CLASS_BY_NAME = {c.name: c for c in CLASSES}
 
 
 @st.composite
-def snapshots(draw: st.DrawFn) -> Snapshot:
-    """A random, valid cluster: nodes, a queue tree up to three levels, placed workloads."""
+def snapshots(draw: st.DrawFn, *, elastic: bool = False) -> Snapshot:
+    """A random, valid cluster: nodes, a queue tree up to three levels, placed workloads;
+    with ``elastic``, some pending workloads are elastic gangs."""
     flavors = FLAVORS[: draw(st.integers(1, 2))]
     node_list = [
         Node(f"n{i}", draw(st.sampled_from(flavors)), draw(st.sampled_from((4, 8, 8, 16))))
@@ -95,6 +96,10 @@ def snapshots(draw: st.DrawFn) -> Snapshot:
             state="pending",
             submitted_at=submitted,
         )
+        if elastic and state == "pending" and draw(st.booleans()):
+            largest = draw(st.sampled_from((3, 4, 6, 8, 12)))
+            smaller = draw(st.sets(st.integers(1, largest - 1), min_size=1))
+            base = dataclasses.replace(base, ranks=largest, sizes=(*sorted(smaller), largest))
         if state != "pending":
             placement: list[tuple[str, int]] = []
             left = ranks
@@ -207,7 +212,11 @@ def apply_plan(snapshot: Snapshot, p: Plan, now: float, *, in_grace: bool = Fals
             continue
         if w.id in admitted:
             w = dataclasses.replace(
-                w, state="running", placement=admitted[w.id].placement, admitted_at=now
+                w,
+                state="running",
+                ranks=admitted[w.id].ranks,
+                placement=admitted[w.id].placement,
+                admitted_at=now,
             )
         elif w.id in victims and in_grace:
             w = dataclasses.replace(w, state="terminating", preemptor=victims[w.id])
@@ -309,6 +318,46 @@ def test_no_queue_reclaimed_below_its_guarantee_line(snapshot: Snapshot) -> None
             after = usage[queue] - sum(sizes)
             # Below the line only when the last gang taken straddled it.
             assert after >= line or after + max(sizes) > line, (queue, after, line, sizes)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(snapshots(elastic=True))
+def test_elastic_gangs_start_at_an_allowed_size_and_keep_every_invariant(
+    snapshot: Snapshot,
+) -> None:
+    """An elastic gang starts at one of its sizes, no larger than it asks for, whole and
+    on nodes of its flavor; the guarantee line (``checked_plan``), capacity and the
+    no-flapping rule hold with elastic gangs in the mix."""
+    p = checked_plan(snapshot)
+    by_id = {w.id: w for w in snapshot.workloads}
+    nodes = {n.name: n for n in snapshot.nodes}
+    for a in p.admit:
+        w = by_id[a.id]
+        assert a.ranks in (w.sizes or (w.ranks,)) and a.ranks <= w.ranks, (a, w)
+        if a.ranks < w.ranks:
+            event("an elastic gang started below its largest size")
+        for node, _ in a.placement:
+            assert nodes[node].flavor == w.flavor
+    held: dict[str, int] = defaultdict(int)
+    for w in snapshot.workloads:
+        for node, ranks in w.placement:
+            held[node] += ranks * w.gpus_per_rank
+    for a in p.admit:
+        for node, ranks in a.placement:
+            held[node] += ranks * by_id[a.id].gpus_per_rank
+    for node, gpus in held.items():
+        assert gpus <= nodes[node].gpus, (node, gpus)
+    for e in p.preempt:
+        assert by_id[e.id].state == "running"
+    decided = {a.id for a in p.admit} | {x.id for x in p.waiting}
+    assert decided == {w.id for w in snapshot.workloads if w.state == "pending"}
+    after_exit = apply_plan(snapshot, p, NOW + 1)
+    second = checked_plan(after_exit)
+    third = checked_plan(admit_only(after_exit, second))
+    already = {e.id for e in second.preempt}
+    assert [e for e in third.preempt if e.id not in already] == [], (p, second, third)
+    started = {a.id for a in p.admit} | {a.id for a in second.admit}
+    assert not started & {e.id for e in third.preempt}, (p, second, third)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -139,6 +139,8 @@ class Case:
     fair_share: Mapping[str, float] = field(default_factory=dict)
     placement: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     borrowed: Mapping[str, int] = field(default_factory=dict)
+    # The size each admitted workload starts at (an elastic one's among its sizes).
+    ranks: Mapping[str, int] = field(default_factory=dict)
     usage_strength: float = 0.0
 
 
@@ -320,6 +322,13 @@ CASES = [
     Case("topology_preferred_falls_back_to_any_nodes", RACKS, AB, [w("x").queue("b").gpus(8).running("n0"), w("y").queue("b").gpus(8).running("n2"), w("g").gang(2, 8).within("rack", required=False)], admit={"g"}, placement={"g": (("n1", 1), ("n3", 1))}),
     Case("inside_parent_guarantee_before_borrowing", N1, [team("a", guarantee=4), team("b", guarantee=4), team("bx", "b", guarantee=2), team("by", "b")], [w("hi").cls("high").gpus(1).running("n0", since=60), w("pin").cls("critical").gpus(4), w("bx0").queue("bx").cls("critical").gpus(2).running("n0"), w("x").queue("bx").cls("high").gpus(2)], admit={"x"}, preempt={"hi": "priority"}, wait={"pin": "waiting for 1 GPUs being released by job hi"}),
     Case("inside_own_guarantee_beyond_parents_goes_after_work_inside_every_guarantee", N_4_16, PARENT_OVER_LINE_QUEUES, PARENT_OVER_LINE, admit={"w2", "w4", "w5", "w6"}, preempt={"w1": "reclaim"}, wait={"w8": "being released by job w1", "w7": "non-preemptible work cannot run on borrowed GPUs"}),
+    Case("elastic_admitted_at_its_full_size_when_it_fits", N2, AB0, [w("x").queue("b").gpus(4).running("n1"), w("e").gang(8, 1).elastic(2, 4, 8)], admit={"e"}, placement={"e": (("n0", 8),)}, ranks={"e": 8}),
+    Case("elastic_admitted_at_the_largest_size_free_gpus_hold", N2, AB0, [w("x").queue("b").gpus(8).running("n0"), w("y").queue("b").gpus(4).running("n1"), w("e").gang(8, 1).elastic(2, 4, 8)], admit={"e"}, placement={"e": (("n1", 4),)}, ranks={"e": 4}),
+    Case("elastic_skips_a_size_it_does_not_allow", N2, AB0, [w("x").queue("b").gpus(8).running("n0"), w("y").queue("b").gpus(5).running("n1"), w("e").gang(8, 1).elastic(2, 4, 8)], admit={"e"}, placement={"e": (("n1", 2),)}, ranks={"e": 2}),
+    Case("elastic_admitted_at_the_largest_size_its_quota_allows", N3, [team("a", guarantee=8, borrow_limit=0), team("b", guarantee=8)], [w("e").gang(4, 4).elastic(1, 2, 4)], admit={"e"}, placement={"e": (("n0", 2),)}, ranks={"e": 2}, borrowed={"e": 0}),
+    Case("elastic_preempts_only_for_its_smallest_size", N2, AB, [w("b0").queue("b").gpus(8).running("n0", since=3600), w("b1").queue("b").gpus(8).running("n1", since=600), w("e").gang(4, 4).elastic(2, 4)], preempt={"b1": "reclaim"}, wait={"e": "waiting for 8 GPUs being released by job b1"}),
+    Case("elastic_waits_when_its_smallest_size_does_not_fit", N1, AB0, [w("x").queue("b").gpus(8).running("n0"), w("e").gang(4, 2).elastic(2, 4)], wait={"e": "no node of flavor h100 has 4 free GPUs"}),
+    Case("elastic_admitted_smaller_leaves_room_for_the_next_job", N2, AB0, [w("x").queue("b").gpus(4).running("n0"), w("e").gang(16, 1).elastic(4, 8, 16).submitted(900), w("f").gpus(4).submitted(10)], admit={"e", "f"}, ranks={"e": 8, "f": 1}),
     Case("unknown_flavor_waits_with_reason", N2, AB, [w("x").flavor("a100").gpus(1)], wait={"x": "no node of flavor a100 exists"}),
 ]
 # fmt: on
@@ -339,6 +348,9 @@ def test_scenario(case: Case) -> None:
     placements = {a.id: a.placement for a in p.admit}
     for workload_id, placement in case.placement.items():
         assert placements[workload_id] == placement
+    sizes = {a.id: a.ranks for a in p.admit}
+    for workload_id, ranks in case.ranks.items():
+        assert sizes[workload_id] == ranks
     borrowed = {a.id: a.borrowed for a in p.admit}
     for workload_id, gpus in case.borrowed.items():
         assert borrowed[workload_id] == gpus
