@@ -253,7 +253,7 @@ class DrillMeasurements(DrillBase):
         runtime = get_runtime()
         lost = 0
         for attempt in Attempt.objects.filter(job_id__in=jobs):
-            for rank in range(attempt.job.ranks):
+            for rank in range(attempt.world_size):
                 log = iter_log_chunks(runtime, GangId(attempt.job_id, attempt.number), rank)
                 for event in iter_trap_events_in_chunks(log):
                     if not TrapEvent.objects.filter(fingerprint=fingerprint(event)).exists():

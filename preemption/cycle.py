@@ -38,6 +38,7 @@ from preemption.models import (
     PreemptionEvent,
     Rank,
     next_attempt_numbers,
+    running_ranks,
 )
 from preemption.reasons import Preemptor, preemption_words, release_words
 from preemption.reconcile import launch_admitted, reconcile_jobs
@@ -223,6 +224,8 @@ def _admit(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
             number=numbers[job_id],
             admitted_at=admitted_at,
             borrowed_gpus=admissions[job_id].borrowed,
+            # The size the plan admitted it at: its own, or for an elastic job one of its sizes.
+            ranks=admissions[job_id].ranks,
             # Recorded with the admission: launch_admitted carries it out right after
             # the commit, and any later pass does if that is cut short.
             action=Attempt.Action.LAUNCH,
@@ -284,11 +287,26 @@ def _preempt(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> Non
         for job_id in preempted
         if str(victims[job_id].preemptor).isdigit()
     ]
+    # A victim holds its open attempt's ranks; an elastic preemptor preempts for its
+    # smallest size (the engine's rule), a fixed one for all its ranks.
     jobs = {
-        job_id: Preemptor(id=job_id, team=team, priority_class=class_name, gpus=ranks * per_rank)
-        for job_id, team, class_name, ranks, per_rank in Job.objects.filter(
+        job_id: Preemptor(
+            id=job_id,
+            team=team,
+            priority_class=class_name,
+            gpus=(ranks_min if state in WAITING_STATES and ranks_min else ranks) * per_rank,
+        )
+        for job_id, team, class_name, ranks, ranks_min, state, per_rank in Job.objects.filter(
             pk__in=among([*preempted, *preemptor_ids])
-        ).values_list("pk", "team__slug", "priority_class__name", "ranks", "gpus_per_rank")
+        ).values_list(
+            "pk",
+            "team__slug",
+            "priority_class__name",
+            running_ranks(),
+            "ranks_min",
+            "state",
+            "gpus_per_rank",
+        )
     }
     events = []
     for job_id in preempted:

@@ -5,7 +5,7 @@ Whoever holds a rank's token or writes its log controls what arrives here, so
 nothing in an event is taken on trust:
 
 * it must belong to the attempt it is ingested for, which must still be open,
-  and name a rank of that attempt (0..ranks-1);
+  and name a rank of that attempt (0..its ranks-1);
 * its time is clamped to the server's clock: never later than now, never
   before the attempt was admitted;
 * a committed step is bounded, and may not run further ahead of the job's last
@@ -229,9 +229,11 @@ def _ingest_event(*, attempt: Attempt, event: Any, source: str, job_locked: bool
                 ]
             }
         )
-    if clean["rank"] >= job.ranks:
+    # The attempt's own ranks: an elastic job may run at fewer than it asks for.
+    size = attempt.world_size
+    if clean["rank"] >= size:
         raise ValidationError(
-            {"rank": [f"Job {job.pk} has ranks 0 to {job.ranks - 1} (got {clean['rank']})."]}
+            {"rank": [f"Job {job.pk} has ranks 0 to {size - 1} (got {clean['rank']})."]}
         )
     with transaction.atomic():
         if not job_locked:

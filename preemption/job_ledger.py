@@ -6,7 +6,7 @@ from collections.abc import Collection
 
 from django.db.models import F
 
-from preemption.models import ACTIVE_STATES, FINAL_STATES, Job, Rank
+from preemption.models import ACTIVE_STATES, FINAL_STATES, Job, Rank, running_ranks
 
 
 class DatabaseJobLedger:
@@ -35,7 +35,7 @@ class DatabaseJobLedger:
                 state__in=ACTIVE_STATES,
                 priority_class__preemptible=False,
             )
-            .annotate(total=F("ranks") * F("gpus_per_rank"))
+            .annotate(total=running_ranks() * F("gpus_per_rank"))
             .order_by("id")
             .values_list("id", "name", "total")
         )

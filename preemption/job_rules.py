@@ -148,3 +148,49 @@ def text_errors(value: str, *, limit: int) -> list[str]:
     if len(value) > limit:
         return [f"Must be at most {limit:,} characters (got {len(value):,})."]
     return []
+
+
+def rank_range_errors(
+    ranks: int, ranks_min: object, rank_sizes: Sequence[object] | None
+) -> list[str]:
+    """What is wrong with an elastic job's sizes: its smallest (`ranks_min`) and the
+    only sizes it runs at (`rank_sizes`), against its largest, `ranks` (already
+    checked). Empty for a fixed-size job (no `ranks_min`, no `rank_sizes`)."""
+    if ranks_min is None:
+        return ["Sizes need a min as well (the smallest)."] if rank_sizes else []
+    if isinstance(ranks_min, bool) or not isinstance(ranks_min, int):
+        return [f"min must be a whole number (got {ranks_min!r})."]
+    if ranks_min < 1:
+        return [f"min must be at least 1 (got {ranks_min})."]
+    if ranks_min > ranks:
+        return [f"min ({ranks_min}) must not be more than max ({ranks})."]
+    if not rank_sizes:
+        return []
+    wrong = [size for size in rank_sizes if isinstance(size, bool) or not isinstance(size, int)]
+    if wrong:
+        return [f"Sizes must be whole numbers (got {', '.join(map(repr, wrong[:5]))})."]
+    sizes = [size for size in rank_sizes if isinstance(size, int)]
+    outside = sorted({size for size in sizes if not ranks_min <= size <= ranks})
+    if outside:
+        return [
+            f"Sizes must lie from min {ranks_min} to max {ranks} "
+            f"(got {', '.join(map(str, outside[:5]))})."
+        ]
+    if ranks_min not in sizes or ranks not in sizes:
+        return [f"Sizes must include min {ranks_min} and max {ranks}."]
+    return []
+
+
+def ranks_words(
+    running: int | None, ranks: int, ranks_min: int | None, sizes: Sequence[int]
+) -> str:
+    """A job's size as pages, the API and `qm` say it: "8 ranks", and for an elastic
+    job the range it may run at, "4 ranks (elastic 2–8)" or "4 ranks (elastic 2, 4, 8)".
+    `running` is the size of its latest attempt (None before the first: its largest)."""
+    now = ranks if running is None else running
+    words = f"{now} rank{'s' if now != 1 else ''}"
+    if ranks_min is None:
+        return words
+    if sizes:
+        return f"{words} (elastic {', '.join(map(str, sizes))})"
+    return f"{words} (elastic {ranks_min}–{ranks})"

@@ -33,8 +33,10 @@ def read_rank_log_tail(*, job: Job, attempt: int, rank: int, max_bytes: int) -> 
     record = Attempt.objects.filter(job=job, number=attempt).first()
     if record is None:
         raise ValidationError({"attempt": [f"Job {job.pk} has no attempt {attempt}."]})
-    if not 0 <= rank < job.ranks:
-        raise ValidationError({"rank": [f"Must be between 0 and {job.ranks - 1} (got {rank})."]})
+    # The attempt's own ranks: an elastic job may have run at fewer than it asks for.
+    size = record.world_size
+    if not 0 <= rank < size:
+        raise ValidationError({"rank": [f"Must be between 0 and {size - 1} (got {rank})."]})
     max_bytes = max(0, max_bytes)
     saved = RankLogTail.objects.filter(attempt=record, rank=rank).first()
     if saved is not None:

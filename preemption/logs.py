@@ -38,8 +38,10 @@ def read_rank_log(
                 ]
             }
         )
-    if not 0 <= rank < job.ranks:
-        raise ValidationError({"rank": [f"Must be between 0 and {job.ranks - 1} (got {rank})."]})
+    # The attempt's own ranks: an elastic job may have run at fewer than it asks for.
+    size = record.world_size
+    if not 0 <= rank < size:
+        raise ValidationError({"rank": [f"Must be between 0 and {size - 1} (got {rank})."]})
     if offset < 0:
         raise ValidationError({"offset": ["Must not be negative."]})
     limit = max(1, min(limit, MAX_CHUNK))

@@ -8,7 +8,8 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import models
-from django.db.models import Max, Q
+from django.db.models import F, Max, OuterRef, Q, Subquery
+from django.db.models.functions import Coalesce
 
 from quotas.models import PriorityClass, ResourceFlavor, Team
 
@@ -32,7 +33,12 @@ WAITING_STATES = (JobState.PENDING, JobState.REQUEUED)
 class Job(models.Model):
     """A gang: `ranks` processes of `gpus_per_rank` GPUs each, admitted and
     preempted as one. Every admission is an Attempt; the checkpoint folder is
-    the same for all of them, so a requeued job resumes where it stopped."""
+    the same for all of them, so a requeued job resumes where it stopped.
+
+    An elastic job may also run at fewer ranks: at any size from `ranks_min` to
+    `ranks`, or only at the sizes `rank_sizes` lists. Each attempt runs at one
+    size (`Attempt.ranks`), which the scheduler picks; `ranks` is the largest
+    asked for. A fixed-size job has no `ranks_min` and no `rank_sizes`."""
 
     name = models.CharField(max_length=120, blank=True)
     team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="jobs")
@@ -42,6 +48,10 @@ class Job(models.Model):
     priority_class = models.ForeignKey(PriorityClass, on_delete=models.PROTECT, related_name="jobs")
     flavor = models.ForeignKey(ResourceFlavor, on_delete=models.PROTECT, related_name="jobs")
     ranks = models.PositiveIntegerField()
+    ranks_min = models.PositiveIntegerField(null=True, blank=True)
+    # The only sizes an elastic job runs at, ascending, from ranks_min to ranks;
+    # empty: every size in between.
+    rank_sizes = models.JSONField(default=list, blank=True)
     gpus_per_rank = models.PositiveIntegerField()
     command = models.TextField()
     image = models.CharField(max_length=300, blank=True)
@@ -84,6 +94,11 @@ class Job(models.Model):
         constraints = [
             models.CheckConstraint(condition=Q(ranks__gte=1), name="job_ranks_positive"),
             models.CheckConstraint(
+                condition=Q(ranks_min__isnull=True)
+                | Q(ranks_min__gte=1, ranks_min__lt=models.F("ranks")),
+                name="job_ranks_min_below_ranks",
+            ),
+            models.CheckConstraint(
                 condition=Q(gpus_per_rank__gte=1), name="job_gpus_per_rank_positive"
             ),
             models.CheckConstraint(
@@ -97,6 +112,23 @@ class Job(models.Model):
     @property
     def gpus(self) -> int:
         return self.ranks * self.gpus_per_rank
+
+    @property
+    def elastic(self) -> bool:
+        return self.ranks_min is not None
+
+    def allowed_sizes(self) -> tuple[int, ...]:
+        """Every size the job may run at, ascending; `(ranks,)` for a fixed-size job."""
+        return allowed_sizes(self.ranks, self.ranks_min, self.rank_sizes)
+
+
+def allowed_sizes(ranks: int, ranks_min: int | None, rank_sizes: list[int]) -> tuple[int, ...]:
+    """The sizes a job of these fields may run at, ascending (see `Job`)."""
+    if ranks_min is None:
+        return (ranks,)
+    if rank_sizes:
+        return tuple(rank_sizes)
+    return tuple(range(ranks_min, ranks + 1))
 
 
 def new_events_key() -> str:
@@ -126,6 +158,10 @@ class Attempt(models.Model):
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
     number = models.PositiveIntegerField()
     placement = models.JSONField(default=list)
+    # The gang's size in this attempt, its WORLD_SIZE: the job's `ranks`, or for an
+    # elastic job the size the scheduler admitted it at. Set at admission; see
+    # `world_size` for rows written without it.
+    ranks = models.PositiveIntegerField(null=True, blank=True)
     borrowed_gpus = models.PositiveIntegerField(default=0)
     master_port = models.PositiveIntegerField(null=True, blank=True)
     admitted_at = models.DateTimeField()
@@ -170,6 +206,29 @@ class Attempt(models.Model):
 
     def __str__(self) -> str:
         return f"job {self.job_id} attempt {self.number}"
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks this attempt runs: its own size, else its job's."""
+        return self.ranks if self.ranks is not None else self.job.ranks
+
+
+def running_ranks() -> Coalesce:
+    """For a query of jobs: how many ranks the job's open attempt runs, else its
+    `ranks`. An active job's GPUs are this many ranks, not the most it asked for."""
+    open_attempt = Attempt.objects.filter(job=OuterRef("pk"), ended_at__isnull=True)
+    return Coalesce(
+        Subquery(open_attempt.order_by().values("ranks")[:1]),
+        F("ranks"),
+        output_field=models.PositiveIntegerField(),
+    )
+
+
+def attempt_ranks(prefix: str = "") -> Coalesce:
+    """For a query of attempts (or, with `prefix` "victim_attempt__" say, of rows that
+    refer to one): the attempt's size, else its job's `ranks`."""
+    job = "job__" if not prefix else f"{prefix}job__"
+    return Coalesce(F(f"{prefix}ranks"), F(f"{job}ranks"))
 
 
 def next_attempt_number(job_id: int) -> int:

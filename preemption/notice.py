@@ -75,7 +75,7 @@ def announced_notice(attempt: Attempt, delivery: str | None) -> str | None:
     ).order_by("at")
     for rank, payload in rows.values_list("rank", "payload"):
         ready[rank] = payload
-    if len(ready) < attempt.job.ranks:
+    if len(ready) < attempt.world_size:
         return None
     if delivery == "poll":
         return "" if all(p.get("notice_poll") is True for p in ready.values()) else None

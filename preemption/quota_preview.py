@@ -10,7 +10,7 @@ from typing import Any
 from django.db import models
 
 import fairshare
-from preemption.models import ACTIVE_STATES, WAITING_STATES, Job, JobState
+from preemption.models import ACTIVE_STATES, WAITING_STATES, Job, JobState, running_ranks
 from preemption.reasons import Preemptor, preemption_words, usage_lowers_share, usage_words
 from preemption.snapshot import build_snapshot
 from quotas.models import Quota, ResourceFlavor, Team
@@ -38,7 +38,10 @@ def non_preemptible_work(*, team: Team, flavor: ResourceFlavor, guarantee: int) 
             state__in=[*ACTIVE_STATES, *WAITING_STATES],
         )
         .order_by("id")
-        .values("id", "name", "team_id", "team__slug", "ranks", "gpus_per_rank", "state")
+        .annotate(size=running_ranks())
+        .values(
+            "id", "name", "team_id", "team__slug", "ranks_min", "size", "gpus_per_rank", "state"
+        )
         .annotate(priority_class_name=models.F("priority_class__name"))
     )
 
@@ -47,7 +50,12 @@ def non_preemptible_work(*, team: Team, flavor: ResourceFlavor, guarantee: int) 
             "job_id": row["id"],
             "job_name": row["name"],
             "team": row["team__slug"],
-            "gpus": row["ranks"] * row["gpus_per_rank"],
+            # A running job holds its attempt's ranks; a waiting elastic one could start
+            # at its smallest size.
+            "gpus": (
+                row["size"] if row["state"] in ACTIVE_STATES else row["ranks_min"] or row["size"]
+            )
+            * row["gpus_per_rank"],
             "priority_class": row["priority_class_name"],
         }
 
@@ -95,9 +103,12 @@ def exposed_work(
     jobs = list(
         Job.objects.filter(team_id__in=subtree, flavor=flavor, state__in=ACTIVE_STATES)
         .select_related("team", "priority_class")
+        .annotate(size=running_ranks())
         .order_by("id")
     )
-    used = sum(job.gpus for job in jobs)
+    # What each job holds: its open attempt's ranks, not the most it asked for.
+    held = {job.pk: job.size * job.gpus_per_rank for job in jobs}
+    used = sum(held.values())
 
     def protection(job: Job) -> tuple[Any, ...]:
         admitted = job.admitted_at.timestamp() if job.admitted_at else float("inf")
@@ -112,9 +123,9 @@ def exposed_work(
     def beyond(guarantee: int) -> dict[int, int]:
         room, result = guarantee, {}
         for job in sorted(jobs, key=protection):
-            inside = min(room, job.gpus)
+            inside = min(room, held[job.pk])
             room -= inside
-            result[job.pk] = job.gpus - inside
+            result[job.pk] = held[job.pk] - inside
         return result
 
     before, after = beyond(guarantee_before), beyond(guarantee_after)
@@ -137,14 +148,14 @@ def exposed_work(
                 "job_id": job.pk,
                 "job_name": job.name,
                 "team": job.team.slug,
-                "gpus": job.gpus,
+                "gpus": held[job.pk],
                 "beyond": after[job.pk],
                 "beyond_before": before[job.pk],
                 "why": exposure_words(
                     team=team.slug,
                     guarantee=guarantee_after,
                     beyond=after[job.pk],
-                    gpus=job.gpus,
+                    gpus=held[job.pk],
                     over_borrow_limit=borrow_limit_after if over_limit else None,
                 ),
             }

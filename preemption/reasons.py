@@ -101,13 +101,22 @@ def job_state_words(job: Job, *, stop_reason: str = "") -> str:
     return _STOPPING_WORDS.get(stop_reason, job.get_state_display())
 
 
+def _victim_gpus(event: PreemptionEvent) -> int:
+    """The GPUs the preempted attempt held. Only an elastic job's attempt may hold
+    fewer than the job asks for, so only its attempt is read."""
+    job = event.job
+    if job.ranks_min is None or not event.victim_attempt_id:
+        return job.gpus
+    return event.victim_attempt.world_size * job.gpus_per_rank
+
+
 def describe_preemption(event: PreemptionEvent) -> str:
     """Why this preemption happened, from the event's own facts."""
     preemptor = event.preemptor
     return preemption_words(
         reason=event.reason,
         preemptor=Preemptor.of(preemptor) if preemptor is not None else None,
-        victim_gpus=event.job.gpus if event.job_id else 0,
+        victim_gpus=_victim_gpus(event) if event.job_id else 0,
         cause=event.cause,
     )
 

@@ -38,6 +38,7 @@ from preemption.models import (
     Rank,
     TrapEvent,
     Webhook,
+    attempt_ranks,
 )
 from preemption.reasons import describe_preemption
 from preemption.risk import (
@@ -258,15 +259,33 @@ def job_table(
         .annotate(total=Sum(Coalesce("ended_at", Now()) - F("admitted_at")))
         .values("total")
     )
-    jobs = (
-        with_stop_reason(jobs)
+    # Each attempt's time times the ranks it ran: an elastic job's attempts may
+    # differ in size. Summed per job as run_time is.
+    gpu_time = (
+        Attempt.objects.filter(job=OuterRef("pk"))
+        .order_by()
+        .values("job")
         .annotate(
-            gpu_count=ExpressionWrapper(
-                F("ranks") * F("gpus_per_rank"), output_field=PositiveIntegerField()
-            ),
-            run_time=Subquery(run_time, output_field=DurationField()),
+            total=Sum(
+                DurationTimesCount(
+                    ExpressionWrapper(
+                        Coalesce("ended_at", Now()) - F("admitted_at"),
+                        output_field=DurationField(),
+                    ),
+                    attempt_ranks(),
+                )
+            )
         )
-        .annotate(gpu_time=DurationTimesCount(F("run_time"), F("gpu_count")))
+        .values("total")
+    )
+    jobs = with_stop_reason(jobs).annotate(
+        gpu_count=ExpressionWrapper(
+            F("ranks") * F("gpus_per_rank"), output_field=PositiveIntegerField()
+        ),
+        run_time=Subquery(run_time, output_field=DurationField()),
+        gpu_time=DurationTimesCount(
+            Subquery(gpu_time, output_field=DurationField()), F("gpus_per_rank")
+        ),
     )
     key = job_sort_key(sort)
     descending = key.startswith("-")
@@ -335,7 +354,7 @@ def measured_preemption_rates(
             "job__team__slug",
             "job__flavor__name",
             "borrowed_gpus",
-            "job__ranks",
+            attempt_ranks(),
             "job__gpus_per_rank",
             "admitted_at",
             "ended_at",
@@ -355,7 +374,7 @@ def measured_preemption_rates(
         "job__team__slug",
         "job__flavor__name",
         "victim_attempt__borrowed_gpus",
-        "job__ranks",
+        Coalesce("victim_attempt__ranks", "job__ranks"),
         "job__gpus_per_rank",
     ):
         preempted[(team, flavor, borrowed > 0)] += ranks * gpus_per_rank

@@ -14,7 +14,16 @@ from django.db.models import BooleanField, ExpressionWrapper, F, FloatField, Max
 from django.utils import timezone
 
 import fairshare
-from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Checkpoint, Job, JobState
+from preemption.models import (
+    ACTIVE_STATES,
+    WAITING_STATES,
+    Attempt,
+    Checkpoint,
+    Job,
+    JobState,
+    allowed_sizes,
+    attempt_ranks,
+)
 from quotas.models import Node, PriorityClass, Quota, ResourceFlavor, Team
 from quotas.selectors import priority_allowances, scheduling_policy
 
@@ -143,7 +152,7 @@ def decayed_usage(*, now: datetime, half_life_seconds: float) -> dict[str, dict[
         .values_list(
             "job__team__slug",
             "job__flavor__name",
-            "job__ranks",
+            attempt_ranks(),
             "job__gpus_per_rank",
             "admitted_at",
             "ended_at",
@@ -204,8 +213,15 @@ def _workload(
         topology_level,
         topology_required,
         _,
+        ranks_min,
+        rank_sizes,
     ) = row
     team_slugs, class_names, flavor_names = names
+    # A waiting elastic job may start at any of its sizes; a running one is as
+    # large as its attempt's placement.
+    # (The engine refuses sizes beside a topology, which submission refuses too.)
+    elastic = ranks_min is not None and not topology_level
+    sizes = allowed_sizes(ranks, ranks_min, rank_sizes) if elastic else ()
     placement: tuple[tuple[str, int], ...] = ()
     admitted_at = None
     preemptor = None
@@ -213,6 +229,8 @@ def _workload(
         if engine_state == "terminating" and attempt[2] is not None:
             preemptor = workload_id(attempt[2])
         placement = tuple((entry["node"], int(entry["ranks"])) for entry in attempt[0])
+        ranks = sum(count for _, count in placement)
+        sizes = ()
         admitted_at = attempt[1]
         if checkpoint is not None and checkpoint < admitted_at:
             checkpoint = None
@@ -231,6 +249,7 @@ def _workload(
         topology_level=topology_level or None,
         topology_required=topology_required,
         preemptor=preemptor,
+        sizes=sizes,
     )
 
 
@@ -247,7 +266,7 @@ def build_snapshot(
 Shown = dict[int, tuple[str, datetime | None]]
 # The columns of `read_snapshot`'s jobs query that a workload is built from; the two
 # after them are what the job shows (`Shown`).
-WORKLOAD_COLUMNS = 11
+WORKLOAD_COLUMNS = 13
 
 
 def read_snapshot(
@@ -288,12 +307,14 @@ def read_snapshot(
             "topology_level",
             "topology_required",
             "backing_off",
+            "ranks_min",
+            "rank_sizes",
             "waiting_reason",
             "protected_until",
         )
     )
     waiting = [row for row in jobs if row[6] in WAITING_STATES]
-    shown = {row[0]: (row[11], row[12]) for row in waiting}
+    shown = {row[0]: (row[13], row[14]) for row in waiting}
     if held is None:
         barred = _barred({(row[1], row[2]) for row in waiting})
         held = {row[0]: barred[(row[1], row[2])] for row in waiting if (row[1], row[2]) in barred}

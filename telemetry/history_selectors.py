@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 from django.db.models import Q
 
 from core.access import Access
-from preemption.models import Attempt
+from preemption.models import Attempt, attempt_ranks
 from quotas.models import Team
 from telemetry.models import UtilizationSample
 from telemetry.selectors import team_filter
@@ -144,7 +144,7 @@ def gpu_hours(*, access: Access, since: datetime, until: datetime) -> list[GpuHo
             "job__flavor__name",
             "admitted_at",
             "ended_at",
-            "job__ranks",
+            attempt_ranks(),
             "job__gpus_per_rank",
             "borrowed_gpus",
         )

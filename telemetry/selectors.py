@@ -19,7 +19,7 @@ from typing import Any
 from django.db.models import Case, F, IntegerField, Q, QuerySet, Sum, Value, When
 
 from core.access import Access, TeamTree
-from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Job
+from preemption.models import ACTIVE_STATES, WAITING_STATES, Attempt, Job, running_ranks
 from quotas.models import Node, Quota, ResourceFlavor, Team
 from quotas.selectors import team_tree, topology_levels
 
@@ -132,8 +132,9 @@ def flavor_names() -> list[str]:
 def _used_by_team_flavor() -> dict[tuple[int, int], int]:
     rows = (
         Job.objects.filter(state__in=ACTIVE_STATES)
+        .annotate(size=running_ranks())
         .values("team_id", "flavor_id")
-        .annotate(used=Sum(F("ranks") * F("gpus_per_rank")))
+        .annotate(used=Sum(F("size") * F("gpus_per_rank")))
     )
     return {(row["team_id"], row["flavor_id"]): int(row["used"] or 0) for row in rows}
 

@@ -68,8 +68,10 @@ def attempt(
     number: int | None = None,
     **fields: Any,
 ) -> Attempt:
-    """The job's next attempt, by default with every rank placed on `node`."""
-    fields.setdefault("placement", [{"node": node, "ranks": job.ranks}])
+    """The job's next attempt, by default of the job's size (`ranks` says another, an
+    elastic job's) with every rank placed on `node`."""
+    fields.setdefault("ranks", job.ranks)
+    fields.setdefault("placement", [{"node": node, "ranks": fields["ranks"]}])
     return Attempt.objects.create(
         job=job,
         number=number if number is not None else next_attempt_number(job.pk),
@@ -81,10 +83,10 @@ def attempt(
 def ranks(
     attempt: Attempt, *, node: str = "h100-node-0", state: str = Rank.State.RUNNING, **fields: Any
 ) -> list[Rank]:
-    """One rank per rank of the attempt's job, all on `node` in `state`."""
+    """One rank per rank of the attempt, all on `node` in `state`."""
     return [
         Rank.objects.create(attempt=attempt, index=index, node=node, state=state, **fields)
-        for index in range(attempt.job.ranks)
+        for index in range(attempt.world_size)
     ]
 
 

@@ -328,8 +328,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, _Base):
                     {"attempt": [f"Job {job.pk} has not started yet, so it has no logs."]}
                 )
         rank = values["rank"]
-        if rank >= job.ranks:
-            raise NotFound({"rank": [f"Job {job.pk} has ranks 0 to {job.ranks - 1} (got {rank})."]})
+        size = attempt.world_size
+        if rank >= size:
+            raise NotFound({"rank": [f"Job {job.pk} has ranks 0 to {size - 1} (got {rank})."]})
         offset = values.get("offset")
         try:
             if offset is None and "tail" in values:

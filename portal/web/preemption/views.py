@@ -21,6 +21,7 @@ from django.views.decorators.http import require_POST
 
 from portal.web.preemption.forms import JobFilterForm
 from preemption.exports import job_csv_response
+from preemption.job_rules import ranks_words
 from preemption.log_tail import failed_rank_log
 from preemption.logs import read_rank_log
 from preemption.models import Job, PreemptionEvent, TrapEvent
@@ -132,11 +133,15 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
     cadence = job_cadence(attempts=attempts)
     # The rank whose failure ended the job, as `qm show` prints it: its last lines.
     failed_log = failed_rank_log(job, attempts[-1]) if job.state == "failed" and attempts else None
+    # The size it runs (or last ran) at: an elastic job's attempts may be smaller than it asks.
+    size = attempts[-1].world_size if attempts else job.ranks
     return render(
         request,
         "preemption/job_detail.html",
         {
             "job": job,
+            "size_words": ranks_words(size, job.ranks, job.ranks_min, job.rank_sizes),
+            "size_gpus": size * job.gpus_per_rank,
             "stopping": stopping,
             "stop_reason": stopping.reason if stopping else "",
             "stopping_left": max(0, round((stopping.deadline - timezone.now()).total_seconds()))
@@ -152,6 +157,13 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "nav": "jobs",
         },
     )
+
+
+def _attempt_size(job: Job, number: int) -> int:
+    """How many ranks attempt `number` of `job` ran (its rank logs), or the job's size
+    when it has no such attempt."""
+    size = job.attempts.filter(number=number).values_list("ranks", flat=True).first()
+    return size or job.ranks
 
 
 @login_required
@@ -189,7 +201,7 @@ def rank_log(request: HttpRequest, pk: int, attempt: int, rank: int) -> HttpResp
         "offset": offset,
         "next_offset": next_offset,
         "has_more": len(chunk) >= LOG_CHUNK,
-        "ranks": range(job.ranks),
+        "ranks": range(_attempt_size(job, attempt)),
         "unavailable": unavailable,
         "attempt_open": attempt_open,
         "nav": "jobs",
