@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -31,6 +32,8 @@ MAX_RANKS = 4096
 MAX_COMMAND = job_rules.MAX_COMMAND
 MAX_ATTEMPTS = 100
 MAX_RETRIES = 20
+# The engine does not search a topology's domains for each size of an elastic job.
+ELASTIC_TOPOLOGY = "An elastic job cannot ask for a topology yet; give it a fixed number of ranks."
 # Jobs in one batch (POST /jobs/batch/): a sweep's worth, answered in one request.
 MAX_BATCH = 500
 
@@ -47,6 +50,10 @@ class JobRequest:
     gpus_per_rank: int
     command: str
     priority_class: PriorityClass | None = None
+    # An elastic job's smallest size, and the only sizes it runs at (None: every
+    # size from ranks_min to ranks); both None for a fixed-size job.
+    ranks_min: int | None = None
+    rank_sizes: list[int] | None = None
     name: str = ""
     image: str = ""
     env: dict[str, str] | None = None
@@ -72,6 +79,8 @@ def job_submit(
     retries: int = 0,
     topology_level: str = "",
     topology_required: bool = True,
+    ranks_min: int | None = None,
+    rank_sizes: list[int] | None = None,
     tree: TeamTree | None = None,
 ) -> Job:
     """Queue a job of `ranks` × `gpus_per_rank` GPUs for a leaf team.
@@ -88,6 +97,10 @@ def job_submit(
 
     `topology_level` asks for all ranks inside one domain of that level (a rack,
     say); with `topology_required` False the engine only prefers it.
+
+    `ranks_min` makes the job elastic: it may run at any size from `ranks_min` to
+    `ranks`, or only at the sizes `rank_sizes` lists (from `ranks_min` to `ranks`,
+    both included). A minimum equal to `ranks` is a fixed-size job.
     """
     request = JobRequest(
         team=team,
@@ -103,6 +116,8 @@ def job_submit(
         retries=retries,
         topology_level=topology_level,
         topology_required=topology_required,
+        ranks_min=ranks_min,
+        rank_sizes=rank_sizes,
     )
     try:
         return job_submit_many(submitter=submitter, requests=[request], tree=tree)[0]
@@ -189,6 +204,7 @@ def job_submit_many(
                     priority_class=priority_class,
                     flavor=r.flavor,
                     ranks=r.ranks,
+                    **_elastic_fields(r),
                     gpus_per_rank=r.gpus_per_rank,
                     command=r.command,
                     image=r.image,
@@ -209,6 +225,15 @@ def job_submit_many(
         update_rows(jobs, ["checkpoint_dir"])
         queue_cycle()
     return jobs
+
+
+def _elastic_fields(request: JobRequest) -> dict[str, Any]:
+    """The Job's `ranks_min` and `rank_sizes` for a request whose sizes were checked:
+    none for a fixed size (a minimum equal to the maximum), the sizes ascending."""
+    sizes = sorted(set(request.rank_sizes or []))
+    if request.ranks_min is None or request.ranks_min == request.ranks:
+        return {"ranks_min": None, "rank_sizes": []}
+    return {"ranks_min": request.ranks_min, "rank_sizes": sizes}
 
 
 class QueueLimitReached(ValidationError):
@@ -276,6 +301,10 @@ def _request_errors(
     )
     if not ranks_ok:
         errors["ranks"] = [f"Must be a whole number from 1 to {MAX_RANKS} (got {r.ranks})."]
+    elif reasons := job_rules.rank_range_errors(r.ranks, r.ranks_min, r.rank_sizes):
+        errors["ranks"] = reasons
+    elif r.topology_level and _elastic_fields(r)["ranks_min"] is not None:
+        errors["topology_level"] = [ELASTIC_TOPOLOGY]
     if (
         isinstance(r.gpus_per_rank, bool)
         or not isinstance(r.gpus_per_rank, int)
@@ -360,6 +389,8 @@ def job_topology_set(
         errors["state"] = [
             f"Job {job.pk} is {job.state}; only a waiting job's topology may change."
         ]
+    if level and job.elastic:
+        errors["topology_level"] = [ELASTIC_TOPOLOGY]
     if errors:
         raise ValidationError(errors)
     job.topology_level = level

@@ -395,7 +395,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             job["team"],
             job["submitter"],
             job["state"],
-            f"{job['ranks']}x{job['gpus_per_rank']}",
+            f"{_ranks_typed(job)}x{job['gpus_per_rank']}",
             job["priority_class"],
             short_time(job["submitted_at"]),
             # why_waiting: the portal's words (with until when); older portals lack it.
@@ -486,11 +486,45 @@ def _counted(count: int, noun: str) -> str:
 
 
 def gpus_words(job: dict[str, Any]) -> str:
-    """ "2 ranks × 4 GPUs = 8 GPUs (h100-80gb)"; "1 rank × 1 GPU (h100-80gb)"."""
-    shape = f"{_counted(job['ranks'], 'rank')} × {_counted(job['gpus_per_rank'], 'GPU')}"
-    if job["ranks"] != 1:
-        shape += f" = {_counted(job['gpus'], 'GPU')}"
+    """ "2 ranks × 4 GPUs = 8 GPUs (h100-80gb)"; "1 rank × 1 GPU (h100-80gb)"; for an
+    elastic job the size of its latest attempt (before the first, its largest) and its
+    range: "4 ranks (elastic 2–8) × 1 GPU = 4 GPUs (h100-80gb)"."""
+    attempts = job.get("attempts") or []
+    ranks = attempts[-1].get("world_size") or job["ranks"] if attempts else job["ranks"]
+    shape = _counted(ranks, "rank")
+    if job.get("ranks_min") is not None:
+        sizes = job.get("rank_sizes") or []
+        span = ", ".join(map(str, sizes)) if sizes else f"{job['ranks_min']}–{job['ranks']}"
+        shape += f" (elastic {span})"
+    shape += f" × {_counted(job['gpus_per_rank'], 'GPU')}"
+    if ranks != 1:
+        shape += f" = {_counted(ranks * job['gpus_per_rank'], 'GPU')}"
     return f"{shape} ({job['flavor']})"
+
+
+def _ranks_typed(job: dict[str, Any]) -> str:
+    """A job's sizes as `--ranks` takes them: "8", "2:8" or "2,4,8"."""
+    if job.get("ranks_min") is None:
+        return str(job["ranks"])
+    if job.get("rank_sizes"):
+        return ",".join(map(str, job["rank_sizes"]))
+    return f"{job['ranks_min']}:{job['ranks']}"
+
+
+def ranks_argument(text: str) -> int | dict[str, Any]:
+    """`--ranks` as the API takes it: "8" as 8, "2:8" as {"min": 2, "max": 8}, "2,4,8"
+    as {"sizes": [2, 4, 8]}. Only the form is checked here; the portal judges the sizes."""
+    try:
+        if ":" in text:
+            low, _, high = text.partition(":")
+            return {"min": int(low), "max": int(high)}
+        if "," in text:
+            return {"sizes": [int(size) for size in text.split(",")]}
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"takes N, MIN:MAX or SIZE,SIZE,... (got {text!r})"
+        ) from None
 
 
 def _preemption_line(event: dict[str, Any]) -> str:
@@ -630,7 +664,13 @@ def build_parser() -> argparse.ArgumentParser:
     submit = commands.add_parser("submit", parents=[common], help="submit a job")
     submit.add_argument("--team", required=True, help="leaf team slug")
     submit.add_argument("--flavor", required=True, help="GPU flavor, e.g. h100-80gb")
-    submit.add_argument("--ranks", type=int, default=1)
+    submit.add_argument(
+        "--ranks",
+        type=ranks_argument,
+        default=1,
+        help="N ranks, or an elastic job's MIN:MAX (any size between) or SIZE,SIZE,... "
+        "(only those); it starts at the largest that fits",
+    )
     submit.add_argument("--gpus-per-rank", type=int, default=1)
     submit.add_argument(
         "--priority-class", help="one the team may use; default: the team's default class"

@@ -74,6 +74,11 @@ class RankSerializer(serializers.ModelSerializer[Rank]):
 
 
 class AttemptSerializer(serializers.ModelSerializer[Attempt]):
+    world_size = serializers.IntegerField(
+        read_only=True,
+        help_text="How many ranks this attempt runs (its WORLD_SIZE): the job's ranks, or "
+        "for an elastic job the size it was admitted at.",
+    )
     placement = serializers.JSONField(read_only=True)
     orphaned_ports = serializers.JSONField(read_only=True)
     checkpoint_step = serializers.SerializerMethodField(
@@ -88,6 +93,7 @@ class AttemptSerializer(serializers.ModelSerializer[Attempt]):
             "id",
             "job",
             "number",
+            "world_size",
             "placement",
             "borrowed_gpus",
             "master_port",
@@ -133,6 +139,19 @@ class JobSerializer(serializers.ModelSerializer[Job]):
     submitter = serializers.SlugRelatedField(slug_field="username", read_only=True)
     priority_class = serializers.SlugRelatedField(slug_field="name", read_only=True)
     flavor = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    ranks = serializers.IntegerField(
+        read_only=True, help_text="The size asked for; an elastic job's largest."
+    )
+    ranks_min = serializers.IntegerField(
+        read_only=True,
+        allow_null=True,
+        help_text="An elastic job's smallest size; null for a fixed-size job.",
+    )
+    rank_sizes = serializers.ListField(
+        child=serializers.IntegerField(),
+        read_only=True,
+        help_text="The only sizes an elastic job runs at; empty: any from ranks_min to ranks.",
+    )
     gpus = serializers.IntegerField(read_only=True)
     env = serializers.DictField(child=serializers.CharField(), read_only=True)
     why_waiting = serializers.SerializerMethodField(
@@ -149,6 +168,8 @@ class JobSerializer(serializers.ModelSerializer[Job]):
             "priority_class",
             "flavor",
             "ranks",
+            "ranks_min",
+            "rank_sizes",
             "gpus_per_rank",
             "gpus",
             "command",
@@ -287,6 +308,69 @@ def may_submit(team: Team | UnknownTeam, access: Access) -> bool:
     return isinstance(team, Team) and access.can_submit_to(team.pk)
 
 
+@extend_schema_field(
+    {
+        "oneOf": [
+            {"type": "integer"},
+            {
+                "type": "object",
+                "properties": {
+                    "min": {"type": "integer"},
+                    "max": {"type": "integer"},
+                    "sizes": {"type": "array", "items": {"type": "integer"}},
+                },
+            },
+        ]
+    }
+)
+class RanksField(serializers.Field):  # type: ignore[type-arg]
+    """A job's `ranks` as POST /jobs/ takes it: a whole number, or an elastic job's
+    range. Becomes the service's `ranks` (the largest size), `ranks_min` and
+    `rank_sizes` in `JobSubmitSerializer.validate`."""
+
+    KEYS = ("min", "max", "sizes")
+
+    def to_internal_value(self, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return serializers.IntegerField().to_internal_value(data)
+        unknown = sorted(str(key) for key in data if key not in self.KEYS)
+        if unknown:
+            raise serializers.ValidationError(
+                f"Unknown key {unknown[0]!r}: an elastic job's ranks take min, max and sizes."
+            )
+        whole = serializers.IntegerField()
+        out: dict[str, Any] = {}
+        for key in ("min", "max"):
+            if data.get(key) is not None:
+                try:
+                    out[key] = whole.to_internal_value(data[key])
+                except serializers.ValidationError:
+                    raise serializers.ValidationError(
+                        f"{key} must be a whole number (got {data[key]!r})."
+                    ) from None
+        sizes = data.get("sizes")
+        if sizes is not None:
+            if not isinstance(sizes, list) or not sizes:
+                raise serializers.ValidationError("sizes must be a list of whole numbers.")
+            try:
+                out["sizes"] = [whole.to_internal_value(size) for size in sizes]
+            except serializers.ValidationError:
+                raise serializers.ValidationError(
+                    f"sizes must be whole numbers (got {sizes!r})."
+                ) from None
+        if "sizes" in out:
+            out.setdefault("min", min(out["sizes"]))
+            out.setdefault("max", max(out["sizes"]))
+        if "min" not in out or "max" not in out:
+            raise serializers.ValidationError(
+                'An elastic job gives both min and max (or sizes): {"min": 2, "max": 8}.'
+            )
+        return out
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
 class JobSubmitSerializer(serializers.Serializer[Any]):
     name = serializers.CharField(required=False, allow_blank=True, default="")
     team = SubmitTeamField(slug_field="slug", queryset=Team.objects.all())
@@ -305,7 +389,14 @@ class JobSubmitSerializer(serializers.Serializer[Any]):
     )
     # Ranges, sizes and formats are the service's rules, with its messages (the
     # drill and the demo seed submit through it too); only types are checked here.
-    ranks = serializers.IntegerField()
+    ranks = RanksField(
+        help_text=(
+            "A whole number for a fixed size, or an elastic job's range as "
+            '{"min": 2, "max": 8}, optionally with "sizes": [2, 4, 8], the only sizes it '
+            "may run at (min and max then default to the smallest and largest). The "
+            "scheduler starts it at the largest size that fits."
+        )
+    )
     gpus_per_rank = serializers.IntegerField()
     command = serializers.CharField(
         trim_whitespace=False, help_text="Run by /bin/sh -c on every rank."
@@ -347,6 +438,16 @@ class JobSubmitSerializer(serializers.Serializer[Any]):
         default=True,
         help_text="False: only prefer one domain, and fall back to any nodes.",
     )
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """An elastic job's range as the service's keywords: its largest size as
+        `ranks`, with `ranks_min` and `rank_sizes`."""
+        ranks = attrs.get("ranks")
+        if isinstance(ranks, dict):
+            attrs["ranks"] = ranks["max"]
+            attrs["ranks_min"] = ranks["min"]
+            attrs["rank_sizes"] = ranks.get("sizes")
+        return attrs
 
 
 def checked_submission(payload: Any, *, access: Access) -> dict[str, Any]:

@@ -644,3 +644,36 @@ def test_show_prints_the_command_as_it_was_typed(world: Any, qm: Any) -> None:
     shown = qm("show", str(job.pk), env={"QM_TOKEN": token})
     assert shown.returncode == 0, shown.stderr
     assert _shown_fields(shown.stdout)["Command"] == typed
+
+
+def test_submit_an_elastic_range_and_show_the_size_it_runs_at(world: Any, qm: Any) -> None:
+    _, token = api_token_create(user=world.users["researcher"], name="ci")
+    env = {"QM_TOKEN": token}
+    common = ["submit", "--team", "vision", "--flavor", "h100-80gb"]
+    ranged = qm(*common, "--ranks", "2:8", "--name", "ranged", "--", "true", env=env)
+    assert ranged.returncode == 0, ranged.stderr
+    sized = qm(*common, "--ranks", "2,4,8", "--name", "sized", "--", "true", env=env)
+    assert sized.returncode == 0, sized.stderr
+    assert sorted(Job.objects.values_list("name", "ranks", "ranks_min", "rank_sizes")) == [
+        ("ranged", 8, 2, []),
+        ("sized", 8, 2, [2, 4, 8]),
+    ]
+
+    refused = qm(*common, "--ranks", "9:8", "--name", "upside-down", "--", "true", env=env)
+    assert refused.returncode == 1
+    assert refused.stderr.strip() == "qm: ranks: min (9) must not be more than max (8)."
+    malformed = qm(*common, "--ranks", "2-8", "--name", "dashed", "--", "true", env=env)
+    assert malformed.returncode == 2
+    assert "takes N, MIN:MAX or SIZE,SIZE,... (got '2-8')" in malformed.stderr
+    assert not Job.objects.filter(name__in=["upside-down", "dashed"]).exists()
+
+    job = Job.objects.get(name="ranged")
+    Job.objects.filter(pk=job.pk).update(state=JobState.RUNNING)
+    builders.attempt(job, ranks=4)
+    shown = qm("show", str(job.pk), env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert _shown_fields(shown.stdout)["GPUs"] == (
+        "4 ranks (elastic 2–8) × 1 GPU = 4 GPUs (h100-80gb)"
+    )
+    listed = qm("ls", env=env)
+    assert any(row.split()[5] == "2:8x1" for row in listed.stdout.splitlines()[1:]), listed.stdout

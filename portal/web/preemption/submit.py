@@ -68,7 +68,14 @@ class JobSubmitForm(forms.Form):
     team = _text(widget=forms.Select)
     name = _text(widget=forms.TextInput(attrs={"placeholder": "e.g. resnet-sweep-3"}))
     flavor = _text(widget=forms.Select)
-    ranks = _text(widget=forms.NumberInput(attrs={"min": 1}), label="Ranks")
+    ranks = _text(
+        widget=forms.TextInput(attrs={"inputmode": "numeric", "placeholder": "8 or 2:8"}),
+        label="Ranks",
+        help_text=(
+            "A number, or an elastic job's range: 2:8 runs at any size from 2 to 8 ranks, "
+            "2,4,8 only at those; it starts at the largest that fits."
+        ),
+    )
     gpus_per_rank = _text(widget=forms.NumberInput(attrs={"min": 1}), label="GPUs per rank")
     priority_class = _text(
         widget=forms.Select,
@@ -172,6 +179,8 @@ class JobSubmitForm(forms.Form):
         """What POST /api/v1/jobs/ would be sent for this form."""
         data = self.cleaned_data
         request: dict[str, Any] = {field: data[field] for field in TYPED_FIELDS if data[field]}
+        if "ranks" in request:
+            request["ranks"] = ranks_request(request["ranks"])
         request["env"] = data["env"]
         required = data["topology_required"]
         if required:
@@ -187,6 +196,32 @@ class JobSubmitForm(forms.Form):
             target = field if field in self.fields else None
             for reason in _reasons(reasons):
                 self.add_error(target, reason)
+
+
+def ranks_request(typed: str) -> Any:
+    """The API's `ranks` for what a person typed: "8" as typed, "2:8" as
+    {"min": 2, "max": 8}, "2,4,8" as {"sizes": [2, 4, 8]}. A part that is not a
+    number goes on as typed, for the API to refuse in its words."""
+
+    def part(text: str) -> Any:
+        text = text.strip()
+        return int(text) if text.isdigit() else text
+
+    if ":" in typed:
+        low, _, high = typed.partition(":")
+        return {"min": part(low), "max": part(high)}
+    if "," in typed:
+        return {"sizes": [part(size) for size in typed.split(",")]}
+    return typed
+
+
+def ranks_typed(job: Job) -> str:
+    """A job's sizes as the form takes them: "8", "2:8" or "2,4,8"."""
+    if job.ranks_min is None:
+        return str(job.ranks)
+    if job.rank_sizes:
+        return ",".join(map(str, job.rank_sizes))
+    return f"{job.ranks_min}:{job.ranks}"
 
 
 def _reasons(reasons: Any) -> list[str]:
@@ -221,7 +256,7 @@ def _initial_from(job: Job) -> dict[str, Any]:
         "team": job.team.slug,
         "name": job.name,
         "flavor": job.flavor.name,
-        "ranks": job.ranks,
+        "ranks": ranks_typed(job),
         "gpus_per_rank": job.gpus_per_rank,
         "priority_class": job.priority_class.name,
         "image": job.image,

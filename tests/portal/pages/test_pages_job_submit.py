@@ -157,6 +157,30 @@ BAD_INPUTS = [
     ("ranks zero", {"ranks": "0"}, {"ranks": 0}, "ranks"),
     ("ranks not a number", {"ranks": "two"}, {"ranks": "two"}, "ranks"),
     ("ranks missing", {"ranks": ""}, {"ranks": None}, "ranks"),
+    (
+        "elastic min above max",
+        {"ranks": "9:8", "topology_level": ""},
+        {"ranks": {"min": 9, "max": 8}, "topology_level": ""},
+        "ranks",
+    ),
+    (
+        "elastic size outside the range",
+        {"ranks": "2,4,30", "topology_level": ""},
+        {"ranks": {"sizes": [2, 4, 30]}, "topology_level": ""},
+        "ranks",
+    ),
+    (
+        "elastic min not a number",
+        {"ranks": "a:8", "topology_level": ""},
+        {"ranks": {"min": "a", "max": 8}, "topology_level": ""},
+        "ranks",
+    ),
+    (
+        "elastic with a topology",
+        {"ranks": "2:8"},
+        {"ranks": {"min": 2, "max": 8}},
+        "topology_level",
+    ),
     ("rank larger than a node", {"gpus_per_rank": "9"}, {"gpus_per_rank": 9}, "gpus_per_rank"),
     (
         "more GPUs than the cluster",
