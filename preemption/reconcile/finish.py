@@ -515,7 +515,7 @@ def _close_event(
         lost = 0.0
     else:
         base = last or attempt.launched_at or attempt.admitted_at
-        lost = max(0.0, (exited_at - base).total_seconds()) * job.gpus
+        lost = max(0.0, (exited_at - base).total_seconds()) * attempt.world_size * job.gpus_per_rank
     requeue = (
         # Every stop but a person's own brings the job back.
         event.reason != PreemptionEvent.Reason.MANUAL and job.cancel_requested_at is None

@@ -10,7 +10,8 @@ import pytest
 from django.core.exceptions import ValidationError
 
 from preemption.logs import read_rank_log
-from preemption.models import Attempt, JobState, Rank
+from preemption.models import Attempt, JobState, PreemptionEvent, Rank
+from preemption.reconcile import request_stop
 from preemption.services import job_submit
 from tests.preemption.conftest import sleeper_command, state_of
 
@@ -58,3 +59,44 @@ def test_an_elastic_job_admitted_smaller_runs_that_many_ranks(world: Any, drive:
         read_rank_log(job=elastic, attempt=1, rank=4)
     elastic.refresh_from_db()
     assert (elastic.ranks, elastic.ranks_min, elastic.rank_sizes) == (12, 2, [2, 4, 12])
+
+
+def test_the_work_an_elastic_job_loses_counts_the_gpus_it_ran_on(world: Any, drive: Any) -> None:
+    """Preempted with no checkpoint, an elastic job admitted at 4 of its 12 ranks
+    loses its run time on 4 GPUs, not on the 12 it asked for."""
+    blocker = job_submit(
+        submitter=world.users["researcher"],
+        team=world.nlp,
+        flavor=world.h100,
+        ranks=2,
+        gpus_per_rank=8,
+        command=sleeper_command(300),
+        priority_class=world.batch,
+        name="blocker",
+    )
+    drive(lambda: state_of(blocker) == JobState.RUNNING, what="the blocker to run")
+    elastic = job_submit(
+        submitter=world.users["researcher"],
+        team=world.vision,
+        flavor=world.h100,
+        ranks=12,
+        ranks_min=2,
+        rank_sizes=[2, 4, 12],
+        gpus_per_rank=1,
+        command=sleeper_command(300),
+        priority_class=world.batch,
+        name="elastic",
+    )
+    drive(lambda: state_of(elastic) == JobState.RUNNING, what="the elastic job to run")
+    event = request_stop(job=elastic, reason=PreemptionEvent.Reason.PRIORITY, cause="a test")
+    assert event is not None
+    drive(
+        lambda: PreemptionEvent.objects.get(pk=event.pk).all_exited_at is not None,
+        what="the elastic job's ranks to exit",
+    )
+    event.refresh_from_db()
+    attempt = Attempt.objects.get(pk=event.victim_attempt_id)
+    assert attempt.ranks == 4
+    assert attempt.launched_at is not None and event.all_exited_at is not None
+    ran = (event.all_exited_at - attempt.launched_at).total_seconds()
+    assert event.lost_gpu_seconds == pytest.approx(ran * 4)
