@@ -338,14 +338,7 @@ def test_elastic_gangs_start_at_an_allowed_size_and_keep_every_invariant(
             event("an elastic gang started below its largest size")
         for node, _ in a.placement:
             assert nodes[node].flavor == w.flavor
-    held: dict[str, int] = defaultdict(int)
-    for w in snapshot.workloads:
-        for node, ranks in w.placement:
-            held[node] += ranks * w.gpus_per_rank
-    for a in p.admit:
-        for node, ranks in a.placement:
-            held[node] += ranks * by_id[a.id].gpus_per_rank
-    for node, gpus in held.items():
+    for node, gpus in _held_per_node(snapshot, p).items():
         assert gpus <= nodes[node].gpus, (node, gpus)
     for e in p.preempt:
         assert by_id[e.id].state == "running"

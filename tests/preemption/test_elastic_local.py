@@ -10,7 +10,7 @@ import pytest
 from django.core.exceptions import ValidationError
 
 from preemption.logs import read_rank_log
-from preemption.models import Attempt, JobState, PreemptionEvent, Rank
+from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
 from preemption.reconcile import request_stop
 from preemption.services import job_submit
 from tests.preemption.conftest import sleeper_command, state_of
@@ -18,8 +18,9 @@ from tests.preemption.conftest import sleeper_command, state_of
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
 
 
-def test_an_elastic_job_admitted_smaller_runs_that_many_ranks(world: Any, drive: Any) -> None:
-    # nlp holds 16 of the 24 GPUs, so 8 are free.
+def elastic_on_8_free_gpus(world: Any, drive: Any, *, command: str) -> Job:
+    """An elastic job of 2, 4 or 12 ranks submitted while nlp holds 16 of the 24 GPUs:
+    12 ranks do not fit on the 8 free ones, 8 is not one of its sizes, 4 is."""
     blocker = job_submit(
         submitter=world.users["researcher"],
         team=world.nlp,
@@ -31,8 +32,7 @@ def test_an_elastic_job_admitted_smaller_runs_that_many_ranks(world: Any, drive:
         name="blocker",
     )
     drive(lambda: state_of(blocker) == JobState.RUNNING, what="the blocker to run")
-    # 12 ranks do not fit on the 8 free GPUs; 8 is not one of its sizes; 4 is.
-    elastic = job_submit(
+    return job_submit(
         submitter=world.users["researcher"],
         team=world.vision,
         flavor=world.h100,
@@ -40,9 +40,15 @@ def test_an_elastic_job_admitted_smaller_runs_that_many_ranks(world: Any, drive:
         ranks_min=2,
         rank_sizes=[2, 4, 12],
         gpus_per_rank=1,
-        command='echo "RANK=$RANK WORLD_SIZE=$WORLD_SIZE"',
+        command=command,
         priority_class=world.batch,
         name="elastic",
+    )
+
+
+def test_an_elastic_job_admitted_smaller_runs_that_many_ranks(world: Any, drive: Any) -> None:
+    elastic = elastic_on_8_free_gpus(
+        world, drive, command='echo "RANK=$RANK WORLD_SIZE=$WORLD_SIZE"'
     )
     drive(lambda: state_of(elastic) == JobState.SUCCEEDED, what="the elastic job to finish")
 
@@ -64,29 +70,7 @@ def test_an_elastic_job_admitted_smaller_runs_that_many_ranks(world: Any, drive:
 def test_the_work_an_elastic_job_loses_counts_the_gpus_it_ran_on(world: Any, drive: Any) -> None:
     """Preempted with no checkpoint, an elastic job admitted at 4 of its 12 ranks
     loses its run time on 4 GPUs, not on the 12 it asked for."""
-    blocker = job_submit(
-        submitter=world.users["researcher"],
-        team=world.nlp,
-        flavor=world.h100,
-        ranks=2,
-        gpus_per_rank=8,
-        command=sleeper_command(300),
-        priority_class=world.batch,
-        name="blocker",
-    )
-    drive(lambda: state_of(blocker) == JobState.RUNNING, what="the blocker to run")
-    elastic = job_submit(
-        submitter=world.users["researcher"],
-        team=world.vision,
-        flavor=world.h100,
-        ranks=12,
-        ranks_min=2,
-        rank_sizes=[2, 4, 12],
-        gpus_per_rank=1,
-        command=sleeper_command(300),
-        priority_class=world.batch,
-        name="elastic",
-    )
+    elastic = elastic_on_8_free_gpus(world, drive, command=sleeper_command(300))
     drive(lambda: state_of(elastic) == JobState.RUNNING, what="the elastic job to run")
     event = request_stop(job=elastic, reason=PreemptionEvent.Reason.PRIORITY, cause="a test")
     assert event is not None
