@@ -38,10 +38,16 @@ def test_a_researcher_fills_the_form_is_refused_mends_it_and_lands_on_the_job(
     assert page.input_value("#id_priority_class") == world.batch.name
     page.select_option("#id_flavor", world.h100.name)
     page.fill("#id_name", "resnet-e2e")
-    page.fill("#id_ranks", "4")
     page.fill("#id_gpus_per_rank", "8")
-    # The page adds the ranks up as they are typed.
-    assert page.inner_text("#gpu-total") == "= 32 GPUs"
+    # The page adds the ranks up as they are typed, for an elastic job at each size.
+    for typed, words in (
+        ("2:8", "= 16 to 64 GPUs"),
+        ("1,2,4", "= 8, 16 or 32 GPUs"),
+        ("2:", ""),
+        ("4", "= 32 GPUs"),
+    ):
+        page.fill("#id_ranks", typed)
+        assert page.inner_text("#gpu-total") == words, typed
     page.fill("#id_image", "registry.example.org/vision/trainer:1.4")
     page.fill("#id_command", "python train.py --epochs 3")
     page.fill("#id_env", "BATCH=64\nLR=0.1")
