@@ -24,6 +24,10 @@ JOB_CSV_COLUMNS = [
     "priority_class",
     "flavor",
     "ranks",
+    # An elastic job's least size, and the only sizes it runs at where it names them
+    # (separated by spaces); both empty for a job of a fixed size.
+    "ranks_min",
+    "rank_sizes",
     "gpus_per_rank",
     "state",
     "submitted_at",
@@ -68,6 +72,8 @@ def job_csv_lines(jobs: QuerySet[Job]) -> Iterator[str]:
                 job.priority_class.name,
                 job.flavor.name,
                 job.ranks,
+                "" if job.ranks_min is None else job.ranks_min,
+                " ".join(str(size) for size in job.rank_sizes),
                 job.gpus_per_rank,
                 job.state,
                 job.submitted_at.isoformat(),

@@ -169,6 +169,22 @@ def test_csv_holds_the_filtered_list_and_nothing_of_another_team(
     assert b"ops-secret" not in b"".join(other.streaming_content)
 
 
+def test_csv_gives_an_elastic_jobs_sizes_and_none_for_a_fixed_one(world: Any) -> None:
+    fixed = _job(world, name="fixed", team=world.vision, submitter="researcher", ran_minutes=None)
+    elastic = _job(
+        world, name="elastic", team=world.vision, submitter="researcher", ran_minutes=None
+    )
+    Job.objects.filter(pk=elastic.pk).update(ranks=8, ranks_min=2, rank_sizes=[2, 4, 8])
+    response = page_client(world, "researcher").get(reverse("job-list"), {"format": "csv"})
+    rows = {
+        int(row["id"]): row
+        for row in csv.DictReader(io.StringIO(b"".join(response.streaming_content).decode()))
+    }
+    assert (rows[elastic.pk]["ranks"], rows[elastic.pk]["ranks_min"]) == ("8", "2")
+    assert rows[elastic.pk]["rank_sizes"] == "2 4 8"
+    assert (rows[fixed.pk]["ranks_min"], rows[fixed.pk]["rank_sizes"]) == ("", "")
+
+
 def test_csv_cells_never_become_formulas(world: Any) -> None:
     _job(world, name="=HYPERLINK(1)", team=world.vision, submitter="researcher", ran_minutes=None)
     response = page_client(world, "researcher").get(reverse("job-list"), {"format": "csv"})
