@@ -128,10 +128,14 @@ def test_notice_commit_while_training_then_eviction_then_bit_exact_resume(
     assert event.notice_committed_at is not None
     assert event.decided_at <= event.notice_sent_at <= event.notice_committed_at
     assert event.notice_committed_at <= event.signal_sent_at < event.notice_deadline
+    # Every rank is sent the notice, and the first to take it tells the others at the
+    # next step's all-reduce; a rank whose own copy arrives after the ranks answered
+    # the notice takes it for a copy of that one (gracetrap's coalescing) and reports
+    # no notice_received of its own. So at least one rank reports it, each report
+    # comes within a second of the sending, and every rank saves the notice's step.
     received = events(borrower, 1, "notice_received")
-    assert sorted(e.rank for e in received) == [0, 1, 2]
+    assert received and {e.rank for e in received} <= {0, 1, 2}
     assert all(e.at >= event.notice_sent_at.timestamp() for e in received)
-    # Within a second of being sent, on every rank.
     assert max(e.at for e in received) - event.notice_sent_at.timestamp() < 1.0
     committed = [e for e in events(borrower, 1, "checkpoint_committed") if e.payload["notice"]]
     assert sorted(e.rank for e in committed) == [0, 1, 2]
