@@ -5,12 +5,15 @@ h100-80gb nodes of 8 GPUs (24 in all)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 from django.utils import timezone
+from rest_framework.test import APIClient
 
-from preemption.models import Job
+from preemption.event_tokens import attempt_events_token
+from preemption.models import Attempt, Job, TrapEvent
 from tests import builders
 from tests.conftest import database_state
 
@@ -150,3 +153,32 @@ def test_a_waiting_elastic_job_cannot_be_given_a_topology(world: Any, settings: 
         ]
     }
     assert database_state() == before
+
+
+def test_a_rank_outside_the_attempts_size_is_refused_its_events(world: Any) -> None:
+    """An elastic job of up to 8 ranks running at 4: rank 5 of that attempt does not
+    exist, and the events endpoint says so, while rank 3's event is stored."""
+    job = builders.running_job(
+        world,
+        world.vision,
+        priority_class=world.batch,
+        ranks=8,
+        ranks_min=2,
+        gpus_per_rank=1,
+        attempt_fields={"ranks": 4},
+        rank_fields={},
+        admitted_at=timezone.now(),
+    )
+    attempt = Attempt.objects.get(job=job)
+    client = APIClient()
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {attempt_events_token(attempt)}"}
+
+    def event(rank: int) -> dict[str, Any]:
+        return {"event": "trap_ready", "attempt": 1, "rank": rank, "at": time.time()}
+
+    refused = client.post(f"/api/v1/jobs/{job.pk}/events/", event(5), format="json", **headers)
+    assert refused.status_code == 400, refused.content
+    assert refused.json() == {"rank": [f"Job {job.pk} has ranks 0 to 3 (got 5)."]}
+    stored = client.post(f"/api/v1/jobs/{job.pk}/events/", event(3), format="json", **headers)
+    assert stored.status_code == 202, stored.content
+    assert list(TrapEvent.objects.filter(job=job).values_list("rank", flat=True)) == [3]
