@@ -29,6 +29,7 @@ import pytest
 from django.apps import apps
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.contrib.auth.hashers import make_password
 from django.core.cache import cache
 from hypothesis import settings as hypothesis_settings
 from rest_framework.test import APIClient
@@ -180,8 +181,25 @@ def mission_class(name: str) -> PriorityClass:
     return PriorityClass.objects.get_or_create(name=name, defaults=MISSION_CLASSES[name])[0]
 
 
-@pytest.fixture
-def world(db: Any) -> World:
+_PASSWORD_HASHES: dict[str, str] = {}
+
+
+def persona_password_hash() -> str:
+    """PASSWORD as the first of settings.PASSWORD_HASHERS stores it, hashed once per run.
+
+    The default hasher takes about a third of a second of CPU by design, and `world`
+    signs up five personas for each of the suite's many tests. They share one salt,
+    which no test can tell; each signs in with PASSWORD through the same hasher
+    (a test that hands the personas a faster hasher gets that hasher's hash)."""
+    hasher = settings.PASSWORD_HASHERS[0]
+    if hasher not in _PASSWORD_HASHES:
+        _PASSWORD_HASHES[hasher] = make_password(PASSWORD)
+    return _PASSWORD_HASHES[hasher]
+
+
+def build_world() -> World:
+    """The world's rows: `world` builds them for each test; a module of many tests may
+    build them once and run each test in a savepoint (tests/portal/api/test_api_permissions.py)."""
     User = get_user_model()
     h100 = ResourceFlavor.objects.create(name="h100-80gb")
     a100 = ResourceFlavor.objects.create(name="a100-40gb")
@@ -198,8 +216,14 @@ def world(db: Any) -> World:
     for root in (org, other):
         root.priority_classes.set([critical, batch])
     users: dict[str, Any] = {}
-    users["admin"] = User.objects.create_user(
-        "admin", "admin@example.org", PASSWORD, is_staff=True, is_superuser=True
+    password = persona_password_hash()
+    # `create`, not `create_user`, to store the hash made once (create_user hashes anew).
+    users["admin"] = User.objects.create(
+        username="admin",
+        email="admin@example.org",
+        password=password,
+        is_staff=True,
+        is_superuser=True,
     )
     for persona, team, role in (
         ("manager", ml, "manager"),
@@ -207,7 +231,9 @@ def world(db: Any) -> World:
         ("researcher", vision, "researcher"),
         ("other_researcher", ops, "researcher"),
     ):
-        users[persona] = User.objects.create_user(persona, f"{persona}@example.org", PASSWORD)
+        users[persona] = User.objects.create(
+            username=persona, email=f"{persona}@example.org", password=password
+        )
         Membership.objects.create(user=users[persona], team=team, role=role)
     return World(
         h100=h100,
@@ -222,6 +248,11 @@ def world(db: Any) -> World:
         batch=batch,
         users=users,
     )
+
+
+@pytest.fixture
+def world(db: Any) -> World:
+    return build_world()
 
 
 @pytest.fixture(scope="session")
