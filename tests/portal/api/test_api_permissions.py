@@ -10,12 +10,15 @@ fails for any operation (new ones included) without such a table.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.db import transaction
+from django.test import override_settings
 from django.utils import timezone
 from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
@@ -27,20 +30,13 @@ from preemption.webhooks import webhook_create
 from quotas import services as quota_services
 from quotas.models import AuditEntry, Node, PriorityClass, Quota, Team
 from tests import builders
-from tests.conftest import database_state
+from tests.conftest import World, build_world, database_state
 
 # The personas and password of tests/conftest.py's `world`.
 PERSONAS = ("admin", "manager", "other_manager", "researcher", "other_researcher", "anonymous")
 PASSWORD = "correct-horse-battery-staple"
 
 ANON = 401  # not signed in: DRF answers 401 with `WWW-Authenticate: Bearer`
-
-
-@pytest.fixture(autouse=True)
-def _fast_passwords(settings: Any) -> None:
-    # The personas' passwords are hashed once per test; the default hasher is
-    # deliberately slow, and strength is not under test here.
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
 @dataclass
@@ -99,15 +95,7 @@ def _preemption(job: Job, attempt: Attempt) -> PreemptionEvent:
     )
 
 
-@pytest.fixture(autouse=True)
-def _webhook_test_network(settings: Any) -> None:
-    # Webhooks may reach only public addresses; the documentation network
-    # (192.0.2.0/24, never routed) stands in for one, opened by the allow-list.
-    settings.QM_WEBHOOK_ALLOW_NETS = ["192.0.2.0/24"]
-
-
-@pytest.fixture
-def objects(world: Any) -> Objects:
+def _build_objects(world: World) -> Objects:
     users = world.users
     job_v, attempt_v, rank_v = _running_job(world, world.vision, users["researcher"], "h100-node-0")
     job_ops, attempt_ops, rank_ops = _running_job(
@@ -165,6 +153,51 @@ def objects(world: Any) -> Objects:
         spare_team=builders.team("spare", name="Spare", parent=world.ml),
         tokens=tokens,
     )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_settings() -> Iterator[None]:
+    # The default hasher is deliberately slow, and strength is not under test here.
+    # Webhooks may reach only public addresses; the documentation network
+    # (192.0.2.0/24, never routed) stands in for one, opened by the allow-list.
+    with override_settings(
+        PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"],
+        QM_WEBHOOK_ALLOW_NETS=["192.0.2.0/24"],
+    ):
+        yield
+
+
+@pytest.fixture(scope="module")
+def _shared_rows(
+    _module_settings: None, django_db_setup: None, django_db_blocker: Any
+) -> Iterator[tuple[World, Objects]]:
+    """The world and the objects, built once for the module's several hundred cases
+    rather than once per case, in a transaction rolled back after the last of them.
+
+    Each case still starts from exactly these rows: the `db` fixture runs it in a
+    savepoint inside this transaction and rolls back whatever it wrote, as Django's
+    `TestCase.setUpTestData` does for a class."""
+    with django_db_blocker.unblock(), transaction.atomic():
+        world = build_world()
+        yield world, _build_objects(world)
+        transaction.set_rollback(True)
+
+
+@pytest.fixture
+def _case_rows(db: None, _shared_rows: tuple[World, Objects]) -> tuple[World, Objects]:
+    # A copy of the instances, so that what a case does to them in memory (a user's
+    # last_login, a refreshed job) is not what the next case starts from.
+    return copy.deepcopy(_shared_rows)
+
+
+@pytest.fixture
+def world(_case_rows: tuple[World, Objects]) -> World:
+    return _case_rows[0]
+
+
+@pytest.fixture
+def objects(_case_rows: tuple[World, Objects]) -> Objects:
+    return _case_rows[1]
 
 
 # Which of the two jobs' rows each persona may read.
