@@ -133,7 +133,10 @@ def _reconcile(job_ids: list[int] | None, runtime: Runtime) -> int:
     guard = runtime.gang_guard
     if guard is not None:
         try:
-            taken = {(gang.job_id, gang.attempt) for gang in guard.guard_victims()}
+            # Over the pass's own observation: observing again would only repeat its
+            # API calls, between the decision and the stops this pass is here to make.
+            seen = [obs for gang in observed.values() for obs in gang]
+            taken = {(gang.job_id, gang.attempt) for gang in guard.guard_victims(seen)}
         except (RuntimeTemporaryError, RuntimePermanentError):
             logger.warning("gang-guard observation failed; retrying next cycle", exc_info=True)
     # An exits listener closes the gangs that end; a pass over every job leaves it

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -148,8 +148,10 @@ class GangGuard(Protocol):
     """An optional capability: a runtime that can tell that the cluster took a rank away
     (kube-scheduler preemption, node loss) even when the rank exited 0."""
 
-    def guard_victims(self) -> list[GangId]:
-        """The gangs that lost a rank to something other than the rank itself."""
+    def guard_victims(self, observations: Iterable[RankObservation] | None = None) -> list[GangId]:
+        """The gangs that lost a rank to something other than the rank itself: among
+        ``observations`` the caller has just made with observe(), else among every
+        gang, observed afresh."""
         ...
 
     def taken_ranks(self, gang: GangId) -> dict[int, str]:

@@ -34,10 +34,12 @@ Objects of one gang (job id, attempt), all in one namespace:
   pod's GPUs once its phase is terminal, finalizer or not.
 
 Signalling is the ``policy/v1`` Eviction API for every rank concurrently with
-``deleteOptions.gracePeriodSeconds``, each pod first marked with the annotation
-``quartermaster.dev/stop-requested`` (killing marks them too): an eviction of an
-unmarked rank, of one rank or of all, is someone else's (``kubectl drain``, the
-kubelet, kube-scheduler), a disruption, even to a worker restarted since; a 429 (a PodDisruptionBudget says no) is
+``deleteOptions.gracePeriodSeconds``, once the gang's record says when this
+runtime signalled it (``quartermaster.dev/signalled-at``; a kill writes
+``quartermaster.dev/killed-at`` before its deletions): an eviction of a rank of a
+gang with no such record, or one that began before it, of one rank or of all, is
+someone else's (``kubectl drain``, the kubelet, kube-scheduler), a disruption, even
+to a worker restarted since; a 429 (a PodDisruptionBudget says no) is
 retried with backoff, and a gang still blocked raises RuntimeTemporaryError
 and shows in ``eviction_blocked()``; the reconciler retries each cycle and,
 once the grace deadline has passed, kills the gang (the preemption is then

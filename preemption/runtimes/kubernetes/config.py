@@ -28,11 +28,6 @@ LAUNCHED_ANNOTATION = "quartermaster.dev/launched-at"
 SIGNALLED_ANNOTATION = "quartermaster.dev/signalled-at"
 GRACE_ANNOTATION = "quartermaster.dev/grace-seconds"
 KILLED_ANNOTATION = "quartermaster.dev/killed-at"
-# Set on a rank pod before this runtime evicts or deletes it for its own stop:
-# "<attempt>/<signal or kill>/<when>". An Eviction API call carries no mark of who
-# made it, so this is how the runtime, and a restarted one, tells its own stop of a
-# rank from a drain's, the kubelet's or kube-scheduler's (a disruption).
-STOP_REQUESTED_ANNOTATION = "quartermaster.dev/stop-requested"
 GPU_RESOURCE = "nvidia.com/gpu"
 EVENTS_TOKEN_KEY = "QM_EVENTS_TOKEN"
 CONTAINER_NAME = "rank"

@@ -1,8 +1,13 @@
 """Stopping a gang's pods: the signal (an eviction of every rank) and the kill.
 
-Each rank pod is first marked with STOP_REQUESTED_ANNOTATION, so this runtime's own
-stop is never taken for a disruption (``stop_marked_at`` reads the mark back). It
-calls the API server and records what it did in the Cluster's caches; it never
+An Eviction API call carries no mark of who made it, so the gang's record says
+first when this runtime stopped the gang (SIGNALLED_ANNOTATION, or KILLED_ANNOTATION
+for a kill), and only then are the pods evicted or deleted: no stop of this
+runtime's is ever seen without its record, not even by a worker started after it,
+and a disruption of a rank that began before that moment is someone else's
+(observe.py compares the two). One write for the gang rather than one per pod: the
+API server applies the evictions sooner, and the kubelets see each pod change once.
+It calls the API server and records what it did in the Cluster's caches; it never
 reads the models and decides nothing about which gang to stop.
 """
 
@@ -10,7 +15,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
 
 import urllib3
 from kubernetes import client
@@ -25,18 +29,17 @@ from preemption.runtimes.kubernetes.cluster import (
     translate,
 )
 from preemption.runtimes.kubernetes.config import (
-    ATTEMPT_LABEL,
     GRACE_ANNOTATION,
     KILLED_ANNOTATION,
     SIGNALLED_ANNOTATION,
-    STOP_REQUESTED_ANNOTATION,
     gang_name,
     pod_name,
 )
 
 
 def signal(cluster: Cluster, gang: GangId, grace_seconds: float) -> None:
-    """Evict every rank at once with ``gracePeriodSeconds``; retry 429 with backoff.
+    """Evict every rank at once with ``gracePeriodSeconds``, once the gang's record
+    says this runtime signalled it; retry 429 with backoff.
 
     Idempotent: ranks already gone count as done, and a second call only
     re-issues evictions (the API server never lengthens a grace period).
@@ -51,26 +54,28 @@ def signal(cluster: Cluster, gang: GangId, grace_seconds: float) -> None:
     now = time.time()
     with cluster.lock:
         first_signal = gang not in cluster.signalled
-        signalled_at = cluster.signalled.setdefault(gang, now)
-    mark = stop_mark(gang.attempt, "signal", signalled_at)
+        cluster.signalled.setdefault(gang, now)
+    if first_signal:
+        try:
+            _record_signal_once(cluster, gang, namespace, now, grace_seconds)
+        except Exception:
+            # Nothing was evicted: the next call writes the record again.
+            with cluster.lock:
+                if cluster.signalled.get(gang) == now:
+                    del cluster.signalled[gang]
+            raise
     deadline = time.monotonic() + cluster.settings.eviction_retry_seconds
     outcomes = list(
         cluster.pool.map(
             lambda rank: (
                 rank,
-                *_evict(cluster, namespace, pod_name(gang, rank), grace, deadline, mark),
+                *_evict(cluster, namespace, pod_name(gang, rank), grace, deadline),
             ),
             range(world_size),
         )
     )
     with cluster.lock:
         cluster.last_eviction_answered_at = max(answered for _, _, answered in outcomes)
-    if first_signal:
-        # Recorded in the cluster so a restarted worker still knows when the
-        # gang was told to stop. It follows the evictions rather than
-        # delaying them: until it lands, the pods' DisruptionTarget
-        # conditions already say they are being evicted.
-        _annotate_signal_once(cluster, gang, namespace, now, grace_seconds)
     blocked = {rank: message for rank, message, _ in outcomes if message is not None}
     with cluster.lock:
         if blocked:
@@ -85,31 +90,57 @@ def signal(cluster: Cluster, gang: GangId, grace_seconds: float) -> None:
         )
 
 
-def _annotate_signal_once(
+def _record_signal_once(
     cluster: Cluster, gang: GangId, namespace: str, at: float, grace_seconds: float
 ) -> None:
+    """Write on the gang's record when this runtime signalled it, unless a worker
+    before this one did (its time stands, and this worker adopts it). Raises
+    RuntimeTemporaryError where the record cannot be read or written: no pod is
+    evicted before its record says who evicts it."""
     try:
         record = cluster.core.read_namespaced_config_map(gang_name(gang), namespace)
-    except ApiException:
-        return
+    except ApiException as error:
+        if is_gone(error):
+            return
+        raise translate(error, f"read {gang_name(gang)}") from error
+    except (urllib3.exceptions.HTTPError, OSError) as error:
+        raise RuntimeTemporaryError(f"API server unreachable: {error}") from error
     annotations = record.metadata.annotations or {}
     if SIGNALLED_ANNOTATION in annotations:
         with cluster.lock:
             cluster.signalled[gang] = float(annotations[SIGNALLED_ANNOTATION])
         return
-    cluster.annotate(
+    _write_record(
+        cluster,
         gang,
         namespace,
         {SIGNALLED_ANNOTATION: f"{at:.6f}", GRACE_ANNOTATION: f"{grace_seconds:g}"},
     )
 
 
+def _write_record(
+    cluster: Cluster, gang: GangId, namespace: str, annotations: dict[str, str]
+) -> None:
+    """Annotate the gang's record; a record already gone (the gang forgotten) is no
+    error, any other failure is the protocol's (RuntimeTemporaryError mostly)."""
+    try:
+        cluster.core.patch_namespaced_config_map(
+            gang_name(gang),
+            namespace,
+            {"metadata": {"annotations": annotations}},
+            _preload_content=False,
+        )
+    except ApiException as error:
+        if not is_gone(error):
+            raise translate(error, f"annotate {gang_name(gang)}") from error
+    except (urllib3.exceptions.HTTPError, OSError) as error:
+        raise RuntimeTemporaryError(f"API server unreachable: {error}") from error
+
+
 def _evict(
-    cluster: Cluster, namespace: str, name: str, grace: int, deadline: float, mark: str
+    cluster: Cluster, namespace: str, name: str, grace: int, deadline: float
 ) -> tuple[str | None, float]:
-    """Mark one pod as stopped by this runtime, then evict it: (None when done, else
-    why it is still blocked; when answered). The mark goes first, so no eviction of
-    this runtime's is ever seen unmarked, not even by a worker started after it."""
+    """Evict one pod: (None when done, else why it is still blocked; when answered)."""
     body = {
         "apiVersion": "policy/v1",
         "kind": "Eviction",
@@ -117,12 +148,8 @@ def _evict(
         "deleteOptions": {"gracePeriodSeconds": grace},
     }
     pause = 0.05
-    marked = False
     while True:
         try:
-            if not marked:
-                _mark_stop(cluster, namespace, name, mark)
-                marked = True
             # The answer's body is not needed: skip deserializing it.
             cluster.core.create_namespaced_pod_eviction(
                 name, namespace, body, _preload_content=False
@@ -141,16 +168,6 @@ def _evict(
         pause = min(pause * 2, 0.5)
 
 
-def _mark_stop(cluster: Cluster, namespace: str, name: str, mark: str) -> None:
-    """Annotate a rank pod with this runtime's stop (see STOP_REQUESTED_ANNOTATION)."""
-    cluster.core.patch_namespaced_pod(
-        name,
-        namespace,
-        {"metadata": {"annotations": {STOP_REQUESTED_ANNOTATION: mark}}},
-        _preload_content=False,
-    )
-
-
 def eviction_blocked(cluster: Cluster, gang: GangId) -> dict[int, str]:
     """Ranks whose last eviction a PodDisruptionBudget refused, with the reason."""
     with cluster.lock:
@@ -158,27 +175,21 @@ def eviction_blocked(cluster: Cluster, gang: GangId) -> dict[int, str]:
 
 
 def kill(cluster: Cluster, gang: GangId) -> None:
-    """Delete every rank's pod with grace 0. Idempotent."""
+    """Delete every rank's pod with grace 0, once the gang's record says so. Idempotent."""
     location = cluster.gang_location(gang)
     if location is None:
         return
     namespace, world_size = location
     killed_at = time.time()
-    cluster.annotate(gang, namespace, {KILLED_ANNOTATION: f"{killed_at:.6f}"})
-    body = client.V1DeleteOptions(grace_period_seconds=0)
+    # A gang killed unsignalled (stuck at its start) is stopped by this runtime from
+    # now: its ranks' deletions are then never read as a disruption.
+    _write_record(cluster, gang, namespace, {KILLED_ANNOTATION: f"{killed_at:.6f}"})
     with cluster.lock:
-        signalled_at = cluster.signalled.get(gang)
-    # A pod this runtime signalled keeps its signal's mark; one it kills unsignalled
-    # (a gang stuck at its start) is marked as killed, so neither reads as a disruption.
-    mark = (
-        stop_mark(gang.attempt, "signal", signalled_at)
-        if signalled_at is not None
-        else stop_mark(gang.attempt, "kill", killed_at)
-    )
+        cluster.signalled.setdefault(gang, killed_at)
+    body = client.V1DeleteOptions(grace_period_seconds=0)
 
     def delete(rank: int) -> Exception | None:
         try:
-            _mark_stop(cluster, namespace, pod_name(gang, rank), mark)
             cluster.core.delete_namespaced_pod(pod_name(gang, rank), namespace, body=body)
         except ApiException as error:
             if not is_gone(error):
@@ -188,23 +199,3 @@ def kill(cluster: Cluster, gang: GangId) -> None:
     errors = [e for e in cluster.pool.map(delete, range(world_size)) if e is not None]
     if errors:
         raise errors[0]
-
-
-def stop_mark(attempt: int, kind: str, at: float) -> str:
-    """The value of STOP_REQUESTED_ANNOTATION: "<attempt>/<kind>/<when>"."""
-    return f"{attempt}/{kind}/{at:.6f}"
-
-
-def stop_marked_at(pod: Any) -> float | None:
-    """When this runtime asked to stop the pod, from its STOP_REQUESTED_ANNOTATION,
-    or None when it never did (or the mark is not one of its own)."""
-    mark = (pod.metadata.annotations or {}).get(STOP_REQUESTED_ANNOTATION)
-    if not mark:
-        return None
-    attempt, _, rest = mark.partition("/")
-    if attempt != (pod.metadata.labels or {}).get(ATTEMPT_LABEL):
-        return None
-    try:
-        return float(rest.rpartition("/")[2])
-    except ValueError:
-        return None

@@ -23,6 +23,7 @@ from preemption.runtimes.kubernetes.config import (
     GANG_LABEL,
     GPU_RESOURCE,
     JOB_LABEL,
+    KILLED_ANNOTATION,
     LAUNCHED_ANNOTATION,
     MANAGED_BY,
     MANAGED_BY_LABEL,
@@ -33,7 +34,12 @@ from preemption.runtimes.kubernetes.config import (
     gang_selector,
     pod_name,
 )
-from preemption.runtimes.kubernetes.evict import stop_marked_at
+
+# How far before the moment this runtime stopped a gang (its record's time) the
+# DisruptionTarget condition of one of its pods may say it began and still be this
+# runtime's own eviction: the condition's time is whole seconds, and the API
+# server's clock may run a little behind the control plane's.
+STOP_CLOCK_SLACK_SECONDS = 2.0
 
 
 def observe(cluster: Cluster, gang: GangId | None = None) -> list[RankObservation]:
@@ -44,6 +50,8 @@ def observe(cluster: Cluster, gang: GangId | None = None) -> list[RankObservatio
     # pod listing taken before its pods were created (which would read as
     # every rank lost).
     try:
+        # The nodes' readiness does not depend on the gangs: asked for side by side.
+        ready = cluster.pool.submit(_ready_nodes, cluster)
         if cluster.settings.namespace_per_team:
             records = cluster.core.list_config_map_for_all_namespaces(label_selector=selector).items
         else:
@@ -51,7 +59,7 @@ def observe(cluster: Cluster, gang: GangId | None = None) -> list[RankObservatio
                 cluster.settings.namespace, label_selector=selector
             ).items
         pods = _pods_for(cluster, records, gang)
-        ready_nodes = _ready_nodes(cluster)
+        ready_nodes = ready.result()
     except ApiException as error:
         raise translate(error, "observe") from error
     pods_by_gang: dict[GangId, dict[int, Any]] = {}
@@ -59,14 +67,16 @@ def observe(cluster: Cluster, gang: GangId | None = None) -> list[RankObservatio
         labels = pod.metadata.labels or {}
         key = GangId(int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]))
         pods_by_gang.setdefault(key, {})[int(labels[RANK_LABEL])] = pod
+    stopped = _stopped_at(cluster, records)
     observations: list[RankObservation] = []
     disrupted = {
-        (int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]), int(labels[RANK_LABEL])): reason
+        (key.job_id, key.attempt, int(labels[RANK_LABEL])): reason
         for pod in pods
-        if stop_marked_at(pod) is None
         for reason in [_taken_by(pod)]
         if reason is not None
         for labels in [pod.metadata.labels or {}]
+        for key in [GangId(int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]))]
+        if not _own_stop(pod, stopped.get(key))
     }
     with cluster.lock:
         if gang is None:
@@ -81,8 +91,7 @@ def observe(cluster: Cluster, gang: GangId | None = None) -> list[RankObservatio
         labels = record.metadata.labels or {}
         key = GangId(int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]))
         annotations = record.metadata.annotations or {}
-        signalled = annotations.get(SIGNALLED_ANNOTATION)
-        signalled_at = float(signalled) if signalled else cluster.signalled.get(key)
+        signalled_at = stopped.get(key)
         launched = LAUNCHED_ANNOTATION in annotations
         placement = dict(
             item.split("=", 1)
@@ -114,6 +123,40 @@ def observe(cluster: Cluster, gang: GangId | None = None) -> list[RankObservatio
                 observations.append(rank_observation(pod, signalled_at, ready_nodes))
     observations.sort(key=lambda o: (o.job_id, o.attempt, o.rank))
     return observations
+
+
+def _stopped_at(cluster: Cluster, records: list[Any]) -> dict[GangId, float]:
+    """When this runtime stopped each gang: signalled it, or killed it unsignalled, from
+    the gang's record, else from this worker's memory of a stop whose record is being
+    written. A signal on record is remembered, so a worker started since does not
+    write it again."""
+    stopped: dict[GangId, float] = {}
+    with cluster.lock:
+        for record in records:
+            labels = record.metadata.labels or {}
+            key = GangId(int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]))
+            annotations = record.metadata.annotations or {}
+            signalled = annotations.get(SIGNALLED_ANNOTATION)
+            if signalled:
+                cluster.signalled.setdefault(key, float(signalled))
+            killed = annotations.get(KILLED_ANNOTATION)
+            at = cluster.signalled.get(key)
+            if at is None and killed:
+                at = float(killed)
+            if at is not None:
+                stopped[key] = at
+    return stopped
+
+
+def _own_stop(pod: Any, stopped_at: float | None) -> bool:
+    """Whether the end of a pod that something other than the rank ended is this
+    runtime's own stop: its gang was stopped by this runtime, and the pod's disruption
+    did not begin before that (a drain's eviction that came first stays a disruption)."""
+    if stopped_at is None:
+        return False
+    condition = _disruption(pod)
+    began = _parse_time(condition.last_transition_time) if condition is not None else None
+    return began is None or began >= stopped_at - STOP_CLOCK_SLACK_SECONDS
 
 
 def _list_pods(cluster: Cluster, selector: str) -> list[Any]:
@@ -425,13 +468,12 @@ def rank_observation(
     node that is not Ready is ``lost``; a pod being deleted or marked with a
     DisruptionTarget condition is ``terminating``.
 
-    ``signalled_at`` is when this runtime signalled the gang, from its own record
-    (in memory, then the gang record's annotation); without it, the pod's own mark
-    (STOP_REQUESTED_ANNOTATION, set before its eviction or deletion) says so. An
-    Eviction API call carries no mark of who made it, so an eviction of an unmarked
-    pod is someone else's (``kubectl drain``, the kubelet, kube-scheduler), whether
-    of one rank or of every rank: its signal is not recorded as sent, and the gang
-    guard and the reconciler see a disruption.
+    ``signalled_at`` is when this runtime stopped the gang, from the gang's record
+    (written before any of its pods is evicted or deleted) or this worker's memory.
+    An Eviction API call carries no mark of who made it, so an eviction of a pod of
+    a gang this runtime never stopped is someone else's (``kubectl drain``, the
+    kubelet, kube-scheduler), whether of one rank or of every rank: its signal is
+    not recorded as sent, and the gang guard and the reconciler see a disruption.
     """
     labels = pod.metadata.labels or {}
     started_at = exited_at = None
@@ -455,8 +497,6 @@ def rank_observation(
                 exit_code = int(terminated.exit_code)
                 exited_at = _parse_time(terminated.finished_at)
     node = pod.spec.node_name or labels.get(NODE_LABEL, "")
-    if signalled_at is None:
-        signalled_at = stop_marked_at(pod)
     if pod.status.phase in ("Succeeded", "Failed"):
         phase = "exited"
     elif pod.metadata.deletion_timestamp is not None and not pod.spec.node_name:

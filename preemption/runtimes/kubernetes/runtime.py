@@ -10,7 +10,7 @@ defined there. It imports no Django.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kubernetes import client, config
 
@@ -220,14 +220,17 @@ class KubernetesRuntime:
         """Pods can be taken away by the cluster itself, so this runtime guards gangs."""
         return self
 
-    def guard_victims(self) -> list[GangId]:
-        """``gang_guard_victims`` over a fresh observation, with disruption conditions.
+    def guard_victims(self, observations: Iterable[RankObservation] | None = None) -> list[GangId]:
+        """``gang_guard_victims`` over ``observations`` that the caller has just made
+        with observe(), else over a fresh observation of every gang, with their
+        disruption conditions.
 
         A rank that kube-scheduler preempted may already have exited 0 (its
         trap checkpointed in time); its DisruptionTarget condition still says
         it was taken away rather than finished.
         """
-        observations = self.observe()
+        if observations is None:
+            observations = self.observe()
         with self.cluster.lock:
             disrupted = set(self.cluster.disrupted)
         return observe.gang_guard_victims(observations, disrupted=disrupted)

@@ -577,13 +577,13 @@ def test_a_drain_evicting_one_rank_is_not_taken_for_our_own_signal_and_the_guard
     runtime.forget(gang)
 
 
-def test_every_rank_evicted_unmarked_with_no_signal_on_record_is_not_our_own_signal(
+def test_every_rank_evicted_with_no_signal_on_record_is_not_our_own_signal(
     small_runtime: MakeRuntime, k8s_api: client.ApiClient, restricted: str
 ) -> None:
-    """Every rank evicted, no signal on record, and no pod marked by the runtime: a
-    drain of every rank, not the runtime's own signal, which marks each pod before
-    its eviction (tests/k8s/realnodes/test_real_drain.py has the runtime's own
-    eviction seen by a restarted worker). No rank is left for the guard to stop."""
+    """Every rank evicted and no signal on the gang's record: a drain of every rank,
+    not the runtime's own signal, which writes the record before its first eviction
+    (tests/k8s/realnodes/test_real_drain.py has the runtime's own eviction seen by a
+    restarted worker). No rank is left for the guard to stop."""
     core = client.CoreV1Api(k8s_api)
     runtime = small_runtime()
     spec = gang_spec(960, {NODES[0]: 1, NODES[1]: 1}, command=RANK_COMMAND, grace_seconds=5)

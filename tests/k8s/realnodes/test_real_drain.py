@@ -1,8 +1,8 @@
 """A drain of every rank of a gang on real kubelets, and the runtime's own eviction
 seen by a restarted control plane.
 
-An Eviction API call carries no mark of who made it. The runtime marks each rank pod
-(``quartermaster.dev/stop-requested``) before it evicts it for its own stop, so:
+An Eviction API call carries no mark of who made it. The runtime writes on the gang's
+record when it stops the gang before it evicts a pod, so:
 
 * ``kubectl drain`` of the nodes that hold every rank of a 2-rank gang (an Eviction
   of each pod, no grace given) is a disruption, not the runtime's signal, although
@@ -10,8 +10,8 @@ An Eviction API call carries no mark of who made it. The runtime marks each rank
   checkpointed would, and the reconciler requeues the job from its committed
   checkpoint with the drain's words, never as succeeded; its next attempt runs;
 * the runtime's own eviction, seen by a fresh KubernetesRuntime (a control plane
-  restarted with empty memory, before its record of the signal reached the gang's
-  ConfigMap), is still its own: no disruption, no gang guard.
+  restarted with empty memory just after its evictions), is still its own: no
+  disruption, no gang guard.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from kubernetes import client
 from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank
 from preemption.reconcile import reconcile_jobs
 from preemption.runtimes.base import GangId
-from preemption.runtimes.kubernetes import KubernetesRuntime, evict
-from preemption.runtimes.kubernetes.config import STOP_REQUESTED_ANNOTATION, pod_name
+from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes.config import SIGNALLED_ANNOTATION, gang_name, pod_name
 
 # restricted and small_runtime are fixtures of the containment tests, used here too.
 from tests.k8s.realnodes.test_real_containment import (
@@ -136,14 +136,11 @@ def test_a_drain_of_every_rank_requeues_the_job_as_disrupted_and_it_resumes(
 
 
 def test_the_runtimes_own_eviction_is_its_own_to_a_restarted_control_plane(
-    small_runtime: MakeRuntime,
-    k8s_api: client.ApiClient,
-    restricted: str,
-    monkeypatch: pytest.MonkeyPatch,
+    small_runtime: MakeRuntime, k8s_api: client.ApiClient, restricted: str
 ) -> None:
-    """The worker signals the gang and dies before its record of the signal reaches the
-    gang's ConfigMap: a fresh runtime, with nothing in memory, sees every rank evicted
-    and no signal on record. The pods' marks say the evictions were its own."""
+    """The worker signals the gang and dies: a fresh runtime, with nothing in memory,
+    sees every rank evicted, and the gang's record, written before the evictions,
+    says they were its own."""
     core = client.CoreV1Api(k8s_api)
     runtime = small_runtime()
     spec = gang_spec(961, {NODES[0]: 1, NODES[1]: 1}, command=RANK_COMMAND, grace_seconds=5)
@@ -152,16 +149,19 @@ def test_the_runtimes_own_eviction_is_its_own_to_a_restarted_control_plane(
     wait_for(lambda: all_in(runtime, gang, "running", 2), timeout=60, what="ranks running")
     for rank in (0, 1):
         _log_with(runtime, gang, rank, b"started")
-    monkeypatch.setattr(evict, "_annotate_signal_once", lambda *args, **kwargs: None)
     runtime.signal(gang, 5)
+    record = core.read_namespaced_config_map(gang_name(gang), restricted)
+    signalled_at = float(record.metadata.annotations[SIGNALLED_ANNOTATION])
     for rank in (0, 1):
         pod = core.read_namespaced_pod(pod_name(gang, rank), restricted)
-        assert pod.metadata.annotations[STOP_REQUESTED_ANNOTATION].startswith("1/signal/")
+        evicted = next(c for c in pod.status.conditions if c.type == "DisruptionTarget")
+        # The condition's time is whole seconds of the API server's clock.
+        assert evicted.last_transition_time.timestamp() >= int(signalled_at), (evicted, record)
 
     restarted = small_runtime()
     observed = restarted.observe(gang)
     assert [o.phase for o in observed] == ["terminating", "terminating"], observed
-    assert all(o.signal_sent_at is not None for o in observed), observed
+    assert all(o.signal_sent_at == pytest.approx(signalled_at, abs=1e-6) for o in observed)
     assert restarted.taken_ranks(gang) == {}
     assert restarted.guard_victims() == []
     _wait_exited(restarted, gang, 2)
