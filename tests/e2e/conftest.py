@@ -62,41 +62,51 @@ class Session:
         self.page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
 
 
-@pytest.fixture
-def browser_session(live_server: Any) -> Iterator[Session]:
+@pytest.fixture(scope="module")
+def _browser() -> Iterator[Any]:
+    """One Chromium for the tests of a module; each test opens a context of its own
+    (its own cookies, storage and cache), so no test sees what another did, while
+    starting Playwright's driver and the browser, seconds of CPU, is paid once."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
         )
-        context = browser.new_context(
-            viewport={"width": 1440, "height": 900}, accept_downloads=True
-        )
-        page = context.new_page()
-        session = Session(page=page, base_url=live_server.url)
-
-        def on_console(message: Any) -> None:
-            if message.type == "error":
-                session.console_errors.append(message.text)
-
-        def on_request(request: Any) -> None:
-            host = urlsplit(request.url).hostname
-            if request.url.startswith(("data:", "blob:", "about:")):
-                return
-            if host != "127.0.0.1":
-                session.foreign_requests.append(request.url)
-
-        page.on("console", on_console)
-        page.on("pageerror", lambda error: session.console_errors.append(str(error)))
-        page.on("request", on_request)
         try:
-            yield session
+            yield browser
         finally:
-            context.close()
             browser.close()
             # With Playwright's loop running in this thread, Django keeps the connections
-            # the test opens meanwhile per asyncio context, apart from the thread's own,
-            # and pytest-django's teardown only closes the thread's: close these here,
-            # or the test database cannot be dropped at the end of the session.
+            # opened meanwhile per asyncio context, apart from the thread's own, and
+            # pytest-django's teardown only closes the thread's: close these here, or the
+            # test database cannot be dropped at the end of the session.
             connections.close_all()
+
+
+@pytest.fixture
+def browser_session(live_server: Any, _browser: Any) -> Iterator[Session]:
+    context = _browser.new_context(viewport={"width": 1440, "height": 900}, accept_downloads=True)
+    page = context.new_page()
+    session = Session(page=page, base_url=live_server.url)
+
+    def on_console(message: Any) -> None:
+        if message.type == "error":
+            session.console_errors.append(message.text)
+
+    def on_request(request: Any) -> None:
+        host = urlsplit(request.url).hostname
+        if request.url.startswith(("data:", "blob:", "about:")):
+            return
+        if host != "127.0.0.1":
+            session.foreign_requests.append(request.url)
+
+    page.on("console", on_console)
+    page.on("pageerror", lambda error: session.console_errors.append(str(error)))
+    page.on("request", on_request)
+    try:
+        yield session
+    finally:
+        context.close()
+        # The connections this test opened while the loop ran (see `_browser`).
+        connections.close_all()
