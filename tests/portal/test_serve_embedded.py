@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -78,24 +79,37 @@ job_submit(
 """
 
 
-def _serve_with_a_job(
-    runner_tmp_path: Path, *options: str
-) -> tuple[subprocess.Popen[str], dict[str, str], str]:
-    """Serve with a running two-rank job; the server, its environment and the
-    marker on its ranks' command lines."""
-    marker = f"qm-serve-test-{uuid.uuid4().hex}"
+def _installation_env(var: Path) -> dict[str, str]:
+    """The environment of an embedded installation in `var` (SQLite, the disk broker)."""
     env = {
         key: value
         for key, value in os.environ.items()
         if key not in ("DATABASE_URL", "CELERY_BROKER_URL", "QM_RUNS_DIR", "QM_CHECKPOINTS_DIR")
     }
-    env.update(
-        QM_VAR_DIR=str(runner_tmp_path / "var"),
-        QM_RUNNER_USER=settings.QM_RUNNER_USER,
-        PYTHONPATH=str(ROOT),
-    )
+    env.update(QM_VAR_DIR=str(var), QM_RUNNER_USER=settings.QM_RUNNER_USER, PYTHONPATH=str(ROOT))
+    return env
+
+
+@pytest.fixture(scope="module")
+def seeded_var(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An installation's folder after `migrate` and `seed_demo --no-jobs`, made once for
+    the module: each test serves a copy of its own, the folder a fresh installation
+    would have, instead of migrating and seeding one again (seconds of CPU each)."""
+    var = tmp_path_factory.mktemp("seeded") / "var"
+    env = _installation_env(var)
     _manage(env, "migrate", "--noinput", "-v0")
     _manage(env, "seed_demo", "--no-jobs")
+    return var
+
+
+def _serve_with_a_job(
+    runner_tmp_path: Path, seeded_var: Path, *options: str
+) -> tuple[subprocess.Popen[str], dict[str, str], str]:
+    """Serve a copy of `seeded_var` with a running two-rank job; the server, its
+    environment and the marker on its ranks' command lines."""
+    marker = f"qm-serve-test-{uuid.uuid4().hex}"
+    shutil.copytree(seeded_var, runner_tmp_path / "var", symlinks=True)
+    env = _installation_env(runner_tmp_path / "var")
     _manage(env, "shell", "-c", SUBMIT.replace("MARKER", marker))
     port = _free_port()
     server = subprocess.Popen(
@@ -124,11 +138,11 @@ def _serve_with_a_job(
 
 
 def _serve_then_interrupt(
-    runner_tmp_path: Path, *options: str
+    runner_tmp_path: Path, seeded_var: Path, *options: str
 ) -> tuple[str, int, list[int], dict[str, str], str]:
     """Serve with a running two-rank job, press Ctrl-C, and return the output,
     the exit code, the rank processes left, the environment and the marker."""
-    server, env, marker = _serve_with_a_job(runner_tmp_path, *options)
+    server, env, marker = _serve_with_a_job(runner_tmp_path, seeded_var, *options)
     try:
         server.send_signal(signal.SIGINT)
         output, _ = server.communicate(timeout=120)
@@ -150,9 +164,9 @@ def _of_installation(var_dir: str) -> list[psutil.Process]:
 
 
 def test_ctrl_c_stops_the_ranks_of_running_jobs(
-    runner_account: RunnerAccount, runner_tmp_path: Path
+    runner_account: RunnerAccount, runner_tmp_path: Path, seeded_var: Path
 ) -> None:
-    output, code, left, env, marker = _serve_then_interrupt(runner_tmp_path)
+    output, code, left, env, marker = _serve_then_interrupt(runner_tmp_path, seeded_var)
     try:
         assert left == [], f"rank processes left behind: {left}\n{output}"
         assert "Stopped 2 rank processes of 1 jobs" in output, output
@@ -192,13 +206,13 @@ def test_ctrl_c_stops_the_ranks_of_running_jobs(
 
 
 def test_a_supervisor_that_kills_the_portal_soon_after_its_sigterm_leaves_no_rank_behind(
-    runner_account: RunnerAccount, runner_tmp_path: Path
+    runner_account: RunnerAccount, runner_tmp_path: Path, seeded_var: Path
 ) -> None:
     """Container runtimes and service managers SIGKILL a service some seconds after
     their SIGTERM. The ranks are told at once, while the worker is still finishing
     its tasks, so once the portal says it is stopping them a kill of the portal
     itself no longer leaves them running: they exit on their SIGTERM."""
-    server, env, marker = _serve_with_a_job(runner_tmp_path)
+    server, env, marker = _serve_with_a_job(runner_tmp_path, seeded_var)
     said: list[str] = []
     try:
         server.send_signal(signal.SIGTERM)
@@ -233,9 +247,11 @@ def test_a_supervisor_that_kills_the_portal_soon_after_its_sigterm_leaves_no_ran
 
 
 def test_keep_jobs_leaves_the_ranks_running_and_says_so(
-    runner_account: RunnerAccount, runner_tmp_path: Path
+    runner_account: RunnerAccount, runner_tmp_path: Path, seeded_var: Path
 ) -> None:
-    output, code, left, _, marker = _serve_then_interrupt(runner_tmp_path, "--keep-jobs")
+    output, code, left, _, marker = _serve_then_interrupt(
+        runner_tmp_path, seeded_var, "--keep-jobs"
+    )
     try:
         assert len(left) >= 2, output
         assert "Left 2 rank processes of 1 jobs running (--keep-jobs)" in output, output
