@@ -3,8 +3,10 @@ becomes of each.
 
 Decides, for every pending workload of one flavor, whether it starts now on free GPUs,
 waits for GPUs already being released (R11), takes victims (reclaim, priority or fair
-share; consolidation when free GPUs are scattered) and waits for them, or waits with a
-reason. Workloads are taken from a heap of queues: work that fits inside its queue's
+share; consolidation when free GPUs are scattered) or shrinks running elastic gangs
+(``elastic.py``), whichever loses less work, and waits for them, or waits with a
+reason; and, once all of them are planned, which running elastic gangs grow.
+Workloads are taken from a heap of queues: work that fits inside its queue's
 guarantee (its own or an ancestor's) first, and of that the work inside its queue's own
 guarantee first, oldest submission first across queues; then the queue furthest below
 its fair share (ties: older submission); inside a queue, higher priority first, then
@@ -24,7 +26,19 @@ import math
 
 from .consolidation import consolidate, reclaim_and_move
 from .decisions import WaitOutcome
-from .model import FAIR_SHARE, PRIORITY, RECLAIM, PriorityClass
+from .elastic import (
+    Shrink,
+    evictions_cost,
+    give_back,
+    grow_placement,
+    grown_placement,
+    shrink_costs_less,
+    shrink_for,
+    shrinks_cost,
+    take_again,
+)
+from .model import FAIR_SHARE, PRIORITY, RECLAIM, PriorityClass, Resize
+from .nodes import Placement
 from .preemption import MAX_CANDIDATES_PER_ATTEMPT, reclaim_by_node
 from .reclaim_scan import ReclaimStream
 from .searches import FlavorSearches
@@ -77,6 +91,8 @@ class FlavorPlanner(FlavorSearches):
                 retry.append(again)
             self.retrying = True
             self._pass(retry)
+        if self.growable:
+            self._grow()
         # No scan runs any more: the ledger stops telling the candidates when a queue
         # crosses its guarantee. That also undoes the reference cycle between the two,
         # so the plan's candidates are freed when it ends, not walked and freed later
@@ -325,6 +341,94 @@ class FlavorPlanner(FlavorSearches):
         self.changes += 1
         return list(on)
 
+    def _shrink_search(self, job: PendingJob, mode: str) -> tuple[list[Shrink], Placement] | None:
+        """The shrinks of running elastic gangs that let ``job`` in for ``mode``, with
+        their quota usage given back until the planner takes them (``_take_shrinks``),
+        so that the eviction search starts from the same ledger.
+
+        It changes nothing it reads, so a workload of the same kind planned while
+        nothing else changed finds the same (``outcome_by_kind`` may be reused)."""
+        found = shrink_for(self.ledger, self.nodes, self.shrinkable, job, mode)
+        if found is not None:
+            give_back(self.ledger, found[0])
+        return found
+
+    def _take_shrinks(self, job: PendingJob, found: tuple[list[Shrink], Placement]) -> None:
+        """Take the shrinks ``_shrink_search`` found for ``job``."""
+        shrinks, placement = found
+        take_again(self.ledger, shrinks)
+        self._shrink(job, shrinks, placement)
+
+    def _grow(self) -> None:
+        """Grow running elastic gangs into the GPUs left free once every pending
+        workload of the flavor was planned.
+
+        A gang grows to the largest of its sizes that its quota allows and the free GPUs
+        hold (its own nodes first), once it has run its class's fair-share minimum since
+        its last start or resize (the anti-flap margin: what it takes may be taken back
+        by fair share). It grows beyond a guarantee on its path only while no other
+        team's work of the flavor waits (that work would reclaim or take back by fair
+        share what it borrows, one plan after the grow), and not at all while work of
+        its own team of higher priority waits (the queue's order gives free GPUs to
+        that work first). Higher priority first, then the gang that started first.
+        """
+        ledger = self.ledger
+        nodes = self.nodes
+        path = self.tree.path
+        taken = {p.id for p in self.preempt}
+        for resize in self.resize:
+            taken.add(resize.workload)
+        waiting_priority: dict[int, int] = {}
+        for jobs in self.pending:
+            for job in jobs:
+                if job.workload.id in self.waits:
+                    known = waiting_priority.get(job.queue)
+                    if known is None or job.priority > known:
+                        waiting_priority[job.queue] = job.priority
+        gangs = sorted(
+            self.growable,
+            key=lambda entry: (-entry[2].value, entry[0].admitted_at or 0.0, entry[0].id),
+        )
+        for workload, queue, priority_class in gangs:
+            if workload.id in taken:
+                continue
+            admitted = workload.admitted_at
+            minimum = self.minimums[priority_class.name][FAIR_SHARE]
+            if admitted is not None and self.now - admitted < minimum:
+                continue
+            own = waiting_priority.get(queue)
+            if own is not None and own > priority_class.value:
+                continue
+            others_wait = any(other != queue for other in waiting_priority)
+            gpus_per_rank = workload.gpus_per_rank
+            for size in reversed(workload.sizes):
+                if size <= workload.ranks:
+                    break
+                extra = (size - workload.ranks) * gpus_per_rank
+                if ledger.quota_reason(queue, extra, priority_class) is not None:
+                    continue
+                if others_wait and any(
+                    ledger.usage[x] + extra > ledger.guarantee[x] for x in path[queue]
+                ):
+                    continue
+                added = grow_placement(nodes, workload, size - workload.ranks)
+                if added is None:
+                    continue
+                nodes.claim(added, gpus_per_rank)
+                ledger.add_usage(queue, extra)
+                if not priority_class.preemptible:
+                    ledger.pinned_usage[queue] += extra
+                self.resize.append(
+                    Resize(
+                        workload.id,
+                        size,
+                        grown_placement(nodes.names, nodes.index, workload, added),
+                        f"grown from {workload.ranks} to {size} ranks",
+                    )
+                )
+                self.resized_usage.append((queue, extra))
+                break
+
     def _plan_job(self, job: PendingJob) -> None:
         kept_on: list[int] = []
         if self.kept and job.workload.id in self.kept:
@@ -426,10 +530,19 @@ class FlavorPlanner(FlavorSearches):
             # Reclaim and fair-share moves do not depend on the preemptor's priority.
             value = priority_class.value if mode == PRIORITY else 0
             attempt = (queue, mode, gpus_per_rank, value, priority_class.preemptible)
+            # Running elastic gangs that could give up ranks instead (elastic.py): the
+            # eviction search below decides only which of the two costs less.
+            shrunk = self._shrink_search(job, mode) if self.shrinkable else None
             failed = failed_attempts.get(attempt)
             if failed is not None and failed[1] == self.candidates_version and ranks >= failed[0]:
+                if shrunk is not None:
+                    self._take_shrinks(job, shrunk)
+                    return
                 continue
             if mode == FAIR_SHARE and self._known_dry(job):
+                if shrunk is not None:
+                    self._take_shrinks(job, shrunk)
+                    return
                 continue
             self.changes += 1
             candidates = self._candidates(job, mode, reclaimed)
@@ -448,10 +561,19 @@ class FlavorPlanner(FlavorSearches):
                 result = reclaim_by_node(ledger, nodes, self.victims, job)
             if result is None:
                 failed_attempts[attempt] = (ranks, self.candidates_version)
+                if shrunk is not None:
+                    self._take_shrinks(job, shrunk)
+                    return
                 if stream is not None and stream.complete(MAX_CANDIDATES_PER_ATTEMPT):
                     reclaimed = stream.items
                 continue
             victims, placement = result
+            if shrunk is not None and shrink_costs_less(
+                shrinks_cost(shrunk[0]), evictions_cost(victims)
+            ):
+                self._give_back(victims)
+                self._take_shrinks(job, shrunk)
+                return
             self._take(job, victims, placement)
             return
         if (

@@ -3,7 +3,8 @@
 ``FlavorDecisions`` sets up what a flavor's planner works on (its nodes, the quota
 ledger, the candidate victims, the memos of earlier searches) and records what becomes
 of a workload: it starts on its GPUs (``_admit``), its victims give way to it
-(``_take``), it waits for GPUs reserved for it (``_wait_on``) or with a reason
+(``_take``) or running elastic gangs give up ranks to it (``_shrink``), it waits for
+GPUs reserved for it (``_wait_on``) or with a reason
 (``_wait_as``, and the reasons in words). The planner's searches
 (``searches.FlavorSearches``) and its passes (``cycle.FlavorPlanner``) build on it.
 Records decisions; never chooses which workload comes next nor which victims to take.
@@ -16,13 +17,18 @@ from collections.abc import Mapping
 
 from .candidates import VictimCandidates
 from .consolidation import CONSOLIDATIONS_PER_PLAN
+from .elastic import Shrink, may_grow, may_shrink
 from .ledger import QuotaLedger
 from .model import (
+    FAIR_SHARE,
     PENDING,
+    PRIORITY,
+    RECLAIM,
     TERMINATING,
     Admission,
     Preemption,
     PriorityClass,
+    Resize,
     Snapshot,
     Waiting,
     Workload,
@@ -31,7 +37,7 @@ from .model import (
 from .nodes import NodeMap, Placement
 from .preemption import Victims
 from .tree import QueueTree
-from .work import PendingJob, RunningWork, in_queue_order
+from .work import PendingJob, RunningWork, by_order, in_queue_order
 
 # Node-clearing reclaim searches (see preemption.reclaim_by_node) a plan may run: each
 # is a pass over the running work of the queues above their guarantee.
@@ -82,6 +88,10 @@ class FlavorDecisions:
         pinned_usage = [0] * count
         pending: list[list[PendingJob]] = [[] for _ in range(count)]
         candidates: list[list[RunningWork]] = [[] for _ in range(count)]
+        # Running elastic gangs whose class lets them be resized: those that may give
+        # up ranks, and those below their largest size, with their queue and class.
+        shrinkable: list[RunningWork] = []
+        self.growable: list[tuple[Workload, int, PriorityClass]] = []
         terminating: list[tuple[str, tuple[tuple[int, int], ...]]] = []
         freed_for: list[tuple[str, str, tuple[tuple[int, int], ...]]] = []
         for workload in workloads:
@@ -106,17 +116,20 @@ class FlavorDecisions:
                     terminating.append((workload.id, on_nodes))
                 continue
             leaf_usage[queue] += gpus
+            if may_grow(workload, priority_class.shrink_elastic):
+                self.growable.append((workload, queue, priority_class))
             if priority_class.preemptible:
-                candidates[queue].append(
-                    RunningWork(
-                        workload,
-                        queue,
-                        priority_class,
-                        on_nodes,
-                        self.now,
-                        self.minimums[priority_class.name],
-                    )
+                run = RunningWork(
+                    workload,
+                    queue,
+                    priority_class,
+                    on_nodes,
+                    self.now,
+                    self.minimums[priority_class.name],
                 )
+                candidates[queue].append(run)
+                if may_shrink(run):
+                    shrinkable.append(run)
             else:
                 pinned_usage[queue] += gpus
         for jobs in pending:
@@ -164,6 +177,13 @@ class FlavorDecisions:
             snapshot, tree, flavor, nodes.capacity, leaf_usage, leaf_demand, pinned_usage
         )
         self.victims = VictimCandidates(tree, self.ledger, candidates)
+        shrinkable.sort(key=by_order)
+        # In R9's order, cheapest first; a gang leaves the list's use once it is taken.
+        self.shrinkable = shrinkable
+        # Running elastic gangs resized in this plan, and per resize the (queue, GPUs)
+        # it adds to its queue's usage (fewer when negative), for the plan's status.
+        self.resize: list[Resize] = []
+        self.resized_usage: list[tuple[int, int]] = []
         # Per node: GPUs of preemptible running work in the snapshot (a rough measure of
         # what victims could free there, to rank topology domains).
         self.preemptible_on_node = [0] * len(nodes.names)
@@ -285,6 +305,49 @@ class FlavorDecisions:
             self._admit(job, placement)
         else:
             self._wait_on(job, placement, tuple(run.workload.id for run, _ in victims))
+
+    def _shrink(self, job: PendingJob, shrinks: list[Shrink], placement: Placement) -> None:
+        """Make running elastic gangs give up ranks (``shrinks``) to ``job``, which waits
+        for their GPUs on ``placement``. The shrinks' quota usage is already given up
+        (``elastic.shrink_for``); a shrunk gang is neither shrunk again nor evicted in
+        this plan."""
+        self.changes += 1
+        nodes = self.nodes
+        workload = job.workload
+        freed_by: list[str] = []
+        for shrink in shrinks:
+            run = shrink.run
+            self.victims.take(run)
+            gang = run.workload
+            for node, ranks in shrink.freed.items():
+                nodes.release(node, ranks * gang.gpus_per_rank, gang.id)
+            self.resize.append(
+                Resize(
+                    gang.id,
+                    shrink.ranks,
+                    shrink.kept(nodes.names),
+                    self._shrink_reason(shrink, job),
+                    workload.id,
+                )
+            )
+            self.resized_usage.append((run.queue, -shrink.gpus))
+            freed_by.append(gang.id)
+        self.unplaceable_on_releasing.clear()
+        self.unplaceable_in_domain_releasing.clear()
+        self._wait_on(job, placement, tuple(freed_by))
+
+    def _shrink_reason(self, shrink: Shrink, job: PendingJob) -> str:
+        """Why a gang shrinks, in words: its sizes, the reason and the job it is for."""
+        sizes = f"shrunk from {shrink.run.workload.ranks} to {shrink.ranks} ranks"
+        team = self.tree.names[job.queue]
+        job_id = job.workload.id
+        if shrink.reason == RECLAIM:
+            return f"{sizes} to reclaim team {team}'s guarantee for job {job_id}"
+        if shrink.reason == PRIORITY:
+            return f"{sizes} for job {job_id} of higher priority"
+        if shrink.reason == FAIR_SHARE:
+            return f"{sizes} for job {job_id}: team {team} is below its fair share"
+        return f"{sizes} for job {job_id}"
 
     def _admit(self, job: PendingJob, placement: Placement) -> None:
         """Start ``job`` on ``placement`` now; it becomes a candidate victim for later jobs.

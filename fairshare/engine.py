@@ -28,7 +28,17 @@ from __future__ import annotations
 
 from .collector import collector_paused
 from .cycle import FlavorPlanner
-from .model import Admission, FrozenMap, Plan, Preemption, QueueStatus, Snapshot, Waiting, Workload
+from .model import (
+    Admission,
+    FrozenMap,
+    Plan,
+    Preemption,
+    QueueStatus,
+    Resize,
+    Snapshot,
+    Waiting,
+    Workload,
+)
 from .status import queue_statuses
 from .tree import prepare
 
@@ -61,6 +71,7 @@ def _plan(snapshot: Snapshot) -> Plan:
     admit: list[Admission] = []
     preempt: list[Preemption] = []
     waiting: list[Waiting] = []
+    resize: list[Resize] = []
     status: dict[str, dict[str, QueueStatus]] = {name: {} for name in tree.names}
     for flavor in sorted(flavors):
         workloads = by_flavor.get(flavor, [])
@@ -69,7 +80,10 @@ def _plan(snapshot: Snapshot) -> Plan:
         preempt.extend(planner.preempt)
         admit.extend(planner.admissions.values())
         waiting.extend(planner.waits.values())
-        statuses = queue_statuses(planner.ledger, workloads, planner.admitted.values())
+        resize.extend(planner.resize)
+        statuses = queue_statuses(
+            planner.ledger, workloads, planner.admitted.values(), planner.resized_usage
+        )
         for queue, queue_status in statuses.items():
             status[tree.names[queue]][flavor] = queue_status
     return Plan(
@@ -77,4 +91,5 @@ def _plan(snapshot: Snapshot) -> Plan:
         preempt=tuple(preempt),
         waiting=tuple(waiting),
         queues=FrozenMap({name: FrozenMap(by_flavor_) for name, by_flavor_ in status.items()}),
+        resize=tuple(resize),
     )

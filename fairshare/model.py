@@ -151,6 +151,11 @@ class PriorityClass:
     "reclaim", "consolidate") to this class's own minimum for it, replacing the default
     (the snapshot's threshold for the reason, raised to ``min_runtime_seconds`` for all
     reasons but reclaim); see ``minimum_runtimes``.
+
+    ``shrink_elastic`` lets a running elastic workload of this class (``Workload.sizes``)
+    be resized: shrunk to a smaller size for reclaim, priority or fair share rather than
+    evicted whole, and grown back once its team has room. Off, its elastic work runs at
+    the size it started at until it ends or is evicted.
     """
 
     name: str
@@ -160,6 +165,7 @@ class PriorityClass:
     grace_seconds: float
     min_runtime_seconds: float = 0.0
     min_runtime_by_reason: Mapping[str, float] = field(default_factory=FrozenMap)
+    shrink_elastic: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_runtime_by_reason, FrozenMap):
@@ -181,7 +187,9 @@ class Workload:
     among them. A pending elastic gang is admitted at the largest of its sizes up to
     ``ranks`` that fits on free GPUs within its quota; when none does, it is planned as
     a gang of its smallest size, preempting or waiting for that size only. Empty for a
-    gang of exactly ``ranks`` ranks.
+    gang of exactly ``ranks`` ranks. A running elastic gang runs at ``ranks``; when its
+    class allows (``PriorityClass.shrink_elastic``) the plan may resize it (``Resize``),
+    and its ``admitted_at`` is then the moment of its last start or resize.
     """
 
     id: str
@@ -340,6 +348,23 @@ class Preemption:
 
 
 @dataclass(frozen=True, slots=True)
+class Resize:
+    """Run elastic workload ``workload`` at ``ranks`` ranks (one of its sizes) on
+    ``placement``: the (node name, ranks) pairs it keeps or gets.
+
+    A shrink frees GPUs for the pending workload ``for_workload``, which waits for them;
+    a grow (``for_workload`` None) takes free GPUs. ``reason`` says so in words: "shrunk
+    from 8 to 4 ranks to reclaim team a's guarantee for job x", "grown from 4 to 8 ranks".
+    """
+
+    workload: str
+    ranks: int
+    placement: tuple[tuple[str, int], ...]
+    reason: str
+    for_workload: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Waiting:
     """A pending workload that stays pending, with a sentence saying why.
 
@@ -385,12 +410,16 @@ class QueueStatus:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """All decisions of one scheduling cycle and every queue's status per flavor."""
+    """All decisions of one scheduling cycle and every queue's status per flavor.
+
+    ``resize`` lists the running elastic workloads the plan shrinks or grows; empty
+    unless a class allows it (``PriorityClass.shrink_elastic``)."""
 
     admit: tuple[Admission, ...]
     preempt: tuple[Preemption, ...]
     waiting: tuple[Waiting, ...]
     queues: Mapping[str, Mapping[str, QueueStatus]]
+    resize: tuple[Resize, ...] = ()
 
 
 class Unset:
@@ -508,6 +537,7 @@ for _frozen in (
     Snapshot,
     Admission,
     Preemption,
+    Resize,
     Waiting,
     QueueStatus,
     Plan,

@@ -49,6 +49,7 @@ COMPILED = (
     "consolidation",
     "cycle",
     "decisions",
+    "elastic",
     "engine",
     "ledger",
     "model",

@@ -163,6 +163,9 @@ def _priority_class(record: Mapping[str, Any], where: str) -> PriorityClass:
         grace_seconds=grace,
         min_runtime_seconds=minimum,
         min_runtime_by_reason=by_reason,
+        shrink_elastic=_boolean(
+            _field(record, "shrink_elastic", where, False), f"{where}.shrink_elastic"
+        ),
     )
 
 
@@ -336,6 +339,7 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
                 "grace_seconds": c.grace_seconds,
                 "min_runtime_seconds": c.min_runtime_seconds,
                 "min_runtime_by_reason": dict(c.min_runtime_by_reason),
+                **({"shrink_elastic": True} if c.shrink_elastic else {}),
             }
             for c in snapshot.priority_classes
         ],
@@ -366,8 +370,9 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
 
 
 def plan_to_dict(p: Plan) -> dict[str, Any]:
-    """The JSON output of ``python -m fairshare plan``."""
-    return {
+    """The JSON output of ``python -m fairshare plan``; ``resize`` only when the plan
+    resizes running elastic work, so that other plans read as they always did."""
+    output: dict[str, Any] = {
         "admit": [
             {
                 "id": a.id,
@@ -400,6 +405,18 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
             for name, flavors in p.queues.items()
         },
     }
+    if p.resize:
+        output["resize"] = [
+            {
+                "workload": r.workload,
+                "ranks": r.ranks,
+                "placement": [{"node": n, "ranks": ranks} for n, ranks in r.placement],
+                "reason": r.reason,
+                "for_workload": r.for_workload,
+            }
+            for r in p.resize
+        ]
+    return output
 
 
 def consequences_to_dict(c: Consequences) -> dict[str, Any]:

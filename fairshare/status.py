@@ -1,7 +1,7 @@
 """Status: every queue's standing for one flavor once the plan is made.
 
 Decides what each queue is shown to hold: its guarantee, its usage (running,
-terminating and newly admitted GPUs), its fair share, what it borrows beyond its
+terminating and newly admitted GPUs, a resized elastic gang at its new size), its fair share, what it borrows beyond its
 guarantee, and how much of its idle guarantee other queues use (R4's lending, shared
 out between siblings in proportion to what each could lend).
 """
@@ -16,9 +16,14 @@ from .rules import r4_lendable_idle
 
 
 def queue_statuses(
-    ledger: QuotaLedger, workloads: Sequence[Workload], admitted: Iterable[tuple[int, int]]
+    ledger: QuotaLedger,
+    workloads: Sequence[Workload],
+    admitted: Iterable[tuple[int, int]],
+    resized: Iterable[tuple[int, int]] = (),
 ) -> dict[int, QueueStatus]:
-    """Every queue's status after the plan; ``admitted`` lists (queue, GPUs) of new admissions."""
+    """Every queue's status after the plan; ``admitted`` lists (queue, GPUs) of new
+    admissions, ``resized`` (queue, GPUs) of running elastic gangs grown (fewer when
+    negative: shrunk), which count at their new size."""
     tree = ledger.tree
     guarantee = ledger.guarantee
     count = len(tree.names)
@@ -27,6 +32,8 @@ def queue_statuses(
         if workload.state != PENDING:
             held[tree.index[workload.queue]] += workload.gpus
     for queue, gpus in admitted:
+        held[queue] += gpus
+    for queue, gpus in resized:
         held[queue] += gpus
     for queue in tree.bottom_up:
         parent = tree.parent[queue]

@@ -41,6 +41,15 @@ CLASSES = (
     ),
     PriorityClass("pinned", -5, "PreemptLowerPriority", False, 60.0),
 )
+# Classes whose elastic work may be shrunk rather than evicted, and grown back; every
+# scenario can use them, and the properties that resize running gangs draw from them.
+RESIZING_CLASSES = (
+    PriorityClass("elastic", 0, "PreemptLowerPriority", True, 30.0, shrink_elastic=True),
+    PriorityClass("elastic-low", -1, "PreemptLowerPriority", True, 10.0, shrink_elastic=True),
+    PriorityClass(
+        "elastic-fresh", -1, "PreemptLowerPriority", True, 10.0, 600.0, shrink_elastic=True
+    ),
+)
 _CLASS_BY_VALUE = {-5: "pinned", -1: "low", 0: "normal", 100: "high", 1000: "critical"}
 
 
@@ -116,6 +125,10 @@ class WorkloadBuilder:
         """An elastic gang of ``sizes`` ranks (ascending), asking for the largest."""
         return self._with(ranks=sizes[-1], sizes=sizes)
 
+    def at(self, ranks: int) -> WorkloadBuilder:
+        """Running (or asking) at ``ranks`` ranks, one of its sizes: before ``running``."""
+        return self._with(ranks=ranks)
+
     def submitted(self, seconds_ago: float) -> WorkloadBuilder:
         return self._with(submitted_at=NOW - seconds_ago)
 
@@ -163,7 +176,7 @@ def cluster(
     node_list: Sequence[Node],
     queues: Sequence[Queue],
     workloads: Iterable[WorkloadBuilder | Workload] = (),
-    classes: Sequence[PriorityClass] = CLASSES,
+    classes: Sequence[PriorityClass] = CLASSES + RESIZING_CLASSES,
 ) -> Snapshot:
     """A snapshot at ``NOW``."""
     built = tuple(w.build() if isinstance(w, WorkloadBuilder) else w for w in workloads)
@@ -177,6 +190,11 @@ def preempted(p: Plan) -> dict[str, str]:
 
 def admitted(p: Plan) -> set[str]:
     return {a.id for a in p.admit}
+
+
+def resized(p: Plan) -> dict[str, int]:
+    """Resized workload id -> the ranks it runs at after the plan."""
+    return {r.workload: r.ranks for r in p.resize}
 
 
 def reasons(p: Plan) -> dict[str, str]:

@@ -88,6 +88,10 @@ def test_diff_command_prints_the_consequences() -> None:
             "priority_classes[0].preemption_policy",
         ),
         (lambda d: d["queues"][1].update(parent="nowhere"), "queues[1].parent"),
+        (
+            lambda d: d["priority_classes"][0].update(shrink_elastic="yes"),
+            "priority_classes[0].shrink_elastic",
+        ),
     ],
 )
 def test_malformed_scenario_exits_non_zero_naming_the_field(
@@ -122,6 +126,36 @@ def test_scenario_round_trip_gives_the_same_plan() -> None:
     again = snapshot_from_dict(json.loads(json.dumps(snapshot_to_dict(snapshot))))
     assert again == snapshot
     assert plan_to_dict(plan(again)) == plan_to_dict(plan(snapshot))
+
+
+def test_a_resize_is_written_out_and_a_class_that_allows_it_read_back() -> None:
+    """With batch allowed to resize elastic work, train-2 gives serve-1 one of its two
+    ranks rather than leave whole: the plan says so under ``resize``, and the class's
+    ``shrink_elastic`` survives a round trip. A plan that resizes nothing has no
+    ``resize`` at all."""
+    document = json.loads((EXAMPLES / "two-teams.json").read_text())
+    assert "resize" not in plan_to_dict(plan(snapshot_from_dict(document)))
+    document["priority_classes"][0]["shrink_elastic"] = True
+    document["workloads"][1]["sizes"] = [1, 2]
+    document["workloads"][2]["gpus_per_rank"] = 4
+    snapshot = snapshot_from_dict(document)
+    out = plan_to_dict(plan(snapshot))
+    assert out["resize"] == [
+        {
+            "workload": "train-2",
+            "ranks": 1,
+            "placement": [{"node": "n1", "ranks": 1}],
+            "reason": "shrunk from 2 to 1 ranks to reclaim team product's guarantee for job serve-1",
+            "for_workload": "serve-1",
+        }
+    ]
+    assert out["preempt"] == []
+    assert out["waiting"] == [
+        {"id": "serve-1", "reason": "waiting for 4 GPUs being released by job train-2"}
+    ]
+    again = snapshot_from_dict(json.loads(json.dumps(snapshot_to_dict(snapshot))))
+    assert again == snapshot
+    assert snapshot_to_dict(snapshot)["priority_classes"][0]["shrink_elastic"] is True
 
 
 def test_integral_floats_accepted_fractions_refused() -> None:

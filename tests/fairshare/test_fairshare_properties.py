@@ -11,12 +11,24 @@ import random
 from collections import defaultdict
 from typing import Any
 
-from fairshare_builders import CLASSES, NOW, cluster, nodes, plain, team, workload
+from fairshare_builders import (
+    CLASSES,
+    NOW,
+    RESIZING_CLASSES,
+    cluster,
+    nodes,
+    plain,
+    team,
+    workload,
+)
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fairshare import (
+    FAIR_SHARE,
     PREEMPTION_REASONS,
+    PRIORITY,
+    RECLAIM,
     FlavorQuota,
     Node,
     Plan,
@@ -351,6 +363,213 @@ def test_elastic_gangs_start_at_an_allowed_size_and_keep_every_invariant(
     assert [e for e in third.preempt if e.id not in already] == [], (p, second, third)
     started = {a.id for a in p.admit} | {a.id for a in second.admit}
     assert not started & {e.id for e in third.preempt}, (p, second, third)
+
+
+@st.composite
+def resizing_snapshots(draw: st.DrawFn) -> Snapshot:
+    """``snapshots(elastic=True)`` in which some running workloads are elastic gangs of
+    a class that lets them be resized, above their smallest size, below their largest,
+    or both."""
+    snapshot = draw(snapshots(elastic=True))
+    names = [c.name for c in RESIZING_CLASSES]
+    workloads = []
+    for w in snapshot.workloads:
+        if w.state == "running" and draw(st.booleans()):
+            if w.gpus_per_rank > 1 and draw(st.booleans()):
+                # The same GPUs as ranks of one GPU each: room to shrink in.
+                w = dataclasses.replace(
+                    w,
+                    ranks=w.gpus,
+                    gpus_per_rank=1,
+                    placement=tuple((node, r * w.gpus_per_rank) for node, r in w.placement),
+                )
+            smaller = draw(st.sets(st.integers(1, w.ranks - 1))) if w.ranks > 1 else set()
+            larger = draw(st.sets(st.integers(w.ranks + 1, w.ranks + 6), max_size=2))
+            if smaller or larger:
+                w = dataclasses.replace(
+                    w,
+                    priority_class=draw(st.sampled_from(names)),
+                    sizes=(*sorted(smaller), w.ranks, *sorted(larger)),
+                )
+        workloads.append(w)
+    return dataclasses.replace(
+        snapshot, priority_classes=CLASSES + RESIZING_CLASSES, workloads=tuple(workloads)
+    )
+
+
+@st.composite
+def elastic_crowds(draw: st.DrawFn) -> Snapshot:
+    """A full or nearly full cluster of running elastic gangs of two or three teams, some
+    of a class that lets them be resized, and a few pending jobs that need some of their
+    GPUs: the situations where shrinking competes with evicting."""
+    node_list = nodes("n", draw(st.integers(1, 4)), 8)
+    teams = [
+        team(
+            f"t{i}",
+            guarantee=draw(st.integers(0, 12)),
+            borrow_limit=draw(st.one_of(st.none(), st.integers(0, 16))),
+        )
+        for i in range(draw(st.integers(2, 3)))
+    ]
+    names = [c.name for c in CLASSES + RESIZING_CLASSES]
+    resizing = [c.name for c in RESIZING_CLASSES]
+    workloads: list[Workload] = []
+    for node in node_list:
+        left = node.gpus - draw(st.integers(0, 2))
+        while left > 0:
+            ranks = draw(st.integers(1, left))
+            sizes = (*sorted(draw(st.sets(st.integers(1, 8)))), ranks)
+            sizes = tuple(sorted(set(sizes)))
+            workloads.append(
+                Workload(
+                    id=f"r{len(workloads)}",
+                    queue=draw(st.sampled_from(teams)).name,
+                    priority_class=draw(st.sampled_from(resizing if len(sizes) > 1 else names)),
+                    flavor="h100",
+                    ranks=ranks,
+                    gpus_per_rank=1,
+                    state="running",
+                    submitted_at=NOW - 5000,
+                    admitted_at=NOW - draw(st.integers(0, 4000)),
+                    placement=((node.name, ranks),),
+                    last_checkpoint_at=draw(st.one_of(st.none(), st.just(NOW - 50))),
+                    sizes=sizes if len(sizes) > 1 else (),
+                )
+            )
+            left -= ranks
+    for i in range(draw(st.integers(1, 4))):
+        workloads.append(
+            Workload(
+                id=f"p{i}",
+                queue=draw(st.sampled_from(teams)).name,
+                priority_class=draw(st.sampled_from(names)),
+                flavor="h100",
+                ranks=draw(st.integers(1, 2)),
+                gpus_per_rank=draw(st.sampled_from((1, 2, 4, 8))),
+                state="pending",
+                submitted_at=NOW - draw(st.integers(1, 900)),
+            )
+        )
+    return cluster(node_list, teams, workloads)
+
+
+def _shrink_reason(words: str) -> str:
+    """The preemption reason a shrink's words name."""
+    if "to reclaim" in words:
+        return RECLAIM
+    if "higher priority" in words:
+        return PRIORITY
+    assert "below its fair share" in words, words
+    return FAIR_SHARE
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(resizing_snapshots(), elastic_crowds()))
+def test_resized_elastic_gangs_keep_every_invariant(snapshot: Snapshot) -> None:
+    """With running elastic gangs that may be resized: each resize goes to one of the
+    gang's sizes, a shrink never below the smallest and a grow never above the largest,
+    on the gang's own nodes (a shrink keeps ranks only where it ran, a grow keeps every
+    rank it had); a shrink waits for the gang's minimum runtime for its reason and frees
+    GPUs for a workload that then waits for them, a grow waits for the fair-share
+    minimum; no gang is both resized and preempted. The guarantee line holds for
+    evictions (``checked_plan``) and shrinks together, the nodes hold what runs on them
+    after the plan, and each queue's usage counts a resized gang at its new size. The
+    compiled engine resizes as its sources do."""
+    p = checked_plan(snapshot)
+    by_id = {w.id: w for w in snapshot.workloads}
+    classes = {c.name: c for c in snapshot.priority_classes}
+    nodes_by_name = {n.name: n for n in snapshot.nodes}
+    waiting = {x.id for x in p.waiting}
+    preempted = {e.id for e in p.preempt}
+    resized = {r.workload: r for r in p.resize}
+    assert len(resized) == len(p.resize), "a gang is resized once"
+    assert not preempted & set(resized)
+    for r in p.resize:
+        w = by_id[r.workload]
+        priority_class = classes[w.priority_class]
+        assert w.state == "running" and priority_class.shrink_elastic and w.sizes, (r, w)
+        assert r.ranks in w.sizes and r.ranks != w.ranks, (r, w)
+        assert sum(ranks for _, ranks in r.placement) == r.ranks
+        before = dict(w.placement)
+        after = dict(r.placement)
+        for node in after:
+            assert nodes_by_name[node].flavor == w.flavor
+        runtime = NOW - (w.admitted_at or NOW)
+        minimums = minimum_runtimes(snapshot, priority_class)
+        if r.for_workload is not None:
+            event("a running elastic gang shrunk")
+            assert w.sizes[0] <= r.ranks < w.ranks, (r, w)
+            assert all(0 < after[node] <= before.get(node, 0) for node in after), (r, w)
+            assert runtime >= minimums[_shrink_reason(r.reason)], (r, w)
+            assert by_id[r.for_workload].state == "pending"
+            assert r.for_workload in waiting, (r, p)
+        else:
+            event("a running elastic gang grown")
+            assert r.ranks > w.ranks, (r, w)
+            assert all(after.get(node, 0) >= ranks for node, ranks in before.items()), (r, w)
+            assert runtime >= minimums[FAIR_SHARE], (r, w)
+    # The guarantee line with shrinks: a leaf queue that gives GPUs to another queue
+    # keeps at least its line, unless an evicted gang straddled it.
+    quotas = {q.name: q for q in snapshot.queues}
+    for flavor in {w.flavor for w in snapshot.workloads}:
+        usage: dict[str, int] = defaultdict(int)
+        demand: dict[str, int] = defaultdict(int)
+        for w in snapshot.workloads:
+            if w.flavor == flavor:
+                demand[w.queue] += w.gpus
+                if w.state == "running":
+                    usage[w.queue] += w.gpus
+        for a in p.admit:
+            if by_id[a.id].flavor == flavor:
+                usage[by_id[a.id].queue] += a.ranks * by_id[a.id].gpus_per_rank
+        evicted: dict[str, list[int]] = defaultdict(list)
+        shrunk: dict[str, int] = defaultdict(int)
+        for e in p.preempt:
+            victim = by_id[e.id]
+            if victim.flavor == flavor and by_id[e.preemptor].queue != victim.queue:
+                evicted[victim.queue].append(victim.gpus)
+        for r in p.resize:
+            gang = by_id[r.workload]
+            if (
+                r.for_workload is not None
+                and gang.flavor == flavor
+                and by_id[r.for_workload].queue != gang.queue
+            ):
+                shrunk[gang.queue] += (gang.ranks - r.ranks) * gang.gpus_per_rank
+        for queue in set(evicted) | set(shrunk):
+            line = min(quotas[queue].quota(flavor).guarantee, demand[queue])
+            after_plan = usage[queue] - sum(evicted[queue]) - shrunk[queue]
+            straddled = bool(evicted[queue]) and after_plan + max(evicted[queue]) > line
+            assert after_plan >= line or straddled, (queue, after_plan, line, p)
+    # What runs on each node after the plan, resized gangs at their new placement.
+    held: dict[str, int] = defaultdict(int)
+    leaf_usage: dict[tuple[str, str], int] = defaultdict(int)
+    for w in snapshot.workloads:
+        if w.state == "pending":
+            continue
+        placement = resized[w.id].placement if w.id in resized else w.placement
+        for node, ranks in placement:
+            held[node] += ranks * w.gpus_per_rank
+            leaf_usage[w.queue, w.flavor] += ranks * w.gpus_per_rank
+    for a in p.admit:
+        w = by_id[a.id]
+        for node, ranks in a.placement:
+            held[node] += ranks * w.gpus_per_rank
+            leaf_usage[w.queue, w.flavor] += ranks * w.gpus_per_rank
+    for node, gpus in held.items():
+        assert gpus <= nodes_by_name[node].gpus, (node, gpus)
+    parent = {q.name: q.parent for q in snapshot.queues}
+    usage_after: dict[tuple[str, str], int] = defaultdict(int)
+    for (queue, flavor), gpus in leaf_usage.items():
+        x: str | None = queue
+        while x is not None:
+            usage_after[x, flavor] += gpus
+            x = parent[x]
+    for queue, flavors in p.queues.items():
+        for flavor, status in flavors.items():
+            assert status.usage == usage_after[queue, flavor], (queue, flavor, p)
+    if running_compiled():
+        assert plain(p) == plain(SOURCES.plan(snapshot))
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from fairshare import Node, QuotaChange, consequences_to_dict, diff
 from fairshare.consolidation import restart_in_any_order
+from fairshare.elastic import may_grow, shrink_costs_less
 from fairshare.nodes import NodeMap
 from fairshare.rules import (
     r1_capacity_free_gpus,
@@ -296,3 +297,22 @@ def test_r10_place_on_gives_a_gang_that_fits_one_node_its_best_fit(
     placement = node_map.place_on(ranks, gpus_per_rank, room_after)
     assert placement is not None
     assert [(node_map.names[node], on_node) for node, on_node in placement] == list(expected)
+
+
+def test_shrink_costs_less_wins_a_tie_and_goes_by_priority_then_lost_work() -> None:
+    """A shrink loses what evicting the same gang loses at once, and an evicted gang
+    also waits to come back: a tie goes to the shrink. Otherwise the cheaper wins, the
+    lower priority first (R9)."""
+    assert shrink_costs_less((0.0, 4800.0), (0.0, 4800.0))
+    assert shrink_costs_less((0.0, 4800.0), (0.0, 14400.0))
+    assert not shrink_costs_less((0.0, 4800.0), (0.0, 1200.0))
+    assert shrink_costs_less((-1.0, 99999.0), (0.0, 1.0))
+    assert not shrink_costs_less((100.0, 1.0), (0.0, 99999.0))
+
+
+def test_may_grow_only_an_elastic_gang_below_its_largest_size_of_a_class_that_allows_it() -> None:
+    gang = w("e").gang(8, 1).elastic(2, 4, 8)
+    assert may_grow(gang.at(4).running("n0").build(), True)
+    assert not may_grow(gang.at(4).running("n0").build(), False)
+    assert not may_grow(w("f").gang(8, 1).elastic(2, 4, 8).running("n0").build(), True)
+    assert not may_grow(w("g").gang(4, 1).running("n0").build(), True)

@@ -21,6 +21,7 @@ from fairshare_builders import (
     preempted,
     racks,
     reasons,
+    resized,
     run_plan,
     team,
 )
@@ -142,6 +143,11 @@ class Case:
     # The size each admitted workload starts at (an elastic one's among its sizes).
     ranks: Mapping[str, int] = field(default_factory=dict)
     usage_strength: float = 0.0
+    # Running elastic gangs resized: the ranks each runs at after the plan, and where.
+    resize: Mapping[str, int] = field(default_factory=dict)
+    resized_on: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    # Each queue's h100 GPUs in use after the plan (a resized gang at its new size).
+    usage: Mapping[str, int] = field(default_factory=dict)
 
 
 # Decayed usage: a used the spare node for three days of the last week, b nothing; both
@@ -329,6 +335,24 @@ CASES = [
     Case("elastic_preempts_only_for_its_smallest_size", N2, AB, [w("b0").queue("b").gpus(8).running("n0", since=3600), w("b1").queue("b").gpus(8).running("n1", since=600), w("e").gang(4, 4).elastic(2, 4)], preempt={"b1": "reclaim"}, wait={"e": "waiting for 8 GPUs being released by job b1"}),
     Case("elastic_waits_when_its_smallest_size_does_not_fit", N1, AB0, [w("x").queue("b").gpus(8).running("n0"), w("e").gang(4, 2).elastic(2, 4)], wait={"e": "no node of flavor h100 has 4 free GPUs"}),
     Case("elastic_admitted_smaller_leaves_room_for_the_next_job", N2, AB0, [w("x").queue("b").gpus(4).running("n0"), w("e").gang(16, 1).elastic(4, 8, 16).submitted(900), w("f").gpus(4).submitted(10)], admit={"e", "f"}, ranks={"e": 8, "f": 1}),
+    Case("elastic_shrunk_for_reclaim", N2, AB, [w("e").queue("b").cls("elastic").gang(8, 1).elastic(2, 4, 8).running("n0"), w("x").queue("b").cls("critical").gpus(8).running("n1"), w("a1").gpus(4)], resize={"e": 4}, resized_on={"e": (("n0", 4),)}, wait={"a1": "waiting for 4 GPUs being released by job e"}, usage={"a": 0, "b": 12}),
+    Case("elastic_shrunk_for_priority", N2, AB0, [w("e").cls("elastic-low").gang(8, 1).elastic(2, 4, 8).running("n0"), w("x").queue("b").cls("critical").gpus(8).running("n1"), w("hi").priority(100).gpus(4)], resize={"e": 4}, wait={"hi": "waiting for 4 GPUs being released by job e"}),
+    Case("elastic_shrunk_for_fair_share", N2, AB0, [w("e").queue("b").cls("elastic").gang(8, 1).elastic(2, 4, 8).running("n0"), w("y").queue("b").gpus(8).running("n1"), w("a1").gpus(4)], resize={"e": 4}, wait={"a1": "waiting for 4 GPUs being released by job e"}, usage={"a": 0, "b": 12}),
+    Case("elastic_shrink_gives_the_ranks_on_the_node_the_job_goes_to", N2, [team("a", guarantee=8), team("b", guarantee=4)], [w("e").queue("b").cls("elastic").gang(8, 1).elastic(2, 4, 8).running("n0", "n1"), w("x").cls("critical").gpus(2).running("n1"), w("a1").gpus(6)], resize={"e": 4}, resized_on={"e": (("n1", 4),)}, wait={"a1": "released by job e"}),
+    Case("elastic_shrunk_when_it_loses_less_than_an_eviction", N2, [team("a", guarantee=8), team("b", guarantee=8)], [w("e").queue("b").cls("elastic").gang(8, 1).elastic(2, 4, 8).running("n0", since=600), w("z").queue("b").gpus(4).running("n1", since=3600), w("x").cls("critical").gpus(4).running("n1"), w("a1").gpus(4)], resize={"e": 4}, wait={"a1": "released by job e"}),
+    Case("elastic_kept_whole_when_an_eviction_loses_less", N2, [team("a", guarantee=8), team("b", guarantee=8)], [w("e").queue("b").cls("elastic").gang(8, 1).elastic(2, 4, 8).running("n0", since=600), w("z").queue("b").gpus(4).running("n1", since=300), w("x").cls("critical").gpus(4).running("n1"), w("a1").gpus(4)], preempt={"z": "reclaim"}, wait={"a1": "released by job z"}),
+    Case("elastic_never_shrunk_below_its_smallest_size", N2, AB, [w("e").queue("b").cls("elastic").gang(8, 1).elastic(4, 8).running("n0"), w("x").queue("b").cls("critical").gpus(8).running("n1"), w("a1").gpus(6)], preempt={"e": "reclaim"}, wait={"a1": "released by job e"}),
+    Case("elastic_at_its_smallest_size_is_evicted", N2, AB, [w("e").queue("b").cls("elastic").gang(16, 1).elastic(8, 16).at(8).running("n0"), w("x").queue("b").cls("critical").gpus(8).running("n1"), w("a1").gpus(4)], preempt={"e": "reclaim"}),
+    Case("elastic_of_a_class_that_does_not_shrink_is_evicted", N2, AB, [w("e").queue("b").gang(8, 1).elastic(2, 4, 8).running("n0"), w("x").queue("b").cls("critical").gpus(8).running("n1"), w("a1").gpus(4)], preempt={"e": "reclaim"}, wait={"a1": "released by job e"}),
+    Case("elastic_shrink_waits_for_the_minimum_runtime", N2, AB0, [w("e").queue("b").cls("elastic").gang(8, 1).elastic(2, 4, 8).running("n0", since=30), w("y").queue("b").gpus(8).running("n1"), w("a1").gpus(4)], wait={"a1": "no node of flavor h100 has 4 free GPUs"}),
+    Case("elastic_shrink_waits_for_the_class_minimum_runtime", N2, AB0, [w("e").cls("elastic-fresh").gang(8, 1).elastic(2, 4, 8).running("n0", since=300), w("x").queue("b").cls("critical").gpus(8).running("n1"), w("hi").priority(100).gpus(4)], wait={"hi": "no node of flavor h100 has 4 free GPUs"}),
+    Case("elastic_grows_when_its_team_has_room", N2, AB0, [w("e").cls("elastic").gang(8, 1).elastic(2, 4, 8).at(4).running("n0")], resize={"e": 8}, resized_on={"e": (("n0", 8),)}, usage={"a": 8}),
+    Case("elastic_grows_onto_other_nodes_after_its_own", N2, AB0, [w("e").cls("elastic").gang(8, 1).elastic(2, 4, 8).at(4).running("n0"), w("x").queue("b").cls("critical").gpus(4).running("n0")], resize={"e": 8}, resized_on={"e": (("n0", 4), ("n1", 4))}),
+    Case("elastic_grows_only_to_a_size_its_quota_allows", N2, [team("a", borrow_limit=4), team("b")], [w("e").cls("elastic").gang(8, 1).elastic(2, 4, 8).at(2).running("n0")], resize={"e": 4}, usage={"a": 4}),
+    Case("elastic_does_not_grow_before_its_minimum_runtime", N2, AB0, [w("e").cls("elastic").gang(8, 1).elastic(2, 4, 8).at(4).running("n0", since=30)]),
+    Case("elastic_does_not_grow_by_borrowing_what_another_team_waits_for", N2, AB0, [w("e").cls("elastic").gang(8, 1).elastic(4, 8).at(4).running("n0"), w("x").queue("b").cls("critical").gpus(4).running("n1"), w("b1").queue("b").gpus(8)], wait={"b1": "no node of flavor h100 has 8 free GPUs"}),
+    Case("elastic_grows_inside_its_guarantee_while_another_team_waits", N2, [team("a", guarantee=8), team("b")], [w("e").cls("elastic").gang(8, 1).elastic(4, 8).at(4).running("n0"), w("x").queue("b").cls("critical").gpus(4).running("n1"), w("b1").queue("b").gpus(8)], resize={"e": 8}, wait={"b1": "no node of flavor h100 has 8 free GPUs"}),
+    Case("elastic_does_not_grow_while_higher_work_of_its_team_waits", N2, AB0, [w("e").cls("elastic-low").gang(8, 1).elastic(4, 8).at(4).running("n0"), w("x").queue("b").cls("critical").gpus(4).running("n1"), w("hi").cls("polite").gpus(8)], wait={"hi": "no node of flavor h100 has 8 free GPUs"}),
     Case("unknown_flavor_waits_with_reason", N2, AB, [w("x").flavor("a100").gpus(1)], wait={"x": "no node of flavor a100 exists"}),
 ]
 # fmt: on
@@ -354,6 +378,12 @@ def test_scenario(case: Case) -> None:
     borrowed = {a.id: a.borrowed for a in p.admit}
     for workload_id, gpus in case.borrowed.items():
         assert borrowed[workload_id] == gpus
+    assert resized(p) == dict(case.resize)
+    resizes = {r.workload: r.placement for r in p.resize}
+    for workload_id, placement in case.resized_on.items():
+        assert resizes[workload_id] == placement
+    for queue, gpus in case.usage.items():
+        assert p.queues[queue]["h100"].usage == gpus
     # Every pending workload gets exactly one decision: admitted or waiting.
     pending = {x.build().id for x in case.workloads if x.build().state == "pending"}
     assert admitted(p) | set(waiting) == pending

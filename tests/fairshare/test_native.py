@@ -176,6 +176,7 @@ def test_the_models_values_copy_and_pickle_as_values():
             engine.diff(snapshot, quota_changes),
             *quota_changes,
             engine.QuotaChange("vision", "h100"),
+            engine.Resize("train-1", 4, (("n0", 4),), "grown from 2 to 4 ranks"),
         ]
         for value in values:
             for rebuilt in (
@@ -193,6 +194,6 @@ def test_the_models_values_copy_and_pickle_as_values():
             for value in vars(model).values()
             if isinstance(value, type) and dataclasses.is_dataclass(value)
         }
-        assert len(frozen) == 14
+        assert len(frozen) == 15
         assert all(copyreg.dispatch_table.get(cls) for cls in frozen)
     assert native.running_compiled()
