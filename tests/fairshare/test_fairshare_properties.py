@@ -474,7 +474,8 @@ def test_resized_elastic_gangs_keep_every_invariant(snapshot: Snapshot) -> None:
     minimum; no gang is both resized and preempted. The guarantee line holds for
     evictions (``checked_plan``) and shrinks together, the nodes hold what runs on them
     after the plan, and each queue's usage counts a resized gang at its new size. The
-    compiled engine resizes as its sources do."""
+    next plan takes back no grow, no shrink and no start of this one. The compiled
+    engine resizes as its sources do."""
     p = checked_plan(snapshot)
     by_id = {w.id: w for w in snapshot.workloads}
     classes = {c.name: c for c in snapshot.priority_classes}
@@ -568,6 +569,29 @@ def test_resized_elastic_gangs_keep_every_invariant(snapshot: Snapshot) -> None:
     for queue, flavors in p.queues.items():
         for flavor, status in flavors.items():
             assert status.usage == usage_after[queue, flavor], (queue, flavor, p)
+    # The next plan, once the victims left and the resizes are done (a resize counts
+    # as a start): no gang grown is shrunk or evicted, no gang shrunk grows back, and
+    # nothing started is taken back.
+    after = apply_plan(snapshot, p, NOW + 1)
+    moved = []
+    for w in after.workloads:
+        if w.id in resized and w.state == "running":
+            r = resized[w.id]
+            w = dataclasses.replace(
+                w,
+                ranks=r.ranks,
+                placement=r.placement,
+                admitted_at=NOW + 1,
+                last_checkpoint_at=None,
+            )
+        moved.append(w)
+    second = checked_plan(dataclasses.replace(after, workloads=tuple(moved)))
+    grown = {r.workload for r in p.resize if r.for_workload is None}
+    shrunk = set(resized) - grown
+    taken = {e.id for e in second.preempt}
+    taken.update(r.workload for r in second.resize if r.for_workload is not None)
+    assert not (grown | {a.id for a in p.admit}) & taken, (p, second)
+    assert not shrunk & {r.workload for r in second.resize if r.for_workload is None}, (p, second)
     if running_compiled():
         assert plain(p) == plain(SOURCES.plan(snapshot))
 
