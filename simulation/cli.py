@@ -8,6 +8,7 @@ reuse it; :func:`run_simulation` takes the parsed options (a namespace or a mapp
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import fairshare
+from simulation.elastic import compare_elastic, comparison_lines
 from simulation.engine import GANG_TOPOLOGIES, POLICIES, Progress, SimulationConfig, simulate
 from simulation.report import Report
 from simulation.traces import (
@@ -62,6 +64,7 @@ DEFAULTS: dict[str, Any] = {
     "half_life": 7 * 86_400.0,
     "rack_size": None,
     "gang_topology": "none",
+    "elastic_share": 0.0,
     "progress": True,
 }
 
@@ -150,7 +153,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULTS["gang_topology"],
         help="gangs of more than one rank require one rack, prefer one, or ask nothing",
     )
+    parser.add_argument(
+        "--elastic-share",
+        type=float,
+        default=DEFAULTS["elastic_share"],
+        metavar="SHARE",
+        help="this share of the multi-GPU jobs (drawn with --seed) is elastic, from half its "
+        "ranks to all, and the scheduler may shrink and grow them (0: none)",
+    )
     parser.add_argument("--json", type=Path, help="write the JSON report here")
+    parser.add_argument(
+        "--compare-elastic",
+        type=float,
+        metavar="SHARE",
+        help="run twice, without elastic jobs and with this share of the multi-GPU jobs "
+        "elastic, and print the two side by side (python -m simulation only)",
+    )
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     parser.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress bar on stderr"
@@ -210,6 +228,9 @@ def prepare(options: argparse.Namespace | Mapping[str, Any]) -> tuple[list[Trace
         raise TraceError("--usage-strength must be 0 or more")
     if not 0 < half_life < math.inf:
         raise TraceError("--half-life must be > 0")
+    elastic_share = float(opts["elastic_share"])
+    if not 0 <= elastic_share <= 1:
+        raise TraceError("--elastic-share must be between 0 and 1")
     nodes = _cluster(opts, guarantees)
     if opts["rack_size"] is not None:
         nodes = rack_layout(nodes, int(opts["rack_size"]))
@@ -230,6 +251,7 @@ def prepare(options: argparse.Namespace | Mapping[str, Any]) -> tuple[list[Trace
         usage_strength=usage_strength,
         half_life_seconds=half_life,
         gang_topology=str(opts["gang_topology"]),
+        elastic_share=elastic_share,
     )
     return trace, config
 
@@ -296,10 +318,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.compare_elastic is not None:
+        return _compare_elastic(parser, args)
     try:
         report = run_simulation(args)
     except (TraceError, ValueError) as error:
         parser.exit(2, f"error: {error}\n")
     for line in report.summary_lines():
         print(line)
+    return 0
+
+
+def _compare_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--compare-elastic``: both runs, each one's summary, then the table side by side;
+    ``--json`` gets both reports under ``whole_gang`` and ``elastic``."""
+    try:
+        if not 0 < args.compare_elastic <= 1:
+            raise TraceError("--compare-elastic must be above 0 and at most 1")
+        trace, config = prepare(args)
+        progress = progress_bar(sys.stderr) if args.progress else None
+        comparison = compare_elastic(trace, config, args.compare_elastic, progress)
+    except (TraceError, ValueError) as error:
+        parser.exit(2, f"error: {error}\n")
+    for title, report in (("whole-gang eviction", comparison.whole_gang),
+                          (f"elastic share {comparison.share:g}", comparison.elastic)):  # fmt: skip
+        print(f"{title}:")
+        for line in report.summary_lines():
+            print(f"  {line}")
+    for line in comparison_lines(comparison):
+        print(line)
+    if args.json is not None:
+        both = {
+            "whole_gang": comparison.whole_gang.to_dict(),
+            "elastic": comparison.elastic.to_dict(),
+        }
+        Path(args.json).write_text(json.dumps(both, indent=2) + "\n")
     return 0

@@ -21,6 +21,23 @@ How a job runs:
   ``gpus / r`` ranks of ``r`` GPUs, ``r`` the largest divisor of ``gpus`` not above the largest
   node.  Jobs that no placement of the cluster can ever hold are counted and left out.
 
+Elastic jobs (``elastic_share``, see :func:`elastic_jobs` and :func:`elastic_shape`):
+
+* Their work is GPU-seconds: ``duration`` is the time at the largest size, and at ``k`` of its
+  ``K`` ranks a job does ``k / K`` of that work per second (linear scaling).  It still commits a
+  checkpoint after every ``checkpoint_interval`` of work, which at a smaller size takes
+  proportionally longer, as a checkpoint every so many steps does.
+* An admission may start one at fewer ranks than it asks for (``Admission.ranks``).
+* A resize of the plan (``Plan.resize``) stops the whole gang as an eviction would (it saves
+  within the grace window, else loses the work since its last checkpoint) and relaunches it at
+  once at the new size on the listed placement, restoring its checkpoint first: it never waits
+  in the queue.  The GPUs a shrink gives up stay held until the stop is over (the victim's
+  exit), as a terminating workload the engine keeps for the job the shrink is for; those a
+  grow takes are held from the decision.
+* Cycles also run, with nothing pending, while a gang runs below its largest size: after a
+  change that freed GPUs and when its fair-share minimum runtime since its last start or
+  resize ends, the moment the engine lets it grow.
+
 Policies:
 
 * ``fairshare``: one queue per team under a root queue holding the whole cluster, each with its
@@ -36,6 +53,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -63,6 +81,8 @@ MAX_PREEMPTIONS_PER_JOB = 1000
 _ARRIVAL = 0
 _FINISH = 1
 _EXIT = 2
+# The stop of a shrink is over: the ranks it gave up release their GPUs.
+_RELEASE = 3
 
 
 class SimulationError(ValueError):
@@ -94,6 +114,9 @@ class SimulationConfig:
     half_life_seconds: float = 7 * 86_400.0
     # One of GANG_TOPOLOGIES; "required" and "preferred" need nodes with a rack.
     gang_topology: str = "none"
+    # The share of the multi-GPU jobs that are elastic (see elastic_jobs); 0: none, and the
+    # engine's class cannot shrink anything, so that plans are exactly those of fixed gangs.
+    elastic_share: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +155,26 @@ class SimJob:
     pending_seconds: float = 0.0
     workload: Any = None
     preemptions: int = 0
+    # Elastic jobs: the rank counts it may run at (empty: a fixed gang).
+    sizes: tuple[int, ...] = ()
+    # The ranks the current attempt runs at, the share of the work per second that gives
+    # (running_ranks / ranks), the running time one checkpoint's work takes, and that plus
+    # the save: one period of the attempt.
+    running_ranks: int = 0
+    rate: float = 1.0
+    step: float = 0.0
+    period: float = 0.0
+    resizes: int = 0
+
+    @property
+    def least_gpus(self) -> int:
+        """The fewest GPUs it can start on: its smallest size, or all its GPUs."""
+        return (self.sizes[0] if self.sizes else self.ranks) * self.gpus_per_rank
+
+    @property
+    def held_gpus(self) -> int:
+        """The GPUs the current attempt holds."""
+        return self.running_ranks * self.gpus_per_rank
 
 
 def gang_shape(gpus: int, largest_node: int) -> tuple[int, int]:
@@ -140,6 +183,33 @@ def gang_shape(gpus: int, largest_node: int) -> tuple[int, int]:
         return 1, gpus
     per_rank = max(d for d in range(1, largest_node + 1) if gpus % d == 0)
     return gpus // per_rank, per_rank
+
+
+def elastic_shape(gpus: int, largest_node: int) -> tuple[int, int, tuple[int, ...]]:
+    """The (ranks, gpus_per_rank, sizes) of an elastic job of ``gpus`` GPUs: the fixed
+    gang's shape (:func:`gang_shape`) when it has an even number of ranks, else twice the
+    ranks of half the GPUs each, else (an odd number of GPUs on one node) ranks of one GPU;
+    it may run at any number of ranks from half of them (rounded up) to all."""
+    ranks, per_rank = gang_shape(gpus, largest_node)
+    if ranks % 2:
+        if per_rank % 2 == 0:
+            ranks, per_rank = 2 * ranks, per_rank // 2
+        else:
+            ranks, per_rank = gpus, 1
+    return ranks, per_rank, tuple(range((ranks + 1) // 2, ranks + 1))
+
+
+def elastic_jobs(trace: Sequence[TraceJob], share: float, seed: int) -> set[int]:
+    """The indices in ``trace`` of the elastic jobs: ``share`` of its multi-GPU jobs,
+    rounded to the nearest whole job, drawn from a generator seeded with ``seed`` (its own
+    stream, apart from the teams' draw of the trace loaders)."""
+    if not 0 <= share <= 1:
+        raise ValueError(f"the elastic share must be between 0 and 1, not {share}")
+    multi = [index for index, job in enumerate(trace) if job.gpus > 1]
+    count = round(share * len(multi))
+    if not count:
+        return set()
+    return set(random.Random(f"elastic-{seed}").sample(multi, count))
 
 
 def gang_fits(
@@ -178,6 +248,9 @@ class Simulation:
             TOPOLOGY_LEVEL not in node.topology for node in config.nodes
         ):
             raise ValueError(f"gangs that ask for one {TOPOLOGY_LEVEL} need a rack on every node")
+        if config.elastic_share and config.gang_topology != "none":
+            # The engine refuses an elastic gang that asks for a topology.
+            raise ValueError("elastic jobs cannot ask for one rack: leave --gang-topology none")
         self.config = config
         self.progress = progress
         self._plan = plan or fairshare.plan
@@ -190,8 +263,13 @@ class Simulation:
         self.guarantees = guarantees
         self.ledger = Ledger(self.capacity, guarantees)
         self.jobs: list[SimJob] = []
+        elastic = elastic_jobs(trace, config.elastic_share, config.seed)
         for index, job in enumerate(trace):
-            ranks, per_rank = gang_shape(job.gpus, largest)
+            sizes: tuple[int, ...] = ()
+            if index in elastic:
+                ranks, per_rank, sizes = elastic_shape(job.gpus, largest)
+            else:
+                ranks, per_rank = gang_shape(job.gpus, largest)
             self.jobs.append(
                 SimJob(
                     index,
@@ -203,6 +281,7 @@ class Simulation:
                     per_rank,
                     job.duration,
                     job.submit_time,
+                    sizes=sizes,
                 )
             )
         fits_cache: dict[tuple[int, int], bool] = {}
@@ -226,6 +305,7 @@ class Simulation:
                 preemptible=True,
                 grace_seconds=config.grace_seconds,
                 min_runtime_by_reason=config.min_runtimes,
+                shrink_elastic=bool(elastic),
             ),
         )
         self.period = config.checkpoint_interval + config.save_seconds
@@ -248,6 +328,14 @@ class Simulation:
         self.recent_at = min((job.submit_time for job in trace), default=0.0)
         self.pending: dict[str, Any] = {}
         self.by_id = {job.id: job for job in self.jobs}
+        # Elastic jobs running below their largest size (by index): they may grow.
+        self.below_largest: set[int] = set()
+        # The ranks shrinks gave up, until their stop is over: (job index, GPUs) by the
+        # terminating workload's id.
+        self.releasing: dict[str, tuple[int, int]] = {}
+        self.shrinks = 0
+        self.grows = 0
+        self.elastic_count = len(elastic)
         self.plan_calls = 0
         self.plan_seconds = 0.0
         self.jobs_done = 0
@@ -302,6 +390,7 @@ class Simulation:
             gpus_per_rank=job.gpus_per_rank,
             state="pending",
             submitted_at=job.submitted_at,
+            sizes=job.sizes,
             **self._topology(job),
         )
 
@@ -318,7 +407,7 @@ class Simulation:
             queue=self._queue_of(job),
             priority_class=PRIORITY_CLASS,
             flavor=FLAVOR,
-            ranks=job.ranks,
+            ranks=job.running_ranks,
             gpus_per_rank=job.gpus_per_rank,
             state=state,
             submitted_at=job.submitted_at,
@@ -326,6 +415,7 @@ class Simulation:
             placement=placement,
             last_checkpoint_at=last_checkpoint_at,
             preemptor=preemptor,
+            sizes=job.sizes,
             **self._topology(job),
         )
 
@@ -334,6 +424,12 @@ class Simulation:
     def _push(self, at: float, kind: int, job: SimJob) -> None:
         self._sequence += 1
         heapq.heappush(self.events, (at, self._sequence, kind, job.index, job.attempt))
+
+    def _push_release(self, at: float, job: SimJob) -> str:
+        """Queue the end of a shrink's stop; the id of its terminating workload."""
+        self._sequence += 1
+        heapq.heappush(self.events, (at, self._sequence, _RELEASE, job.index, self._sequence))
+        return f"{job.id}~{self._sequence}"
 
     def _cycle_after(self, now: float) -> float:
         cycle = self.config.cycle_seconds
@@ -351,12 +447,14 @@ class Simulation:
         elapsed = max(0.0, now - job.work_from)
         interval = self.config.checkpoint_interval
         if interval <= 0:
-            return min(job.duration, job.committed + elapsed), job.committed, None
-        full = int(elapsed // self.period)
-        done = job.committed + full * interval + min(elapsed - full * self.period, interval)
+            return min(job.duration, job.committed + elapsed * job.rate), job.committed, None
+        full = int(elapsed // job.period)
+        done = (
+            job.committed + full * interval + job.rate * min(elapsed - full * job.period, job.step)
+        )
         commits = min(full, job.checkpoints_planned)
         committed = job.committed + commits * interval
-        last_commit = job.work_from + commits * self.period if commits else None
+        last_commit = job.work_from + commits * job.period if commits else None
         return min(job.duration, done), committed, last_commit
 
     # Handling events.
@@ -372,7 +470,9 @@ class Simulation:
         job.pending_since = now
         job.workload = self._pending_workload(job)
         self.pending[job.id] = job.workload
-        self.ledger.job_pending(job.team, job.gpus, requeued=requeued, job=self._key(job))
+        self.ledger.job_pending(
+            job.team, job.gpus, requeued=requeued, job=self._key(job), least=job.least_gpus
+        )
         self._want_cycle(self._cycle_after(now))
 
     @staticmethod
@@ -382,43 +482,74 @@ class Simulation:
 
     def _admit(self, job: SimJob, placement: Any, now: float) -> None:
         del self.pending[job.id]
-        self.ledger.job_admitted(job.team, job.gpus, job=self._key(job))
+        ranks = sum(count for _, count in placement)
+        self.ledger.job_admitted(
+            job.team,
+            job.gpus,
+            job=self._key(job),
+            least=job.least_gpus,
+            holds=ranks * job.gpus_per_rank,
+        )
         job.pending_seconds += now - job.pending_since
         job.state = "running"
+        self._decay_to(now)
+        self._launch(job, ranks, placement, now, now)
+
+    def _launch(self, job: SimJob, ranks: int, placement: Any, now: float, start: float) -> None:
+        """Start an attempt of ``job`` at ``ranks`` ranks on ``placement``, decided at
+        ``now``; its ranks run from ``start`` (a resize's relaunch, after its stop)."""
         job.attempt += 1
         job.admitted_at = now
+        job.running_ranks = ranks
+        if ranks == job.ranks:
+            job.rate = 1.0
+            self.below_largest.discard(job.index)
+        else:
+            job.rate = ranks / job.ranks
+            self.below_largest.add(job.index)
         # A resumed job restores its checkpoint before doing any work.
-        job.work_from = now + (self.config.restart_seconds if job.committed > 0 else 0.0)
+        job.work_from = start + (self.config.restart_seconds if job.committed > 0 else 0.0)
         remaining = job.duration - job.committed
         interval = self.config.checkpoint_interval
         job.checkpoints_planned = max(0, math.ceil(remaining / interval) - 1) if interval > 0 else 0
-        finish = job.work_from + remaining + job.checkpoints_planned * self.config.save_seconds
+        job.step = interval / job.rate
+        job.period = job.step + self.config.save_seconds
+        finish = (
+            job.work_from
+            + remaining / job.rate
+            + job.checkpoints_planned * self.config.save_seconds
+        )
         job.workload = self._placed_workload(job, "running", tuple(placement), None)
-        self._decay_to(now)
         self.running[job.id] = job.workload
         self._push(finish, _FINISH, job)
         if job.checkpoints_planned:
             self._sequence += 1
             heapq.heappush(
                 self.checkpoints,
-                (job.work_from + self.period, self._sequence, job.index, job.attempt),
+                (job.work_from + job.period, self._sequence, job.index, job.attempt),
             )
 
-    def _preempt(
-        self, job: SimJob, grace_seconds: float, now: float, preemptor: str | None = None
-    ) -> None:
+    def _stop(
+        self, job: SimJob, grace_seconds: float, now: float
+    ) -> tuple[float, float, float | None]:
+        """Stop the ranks of ``job`` at ``now`` with ``grace_seconds`` to save: the work it
+        loses (work seconds at its largest size), when its ranks have exited, and the time
+        of its last checkpoint committed before the stop."""
         done, committed, last_commit = self._work_done(job, now)
         save = self.config.save_seconds
         if grace_seconds >= save:
             # The trap saves within the grace window: nothing is lost, the exit waits for the save.
-            lost = 0.0
             job.committed = done
-            exit_at = now + save
-        else:
-            # Too little grace to save: the trap skips the save and exits at once.
-            lost = done - committed
-            job.committed = committed
-            exit_at = now
+            return 0.0, now + save, last_commit
+        # Too little grace to save: the trap skips the save and exits at once.
+        job.committed = committed
+        return done - committed, now, last_commit
+
+    def _preempt(
+        self, job: SimJob, grace_seconds: float, now: float, preemptor: str | None = None
+    ) -> None:
+        lost, exit_at, last_commit = self._stop(job, grace_seconds, now)
+        self.below_largest.discard(job.index)
         job.state = "terminating"
         job.preemptions += 1
         if job.preemptions >= MAX_PREEMPTIONS_PER_JOB:
@@ -439,19 +570,69 @@ class Simulation:
         job.state = "done"
         job.workload = None
         self.jobs_done += 1
-        self.ledger.gpus_released(job.team, job.gpus, finished=True)
+        self.below_largest.discard(job.index)
+        self.ledger.gpus_released(job.team, job.held_gpus, finished=True, demand=job.gpus)
         self.ledger.job_finished(
             job.team, now - job.submitted_at, job.pending_seconds, gang=job.ranks > 1
         )
-        if self.pending:
+        if self.pending or self.below_largest:
             self._want_cycle(self._cycle_after(now))
 
     def _exit(self, job: SimJob, now: float) -> None:
         self._decay_to(now)
         del self.running[job.id]
-        self.ledger.gpus_released(job.team, job.gpus, finished=False)
+        self.ledger.gpus_released(job.team, job.held_gpus, finished=False)
         self._make_pending(job, now, requeued=True)
         # The exit of a victim queues an extra cycle right away, as an event does in the portal.
+        self._want_cycle(now)
+
+    def _resize(self, job: SimJob, resize: Any, now: float) -> None:
+        """Carry out a resize: stop the gang as a victim stops (without requeueing it),
+        relaunch it at once at ``resize.ranks`` on ``resize.placement``."""
+        old_ranks = job.running_ranks
+        old_placement = dict(job.workload.placement)
+        lost, stop_at, _ = self._stop(job, self.config.grace_seconds, now)
+        self._decay_to(now)
+        shrink = resize.ranks < old_ranks
+        if shrink:
+            self.shrinks += 1
+            # The ranks given up hold their GPUs until the stop is over, kept for the job
+            # the shrink is for, as a victim's are.
+            for node, ranks in resize.placement:
+                old_placement[node] -= ranks
+            freed = tuple((node, ranks) for node, ranks in old_placement.items() if ranks > 0)
+            part_id = self._push_release(stop_at, job)
+            self.running[part_id] = fairshare.Workload(
+                id=part_id,
+                queue=self._queue_of(job),
+                priority_class=PRIORITY_CLASS,
+                flavor=FLAVOR,
+                ranks=old_ranks - resize.ranks,
+                gpus_per_rank=job.gpus_per_rank,
+                state="terminating",
+                submitted_at=job.submitted_at,
+                placement=freed,
+                preemptor=resize.for_workload,
+            )
+            self.releasing[part_id] = (job.index, (old_ranks - resize.ranks) * job.gpus_per_rank)
+        else:
+            self.grows += 1
+            self.ledger.gpus_resized(job.team, (resize.ranks - old_ranks) * job.gpus_per_rank)
+        self.ledger.job_resized(job.team, lost * job.gpus, shrink=shrink)
+        job.resizes += 1
+        if job.resizes >= MAX_PREEMPTIONS_PER_JOB:
+            raise SimulationError(
+                f"job {job.name} was resized {job.resizes} times by t={now:.0f} s: "
+                "the engine's plans flap"
+            )
+        self._launch(job, resize.ranks, resize.placement, now, stop_at)
+
+    def _release(self, part_id: str, now: float) -> None:
+        """The stop of a shrink is over: the ranks it gave up free their GPUs."""
+        self._decay_to(now)
+        del self.running[part_id]
+        index, gpus = self.releasing.pop(part_id)
+        self.ledger.gpus_resized(self.jobs[index].team, -gpus)
         self._want_cycle(now)
 
     def _refresh_checkpoints(self, now: float) -> None:
@@ -464,10 +645,10 @@ class Simulation:
                 continue
             job.workload = self._placed_workload(job, "running", job.workload.placement, at)
             self.running[job.id] = job.workload
-            commits = round((at - job.work_from) / self.period)
+            commits = round((at - job.work_from) / job.period)
             if commits < job.checkpoints_planned:
                 self._sequence += 1
-                heapq.heappush(heap, (at + self.period, self._sequence, index, attempt))
+                heapq.heappush(heap, (at + job.period, self._sequence, index, attempt))
 
     # The scheduling cycle.
 
@@ -523,12 +704,16 @@ class Simulation:
             job = self.by_id[preemption.id]
             if job.state == "running":
                 self._preempt(job, preemption.grace_seconds, now, preemption.preemptor)
+        for resize in result.resize:
+            job = self.by_id[resize.workload]
+            if job.state == "running":
+                self._resize(job, resize, now)
         return len(result.admit) + len(result.preempt)
 
     def _cycle(self, now: float) -> None:
-        if not self.pending:
+        if not self.pending and not self.below_largest:
             return
-        if self.config.policy == "fifo":
+        if self.config.policy == "fifo" and self.pending:
             self._fifo_cycle(now)
             return
         self._refresh_checkpoints(now)
@@ -538,6 +723,23 @@ class Simulation:
         self._remember_waiting(result)
         if self.config.min_runtimes and self.pending:
             self._wake_when_protection_ends(snapshot, now)
+        if self.below_largest:
+            self._wake_when_growth_allowed(snapshot, now)
+
+    def _wake_when_growth_allowed(self, snapshot: Any, now: float) -> None:
+        # A gang below its largest size grows once its fair-share minimum runtime since its
+        # last start or resize has passed; with nothing else happening, no event would
+        # bring the cycle that lets it.
+        minimum = fairshare.minimum_runtimes(snapshot, self.priority_classes[0])[
+            fairshare.FAIR_SHARE
+        ]
+        ends = [
+            self.jobs[index].admitted_at + minimum
+            for index in self.below_largest
+            if self.jobs[index].admitted_at + minimum > now
+        ]
+        if ends:
+            self._want_cycle(self._cycle_after(min(ends)))
 
     def _wake_when_protection_ends(self, snapshot: Any, now: float) -> None:
         # Cycles run on events; a job that waits only because its victims have not run
@@ -583,10 +785,18 @@ class Simulation:
             if next_event == math.inf and self.next_cycle == math.inf:
                 break
             if next_event <= self.next_cycle:
-                now, _, kind, index, attempt = heapq.heappop(events)
+                at, _, kind, index, attempt = heapq.heappop(events)
                 job = self.jobs[index]
+                if kind == _FINISH and job.sizes and attempt != job.attempt:
+                    # The finish an elastic job's attempt had before a resize or a preemption
+                    # ended it (at a smaller size, far later than the job's real end) never
+                    # comes, and must not stretch the run to the time it was due.
+                    continue
+                now = at
                 self.ledger.advance(now)
-                if kind == _ARRIVAL:
+                if kind == _RELEASE:
+                    self._release(f"{job.id}~{attempt}", now)
+                elif kind == _ARRIVAL:
                     self._arrive(job, now)
                     arrivals_left -= 1
                     if not arrivals_left:
@@ -633,6 +843,11 @@ class Simulation:
             usage_strength=self.config.usage_strength,
             half_life_seconds=self.config.half_life_seconds,
             gang_topology=self.config.gang_topology,
+            **(
+                {"elastic_share": self.config.elastic_share, "elastic_jobs": self.elastic_count}
+                if self.config.elastic_share
+                else {}
+            ),
             plan_calls=self.plan_calls,
             plan_wall_seconds=round(self.plan_seconds, 3),
             wall_seconds=round(time.perf_counter() - wall_started, 3),

@@ -147,6 +147,8 @@ class Ledger:
         self.gpu_seconds_held_until_last_submission = 0.0
         self.preemptions = 0
         self.lost_gpu_seconds = 0.0
+        self.shrinks = 0
+        self.grows = 0
         self.completion_seconds: list[float] = []
         self.queueing_seconds: list[float] = []
         self.gang_queueing_seconds: list[float] = []
@@ -242,39 +244,76 @@ class Ledger:
         self.team(team).jobs += 1
 
     def job_pending(
-        self, team: str, gpus: int, *, requeued: bool, job: JobKey | None = None
+        self,
+        team: str,
+        gpus: int,
+        *,
+        requeued: bool,
+        job: JobKey | None = None,
+        least: int | None = None,
     ) -> None:
-        """A job became pending: on arrival, or again after its preemption.
+        """A job of ``gpus`` GPUs became pending: on arrival, or again after its preemption.
 
         With ``job`` its wait inside the guarantee is measured (see ``fitting_jobs``); pass
-        the same key when it is admitted.
+        the same key when it is admitted. ``least``: the fewest GPUs an elastic job starts
+        on, what its guarantee promises it and what the line counts (default ``gpus``).
         """
         ledger = self.team(team)
+        size = gpus if least is None else least
         if job is not None:
-            bisect.insort(ledger.queue, (job, gpus))
+            bisect.insort(ledger.queue, (job, size))
         self.pending_jobs += 1
         if not requeued:
             self.demand += gpus
-        ledger.pending_sizes[gpus] = ledger.pending_sizes.get(gpus, 0) + 1
+        ledger.pending_sizes[size] = ledger.pending_sizes.get(size, 0) + 1
         ledger.pending_gpus += gpus
         self._check_line(ledger)
 
-    def job_admitted(self, team: str, gpus: int, *, job: JobKey | None = None) -> None:
-        """A pending job was admitted and now holds ``gpus`` GPUs (``job``: the key it was
-        made pending with; its wait inside the guarantee ends here)."""
+    def job_admitted(
+        self,
+        team: str,
+        gpus: int,
+        *,
+        job: JobKey | None = None,
+        least: int | None = None,
+        holds: int | None = None,
+    ) -> None:
+        """A pending job of ``gpus`` GPUs was admitted (``job`` and ``least`` as it was made
+        pending with; its wait inside the guarantee ends here) and now holds ``holds`` GPUs
+        (default ``gpus``; fewer for an elastic job started below its largest size)."""
         ledger = self.team(team)
+        size = gpus if least is None else least
         if job is not None:
-            at = bisect.bisect_left(ledger.queue, (job, gpus))
+            at = bisect.bisect_left(ledger.queue, (job, size))
             del ledger.queue[at]
             if job in ledger.fits_since:
                 self._close_fit(ledger, job)
         self.pending_jobs -= 1
-        count = ledger.pending_sizes[gpus] - 1
+        count = ledger.pending_sizes[size] - 1
         if count:
-            ledger.pending_sizes[gpus] = count
+            ledger.pending_sizes[size] = count
         else:
-            del ledger.pending_sizes[gpus]
+            del ledger.pending_sizes[size]
         ledger.pending_gpus -= gpus
+        held = gpus if holds is None else holds
+        self.held += held
+        ledger.used += held
+        self._check_line(ledger)
+
+    def job_resized(self, team: str, lost_gpu_seconds: float, *, shrink: bool) -> None:
+        """A running elastic job was shrunk (or grown); its restart lost ``lost_gpu_seconds``."""
+        ledger = self.team(team)
+        if shrink:
+            self.shrinks += 1
+        else:
+            self.grows += 1
+        self.lost_gpu_seconds += lost_gpu_seconds
+        ledger.lost_gpu_seconds += lost_gpu_seconds
+
+    def gpus_resized(self, team: str, gpus: int) -> None:
+        """A running job took ``gpus`` more GPUs (a grow), or gave ``-gpus`` back (the end of
+        a shrink's stop)."""
+        ledger = self.team(team)
         self.held += gpus
         ledger.used += gpus
         self._check_line(ledger)
@@ -287,13 +326,16 @@ class Ledger:
         self.lost_gpu_seconds += lost_gpu_seconds
         ledger.lost_gpu_seconds += lost_gpu_seconds
 
-    def gpus_released(self, team: str, gpus: int, *, finished: bool) -> None:
-        """A job gave its GPUs back: it finished, or a victim exited (and will be requeued)."""
+    def gpus_released(
+        self, team: str, gpus: int, *, finished: bool, demand: int | None = None
+    ) -> None:
+        """A job gave its ``gpus`` GPUs back: it finished (its ``demand``, default ``gpus``,
+        ends), or a victim exited (and will be requeued)."""
         ledger = self.team(team)
         self.held -= gpus
         ledger.used -= gpus
         if finished:
-            self.demand -= gpus
+            self.demand -= gpus if demand is None else demand
         self._check_line(ledger)
 
     def job_finished(
@@ -389,6 +431,9 @@ class Ledger:
                 for wait, team, key in waits[:WAIT_EXAMPLES]
             ],
             inside_guarantee_wait_by_job={f"{key[2]}#{key[1]}": wait for wait, _, key in waits},
+            resizes={"shrinks": self.shrinks, "grows": self.grows}
+            if "elastic_share" in run
+            else None,
         )
 
 
@@ -414,9 +459,13 @@ class Report:
     longest_inside_guarantee_wait_seconds: float = 0.0
     longest_inside_guarantee_waits: list[dict[str, Any]] = field(default_factory=list)
     inside_guarantee_wait_by_job: dict[str, float] = field(default_factory=dict)
+    # Shrinks and grows of elastic jobs; None (and left out of the JSON and the summary)
+    # in a run without elastic jobs, whose report stays as it was before they existed.
+    resizes: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain JSON-able data (names documented in simulation/README.md)."""
+        elastic = {} if self.resizes is None else {"resizes": self.resizes}
         return {
             "run": self.run,
             "simulated_seconds": self.simulated_seconds,
@@ -425,6 +474,7 @@ class Report:
             "queueing_delay_seconds": self.queueing_delay_seconds,
             "gang_queueing_delay_seconds": self.gang_queueing_delay_seconds,
             "preemptions": self.preemptions,
+            **elastic,
             "lost_gpu_hours": self.lost_gpu_hours,
             "longest_below_guarantee_line_seconds": self.longest_below_guarantee_line_seconds,
             "longest_inside_guarantee_wait_seconds": self.longest_inside_guarantee_wait_seconds,
@@ -445,7 +495,7 @@ class Report:
         def share(value: float | None) -> str:
             return "n/a" if value is None else f"{value:.1%}"
 
-        return [
+        lines = [
             f"policy {self.run.get('policy')}: {self.run.get('jobs_completed')} of "
             f"{self.run.get('jobs')} jobs completed in {self.simulated_seconds / 3600:.1f} "
             f"simulated hours",
@@ -466,3 +516,10 @@ class Report:
                 if (wait := team["inside_guarantee_wait_seconds"])["jobs"]
             ),
         ]
+        if self.resizes is not None:
+            lines.append(
+                f"elastic jobs {self.run.get('elastic_jobs')} (share "
+                f"{self.run.get('elastic_share')} of the multi-GPU jobs): "
+                f"{self.resizes['shrinks']} shrinks, {self.resizes['grows']} grows"
+            )
+        return lines
