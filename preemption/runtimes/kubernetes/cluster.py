@@ -10,6 +10,7 @@ module of the runtime but its names.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import threading
 from collections.abc import Callable
@@ -61,11 +62,25 @@ class Cluster:
         # time.monotonic() of the last Eviction answer of the latest signal():
         # the end of "decision to last eviction answered".
         self.last_eviction_answered_at = 0.0
+        # Following stopped ranks' logs until their containers end (logs.keep_logs):
+        # threads and connections of their own, as each follow lasts as long as the
+        # rank's grace, and what was kept of each (its end, and where that starts).
+        self.log_followers = ThreadPoolExecutor(
+            max_workers=max(1, self.settings.log_followers), thread_name_prefix="qm-k8s-log"
+        )
+        followers_config = copy.copy(api_client.configuration)
+        followers_config.connection_pool_maxsize = max(1, self.settings.log_followers)
+        self.log_client = client.ApiClient(followers_config)
+        self.followed: set[tuple[GangId, int]] = set()
+        self.kept_logs: dict[tuple[GangId, int], tuple[bytes, int]] = {}
 
     def close(self) -> None:
         """Release the worker threads and connections."""
         self.closing.set()
         self.pool.shutdown(wait=True)
+        # A follow ends with its rank's container; one still open is not waited for.
+        self.log_followers.shutdown(wait=False, cancel_futures=True)
+        self.log_client.close()
         self.api_client.close()
 
     def create_ignoring_conflict(

@@ -23,6 +23,8 @@ RANK_LABEL = "quartermaster.dev/rank"
 NODE_LABEL = "quartermaster.dev/node"
 TEAM_LABEL = "quartermaster.dev/team"
 RISK_OF_LABEL = "quartermaster.dev/risk-of"
+KEPT_LOG_OF_LABEL = "quartermaster.dev/log-of"
+KEPT_LOG_FIRST_BYTE_ANNOTATION = "quartermaster.dev/first-byte"
 EXIT_CODE_FINALIZER = "quartermaster.dev/exit-code"
 LAUNCHED_ANNOTATION = "quartermaster.dev/launched-at"
 SIGNALLED_ANNOTATION = "quartermaster.dev/signalled-at"
@@ -71,6 +73,8 @@ class KubernetesRuntimeConfig:
     them on every call.
     A 429 from the Eviction API is retried for ``eviction_retry_seconds`` before
     the call gives up with RuntimeTemporaryError.
+    ``log_followers`` is how many stopped ranks' logs are followed at once until
+    their containers end, to keep their ends (logs.keep_logs).
     ``image_pull_policy`` is every container's ``imagePullPolicy``, set
     explicitly so a node never decides by the tag (``:latest`` means Always):
     ``IfNotPresent`` by default, ``Never`` where nodes have their images
@@ -104,6 +108,7 @@ class KubernetesRuntimeConfig:
     eviction_retry_seconds: float = 2.0
     api_workers: int = 32
     log_scan_bytes: int = 64 << 20
+    log_followers: int = 64
     watch_pods: bool = False
     image_pull_policy: str = "IfNotPresent"
 
@@ -124,6 +129,11 @@ def risk_config_map_name(gang: GangId) -> str:
 def pod_name(gang: GangId, rank: int) -> str:
     """The name of one rank's pod."""
     return f"{gang_name(gang)}-r{rank}"
+
+
+def kept_log_name(gang: GangId, rank: int) -> str:
+    """The name of the ConfigMap that keeps the end of a stopped rank's log."""
+    return f"{pod_name(gang, rank)}-log"
 
 
 NO_CHECKPOINT_VOLUME = (

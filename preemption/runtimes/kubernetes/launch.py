@@ -275,3 +275,6 @@ def forget(cluster: Cluster, gang: GangId) -> None:
         cluster.signalled.pop(gang, None)
         cluster.blocked.pop(gang, None)
         cluster.published_risk.pop(gang, None)
+        # Its kept logs' ConfigMaps go with the gang record (their owner).
+        cluster.followed = {key for key in cluster.followed if key[0] != gang}
+        cluster.kept_logs = {key: kept for key, kept in cluster.kept_logs.items() if key[0] != gang}

@@ -1,25 +1,59 @@
-"""Reading a rank's container log through the API server: a slice, or its tail.
+"""Reading a rank's container log through the API server: a slice, or its tail; and
+keeping the end of a stopped rank's log, which its kubelet deletes with it.
 
-It only reads pod logs; it never changes a pod and never reads the models.
+A kubelet removes the exited containers of a pod that is deleted, evictions included,
+as soon as it has stopped them (kubelet ``cleanUpContainersInPod``: "when an evicted
+or deleted pod has already synced, all containers can be removed"), and their logs
+with them: read afterwards, the log API answers the kubelet's words "unable to
+retrieve container logs for <container>" as the log's body. So when the runtime stops
+a gang, ``keep_logs`` follows each rank's log until its container ends and keeps its
+last KEPT_LOG_BYTES in a ConfigMap of the rank's own (owned by the gang record, so the
+garbage collector removes it with the gang), where any worker reads it back.
+It never changes a pod and never reads the models.
 """
 
 from __future__ import annotations
 
+import base64
+import re
 from collections.abc import Iterator
 
+import urllib3
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from preemption.runtimes.base import GangId, RuntimePermanentError
-from preemption.runtimes.kubernetes.cluster import Cluster, translate
-from preemption.runtimes.kubernetes.config import CONTAINER_NAME, pod_name
+from preemption.runtimes.base import GangId, RuntimePermanentError, RuntimeTemporaryError
+from preemption.runtimes.kubernetes.cluster import Cluster, is_gone, translate
+from preemption.runtimes.kubernetes.config import (
+    ATTEMPT_LABEL,
+    CONTAINER_NAME,
+    JOB_LABEL,
+    KEPT_LOG_FIRST_BYTE_ANNOTATION,
+    KEPT_LOG_OF_LABEL,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    RANK_LABEL,
+    gang_name,
+    kept_log_name,
+    pod_name,
+)
 
 LOG_CHUNK_BYTES = 64 * 1024
+# What a ConfigMap keeps of a stopped rank's log: its whole size is at most 1 MiB,
+# and binaryData is base64 (4 bytes for 3).
+KEPT_LOG_BYTES = 512 * 1024
+# The body a kubelet answers for the log of a container it has removed.
+REMOVED_CONTAINER = re.compile(rb"unable to retrieve container logs for [a-z]+://[0-9a-f]+\s*")
+REMOVED_ANSWER_BYTES = 256
+# How long a follow may wait for a line beyond its rank's grace before giving up.
+FOLLOW_SLACK_SECONDS = 60
 
 
 def read_log(
     cluster: Cluster, gang: GangId, rank: int, offset: int = 0, limit: int = 1 << 20
 ) -> bytes:
-    """A slice of one rank's container log, through the API server.
+    """A slice of one rank's container log, through the API server; of a container its
+    kubelet removed, of the end kept when it was stopped (empty where none was).
 
     The pod log API has no offset, so the log is streamed and the bytes
     before ``offset`` are dropped as they arrive: memory holds one chunk
@@ -34,17 +68,30 @@ def read_log(
             "the end of every rank's log is kept when its attempt ends"
         )
     kept = bytearray()
+    # The kubelet's answer for a removed container is one short line.
+    head = bytearray()
     for position, chunk in _stream_log(cluster, gang, rank, offset + limit):
+        if position < REMOVED_ANSWER_BYTES:
+            head += chunk
         start = max(0, offset - position)
         if start < len(chunk):
             kept += chunk[start : start + limit - len(kept)]
+    if len(head) < REMOVED_ANSWER_BYTES and removed_container(bytes(head)):
+        # The container is gone: the part of its log's end kept when it was stopped.
+        end, first_byte = _kept_log(cluster, gang, rank)
+        if end is None:
+            return b""
+        start = max(0, offset - first_byte)
+        return end[start : start + limit]
     return bytes(kept)
 
 
 def read_log_tail(cluster: Cluster, gang: GangId, rank: int, max_bytes: int) -> tuple[bytes, int]:
     """The last ``max_bytes`` of a rank's log and the offset they start at.
 
-    Streams the whole log once, keeping at most about twice ``max_bytes``.
+    Streams the whole log once, keeping at most about twice ``max_bytes``. Where the
+    kubelet has removed the container, the end kept when the rank was stopped
+    (``keep_logs``); where none was kept, RuntimePermanentError says the log is gone.
     """
     tail = bytearray()
     total = 0
@@ -53,8 +100,139 @@ def read_log_tail(cluster: Cluster, gang: GangId, rank: int, max_bytes: int) -> 
         tail += chunk
         if len(tail) > 2 * max_bytes:
             del tail[: len(tail) - max_bytes]
+    if total == len(tail) and removed_container(bytes(tail)):
+        kept, first_byte = _kept_log(cluster, gang, rank)
+        if kept is None:
+            raise RuntimePermanentError(
+                f"the log of {pod_name(gang, rank)} went with its container, which its "
+                "kubelet removed once the pod was deleted, and none of it was kept"
+            )
+        shown = kept[-max_bytes:] if max_bytes else b""
+        return shown, first_byte + len(kept) - len(shown)
     kept = bytes(tail[-max_bytes:]) if max_bytes else b""
     return kept, total - len(kept)
+
+
+def removed_container(body: bytes) -> bool:
+    """Whether a log's body is a kubelet's answer for a container it has removed."""
+    return REMOVED_CONTAINER.fullmatch(body) is not None
+
+
+def keep_logs(
+    cluster: Cluster, gang: GangId, namespace: str, world_size: int, grace: float
+) -> None:
+    """Follow each rank's log, from now until its container ends, and keep its end.
+
+    Returns at once: the follows run on threads and connections of their own, at most
+    ``log_followers`` at a time, one per rank however often the gang is stopped."""
+    for rank in range(world_size):
+        with cluster.lock:
+            if (gang, rank) in cluster.followed:
+                continue
+            cluster.followed.add((gang, rank))
+        cluster.log_followers.submit(_follow, cluster, gang, namespace, rank, grace)
+
+
+def _follow(cluster: Cluster, gang: GangId, namespace: str, rank: int, grace: float) -> None:
+    core = client.CoreV1Api(cluster.log_client)
+    name = pod_name(gang, rank)
+    try:
+        response = core.read_namespaced_pod_log(
+            name,
+            namespace,
+            container=CONTAINER_NAME,
+            follow=True,
+            _preload_content=False,
+            _headers={"Accept-Encoding": "identity"},
+            _request_timeout=(10, grace + FOLLOW_SLACK_SECONDS),
+        )
+    except (ApiException, urllib3.exceptions.HTTPError, OSError):
+        _unfollowed(cluster, gang, rank)
+        return
+    tail = bytearray()
+    total = 0
+    try:
+        for chunk in response.stream(LOG_CHUNK_BYTES, decode_content=True):
+            total += len(chunk)
+            tail += chunk
+            if len(tail) > 2 * KEPT_LOG_BYTES:
+                del tail[: len(tail) - KEPT_LOG_BYTES]
+    except (urllib3.exceptions.HTTPError, OSError):
+        # Cut short: the end is not the container's end, so nothing is kept, and a
+        # later stop of the gang follows the rank again.
+        _unfollowed(cluster, gang, rank)
+        return
+    finally:
+        response.release_conn()
+    kept = bytes(tail[-KEPT_LOG_BYTES:])
+    if total == len(tail) and removed_container(kept):
+        return
+    first_byte = total - len(kept)
+    with cluster.lock:
+        cluster.kept_logs[(gang, rank)] = (kept, first_byte)
+    try:
+        record = cluster.core.read_namespaced_config_map(gang_name(gang), namespace)
+        cluster.create_ignoring_conflict(
+            cluster.core.create_namespaced_config_map,
+            namespace,
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {
+                    "name": kept_log_name(gang, rank),
+                    # Not the gang label: listings of gang records select by it.
+                    "labels": {
+                        MANAGED_BY_LABEL: MANAGED_BY,
+                        JOB_LABEL: str(gang.job_id),
+                        ATTEMPT_LABEL: str(gang.attempt),
+                        RANK_LABEL: str(rank),
+                        KEPT_LOG_OF_LABEL: gang_name(gang),
+                    },
+                    "annotations": {KEPT_LOG_FIRST_BYTE_ANNOTATION: str(first_byte)},
+                    "ownerReferences": [
+                        {
+                            "apiVersion": "v1",
+                            "kind": "ConfigMap",
+                            "name": gang_name(gang),
+                            "uid": record.metadata.uid,
+                        }
+                    ],
+                },
+                "binaryData": {"log": base64.b64encode(kept).decode()},
+            },
+        )
+    except (ApiException, RuntimeTemporaryError, RuntimePermanentError, OSError):
+        # This worker keeps it in memory still; another finds none and says so.
+        return
+    except urllib3.exceptions.HTTPError:
+        return
+
+
+def _unfollowed(cluster: Cluster, gang: GangId, rank: int) -> None:
+    with cluster.lock:
+        cluster.followed.discard((gang, rank))
+
+
+def _kept_log(cluster: Cluster, gang: GangId, rank: int) -> tuple[bytes | None, int]:
+    """The end of a stopped rank's log that ``keep_logs`` kept, and where it starts:
+    from this worker's memory, else from its ConfigMap; (None, 0) when none was kept."""
+    with cluster.lock:
+        kept = cluster.kept_logs.get((gang, rank))
+    if kept is not None:
+        return kept
+    location = cluster.gang_location(gang)
+    if location is None:
+        return None, 0
+    try:
+        record = cluster.core.read_namespaced_config_map(kept_log_name(gang, rank), location[0])
+    except ApiException as error:
+        # The portal's web server may read logs but no ConfigMap (deploy/rbac.yaml).
+        if is_gone(error) or error.status == 403:
+            return None, 0
+        raise translate(error, f"read {kept_log_name(gang, rank)}") from error
+    content = base64.b64decode((record.binary_data or {}).get("log", ""))
+    annotations = record.metadata.annotations or {}
+    return content, int(annotations.get(KEPT_LOG_FIRST_BYTE_ANNOTATION, "0"))
 
 
 def _stream_log(

@@ -131,8 +131,14 @@ class KubernetesRuntime:
         re-issues evictions (the API server never lengthens a grace period).
         Raises RuntimeTemporaryError naming the ranks a PodDisruptionBudget
         still protects after ``eviction_retry_seconds``.
+
+        The ranks' logs are followed from then until their containers end, so their
+        ends outlive the containers the kubelets remove (logs.keep_logs).
         """
-        evict.signal(self.cluster, gang, grace_seconds)
+        try:
+            evict.signal(self.cluster, gang, grace_seconds)
+        finally:
+            self._keep_logs(gang, grace_seconds)
 
     def eviction_blocked(self, gang: GangId) -> dict[int, str]:
         """Ranks whose last eviction a PodDisruptionBudget refused, with the reason."""
@@ -140,7 +146,13 @@ class KubernetesRuntime:
 
     def kill(self, gang: GangId) -> None:
         """Delete every rank's pod with grace 0. Idempotent."""
+        self._keep_logs(gang, 0)
         evict.kill(self.cluster, gang)
+
+    def _keep_logs(self, gang: GangId, grace_seconds: float) -> None:
+        location = self.cluster.gang_location(gang)
+        if location is not None:
+            logs.keep_logs(self.cluster, gang, *location, grace_seconds)
 
     # -- observe ---------------------------------------------------------------
     def observe(self, gang: GangId | None = None) -> list[RankObservation]:
