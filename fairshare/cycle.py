@@ -347,10 +347,25 @@ class FlavorPlanner(FlavorSearches):
         so that the eviction search starts from the same ledger.
 
         It changes nothing it reads, so a workload of the same kind planned while
-        nothing else changed finds the same (``outcome_by_kind`` may be reused)."""
+        nothing else changed finds the same (``outcome_by_kind`` may be reused); and a
+        search that failed is not run again for as many ranks or more of the same kind
+        until new candidates come, as ``failed_attempts`` spares eviction searches."""
+        workload = job.workload
+        priority_class = job.priority_class
+        value = priority_class.value if mode == PRIORITY else 0
+        attempt = (job.queue, mode, workload.gpus_per_rank, value, priority_class.preemptible)
+        failed = self.failed_shrinks.get(attempt)
+        if (
+            failed is not None
+            and failed[1] == self.candidates_version
+            and workload.ranks >= failed[0]
+        ):
+            return None
         found = shrink_for(self.ledger, self.nodes, self.shrinkable, job, mode)
-        if found is not None:
-            give_back(self.ledger, found[0])
+        if found is None:
+            self.failed_shrinks[attempt] = (workload.ranks, self.candidates_version)
+            return None
+        give_back(self.ledger, found[0])
         return found
 
     def _take_shrinks(self, job: PendingJob, found: tuple[list[Shrink], Placement]) -> None:

@@ -211,6 +211,8 @@ class FlavorDecisions:
         # matters, preemptible): the fewest ranks that failed, and the candidates'
         # version they failed against.
         self.failed_attempts: dict[tuple[int, str, int, int, bool], tuple[int, int]] = {}
+        # The same for the searches for running elastic gangs to shrink.
+        self.failed_shrinks: dict[tuple[int, str, int, int, bool], tuple[int, int]] = {}
         # Per queue: the fewest GPUs for which a fair-share search found no candidate at
         # all (none offered, none protected), and the candidates' version then.
         self.fair_share_dry: dict[int, tuple[int, int]] = {}

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from .ledger import QuotaLedger
 from .model import FAIR_SHARE, PRIORITY, RECLAIM, Workload
 from .nodes import NodeMap, Placement
+from .preemption import MAX_CANDIDATES_PER_ATTEMPT
 from .rules import r3_guarantee_overshoot, r7_may_preempt_by_priority, r8_may_preempt_for_fair_share
 from .work import PendingJob, RunningWork
 
@@ -221,7 +222,14 @@ def shrink_for(
     """
     chosen: list[Shrink] = []
     found: Placement | None = None
+    examined = 0
     for run in elastic:
+        if run.victim:
+            continue
+        # Bounded as an eviction search is, for the same reason.
+        examined += 1
+        if examined > MAX_CANDIDATES_PER_ATTEMPT:
+            break
         workload = run.workload
         for size in workload.sizes:
             if size >= workload.ranks:
