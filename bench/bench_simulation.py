@@ -4,6 +4,7 @@
     .venv/bin/python bench/bench_simulation.py --skip-speed    # goals only
     .venv/bin/python bench/bench_simulation.py --profile       # cProfile of the speed run
     .venv/bin/python bench/bench_simulation.py --skip-goals --skip-speed   # issue 16's figures
+    .venv/bin/python bench/bench_simulation.py --only-elastic  # issue 47's table
 
 Goals (on a synthetic trace fitted to ../shared/data/README.md, policy fairshare):
 
@@ -21,6 +22,12 @@ Topology (issue 16): on a synthetic trace with racks of ``--rack-size`` nodes, h
 (more than one node) wait and the allocation, when they require one rack against placed
 blind to racks.
 
+Elastic jobs (issue 47): on the shared traces, whole-gang eviction against
+``--elastic-share`` of the multi-GPU jobs elastic (simulation/elastic.py), side by side with
+the ratios to the goals: the openb trace with the Helios Venus quotas of one day, arrivals
+compressed by ``--elastic-openb-arrival-scale``, and each Sia workload on ``--sia-gpus`` GPUs
+(the Sia paper's cluster) shared by ``--sia-teams`` teams of equal guarantee.
+
 Speed: wall time of 100,000 jobs on 1,000 GPUs (125 nodes of 8), with the part spent inside
 ``fairshare.plan``.
 """
@@ -37,7 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulation.cli import DEFAULT_HELIOS_QUOTAS, DEFAULT_OPENB_TRACE, progress_bar
+from simulation.cli import DEFAULT_HELIOS_QUOTAS, DEFAULT_OPENB_TRACE, SHARED_DATA, progress_bar
+from simulation.elastic import compare_elastic, comparison_lines
 from simulation.engine import SimulationConfig, simulate
 from simulation.fairness import surplus_fairness, teams_wanting_surplus
 from simulation.report import ALLOCATION_GOAL, Report
@@ -256,6 +264,63 @@ def topology(args: argparse.Namespace) -> None:
         )
 
 
+def elastic_table(
+    title: str, trace: list[TraceJob], config: SimulationConfig, args: argparse.Namespace
+) -> None:
+    print(f"  {title}: {len(trace)} jobs, {sum(1 for job in trace if job.gpus > 1)} multi-GPU")
+    progress = progress_bar(sys.stderr) if args.progress else None
+    comparison = compare_elastic(trace, config, args.elastic_share, progress)
+    for line in comparison_lines(comparison):
+        print(f"    {line}")
+    cpu = comparison.whole_gang.run["cpu_seconds"] + comparison.elastic.run["cpu_seconds"]
+    print(f"    {cpu:.0f} s CPU for both runs")
+
+
+def elastic(args: argparse.Namespace) -> None:
+    print(
+        f"Elastic jobs: whole-gang eviction against {args.elastic_share:g} of the multi-GPU jobs "
+        f"elastic (half their ranks to all), cycle {args.cycle_seconds} s, grace "
+        f"{args.grace_seconds} s, save {args.save_seconds} s"
+    )
+
+    def config(nodes: list[ClusterNode], guarantees: dict[str, int]) -> SimulationConfig:
+        return SimulationConfig(
+            nodes=nodes,
+            guarantees=guarantees,
+            cycle_seconds=args.cycle_seconds,
+            grace_seconds=args.grace_seconds,
+            save_seconds=args.save_seconds,
+            checkpoint_interval=args.checkpoint_interval,
+            restart_seconds=args.restart_seconds,
+            seed=args.seed,
+        )
+
+    helios = load_helios_quotas(DEFAULT_HELIOS_QUOTAS, args.helios_date)
+    capacity = sum(helios.values())
+    if not args.skip_elastic_openb:
+        openb = [
+            dataclasses.replace(job, submit_time=job.submit_time * args.elastic_openb_arrival_scale)
+            for job in load_trace(DEFAULT_OPENB_TRACE, "openb", helios, args.seed)
+        ]
+        elastic_table(
+            f"openb trace, arrivals x {args.elastic_openb_arrival_scale:g}, Helios Venus quotas "
+            f"of {args.helios_date} on {capacity} GPUs",
+            openb,
+            config(uniform_cluster(capacity // 8, 8), helios),
+            args,
+        )
+    teams = {f"team-{i}": args.sia_gpus // args.sia_teams for i in range(args.sia_teams)}
+    for number in (1, 2, 3):
+        path = SHARED_DATA / f"sia_saturn_workload-{number}.csv"
+        elastic_table(
+            f"Sia workload {number}, {args.sia_teams} teams of {args.sia_gpus // args.sia_teams} "
+            f"GPUs on {args.sia_gpus}",
+            load_trace(path, "sia", teams, args.seed),
+            config(uniform_cluster(args.sia_gpus // 8, 8), teams),
+            args,
+        )
+
+
 def speed(args: argparse.Namespace) -> None:
     trace = generate(
         args.speed_jobs, args.gpus, teams=make_teams(args.teams, args.seed), load=args.load,
@@ -307,20 +372,37 @@ def main() -> int:
     parser.add_argument("--figure-jobs", type=int, default=10000)
     parser.add_argument("--figure-gpus", type=int, default=512)
     parser.add_argument("--rack-size", type=int, default=8, help="nodes per rack")
+    parser.add_argument("--elastic-share", type=float, default=0.5)
+    parser.add_argument("--elastic-openb-arrival-scale", type=float, default=0.0005)
+    parser.add_argument("--sia-gpus", type=int, default=64)
+    parser.add_argument("--sia-teams", type=int, default=4)
     parser.add_argument("--skip-goals", action="store_true")
     parser.add_argument("--skip-fairness", action="store_true")
     parser.add_argument("--skip-topology", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-elastic", action="store_true")
+    parser.add_argument("--only-elastic", action="store_true", help="issue 47's table alone")
+    parser.add_argument(
+        "--skip-elastic-openb",
+        action="store_true",
+        help="the Sia workloads alone (openb's two runs take minutes, more without the "
+        "compiled engine)",
+    )
     parser.add_argument("--compare", action="store_true", help="also run static and fifo")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     args = parser.parse_args()
+    if args.only_elastic:
+        elastic(args)
+        return 0
     if not args.skip_goals:
         goals(args)
     if not args.skip_fairness:
         fairness(args)
     if not args.skip_topology:
         topology(args)
+    if not args.skip_elastic:
+        elastic(args)
     if not args.skip_speed:
         speed(args)
     return 0

@@ -308,7 +308,6 @@ class Simulation:
                 shrink_elastic=bool(elastic),
             ),
         )
-        self.period = config.checkpoint_interval + config.save_seconds
         self.events: list[tuple[float, int, int, int, int]] = []
         self.checkpoints: list[tuple[float, int, int, int]] = []
         self._sequence = 0
