@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.hashers import make_password
 from django.core.cache import cache
+from django.db import transaction
 from hypothesis import settings as hypothesis_settings
 from rest_framework.test import APIClient
 
@@ -198,8 +200,7 @@ def persona_password_hash() -> str:
 
 
 def build_world() -> World:
-    """The world's rows: `world` builds them for each test; a module of many tests may
-    build them once and run each test in a savepoint (tests/portal/api/test_api_permissions.py)."""
+    """The world's rows: `world` builds them for each test, `world_built_once` for a module."""
     User = get_user_model()
     h100 = ResourceFlavor.objects.create(name="h100-80gb")
     a100 = ResourceFlavor.objects.create(name="a100-40gb")
@@ -253,6 +254,21 @@ def build_world() -> World:
 @pytest.fixture
 def world(db: Any) -> World:
     return build_world()
+
+
+@contextmanager
+def world_built_once(django_db_blocker: Any) -> Iterator[World]:
+    """The world for a module-scoped fixture: built once for all the module's tests
+    rather than once per test, in a transaction rolled back when the module is done.
+
+    Each test still starts from exactly these rows: the `db` fixture runs it in a
+    savepoint inside this transaction and rolls back whatever it wrote, as Django's
+    `TestCase.setUpTestData` does for a class. Hand each test a copy of the instances
+    (`copy.deepcopy`), so that what one does to them in memory (a user's last_login,
+    a refreshed row) is not what the next starts from."""
+    with django_db_blocker.unblock(), transaction.atomic():
+        yield build_world()
+        transaction.set_rollback(True)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import transaction
 from django.test import override_settings
 from django.utils import timezone
 from drf_spectacular.generators import SchemaGenerator
@@ -30,7 +29,7 @@ from preemption.webhooks import webhook_create
 from quotas import services as quota_services
 from quotas.models import AuditEntry, Node, PriorityClass, Quota, Team
 from tests import builders
-from tests.conftest import World, build_world, database_state
+from tests.conftest import World, database_state, world_built_once
 
 # The personas and password of tests/conftest.py's `world`.
 PERSONAS = ("admin", "manager", "other_manager", "researcher", "other_researcher", "anonymous")
@@ -172,15 +171,10 @@ def _shared_rows(
     _module_settings: None, django_db_setup: None, django_db_blocker: Any
 ) -> Iterator[tuple[World, Objects]]:
     """The world and the objects, built once for the module's several hundred cases
-    rather than once per case, in a transaction rolled back after the last of them.
-
-    Each case still starts from exactly these rows: the `db` fixture runs it in a
-    savepoint inside this transaction and rolls back whatever it wrote, as Django's
-    `TestCase.setUpTestData` does for a class."""
-    with django_db_blocker.unblock(), transaction.atomic():
-        world = build_world()
+    rather than once per case; each case runs in a savepoint rolled back at its end
+    (tests/conftest.py's `world_built_once`)."""
+    with world_built_once(django_db_blocker) as world:
         yield world, _build_objects(world)
-        transaction.set_rollback(True)
 
 
 @pytest.fixture
