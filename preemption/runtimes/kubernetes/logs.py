@@ -15,6 +15,7 @@ It never changes a pod and never reads the models.
 from __future__ import annotations
 
 import base64
+import logging
 import re
 from collections.abc import Iterator
 
@@ -37,6 +38,8 @@ from preemption.runtimes.kubernetes.config import (
     kept_log_name,
     pod_name,
 )
+
+logger = logging.getLogger(__name__)
 
 LOG_CHUNK_BYTES = 64 * 1024
 # What a ConfigMap keeps of a stopped rank's log: its whole size is at most 1 MiB,
@@ -146,7 +149,8 @@ def _follow(cluster: Cluster, gang: GangId, namespace: str, rank: int, grace: fl
             _headers={"Accept-Encoding": "identity"},
             _request_timeout=(10, grace + FOLLOW_SLACK_SECONDS),
         )
-    except (ApiException, urllib3.exceptions.HTTPError, OSError):
+    except (ApiException, urllib3.exceptions.HTTPError, OSError) as error:
+        logger.info("the log of %s could not be followed: %s", name, error)
         _unfollowed(cluster, gang, rank)
         return
     tail = bytearray()
@@ -157,15 +161,17 @@ def _follow(cluster: Cluster, gang: GangId, namespace: str, rank: int, grace: fl
             tail += chunk
             if len(tail) > 2 * KEPT_LOG_BYTES:
                 del tail[: len(tail) - KEPT_LOG_BYTES]
-    except (urllib3.exceptions.HTTPError, OSError):
+    except (urllib3.exceptions.HTTPError, OSError) as error:
         # Cut short: the end is not the container's end, so nothing is kept, and a
         # later stop of the gang follows the rank again.
+        logger.info("following the log of %s was cut short: %s", name, error)
         _unfollowed(cluster, gang, rank)
         return
     finally:
         response.release_conn()
     kept = bytes(tail[-KEPT_LOG_BYTES:])
     if total == len(tail) and removed_container(kept):
+        logger.info("the log of %s was gone before it could be followed", name)
         return
     first_byte = total - len(kept)
     with cluster.lock:

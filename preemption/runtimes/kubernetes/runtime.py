@@ -33,6 +33,10 @@ from preemption.runtimes.kubernetes.config import (
 )
 from preemption.runtimes.kubernetes.spec import on_checkpoint_volume, rank_resources
 
+# How long a follow of a gang that someone else stops waits for a line: its grace is
+# not known here.
+OTHERS_GRACE_SECONDS = 300.0
+
 
 @translate_errors(classify)
 class KubernetesRuntime:
@@ -156,8 +160,16 @@ class KubernetesRuntime:
 
     # -- observe ---------------------------------------------------------------
     def observe(self, gang: GangId | None = None) -> list[RankObservation]:
-        """Every rank's state from a fresh listing of pods, gang records and nodes."""
-        return observe.observe(self.cluster, gang)
+        """Every rank's state from a fresh listing of pods, gang records and nodes.
+
+        A gang seen ending by someone else's doing (a drain, kube-scheduler, a node's
+        eviction) has its ranks' logs followed from then on, as one this runtime stops.
+        """
+        observations = observe.observe(self.cluster, gang)
+        ending = {GangId(o.job_id, o.attempt) for o in observations if o.phase == "terminating"}
+        for ended in sorted(ending, key=lambda g: (g.job_id, g.attempt)):
+            self._keep_logs(ended, OTHERS_GRACE_SECONDS)
+        return observations
 
     def pod_watch_in_sync(self) -> bool:
         """Whether observe() reads pods from the watch cache right now."""

@@ -8,6 +8,7 @@ Eviction API call to the workload's handler is measured, not imitated.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import re
 import time
@@ -21,7 +22,7 @@ from preemption.models import Attempt, JobState
 from preemption.reconcile import reconcile_jobs
 from preemption.runtimes.base import GangId, RuntimePermanentError
 from preemption.runtimes.kubernetes import KubernetesRuntime
-from preemption.runtimes.kubernetes.config import GPU_RESOURCE, pod_name
+from preemption.runtimes.kubernetes.config import GPU_RESOURCE, kept_log_name, pod_name
 from tests.k8s.conftest import HIGH_PRIORITY
 from tests.k8s.test_k8s_disruption import _admitted_job
 from tools.k8s.gangs import all_in, gang_spec
@@ -239,7 +240,11 @@ def test_a_rank_whose_image_no_node_has_fails_the_attempt_at_the_start_timeout(
 
 
 def test_the_end_of_a_stopped_ranks_log_outlives_the_container_its_kubelet_removes(
-    real_runtime: KubernetesRuntime, make_runtime: MakeRuntime, real_nodes: RealNodes
+    real_runtime: KubernetesRuntime,
+    make_runtime: MakeRuntime,
+    real_nodes: RealNodes,
+    k8s_api: client.ApiClient,
+    namespace: str,
 ) -> None:
     """A kubelet removes the exited containers of a deleted pod, evicted ones too, and
     their logs with them: read afterwards, the log is the kubelet's "unable to retrieve
@@ -249,6 +254,7 @@ def test_the_end_of_a_stopped_ranks_log_outlives_the_container_its_kubelet_remov
         905, {"real-node-0": 2, "real-node-1": 2}, command=RANK_COMMAND, grace_seconds=10
     )
     gang = spec.gang
+    core = client.CoreV1Api(k8s_api)
     _launch_running(real_runtime, spec)
     real_runtime.signal(gang, 10)
     wait_for(lambda: all_in(real_runtime, gang, "exited", 4), timeout=30, what="ranks exited")
@@ -266,6 +272,12 @@ def test_the_end_of_a_stopped_ranks_log_outlives_the_container_its_kubelet_remov
         )
         assert first_byte == 0
         assert b"started" in tail and CAUGHT.search(tail) is not None, (rank, tail)
+        assert (
+            wait_for(
+                lambda r=rank: _kept_in_cluster(core, namespace, gang, r), timeout=15, what="kept"
+            )
+            == tail
+        )
         # Another worker, with nothing in memory, reads the same from the cluster.
         assert wait_for(
             lambda r=rank: _kept_tail(another_worker, gang, r), timeout=15, what="kept"
@@ -281,3 +293,52 @@ def _kept_tail(runtime: KubernetesRuntime, gang: GangId, rank: int) -> tuple[byt
     except RuntimePermanentError:
         return None  # removed with its container, and its end not kept yet
     return (tail, first_byte) if CAUGHT.search(tail) else None
+
+
+# A rank that, told to stop, says so, takes a moment as a checkpoint would, then ends.
+SLOW_STOP_COMMAND = r"""
+trap 'echo "caught-term $(date +%s.%N)"; sleep 2; echo "saved"; exit 0' TERM
+echo "started $(date +%s.%N)"
+while :; do sleep 0.1; done
+"""
+
+
+def test_the_end_of_a_drained_ranks_log_is_kept_once_the_runtime_sees_it_ending(
+    real_runtime: KubernetesRuntime, k8s_api: client.ApiClient, namespace: str
+) -> None:
+    """Someone else's eviction (a drain) gives the runtime no stop of its own to follow
+    the logs from: it follows them from the observation that sees the ranks ending."""
+    core = client.CoreV1Api(k8s_api)
+    spec = gang_spec(906, {"real-node-0": 1, "real-node-1": 1}, command=SLOW_STOP_COMMAND)
+    gang = spec.gang
+    _launch_running(real_runtime, spec)
+    for rank in (0, 1):
+        core.create_namespaced_pod_eviction(
+            pod_name(gang, rank),
+            namespace,
+            {"apiVersion": "policy/v1", "kind": "Eviction",
+             "metadata": {"name": pod_name(gang, rank), "namespace": namespace}},
+        )  # fmt: skip
+    assert [o.phase for o in real_runtime.observe(gang)] == ["terminating", "terminating"]
+    wait_for(lambda: all_in(real_runtime, gang, "exited", 2), timeout=30, what="ranks exited")
+    for rank in (0, 1):
+        # Whether the kubelet has removed the container by now is a race of its own:
+        # the end kept in the cluster is there either way.
+        kept = wait_for(
+            lambda r=rank: _kept_in_cluster(core, namespace, gang, r), timeout=15, what="kept"
+        )
+        assert CAUGHT.search(kept) is not None and kept.endswith(b"saved\n"), kept
+        assert real_runtime.read_log_tail(gang, rank, 4096)[0].endswith(b"saved\n")
+    real_runtime.forget(gang)
+
+
+def _kept_in_cluster(
+    core: client.CoreV1Api, namespace: str, gang: GangId, rank: int
+) -> bytes | None:
+    try:
+        kept = core.read_namespaced_config_map(kept_log_name(gang, rank), namespace)
+    except client.exceptions.ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+    return base64.b64decode(kept.binary_data["log"])
