@@ -17,7 +17,7 @@ import fairshare
 from simulation.cli import run_simulation
 from simulation.elastic import compare_elastic, comparison_lines, owner_waits
 from simulation.engine import Simulation, SimulationConfig, elastic_jobs, elastic_shape, simulate
-from simulation.traces import ClusterNode, TraceJob
+from simulation.traces import ClusterNode, TraceJob, load_trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TWO_NODES = [ClusterNode("n0", 8), ClusterNode("n1", 8)]
@@ -202,3 +202,44 @@ def test_the_command_line_compares_whole_gangs_with_elastic_jobs(
     assert "resizes" not in both["whole_gang"]
     with pytest.raises(SystemExit):
         main([*argv[:-4], "--compare-elastic", "0"])
+
+
+@pytest.mark.parametrize("policy", ["fairshare", "fifo"])
+@pytest.mark.parametrize("grace_seconds", [120.0, 20.0])
+def test_every_gpu_a_resize_moves_is_given_back(policy: str, grace_seconds: float) -> None:
+    # The Sia slice, every multi-GPU job elastic, on 2 nodes shared by 4 teams: gangs start
+    # small, shrink, grow and are evicted (with grace 20 s the trap cannot save, and resizes
+    # lose work too). Whatever happens, no more GPUs are held than the cluster has, every job
+    # ends, and at the end nothing is held, pending or being released.
+    teams = {"a": 4, "b": 4, "c": 4, "d": 4}
+    trace = load_trace(FIXTURES / "sia_saturn_slice.csv", "sia", teams, 0)
+    config = SimulationConfig(
+        nodes=TWO_NODES,
+        guarantees=teams,
+        policy=policy,
+        grace_seconds=grace_seconds,
+        checkpoint_interval=600.0,
+        elastic_share=1.0,
+    )
+    simulation = Simulation(trace, config)
+    ledger = simulation.ledger
+    most = 0
+    advance = ledger.advance
+
+    def watch(now: float) -> None:
+        nonlocal most
+        most = max(most, ledger.held)
+        advance(now)
+
+    ledger.advance = watch  # type: ignore[method-assign]
+    report = simulation.run()
+    assert report.run["jobs_completed"] == 12
+    assert report.resizes is not None and report.resizes["grows"] > 0
+    assert most <= 16
+    assert (ledger.held, ledger.demand, ledger.pending_jobs) == (0, 0, 0)
+    assert not simulation.running and not simulation.releasing
+    assert all(team.used == 0 for team in ledger.teams.values())
+    if policy == "fairshare":
+        assert report.resizes["shrinks"] > 0
+    if grace_seconds < config.save_seconds:
+        assert report.lost_gpu_hours > 0
