@@ -3,6 +3,7 @@ and no read can make a process hold a whole log."""
 
 from __future__ import annotations
 
+import base64
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from preemption.reconcile import reconcile_jobs
 from preemption.runtime import use_runtime
 from preemption.runtimes.base import GangId, RuntimePermanentError
 from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes.config import kept_log_name
 from preemption.services import job_submit
 from quotas.models import PriorityClass
 from tests.conftest import PASSWORD
@@ -127,3 +129,40 @@ def test_live_log_reads_are_bounded(make_runtime: MakeRuntime, settings: Any) ->
     tail, first_byte = runtime.read_log_tail(gang, 0, 1000)
     assert tail == b"y" * 999 + b"\n" and first_byte == size + 1 - 1000
     runtime.kill(gang)
+
+
+def test_a_signalled_ranks_log_is_followed_until_its_process_ends(
+    make_runtime: MakeRuntime, k8s_api: client.ApiClient, namespace: str
+) -> None:
+    """The node agent answers a follow as a kubelet does, holding it open until the
+    container ends: the end the runtime keeps of a stopped rank's log is its last line,
+    written as the rank wound down, not the log as it was when the stop was asked."""
+    runtime = make_runtime(pod_annotations={ANNOTATION_RUN: "process"})
+    command = (
+        "trap 'sleep 1; echo \"wound down rank $RANK\"; exit 0' TERM; "
+        'echo "started rank $RANK"; while :; do sleep 0.1; done'
+    )
+    spec = gang_spec(241, {"gpu-node-2": 2}, command=command, grace_seconds=10)
+    gang = spec.gang
+    runtime.launch(spec)
+    wait_for(lambda: all_in(runtime, gang, "running", 2), timeout=30, what="ranks running")
+    wait_for(lambda: b"started" in runtime.read_log(gang, 1), timeout=30, what="rank 1 started")
+    runtime.signal(gang, 10)
+    wait_for(lambda: all_in(runtime, gang, "exited", 2), timeout=30, what="ranks exited")
+    core = client.CoreV1Api(k8s_api)
+    for rank in (0, 1):
+        kept = wait_for(
+            lambda r=rank: _kept(core, namespace, gang, r), timeout=15, what="the kept end"
+        )
+        assert kept.endswith(f"wound down rank {rank}\n".encode()), kept
+    runtime.forget(gang)
+
+
+def _kept(core: client.CoreV1Api, namespace: str, gang: GangId, rank: int) -> bytes | None:
+    try:
+        record = core.read_namespaced_config_map(kept_log_name(gang, rank), namespace)
+    except client.exceptions.ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+    return base64.b64decode(record.binary_data["log"])

@@ -315,6 +315,9 @@ class AgentState:
                     self.send_error(404)
                     return
                 query = urllib.parse.parse_qs(parsed.query)
+                if query.get("follow") == ["true"]:
+                    self._follow(path, agent._containers.get((namespace, pod)))
+                    return
                 if "tailLines" not in query:
                     # Streamed from the file, as a kubelet does: a reader of the
                     # first bytes of a big log never makes the agent hold it all.
@@ -344,6 +347,25 @@ class AgentState:
                 self.send_header("Content-Length", str(len(content)))
                 self.end_headers()
                 self.wfile.write(content)
+
+            def _follow(self, path: Path, container: Container | None) -> None:
+                """The log from its start and as it grows, until its container ends, as a
+                kubelet follows one: the answer has no length and ends with the
+                connection (HTTP/1.0)."""
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.end_headers()
+                with open(path, "rb") as log, contextlib.suppress(OSError):
+                    while True:
+                        ended = container is None or container.done.is_set()
+                        chunk = log.read(64 * 1024)
+                        if chunk:
+                            self.wfile.write(chunk)
+                            self.wfile.flush()
+                            continue
+                        if ended:
+                            return
+                        container.done.wait(0.1)
 
             def log_message(self, format: str, *args: Any) -> None:
                 return
