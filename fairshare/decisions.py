@@ -336,7 +336,7 @@ class FlavorDecisions:
             freed_by.append(gang.id)
         self.unplaceable_on_releasing.clear()
         self.unplaceable_in_domain_releasing.clear()
-        self._wait_on(job, placement, tuple(freed_by))
+        self._wait_on(job, placement, tuple(freed_by), shrunk=True)
 
     def _shrink_reason(self, shrink: Shrink, job: PendingJob) -> str:
         """Why a gang shrinks, in words: its sizes, the reason and the job it is for."""
@@ -402,7 +402,11 @@ class FlavorDecisions:
             )
 
     def _wait_on(
-        self, job: PendingJob, placement: Placement, victims: tuple[str, ...] = ()
+        self,
+        job: PendingJob,
+        placement: Placement,
+        victims: tuple[str, ...] = (),
+        shrunk: bool = False,
     ) -> None:
         self.changes += 1
         workload = job.workload
@@ -418,8 +422,10 @@ class FlavorDecisions:
                 f"waiting for {from_releasing} GPUs being released by {jobs_phrase(released_by)}"
             )
         elif victims:
-            # The victims free quota rather than GPUs on the chosen nodes.
-            reason = f"waiting for {jobs_phrase(list(victims))} to exit and return quota"
+            # The victims (or the gangs shrunk) free quota rather than GPUs on the
+            # chosen nodes.
+            leave = "shrink" if shrunk else "exit"
+            reason = f"waiting for {jobs_phrase(list(victims))} to {leave} and return quota"
         else:
             reason = "waiting for its reserved GPUs"
         self.waits[workload.id] = Waiting(workload.id, reason)

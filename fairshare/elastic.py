@@ -185,8 +185,9 @@ def ranks_to_free(
 def placement_after(
     ledger: QuotaLedger, nodes: NodeMap, job: PendingJob, shrinks: Sequence[Shrink]
 ) -> Placement | None:
-    """Where ``job`` goes once ``shrinks`` are done (their quota usage already given
-    back in ``ledger``), or None when its quota or the nodes do not let it in."""
+    """Where ``job`` goes once ``shrinks`` are done (the GPUs they free already taken
+    from their gangs' queues in ``ledger``), or None when its quota or the nodes do not
+    let it in."""
     workload = job.workload
     if ledger.quota_reason(job.queue, workload.gpus, job.priority_class) is not None:
         return None
