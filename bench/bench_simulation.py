@@ -273,7 +273,7 @@ def elastic_table(
     for line in comparison_lines(comparison):
         print(f"    {line}")
     cpu = comparison.whole_gang.run["cpu_seconds"] + comparison.elastic.run["cpu_seconds"]
-    print(f"    {cpu:.0f} s CPU for both runs")
+    print(f"    {cpu:.1f} s CPU for both runs")
 
 
 def elastic(args: argparse.Namespace) -> None:

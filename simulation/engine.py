@@ -332,8 +332,6 @@ class Simulation:
         # The ranks shrinks gave up, until their stop is over: (job index, GPUs) by the
         # terminating workload's id.
         self.releasing: dict[str, tuple[int, int]] = {}
-        self.shrinks = 0
-        self.grows = 0
         self.elastic_count = len(elastic)
         self.plan_calls = 0
         self.plan_seconds = 0.0
@@ -594,7 +592,6 @@ class Simulation:
         self._decay_to(now)
         shrink = resize.ranks < old_ranks
         if shrink:
-            self.shrinks += 1
             # The ranks given up hold their GPUs until the stop is over, kept for the job
             # the shrink is for, as a victim's are.
             for node, ranks in resize.placement:
@@ -615,7 +612,6 @@ class Simulation:
             )
             self.releasing[part_id] = (job.index, (old_ranks - resize.ranks) * job.gpus_per_rank)
         else:
-            self.grows += 1
             self.ledger.gpus_resized(job.team, (resize.ranks - old_ranks) * job.gpus_per_rank)
         self.ledger.job_resized(job.team, lost * job.gpus, shrink=shrink)
         job.resizes += 1
