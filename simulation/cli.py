@@ -301,6 +301,11 @@ def run_simulation(
     options: argparse.Namespace | Mapping[str, Any], stderr: TextIO | None = None
 ) -> Report:
     """Run one simulation from parsed options; write --json if given; return the report."""
+    given = vars(options) if isinstance(options, argparse.Namespace) else options
+    if given.get("compare_elastic") is not None:
+        # Two replays and a table, not one report: a caller that stores or prints one
+        # report (manage.py simulate) would silently run only the first.
+        raise TraceError("--compare-elastic prints two runs: use python -m simulation")
     opts = _options(options)
     trace, config = prepare(opts)
     progress = progress_bar(stderr or sys.stderr) if opts["progress"] else None

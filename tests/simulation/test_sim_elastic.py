@@ -17,7 +17,7 @@ import fairshare
 from simulation.cli import run_simulation
 from simulation.elastic import compare_elastic, comparison_lines, owner_waits
 from simulation.engine import Simulation, SimulationConfig, elastic_jobs, elastic_shape, simulate
-from simulation.traces import ClusterNode, TraceJob, load_trace
+from simulation.traces import ClusterNode, TraceError, TraceJob, load_trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TWO_NODES = [ClusterNode("n0", 8), ClusterNode("n1", 8)]
@@ -202,6 +202,9 @@ def test_the_command_line_compares_whole_gangs_with_elastic_jobs(
     assert "resizes" not in both["whole_gang"]
     with pytest.raises(SystemExit):
         main([*argv[:-4], "--compare-elastic", "0"])
+    # One report is what run_simulation gives (and manage.py simulate stores): it refuses.
+    with pytest.raises(TraceError, match="python -m simulation"):
+        run_simulation(sia_options(compare_elastic=0.5))
 
 
 @pytest.mark.parametrize("policy", ["fairshare", "fifo"])
