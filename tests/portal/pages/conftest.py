@@ -5,12 +5,13 @@ history from 10 to 1,000 jobs cheaply."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from django.test import Client
+from django.test import Client, override_settings
 from django.utils import timezone
 
 from preemption.models import Attempt, Checkpoint, Job, JobState, PreemptionEvent, Rank, TrapEvent
@@ -18,6 +19,7 @@ from quotas.models import Quota, Team
 from quotas.services import scheduling_policy_update
 from telemetry.models import DrillRun, UtilizationSample
 from tests import builders
+from tests.conftest import World, world_built_once
 
 STATES = [
     JobState.PENDING,
@@ -31,11 +33,26 @@ STATES = [
 ]
 
 
+FAST_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
 @pytest.fixture(autouse=True)
 def fast_password_hashing(settings: Any) -> None:
     """The personas' passwords are hashed with a fast hasher: these tests are
     about pages, and the default hasher costs seconds per persona on a busy machine."""
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    settings.PASSWORD_HASHERS = FAST_HASHERS
+
+
+@pytest.fixture(scope="module")
+def module_world(django_db_setup: None, django_db_blocker: Any) -> Iterator[World]:
+    """The world built once for a module of many tests (tests/conftest.py's
+    `world_built_once`), with the fast hasher its tests sign in through; a module
+    opts in by a `world` fixture that hands each test a copy of it."""
+    with (
+        override_settings(PASSWORD_HASHERS=FAST_HASHERS),
+        world_built_once(django_db_blocker) as world,
+    ):
+        yield world
 
 
 def page_client(world: Any, persona: str) -> Client:

@@ -4,35 +4,21 @@ who gets 403 or 404, and that nobody sees another team's jobs or quotas."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.test import override_settings
 from django.urls import reverse
 
-from tests.conftest import PERSONAS, World, world_built_once
+from tests.conftest import PERSONAS, World
 from tests.portal.pages.conftest import page_client, seed_jobs
 
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture(scope="module")
-def _shared_world(django_db_setup: None, django_db_blocker: Any) -> Iterator[World]:
-    """The world, built once for the module's hundred tests rather than once per test;
-    each test runs in a savepoint rolled back at its end (tests/conftest.py's
-    `world_built_once`). The personas' passwords are hashed with the fast hasher that
-    tests/portal/pages/conftest.py gives each test."""
-    fast = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-    with override_settings(PASSWORD_HASHERS=fast), world_built_once(django_db_blocker) as world:
-        yield world
-
-
 @pytest.fixture
-def world(db: None, _shared_world: World) -> World:
-    # A copy of the instances, so that what a test does to them in memory is not what
-    # the next test starts from.
-    return copy.deepcopy(_shared_world)
+def world(db: None, module_world: World) -> World:
+    # Built once for the module's hundred tests; each gets its own copy of the instances.
+    return copy.deepcopy(module_world)
 
 
 SIMPLE_PAGES = ["dashboard", "team-list", "job-list", "telemetry", "priority-classes", "tokens"]

@@ -6,6 +6,7 @@ the user can see (404 for one they cannot)."""
 
 from __future__ import annotations
 
+import copy
 import html
 import json
 import re
@@ -17,10 +18,17 @@ from django.contrib.messages import get_messages
 from django.urls import reverse
 
 from preemption.models import Job
-from tests.conftest import PERSONAS, database_state
+from tests.conftest import PERSONAS, World, database_state
 from tests.portal.pages.conftest import page_client
 
 pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def world(db: None, module_world: World) -> World:
+    # Built once for the module's many tests; each gets its own copy of the instances.
+    return copy.deepcopy(module_world)
+
 
 SUBMIT = reverse("job-submit")
 
