@@ -196,7 +196,6 @@ def _workload(
     names: Names,
     attempt: tuple[list[dict[str, Any]], float, int | None] | None = None,
     checkpoint: float | None = None,
-    resizable: bool = False,
 ) -> fairshare.Workload:
     """The workload of one row of `read_snapshot`'s jobs query; for running work, with
     where its open attempt runs, since when, and its last checkpoint of that attempt
@@ -219,8 +218,7 @@ def _workload(
     ) = row
     team_slugs, class_names, flavor_names = names
     # A waiting elastic job may start at any of its sizes; a running one is as
-    # large as its attempt's placement, and is offered its sizes only where its
-    # class lets the engine resize it (`resizable`), at a size among them.
+    # large as its attempt's placement.
     # (The engine refuses sizes beside a topology, which submission refuses too.)
     elastic = ranks_min is not None and not topology_level
     sizes = allowed_sizes(ranks, ranks_min, rank_sizes) if elastic else ()
@@ -232,8 +230,7 @@ def _workload(
             preemptor = workload_id(attempt[2])
         placement = tuple((entry["node"], int(entry["ranks"])) for entry in attempt[0])
         ranks = sum(count for _, count in placement)
-        if not resizable or engine_state != "running" or ranks not in sizes:
-            sizes = ()
+        sizes = ()
         admitted_at = attempt[1]
         if checkpoint is not None and checkpoint < admitted_at:
             checkpoint = None
@@ -373,11 +370,9 @@ def read_snapshot(
             grace_seconds=float(pc.grace_seconds),
             min_runtime_seconds=float(pc.min_runtime_seconds),
             min_runtime_by_reason=pc.min_runtime_by_reason(),
-            shrink_elastic=pc.shrink_elastic,
         )
         for pc in priority_classes
     )
-    resizing = {pc.pk for pc in priority_classes if pc.shrink_elastic}
     # The active jobs' attempts and checkpoints are found by a join on the job's state
     # rather than by a list of the active jobs' ids: such a list, thousands of
     # parameters long, cost more to build and send than the rows it selects. A job that
@@ -414,7 +409,6 @@ def read_snapshot(
                 continue
             source: tuple[Any, ...] = row
             attempt = checkpoint = None
-            resizable = False
         else:
             attempt = open_attempts.get(job_id)
             if attempt is None:
@@ -422,15 +416,12 @@ def read_snapshot(
                 # reconciler; its GPUs are already free.
                 continue
             checkpoint = checkpoints.get(job_id)
-            # Whether its class lets it be resized decides whether it is offered its
-            # sizes, so a change of the class's flag builds it again.
-            resizable = row[2] in resizing
-            source = (row, attempt[1], checkpoint, attempt[0], attempt[2], resizable)
+            source = (row, attempt[1], checkpoint, attempt[0], attempt[2])
         kept = earlier.get(job_id)
         if kept is not None and kept[0] == source:
             workload = kept[1]
         else:
-            workload = _workload(row, engine_state, names, attempt, checkpoint, resizable)
+            workload = _workload(row, engine_state, names, attempt, checkpoint)
         built[job_id] = (source, workload)
         workloads.append(workload)
     if reuse:

@@ -335,10 +335,9 @@ class PriorityClassAdmin(admin.ModelAdmin):
         "preemptible",
         "grace_seconds",
         "notice_seconds",
-        "shrink_elastic",
         "is_default",
     ]
-    list_filter = ["preemptible", "preemption_policy", "shrink_elastic"]
+    list_filter = ["preemptible", "preemption_policy"]
 
 
 class SchedulingPolicyAdminForm(forms.ModelForm):  # type: ignore[type-arg]
