@@ -3,7 +3,6 @@ and no read can make a process hold a whole log."""
 
 from __future__ import annotations
 
-import base64
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -20,12 +19,11 @@ from preemption.reconcile import reconcile_jobs
 from preemption.runtime import use_runtime
 from preemption.runtimes.base import GangId, RuntimePermanentError
 from preemption.runtimes.kubernetes import KubernetesRuntime
-from preemption.runtimes.kubernetes.config import kept_log_name
 from preemption.services import job_submit
 from quotas.models import PriorityClass
 from tests.conftest import PASSWORD
 from tools.k8s.agent_state import ANNOTATION_RUN
-from tools.k8s.gangs import all_in, gang_spec
+from tools.k8s.gangs import all_in, gang_spec, kept_log
 from tools.k8s.wait import wait_for
 
 MakeRuntime = Callable[..., KubernetesRuntime]
@@ -152,17 +150,7 @@ def test_a_signalled_ranks_log_is_followed_until_its_process_ends(
     core = client.CoreV1Api(k8s_api)
     for rank in (0, 1):
         kept = wait_for(
-            lambda r=rank: _kept(core, namespace, gang, r), timeout=15, what="the kept end"
+            lambda r=rank: kept_log(core, namespace, gang, r), timeout=15, what="the kept end"
         )
         assert kept.endswith(f"wound down rank {rank}\n".encode()), kept
     runtime.forget(gang)
-
-
-def _kept(core: client.CoreV1Api, namespace: str, gang: GangId, rank: int) -> bytes | None:
-    try:
-        record = core.read_namespaced_config_map(kept_log_name(gang, rank), namespace)
-    except client.exceptions.ApiException as error:
-        if error.status == 404:
-            return None
-        raise
-    return base64.b64decode(record.binary_data["log"])

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
 from preemption.runtimes.base import GangId, GangSpec, RankPlacement
 from preemption.runtimes.kubernetes import KubernetesRuntime
+from preemption.runtimes.kubernetes.config import kept_log_name
 
 
 def gang_spec(
@@ -51,3 +57,15 @@ def phases(runtime: KubernetesRuntime, gang: GangId) -> dict[str, int]:
 def all_in(runtime: KubernetesRuntime, gang: GangId, phase: str, world_size: int) -> bool:
     """Whether every one of the gang's ``world_size`` ranks is in ``phase``."""
     return phases(runtime, gang) == {phase: world_size}
+
+
+def kept_log(core: client.CoreV1Api, namespace: str, gang: GangId, rank: int) -> bytes | None:
+    """The end of a stopped rank's log that the runtime kept in the cluster, or None
+    while there is none (preemption.runtimes.kubernetes.logs.keep_logs)."""
+    try:
+        record = core.read_namespaced_config_map(kept_log_name(gang, rank), namespace)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+    return base64.b64decode(record.binary_data["log"])

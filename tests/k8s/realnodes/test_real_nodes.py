@@ -8,7 +8,6 @@ Eviction API call to the workload's handler is measured, not imitated.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import re
 import time
@@ -22,10 +21,10 @@ from preemption.models import Attempt, JobState
 from preemption.reconcile import reconcile_jobs
 from preemption.runtimes.base import GangId, RuntimePermanentError
 from preemption.runtimes.kubernetes import KubernetesRuntime
-from preemption.runtimes.kubernetes.config import GPU_RESOURCE, kept_log_name, pod_name
+from preemption.runtimes.kubernetes.config import GPU_RESOURCE, pod_name
 from tests.k8s.conftest import HIGH_PRIORITY
 from tests.k8s.test_k8s_disruption import _admitted_job
-from tools.k8s.gangs import all_in, gang_spec
+from tools.k8s.gangs import all_in, gang_spec, kept_log
 from tools.k8s.realnodes import RealNodes
 from tools.k8s.wait import wait_for
 
@@ -273,9 +272,7 @@ def test_the_end_of_a_stopped_ranks_log_outlives_the_container_its_kubelet_remov
         assert first_byte == 0
         assert b"started" in tail and CAUGHT.search(tail) is not None, (rank, tail)
         assert (
-            wait_for(
-                lambda r=rank: _kept_in_cluster(core, namespace, gang, r), timeout=15, what="kept"
-            )
+            wait_for(lambda r=rank: kept_log(core, namespace, gang, r), timeout=15, what="kept")
             == tail
         )
         # Another worker, with nothing in memory, reads the same from the cluster.
@@ -324,21 +321,7 @@ def test_the_end_of_a_drained_ranks_log_is_kept_once_the_runtime_sees_it_ending(
     for rank in (0, 1):
         # Whether the kubelet has removed the container by now is a race of its own:
         # the end kept in the cluster is there either way.
-        kept = wait_for(
-            lambda r=rank: _kept_in_cluster(core, namespace, gang, r), timeout=15, what="kept"
-        )
+        kept = wait_for(lambda r=rank: kept_log(core, namespace, gang, r), timeout=15, what="kept")
         assert CAUGHT.search(kept) is not None and kept.endswith(b"saved\n"), kept
         assert real_runtime.read_log_tail(gang, rank, 4096)[0].endswith(b"saved\n")
     real_runtime.forget(gang)
-
-
-def _kept_in_cluster(
-    core: client.CoreV1Api, namespace: str, gang: GangId, rank: int
-) -> bytes | None:
-    try:
-        kept = core.read_namespaced_config_map(kept_log_name(gang, rank), namespace)
-    except client.exceptions.ApiException as error:
-        if error.status == 404:
-            return None
-        raise
-    return base64.b64decode(kept.binary_data["log"])
