@@ -127,9 +127,9 @@ def observe(cluster: Cluster, gang: GangId | None = None) -> list[RankObservatio
 
 def _stopped_at(cluster: Cluster, records: list[Any]) -> dict[GangId, float]:
     """When this runtime stopped each gang: signalled it, or killed it unsignalled, from
-    the gang's record, else from this worker's memory of a stop whose record is being
-    written. A signal on record is remembered, so a worker started since does not
-    write it again."""
+    the gang's record, so that every worker reads the same moment; else from this
+    worker's memory of a stop whose record is being written. A signal on record is
+    remembered, so a worker started since does not write it again."""
     stopped: dict[GangId, float] = {}
     with cluster.lock:
         for record in records:
@@ -137,12 +137,15 @@ def _stopped_at(cluster: Cluster, records: list[Any]) -> dict[GangId, float]:
             key = GangId(int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]))
             annotations = record.metadata.annotations or {}
             signalled = annotations.get(SIGNALLED_ANNOTATION)
-            if signalled:
-                cluster.signalled.setdefault(key, float(signalled))
             killed = annotations.get(KILLED_ANNOTATION)
-            at = cluster.signalled.get(key)
-            if at is None and killed:
+            at: float | None
+            if signalled:
+                at = float(signalled)
+                cluster.signalled.setdefault(key, at)
+            elif killed:
                 at = float(killed)
+            else:
+                at = cluster.signalled.get(key)
             if at is not None:
                 stopped[key] = at
     return stopped
