@@ -16,7 +16,8 @@ import pytest
 import fairshare
 from simulation.cli import run_simulation
 from simulation.elastic import compare_elastic, comparison_lines, owner_waits
-from simulation.engine import Simulation, SimulationConfig, elastic_jobs, elastic_shape, simulate
+from simulation.engine import Simulation, SimulationConfig, simulate
+from simulation.jobs import elastic_jobs, elastic_shape
 from simulation.traces import ClusterNode, TraceError, TraceJob, load_trace
 
 FIXTURES = Path(__file__).parent / "fixtures"

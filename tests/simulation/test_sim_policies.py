@@ -20,10 +20,9 @@ from simulation.engine import (
     Simulation,
     SimulationConfig,
     SimulationError,
-    gang_fits,
-    gang_shape,
     simulate,
 )
+from simulation.jobs import gang_fits, gang_shape
 from simulation.traces import ClusterNode, TraceError, TraceJob, rack_layout, uniform_cluster
 
 ONE_NODE = (ClusterNode("node-0", 4),)
