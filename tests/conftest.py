@@ -32,7 +32,9 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.hashers import make_password
 from django.core.cache import cache
+from django.core.management import call_command
 from django.db import transaction
+from django.db.backends.base.creation import BaseDatabaseCreation
 from hypothesis import settings as hypothesis_settings
 from rest_framework.test import APIClient
 
@@ -83,6 +85,31 @@ def pytest_xdist_setupnodes(config: pytest.Config, specs: list[Any]) -> None:
     put `portal.settings` in the environment for the processes tests start, and a worker
     would take the environment's over the ini file's."""
     os.environ["DJANGO_SETTINGS_MODULE"] = settings.SETTINGS_MODULE
+
+
+_deserialize_db = BaseDatabaseCreation.deserialize_db_from_string
+
+
+def _deserialize_into_an_empty_database(self: BaseDatabaseCreation, data: str) -> None:
+    """Empty the database before a serialized test restores the migrated rows into it.
+
+    Django restores them assuming the last transactional test left the database empty;
+    one without serialized rollback leaves the content types re-created under new ids
+    (its flush runs post_migrate), and the restored ids then collide with them. The
+    order below keeps serialized tests first, but a pytest-xdist worker may still be
+    handed one after another transactional test, so the restore does not rely on it."""
+    call_command(
+        "flush",
+        verbosity=0,
+        interactive=False,
+        database=self.connection.alias,
+        reset_sequences=False,
+        inhibit_post_migrate=True,
+    )
+    _deserialize_db(self, data)
+
+
+BaseDatabaseCreation.deserialize_db_from_string = _deserialize_into_an_empty_database  # type: ignore[method-assign]
 
 
 @pytest.hookimpl(trylast=True)

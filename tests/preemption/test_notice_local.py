@@ -220,7 +220,9 @@ def test_a_trap_without_the_notice_is_evicted_at_once_as_before(world: Any, driv
     ready = [e.payload.get("notice_signal") for e in events(borrower, 1, "trap_ready")]
     assert ready == [None, None, None]
     assert event.notice_deadline is None and event.notice_sent_at is None
-    assert (event.signal_sent_at - event.decided_at).total_seconds() < 2
+    # Signalled without waiting for the class's 20 s notice window: well inside it,
+    # however loaded the machine (a pass here has taken 2.6 s beside the suite).
+    assert (event.signal_sent_at - event.decided_at).total_seconds() < pc.notice_seconds / 2
     assert not events(borrower, 1, "notice_received")
     assert event.outcome == "graceful"
 
@@ -235,4 +237,6 @@ def test_a_class_without_a_notice_window_sends_none(world: Any, drive: Any) -> N
     ready = [e.payload.get("notice_signal") for e in events(borrower, 1, "trap_ready")]
     assert ready == ["SIGUSR2"] * 3
     assert event.notice_deadline is None and event.notice_sent_at is None
-    assert (event.signal_sent_at - event.decided_at).total_seconds() < 2
+    # Signalled at once, not after a notice window (the other classes here give 20 s):
+    # well inside one, however loaded the machine (a pass has taken 2.6 s beside the suite).
+    assert (event.signal_sent_at - event.decided_at).total_seconds() < 10
