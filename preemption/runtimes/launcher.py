@@ -68,13 +68,17 @@ from preemption.runtimes.records import (
 # `sh -c` runs a compound command as a child of the shell, and dash does not handle
 # SIGTERM itself: the shell would die of it at once and record 143 while the workload
 # was still checkpointing. With this trap the shell waits for its foreground command,
-# then exits with that command's status, so a workload that stops cleanly records 0 and
-# later commands of the same line do not run. Caught signals are reset on exec, so the
-# workload still gets the default SIGTERM behaviour unless it installs a handler.
+# then for the commands it started in the background (they got the signal too, as the
+# whole group does), then exits with the foreground command's status, so a workload
+# that stops cleanly records 0 and later commands of the same line do not run. The
+# shell's exit ends the rank, and the kernel kills what is left in its PID namespace:
+# without the second wait a background command still in its SIGTERM handler died
+# mid-way whenever the foreground one ended first. Caught signals are reset on exec, so
+# the workload still gets the default SIGTERM behaviour unless it installs a handler.
 # The checkpoint notice (SIGUSR2, sent to the whole process group) would end the shell
 # too; caught with a no-op, it leaves the shell waiting, and its children still start
 # with the default action, which the trap replaces with its own handler.
-SHELL_PREFIX = "trap 'exit $?' TERM\ntrap : USR2\n"
+SHELL_PREFIX = "trap 'qm_status=$?; wait; exit $qm_status' TERM\ntrap : USR2\n"
 
 # Exit code recorded when the command could not even be started (as the shell does).
 EXIT_NOT_STARTED = 127

@@ -6,8 +6,12 @@ tries and busybox ash about once in 8, though the workload exited 0."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +55,35 @@ def test_a_workload_exiting_0_as_pid_1_is_signalled_is_recorded_0(shell: str) ->
 )
 def test_the_workloads_own_status_is_pid_1s(shell: str, workload: str, code: int) -> None:
     assert _run(SHELLS[shell], workload) == code
+
+
+# A background command whose SIGTERM handler takes half a second, beside a foreground
+# one that exits at once: the rank may end only once the background one has written.
+SLOW_BACKGROUND = """(trap 'sleep 0.5; echo saved > "$QM_TEST_OUT"; exit 0' TERM; sleep 30 & wait) &
+sh -c 'trap "exit 0" TERM; echo ready > "$QM_TEST_READY"; sleep 30 & wait'
+"""
+
+
+@pytest.mark.parametrize("shell", SHELLS, ids=list(SHELLS))
+def test_a_background_command_finishes_its_handler_before_the_rank_ends(
+    shell: str, tmp_path: Path
+) -> None:
+    out, ready = tmp_path / "out", tmp_path / "ready"
+    rank = subprocess.Popen(
+        [*SHELLS[shell], "-c", RANK_ENTRYPOINT, "qm-rank", SLOW_BACKGROUND],
+        start_new_session=True,
+        env={**os.environ, "QM_TEST_OUT": str(out), "QM_TEST_READY": str(ready)},
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ready.exists(), "the foreground command never started"
+        time.sleep(0.2)  # the background subshell has set its trap by now
+        rank.send_signal(signal.SIGTERM)  # as the kubelet signals PID 1
+        assert rank.wait(timeout=10) == 0
+        # Read the moment PID 1 is gone: in a container, what is left dies with it.
+        assert out.read_text() == "saved\n"
+    finally:
+        if rank.poll() is None:
+            os.killpg(rank.pid, signal.SIGKILL)

@@ -56,8 +56,10 @@ CHECKPOINT_FOLDER_RESOURCES = {"cpu": "100m", "memory": "64Mi", "ephemeral-stora
 # meet SIGKILL at the deadline. This wrapper runs the command in a child shell,
 # and on SIGTERM ignores further ones and sends SIGTERM to its whole process
 # group: every process of the rank gets it at once. The child shell, like the
-# local runtime's, waits for its foreground command on SIGTERM and exits with
-# its status, so a workload that checkpoints and exits 0 records 0. `wait` is
+# local runtime's, waits for its foreground command on SIGTERM, then for its
+# background ones (the container ends with PID 1, killing what is left), and exits
+# with the foreground command's status, so a workload that checkpoints and exits 0
+# records 0. `wait` is
 # repeated while the child lives because a trapped signal interrupts it; and once
 # more after: a wait the trap cut short may already have collected the child's exit
 # (dash and busybox ash then answer 128+15 and keep the real status for one more
@@ -65,7 +67,7 @@ CHECKPOINT_FOLDER_RESOURCES = {"cpu": "100m", "memory": "64Mi", "ephemeral-stora
 # then answers -1), so on an image whose /bin/sh is bash a rank signalled just as it
 # exits may read 255.
 RANK_ENTRYPOINT = r"""trap 'trap "" TERM; kill -TERM 0' TERM
-/bin/sh -c "trap 'exit \$?' TERM
+/bin/sh -c "trap 'qm_status=\$?; wait; exit \$qm_status' TERM
 $1" &
 child=$!
 while :; do
