@@ -4,8 +4,10 @@ keeping the end of a stopped rank's log, which its kubelet deletes with it.
 A kubelet removes the exited containers of a pod that is deleted, evictions included,
 as soon as it has stopped them (kubelet ``cleanUpContainersInPod``: "when an evicted
 or deleted pod has already synced, all containers can be removed"), and their logs
-with them: read afterwards, the log API answers the kubelet's words "unable to
-retrieve container logs for <container>" as the log's body. So when the runtime stops
+with them: read afterwards, the log API answers one line of the kubelet's as the log's
+body, "unable to retrieve container logs for <container>" once the container is gone,
+or "failed to try resolving symlinks in path <its log>: ... no such file or directory"
+while the runtime still lists a container whose log folder is gone. So when the runtime stops
 a gang, ``keep_logs`` follows each rank's log until its container ends and keeps its
 last KEPT_LOG_BYTES in a ConfigMap of the rank's own (owned by the gang record, so the
 garbage collector removes it with the gang), where any worker reads it back.
@@ -45,9 +47,14 @@ LOG_CHUNK_BYTES = 64 * 1024
 # What a ConfigMap keeps of a stopped rank's log: its whole size is at most 1 MiB,
 # and binaryData is base64 (4 bytes for 3).
 KEPT_LOG_BYTES = 512 * 1024
-# The body a kubelet answers for the log of a container it has removed.
-REMOVED_CONTAINER = re.compile(rb"unable to retrieve container logs for [a-z]+://[0-9a-f]+\s*")
-REMOVED_ANSWER_BYTES = 256
+# The bodies a kubelet answers for the log of a container it has removed: one line,
+# whose second form quotes the log's path twice (each at most PATH_MAX).
+REMOVED_CONTAINER = re.compile(
+    rb"(?:unable to retrieve container logs for [a-z]+://[0-9a-f]+"
+    rb'|failed to try resolving symlinks in path "[^"\n]+\.log": '
+    rb"lstat [^\n]+: no such file or directory)\s*"
+)
+REMOVED_ANSWER_BYTES = 2 * 4096 + 128
 # How long a follow may wait for a line beyond its rank's grace before giving up.
 FOLLOW_SLACK_SECONDS = 60
 
@@ -71,9 +78,12 @@ def read_log(
             "the end of every rank's log is kept when its attempt ends"
         )
     kept = bytearray()
-    # The kubelet's answer for a removed container is one short line.
+    # The kubelet's answer for a removed container is one line.
     head = bytearray()
-    for position, chunk in _stream_log(cluster, gang, rank, offset + limit):
+    # At least the kubelet's whole answer, to tell it from a log that starts alike.
+    for position, chunk in _stream_log(
+        cluster, gang, rank, max(offset + limit, REMOVED_ANSWER_BYTES)
+    ):
         if position < REMOVED_ANSWER_BYTES:
             head += chunk
         start = max(0, offset - position)
@@ -97,13 +107,16 @@ def read_log_tail(cluster: Cluster, gang: GangId, rank: int, max_bytes: int) -> 
     (``keep_logs``); where none was kept, RuntimePermanentError says the log is gone.
     """
     tail = bytearray()
+    head = bytearray()
     total = 0
     for _, chunk in _stream_log(cluster, gang, rank, None):
+        if total < REMOVED_ANSWER_BYTES:
+            head += chunk
         total += len(chunk)
         tail += chunk
         if len(tail) > 2 * max_bytes:
             del tail[: len(tail) - max_bytes]
-    if total == len(tail) and removed_container(bytes(tail)):
+    if total < REMOVED_ANSWER_BYTES and removed_container(bytes(head)):
         kept, first_byte = _kept_log(cluster, gang, rank)
         if kept is None:
             raise RuntimePermanentError(
@@ -170,7 +183,7 @@ def _follow(cluster: Cluster, gang: GangId, namespace: str, rank: int, grace: fl
     finally:
         response.release_conn()
     kept = bytes(tail[-KEPT_LOG_BYTES:])
-    if total == len(tail) and removed_container(kept):
+    if total < REMOVED_ANSWER_BYTES and removed_container(kept):
         logger.info("the log of %s was gone before it could be followed", name)
         return
     first_byte = total - len(kept)
