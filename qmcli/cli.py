@@ -37,6 +37,12 @@ if TYPE_CHECKING:
     import requests
 
 from qmcli.completion import SHELLS, completion_script
+from qmcli.words import (
+    failing_rank,
+    gpus_words,
+    preemption_line,
+    short_time,
+)
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -198,12 +204,6 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
         "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in cells
     ]
     return "\n".join(lines)
-
-
-def short_time(value: str | None) -> str:
-    if not value:
-        return "-"
-    return value.replace("T", " ")[:19]
 
 
 def print_json(value: Any) -> None:
@@ -469,7 +469,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         )
         event = preempted.get(attempt["number"])
         if event is not None:
-            print(f"Preempted: {_preemption_line(event)}")
+            print(f"Preempted: {preemption_line(event)}")
         rows = [
             (r["index"], r["node"], r["state"], r["exit_code"], short_time(r["exited_at"]))
             for r in attempt["ranks"]
@@ -479,27 +479,6 @@ def cmd_show(args: argparse.Namespace) -> int:
     if job["state"] == "failed":
         _print_failed_rank_log(client, job)
     return EXIT_OK
-
-
-def _counted(count: int, noun: str) -> str:
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
-
-def gpus_words(job: dict[str, Any]) -> str:
-    """ "2 ranks × 4 GPUs = 8 GPUs (h100-80gb)"; "1 rank × 1 GPU (h100-80gb)"; for an
-    elastic job the size of its latest attempt (before the first, its largest) and its
-    range: "4 ranks (elastic 2–8) × 1 GPU = 4 GPUs (h100-80gb)"."""
-    attempts = job.get("attempts") or []
-    ranks = attempts[-1].get("world_size") or job["ranks"] if attempts else job["ranks"]
-    shape = _counted(ranks, "rank")
-    if job.get("ranks_min") is not None:
-        sizes = job.get("rank_sizes") or []
-        span = ", ".join(map(str, sizes)) if sizes else f"{job['ranks_min']}–{job['ranks']}"
-        shape += f" (elastic {span})"
-    shape += f" × {_counted(job['gpus_per_rank'], 'GPU')}"
-    if ranks != 1:
-        shape += f" = {_counted(ranks * job['gpus_per_rank'], 'GPU')}"
-    return f"{shape} ({job['flavor']})"
 
 
 def _ranks_typed(job: dict[str, Any]) -> str:
@@ -525,27 +504,6 @@ def ranks_argument(text: str) -> int | dict[str, Any]:
         raise argparse.ArgumentTypeError(
             f"takes N, MIN:MAX or SIZE,SIZE,... (got {text!r})"
         ) from None
-
-
-def _preemption_line(event: dict[str, Any]) -> str:
-    """Why an attempt was stopped, in the API's own words, and how the stop went."""
-    details = [f"decided {short_time(event['decided_at'])}"]
-    details.append(f"grace {event['grace_seconds']:g} s")
-    if event["checkpoint_step"] is not None:
-        details.append(f"checkpoint at step {event['checkpoint_step']}")
-    if event["outcome"]:
-        details.append(f"outcome {event['outcome']}")
-    return f"{event['why']} ({', '.join(details)})"
-
-
-def failing_rank(attempt: dict[str, Any]) -> dict[str, Any] | None:
-    """The rank that failed the attempt: the first to exit non-zero, else a lost one."""
-    ranks: list[dict[str, Any]] = attempt["ranks"]
-    failed = [r for r in ranks if r["exit_code"] not in (None, 0)]
-    if failed:
-        return min(failed, key=lambda r: (r["exited_at"] or "", r["index"]))
-    lost = [r for r in ranks if r["state"] == "lost"]
-    return lost[0] if lost else None
 
 
 def _print_failed_rank_log(client: Client, job: dict[str, Any]) -> None:
