@@ -139,6 +139,11 @@ class QuotaLedger:
         self.over_fair_share: dict[int, None] = {
             queue: None for queue in leaves if self.usage[queue] > self.fair_share[queue]
         }
+        # Per queue: whether it is in each of them. Read by ``add_usage`` for every
+        # candidate victim a search tries: compiled, a list of flags is read without
+        # making an int object for the dict's key.
+        self.in_over_guarantee = [queue in self.over_guarantee for queue in range(count)]
+        self.in_over_fair_share = [queue in self.over_fair_share for queue in range(count)]
         # Called with a leaf queue whenever it enters or leaves ``over_guarantee``.
         self.guarantee_crossed: Callable[[int], None] | None = None
 
@@ -151,26 +156,29 @@ class QuotaLedger:
     def add_usage(self, queue: int, delta: int) -> None:
         """Count ``delta`` more GPUs (fewer when negative) for leaf ``queue`` and its ancestors."""
         tree = self.tree
-        after = self.usage[queue] + delta
+        usage = self.usage
+        after = usage[queue] + delta
         # Tested here rather than in a call: this runs for every candidate victim a
         # search tries, and most change neither membership.
-        over = self.over_guarantee
         member = after > self.guarantee[queue]
-        if member != (queue in over):
-            _set_member(over, queue, member)
+        if member != self.in_over_guarantee[queue]:
+            self.in_over_guarantee[queue] = member
+            _set_member(self.over_guarantee, queue, member)
             if self.guarantee_crossed is not None:
                 self.guarantee_crossed(queue)
-        over = self.over_fair_share
         member = after > self.fair_share[queue]
-        if member != (queue in over):
-            _set_member(over, queue, member)
+        if member != self.in_over_fair_share[queue]:
+            self.in_over_fair_share[queue] = member
+            _set_member(self.over_fair_share, queue, member)
+        # ``usage[x] = usage[x] + delta`` rather than ``+=``: compiled, the augmented
+        # assignment to a list item goes through Python's generic addition.
         if not self.has_withheld:
             for x in tree.path[queue]:
-                self.usage[x] += delta
+                usage[x] = usage[x] + delta
             return
         change = delta
         for x in tree.path[queue]:
-            self.usage[x] += delta
+            usage[x] = usage[x] + delta
             if tree.children[x]:
                 self.child_occupancy[x] += change
                 new = max(self.child_occupancy[x], self.withheld[x])
