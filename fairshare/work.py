@@ -39,6 +39,9 @@ class RunningWork:
         "minimum",
         "nodes",
         "order",
+        "order_id",
+        "order_newer",
+        "order_priority",
         "planned",
         "priority_class",
         "queue",
@@ -75,9 +78,13 @@ class RunningWork:
         self.lost = r9_lost_gpu_seconds(
             self.gpus, now, workload.admitted_at, workload.last_checkpoint_at
         )
-        self.order: VictimOrder = r9_victim_order(
-            priority_class.value, self.lost, workload.admitted_at, workload.id
-        )
+        order = r9_victim_order(priority_class.value, self.lost, workload.admitted_at, workload.id)
+        self.order: VictimOrder = order
+        # The order's other parts, each as it is, for the victim scans' heaps to compare
+        # (``candidates.ScanEntry``); the second part is ``lost``.
+        self.order_priority = order[0]
+        self.order_newer = order[2]
+        self.order_id = order[3]
         # Seconds since admission; the snapshot's clock does not move during a plan.
         admitted = workload.admitted_at
         self.runtime = _INF if admitted is None else now - admitted

@@ -6,6 +6,7 @@ before they are popped, and donors judged by their parents' standing once per sc
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Iterator, Sequence
 
@@ -22,7 +23,7 @@ from fairshare_builders import (
 )
 from fairshare_builders import workload as w
 
-from fairshare import Node, Snapshot
+from fairshare import Node, PriorityClass, Snapshot, Workload
 from fairshare.cycle import FlavorPlanner
 from fairshare.native import python_sources
 from fairshare.reclaim_scan import closed_below_lca
@@ -249,7 +250,7 @@ def _record_pops(patch: pytest.MonkeyPatch, popped: list[str]) -> None:
     candidates = python_sources().candidates
     position = candidates._scan_position
 
-    def recorded(entry: tuple[object, ...]) -> tuple[int, int, list[object]]:
+    def recorded(entry: object) -> tuple[int, int, list[object]]:
         donor, at, runs = position(entry)
         popped.append(runs[at].workload.id)
         return donor, at, runs
@@ -265,12 +266,10 @@ def _pops_and_plan(snapshot: Snapshot, *, pass_over_shielded: bool) -> tuple[int
     candidates = sources.candidates
     popped: list[str] = []
 
-    def entry_of_first_live(
-        self: object, donor: int, runs: list[object], start: int
-    ) -> tuple[object, ...] | None:
+    def entry_of_first_live(self: object, donor: int, runs: list[object], start: int) -> object:
         start = candidates.next_live(runs, start)
         if start < len(runs):
-            return candidates._scan_entry(runs[start].order, donor, start, runs)
+            return candidates.ScanEntry(runs[start], donor, start, runs)
         return None
 
     with pytest.MonkeyPatch.context() as patch:
@@ -369,3 +368,53 @@ def test_a_parent_closed_below_the_common_ancestor_is_judged_as_each_donors_chai
                 assert closed[above] == walked, (tree.names[queue], tree.names[donor])
                 closed_somewhere += walked
     assert closed_somewhere
+
+
+@pytest.mark.parametrize("engine", ["loaded", "sources"])
+@pytest.mark.parametrize("seed", range(3))
+def test_scan_entries_go_in_the_order_of_the_tuples_they_stand_for(engine: str, seed: int) -> None:
+    # A heap entry compares its candidate's R9 order part by part, then its queue and
+    # index, as the tuple (order..., queue, index) did: many ties on the priority, on
+    # the lost GPU-seconds and on the admission, and an order equal to the last part.
+    from fairshare import candidates as loaded_candidates
+    from fairshare import work as loaded_work
+
+    rng = random.Random(seed)
+    candidates = python_sources().candidates if engine == "sources" else loaded_candidates
+    work = python_sources().work if engine == "sources" else loaded_work
+    low, normal = (
+        PriorityClass("low", -1, "Never", True, 30.0),
+        PriorityClass("normal", 0, "PreemptLowerPriority", True, 30.0),
+    )
+    entries = []
+    expected = []
+    runs: list[object] = []
+    for i in range(300):
+        admitted = rng.choice((None, 100.0, 200.0, 300.0))
+        workload = Workload(
+            f"j{rng.randrange(40)}",
+            "q",
+            "x",
+            "h100",
+            1,
+            rng.choice((1, 2, 8)),
+            "running",
+            0.0,
+            admitted_at=admitted,
+            last_checkpoint_at=rng.choice((None, 250.0, 300.0)),
+        )
+        run = work.RunningWork(
+            workload, 0, rng.choice((low, normal)), ((0, workload.gpus),), 1000.0, {}
+        )
+        queue = rng.randrange(3)
+        at = i % 7
+        entries.append(candidates.ScanEntry(run, queue, at, runs))
+        expected.append((*run.order, queue, at, i))
+    # Entries that tie on everything are never in one heap: the index settles them.
+    order = sorted(range(len(entries)), key=lambda k: expected[k])
+    heap = list(entries)
+    heapq.heapify(heap)
+    popped = [heapq.heappop(heap) for _ in range(len(entries))]
+    assert [(e.run.order, e.queue, e.at) for e in popped] == [
+        (entries[k].run.order, entries[k].queue, entries[k].at) for k in order
+    ]
