@@ -37,6 +37,7 @@ from preemption.models import (
     JobState,
     PreemptionEvent,
     Rank,
+    attempt_ranks,
     next_attempt_numbers,
     running_ranks,
 )
@@ -62,6 +63,7 @@ class CycleResult:
 
     admitted: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
+    resized: list[int] = field(default_factory=list)
     waiting: int = 0
     skipped: bool = False
 
@@ -169,8 +171,8 @@ def schedule_cycle(*, now: datetime | None = None, act: bool = True) -> CycleRes
                     _apply(plan, now=now, result=result, held=held, shown=shown)
     if act and result.admitted:
         launch_admitted(result.admitted)
-    if act and result.preempted:
-        reconcile_jobs(job_ids=result.preempted)
+    if act and (result.preempted or result.resized):
+        reconcile_jobs(job_ids=[*result.preempted, *result.resized])
     return result
 
 
@@ -188,6 +190,7 @@ def _apply(
     submission waiting behind hundreds of them."""
     _admit(plan, now=now, result=result)
     _preempt(plan, now=now, result=result)
+    _resize(plan, now=now, result=result)
     _store_waiting(plan, held, shown, now)
     result.waiting = len(plan.waiting) + len(held)
 
@@ -344,6 +347,113 @@ def _preempt(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> Non
         ]
     )
     result.preempted.extend(preempted)
+
+
+def _resize(plan: fairshare.Plan, *, now: datetime, result: CycleResult) -> None:
+    """Start the resize of each planned elastic gang still admitted or running whose
+    open attempt has no stop recorded yet: a graceful stop of reason `resize` that
+    carries the size and placement the job is relaunched at (see PreemptionEvent).
+
+    It is stopped as a victim is, through the same reconcile steps (notice, signal,
+    kill at the deadline), and relaunched by the finish step once every rank has
+    exited; `preemptor` is the waiting job a shrink frees GPUs for, which waits for
+    them as for a victim's."""
+    resizes = {int(resize.workload): resize for resize in plan.resize}
+    if not resizes:
+        return
+    attempts = {
+        job_id: (attempt_id, borrowed, ranks)
+        for attempt_id, job_id, borrowed, ranks in Attempt.objects.filter(
+            job_id__in=among(resizes), ended_at__isnull=True, preemption__isnull=True
+        ).values_list("pk", "job_id", "borrowed_gpus", attempt_ranks())
+    }
+    # Locked first, in the order of their ids, as `_preempt` locks its victims.
+    running = list(
+        Job.objects.select_for_update(no_key=True)
+        .filter(pk__in=among(attempts), state__in=[JobState.ADMITTED, JobState.RUNNING])
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+    if not running:
+        return
+    jobs = {
+        job_id: (team, flavor, gpus_per_rank, grace)
+        for job_id, team, flavor, gpus_per_rank, grace in Job.objects.filter(
+            pk__in=among(running)
+        ).values_list(
+            "pk", "team__slug", "flavor__name", "gpus_per_rank", "priority_class__grace_seconds"
+        )
+    }
+    Job.objects.filter(pk__in=among(jobs)).update(state=JobState.PREEMPTING, preempting_at=now)
+    preemptors = set(
+        Job.objects.filter(
+            pk__in=[
+                int(resize.for_workload)
+                for resize in resizes.values()
+                if resize.for_workload is not None and resize.for_workload.isdigit()
+            ]
+        ).values_list("pk", flat=True)
+    )
+    events = []
+    for job_id, (team, flavor, gpus_per_rank, grace) in jobs.items():
+        resize = resizes[job_id]
+        attempt_id, borrowed, ranks = attempts[job_id]
+        for_job = int(resize.for_workload) if resize.for_workload is not None else None
+        events.append(
+            PreemptionEvent(
+                victim_attempt_id=attempt_id,
+                job_id=job_id,
+                preemptor_id=for_job if for_job in preemptors else None,
+                reason=PreemptionEvent.Reason.RESIZE,
+                cause=resize.reason[:300],
+                decided_at=now,
+                grace_seconds=float(grace),
+                deadline=now + timedelta(seconds=float(grace)),
+                resize_ranks=resize.ranks,
+                resize_placement=[
+                    {"node": node, "ranks": count} for node, count in resize.placement
+                ],
+                resize_borrowed_gpus=resized_borrowing(
+                    borrowed=borrowed,
+                    gpus_before=ranks * gpus_per_rank,
+                    gpus_after=resize.ranks * gpus_per_rank,
+                    queue_borrowed=_queue_borrowed(plan, team, flavor),
+                ),
+            )
+        )
+    PreemptionEvent.objects.bulk_create(events)
+    notify_each(
+        [
+            Notice(
+                job_id=event.job_id,
+                event="resized",
+                payload={
+                    "stage": "decided",
+                    "from_ranks": attempts[event.job_id][2],
+                    "to_ranks": event.resize_ranks,
+                    "cause": event.cause,
+                },
+            )
+            for event in events
+        ]
+    )
+    result.resized.extend(jobs)
+
+
+def _queue_borrowed(plan: fairshare.Plan, team: str, flavor: str) -> int:
+    status = plan.queues.get(team, {}).get(flavor)
+    return status.borrowed if status is not None else 0
+
+
+def resized_borrowing(
+    *, borrowed: int, gpus_before: int, gpus_after: int, queue_borrowed: int
+) -> int:
+    """How many of a resized gang's GPUs are borrowed at its new size. A shrink gives
+    back borrowed GPUs first (R3: what goes is what straddles the guarantee line); a
+    grow borrows no more than it adds, nor more than its team borrows after the plan."""
+    if gpus_after <= gpus_before:
+        return max(0, borrowed - (gpus_before - gpus_after))
+    return min(gpus_after, borrowed + (gpus_after - gpus_before), max(borrowed, queue_borrowed))
 
 
 def _release_words(now: datetime) -> dict[int, str]:

@@ -146,6 +146,9 @@ class Attempt(models.Model):
         PREEMPTED = "preempted", "Preempted"
         CANCELLED = "cancelled", "Cancelled"
         GANG_GUARD = "gang-guard", "A rank died; the gang was stopped"
+        # Stopped at an agreed step and relaunched at once at another size as the
+        # job's next attempt (see PreemptionEvent.resize_ranks).
+        RESIZED = "resized", "Resized"
 
     class Action(models.TextChoices):
         NONE = "", "None"
@@ -315,25 +318,40 @@ class StopQuerySet(models.QuerySet["PreemptionEvent"]):
     A person's cancel of a running job goes through the same graceful stop as
     a preemption (signal, grace window, kill at the deadline), so it is stored
     as the same kind of row with reason `manual`. It is not a preemption: every
-    count, chart and list of preemptions reads `preemptions()`. Nor is a stop
+    count, chart and list of preemptions reads `preemptions()`. Nor is a resize
+    (reason `resize`), the stop of an elastic gang that is relaunched at once at
+    another size and keeps its place (`resizes()`). Nor is a stop
     whose victim finished its work before the stop reached it (outcome
     `ended-first`): the scheduler decided on a job that was ending as it decided.
     """
 
     def preemptions(self) -> StopQuerySet:
-        return self.exclude(reason=PreemptionEvent.Reason.MANUAL).exclude(
-            outcome=PreemptionEvent.Outcome.ENDED_FIRST
-        )
+        return self.exclude(
+            reason__in=[PreemptionEvent.Reason.MANUAL, PreemptionEvent.Reason.RESIZE]
+        ).exclude(outcome=PreemptionEvent.Outcome.ENDED_FIRST)
 
     def cancels(self) -> StopQuerySet:
         return self.filter(reason=PreemptionEvent.Reason.MANUAL)
+
+    def resizes(self) -> StopQuerySet:
+        return self.filter(reason=PreemptionEvent.Reason.RESIZE)
 
 
 class PreemptionEvent(models.Model):
     """The graceful stop of one attempt: why, by whom, when it was decided, the
     deadline, what the ranks managed to checkpoint, and how it ended. A stop
     with reason `manual` is a person's cancel, not a preemption (see
-    `StopQuerySet`)."""
+    `StopQuerySet`).
+
+    A stop with reason `resize` resizes an elastic gang: the scheduler decided to run
+    it at `resize_ranks` ranks on `resize_placement` (the GPUs it keeps, and for a
+    grow the free ones the plan gave it), so once its ranks have stopped at their
+    agreed step the job is relaunched at once at that size as its next attempt,
+    with `resize_borrowed_gpus` of them borrowed, instead of being requeued. `cause`
+    says why in the engine's words ("shrunk from 8 to 4 ranks to reclaim team
+    vision's guarantee for job 12", "grown from 4 to 8 ranks"); `preemptor` is the
+    waiting job a shrink frees GPUs for. Until the relaunch those GPUs stay the
+    job's: the scheduler's snapshot counts them as its (`preemption.snapshot`)."""
 
     class Reason(models.TextChoices):
         RECLAIM = "reclaim", "Reclaim"
@@ -345,6 +363,7 @@ class PreemptionEvent(models.Model):
         # The embedded portal was stopped and stopped its local ranks with it;
         # the job is requeued and resumes from its checkpoint at the next start.
         SHUTDOWN = "shutdown", "Portal stopped"
+        RESIZE = "resize", "Resize"
 
     class Outcome(models.TextChoices):
         GRACEFUL = "graceful", "Graceful"
@@ -389,6 +408,10 @@ class PreemptionEvent(models.Model):
     # of an old preemption must not read it.
     resume_step = models.PositiveIntegerField(null=True, blank=True)
     resumed_at = models.DateTimeField(null=True, blank=True)
+    # A resize's target (reason `resize` only; see the class docstring).
+    resize_ranks = models.PositiveIntegerField(null=True, blank=True)
+    resize_placement = models.JSONField(default=list, blank=True)
+    resize_borrowed_gpus = models.PositiveIntegerField(default=0)
 
     objects = StopQuerySet.as_manager()
 
@@ -405,6 +428,7 @@ class PreemptionEvent(models.Model):
                         "gang-guard",
                         "manual",
                         "shutdown",
+                        "resize",
                     ]
                 ),
                 name="preemption_reason_valid",
@@ -449,9 +473,9 @@ class Checkpoint(models.Model):
 
 
 class Webhook(models.Model):
-    """A team's URL that receives preempted, requeued, failed and finished notices."""
+    """A team's URL that receives preempted, requeued, resized, failed and finished notices."""
 
-    EVENTS = ("preempted", "requeued", "failed", "finished")
+    EVENTS = ("preempted", "requeued", "resized", "failed", "finished")
 
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="webhooks")
     url = models.URLField(max_length=500)

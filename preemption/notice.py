@@ -36,14 +36,16 @@ from datetime import datetime, timedelta
 from preemption.event_tokens import attempt_for_token
 from preemption.models import Attempt, Job, PreemptionEvent, TrapEvent
 
-# Stops that get a notice: preemptions. A person's cancel, the gang guard and the
-# portal's own shutdown stop as before.
+# Stops that get a notice: preemptions, and resizes, whose gang also restarts from
+# the checkpoint it commits. A person's cancel, the gang guard and the portal's own
+# shutdown stop as before.
 NOTICE_REASONS = frozenset(
     {
         PreemptionEvent.Reason.RECLAIM,
         PreemptionEvent.Reason.PRIORITY,
         PreemptionEvent.Reason.FAIR_SHARE,
         PreemptionEvent.Reason.CONSOLIDATE,
+        PreemptionEvent.Reason.RESIZE,
     }
 )
 

@@ -77,6 +77,9 @@ def preemption_words(
         return cause or "a rank of the gang died, so the others were stopped gracefully"
     if reason == Reason.MANUAL:
         return cause or "stopped by a person"
+    if reason == Reason.RESIZE:
+        # The engine's own words, which name the sizes and why.
+        return cause or "resized"
     return cause or reason
 
 
@@ -85,6 +88,8 @@ _STOPPING_WORDS = {
     Reason.MANUAL: "Cancelling",
     Reason.GANG_GUARD: "Stopping",
     Reason.SHUTDOWN: "Stopping",
+    # Stopped at an agreed step to be relaunched at once at another size.
+    Reason.RESIZE: "Resizing",
 }
 
 

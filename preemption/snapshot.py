@@ -3,6 +3,7 @@ the rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from datetime import datetime, timedelta
@@ -21,6 +22,7 @@ from preemption.models import (
     Checkpoint,
     Job,
     JobState,
+    PreemptionEvent,
     allowed_sizes,
     attempt_ranks,
 )
@@ -196,6 +198,7 @@ def _workload(
     names: Names,
     attempt: tuple[list[dict[str, Any]], float, int | None] | None = None,
     checkpoint: float | None = None,
+    resizable: bool = False,
 ) -> fairshare.Workload:
     """The workload of one row of `read_snapshot`'s jobs query; for running work, with
     where its open attempt runs, since when, and its last checkpoint of that attempt
@@ -218,7 +221,8 @@ def _workload(
     ) = row
     team_slugs, class_names, flavor_names = names
     # A waiting elastic job may start at any of its sizes; a running one is as
-    # large as its attempt's placement.
+    # large as its attempt's placement, and is offered its sizes only where its
+    # class lets the engine resize it (`resizable`), at a size among them.
     # (The engine refuses sizes beside a topology, which submission refuses too.)
     elastic = ranks_min is not None and not topology_level
     sizes = allowed_sizes(ranks, ranks_min, rank_sizes) if elastic else ()
@@ -230,7 +234,8 @@ def _workload(
             preemptor = workload_id(attempt[2])
         placement = tuple((entry["node"], int(entry["ranks"])) for entry in attempt[0])
         ranks = sum(count for _, count in placement)
-        sizes = ()
+        if not resizable or engine_state != "running" or ranks not in sizes:
+            sizes = ()
         admitted_at = attempt[1]
         if checkpoint is not None and checkpoint < admitted_at:
             checkpoint = None
@@ -251,6 +256,47 @@ def _workload(
         preemptor=preemptor,
         sizes=sizes,
     )
+
+
+def _resizing(
+    row: tuple[Any, ...],
+    names: Names,
+    attempt: tuple[list[dict[str, Any]], float, int | None],
+    resize: tuple[list[dict[str, Any]], float],
+) -> list[fairshare.Workload]:
+    """The workloads of a job whose running gang is being stopped to be relaunched at
+    another size (a stop of reason `resize`), from the decision to the relaunch.
+
+    The GPUs it runs on after the resize are already its: it is planned as running at
+    its new size on its new placement since the decision (which the engine's anti-flap
+    margin counts from), with no sizes offered, so that no other work is placed on a
+    GPU it keeps, nor on a free GPU a grow gave it, while its old ranks stop. What a
+    shrink gives up is a gang of its own in its grace window, freeing those GPUs for
+    the job the shrink was for exactly as a victim frees its GPUs for its preemptor. Its
+    id is the job's with a suffix that names the shrink, which is how a waiting job's
+    reason names it; the cycle never acts on it (the engine neither admits, preempts
+    nor resizes a workload that is terminating)."""
+    target, decided = resize
+    placement = tuple((entry["node"], int(entry["ranks"])) for entry in target)
+    resized = _workload(row, "running", names, (target, decided, None))
+    freed: dict[str, int] = {}
+    for entry in attempt[0]:
+        freed[entry["node"]] = freed.get(entry["node"], 0) + int(entry["ranks"])
+    for node, ranks in placement:
+        freed[node] = freed.get(node, 0) - ranks
+    gone = tuple((node, ranks) for node, ranks in freed.items() if ranks > 0)
+    if not gone:
+        return [resized]
+    shrinking = _workload(row, "terminating", names, ([], decided, attempt[2]))
+    return [
+        resized,
+        dataclasses.replace(
+            shrinking,
+            id=f"{shrinking.id} (shrinking)",
+            ranks=sum(ranks for _, ranks in gone),
+            placement=gone,
+        ),
+    ]
 
 
 def build_snapshot(
@@ -370,23 +416,37 @@ def read_snapshot(
             grace_seconds=float(pc.grace_seconds),
             min_runtime_seconds=float(pc.min_runtime_seconds),
             min_runtime_by_reason=pc.min_runtime_by_reason(),
+            shrink_elastic=pc.shrink_elastic,
         )
         for pc in priority_classes
     )
+    resizing = {pc.pk for pc in priority_classes if pc.shrink_elastic}
     # The active jobs' attempts and checkpoints are found by a join on the job's state
     # rather than by a list of the active jobs' ids: such a list, thousands of
     # parameters long, cost more to build and send than the rows it selects. A job that
     # changes state between the queries is either left out here (and then taken for one
     # being wound up, as below) or read here and not used.
     # With the job a victim's GPUs are freed for, which the engine keeps them for.
-    open_attempts = {
-        job_id: (placement, _seconds_of(admitted_at), preemptor)
-        for job_id, placement, admitted_at, preemptor in Attempt.objects.filter(
-            job__state__in=ACTIVE_STATES, ended_at__isnull=True
+    # A job being resized is read with its target, the size and placement it is
+    # relaunched at, and since when (see `_resizing`).
+    open_attempts = {}
+    resizes: dict[int, tuple[list[dict[str, Any]], float]] = {}
+    for job_id, placement, admitted_at, preemptor, reason, target, decided in (
+        Attempt.objects.filter(job__state__in=ACTIVE_STATES, ended_at__isnull=True)
+        .annotate(admitted=_seconds("admitted_at"), decided=_seconds("preemption__decided_at"))
+        .values_list(
+            "job_id",
+            "placement",
+            "admitted",
+            "preemption__preemptor_id",
+            "preemption__reason",
+            "preemption__resize_placement",
+            "decided",
         )
-        .annotate(admitted=_seconds("admitted_at"))
-        .values_list("job_id", "placement", "admitted", "preemption__preemptor_id")
-    }
+    ):
+        open_attempts[job_id] = (placement, _seconds_of(admitted_at), preemptor)
+        if reason == PreemptionEvent.Reason.RESIZE:
+            resizes[job_id] = (target, _seconds_of(decided))
     checkpoints = {
         job_id: _seconds_of(last)
         for job_id, last in Checkpoint.objects.filter(job__state__in=ACTIVE_STATES)
@@ -409,6 +469,7 @@ def read_snapshot(
                 continue
             source: tuple[Any, ...] = row
             attempt = checkpoint = None
+            resizable = False
         else:
             attempt = open_attempts.get(job_id)
             if attempt is None:
@@ -416,12 +477,19 @@ def read_snapshot(
                 # reconciler; its GPUs are already free.
                 continue
             checkpoint = checkpoints.get(job_id)
-            source = (row, attempt[1], checkpoint, attempt[0], attempt[2])
+            if job_id in resizes:
+                # Rare and short-lived: built afresh each time, never kept.
+                workloads += _resizing(row, names, attempt, resizes[job_id])
+                continue
+            # Whether its class lets it be resized decides whether it is offered its
+            # sizes, so a change of the class's flag builds it again.
+            resizable = row[2] in resizing
+            source = (row, attempt[1], checkpoint, attempt[0], attempt[2], resizable)
         kept = earlier.get(job_id)
         if kept is not None and kept[0] == source:
             workload = kept[1]
         else:
-            workload = _workload(row, engine_state, names, attempt, checkpoint)
+            workload = _workload(row, engine_state, names, attempt, checkpoint, resizable)
         built[job_id] = (source, workload)
         workloads.append(workload)
     if reuse:

@@ -41,6 +41,7 @@ from qmcli.words import (
     failing_rank,
     gpus_words,
     preemption_line,
+    resize_line,
     short_time,
 )
 
@@ -457,6 +458,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     for name, value in fields:
         print(f"{name.ljust(width)}  {value}")
     preempted = {event["attempt_number"]: event for event in preemptions}
+    resized = {resize["attempt_number"]: resize for resize in job.get("resizes", [])}
     for attempt in job.get("attempts", []):
         print()
         ended = (
@@ -470,6 +472,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         event = preempted.get(attempt["number"])
         if event is not None:
             print(f"Preempted: {preemption_line(event)}")
+        resize = resized.get(attempt["number"])
+        if resize is not None:
+            print(f"Resized: {resize_line(resize)}")
         rows = [
             (r["index"], r["node"], r["state"], r["exit_code"], short_time(r["exited_at"]))
             for r in attempt["ranks"]

@@ -1,5 +1,5 @@
 """How `qm` words what the API answers: times, sizes, and why an attempt was
-preempted. Pure functions of the API's JSON, so `qm show` and its tests
+preempted or resized. Pure functions of the API's JSON, so `qm show` and its tests
 read the same words."""
 
 from __future__ import annotations
@@ -43,6 +43,21 @@ def preemption_line(event: dict[str, Any]) -> str:
     if event["outcome"]:
         details.append(f"outcome {event['outcome']}")
     return f"{event['why']} ({', '.join(details)})"
+
+
+def resize_line(resize: dict[str, Any]) -> str:
+    """Why an attempt was stopped to resize the job, and how the resize went."""
+    details = [f"decided {short_time(resize['decided_at'])}"]
+    if resize["checkpoint_step"] is not None:
+        details.append(f"checkpoint at step {resize['checkpoint_step']}")
+    if resize["outcome"]:
+        details.append(f"outcome {resize['outcome']}")
+    if resize["relaunched_as"] is not None:
+        details.append(
+            f"relaunched as attempt {resize['relaunched_as']} at "
+            f"{counted(resize['to_ranks'], 'rank')}"
+        )
+    return f"{resize['why']} ({', '.join(details)})"
 
 
 def failing_rank(attempt: dict[str, Any]) -> dict[str, Any] | None:

@@ -189,6 +189,10 @@ class PriorityClass(models.Model):
     trap speaks the notice protocol may take to commit a checkpoint before it
     is evicted (0: no notice). It is part of the grace budget, so the GPUs are
     free by the same deadline with or without it.
+    `shrink_elastic` lets the scheduler resize this class's running elastic jobs:
+    shrink one to a smaller size rather than evict it for reclaim, priority or fair
+    share, and grow it back once its team has room (`fairshare/README.md`, "Elastic
+    gangs that run"). Off, an elastic job runs at the size it started at.
     """
 
     class Policy(models.TextChoices):
@@ -208,6 +212,8 @@ class PriorityClass(models.Model):
         default=DEFAULT_NOTICE_SECONDS, db_default=DEFAULT_NOTICE_SECONDS
     )
     min_runtime_seconds = models.PositiveIntegerField(default=0)
+    # A database default as well, for the reason notice_seconds gives.
+    shrink_elastic = models.BooleanField(default=False, db_default=False)
     priority_min_runtime_seconds = models.PositiveIntegerField(null=True, blank=True)
     fair_share_min_runtime_seconds = models.PositiveIntegerField(null=True, blank=True)
     reclaim_min_runtime_seconds = models.PositiveIntegerField(null=True, blank=True)

@@ -8,6 +8,9 @@ preemption recorded when it requeued the job (never the job's current one),
 and the resume reported by the next attempt. Offsets are seconds after the
 decision, so none is negative.
 
+A resize of an elastic gang is told the same way, from "Resize decided" to the
+attempt it was relaunched as at its new size, with no requeue between.
+
 A person's cancel of a running job goes through the same graceful stop, and is
 told with the same steps but as what it is: "Cancel requested", the exit codes
 without a preemption outcome (a workload without the trap exits 143 on
@@ -147,12 +150,13 @@ def build_timeline(
     hold every trap event of the job; `words` says why it was stopped."""
     origin = event.decided_at
     cancel = event.is_cancel
+    resize = event.reason == PreemptionEvent.Reason.RESIZE
     timeline = Timeline(event=event, words=words)
     steps = timeline.steps
     steps.append(
         TimelineStep(
             origin,
-            "Cancel requested" if cancel else "Preemption decided",
+            "Cancel requested" if cancel else "Resize decided" if resize else "Preemption decided",
             f"{words}. Grace window {event.grace_seconds:g} s, deadline {event.deadline:%H:%M:%S}.",
             "info" if cancel else "warn",
         )
@@ -297,6 +301,16 @@ def build_timeline(
                 f"resumes from step {event.resume_step}"
                 if event.resume_step is not None
                 else "no checkpoint: starts over",
+            )
+        )
+    if resize and next_attempt is not None:
+        # A resize never waits in the queue: the job is relaunched as the ranks exit.
+        steps.append(
+            TimelineStep(
+                next_attempt.admitted_at,
+                f"Relaunched at {next_attempt.world_size} ranks",
+                f"attempt {next_attempt.number}"
+                + (f", resumes from step {event.resume_step}" if event.resume_step else ""),
             )
         )
     if not cancel and (event.resumed_at or next_attempt is not None):

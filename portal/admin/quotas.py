@@ -335,9 +335,10 @@ class PriorityClassAdmin(admin.ModelAdmin):
         "preemptible",
         "grace_seconds",
         "notice_seconds",
+        "shrink_elastic",
         "is_default",
     ]
-    list_filter = ["preemptible", "preemption_policy"]
+    list_filter = ["preemptible", "preemption_policy", "shrink_elastic"]
 
 
 class SchedulingPolicyAdminForm(forms.ModelForm):  # type: ignore[type-arg]

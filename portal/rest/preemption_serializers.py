@@ -125,13 +125,66 @@ class AttemptWithRanksSerializer(AttemptSerializer):
         help_text="Why this attempt was preempted, in the job page's words; null if it was not."
     )
 
+    resized_because = serializers.SerializerMethodField(
+        help_text="Why this attempt was stopped to relaunch the job at another size, in the "
+        "job page's words (\"shrunk from 8 to 4 ranks to reclaim team vision's guarantee for "
+        'job 12", "grown from 4 to 8 ranks"); null if it was not resized.'
+    )
+
     class Meta(AttemptSerializer.Meta):
-        fields = [*AttemptSerializer.Meta.fields, "ranks", "preempted_because"]
+        fields = [*AttemptSerializer.Meta.fields, "ranks", "preempted_because", "resized_because"]
         read_only_fields = fields
 
     def get_preempted_because(self, attempt: Attempt) -> str | None:
         event = getattr(attempt, "preemption", None)
-        return describe_preemption(event) if event is not None else None
+        if event is None or event.reason == PreemptionEvent.Reason.RESIZE:
+            return None
+        return describe_preemption(event)
+
+    def get_resized_because(self, attempt: Attempt) -> str | None:
+        event = getattr(attempt, "preemption", None)
+        if event is None or event.reason != PreemptionEvent.Reason.RESIZE:
+            return None
+        return describe_preemption(event)
+
+
+class ResizeSerializer(serializers.Serializer[Any]):
+    """One resize of an elastic job: the attempt stopped at an agreed step and the
+    attempt it was relaunched as at once, at its new size."""
+
+    attempt_number = serializers.IntegerField(
+        source="victim_attempt.number", help_text="The attempt that was stopped."
+    )
+    relaunched_as = serializers.SerializerMethodField(
+        help_text="The number of the attempt the job was relaunched as; null until then."
+    )
+    from_ranks = serializers.IntegerField(source="victim_attempt.world_size")
+    to_ranks = serializers.IntegerField(source="resize_ranks")
+    placement = serializers.JSONField(source="resize_placement")
+    why = serializers.SerializerMethodField(help_text="Why, in the job page's words.")
+    for_job = serializers.IntegerField(
+        source="preemptor_id",
+        allow_null=True,
+        help_text="The waiting job a shrink freed GPUs for; null for a grow.",
+    )
+    decided_at = serializers.DateTimeField()
+    deadline = serializers.DateTimeField()
+    signal_sent_at = serializers.DateTimeField(allow_null=True)
+    all_exited_at = serializers.DateTimeField(allow_null=True)
+    checkpoint_step = serializers.IntegerField(allow_null=True)
+    resume_step = serializers.IntegerField(allow_null=True)
+    outcome = serializers.CharField()
+    lost_gpu_seconds = serializers.FloatField(allow_null=True)
+    resumed_at = serializers.DateTimeField(allow_null=True)
+
+    def get_why(self, event: PreemptionEvent) -> str:
+        return describe_preemption(event)
+
+    @extend_schema_field(serializers.IntegerField(allow_null=True))
+    def get_relaunched_as(self, event: PreemptionEvent) -> int | None:
+        if event.victim_attempt.ended_at is None:
+            return None
+        return int(event.victim_attempt.number) + 1
 
 
 class JobSerializer(serializers.ModelSerializer[Job]):
@@ -257,15 +310,34 @@ class JobDetailSerializer(JobSerializer):
         "any other command as stored. What runs is `command`."
     )
 
+    resizes = serializers.SerializerMethodField(
+        help_text="The job's resizes, oldest first: each an attempt stopped at an agreed "
+        "step and relaunched at once at another size."
+    )
+
     class Meta(JobSerializer.Meta):
         fields = [
             *JobSerializer.Meta.fields,
             "checkpoint_step",
             "attempts",
+            "resizes",
             "cadence",
             "command_as_typed",
         ]
         read_only_fields = fields
+
+    @extend_schema_field(ResizeSerializer(many=True))
+    def get_resizes(self, job: Job) -> list[dict[str, Any]]:
+        # From the attempts already loaded with their stops: no query of its own.
+        stops = []
+        for attempt in sorted(job.attempts.all(), key=lambda attempt: attempt.number):
+            event = getattr(attempt, "preemption", None)
+            if event is not None and event.reason == PreemptionEvent.Reason.RESIZE:
+                # The attempt as loaded, with its job, rather than another query each.
+                event.victim_attempt = attempt
+                attempt.job = job
+                stops.append(event)
+        return list(ResizeSerializer(stops, many=True).data)
 
     def get_command_as_typed(self, job: Job) -> str:
         return command_as_typed(job.command)

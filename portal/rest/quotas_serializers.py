@@ -284,6 +284,7 @@ class PriorityClassSerializer(serializers.ModelSerializer[PriorityClass]):
             "notice_seconds",
             "min_runtime_seconds",
             *services.MIN_RUNTIME_FIELDS,
+            "shrink_elastic",
             "description",
             "is_default",
         ]
@@ -323,6 +324,14 @@ class PriorityClassWriteSerializer(serializers.Serializer[Any]):
     )
     consolidation_min_runtime_seconds = serializers.IntegerField(
         min_value=0, max_value=7 * 24 * 3600, required=False, allow_null=True
+    )
+    shrink_elastic = serializers.BooleanField(
+        required=False,
+        help_text=(
+            "Let the scheduler shrink this class's running elastic jobs to a smaller size "
+            "rather than evict them for reclaim, priority or fair share, and grow them back "
+            "once their team has room. Default: false."
+        ),
     )
     description = serializers.CharField(max_length=300, allow_blank=True, required=False)
     is_default = serializers.BooleanField(required=False)

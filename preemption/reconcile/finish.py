@@ -34,11 +34,12 @@ from preemption.models import (
     PreemptionEvent,
     Rank,
     TrapEvent,
+    next_attempt_number,
 )
 from preemption.reasons import disruption_requeue_words, disruption_words, rank_end_words
 from preemption.reconcile.act import DONE, carry_out
 from preemption.reconcile.logs import ingest_logs
-from preemption.reconcile.steps import Step, guarded
+from preemption.reconcile.steps import Step, gang_spec, guarded
 from preemption.runtimes.base import (
     GangId,
     Runtime,
@@ -63,6 +64,9 @@ def finish(steps: list[Step], runtime: Runtime) -> None:
         if guarded(step.attempt, functools.partial(_ingest_ends, step, ranks, runtime)):
             closing.append((step, ranks, held.get(step.gang, [])))
     closed: list[tuple[Step, list[Rank]]] = []
+    # The attempts of resized jobs, relaunched in the same transaction as their last
+    # attempt closes, to be launched by the same act step as the forgets.
+    relaunched: list[Attempt] = []
     disrupted = _disruptions([item for item in closing if item[0].event is None], runtime)
     with transaction.atomic():
         # Gangs that ended on their own with every rank exiting 0, the common end,
@@ -97,6 +101,7 @@ def finish(steps: list[Step], runtime: Runtime) -> None:
                 orphaned,
                 timezone.now(),
                 disruption=disrupted.get(attempt.pk, ""),
+                relaunched=relaunched,
             )
             if guarded(attempt, close, savepoint=True):
                 attempt.action, attempt.action_tries = Attempt.Action.FORGET, 0
@@ -105,7 +110,28 @@ def finish(steps: list[Step], runtime: Runtime) -> None:
     # last lines first: log reads are runtime calls, so no transaction is open.
     for step, ranks in closed:
         guarded(step.attempt, functools.partial(save_log_tails, step.attempt, ranks, runtime))
-    carry_out([step for step, _ in closed], runtime)
+    carry_out([step for step, _ in closed] + _launches(relaunched), runtime)
+
+
+def _launches(attempts: list[Attempt]) -> list[Step]:
+    """The launch of each attempt a resize relaunched, with what it needs loaded."""
+    if not attempts:
+        return []
+    return [
+        Step(
+            Attempt.Action.LAUNCH,
+            attempt,
+            spec=gang_spec(attempt.job, attempt, attempt.rank_set.all()),
+        )
+        for attempt in Attempt.objects.filter(
+            pk__in=[attempt.pk for attempt in attempts],
+            ended_at__isnull=True,
+            launched_at__isnull=True,
+            action=Attempt.Action.LAUNCH,
+        )
+        .select_related("job", "job__team", "job__priority_class", "job__flavor")
+        .prefetch_related("rank_set")
+    ]
 
 
 def _disruptions(
@@ -288,6 +314,7 @@ def _finish_attempt(
     now: datetime,
     *,
     disruption: str = "",
+    relaunched: list[Attempt] | None = None,
 ) -> bool:
     """Free the GPUs and decide what becomes of the job; the gang is to be
     forgotten next. False when another worker closed the attempt first.
@@ -319,6 +346,7 @@ def _finish_attempt(
         end_reason = {
             "manual": Attempt.EndReason.CANCELLED,
             "gang-guard": Attempt.EndReason.GANG_GUARD,
+            "resize": Attempt.EndReason.RESIZED,
         }.get(reason, Attempt.EndReason.PREEMPTED)
         if job.cancel_requested_at is not None:
             end_reason = Attempt.EndReason.CANCELLED
@@ -355,6 +383,23 @@ def _finish_attempt(
     elif end_reason == Attempt.EndReason.CANCELLED:
         update.update(state=JobState.CANCELLED, finished_at=now)
         notice = ("finished", {"state": "cancelled", "exit_codes": codes})
+    elif end_reason == Attempt.EndReason.RESIZED:
+        assert event is not None
+        relaunch = _relaunch(job, attempt, event, now)
+        if relaunched is not None:
+            relaunched.append(relaunch)
+        update.update(state=JobState.ADMITTED, admitted_at=now, waiting_reason="")
+        notice = (
+            "resized",
+            {
+                "stage": "relaunched",
+                "from_ranks": attempt.world_size,
+                "to_ranks": relaunch.ranks,
+                "cause": event.cause,
+                "attempt": relaunch.number,
+                "resume_step": resume_step,
+            },
+        )
     elif end_reason == Attempt.EndReason.PREEMPTED and event is None:
         # Stopped by the cluster, not by the control plane: requeued as a preemption.
         update.update(
@@ -427,6 +472,30 @@ def _finish_attempt(
     notify(job_id=job.pk, event=notice[0], payload=notice[1])
     queue_cycle()
     return True
+
+
+def _relaunch(job: Job, attempt: Attempt, event: PreemptionEvent, now: datetime) -> Attempt:
+    """The job's next attempt at the size and on the placement its resize decided,
+    admitted now and to be launched at once: a resize keeps the job's place, so it
+    never waits in the queue behind other work. The GPUs were the job's all along
+    (`preemption.snapshot`), and are still, since this commits with the close of the
+    attempt that ran before."""
+    assert event.resize_ranks is not None
+    relaunch = Attempt.objects.create(
+        job=job,
+        number=next_attempt_number(job.pk),
+        admitted_at=now,
+        ranks=event.resize_ranks,
+        placement=event.resize_placement,
+        borrowed_gpus=event.resize_borrowed_gpus,
+        action=Attempt.Action.LAUNCH,
+    )
+    ranks = []
+    for entry in event.resize_placement:
+        for _ in range(int(entry["ranks"])):
+            ranks.append(Rank(attempt=relaunch, index=len(ranks), node=entry["node"]))
+    Rank.objects.bulk_create(ranks)
+    return relaunch
 
 
 def shutdown_requeue_words(*, checkpoint_step: int | None, resume_step: int | None) -> str:
@@ -517,13 +586,15 @@ def _close_event(
         base = last or attempt.launched_at or attempt.admitted_at
         lost = max(0.0, (exited_at - base).total_seconds()) * attempt.world_size * job.gpus_per_rank
     requeue = (
-        # Every stop but a person's own brings the job back.
+        # Every stop but a person's own brings the job back: a resize at once, as its
+        # next attempt, rather than through the queue.
         event.reason != PreemptionEvent.Reason.MANUAL and job.cancel_requested_at is None
     )
+    resized = event.reason == PreemptionEvent.Reason.RESIZE
     PreemptionEvent.objects.filter(pk=event.pk).update(
         outcome=outcome,
         all_exited_at=exited_at,
         lost_gpu_seconds=lost,
-        requeued_at=timezone.now() if requeue else None,
+        requeued_at=timezone.now() if requeue and not resized else None,
         resume_step=resume_step if requeue else None,
     )

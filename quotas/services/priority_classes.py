@@ -35,6 +35,7 @@ def _priority_values(pc: PriorityClass) -> dict[str, Any]:
         "notice_seconds": pc.notice_seconds,
         "min_runtime_seconds": pc.min_runtime_seconds,
         **{field: getattr(pc, field) for field in MIN_RUNTIME_FIELDS},
+        "shrink_elastic": pc.shrink_elastic,
         "is_default": pc.is_default,
     }
 

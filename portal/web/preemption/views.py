@@ -110,6 +110,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
     events = list(TrapEvent.objects.filter(job=job).order_by("at", "id")[:5000])
     timelines: list[Timeline] = []
     cancels: list[Timeline] = []
+    resizes: list[Timeline] = []
     for index, attempt in enumerate(attempts):
         event: PreemptionEvent | None = getattr(attempt, "preemption", None)
         if event is None:
@@ -117,8 +118,16 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         # The event's job is this job; reuse the loaded object, saving a query.
         event.job = job
         following = attempts[index + 1] if index + 1 < len(attempts) else None
-        # A cancel is told as its own story and never counted as a preemption.
-        (cancels if event.is_cancel else timelines).append(
+        # A cancel is told as its own story and never counted as a preemption, nor is
+        # a resize, which gives the job back at once at another size.
+        told = (
+            cancels
+            if event.is_cancel
+            else resizes
+            if event.reason == PreemptionEvent.Reason.RESIZE
+            else timelines
+        )
+        told.append(
             build_timeline(
                 event=event,
                 attempt=attempt,
@@ -150,6 +159,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "attempts": list(reversed(attempts)),
             "timelines": list(reversed(timelines)),
             "cancels": cancels,
+            "resizes": list(reversed(resizes)),
             "checkpoints": checkpoints,
             "cadence": cadence,
             "failed_log": failed_log,
