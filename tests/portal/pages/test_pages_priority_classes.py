@@ -1,5 +1,6 @@
 """The priority classes page names, from each persona, the teams of theirs that
-may use each class, and each class's notice window."""
+may use each class, each class's notice window, and whether its elastic jobs shrink
+before they are evicted."""
 
 from __future__ import annotations
 
@@ -81,3 +82,12 @@ def test_each_class_shows_its_notice_window(world: Any) -> None:
     assert _cell(body, "ai-batch-preemptible", "notice") == "none"
     assert _cell(body, "ai-prod-critical", "grace") == "90 s"
     assert "the notice window" in body
+
+
+def test_a_class_whose_elastic_jobs_shrink_first_says_so(world: Any) -> None:
+    PriorityClass.objects.filter(pk=world.batch.pk).update(shrink_elastic=True)
+    body = page_client(world, "researcher").get(reverse("priority-classes")).content.decode()
+    assert _cell(body, "ai-batch-preemptible", "preemptible") == (
+        "preemptible elastic jobs shrink first"
+    )
+    assert _cell(body, "ai-prod-critical", "preemptible") == "protected"
