@@ -12,7 +12,6 @@ Records decisions; never chooses which workload comes next nor which victims to 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 from .candidates import VictimCandidates
@@ -383,15 +382,12 @@ class FlavorDecisions:
             if ledger.usage[queue] > min(ledger.guarantee[queue], ledger.fair_share[queue]):
                 self.candidates_version += 1
                 self.retry_waiting = True
-            started = dataclasses.replace(
-                workload, state="running", placement=on_nodes, admitted_at=self.now
-            )
             gpus_on_nodes = tuple(
                 (node, ranks * workload.gpus_per_rank) for node, ranks in placement
             )
             self.victims.add(
                 RunningWork(
-                    started,
+                    workload,
                     queue,
                     job.priority_class,
                     gpus_on_nodes,

@@ -65,7 +65,8 @@ class RunningWork:
         self.workload = workload
         # Per preemption reason: the seconds it runs before it may be taken for it.
         self.minimum = minimum
-        # Admitted earlier in this same plan rather than running in the snapshot.
+        # Admitted earlier in this same plan rather than running in the snapshot; its
+        # ``workload`` is then the pending workload that was admitted.
         self.planned = planned
         self.queue = queue
         self.priority_class = priority_class
@@ -74,11 +75,12 @@ class RunningWork:
         self.nodes = nodes
         # Taken as a victim in this plan.
         self.victim = False
+        # Work admitted in this plan starts now: its workload is the pending one, which
+        # has no admission of its own yet (or that of an earlier attempt).
+        admitted = now if planned else workload.admitted_at
         # The GPU-seconds it would lose (R9), the second part of its order.
-        self.lost = r9_lost_gpu_seconds(
-            self.gpus, now, workload.admitted_at, workload.last_checkpoint_at
-        )
-        order = r9_victim_order(priority_class.value, self.lost, workload.admitted_at, workload.id)
+        self.lost = r9_lost_gpu_seconds(self.gpus, now, admitted, workload.last_checkpoint_at)
+        order = r9_victim_order(priority_class.value, self.lost, admitted, workload.id)
         self.order: VictimOrder = order
         # The order's other parts, each as it is, for the victim scans' heaps to compare
         # (``candidates.ScanEntry``); the second part is ``lost``.
@@ -86,7 +88,6 @@ class RunningWork:
         self.order_newer = order[2]
         self.order_id = order[3]
         # Seconds since admission; the snapshot's clock does not move during a plan.
-        admitted = workload.admitted_at
         self.runtime = _INF if admitted is None else now - admitted
         # The answer of VictimCandidates.shielded and the queue's shield version it holds for.
         self.shield_version = -1
