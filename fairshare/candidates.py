@@ -223,45 +223,46 @@ class VictimCandidates:
         all the donors. The scan looks at the donors whose cheapest candidates it
         reaches, not at every queue above its guarantee (hundreds on a large cluster,
         while a search takes its victims from a few).
+
+        The scan may take work of a donor when the donor and its chain up to the common
+        ancestor with the scan's queue run above their lines as the ledger stood when
+        the scan began (R6, R3); the chain is recorded then. The tests are spelled out
+        here rather than called per head: most heads a scan walks past are turned away
+        (on the engine benchmark's running-heavy cluster, 340,000 of 430,000 a plan).
         """
         heads = scan.heads
         end = len(heads)
         position = scan.position
-        while position < end:
-            donor = heads[position][1]
-            position += 1
-            if self._admits_donor(scan, donor):
-                first = self.first_live_index(donor)
-                runs = self.by_queue[donor]
-                heappush(heap, ScanEntry(runs[first], donor, first, runs))
-                scan.position = position
-                scan.frontier = donor
-                return
-        scan.position = position
-        scan.frontier = -1
-
-    def _admits_donor(self, scan: ReclaimScan, donor: int) -> bool:
-        """Whether the reclaim scan may take work of ``donor``: the donor and its chain
-        up to the common ancestor with the scan's queue run above their lines as the
-        ledger stood when the scan began (R6, R3); records the chain."""
         queue = scan.queue
-        ledger = self.ledger
         start_usage = scan.start_usage
+        ledger = self.ledger
+        tree = self.tree
         waiting = ledger.waiting_usage
         line = ledger.line
         planned = ledger.planned_usage
-        if donor == queue or start_usage[donor] - waiting[donor] <= line[donor]:
-            return False
-        # Without work admitted in this plan the donor has only running work to give
-        # (and then its own test above is that of the work it runs).
-        above = self.tree.parent[donor]
-        if above != -1 and scan.closed_below(self.tree, ledger, not planned[donor])[above]:
-            return False
-        found = scan.lca_row[donor]
-        if found is None:
-            found = self.tree.lca_chains(queue, donor)
-        scan.chains[donor] = found[0]
-        return True
+        parent = tree.parent
+        while position < end:
+            donor = heads[position][1]
+            position += 1
+            if donor == queue or start_usage[donor] - waiting[donor] <= line[donor]:
+                continue
+            # Without work admitted in this plan the donor has only running work to give
+            # (and then its own test above is that of the work it runs).
+            above = parent[donor]
+            if above != -1 and scan.closed_below(tree, ledger, not planned[donor])[above]:
+                continue
+            found = scan.lca_row[donor]
+            if found is None:
+                found = tree.lca_chains(queue, donor)
+            scan.chains[donor] = found[0]
+            first = self.first_live_index(donor)
+            runs = self.by_queue[donor]
+            heappush(heap, ScanEntry(runs[first], donor, first, runs))
+            scan.position = position
+            scan.frontier = donor
+            return
+        scan.position = position
+        scan.frontier = -1
 
     def shielded(self, run: RunningWork) -> bool:
         """Whether taking ``run`` would only move the loss onto its own queue's lower work.

@@ -217,12 +217,16 @@ def reclaim_by_node(
         if offer is None:
             continue
         taken, gained = offer
-        cost = (
-            float(max(run.priority_class.value for run in taken)),
-            sum(run.lost for run in taken) / gained,
-            sum(run.gpus for run in taken) / gained,
-            node,
-        )
+        # Loops rather than max() and sum() over generator expressions: compiled, each
+        # of those builds a generator object, for every node on offer.
+        highest = taken[0].priority_class.value
+        lost = 0.0
+        gpus = 0
+        for run in taken:
+            highest = max(highest, run.priority_class.value)
+            lost += run.lost
+            gpus += run.gpus
+        cost = (float(highest), lost / gained, gpus / gained, node)
         offers.append((cost, taken, gained))
     # Taken cheapest first from a heap rather than sorted: the gang fits after a few
     # of the thousands of nodes on offer. Costs end with the node, so no two are equal

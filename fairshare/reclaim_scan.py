@@ -38,10 +38,16 @@ def closed_below_lca(
     planned = ledger.planned_usage
     line = ledger.line
     parent = tree.parent
-    on_path = tree.depth_on_path[queue]
+    children = tree.children
+    # The queues with children on ``queue``'s path, top first: they come in this order
+    # in ``inner_top_down`` too, so each is met by looking at the next one only
+    # (compiled, a dict lookup for every parent made an int object for the key).
+    on_path = [x for x in reversed(tree.path[queue]) if children[x]]
+    next_on_path = 0
     closed = [False] * len(parent)
     for x in tree.inner_top_down:
-        if x in on_path:
+        if next_on_path < len(on_path) and x == on_path[next_on_path]:
+            next_on_path += 1
             continue
         left = held[x] - waiting[x]
         if without_planned:
