@@ -220,7 +220,8 @@ def _movable_by_node(
     on one node, smaller than a rank of the gang, past their minimum runtime before
     consolidation, neither a victim nor admitted in this plan, and of a queue that
     ``inside`` marks True (any queue with None)."""
-    movable: dict[int, list[RunningWork]] = defaultdict(list)
+    # A plain dict, as in ``reclaimable_by_node``.
+    movable: dict[int, list[RunningWork]] = {}
     for queue, runs in enumerate(victims.by_queue):
         if inside is not None and not inside[queue]:
             continue
@@ -233,7 +234,12 @@ def _movable_by_node(
                 or run.runtime < run.minimum[CONSOLIDATE]
             ):
                 continue
-            movable[run.nodes[0][0]].append(run)
+            node = run.nodes[0][0]
+            listed = movable.get(node)
+            if listed is None:
+                movable[node] = [run]
+            else:
+                listed.append(run)
     return movable
 
 

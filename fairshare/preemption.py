@@ -182,7 +182,9 @@ def room_on(
     most = min(ranks, nodes.gpus[node] // gpus_per_rank)
     if before >= most:
         return None
-    runs.sort(key=by_order)
+    if len(runs) > 1:
+        # Most nodes offer one run: the call of the sort is spared for them.
+        runs.sort(key=by_order)
     taken: list[RunningWork] = []
     for run in runs:
         if shields is not None and shields.shielded(run):
@@ -267,7 +269,9 @@ def reclaimable_by_node(
     line = ledger.line
     lca_row = tree.lca_row(queue)
     chains: dict[int, tuple[int, ...]] = {}
-    on_node: dict[int, list[RunningWork]] = defaultdict(list)
+    # A plain dict rather than a defaultdict: compiled, each missing node went through
+    # the defaultdict's Python-level factory call (200,000 a running-heavy plan).
+    on_node: dict[int, list[RunningWork]] = {}
     for donor in ledger.over_guarantee:
         if donor == queue or usage[donor] - waiting[donor] <= line[donor]:
             continue
@@ -281,7 +285,11 @@ def reclaimable_by_node(
             run = runs[i]
             if not run.victim and not victims.is_protected(run, RECLAIM):
                 for node, _ in run.nodes:
-                    on_node[node].append(run)
+                    listed = on_node.get(node)
+                    if listed is None:
+                        on_node[node] = [run]
+                    else:
+                        listed.append(run)
     return chains, on_node
 
 
