@@ -58,6 +58,9 @@ class NodeMap:
         self.releasing = [0] * len(self.names)
         self.releasing_jobs: list[list[tuple[str, int]]] = [[] for _ in self.names]
         self.releasing_nodes: dict[int, None] = {}
+        # A preemption search's room per node (``preemption._RoomTally``): -1 for every
+        # node between searches.
+        self.room_scratch = [-1] * len(self.names)
         # The node of every change of the free or releasing GPUs, in order, so that a
         # caller can tell whether an answer it computed from them still holds and which
         # nodes to look at again.

@@ -36,7 +36,7 @@ class _RoomTally:
     directly, a closure through Python's calling convention, once per candidate.
     """
 
-    __slots__ = ("free", "gpus_per_rank", "inside", "ledger", "releasing", "room_after")
+    __slots__ = ("free", "gpus_per_rank", "inside", "ledger", "releasing", "room")
 
     def __init__(
         self,
@@ -50,27 +50,51 @@ class _RoomTally:
         self.releasing = nodes.releasing
         self.gpus_per_rank = gpus_per_rank
         self.inside: set[int] | None = None if domain is None else set(domain)
-        # Node -> its GPUs once the releases and the victims chosen so far are done.
-        self.room_after: dict[int, int] = {}
+        # Per node: its GPUs once the releases and the victims chosen so far are done,
+        # or -1 where none of them runs: the node map's scratch list, which
+        # ``room_after`` leaves as it found it for the next search. A list rather than a
+        # dict keyed by node: compiled, each key made an int object, for every node of
+        # every candidate tried.
+        self.room = nodes.room_scratch
 
     def shift(self, run: RunningWork, sign: int) -> int:
         """Take (``sign`` +1) or give back (-1) ``run``'s GPUs and quota usage; the
         ranks of ``gpus_per_rank`` GPUs that adds (fewer when negative)."""
         gpus_per_rank = self.gpus_per_rank
         inside = self.inside
-        room_after = self.room_after
+        room = self.room
+        free = self.free
+        releasing = self.releasing
         change = 0
         for node, on_node in run.nodes:
             if inside is not None and node not in inside:
                 continue
-            old = room_after.get(node)
-            if old is None:
-                old = self.free[node] + self.releasing[node]
-            new = old + sign * on_node
-            room_after[node] = new
+            old = room[node]
+            if old < 0:
+                old = free[node] + releasing[node]
+            # Added or taken rather than multiplied by ``sign``: compiled, a product of
+            # ints is a call.
+            new = old + on_node if sign > 0 else old - on_node
+            room[node] = new
             change += new // gpus_per_rank - old // gpus_per_rank
-        self.ledger.add_usage(run.queue, -sign * run.gpus)
+        self.ledger.add_usage(run.queue, -run.gpus if sign > 0 else run.gpus)
         return change
+
+    def room_after(self, tried: Victims) -> dict[int, int]:
+        """Node -> its GPUs once the releases and the victims chosen are done, for the
+        nodes of ``tried`` (every candidate taken in, in the order they were), in the
+        order they were first counted; the scratch list is cleared for the next search."""
+        inside = self.inside
+        room = self.room
+        after: dict[int, int] = {}
+        for run, _ in tried:
+            for node, _ in run.nodes:
+                if inside is not None and node not in inside:
+                    continue
+                if room[node] >= 0:
+                    after[node] = room[node]
+                    room[node] = -1
+        return after
 
 
 def preempt_for(
@@ -120,12 +144,14 @@ def preempt_for(
         # The node tallies die with this attempt; only the quota usage has to be
         # given back, one queue at a time (a failed attempt took up to 129 victims,
         # of a few queues).
+        tally.room_after(chosen)
         given: dict[int, int] = {}
         for run, _ in chosen:
             given[run.queue] = given.get(run.queue, 0) + run.gpus
         for victim_queue, victim_gpus in given.items():
             ledger.add_usage(victim_queue, victim_gpus)
         return None
+    tried = chosen[:]
     for i in range(len(chosen) - 1, -1, -1):
         run = chosen[i][0]
         change = tally.shift(run, -1)
@@ -134,10 +160,11 @@ def preempt_for(
             chosen.pop(i)
         else:
             tally.shift(run, +1)
+    room_after = tally.room_after(tried)
     placement = (
-        nodes.place_on(ranks, gpus_per_rank, tally.room_after)
+        nodes.place_on(ranks, gpus_per_rank, room_after)
         if domain is None
-        else nodes.place_in(domain, ranks, gpus_per_rank, tally.room_after)
+        else nodes.place_in(domain, ranks, gpus_per_rank, room_after)
     )
     if placement is None:
         for run, _ in reversed(chosen):

@@ -418,3 +418,16 @@ def test_scan_entries_go_in_the_order_of_the_tuples_they_stand_for(engine: str, 
     assert [(e.run.order, e.queue, e.at) for e in popped] == [
         (entries[k].run.order, entries[k].queue, entries[k].at) for k in order
     ]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_search_leaves_the_node_maps_scratch_room_as_it_found_it(seed: int) -> None:
+    # A search counts each node's room in a list shared by the searches one after
+    # another, -1 where no candidate it tried runs: a value left there would count a
+    # victim of an earlier search in the next one.
+    snapshot = _multi_level_cluster(seed)
+    tree, classes, _ = prepare(snapshot)
+    planner = FlavorPlanner(snapshot, tree, classes, "h100", list(snapshot.workloads))
+    planner.run()
+    assert preempted(run_plan(snapshot))
+    assert set(planner.nodes.room_scratch) == {-1}
