@@ -96,6 +96,14 @@ class _RoomTally:
                     room[node] = -1
         return after
 
+    def clear(self, tried: Victims) -> None:
+        """Clear the scratch list for the next search, as ``room_after`` does, where no
+        placement follows (a failed search's up to 128 candidates)."""
+        room = self.room
+        for run, _ in tried:
+            for node, _ in run.nodes:
+                room[node] = -1
+
 
 def preempt_for(
     ledger: QuotaLedger,
@@ -144,7 +152,7 @@ def preempt_for(
         # The node tallies die with this attempt; only the quota usage has to be
         # given back, one queue at a time (a failed attempt took up to 129 victims,
         # of a few queues).
-        tally.room_after(chosen)
+        tally.clear(chosen)
         given: dict[int, int] = {}
         for run, _ in chosen:
             given[run.queue] = given.get(run.queue, 0) + run.gpus
