@@ -19,9 +19,10 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 from heapq import heapify, heappop, heappush
+from typing import cast
 
 from .ledger import QuotaLedger
-from .model import FAIR_SHARE, PREEMPT_LOWER_PRIORITY, PRIORITY, RECLAIM
+from .model import FAIR_SHARE, PRIORITY, RECLAIM
 from .reclaim_scan import ReclaimScan, closed_below_lca
 from .rules import (
     r3_guarantee_overshoot,
@@ -33,6 +34,19 @@ from .tree import LcaChain, QueueTree
 from .work import PendingJob, RunningWork, VictimOrder, by_order
 
 _INF = float("inf")
+
+
+# A queue's entry in ``VictimCandidates.donor_heads``: the order of its first live
+# candidate followed by the queue (see ``_donor_head``).
+DonorHead = tuple[object, ...]
+
+
+def _donor_head(order: VictimOrder, queue: int) -> DonorHead:
+    """The entry of ``queue`` in the donor heads, its first live candidate's ``order``
+    followed by the queue in one flat tuple, which sorts as (order, queue) does (every
+    order has as many parts): nested, a comparison of two entries walked the orders
+    twice, once for equality and once for the order."""
+    return order + (queue,)  # noqa: RUF005 (concatenation copies the order in C)
 
 
 class ScanEntry:
@@ -114,12 +128,15 @@ class VictimCandidates:
             runs[0].order if runs else None for runs in by_queue
         ]
         # The queues above their guarantee (the only ones reclaim takes from) that have a
-        # live candidate, as (head_of[queue], queue), sorted: the order in which a
-        # reclaim scan meets them. Kept current as candidates come and go and as the
-        # ledger sees queues cross their guarantee.
+        # live candidate, as head_of[queue] followed by the queue in one flat tuple
+        # (``_donor_head``), sorted: the order in which a reclaim scan meets them. Kept
+        # current as candidates come and go and as the ledger sees queues cross their
+        # guarantee.
         over = ledger.over_guarantee
-        self.donor_heads: list[tuple[VictimOrder, int]] = sorted(
-            (runs[0].order, queue) for queue, runs in enumerate(by_queue) if runs and queue in over
+        self.donor_heads: list[DonorHead] = sorted(
+            _donor_head(runs[0].order, queue)
+            for queue, runs in enumerate(by_queue)
+            if runs and queue in over
         )
         ledger.guarantee_crossed = self._guarantee_crossed
         # Per queue: its smallest candidate's GPUs (0 for none).
@@ -207,9 +224,10 @@ class VictimCandidates:
         if head is None:
             return
         heads = self.donor_heads
-        at = bisect.bisect_left(heads, (head, queue))
+        entry = _donor_head(head, queue)
+        at = bisect.bisect_left(heads, entry)
         if listed:
-            heads.insert(at, (head, queue))
+            heads.insert(at, entry)
         else:
             del heads[at]
 
@@ -242,7 +260,7 @@ class VictimCandidates:
         planned = ledger.planned_usage
         parent = tree.parent
         while position < end:
-            donor = heads[position][1]
+            donor = cast(int, heads[position][-1])
             position += 1
             if donor == queue or start_usage[donor] - waiting[donor] <= line[donor]:
                 continue
@@ -271,7 +289,7 @@ class VictimCandidates:
         the next cycle, so the plan would not be stable; that lower job is the victim to
         take instead (it comes earlier in the order, unless a rule protects it).
         """
-        if run.priority_class.preemption_policy != PREEMPT_LOWER_PRIORITY:
+        if not run.preempts_lower:
             return False
         # The answer depends on the queue's candidates and which of them are victims; it
         # holds until either changes (the queue's shield version moves on).

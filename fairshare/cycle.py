@@ -48,11 +48,40 @@ from .work import PendingJob, RunningWork
 # previous pass changed what they could do.
 RETRY_PASSES = 3
 
-# The key of a queue in a pass's heap: (how far beyond the guarantees its next job goes,
-# as _guarantee_rank says, INSIDE_OWN_GUARANTEE for a job inside its queue's own guarantee
-# and otherwise usage minus fair share (see _queue_key), the next job's submission, queue
-# name, queue index).
-QueueKey = tuple[int, float, float, str, int]
+
+class QueueKey:
+    """The key of a queue in a pass's heap: how far beyond the guarantees its next job
+    goes (``rank``, as _guarantee_rank says), INSIDE_OWN_GUARANTEE for a job inside its
+    queue's own guarantee and otherwise usage minus fair share (``distance``, see
+    _queue_key), the next job's submission, the queue's name and index, compared in
+    that order.
+
+    A class with its own comparison rather than the tuple of them: compiled, ``__lt__``
+    compares them as numbers, while a tuple goes through Python's generic comparison
+    for each pair of items (see ``candidates.ScanEntry``).
+    """
+
+    __slots__ = ("distance", "name", "queue", "rank", "submitted")
+
+    def __init__(self, rank: int, distance: float, submitted: float, name: str, queue: int) -> None:
+        self.rank = rank
+        self.distance = distance
+        self.submitted = submitted
+        self.name = name
+        self.queue = queue
+
+    def __lt__(self, other: QueueKey) -> bool:
+        if self.rank != other.rank:
+            return self.rank < other.rank
+        if self.distance != other.distance:
+            return self.distance < other.distance
+        if self.submitted != other.submitted:
+            return self.submitted < other.submitted
+        if self.name != other.name:
+            return self.name < other.name
+        return self.queue < other.queue
+
+
 # The second part of the key of a job inside its queue's own guarantee: before any other
 # work of its guarantee rank, and among such jobs the older submission first.
 INSIDE_OWN_GUARANTEE = -math.inf
@@ -117,7 +146,7 @@ class FlavorPlanner(FlavorSearches):
         # Methods are called through ``self``, not bound to locals: compiled, a call
         # through ``self`` is a direct C call, one through a bound method a Python one.
         while heap:
-            queue = heappop(heap)[4]
+            queue = heappop(heap).queue
             jobs = pending[queue]
             at = position[queue]
             self._plan_job(jobs[at])
@@ -132,7 +161,7 @@ class FlavorPlanner(FlavorSearches):
                 else:
                     below = used - fair_share[queue]
                     distance = below * boost[queue] if below < 0 else below
-                key = (
+                key = QueueKey(
                     self._guarantee_rank(queue, gpus),
                     distance,
                     head.workload.submitted_at,
@@ -163,17 +192,17 @@ class FlavorPlanner(FlavorSearches):
         without the heap, each as ``_plan_job`` takes it. At the peak of Kueue's
         baseline most of the 14,400 waiting workloads go this way.
         """
-        queue = key[4]
-        below = key[1]
+        queue = key.queue
+        below = key.distance
         gpus = jobs[at].gpus
         changes = self.changes
         known_outcomes = self.outcome_by_kind
         # When the first two parts tie, a job falls behind ``first`` when it was
         # submitted later, or at the same moment and its queue's name and index go
         # after ``first``'s (the same for every job here).
-        tied = first is not None and first[0] == key[0] and first[1] == below
-        tie_submitted = first[2] if first is not None else 0.0
-        behind_on_a_tie = first is not None and (key[3], queue) > (first[3], first[4])
+        tied = first is not None and first.rank == key.rank and first.distance == below
+        tie_submitted = first.submitted if first is not None else 0.0
+        behind_on_a_tie = first is not None and (key.name, queue) > (first.name, first.queue)
         # The kind of the job before and its outcome: ``changes`` stays as it is while
         # jobs only wait, so jobs of one kind in a row look it up once.
         ranks = -1
@@ -199,9 +228,9 @@ class FlavorPlanner(FlavorSearches):
                     # queue's own guarantee, may differ.
                     rank = self._guarantee_rank(queue, gpus)
                     below = self._order_distance(queue, gpus)
-                    if rank > first[0] or (rank == first[0] and below > first[1]):
+                    if rank > first.rank or (rank == first.rank and below > first.distance):
                         break
-                    tied = rank == first[0] and below == first[1]
+                    tied = rank == first.rank and below == first.distance
             if tied:
                 submitted = workload.submitted_at
                 if submitted > tie_submitted or (submitted == tie_submitted and behind_on_a_tie):
@@ -244,7 +273,7 @@ class FlavorPlanner(FlavorSearches):
         # includes work beyond its queue's guarantee that fits in the part of an
         # ancestor's guarantee no sibling uses or holds (rank 0, see _beyond_guarantee),
         # which comes after the work inside own guarantees: the promise is the queue's.
-        return (
+        return QueueKey(
             self._guarantee_rank(queue, head.gpus),
             self._order_distance(queue, head.gpus),
             head.workload.submitted_at,

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from .ledger import QuotaLedger
 from .tree import LcaChain, QueueTree
-from .work import RunningWork, VictimOrder
+from .work import RunningWork
 
 
 def closed_below_lca(
@@ -115,7 +115,7 @@ class ReclaimScan:
         queue: int,
         lca_row: list[LcaChain | None],
         start_usage: list[int],
-        heads: list[tuple[VictimOrder, int]],
+        heads: list[tuple[object, ...]],
     ) -> None:
         # The reclaiming queue.
         self.queue = queue

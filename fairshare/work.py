@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from operator import attrgetter
 
-from .model import PriorityClass, Workload
+from .model import PREEMPT_LOWER_PRIORITY, PriorityClass, Workload
 from .rules import r9_lost_gpu_seconds, r9_victim_order
 
 _INF = float("inf")
@@ -43,6 +43,7 @@ class RunningWork:
         "order_newer",
         "order_priority",
         "planned",
+        "preempts_lower",
         "priority_class",
         "queue",
         "runtime",
@@ -70,6 +71,9 @@ class RunningWork:
         self.planned = planned
         self.queue = queue
         self.priority_class = priority_class
+        # Whether its class preempts lower priorities (R7), read for every candidate a
+        # scan steps over (``VictimCandidates.shielded``) without comparing strings.
+        self.preempts_lower = priority_class.preemption_policy == PREEMPT_LOWER_PRIORITY
         self.gpus = workload.gpus
         # (node index, GPUs on that node) pairs.
         self.nodes = nodes

@@ -39,7 +39,7 @@ from fairshare import (
     plan,
     plan_to_dict,
 )
-from fairshare.cycle import FlavorPlanner
+from fairshare.cycle import FlavorPlanner, QueueKey
 from fairshare.native import python_sources, running_compiled
 from fairshare.nodes import NodeMap
 from fairshare.tree import prepare
@@ -1057,13 +1057,15 @@ def test_the_reclaim_order_of_donors_follows_every_victim_and_admission(
     victims = planner.victims
     over = planner.ledger.over_guarantee
 
-    def counted_afresh() -> list[tuple[object, int]]:
+    def counted_afresh() -> list[tuple[object, ...]]:
+        # Each head is the order of the queue's first live candidate and the queue, in
+        # one flat tuple.
         heads = []
         for queue, runs in enumerate(victims.by_queue):
             live = [run for run in runs if not run.victim]
             assert victims.head_of[queue] == (live[0].order if live else None)
             if live and queue in over:
-                heads.append((live[0].order, queue))
+                heads.append((*live[0].order, queue))
         return sorted(heads)
 
     plan_job = planner._plan_job
@@ -1376,20 +1378,20 @@ def test_a_queue_waits_in_a_row_only_while_its_key_and_its_jobs_outcomes_hold() 
     jobs = planner.pending[tree.index["a"]]
     assert [job.workload.id for job in jobs] == [f"w{i}" for i in range(7)]
     key = planner._queue_key(tree.index["a"], jobs[0])
-    queue = key[4]
+    queue = key.queue
     one = (queue, 1, 1, "normal")
     planner.outcome_by_kind[one] = (planner.changes, "reason one", None, False)
     planner.outcome_by_kind[(queue, 2, 1, "normal")] = (planner.changes, "reason two", None, False)
     planner.outcome_by_kind[(queue, 2, 8, "normal")] = (planner.changes, "reason big", None, False)
 
-    def reached(at: int, first: tuple[int, float, float, str, int] | None) -> int:
+    def reached(at: int, first: QueueKey | None) -> int:
         planner.waits.clear()
         return planner._wait_in_a_row(jobs, at, planner._queue_key(queue, jobs[at]), first)
 
     # Inside the guarantee (rank 0), a gang of two GPUs goes on like the single GPUs;
     # 16 GPUs go beyond every guarantee (rank 2), behind a head of rank 1.
-    assert planner._queue_key(queue, jobs[4])[0] == 2
-    head_of_rank_one = (1, *key[1:3], "b", queue + 1)
+    assert planner._queue_key(queue, jobs[4]).rank == 2
+    head_of_rank_one = QueueKey(1, key.distance, key.submitted, "b", queue + 1)
     assert reached(0, head_of_rank_one) == 4
     assert [w.reason for w in planner.waits.values()] == ["reason one"] * 2 + [
         "reason two",
@@ -1405,7 +1407,7 @@ def test_a_queue_waits_in_a_row_only_while_its_key_and_its_jobs_outcomes_hold() 
     planner.outcome_by_kind[one] = (planner.changes, "reason one", None, False)
     # Another queue's head that ties but for the submission: jobs submitted before it
     # go first, the first submitted after it waits for the heap.
-    head = (*key[:2], NOW - 85, "b", queue + 1)
+    head = QueueKey(key.rank, key.distance, NOW - 85, "b", queue + 1)
     assert reached(0, head) == 1
 
 
