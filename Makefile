@@ -15,7 +15,8 @@ TEST_ENV := DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_UR
 # cycle run a second time on SQLite, as make run serves them (tests/sqlite_settings.py).
 SQLITE_TESTS ?= tests/portal/pages tests/portal/api tests/preemption/test_cycle_writes.py \
 	tests/preemption/test_cycle_requests.py tests/preemption/test_decide_act.py \
-	tests/preemption/test_reconcile_writes.py tests/core/test_rows.py tests/e2e \
+	tests/preemption/test_reconcile_writes.py tests/preemption/test_resize_cycle.py \
+	tests/preemption/test_resize_local.py tests/core/test_rows.py tests/e2e \
 	--deselect tests/e2e/test_e2e_portal.py::test_gracetrap_wheel_downloads_and_installs_into_a_fresh_venv
 SQLITE_TEST_ENV := DATABASE_URL=sqlite:///$(CURDIR)/var/test/sqlite/portal.sqlite3 \
 	QM_SQLITE_TEST_NAME=$(CURDIR)/var/test/sqlite/test.sqlite3 QM_VAR_DIR=$(CURDIR)/var/test/sqlite QM_ENGINE=compiled
@@ -26,7 +27,7 @@ TEST_WORKERS ?= 4
 SQLITE_TEST_WORKERS ?= 2
 BUILD_ENGINE := QM_ENGINE=python $(PY) -c 'from fairshare.native import main; main()'
 
-.PHONY: run test lint bench bench-kueue venv services engine k8s wheel image drill drill-real helm-real clean
+.PHONY: run test lint bench bench-kueue venv services engine k8s wheel image drill drill-elastic drill-real helm-real clean
 
 $(STAMP): pyproject.toml gracetrap/pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -134,6 +135,11 @@ drill-real: venv services engine k8s
 drill: venv engine
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py drill --ranks 16 --notice both --json var/drill.json
+
+## drill-elastic: an elastic job shrunk by a reclaim and grown back, checked sample for sample
+drill-elastic: venv engine
+	$(PY) manage.py migrate --noinput -v0
+	$(PY) manage.py drill --elastic --ranks 8 --json var/drill-elastic.json
 
 clean:
 	rm -rf var/test var/runs var/broker

@@ -138,6 +138,7 @@ class Drill(DrillSetup, DrillMeasurements):
             "QM_PUBLIC_URL": f"http://{self.bind_address}:{port}",
             "QM_RETRY_BACKOFF_SECONDS": "1",
             "QM_CYCLE_SECONDS": "1",
+            **self.service_settings(),
         }
         # The ranks reach the portal at the bind address (on real nodes, the pod
         # network's bridge): Django answers 400 to a host it does not serve, and every
@@ -154,6 +155,10 @@ class Drill(DrillSetup, DrillMeasurements):
             f"web on {self.bind_address}:{port}, Celery worker and beat started (logs in {self.work})"
         )
         return services
+
+    def service_settings(self) -> dict[str, str]:
+        """Settings of the drill's own web server, worker and beat beyond the cycle's."""
+        return {}
 
     @staticmethod
     def _http_ok(address: str, port: int) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from drills.elastic import run_elastic_drill
 from drills.harness import DrillError, run_drill
 from portal.database import require_migrated_database
 
@@ -18,7 +19,10 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument(
-            "--ranks", type=int, default=16, help="ranks of the borrower's job (default 16)"
+            "--ranks",
+            type=int,
+            default=None,
+            help="ranks of the borrower's job (default 16; 8 with --elastic)",
         )
         parser.add_argument(
             "--grace",
@@ -49,14 +53,24 @@ class Command(BaseCommand):
             "(chaos rounds alternate)",
         )
         parser.add_argument(
+            "--elastic",
+            action="store_true",
+            help="the elastic drill instead: the borrower (--ranks, default 8) is shrunk to "
+            "half by a reclaim and grown back, and checked sample for sample against an "
+            "uninterrupted run",
+        )
+        parser.add_argument(
             "--json", dest="json_path", default=None, help="write the result as JSON here"
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
         require_migrated_database(command="drill")
+        if options["elastic"]:
+            self._elastic(options)
+            return
         try:
             result = run_drill(
-                ranks=options["ranks"],
+                ranks=options["ranks"] or 16,
                 grace=options["grace"],
                 runtime=options["runtime"],
                 chaos=options["chaos"],
@@ -93,3 +107,37 @@ class Command(BaseCommand):
         self.stdout.write(style(f"drill {verdict}"))
         if not result.passed:
             raise CommandError(f"the drill did not meet its targets: {'; '.join(result.missed())}")
+
+    def _elastic(self, options: dict[str, Any]) -> None:
+        ranks = options["ranks"] or 8
+        try:
+            result = run_elastic_drill(
+                ranks=ranks,
+                runtime=options["runtime"],
+                critical_seconds=options["critical_seconds"],
+                say=lambda line: self.stdout.write(line),
+            )
+        except DrillError as exc:
+            raise CommandError(str(exc)) from exc
+        text = json.dumps(result.to_json(), indent=2, default=str)
+        if options["json_path"]:
+            Path(options["json_path"]).parent.mkdir(parents=True, exist_ok=True)
+            Path(options["json_path"]).write_text(text + "\n")
+        self.stdout.write(text)
+        for resize in result.resizes:
+            self.stdout.write(
+                f"{resize.cause}: GPUs free {resize.time_to_free_seconds} s after the decision, "
+                f"resumed at step {resize.resumed_step} after {resize.time_to_resume_seconds} s, "
+                f"{resize.steps_run_again} steps run again, "
+                f"{resize.idle_gpu_seconds} GPU-seconds idle on the GPUs it kept"
+            )
+        check = result.samples
+        self.stdout.write(
+            f"samples: {check.samples_seen} of {check.samples_expected} seen, "
+            f"{'exactly as' if check.exact else 'NOT as'} the uninterrupted run; final loss "
+            f"{check.loss_relative_difference:.2e} apart (relative)"
+        )
+        style = self.style.SUCCESS if result.passed else self.style.ERROR
+        self.stdout.write(style(f"elastic drill {'PASSED' if result.passed else 'FAILED'}"))
+        if not result.passed:
+            raise CommandError(f"the elastic drill missed: {'; '.join(result.missed())}")

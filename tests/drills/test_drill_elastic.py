@@ -1,0 +1,97 @@
+"""`manage.py drill --elastic` on the local runtime: real rank processes training with
+gloo, a real web server, Celery worker and beat on a database of the drill's own.
+
+The borrower's elastic job (4 ranks, or 2) is shrunk to 2 by the owner's critical job
+and grown back to 4 when it ends, each time stopped at an agreed step and relaunched
+at once; the drill then checks its samples, step by step, against an uninterrupted
+4-rank run of the same seed (drills/elastic_samples.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from preemption.runtimes.runner import RunnerAccount
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RANKS = 4
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_the_elastic_drill_shrinks_and_grows_without_losing_a_sample(
+    runner_account: RunnerAccount, runner_tmp_path: Path
+) -> None:
+    # The ranks run as the runner user, who must pass through the drill's folders.
+    tmp_path = runner_tmp_path
+    var_dir = tmp_path / "var"
+    var_dir.mkdir()
+    env = {
+        **os.environ,
+        "QM_RUNTIME": "local",
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'drill.sqlite3'}",
+        "QM_VAR_DIR": str(var_dir),
+        "PYTHONUNBUFFERED": "1",
+        # One node of as many GPUs as the borrower's ranks: the critical job has to
+        # take some of them.
+        "QM_DRILL_GPUS_PER_NODE": str(RANKS),
+    }
+    # The embedded default: the broker on disk under QM_VAR_DIR, the drill's own nodes.
+    env.pop("CELERY_BROKER_URL", None)
+    env.pop("QM_LOCAL_NODES", None)
+    manage = [sys.executable, str(REPO_ROOT / "manage.py")]
+    subprocess.run(
+        [*manage, "migrate", "--noinput", "-v0"], env=env, cwd=REPO_ROOT, check=True, timeout=300
+    )
+    out = tmp_path / "elastic.json"
+    started = time.monotonic()
+    drill = subprocess.run(
+        [
+            *manage,
+            "drill",
+            "--elastic",
+            "--runtime",
+            "local",
+            "--ranks",
+            str(RANKS),
+            "--critical-seconds",
+            "10",
+            "--json",
+            str(out),
+        ],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    elapsed = time.monotonic() - started
+    print(drill.stdout[-8000:])
+    print(drill.stderr[-4000:], file=sys.stderr)
+    assert out.exists(), f"the drill wrote no result ({drill.returncode}): {drill.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    print(f"the elastic drill took {elapsed:.1f} s")
+    assert drill.returncode == 0, result["missed"]
+
+    shrink, grow = result["resizes"]
+    assert (shrink["from_ranks"], shrink["to_ranks"]) == (RANKS, RANKS // 2)
+    assert (grow["from_ranks"], grow["to_ranks"]) == (RANKS // 2, RANKS)
+    for resize in (shrink, grow):
+        assert resize["exit_codes"] == [0] * resize["from_ranks"]
+        assert resize["steps_run_again"] == 0
+        # Stopped at the agreed step, resumed at the next one.
+        assert resize["resumed_step"] == resize["agreed_step"] + 1
+        assert resize["time_to_free_seconds"] is not None
+    assert shrink["critical_running_seconds"] is not None
+    assert [a["ranks"] for a in result["attempts"]] == [RANKS, RANKS // 2, RANKS]
+    samples = result["samples"]
+    assert samples["exact"] and samples["samples_seen"] == samples["samples_expected"]
+    assert samples["world_sizes"] == [RANKS // 2, RANKS]
+    assert samples["loss_within_tolerance"]
+    assert result["borrower_state"] == "succeeded"
