@@ -259,6 +259,9 @@ class VictimCandidates:
         line = ledger.line
         planned = ledger.planned_usage
         parent = tree.parent
+        # The scan's closed_below lists, each asked of it once here rather than per head.
+        closed_running: list[bool] | None = None
+        closed: list[bool] | None = None
         while position < end:
             donor = cast(int, heads[position][-1])
             position += 1
@@ -267,8 +270,17 @@ class VictimCandidates:
             # Without work admitted in this plan the donor has only running work to give
             # (and then its own test above is that of the work it runs).
             above = parent[donor]
-            if above != -1 and scan.closed_below(tree, ledger, not planned[donor])[above]:
-                continue
+            if above != -1:
+                if not planned[donor]:
+                    if closed_running is None:
+                        closed_running = scan.closed_below(tree, ledger, True)
+                    if closed_running[above]:
+                        continue
+                else:
+                    if closed is None:
+                        closed = scan.closed_below(tree, ledger, False)
+                    if closed[above]:
+                        continue
             found = scan.lca_row[donor]
             if found is None:
                 found = tree.lca_chains(queue, donor)

@@ -258,15 +258,22 @@ class _RoomsOnceExited:
     def __init__(self, nodes: NodeMap) -> None:
         self.free = nodes.free
         self.releasing = nodes.releasing
-        self.by_size = Counter(
-            [free + releasing for free, releasing in zip(self.free, self.releasing, strict=True)]
-        )
+        # Counted when first asked: a search that finds no node to clear never asks,
+        # and the nodes do not change while it runs.
+        self.by_size: Counter[int] | None = None
 
     def after(self, victims: Iterable[RunningWork]) -> Counter[int]:
         freed: dict[int, int] = defaultdict(int)
         for run in victims:
             for node, gpus in run.nodes:
                 freed[node] += gpus
+        if self.by_size is None:
+            self.by_size = Counter(
+                [
+                    free + releasing
+                    for free, releasing in zip(self.free, self.releasing, strict=True)
+                ]
+            )
         by_size = self.by_size.copy()
         for node, gpus in freed.items():
             before = self.free[node] + self.releasing[node]
