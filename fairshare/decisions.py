@@ -52,6 +52,9 @@ WaitOutcome = tuple[int, str, float | None, bool]
 
 def jobs_phrase(ids: list[str]) -> str:
     """``ids`` in words for a reason: "job a", or "jobs a, b, c and 2 more" (each once)."""
+    if len(ids) == 1:
+        # Most waits name one job (every waiting job's reason is built, thousands a plan).
+        return f"job {ids[0]}"
     unique = list(dict.fromkeys(ids))
     shown = ", ".join(unique[:3])
     more = f" and {len(unique) - 3} more" if len(unique) > 3 else ""

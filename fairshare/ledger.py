@@ -83,6 +83,9 @@ class QuotaLedger:
         # plan, less the victims taken since.
         self.planned_usage = [0] * count
         self.pinned_usage = list(pinned_usage)
+        # A failed preemption search's GPUs to give back per queue, 0 between searches
+        # (``preemption.preempt_for``).
+        self.given_scratch = [0] * count
 
         # Lend limits withhold part of an idle guarantee; track it as occupancy.
         self.has_withheld = any(self.withheld)

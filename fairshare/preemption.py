@@ -153,10 +153,18 @@ def preempt_for(
         # given back, one queue at a time (a failed attempt took up to 129 victims,
         # of a few queues).
         tally.clear(chosen)
-        given: dict[int, int] = {}
+        # Summed per queue in the ledger's scratch list, the queues in the order they
+        # first came: compiled, a dict made an int object for each key and sum.
+        given = ledger.given_scratch
+        queues: list[int] = []
         for run, _ in chosen:
-            given[run.queue] = given.get(run.queue, 0) + run.gpus
-        for victim_queue, victim_gpus in given.items():
+            victim_queue = run.queue
+            if not given[victim_queue]:
+                queues.append(victim_queue)
+            given[victim_queue] = given[victim_queue] + run.gpus
+        for victim_queue in queues:
+            victim_gpus = given[victim_queue]
+            given[victim_queue] = 0
             ledger.add_usage(victim_queue, victim_gpus)
         return None
     tried = chosen[:]

@@ -421,13 +421,15 @@ def test_scan_entries_go_in_the_order_of_the_tuples_they_stand_for(engine: str, 
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_every_search_leaves_the_node_maps_scratch_room_as_it_found_it(seed: int) -> None:
+def test_every_search_leaves_its_scratch_lists_as_it_found_them(seed: int) -> None:
     # A search counts each node's room in a list shared by the searches one after
     # another, -1 where no candidate it tried runs: a value left there would count a
-    # victim of an earlier search in the next one.
+    # victim of an earlier search in the next one. A failed search sums the GPUs it
+    # gives back per queue in another such list, 0 between searches.
     snapshot = _multi_level_cluster(seed)
     tree, classes, _ = prepare(snapshot)
     planner = FlavorPlanner(snapshot, tree, classes, "h100", list(snapshot.workloads))
     planner.run()
     assert preempted(run_plan(snapshot))
     assert set(planner.nodes.room_scratch) == {-1}
+    assert set(planner.ledger.given_scratch) == {0}
