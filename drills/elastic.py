@@ -5,14 +5,14 @@ sample for sample against an uninterrupted run.
 The borrower team runs examples/train_elastic.py at 8 ranks (any of 4 or 8) on GPUs
 the owner team guarantees but leaves idle, under a class that lets the scheduler
 resize its elastic jobs. At a chosen step the owner submits a critical job of half the
-GPUs. The scheduler shrinks the borrower to 4 ranks
-(the ranks stop at an agreed step, checkpoint and exit 0, and the job is relaunched at
-once at 4 ranks on GPUs it keeps) and the critical job takes the other half. When the
-critical job ends, the scheduler grows the borrower back to 8 ranks the same way. The
-drill then checks, from the ranks' own logs, that every step took the same global
-batch as an uninterrupted 8-rank run of the same seed, that every epoch saw every
-sample exactly once, and that the final loss is within LOSS_RELATIVE_TOLERANCE of the
-uninterrupted run's; and it measures, for each resize, the time from the decision to
+GPUs. The scheduler shrinks the borrower to 4 ranks (the ranks stop at an agreed step,
+checkpoint and exit 0, and the job is relaunched at once at 4 ranks on GPUs it keeps)
+and the critical job takes the other half. Once the shrunk gang has trained a few steps
+the drill ends the critical job, and the scheduler grows the borrower back to 8 ranks
+the same way. The drill then checks, from the ranks' own logs, that every step took the
+same global batch as an uninterrupted 8-rank run of the same seed, that every epoch saw
+every sample exactly once, and that the final loss is within LOSS_RELATIVE_TOLERANCE of
+the uninterrupted run's; and it measures, for each resize, the time from the decision to
 the old gang's GPUs being free, to the critical job running, and the GPU-seconds the
 job's kept GPUs spent not training (decision to the resumed step).
 """
@@ -43,7 +43,7 @@ from drills.elastic_samples import (
 from drills.harness import Drill, _free_port
 from preemption.logs import read_rank_log
 from preemption.models import FINAL_STATES, Attempt, Job, JobState, PreemptionEvent, Rank
-from preemption.services import job_submit
+from preemption.services import job_cancel, job_submit
 from quotas.models import PriorityClass, SchedulingPolicy
 from quotas.services import priority_class_save, team_priority_classes_set
 
@@ -59,6 +59,10 @@ ELASTIC_EPOCHS = 16
 ELASTIC_STEP_SLEEP = 0.25
 # The step the borrower has reached when the owner's critical job arrives.
 SHRINK_AT_STEP = 20
+# Steps the shrunk gang trains before the owner's job ends and makes room to grow.
+GROW_AFTER_STEPS = 10
+# The owner's job sleeps at most this long; the drill cancels it before.
+CRITICAL_MAX_SECONDS = 1800
 # The fair-share minimum runtime the drill's services run with (see service_settings).
 DRILL_GROW_AFTER_SECONDS = 5
 
@@ -199,9 +203,9 @@ class ElasticDrill(Drill):
 
     def service_settings(self) -> dict[str, str]:
         # A gang grows back no sooner than the fair-share minimum runtime after its last
-        # start or resize (a minute unless the installation says otherwise); the drill's
-        # critical job is short, so its services take a few seconds where no policy was
-        # saved. A saved policy's minimum holds, and the drill waits for it.
+        # start or resize (a minute unless the installation says otherwise); the drill
+        # ends its critical job after a few steps, so its services take a few seconds
+        # where no policy was saved. A saved policy's minimum holds, and the drill waits for it.
         return {"QM_FAIR_SHARE_MIN_RUNTIME_SECONDS": str(DRILL_GROW_AFTER_SECONDS)}
 
     def grow_wait_seconds(self) -> float:
@@ -349,9 +353,13 @@ class ElasticDrill(Drill):
             f"the borrower's step {SHRINK_AT_STEP}",
             timeout=300,
         )
+        # The owner's job runs until the drill ends it, once the shrunk gang has trained
+        # GROW_AFTER_STEPS steps at its smaller size: a fixed duration would end it
+        # before the new gang trains on a slow start (real pods take most of a minute
+        # here) or after the whole run on a quick one.
         command = (
             f"{shlex.quote(sys.executable)} {shlex.quote(str(self.sleeper))} "
-            f"--seconds {self.critical_seconds}"
+            f"--seconds {CRITICAL_MAX_SECONDS}"
         )
         critical = job_submit(
             submitter=self.user,
@@ -364,16 +372,25 @@ class ElasticDrill(Drill):
             name="drill-elastic-critical",
         )
         self.log(f"submitted critical job {critical.pk}: {self.ranks - min_ranks} GPUs")
-        self._expect_resize(borrower, 1, min_ranks, "the shrink")
+        shrink = self._expect_resize(borrower, 1, min_ranks, "the shrink")
         self.wait(
             lambda: self._running_at(borrower, min_ranks),
             f"the borrower to run again at {min_ranks} ranks",
             timeout=180,
         )
+        shrink.refresh_from_db()
+        resumed_at = (shrink.checkpoint_step or SHRINK_AT_STEP) + 1
         self.wait(
-            lambda: Job.objects.filter(pk=critical.pk, state=JobState.SUCCEEDED).exists(),
-            "the critical job to finish",
-            timeout=self.critical_seconds + 300,
+            lambda: self._latest_step(borrower) >= resumed_at + GROW_AFTER_STEPS,
+            f"{GROW_AFTER_STEPS} steps at {min_ranks} ranks",
+            timeout=300,
+        )
+        job_cancel(actor=self.user, job=critical)
+        self.log(f"the critical job {critical.pk} is done: cancelled by the drill")
+        self.wait(
+            lambda: Job.objects.filter(pk=critical.pk, state__in=FINAL_STATES).exists(),
+            "the critical job to end",
+            timeout=120,
         )
         self._expect_resize(borrower, 2, self.ranks, "the grow", timeout=self.grow_wait_seconds())
         self.wait(
@@ -470,7 +487,6 @@ def run_elastic_drill(
     *,
     ranks: int = 8,
     runtime: str = "local",
-    critical_seconds: float = 20.0,
     say: Callable[[str], None] = print,
 ) -> ElasticDrillResult:
     """Run the elastic drill once and return its figures (see the module docstring)."""
@@ -485,9 +501,7 @@ def run_elastic_drill(
         # Each rank takes at least one sample of every global batch.
         raise DrillError(f"--elastic runs at most {GLOBAL_BATCH} ranks")
     started = time.monotonic()
-    drill = ElasticDrill(
-        ranks=ranks, grace=None, runtime=runtime, say=say, critical_seconds=critical_seconds
-    )
+    drill = ElasticDrill(ranks=ranks, grace=None, runtime=runtime, say=say)
     drill.setup()
     reference = drill.elastic_reference()
     services = drill.start_services()

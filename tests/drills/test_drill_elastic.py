@@ -60,8 +60,6 @@ def test_the_elastic_drill_shrinks_and_grows_without_losing_a_sample(
             "local",
             "--ranks",
             str(RANKS),
-            "--critical-seconds",
-            "10",
             "--json",
             str(out),
         ],

@@ -114,7 +114,6 @@ class Command(BaseCommand):
             result = run_elastic_drill(
                 ranks=ranks,
                 runtime=options["runtime"],
-                critical_seconds=options["critical_seconds"],
                 say=lambda line: self.stdout.write(line),
             )
         except DrillError as exc:
