@@ -140,3 +140,77 @@ def test_the_drill_passes_on_real_pods(
     assert result["recovery_seconds"] is not None
     assert drill.returncode == 0, drill.stderr[-4000:]
     assert result["passed"] is True
+
+
+def test_the_elastic_drill_passes_on_real_pods(
+    drill_nodes: RealNodes,
+    kubeconfig: str,
+    drill_namespace: str,
+    drill_claim: str,
+    drill_folder: Path,
+) -> None:
+    """`manage.py drill --elastic` on the two real nodes: the borrower's 8 ranks (4 a
+    node) are shrunk to 4 by the owner's job of one node's GPUs, and grown back to 8
+    when it ends, each resize an eviction of every pod, an agreed step and a relaunch of
+    new pods at the new size that resume from the claim; every sample once per epoch."""
+    env = {
+        **os.environ,
+        "QM_RUNTIME": "kubernetes",
+        "QM_K8S_KUBECONFIG": kubeconfig,
+        "QM_K8S_NAMESPACE": drill_namespace,
+        "QM_K8S_CHECKPOINT_CLAIM": drill_claim,
+        "QM_K8S_DEFAULT_CPU_PER_GPU": "500m",
+        "QM_K8S_DEFAULT_MEMORY_PER_GPU": "1Gi",
+        "QM_K8S_DEFAULT_EPHEMERAL_STORAGE_PER_GPU": "256Mi",
+        "QM_DRILL_GPUS_PER_NODE": str(DRILL_GPUS_PER_NODE),
+        "QM_DRILL_BIND_ADDRESS": drill_nodes.dns_address,
+        "DATABASE_URL": f"sqlite:///{drill_folder / 'drill.sqlite3'}",
+        "QM_VAR_DIR": str(drill_folder),
+        "CELERY_BROKER_URL": "redis://127.0.0.1:6379/8",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("QM_LOCAL_NODES", None)
+    manage = [sys.executable, str(REPO_ROOT / "manage.py")]
+    subprocess.run(
+        [*manage, "migrate", "--noinput", "-v0"], env=env, cwd=REPO_ROOT, check=True, timeout=300
+    )
+    out = drill_folder / "elastic.json"
+    started = time.monotonic()
+    drill = subprocess.run(
+        [
+            *manage,
+            "drill",
+            "--elastic",
+            "--runtime",
+            "kubernetes",
+            "--ranks",
+            str(RANKS),
+            "--json",
+            str(out),
+        ],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1380,
+    )
+    elapsed = time.monotonic() - started
+    print(drill.stdout[-8000:])
+    print(drill.stderr[-4000:], file=sys.stderr)
+    assert out.exists(), f"the drill wrote no result ({drill.returncode}): {drill.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    print(f"the elastic drill on real pods took {elapsed:.1f} s:\n{json.dumps(result, indent=2)}")
+
+    assert result["runtime"] == "kubernetes"
+    shrink, grow = result["resizes"]
+    assert (shrink["from_ranks"], shrink["to_ranks"]) == (RANKS, RANKS // 2)
+    assert (grow["from_ranks"], grow["to_ranks"]) == (RANKS // 2, RANKS)
+    for resize in (shrink, grow):
+        # Every exit code as the kubelets report it.
+        assert resize["exit_codes"] == [0] * resize["from_ranks"]
+        assert resize["steps_run_again"] == 0
+        assert resize["resumed_step"] == resize["agreed_step"] + 1
+    assert [a["ranks"] for a in result["attempts"]] == [RANKS, RANKS // 2, RANKS]
+    assert result["samples"]["exact"] and result["samples"]["loss_within_tolerance"]
+    assert drill.returncode == 0, result["missed"]
+    assert result["passed"] is True
