@@ -284,21 +284,6 @@ class ElasticDrill(Drill):
 
     # -- the round -------------------------------------------------------------
 
-    def _latest_step(self, job: Job) -> int:
-        attempt = Attempt.objects.filter(job=job).order_by("-number").first()
-        if attempt is None:
-            return -1
-        try:
-            chunk, _ = read_rank_log(job=job, attempt=attempt.number, rank=0, limit=1 << 20)
-        except Exception:
-            return -1
-        steps = [
-            int(line.split()[1])
-            for line in chunk.decode(errors="replace").splitlines()
-            if line.startswith("STEP ")
-        ]
-        return max(steps, default=-1)
-
     def _resizes(self, job: Job) -> list[PreemptionEvent]:
         return list(PreemptionEvent.objects.filter(job=job).order_by("decided_at", "pk"))
 
@@ -349,7 +334,7 @@ class ElasticDrill(Drill):
             lambda: self._running_at(borrower, self.ranks), "the borrower to run", timeout=300
         )
         self.wait(
-            lambda: self._latest_step(borrower) >= SHRINK_AT_STEP,
+            lambda: self._rank0_step(borrower) >= SHRINK_AT_STEP,
             f"the borrower's step {SHRINK_AT_STEP}",
             timeout=300,
         )
@@ -381,7 +366,7 @@ class ElasticDrill(Drill):
         shrink.refresh_from_db()
         resumed_at = (shrink.checkpoint_step or SHRINK_AT_STEP) + 1
         self.wait(
-            lambda: self._latest_step(borrower) >= resumed_at + GROW_AFTER_STEPS,
+            lambda: self._rank0_step(borrower) >= resumed_at + GROW_AFTER_STEPS,
             f"{GROW_AFTER_STEPS} steps at {min_ranks} ranks",
             timeout=300,
         )

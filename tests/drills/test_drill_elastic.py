@@ -8,18 +8,14 @@ at once; the drill then checks its samples, step by step, against an uninterrupt
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from preemption.runtimes.runner import RunnerAccount
+from tests.drills.command import run_drill_command
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 RANKS = 4
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -45,35 +41,12 @@ def test_the_elastic_drill_shrinks_and_grows_without_losing_a_sample(
     # The embedded default: the broker on disk under QM_VAR_DIR, the drill's own nodes.
     env.pop("CELERY_BROKER_URL", None)
     env.pop("QM_LOCAL_NODES", None)
-    manage = [sys.executable, str(REPO_ROOT / "manage.py")]
-    subprocess.run(
-        [*manage, "migrate", "--noinput", "-v0"], env=env, cwd=REPO_ROOT, check=True, timeout=300
-    )
-    out = tmp_path / "elastic.json"
-    started = time.monotonic()
-    drill = subprocess.run(
-        [
-            *manage,
-            "drill",
-            "--elastic",
-            "--runtime",
-            "local",
-            "--ranks",
-            str(RANKS),
-            "--json",
-            str(out),
-        ],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
+    result, drill, elapsed = run_drill_command(
+        env,
+        ["--elastic", "--runtime", "local", "--ranks", str(RANKS)],
+        tmp_path / "elastic.json",
         timeout=840,
     )
-    elapsed = time.monotonic() - started
-    print(drill.stdout[-8000:])
-    print(drill.stderr[-4000:], file=sys.stderr)
-    assert out.exists(), f"the drill wrote no result ({drill.returncode}): {drill.stderr[-4000:]}"
-    result = json.loads(out.read_text())
     print(f"the elastic drill took {elapsed:.1f} s")
     assert drill.returncode == 0, result["missed"]
 

@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from kubernetes import client
 
+from tests.drills.command import run_drill_command
 from tests.k8s.conftest import running_agent
 from tools.k8s.agent_state import NodeSpec
 from tools.k8s.controlplane import ControlPlane
 from tools.k8s.node_agent import NodeAgent
 from tools.k8s.volumes import bound_claim, delete_claim
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # The drill places a borrower of up to 8 ranks on drill-node-0, flavor drill-gpu.
 DRILL_NODES = (NodeSpec(name="drill-node-0", gpus=8, flavor="drill-gpu"),)
 RANKS = 4
@@ -77,16 +74,9 @@ def test_drill_on_kubernetes(
         "PYTHONUNBUFFERED": "1",
     }
     env.pop("QM_LOCAL_NODES", None)
-    manage = [sys.executable, str(REPO_ROOT / "manage.py")]
-    subprocess.run(
-        [*manage, "migrate", "--noinput", "-v0"], env=env, cwd=REPO_ROOT, check=True, timeout=300
-    )
-    out = tmp_path / "drill.json"
-    started = time.monotonic()
-    drill = subprocess.run(
+    result, drill, elapsed = run_drill_command(
+        env,
         [
-            *manage,
-            "drill",
             "--runtime",
             "kubernetes",
             "--ranks",
@@ -99,20 +89,10 @@ def test_drill_on_kubernetes(
             "60",
             "--critical-seconds",
             "5",
-            "--json",
-            str(out),
         ],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
+        tmp_path / "drill.json",
         timeout=720,
     )
-    elapsed = time.monotonic() - started
-    print(drill.stdout[-8000:])
-    print(drill.stderr[-4000:], file=sys.stderr)
-    assert out.exists(), f"the drill wrote no result ({drill.returncode}): {drill.stderr[-4000:]}"
-    result = json.loads(out.read_text())
     print(f"drill on Kubernetes took {elapsed:.1f} s:\n{json.dumps(result, indent=2)}")
     assert drill.returncode == 0, drill.stderr[-4000:]
 

@@ -82,11 +82,7 @@ class Command(BaseCommand):
             )
         except DrillError as exc:
             raise CommandError(str(exc)) from exc
-        text = json.dumps(result.to_json(), indent=2, default=str)
-        if options["json_path"]:
-            Path(options["json_path"]).parent.mkdir(parents=True, exist_ok=True)
-            Path(options["json_path"]).write_text(text + "\n")
-        self.stdout.write(text)
+        self._report(result.to_json(), options["json_path"])
         compared = result.notice_figures()
         if compared is not None:
             lost, free = compared["lost_gpu_seconds"], compared["time_to_free_seconds"]
@@ -118,11 +114,7 @@ class Command(BaseCommand):
             )
         except DrillError as exc:
             raise CommandError(str(exc)) from exc
-        text = json.dumps(result.to_json(), indent=2, default=str)
-        if options["json_path"]:
-            Path(options["json_path"]).parent.mkdir(parents=True, exist_ok=True)
-            Path(options["json_path"]).write_text(text + "\n")
-        self.stdout.write(text)
+        self._report(result.to_json(), options["json_path"])
         for resize in result.resizes:
             self.stdout.write(
                 f"{resize.cause}: GPUs free {resize.time_to_free_seconds} s after the decision, "
@@ -140,3 +132,11 @@ class Command(BaseCommand):
         self.stdout.write(style(f"elastic drill {'PASSED' if result.passed else 'FAILED'}"))
         if not result.passed:
             raise CommandError(f"the elastic drill missed: {'; '.join(result.missed())}")
+
+    def _report(self, document: dict[str, Any], json_path: str | None) -> None:
+        """Print the result's document, and write it to ``json_path`` when given."""
+        text = json.dumps(document, indent=2, default=str)
+        if json_path:
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(json_path).write_text(text + "\n")
+        self.stdout.write(text)

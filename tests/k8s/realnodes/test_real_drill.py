@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from kubernetes import client
 
+from tests.drills.command import run_drill_command
 from tests.k8s.realnodes.conftest import DRILL_GPUS_PER_NODE, DRILL_NODE_NAMES
-from tools.k8s.controlplane import REPO_ROOT
 from tools.k8s.realnodes import RealNodes
 from tools.k8s.volumes import bound_claim, delete_claim
 
@@ -55,6 +52,34 @@ def drill_claim(
     delete_claim(k8s_api, drill_namespace, CLAIM, volume)
 
 
+def _drill_env(
+    nodes: RealNodes, kubeconfig: str, namespace: str, claim: str, folder: Path
+) -> dict[str, str]:
+    """The drill's environment on the real nodes: their cluster, the claim, the pods'
+    resources, nodes of 4 GPUs and the web server on the pods' bridge."""
+    env = {
+        **os.environ,
+        "QM_RUNTIME": "kubernetes",
+        "QM_K8S_KUBECONFIG": kubeconfig,
+        "QM_K8S_NAMESPACE": namespace,
+        "QM_K8S_CHECKPOINT_CLAIM": claim,
+        # Each node's 2 CPUs split over its 4 GPUs, as an operator gives a rank the
+        # CPUs of its share of the node: a rank held to a tenth of a CPU spends most of
+        # each 100 ms period throttled, and its signal waits on that (docs/real-nodes.md).
+        "QM_K8S_DEFAULT_CPU_PER_GPU": "500m",
+        "QM_K8S_DEFAULT_MEMORY_PER_GPU": "1Gi",
+        "QM_K8S_DEFAULT_EPHEMERAL_STORAGE_PER_GPU": "256Mi",
+        "QM_DRILL_GPUS_PER_NODE": str(DRILL_GPUS_PER_NODE),
+        "QM_DRILL_BIND_ADDRESS": nodes.dns_address,
+        "DATABASE_URL": f"sqlite:///{folder / 'drill.sqlite3'}",
+        "QM_VAR_DIR": str(folder),
+        "CELERY_BROKER_URL": "redis://127.0.0.1:6379/8",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("QM_LOCAL_NODES", None)
+    return env
+
+
 # Each its own drill: with the notice the ranks save while they train, and the
 # eviction's save has only the steps since; without it, the signals alone stop them
 # (their propagation is the kubelets' and the relay's).
@@ -67,36 +92,9 @@ def test_the_drill_passes_on_real_pods(
     drill_claim: str,
     drill_folder: Path,
 ) -> None:
-    env = {
-        **os.environ,
-        "QM_RUNTIME": "kubernetes",
-        "QM_K8S_KUBECONFIG": kubeconfig,
-        "QM_K8S_NAMESPACE": drill_namespace,
-        "QM_K8S_CHECKPOINT_CLAIM": drill_claim,
-        # Each node's 2 CPUs split over its 4 GPUs, as an operator gives a rank the
-        # CPUs of its share of the node: a rank held to a tenth of a CPU spends most of
-        # each 100 ms period throttled, and its signal waits on that (docs/real-nodes.md).
-        "QM_K8S_DEFAULT_CPU_PER_GPU": "500m",
-        "QM_K8S_DEFAULT_MEMORY_PER_GPU": "1Gi",
-        "QM_K8S_DEFAULT_EPHEMERAL_STORAGE_PER_GPU": "256Mi",
-        "QM_DRILL_GPUS_PER_NODE": str(DRILL_GPUS_PER_NODE),
-        "QM_DRILL_BIND_ADDRESS": drill_nodes.dns_address,
-        "DATABASE_URL": f"sqlite:///{drill_folder / 'drill.sqlite3'}",
-        "QM_VAR_DIR": str(drill_folder),
-        "CELERY_BROKER_URL": "redis://127.0.0.1:6379/8",
-        "PYTHONUNBUFFERED": "1",
-    }
-    env.pop("QM_LOCAL_NODES", None)
-    manage = [sys.executable, str(REPO_ROOT / "manage.py")]
-    subprocess.run(
-        [*manage, "migrate", "--noinput", "-v0"], env=env, cwd=REPO_ROOT, check=True, timeout=300
-    )
-    out = drill_folder / "drill.json"
-    started = time.monotonic()
-    drill = subprocess.run(
+    result, drill, elapsed = run_drill_command(
+        _drill_env(drill_nodes, kubeconfig, drill_namespace, drill_claim, drill_folder),
         [
-            *manage,
-            "drill",
             "--runtime",
             "kubernetes",
             "--ranks",
@@ -109,20 +107,10 @@ def test_the_drill_passes_on_real_pods(
             "5",
             "--notice",
             notice,
-            "--json",
-            str(out),
         ],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
+        drill_folder / "drill.json",
         timeout=1380,
     )
-    elapsed = time.monotonic() - started
-    print(drill.stdout[-8000:])
-    print(drill.stderr[-4000:], file=sys.stderr)
-    assert out.exists(), f"the drill wrote no result ({drill.returncode}): {drill.stderr[-4000:]}"
-    result = json.loads(out.read_text())
     print(
         f"drill on real pods, notice {notice}, took {elapsed:.1f} s:\n"
         f"{json.dumps(result, indent=2)}"
@@ -153,52 +141,12 @@ def test_the_elastic_drill_passes_on_real_pods(
     node) are shrunk to 4 by the owner's job of one node's GPUs, and grown back to 8
     when it ends, each resize an eviction of every pod, an agreed step and a relaunch of
     new pods at the new size that resume from the claim; every sample once per epoch."""
-    env = {
-        **os.environ,
-        "QM_RUNTIME": "kubernetes",
-        "QM_K8S_KUBECONFIG": kubeconfig,
-        "QM_K8S_NAMESPACE": drill_namespace,
-        "QM_K8S_CHECKPOINT_CLAIM": drill_claim,
-        "QM_K8S_DEFAULT_CPU_PER_GPU": "500m",
-        "QM_K8S_DEFAULT_MEMORY_PER_GPU": "1Gi",
-        "QM_K8S_DEFAULT_EPHEMERAL_STORAGE_PER_GPU": "256Mi",
-        "QM_DRILL_GPUS_PER_NODE": str(DRILL_GPUS_PER_NODE),
-        "QM_DRILL_BIND_ADDRESS": drill_nodes.dns_address,
-        "DATABASE_URL": f"sqlite:///{drill_folder / 'drill.sqlite3'}",
-        "QM_VAR_DIR": str(drill_folder),
-        "CELERY_BROKER_URL": "redis://127.0.0.1:6379/8",
-        "PYTHONUNBUFFERED": "1",
-    }
-    env.pop("QM_LOCAL_NODES", None)
-    manage = [sys.executable, str(REPO_ROOT / "manage.py")]
-    subprocess.run(
-        [*manage, "migrate", "--noinput", "-v0"], env=env, cwd=REPO_ROOT, check=True, timeout=300
-    )
-    out = drill_folder / "elastic.json"
-    started = time.monotonic()
-    drill = subprocess.run(
-        [
-            *manage,
-            "drill",
-            "--elastic",
-            "--runtime",
-            "kubernetes",
-            "--ranks",
-            str(RANKS),
-            "--json",
-            str(out),
-        ],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
+    result, drill, elapsed = run_drill_command(
+        _drill_env(drill_nodes, kubeconfig, drill_namespace, drill_claim, drill_folder),
+        ["--elastic", "--runtime", "kubernetes", "--ranks", str(RANKS)],
+        drill_folder / "elastic.json",
         timeout=1380,
     )
-    elapsed = time.monotonic() - started
-    print(drill.stdout[-8000:])
-    print(drill.stderr[-4000:], file=sys.stderr)
-    assert out.exists(), f"the drill wrote no result ({drill.returncode}): {drill.stderr[-4000:]}"
-    result = json.loads(out.read_text())
     print(f"the elastic drill on real pods took {elapsed:.1f} s:\n{json.dumps(result, indent=2)}")
 
     assert result["runtime"] == "kubernetes"
