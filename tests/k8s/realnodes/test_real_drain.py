@@ -51,6 +51,10 @@ RANK_COMMAND = r"""trap 'echo "caught-term"; exit 0' TERM
 echo "started attempt $QM_ATTEMPT"
 while :; do sleep 0.1; done
 """
+SLOW_STOP_RANK_COMMAND = r"""trap 'echo "caught-term"; sleep 4; exit 0' TERM
+echo "started attempt $QM_ATTEMPT"
+while :; do sleep 0.1; done
+"""
 
 
 def _drain(core: client.CoreV1Api, namespace: str, name: str) -> None:
@@ -143,13 +147,17 @@ def test_the_runtimes_own_eviction_is_its_own_to_a_restarted_control_plane(
     says they were its own."""
     core = client.CoreV1Api(k8s_api)
     runtime = small_runtime()
-    spec = gang_spec(961, {NODES[0]: 1, NODES[1]: 1}, command=RANK_COMMAND, grace_seconds=5)
+    # The ranks take a few seconds to stop, as a checkpoint would, so that the restarted
+    # runtime finds them terminating: ranks that end at once may have exited already.
+    spec = gang_spec(
+        961, {NODES[0]: 1, NODES[1]: 1}, command=SLOW_STOP_RANK_COMMAND, grace_seconds=10
+    )
     runtime.launch(spec)
     gang = spec.gang
     wait_for(lambda: all_in(runtime, gang, "running", 2), timeout=60, what="ranks running")
     for rank in (0, 1):
         _log_with(runtime, gang, rank, b"started")
-    runtime.signal(gang, 5)
+    runtime.signal(gang, 10)
     record = core.read_namespaced_config_map(gang_name(gang), restricted)
     signalled_at = float(record.metadata.annotations[SIGNALLED_ANNOTATION])
     for rank in (0, 1):
