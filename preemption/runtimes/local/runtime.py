@@ -457,8 +457,15 @@ class LocalRuntime:
                 )
             except gpu_slots.GpuShortage as error:
                 # The engine placed the gang on GPUs this runtime's records still give
-                # to live gangs: launching would share them.
-                raise RuntimePermanentError(f"cannot launch gang {spec.gang}: {error}") from error
+                # to live gangs: launching would share them. The engine counts a gang's
+                # GPUs free once the database has closed its attempt, and a gang ending
+                # as another is placed (an elastic gang relaunched at its new size beside
+                # a job just stopped) may still be ending here: the launch is tried again,
+                # with the backoff and the bound of every temporary error, rather than
+                # failing the job for a moment's difference.
+                raise RuntimeTemporaryError(
+                    f"cannot launch gang {spec.gang} yet: {error}; a gang still ending holds them"
+                ) from error
             record = self._gang_record(spec, sandboxed, gpu_indices)
             if create_record(gang_dir / GANG_FILE, record):
                 create_claim(index / index_entry(spec.gang, int(record["master_port"])))
