@@ -256,9 +256,13 @@ class NodeAgent(ContainerRunner):
             for name in self.nodes:
                 if name in self._lost_nodes:
                     continue
+                # Nothing may end this loop but stop(): a kubelet whose heartbeat dies
+                # leaves its nodes NotReady and tainted for the rest of the session, and
+                # every later test on them fails. On a loaded machine the client raised
+                # urllib3's own errors (not OSError) and did just that.
                 try:
                     self._renew_lease(name)
-                except (ApiException, OSError) as error:
+                except Exception as error:
                     log.warning("lease renewal for %s failed: %s", name, error)
 
     # -- pod watch -----------------------------------------------------------
