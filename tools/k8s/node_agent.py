@@ -87,6 +87,10 @@ from tools.k8s.agent_state import (
 log = logging.getLogger("qm.node_agent")
 
 
+# How often the agent posts its nodes' status besides renewing their leases.
+NODE_STATUS_SECONDS = 10.0
+
+
 def _micro_time(at: float | None = None) -> str:
     moment = dt.datetime.fromtimestamp(time.time() if at is None else at, tz=dt.UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -165,30 +169,7 @@ class NodeAgent(ContainerRunner):
             "ephemeral-storage": "1Ti",
             GPU_RESOURCE: str(spec.gpus),
         }
-        now = now_rfc3339()
-        conditions = [
-            {
-                "type": kind,
-                "status": "False",
-                "reason": f"KubeletHas{reason}",
-                "lastHeartbeatTime": now,
-                "lastTransitionTime": now,
-            }
-            for kind, reason in (
-                ("MemoryPressure", "SufficientMemory"),
-                ("DiskPressure", "NoDiskPressure"),
-                ("PIDPressure", "SufficientPID"),
-            )
-        ] + [
-            {
-                "type": "Ready",
-                "status": "True",
-                "reason": "KubeletReady",
-                "message": "quartermaster node agent is posting ready status",
-                "lastHeartbeatTime": now,
-                "lastTransitionTime": now,
-            }
-        ]
+        conditions = _conditions(now_rfc3339())
         status = {
             "capacity": capacity,
             "allocatable": capacity,
@@ -252,10 +233,30 @@ class NodeAgent(ContainerRunner):
             self.coordination.create_namespaced_lease(LEASE_NAMESPACE, body)
 
     def _heartbeat_loop(self) -> None:
+        posted = time.monotonic()
         while not self._stop.wait(self.heartbeat_seconds):
+            # A kubelet posts its node's status every 10 s as well as its lease: the
+            # node lifecycle controller marks a node whose lease lapsed (8 s here, on a
+            # machine busy enough to delay a renewal) Unknown and taints it, and only a
+            # Ready status posted again brings it back.
+            post_status = time.monotonic() - posted >= NODE_STATUS_SECONDS
+            if post_status:
+                posted = time.monotonic()
             for name in self.nodes:
                 if name in self._lost_nodes:
                     continue
+                if post_status:
+                    try:
+                        self.core.patch_node_status(
+                            name,
+                            {
+                                "status": {
+                                    "conditions": _conditions(now_rfc3339(), transition=False)
+                                }
+                            },
+                        )
+                    except Exception as error:
+                        log.warning("status of %s not posted: %s", name, error)
                 # Nothing may end this loop but stop(): a kubelet whose heartbeat dies
                 # leaves its nodes NotReady and tainted for the rest of the session, and
                 # every later test on them fails. On a loaded machine the client raised
@@ -369,6 +370,31 @@ class NodeAgent(ContainerRunner):
         """The agent's record of a pod's container, if it ran here."""
         with self._lock:
             return self._containers.get((namespace, pod))
+
+
+def _conditions(now: str, *, transition: bool = True) -> list[dict[str, str]]:
+    """A healthy node's conditions, as a kubelet posts them: no pressure, and Ready;
+    ``transition`` sets their lastTransitionTime too (at registration)."""
+    healthy = [
+        {"type": kind, "status": "False", "reason": f"KubeletHas{reason}"}
+        for kind, reason in (
+            ("MemoryPressure", "SufficientMemory"),
+            ("DiskPressure", "NoDiskPressure"),
+            ("PIDPressure", "SufficientPID"),
+        )
+    ] + [
+        {
+            "type": "Ready",
+            "status": "True",
+            "reason": "KubeletReady",
+            "message": "quartermaster node agent is posting ready status",
+        }
+    ]
+    for condition in healthy:
+        condition["lastHeartbeatTime"] = now
+        if transition:
+            condition["lastTransitionTime"] = now
+    return healthy
 
 
 def parse_node(text: str) -> NodeSpec:
