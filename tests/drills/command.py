@@ -37,3 +37,18 @@ def run_drill_command(
     print(drill.stderr[-4000:], file=sys.stderr)
     assert out.exists(), f"the drill wrote no result ({drill.returncode}): {drill.stderr[-4000:]}"
     return json.loads(out.read_text()), drill, elapsed
+
+
+def assert_shrunk_and_grown_back(result: dict[str, Any], ranks: int) -> None:
+    """What every elastic drill shows: a shrink to half and a grow back, each stopped at
+    its agreed step with every exit 0 and resumed at the next step, nothing run twice,
+    and every sample of every epoch seen as in the uninterrupted run."""
+    shrink, grow = result["resizes"]
+    assert (shrink["from_ranks"], shrink["to_ranks"]) == (ranks, ranks // 2)
+    assert (grow["from_ranks"], grow["to_ranks"]) == (ranks // 2, ranks)
+    for resize in (shrink, grow):
+        assert resize["exit_codes"] == [0] * resize["from_ranks"]
+        assert resize["steps_run_again"] == 0
+        assert resize["resumed_step"] == resize["agreed_step"] + 1
+    assert [a["ranks"] for a in result["attempts"]] == [ranks, ranks // 2, ranks]
+    assert result["samples"]["exact"] and result["samples"]["loss_within_tolerance"]

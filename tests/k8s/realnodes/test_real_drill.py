@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from tests.drills.command import run_drill_command
+from tests.drills.command import assert_shrunk_and_grown_back, run_drill_command
 from tests.k8s.realnodes.conftest import DRILL_GPUS_PER_NODE, DRILL_NODE_NAMES
 from tools.k8s.realnodes import RealNodes
 from tools.k8s.volumes import bound_claim, delete_claim
@@ -150,15 +150,7 @@ def test_the_elastic_drill_passes_on_real_pods(
     print(f"the elastic drill on real pods took {elapsed:.1f} s:\n{json.dumps(result, indent=2)}")
 
     assert result["runtime"] == "kubernetes"
-    shrink, grow = result["resizes"]
-    assert (shrink["from_ranks"], shrink["to_ranks"]) == (RANKS, RANKS // 2)
-    assert (grow["from_ranks"], grow["to_ranks"]) == (RANKS // 2, RANKS)
-    for resize in (shrink, grow):
-        # Every exit code as the kubelets report it.
-        assert resize["exit_codes"] == [0] * resize["from_ranks"]
-        assert resize["steps_run_again"] == 0
-        assert resize["resumed_step"] == resize["agreed_step"] + 1
-    assert [a["ranks"] for a in result["attempts"]] == [RANKS, RANKS // 2, RANKS]
-    assert result["samples"]["exact"] and result["samples"]["loss_within_tolerance"]
+    # Every exit code as the kubelets report it.
+    assert_shrunk_and_grown_back(result, RANKS)
     assert drill.returncode == 0, result["missed"]
     assert result["passed"] is True
