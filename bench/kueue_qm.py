@@ -875,6 +875,8 @@ class _Submitter(threading.Thread):
         self.latencies: list[float] = []
         self.late: list[float] = []
         self.errors: list[str] = []
+        # When each workload's request was answered: by then its job had committed.
+        self.answered: dict[tuple[str, str], float] = {}
 
     def run(self) -> None:
         headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
@@ -903,6 +905,8 @@ class _Submitter(threading.Thread):
                 text = response.read()
                 if response.status != 201:
                     self.errors.append(f"{what}: {response.status} {text[:200]!r}")
+                answered = time.time()
+                self.answered.update({(w.queue, w.name): answered for w in group})
             except (OSError, http.client.HTTPException) as error:
                 self.errors.append(f"{what}: {error!r}")
                 connection.close()
@@ -1221,6 +1225,9 @@ def run_quartermaster(
         # The runtime's root under the processes' QM_VAR_DIR (settings.QM_RUNS_DIR's default).
         figures = _collect(expansion, limits, start, finished_at, folder / "runs" / "mimic")
         figures["worker_tasks"] = _cycle_times(logs["worker"])
+        answered = {key: at for s in submitters for key, at in s.answered.items()}
+        for row in figures["jobs"]:
+            row["answered_s"] = answered[(row["queue"], row["name"])] - start
     finally:
         if own_dir:
             shutil.rmtree(folder, ignore_errors=True)

@@ -97,7 +97,13 @@ def test_grace_shorter_than_the_save_skips_it_and_keeps_the_previous_checkpoint(
     assert codes == [3, 3], gang.tail()
     committed_steps = set()
     for rank in gang.ranks:
-        events = rank.events()
+        # A rank may report the signals it heard of (its own, or another rank's
+        # through the relay) at any point of its stop, even after the skip.
+        events = [
+            event
+            for event in rank.events()
+            if event["event"] not in ("signal_received", "stop_heard")
+        ]
         names = [event["event"] for event in events]
         assert names[-2:] == ["checkpoint_skipped", "exiting"], names
         skipped = events[-2]
