@@ -1,6 +1,7 @@
 """Reads of the preemption figures, scoped to the asking user: signal latencies,
-checkpoints against the grace period, exit codes and recovery times. Each reads
-at most RECENT_ROWS recent rows; never writes.
+checkpoints against the grace period, exit codes, recovery times, and the
+resizes of elastic gangs beside the preemptions. Each reads at most RECENT_ROWS
+recent rows, or aggregates in the database; never writes.
 """
 
 from __future__ import annotations
@@ -8,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db.models import Count
+from django.db.models import Case, Count, Q, Value, When
 
 from core.access import Access
-from preemption.models import PreemptionEvent, Rank
+from preemption.models import PreemptionEvent, Rank, attempt_ranks
 from telemetry.selectors import RECENT_ROWS, team_filter
 
 
@@ -76,3 +77,134 @@ def recovery_seconds(*, access: Access) -> list[tuple[int, float]]:
         .values_list("job_id", "decided_at", "resumed_at")[:RECENT_ROWS]
     )
     return [(job_id, (resumed - decided).total_seconds()) for job_id, decided, resumed in rows]
+
+
+# --- resizes of elastic gangs -------------------------------------------------
+# A resize stops an elastic gang at an agreed step and relaunches it at once at
+# another size: no preemption (`StopQuerySet.resizes()`), so it is counted and
+# charted beside them, never among them. A resize whose gang finished its work
+# before the stop reached it (outcome `ended-first`) resized nothing, as such a
+# stop preempted nothing, and is left out the same way.
+
+SHRINK = "shrink"
+GROW = "grow"
+
+
+def resize_direction() -> Case:
+    """For a query of resize events: "shrink" when the gang was relaunched with
+    fewer ranks than the attempt it stopped ran, else "grow"."""
+    return Case(
+        When(Q(resize_ranks__lt=attempt_ranks("victim_attempt__")), then=Value(SHRINK)),
+        default=Value(GROW),
+    )
+
+
+def finished_resizes() -> Q:
+    """The resizes that took place: every resize but one whose gang ended first."""
+    return Q(reason=PreemptionEvent.Reason.RESIZE) & ~Q(outcome=PreemptionEvent.Outcome.ENDED_FIRST)
+
+
+@dataclass(frozen=True)
+class StopsOfTeam:
+    """How often one team's running jobs were stopped for others: preempted,
+    shrunk, or stopped to grow."""
+
+    team: str
+    preemptions: int
+    shrinks: int
+    grows: int
+
+
+def stops_by_team(*, access: Access) -> list[StopsOfTeam]:
+    """Preemptions, shrinks and grows per team, over the whole history, in two
+    aggregate queries; teams with none are left out."""
+    preempted = dict(
+        PreemptionEvent.objects.preemptions()
+        .filter(team_filter(access, "job__team_id"))
+        .values("job__team__slug")
+        .annotate(n=Count("id"))
+        .values_list("job__team__slug", "n")
+        .order_by()
+    )
+    resized: dict[str, dict[str, int]] = {}
+    for slug, direction, n in (
+        PreemptionEvent.objects.filter(finished_resizes())
+        .filter(team_filter(access, "job__team_id"))
+        .annotate(direction=resize_direction())
+        .values("job__team__slug", "direction")
+        .annotate(n=Count("id"))
+        .values_list("job__team__slug", "direction", "n")
+        .order_by()
+    ):
+        resized.setdefault(slug, {})[direction] = n
+    return [
+        StopsOfTeam(
+            team=slug,
+            preemptions=preempted.get(slug, 0),
+            shrinks=resized.get(slug, {}).get(SHRINK, 0),
+            grows=resized.get(slug, {}).get(GROW, 0),
+        )
+        for slug in sorted(preempted.keys() | resized.keys())
+    ]
+
+
+@dataclass(frozen=True)
+class ResizeStop:
+    """One resize: from how many ranks to how many, and, once every rank of the
+    stopped gang has exited, the seconds that took from the decision and the
+    work it lost (None while the gang is still stopping)."""
+
+    job_id: int
+    attempt: int
+    team: str
+    decided_at: datetime
+    from_ranks: int
+    to_ranks: int
+    grace_seconds: float
+    seconds_to_free: float | None
+    lost_gpu_seconds: float | None
+    cause: str
+
+    @property
+    def direction(self) -> str:
+        return SHRINK if self.to_ranks < self.from_ranks else GROW
+
+
+def resize_stops(*, access: Access) -> list[ResizeStop]:
+    """The most recent resizes, oldest first."""
+    rows = (
+        PreemptionEvent.objects.filter(finished_resizes())
+        .filter(team_filter(access, "job__team_id"))
+        .annotate(from_ranks=attempt_ranks("victim_attempt__"))
+        .order_by("-decided_at", "-id")
+        .values_list(
+            "job_id",
+            "victim_attempt__number",
+            "job__team__slug",
+            "decided_at",
+            "from_ranks",
+            "resize_ranks",
+            "grace_seconds",
+            "all_exited_at",
+            "lost_gpu_seconds",
+            "cause",
+        )[:RECENT_ROWS]
+    )
+    return [
+        ResizeStop(
+            job_id=job_id,
+            attempt=attempt,
+            team=team,
+            decided_at=decided,
+            from_ranks=from_ranks,
+            # A resize always names its size; a row without one relaunched at the same.
+            to_ranks=to_ranks if to_ranks is not None else from_ranks,
+            grace_seconds=grace,
+            seconds_to_free=(exited - decided).total_seconds() if exited is not None else None,
+            lost_gpu_seconds=lost,
+            cause=cause,
+        )
+        for job_id, attempt, team, decided, from_ranks, to_ranks, grace, exited, lost, cause in (
+            reversed(rows)
+        )
+    ]
