@@ -15,6 +15,7 @@ from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 from core.access import Access
 from preemption.models import WAITING_STATES, Checkpoint, Job, PreemptionEvent, Rank
 from telemetry.mission import MISSION
+from telemetry.preemption_selectors import GROW, SHRINK, finished_resizes, resize_direction
 from telemetry.selectors import team_rows
 
 # One bucket edge sits on the mission's target, so a query can count the ranks over it.
@@ -30,6 +31,9 @@ SIGNAL_LATENCY_BUCKETS = (
     10.0,
 )
 CHECKPOINT_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 90.0, 120.0)
+# A resized gang stops like a victim: within its grace window (60 s for batch, 90 s
+# for critical by default) or killed at its deadline, so the edges reach past both.
+RESIZE_FREE_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 90.0, 120.0, 300.0)
 
 
 def _escape(value: str) -> str:
@@ -70,12 +74,13 @@ class Exposition:
         cumulative: Iterable[int],
         count: int,
         total: float,
+        **labels: str,
     ) -> None:
         for bound, observed in zip(buckets, cumulative, strict=True):
-            self.sample(f"{name}_bucket", observed, le=f"{bound:g}")
-        self.sample(f"{name}_bucket", count, le="+Inf")
-        self.sample(f"{name}_sum", round(total, 6))
-        self.sample(f"{name}_count", count)
+            self.sample(f"{name}_bucket", observed, **labels, le=f"{bound:g}")
+        self.sample(f"{name}_bucket", count, **labels, le="+Inf")
+        self.sample(f"{name}_sum", round(total, 6), **labels)
+        self.sample(f"{name}_count", count, **labels)
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
@@ -162,6 +167,8 @@ def render_metrics(*, access: Access) -> str:
     for item in cancels:
         out.sample("qm_cancels_total", item["n"], team=item["job__team__slug"])
 
+    _resizes(out, access)
+
     latency = ExpressionWrapper(
         F("signal_received_at") - F("attempt__preemption__decided_at"), output_field=DurationField()
     )
@@ -213,3 +220,77 @@ def render_metrics(*, access: Access) -> str:
         float(checkpoints["total"] or 0.0),
     )
     return out.text()
+
+
+def _resizes(out: Exposition, access: Access) -> None:
+    """Resizes of elastic gangs, beside the preemptions and never among them: how
+    many by team and direction, the work they lost, and how long from the decision
+    until every rank of the stopped gang had exited (for a shrink, until the GPUs
+    it gives up were free). Two aggregate queries."""
+    resizes = (
+        PreemptionEvent.objects.filter(finished_resizes())
+        .filter(_scope(access, "job__team_id"))
+        .annotate(direction=resize_direction())
+        .values("job__team__slug", "direction")
+        .annotate(n=Count("id"), lost=Sum("lost_gpu_seconds"))
+        .order_by("job__team__slug", "direction")
+    )
+    resize_rows = list(resizes)
+    out.family(
+        "qm_resizes_total",
+        "counter",
+        "Resizes of elastic jobs by team and direction (shrink or grow), each a stop at an "
+        "agreed step and a relaunch at the new size; no preemption.",
+    )
+    for item in resize_rows:
+        out.sample(
+            "qm_resizes_total", item["n"], team=item["job__team__slug"], direction=item["direction"]
+        )
+    out.family(
+        "qm_resize_lost_gpu_seconds_total",
+        "counter",
+        "GPU-seconds of work lost by resizes (since the gang's last checkpoint when it "
+        "stopped), by team and direction; a resize still stopping counts once it ends.",
+    )
+    for item in resize_rows:
+        out.sample(
+            "qm_resize_lost_gpu_seconds_total",
+            round(item["lost"] or 0.0, 6),
+            team=item["job__team__slug"],
+            direction=item["direction"],
+        )
+
+    free = ExpressionWrapper(F("all_exited_at") - F("decided_at"), output_field=DurationField())
+    stopped = {
+        item["direction"]: item
+        for item in PreemptionEvent.objects.filter(finished_resizes(), all_exited_at__isnull=False)
+        .filter(_scope(access, "job__team_id"))
+        .annotate(direction=resize_direction(), free=free)
+        .values("direction")
+        .annotate(
+            count=Count("id"),
+            total=Sum("free"),
+            **{
+                f"le_{index}": Count("id", filter=Q(free__lte=timedelta(seconds=bound)))
+                for index, bound in enumerate(RESIZE_FREE_BUCKETS)
+            },
+        )
+        .order_by("direction")
+    }
+    out.family(
+        "qm_resize_free_seconds",
+        "histogram",
+        "Seconds from a resize decision until every rank of the gang had exited, by direction: "
+        "for a shrink, until the GPUs it gives up were free.",
+    )
+    for direction in (SHRINK, GROW):
+        figures = stopped.get(direction, {})
+        total = figures.get("total")
+        out.histogram(
+            "qm_resize_free_seconds",
+            RESIZE_FREE_BUCKETS,
+            [figures.get(f"le_{index}", 0) for index in range(len(RESIZE_FREE_BUCKETS))],
+            figures.get("count", 0),
+            total.total_seconds() if total else 0.0,
+            direction=direction,
+        )
