@@ -16,7 +16,13 @@ import plotly.graph_objects as go
 
 from telemetry.history_selectors import UtilizationPoint
 from telemetry.mission import MISSION
-from telemetry.preemption_selectors import CheckpointAgainstGrace
+from telemetry.preemption_selectors import (
+    GROW,
+    SHRINK,
+    CheckpointAgainstGrace,
+    ResizeStop,
+    StopsOfTeam,
+)
 from telemetry.report_selectors import SimulationReport
 
 # One palette for every chart, matching the portal's CSS.
@@ -49,6 +55,10 @@ OUTCOME_COLOURS = {
     "cancelled": MUTED,
     "running": "#2563eb",
 }
+# The two ways a resize goes, in words and colours shared by every resize chart;
+# neither wears a preemption's amber, since a resize gives the job back at once.
+RESIZE_NAMES = {SHRINK: "shrunk", GROW: "grown"}
+RESIZE_COLOURS = {SHRINK: "#0891b2", GROW: "#4f46e5"}
 
 
 def _layout(figure: go.Figure, *, title: str, x: str, y: str, height: int = 320) -> go.Figure:
@@ -367,6 +377,125 @@ def recovery_figure(
         annotation_text=f"target {target_seconds:g} s",
     )
     figure.update_layout(hovermode="closest", showlegend=False)
+    return figure
+
+
+def stops_by_team_figure(rows: Sequence[StopsOfTeam]) -> go.Figure:
+    """Per team, how often its running jobs were preempted, shrunk, or stopped
+    to grow, side by side: a resize is no preemption, yet it stops the gang at
+    an agreed step as a preemption does."""
+    figure = go.Figure()
+    _layout(figure, title="Preemptions and resizes by team", x="team", y="stops")
+    if not rows:
+        return _empty(figure, "No job has been preempted or resized yet.")
+    teams = [row.team for row in rows]
+    for name, counts, colour in (
+        ("preempted", [row.preemptions for row in rows], WARN),
+        (RESIZE_NAMES[SHRINK], [row.shrinks for row in rows], RESIZE_COLOURS[SHRINK]),
+        (RESIZE_NAMES[GROW], [row.grows for row in rows], RESIZE_COLOURS[GROW]),
+    ):
+        figure.add_trace(go.Bar(x=teams, y=counts, name=name, marker={"color": colour}))
+    figure.update_layout(barmode="group", hovermode="closest")
+    figure.update_xaxes(type="category")
+    _count_axis(figure, max(max(row.preemptions, row.shrinks, row.grows) for row in rows))
+    return figure
+
+
+def resize_label(row: ResizeStop) -> str:
+    """A resize's name on an axis: one resize stops one attempt, so no two share it."""
+    return f"job {row.job_id} · attempt {row.attempt}"
+
+
+def _resize_bars(
+    figure: go.Figure, rows: Sequence[ResizeStop], values: Sequence[float], *, unit: str
+) -> None:
+    """One bar per resize in the order given, coloured by its direction, with its
+    sizes, team, time and cause on hover."""
+    for direction in (SHRINK, GROW):
+        mine = [
+            (row, value)
+            for row, value in zip(rows, values, strict=True)
+            if row.direction == direction
+        ]
+        if not mine:
+            continue
+        figure.add_trace(
+            go.Bar(
+                x=[resize_label(row) for row, _ in mine],
+                y=[value for _, value in mine],
+                name=RESIZE_NAMES[direction],
+                marker={"color": RESIZE_COLOURS[direction]},
+                customdata=[
+                    [
+                        row.from_ranks,
+                        row.to_ranks,
+                        row.team,
+                        f"{row.decided_at:%Y-%m-%d %H:%M:%S}",
+                        row.cause,
+                    ]
+                    for row, _ in mine
+                ],
+                hovertemplate=(
+                    "%{x}: %{customdata[0]} → %{customdata[1]} ranks (%{customdata[2]})"
+                    "<br>%{y:,.1f} " + unit + " · decided %{customdata[3]} UTC"
+                    "<br>%{customdata[4]}<extra></extra>"
+                ),
+            )
+        )
+    # Shrinks and grows are two traces on one category axis: stacked, each bar
+    # keeps its full width, and the axis keeps the resizes in time order.
+    figure.update_layout(barmode="relative", hovermode="closest")
+    figure.update_xaxes(
+        type="category",
+        categoryorder="array",
+        categoryarray=[resize_label(row) for row in rows],
+    )
+    figure.update_yaxes(rangemode="tozero")
+
+
+def resize_lost_work_figure(rows: Sequence[ResizeStop]) -> go.Figure:
+    """The work each resize lost, in GPU-seconds: the gang's GPUs times the
+    seconds since its last checkpoint when it stopped (none after a checkpoint
+    taken for the resize). A resize still stopping has lost nothing known yet
+    and is left out."""
+    figure = go.Figure()
+    _layout(figure, title="Work lost per resize", x="resize", y="GPU-seconds lost")
+    done = [row for row in rows if row.lost_gpu_seconds is not None]
+    if not done:
+        message = "No resize has finished stopping yet." if rows else "No job has been resized yet."
+        return _empty(figure, message)
+    _resize_bars(figure, done, [row.lost_gpu_seconds or 0.0 for row in done], unit="GPU-s lost")
+    return figure
+
+
+def resize_free_time_figure(rows: Sequence[ResizeStop]) -> go.Figure:
+    """Seconds from each resize decision until every rank of the stopped gang had
+    exited: for a shrink, until the GPUs it gives up were free for the job that
+    waits for them; for a grow, until the relaunch at the larger size could
+    begin. Each resize's grace window is drawn beside it: a bar that reaches it
+    was killed at the deadline."""
+    figure = go.Figure()
+    _layout(
+        figure,
+        title="Resize: decision → GPUs free (every rank exited)",
+        x="resize",
+        y="seconds",
+    )
+    done = [row for row in rows if row.seconds_to_free is not None]
+    if not done:
+        message = "No resize has finished stopping yet." if rows else "No job has been resized yet."
+        return _empty(figure, message)
+    _resize_bars(figure, done, [row.seconds_to_free or 0.0 for row in done], unit="s")
+    figure.add_trace(
+        go.Scatter(
+            x=[resize_label(row) for row in done],
+            y=[row.grace_seconds for row in done],
+            name="grace window",
+            mode="lines",
+            line={"color": MUTED, "dash": "dash", "shape": "hv"},
+            hoverinfo="skip",
+        )
+    )
     return figure
 
 

@@ -34,7 +34,9 @@ from telemetry.preemption_selectors import (
     checkpoints_against_grace,
     exit_codes,
     recovery_seconds,
+    resize_stops,
     signal_latencies,
+    stops_by_team,
 )
 from telemetry.report_selectors import latest_drills, mission_matrix, simulation_reports
 from telemetry.selectors import flavor_names, flavors_now
@@ -43,7 +45,8 @@ from telemetry.selectors import flavor_names, flavors_now
 @login_required
 def telemetry(request: HttpRequest) -> HttpResponse:
     """Utilization, borrowing, preemption latency, checkpoints, exit codes,
-    recovery, the mission's matrix from the latest drills, and GPU-hours."""
+    recovery, resizes beside preemptions, the mission's matrix from the latest
+    drills, and GPU-hours."""
     access = access_for(request.user)
     # The largest flavor comes first and is the one charted unless another is chosen.
     flavors = [f.name for f in sorted(flavors_now(), key=lambda f: (-f.capacity, f.name))]
@@ -56,6 +59,7 @@ def telemetry(request: HttpRequest) -> HttpResponse:
     )
     points = utilization_points(access=access, since=since, until=until, team_ids=team_ids)
     span = {"since": since, "until": until}
+    resizes = resize_stops(access=access)
     figures = {
         "utilization": charts.utilization_figure(points, flavor=flavor, **span),
         "borrowed": charts.borrowed_share_figure(points, flavor=flavor, **span),
@@ -63,6 +67,9 @@ def telemetry(request: HttpRequest) -> HttpResponse:
         "checkpoint": charts.checkpoint_grace_figure(checkpoints_against_grace(access=access)),
         "exit-codes": charts.exit_code_figure(exit_codes(access=access)),
         "recovery": charts.recovery_figure(recovery_seconds(access=access)),
+        "stops": charts.stops_by_team_figure(stops_by_team(access=access)),
+        "resize-lost-work": charts.resize_lost_work_figure(resizes),
+        "resize-free-time": charts.resize_free_time_figure(resizes),
     }
     drills = latest_drills()
     context: dict[str, Any] = {

@@ -280,6 +280,9 @@ def test_telemetry_embeds_figures_with_the_seeded_values(world: Any, history: An
         "checkpoint",
         "exit-codes",
         "recovery",
+        "stops",
+        "resize-lost-work",
+        "resize-free-time",
     }
     traces = {trace["name"]: trace for trace in figures["utilization"]["data"]}
     # The manager of ml sees ml's children stacked: vision and nlp.
