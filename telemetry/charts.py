@@ -54,11 +54,13 @@ OUTCOME_COLOURS = {
     "gang-guard": "#9333ea",
     "cancelled": MUTED,
     "running": "#2563eb",
+    # Stopped at an agreed step and relaunched at once at another size.
+    "resized": "#0891b2",
 }
 # The two ways a resize goes, in words and colours shared by every resize chart;
 # neither wears a preemption's amber, since a resize gives the job back at once.
 RESIZE_NAMES = {SHRINK: "shrunk", GROW: "grown"}
-RESIZE_COLOURS = {SHRINK: "#0891b2", GROW: "#4f46e5"}
+RESIZE_COLOURS = {SHRINK: OUTCOME_COLOURS["resized"], GROW: "#4f46e5"}
 
 
 def _layout(figure: go.Figure, *, title: str, x: str, y: str, height: int = 320) -> go.Figure:

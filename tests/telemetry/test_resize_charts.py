@@ -113,3 +113,20 @@ def test_no_stop_at_all_says_so() -> None:
     figure = charts.stops_by_team_figure([])
     assert figure.data == ()
     assert figure.layout.annotations[0].text == "No job has been preempted or resized yet."
+
+
+def test_ranks_of_a_resized_attempt_wear_the_resize_colour_among_exit_codes() -> None:
+    # Sorted, "resized" would come sixth of these reasons: the palette's red, which
+    # only a failure may wear, had it no colour of its own.
+    figure = charts.exit_code_figure(
+        [
+            (0, "a", 1),
+            (0, "b", 1),
+            (0, "c", 1),
+            (0, "d", 1),
+            (0, "e", 1),
+            (0, "resized", 8),
+        ]
+    )
+    colours = {trace.name: trace.marker.color for trace in figure.data}
+    assert colours["resized"] == charts.RESIZE_COLOURS["shrink"] != charts.BAD
