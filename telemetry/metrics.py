@@ -15,7 +15,7 @@ from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 from core.access import Access
 from preemption.models import WAITING_STATES, Checkpoint, Job, PreemptionEvent, Rank
 from telemetry.mission import MISSION
-from telemetry.preemption_selectors import GROW, SHRINK, finished_resizes, resize_direction
+from telemetry.preemption_selectors import GROW, SHRINK, counted_resizes, resize_direction
 from telemetry.selectors import team_rows
 
 # One bucket edge sits on the mission's target, so a query can count the ranks over it.
@@ -228,7 +228,7 @@ def _resizes(out: Exposition, access: Access) -> None:
     until every rank of the stopped gang had exited (for a shrink, until the GPUs
     it gives up were free). Two aggregate queries."""
     resizes = (
-        PreemptionEvent.objects.filter(finished_resizes())
+        PreemptionEvent.objects.filter(counted_resizes())
         .filter(_scope(access, "job__team_id"))
         .annotate(direction=resize_direction())
         .values("job__team__slug", "direction")
@@ -263,7 +263,7 @@ def _resizes(out: Exposition, access: Access) -> None:
     free = ExpressionWrapper(F("all_exited_at") - F("decided_at"), output_field=DurationField())
     stopped = {
         item["direction"]: item
-        for item in PreemptionEvent.objects.filter(finished_resizes(), all_exited_at__isnull=False)
+        for item in PreemptionEvent.objects.filter(counted_resizes(), all_exited_at__isnull=False)
         .filter(_scope(access, "job__team_id"))
         .annotate(direction=resize_direction(), free=free)
         .values("direction")

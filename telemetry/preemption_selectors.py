@@ -99,15 +99,16 @@ def resize_direction() -> Case:
     )
 
 
-def finished_resizes() -> Q:
-    """The resizes that took place: every resize but one whose gang ended first."""
+def counted_resizes() -> Q:
+    """The resizes counted and charted, decided or done: every one but a resize
+    whose gang ended first."""
     return Q(reason=PreemptionEvent.Reason.RESIZE) & ~Q(outcome=PreemptionEvent.Outcome.ENDED_FIRST)
 
 
 @dataclass(frozen=True)
 class StopsOfTeam:
-    """How often one team's running jobs were stopped for others: preempted,
-    shrunk, or stopped to grow."""
+    """How often one team's running jobs were stopped: preempted for others'
+    work, shrunk, or stopped to grow."""
 
     team: str
     preemptions: int
@@ -128,7 +129,7 @@ def stops_by_team(*, access: Access) -> list[StopsOfTeam]:
     )
     resized: dict[str, dict[str, int]] = {}
     for slug, direction, n in (
-        PreemptionEvent.objects.filter(finished_resizes())
+        PreemptionEvent.objects.filter(counted_resizes())
         .filter(team_filter(access, "job__team_id"))
         .annotate(direction=resize_direction())
         .values("job__team__slug", "direction")
@@ -173,7 +174,7 @@ class ResizeStop:
 def resize_stops(*, access: Access) -> list[ResizeStop]:
     """The most recent resizes, oldest first."""
     rows = (
-        PreemptionEvent.objects.filter(finished_resizes())
+        PreemptionEvent.objects.filter(counted_resizes())
         .filter(team_filter(access, "job__team_id"))
         .annotate(from_ranks=attempt_ranks("victim_attempt__"))
         .order_by("-decided_at", "-id")
