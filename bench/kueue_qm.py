@@ -106,7 +106,7 @@ django.setup()
 from django.conf import settings  # noqa: E402
 from django.contrib.auth import get_user_model  # noqa: E402
 from django.db import connection, transaction  # noqa: E402
-from django.db.models import Max  # noqa: E402
+from django.db.models import Max, Min  # noqa: E402
 from django.test import override_settings  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
@@ -1010,6 +1010,14 @@ def _collect(
         "job_id", "number", "admitted_at", "launched_at", "ended_at", "end_reason", "placement"
     ):
         attempts[attempt["job_id"]].append(attempt)
+    # When victims were first chosen for each job: the GPUs they release are kept for it.
+    freed_for = dict(
+        PreemptionEvent.objects.preemptions()
+        .filter(preemptor_id__in=[j["id"] for j in jobs])
+        .values("preemptor_id")
+        .annotate(first=Min("decided_at"))
+        .values_list("preemptor_id", "first")
+    )
     admission: dict[str, list[float]] = defaultdict(list)
     launch_delay: list[float] = []
     end_delay: list[float] = []
@@ -1022,9 +1030,8 @@ def _collect(
         submitted = job["submitted_at"].timestamp()
         admitted = tries[-1]["admitted_at"].timestamp() if tries else None
         if admitted is not None:
-            # A cycle stamps its decisions with the time it started, and its snapshot
-            # (read committed) also sees submissions that committed after that; a job
-            # admitted by the cycle already running when it arrived waited for nothing.
+            # A cycle stamps an admission as it writes it, after the snapshot that saw
+            # the submission; the floor keeps a clock step from counting below zero.
             admission[workload.class_name].append(max(0.0, admitted - submitted))
         for attempt in tries:
             begin = attempt["admitted_at"].timestamp()
@@ -1049,6 +1056,9 @@ def _collect(
                 "submitted_s": submitted - start,
                 "admitted_s": None if admitted is None else admitted - start,
                 "first_admitted_s": tries[0]["admitted_at"].timestamp() - start if tries else None,
+                "victims_chosen_s": freed_for[job["id"]].timestamp() - start
+                if job["id"] in freed_for
+                else None,
                 "state": job["state"],
                 "attempts": len(tries),
                 "topology_level": workload.topology_level,
