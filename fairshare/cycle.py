@@ -42,7 +42,7 @@ from .nodes import Placement
 from .preemption import MAX_CANDIDATES_PER_ATTEMPT, reclaim_by_node
 from .reclaim_scan import ReclaimStream
 from .searches import FlavorSearches
-from .work import PendingJob, RunningWork, first_inside_behind
+from .work import PendingJob, RunningWork
 
 # Passes over the workloads still waiting after the first pass, each run only when the
 # previous pass changed what they could do.
@@ -133,7 +133,6 @@ class FlavorPlanner(FlavorSearches):
         position = [0] * len(pending)
         for queue, jobs in enumerate(pending):
             if jobs:
-                self._inside_first(queue, jobs, 0)
                 heap.append(self._queue_key(queue, jobs[0]))
         heapq.heapify(heap)
         heappop = heapq.heappop
@@ -153,7 +152,6 @@ class FlavorPlanner(FlavorSearches):
             self._plan_job(jobs[at])
             at += 1
             if at < len(jobs):
-                self._inside_first(queue, jobs, at)
                 # The key of _queue_key, spelled out: this loop runs once per workload.
                 head = jobs[at]
                 gpus = head.gpus
@@ -173,26 +171,11 @@ class FlavorPlanner(FlavorSearches):
                 if not heap or key < heap[0]:
                     reached = self._wait_in_a_row(jobs, at, key, heap[0] if heap else None)
                     if reached != at and reached < len(jobs):
-                        self._inside_first(queue, jobs, reached)
                         key = self._queue_key(queue, jobs[reached])
                     at = reached
                 if at < len(jobs):
                     heappush(heap, key)
             position[queue] = at
-
-    def _inside_first(self, queue: int, jobs: list[PendingJob], at: int) -> None:
-        # A job inside its queue's own guarantee goes before the queue's older job of its
-        # priority that the guarantee cannot hold: the queue's place in the pass is its
-        # next job's, and behind that job (ranked as borrowing) another team's borrowing
-        # took the free GPUs and the donors' work that the job inside needed (seen
-        # replaying Sia workload 2). Not when the younger job would rank lower, beyond an
-        # ancestor's guarantee.
-        ledger = self.ledger
-        later = first_inside_behind(jobs, at, ledger.guarantee[queue] - ledger.usage[queue])
-        if later >= 0 and self._guarantee_rank(queue, jobs[later].gpus) <= self._guarantee_rank(
-            queue, jobs[at].gpus
-        ):
-            jobs.insert(at, jobs.pop(later))
 
     def _wait_in_a_row(
         self, jobs: list[PendingJob], at: int, key: QueueKey, first: QueueKey | None

@@ -181,25 +181,3 @@ def in_queue_order(jobs: list[PendingJob]) -> None:
 
 def _by_id(job: PendingJob) -> str:
     return job.workload.id
-
-
-def first_inside_behind(jobs: list[PendingJob], at: int, room: int) -> int:
-    """The position of the first job behind ``jobs[at]``, of its priority, that takes at
-    most ``room`` GPUs (what its queue has left inside its own guarantee) when
-    ``jobs[at]`` takes more; -1 when ``jobs[at]`` fits or no such job waits.
-
-    Inside a queue the order is priority, then age; but a job too large for its queue's
-    unused guarantee does not hold back a smaller one behind it that the guarantee
-    promises a start (see ``FlavorPlanner._inside_first``).
-    """
-    head = jobs[at]
-    if room <= 0 or head.gpus <= room:
-        return -1
-    priority = head.priority
-    for later in range(at + 1, len(jobs)):
-        job = jobs[later]
-        if job.priority != priority:
-            return -1
-        if job.gpus <= room:
-            return later
-    return -1

@@ -32,7 +32,7 @@ from fairshare.rules import (
     r10_place,
     r11_releasing_first,
 )
-from fairshare.work import PendingJob, first_inside_behind, in_queue_order
+from fairshare.work import PendingJob, in_queue_order
 
 CLS = {c.name: c for c in CLASSES}
 
@@ -253,24 +253,6 @@ def test_pending_jobs_go_by_priority_then_submission_then_id(
     # Submitted ``ago`` seconds before the snapshot: the larger, the older.
     expected = sorted((-CLS[name].value, -ago, job_id) for name, ago, job_id in jobs)
     assert [job.workload.id for job in pending] == [job_id for _, _, job_id in expected]
-
-
-def test_a_job_inside_the_guarantee_is_not_held_back_by_an_older_one_beyond_it() -> None:
-    def queue(*jobs: tuple[str, str, int]) -> list[PendingJob]:
-        return [
-            PendingJob(w(job_id).cls(name).gpus(gpus).build(), 0, CLS[name])
-            for job_id, name, gpus in jobs
-        ]
-
-    mixed = queue(("big", "normal", 8), ("bigger", "normal", 6), ("small", "normal", 2))
-    # 4 GPUs left inside the guarantee: the first job of the head's priority that fits.
-    assert first_inside_behind(mixed, 0, 4) == 2
-    # The head fits, or nothing does, or the guarantee is used up: the order stands.
-    assert first_inside_behind(mixed, 0, 8) == -1
-    assert first_inside_behind(mixed, 0, 1) == -1
-    assert first_inside_behind(mixed, 0, 0) == -1
-    # Never across priorities: a lower job would take what the head's priority may claim.
-    assert first_inside_behind(queue(("hi", "high", 8), ("lo", "normal", 1)), 0, 4) == -1
 
 
 @st.composite

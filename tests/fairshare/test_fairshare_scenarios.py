@@ -50,9 +50,8 @@ TREE = [
 N1_4 = [Node(f"n{i}", "h100", 8) for i in range(1, 5)]
 N1_6 = [Node(f"n{i}", "h100", 8) for i in range(1, 7)]
 # q2 runs r4 and r5 (r2 terminates) under its guarantee of 5 while its pending p11 reserves
-# 8 GPUs that r1 releases. q1 (r1 terminating, borrow limit 2) reserves the rest; its p12
-# (1 GPU, inside q1's guarantee) starts on a free GPU before its older p7 (4 GPUs, beyond
-# it), which is left with no room: r5 must not go "for fair share" because q2's own
+# 8 GPUs that r1 releases. q1 (r1 terminating, borrow limit 2) reserves the rest and is
+# left with p12 and no free GPU: r5 must not go "for fair share" because q2's own
 # reservation made it look above its fair share.
 BORROWER_QUEUES = [
     team("q0", guarantee=9),
@@ -242,30 +241,6 @@ KEPT = [
     w("b1").queue("b").gpus(8).submitted(10),
 ]
 
-# Team a (guarantee 8) runs nothing; its oldest job a_big (16 GPUs) goes beyond its
-# guarantee, its younger a1 (8 GPUs) fits inside it. b (guarantee 8) runs nothing either and
-# waits with b1 (12 GPUs, beyond b's guarantee), older than a_big. c (no guarantee) borrows
-# 12 GPUs, 4 on each of n0, n1 and n3; n1 has 4 free. Planned behind a_big, a1 came after
-# b1, which took n1's free GPUs and c's work there for fair share, and a1 found no node
-# to clear (seen replaying Sia workload 2).
-HEAD_BEYOND_QUEUES = [
-    team("a", guarantee=8),
-    team("b", guarantee=8),
-    team("c"),
-    team("d", guarantee=16),
-]
-HEAD_BEYOND = [
-    w("c1").queue("c").gpus(4).running("n0"),
-    w("d0").queue("d").gpus(4).running("n0"),
-    w("c2").queue("c").gpus(4).running("n1"),
-    w("d1").queue("d").gpus(8).running("n2"),
-    w("c3").queue("c").gpus(4).running("n3"),
-    w("d2").queue("d").gpus(4).running("n3"),
-    w("b1").queue("b").gang(3, 4).submitted(500),
-    w("a_big").gang(2, 8).submitted(400),
-    w("a1").gpus(8).submitted(100),
-]
-
 # One line per case, as in a table.
 # fmt: off
 CASES = [
@@ -330,14 +305,13 @@ CASES = [
     Case("blocked_job_does_not_block_others", N2, AB, [w("big").gpus(16).submitted(500), w("small").gpus(4)], admit={"small"}, wait={"big": "no node of flavor h100 has 16 GPUs"}),
     Case("no_node_has_enough_free_gpus", [Node("m0", "h100", 16)], [team("a", guarantee=16)], [w("x").gpus(4).running("m0"), w("big").gpus(16)], wait={"big": "no node of flavor h100 has 16 free GPUs"}),
     Case("queue_furthest_below_fair_share_first", N3, [team("a", guarantee=16), team("b")], [w("a0").gpus(8).running("n0"), w("b0").queue("b").gpus(8).running("n1"), w("b1").queue("b").gpus(8).submitted(900), w("a1").gpus(8).submitted(10)], admit={"a1"}, wait={"b1": "free GPUs"}),
-    Case("inside_own_guarantee_not_held_back_by_its_queues_older_job_beyond_it", N4, HEAD_BEYOND_QUEUES, HEAD_BEYOND, preempt={"c2": "reclaim"}, wait={"a1": "waiting for 4 GPUs being released by job c2"}),
     Case("inside_own_guarantee_oldest_first_across_queues", N2, HANDOFF_QUEUES, HANDOFF, admit={"b1"}, preempt={"c5": "reclaim", "c6": "reclaim"}, wait={"a1": "released by job c5", "a2": "released by job c6"}),
     Case("ties_go_to_older_submission", N3, AB0, [w("a0").gpus(8).running("n0"), w("b0").queue("b").gpus(8).running("n1"), w("a1").gpus(8).submitted(10), w("b1").queue("b").gpus(8).submitted(900)], admit={"b1"}, wait={"a1": "free GPUs"}),
     Case("inside_queue_priority_then_age", N2, AB, [w("x").gpus(8).running("n0"), w("old").gpus(8).submitted(900), w("hi").priority(100).gpus(8).submitted(5)], admit={"hi"}, wait={"old": "free GPUs"}),
     Case("cheapest_victim_lower_priority_first", N3, AB, [w("b0").queue("b").gpus(8).running("n0"), w("b_low").queue("b").priority(-1).gpus(8).running("n1", since=7200), w("b_norm").queue("b").gpus(8).running("n2", since=60), w("a1").gpus(8)], preempt={"b_low": "reclaim"}),
     Case("cheapest_victim_least_lost_work", N3, AB, [w("b0").queue("b").gpus(8).running("n0"), w("b_old").queue("b").gpus(8).running("n1", since=7200, checkpoint=30), w("b_new").queue("b").gpus(8).running("n2", since=600), w("a1").gpus(8)], preempt={"b_old": "reclaim"}),
     Case("priority_victim_returns_quota_held_by_lend_limit", [Node("big", "h100", 16), Node("small", "h100", 8)], [team("a"), team("lender", guarantee=16, lend_limit=0)], [w("lo").priority(-1).gpus(8).running("big"), w("hi").priority(100).gpus(8)], preempt={"lo": "priority"}, wait={"hi": "waiting for job lo to exit and return quota"}),
-    Case("guarantee_no_fair_share_victim_because_of_own_reservation", N1_4, BORROWER_QUEUES, BORROWER, admit={"p9", "p10", "p12"}, wait={"p13": "released by job r1", "p11": "released by job r1", "p14": "team q1 at its borrow limit of 2", "p8": "team q1 at its borrow limit of 2", "p7": "no node of flavor h100 has 4 free GPUs"}, fair_share={"q0": 8, "q1": 13, "q2": 11}),
+    Case("guarantee_no_fair_share_victim_because_of_own_reservation", N1_4, BORROWER_QUEUES, BORROWER, admit={"p9", "p10"}, wait={"p13": "released by job r1", "p11": "released by job r1", "p14": "team q1 at its borrow limit of 2", "p8": "team q1 at its borrow limit of 2", "p7": "waiting for 1 GPUs being released by job r2", "p12": "no node of flavor h100 has 1 free GPUs"}, fair_share={"q0": 8, "q1": 13, "q2": 11}),
     Case("guarantee_no_reclaim_because_of_own_new_admission", N1_6, RECLAIM_QUEUES, RECLAIM, admit={"p11", "p12", "p15", "p16", "p17"}, preempt={"r8": "priority"}, wait={"p13": "no node of flavor h100 has 8 free GPUs", "p14": "no node of flavor h100 has 8 free GPUs", "p9": "no node of flavor h100 has 8 free GPUs", "p10": "waiting for 8 GPUs being released by job r8"}, fair_share={"q0": 25, "q1": 23}),
     Case("decayed_usage_orders_teams_below_fair_share", N1, HEAVY_A, BOTH_WAIT, admit={"b1"}, wait={"a1": "team a used 2.0× its share of the spare h100 GPUs over the last week: its fair share is 0.5 GPUs instead of 4.0"}, fair_share={"a": 0.5 / 8.5 * 8, "b": 8 / 8.5 * 8}, usage_strength=1.0),
     Case("decayed_usage_strength_zero_is_weight_alone", N1, HEAVY_A, BOTH_WAIT, admit={"a1"}, wait={"b1": "no node of flavor h100 has 8 free GPUs"}, fair_share={"a": 4, "b": 4}),
