@@ -534,6 +534,12 @@ RANK_COMMAND = r"""trap 'echo "caught-term $(date +%s.%N)"; exit 0' TERM
 echo "started"
 while :; do sleep 0.1; done
 """
+# Takes 3 s to stop, as a checkpoint does (within the eviction's 5 s grace): a rank that
+# ends the instant it is signalled may already be gone when a loaded machine looks.
+SLOW_STOP_RANK_COMMAND = r"""trap 'echo "caught-term $(date +%s.%N)"; sleep 3; exit 0' TERM
+echo "started"
+while :; do sleep 0.1; done
+"""
 
 
 def test_a_drain_evicting_one_rank_is_not_taken_for_our_own_signal_and_the_guard_stops_the_rest(
@@ -586,7 +592,9 @@ def test_every_rank_evicted_with_no_signal_on_record_is_not_our_own_signal(
     restarted worker). No rank is left for the guard to stop."""
     core = client.CoreV1Api(k8s_api)
     runtime = small_runtime()
-    spec = gang_spec(960, {NODES[0]: 1, NODES[1]: 1}, command=RANK_COMMAND, grace_seconds=5)
+    spec = gang_spec(
+        960, {NODES[0]: 1, NODES[1]: 1}, command=SLOW_STOP_RANK_COMMAND, grace_seconds=5
+    )
     runtime.launch(spec)
     gang = spec.gang
     wait_for(lambda: all_in(runtime, gang, "running", 2), timeout=60, what="ranks running")
