@@ -90,6 +90,12 @@ INSIDE_OWN_GUARANTEE = -math.inf
 class FlavorPlanner(FlavorSearches):
     """Plans the pending workloads of one flavor."""
 
+    # The pass being run (``_pass``): its heap of queues, their pending jobs and the
+    # position of each queue's next job.
+    pass_heap: list[QueueKey]
+    pass_pending: list[list[PendingJob]]
+    pass_position: list[int]
+
     def run(self) -> None:
         """Plan every pending workload of this flavor.
 
@@ -135,6 +141,10 @@ class FlavorPlanner(FlavorSearches):
             if jobs:
                 heap.append(self._queue_key(queue, jobs[0]))
         heapq.heapify(heap)
+        # What ``_others_wait_inside_guarantee`` reads while a job is planned.
+        self.pass_heap = heap
+        self.pass_pending = pending
+        self.pass_position = position
         heappop = heapq.heappop
         heappush = heapq.heappush
         ledger = self.ledger
@@ -330,7 +340,6 @@ class FlavorPlanner(FlavorSearches):
         guarantee = self.ledger.guarantee
         parent = self.tree.parent
         children = self.tree.children
-        child = queue
         above = parent[queue]
         while above >= 0:
             # The ancestor's own usage counts its children's, so the job fits nowhere
@@ -338,13 +347,23 @@ class FlavorPlanner(FlavorSearches):
             # stop here without looking at the siblings.
             room = guarantee[above] - gpus
             if usage[above] <= room:
-                held = usage[child]
-                for other in children[above]:
-                    if other != child:
-                        held += max(guarantee[other], usage[other])
+                # What the ancestor's subtree holds: the queue's usage, and beside its
+                # path, at every level up to the ancestor, each other child's guarantee
+                # or its usage where larger (a guarantee two levels down that nobody
+                # uses is held as much as a sibling's).
+                held = usage[queue]
+                child = queue
+                level = parent[queue]
+                while True:
+                    for other in children[level]:
+                        if other != child:
+                            held += max(guarantee[other], usage[other])
+                    if level == above:
+                        break
+                    child = level
+                    level = parent[level]
                 if held <= room:
                     return False
-            child = above
             above = parent[above]
         return True
 
@@ -495,14 +514,39 @@ class FlavorPlanner(FlavorSearches):
         workload = job.workload
         gpus_per_rank = workload.gpus_per_rank
         nodes = self.nodes
+        others_wait: bool | None = None
         for ranks in reversed(workload.sizes):
             if ranks > workload.ranks:
                 continue
             if self.ledger.quota_reason(job.queue, ranks * gpus_per_rank, job.priority_class):
                 continue
+            if self._guarantee_rank(job.queue, ranks * gpus_per_rank) > 0:
+                # A size beyond the guarantees would borrow GPUs that another team's
+                # work inside its own guarantee, planned later in this pass, needs: that
+                # work would reclaim them in the next plan (an admit-then-reclaim flap).
+                if others_wait is None:
+                    others_wait = self._others_wait_inside_guarantee()
+                if others_wait:
+                    continue
             placement = nodes.place_free(ranks, gpus_per_rank)
             if placement is not None:
                 self._admit(job.at_size(ranks), placement)
+                return True
+        return False
+
+    def _others_wait_inside_guarantee(self) -> bool:
+        """Whether another queue's next job in this pass fits inside its queue's own
+        guarantee at its smallest size. An elastic job's place in the pass is that of its
+        largest size, so such a job may come after work beyond the guarantees."""
+        usage = self.ledger.usage
+        guarantee = self.ledger.guarantee
+        pending = self.pass_pending
+        position = self.pass_position
+        for key in self.pass_heap:
+            queue = key.queue
+            workload = pending[queue][position[queue]].workload
+            smallest = workload.sizes[0] if workload.sizes else workload.ranks
+            if usage[queue] + smallest * workload.gpus_per_rank <= guarantee[queue]:
                 return True
         return False
 
