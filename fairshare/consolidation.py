@@ -26,10 +26,17 @@ CONSOLIDATIONS_PER_PLAN = 8
 
 
 def restart_in_any_order(
-    rooms_by_size: Mapping[int, int], moved: Iterable[int], gang: tuple[int, int] | None
+    rooms_by_size: Mapping[int, int],
+    moved: Iterable[int],
+    gang: tuple[int, int] | None,
+    requeued: Iterable[int] = (),
 ) -> bool:
     """Whether the next plan starts every moved job (``moved``: GPUs of each, one node
-    each) and the gang (``gang``: ranks, GPUs per rank), whatever order it plans them in.
+    each) and the gang (``gang``: ranks, GPUs per rank), whatever order it plans them in,
+    with the jobs reclaimed beside them (``requeued``: GPUs of each, one node each)
+    planned anywhere among them: each of those takes the room that best fits it, or
+    waits if none holds it. A reclaimed job requeued inside its queue's guarantee may
+    well be planned before a moved job and take the room the move counted on.
 
     The holes a consolidation keeps for the moved jobs bind only this plan. In the next
     one the moved jobs are pending work like any other: each goes, in queue order, to
@@ -52,6 +59,8 @@ def restart_in_any_order(
     """
     sizes = Counter(moved)
     kinds = sorted(sizes)
+    others = Counter(requeued)
+    other_kinds = sorted(others)
     settled: set[tuple[tuple[int, ...], tuple[int, ...], bool]] = set()
 
     def place(rooms: tuple[int, ...], gpus: int) -> tuple[int, ...] | None:
@@ -81,8 +90,10 @@ def restart_in_any_order(
             ranks -= fit
             left.sort()
 
-    def starts(rooms: tuple[int, ...], counts: tuple[int, ...], gang_left: bool) -> bool:
-        key = (rooms, counts, gang_left)
+    def starts(
+        rooms: tuple[int, ...], counts: tuple[int, ...], gang_left: bool, waiting: tuple[int, ...]
+    ) -> bool:
+        key = (rooms, (*counts, -1, *waiting), gang_left)
         if key in settled:
             return True
         for i, count in enumerate(counts):
@@ -90,23 +101,36 @@ def restart_in_any_order(
                 after = place(rooms, kinds[i])
                 if after is None:
                     return False
-                if not starts(after, (*counts[:i], count - 1, *counts[i + 1 :]), gang_left):
+                left = (*counts[:i], count - 1, *counts[i + 1 :])
+                if not starts(after, left, gang_left, waiting):
                     return False
         if gang_left and gang is not None:
             after = place_gang(rooms, *gang)
-            if after is None or not starts(after, counts, False):
+            if after is None or not starts(after, counts, False, waiting):
                 return False
+        for i, count in enumerate(waiting):
+            if count:
+                # Planned here: it starts where it fits best, or waits and takes nothing.
+                after = place(rooms, other_kinds[i]) or rooms
+                left = (*waiting[:i], count - 1, *waiting[i + 1 :])
+                if not starts(after, counts, gang_left, left):
+                    return False
         settled.add(key)
         return True
 
-    placements = sum(sizes.values()) + (gang[0] if gang is not None else 0)
+    placements = sum(sizes.values()) + sum(others.values()) + (gang[0] if gang is not None else 0)
     rooms = tuple(
         size
         for size in sorted(rooms_by_size)
         if size > 0
         for _ in range(min(rooms_by_size[size], placements))
     )
-    return starts(rooms, tuple(sizes[kind] for kind in kinds), gang is not None)
+    return starts(
+        rooms,
+        tuple(sizes[kind] for kind in kinds),
+        gang is not None,
+        tuple(others[kind] for kind in other_kinds),
+    )
 
 
 def consolidate(
@@ -422,8 +446,17 @@ def reclaim_and_move(
             *[run for pair in hole_victims for run in pair],
         ]
         moving = [run for run, reason in chosen.values() if reason == CONSOLIDATE]
+        requeued = _requeued_inside_guarantee(
+            ledger,
+            exiting,
+            [
+                *[run for run, reason in chosen.values() if reason == RECLAIM],
+                *reclaimed,
+                *[hole for _, hole in hole_victims],
+            ],
+        )
         if not restart_in_any_order(
-            rooms.after(exiting), [run.gpus for run in [*moving, *moved]], None
+            rooms.after(exiting), [run.gpus for run in [*moving, *moved]], None, requeued
         ):
             # The next plan might not start them all, whatever the holes kept here.
             continue
@@ -454,6 +487,29 @@ def reclaim_and_move(
         rooms.after([run for run, _ in chosen.values()]),
         [run.gpus for run, reason in chosen.values() if reason == CONSOLIDATE],
         (ranks, gpus_per_rank),
+        _requeued_inside_guarantee(
+            ledger,
+            [run for run, _ in chosen.values()],
+            [run for run, reason in chosen.values() if reason == RECLAIM],
+        ),
     ):
         return None
     return list(chosen.values()), placement, holes
+
+
+def _requeued_inside_guarantee(
+    ledger: QuotaLedger, leaving: list[RunningWork], reclaimed: list[RunningWork]
+) -> list[int]:
+    """The GPUs of each job of ``reclaimed`` that its queue's own guarantee holds once
+    every job of ``leaving`` has left: requeued, it is work inside its guarantee in the
+    next plan, planned by age beside the moved jobs, and may take the room a move
+    counts on. The others are planned after them."""
+    usage_after: dict[int, int] = {}
+    for run in leaving:
+        usage_after[run.queue] = usage_after.get(run.queue, ledger.usage[run.queue]) - run.gpus
+    return [
+        run.gpus
+        for run in reclaimed
+        if usage_after.get(run.queue, ledger.usage[run.queue]) + run.gpus
+        <= ledger.guarantee[run.queue]
+    ]

@@ -201,6 +201,22 @@ SMALLEST_HOLE = [
     w("a1").gpus(8),
 ]
 
+# Clearing n1 for a's gang would reclaim b2 there and move a3 to n0, where reclaiming b0
+# makes room. But b falls to 1 GPU, under its guarantee of 3: requeued, b2 is work inside
+# its guarantee, older than the gang, and takes 2 of the 7 GPUs on n0 first in the next
+# plan; a3 (6 GPUs) would find no room and preempt in turn. No move, then.
+REQUEUED_FIRST = [
+    w("b0").queue("b").cls("low").gpus(6).running("n0", since=0),
+    w("c0").queue("c").gpus(1).running("n0", since=0),
+    w("b2").queue("b").cls("low").gpus(2).running("n1", since=1).submitted(11),
+    w("a3").cls("low").gpus(6).running("n1", since=600),
+    w("b4").queue("b").gpus(1).running("n2", since=0),
+    w("c5").queue("c").gpus(1).running("n2", since=0),
+    w("c6").queue("c").gpus(1).running("n2", since=599),
+    *(w(f"c{i}").queue("c").gpus(2).running("n2", since=599) for i in (7, 8)),
+    w("gang").gpus(8).submitted(5),
+]
+
 B_AT_LINE = [team("a", guarantee=8), team("b", guarantee=24)]
 # b's jobs that started a minute ago (too young to move), as (node, GPUs).
 YOUNG = [("n1", 1), ("n1", 2), ("n1", 2), ("n1", 2), ("n2", 4), ("n2", 1), ("n2", 1), ("n3", 1)]
@@ -319,6 +335,7 @@ CASES = [
     Case("reclaim_and_move_when_no_node_can_be_cleared_by_either", N2, AC_B, NO_HOLE, preempt={"b0": "reclaim", "c0": "consolidate", "b1": "reclaim"}, wait={"a1": "waiting for 8 GPUs being released"}),
     Case("reclaim_and_move_clears_the_other_node_when_one_small_job_is_young", N2, AC_B, [NO_HOLE[0], w("c0").queue("c").gpus(1).running("n0", since=60), *NO_HOLE[2:]], preempt={"b1": "reclaim", "c1": "consolidate", "b0": "reclaim"}, wait={"a1": "waiting for 8 GPUs being released"}),
     Case("reclaim_and_move_takes_the_smallest_hole_large_enough", N3, AC_B, SMALLEST_HOLE, preempt={"b0": "reclaim", "c0": "consolidate", "b2": "reclaim"}, wait={"a1": "waiting for 8 GPUs being released"}),
+    Case("reclaim_and_move_keeps_no_room_a_reclaimed_job_may_take_first", N3, [team("a", guarantee=14), team("b", guarantee=3), team("c", guarantee=7)], REQUEUED_FIRST, wait={"gang": "no node of flavor h100 has 8 free GPUs"}),
     Case("reclaim_and_move_spares_young_small_jobs", N2, AC_B, [NO_HOLE[0], w("c0").queue("c").gpus(1).running("n0", since=60), NO_HOLE[2], w("c1").queue("c").gpus(4).running("n1", since=60), NO_HOLE[4]], wait={"a1": "no node of flavor h100 has 8 free GPUs"}),
     Case("topology_reclaim_clears_one_whole_rack", RACKS, [team("a", guarantee=16), team("b", guarantee=16)], KUEUE_10815, admit=set(), preempt={"b2": "reclaim", "b3": "reclaim"}, wait={"gang": "waiting for"}),
     Case("topology_blind_reclaim_scatters_victims", RACKS, [team("a", guarantee=16), team("b", guarantee=16)], [*KUEUE_10815[:-1], w("gang").gang(2, 8)], preempt={"b0": "reclaim", "b2": "reclaim"}),
