@@ -153,6 +153,14 @@ def test_r10_moved_jobs_restart_in_any_order() -> None:
     # free do not hold a job of two, and two such jobs need two nodes of two.
     assert not restart_in_any_order({1: 1_000, 2: 1}, [2, 2], None)
     assert restart_in_any_order({1: 1_000, 2: 2}, [2, 2], None)
+    # A reclaimed job requeued inside its guarantee may come first and take the room:
+    # a 6-GPU moved job and a 2-GPU requeued one need 8 free on one node, or two nodes.
+    assert restart_in_any_order(Counter([7]), [6], None)
+    assert not restart_in_any_order(Counter([7]), [6], None, [2])
+    assert restart_in_any_order(Counter([8]), [6], None, [2])
+    assert restart_in_any_order(Counter([7, 2]), [6], None, [2])
+    # One that finds no room waits and takes nothing.
+    assert restart_in_any_order(Counter([7]), [6], None, [8])
 
 
 def _starts_in_every_order(
