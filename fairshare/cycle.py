@@ -22,7 +22,6 @@ searches (``searches.py``) and on the planning state and the decisions it record
 from __future__ import annotations
 
 import heapq
-import math
 
 from .consolidation import consolidate, reclaim_and_move
 from .decisions import WaitOutcome
@@ -42,49 +41,11 @@ from .nodes import Placement
 from .preemption import MAX_CANDIDATES_PER_ATTEMPT, reclaim_by_node
 from .reclaim_scan import ReclaimStream
 from .searches import FlavorSearches
-from .work import PendingJob, RunningWork
+from .work import INSIDE_OWN_GUARANTEE, PendingJob, QueueKey, RunningWork
 
 # Passes over the workloads still waiting after the first pass, each run only when the
 # previous pass changed what they could do.
 RETRY_PASSES = 3
-
-
-class QueueKey:
-    """The key of a queue in a pass's heap: how far beyond the guarantees its next job
-    goes (``rank``, as _guarantee_rank says), INSIDE_OWN_GUARANTEE for a job inside its
-    queue's own guarantee and otherwise usage minus fair share (``distance``, see
-    _queue_key), the next job's submission, the queue's name and index, compared in
-    that order.
-
-    A class with its own comparison rather than the tuple of them: compiled, ``__lt__``
-    compares them as numbers, while a tuple goes through Python's generic comparison
-    for each pair of items (see ``candidates.ScanEntry``).
-    """
-
-    __slots__ = ("distance", "name", "queue", "rank", "submitted")
-
-    def __init__(self, rank: int, distance: float, submitted: float, name: str, queue: int) -> None:
-        self.rank = rank
-        self.distance = distance
-        self.submitted = submitted
-        self.name = name
-        self.queue = queue
-
-    def __lt__(self, other: QueueKey) -> bool:
-        if self.rank != other.rank:
-            return self.rank < other.rank
-        if self.distance != other.distance:
-            return self.distance < other.distance
-        if self.submitted != other.submitted:
-            return self.submitted < other.submitted
-        if self.name != other.name:
-            return self.name < other.name
-        return self.queue < other.queue
-
-
-# The second part of the key of a job inside its queue's own guarantee: before any other
-# work of its guarantee rank, and among such jobs the older submission first.
-INSIDE_OWN_GUARANTEE = -math.inf
 
 
 class FlavorPlanner(FlavorSearches):

@@ -2,13 +2,15 @@
 workloads as jobs to plan, and the order each is taken in.
 
 Owns R9's order of victims (``RunningWork.order``, from ``rules.r9_victim_order``) and
-the order of a queue's pending jobs (``in_queue_order``). Holds and orders work; never
+the order of a queue's pending jobs (``in_queue_order``), and the key of a queue in a
+pass's order (``QueueKey``, which ``cycle.py`` computes). Holds and orders work; never
 judges whether a candidate may be taken (``candidates.py``) nor plans a job.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from operator import attrgetter
 
@@ -181,3 +183,41 @@ def in_queue_order(jobs: list[PendingJob]) -> None:
 
 def _by_id(job: PendingJob) -> str:
     return job.workload.id
+
+
+class QueueKey:
+    """The key of a queue in a pass's heap: how far beyond the guarantees its next job
+    goes (``rank``, as ``cycle.FlavorPlanner._guarantee_rank`` says), INSIDE_OWN_GUARANTEE for a job inside its
+    queue's own guarantee and otherwise usage minus fair share (``distance``, see
+    ``FlavorPlanner._queue_key``), the next job's submission, the queue's name and index, compared in
+    that order.
+
+    A class with its own comparison rather than the tuple of them: compiled, ``__lt__``
+    compares them as numbers, while a tuple goes through Python's generic comparison
+    for each pair of items (see ``candidates.ScanEntry``).
+    """
+
+    __slots__ = ("distance", "name", "queue", "rank", "submitted")
+
+    def __init__(self, rank: int, distance: float, submitted: float, name: str, queue: int) -> None:
+        self.rank = rank
+        self.distance = distance
+        self.submitted = submitted
+        self.name = name
+        self.queue = queue
+
+    def __lt__(self, other: QueueKey) -> bool:
+        if self.rank != other.rank:
+            return self.rank < other.rank
+        if self.distance != other.distance:
+            return self.distance < other.distance
+        if self.submitted != other.submitted:
+            return self.submitted < other.submitted
+        if self.name != other.name:
+            return self.name < other.name
+        return self.queue < other.queue
+
+
+# The second part of the key of a job inside its queue's own guarantee: before any other
+# work of its guarantee rank, and among such jobs the older submission first.
+INSIDE_OWN_GUARANTEE = -math.inf

@@ -40,10 +40,11 @@ from fairshare import (
     plan,
     plan_to_dict,
 )
-from fairshare.cycle import FlavorPlanner, QueueKey
+from fairshare.cycle import FlavorPlanner
 from fairshare.native import python_sources, running_compiled
 from fairshare.nodes import NodeMap
 from fairshare.tree import prepare
+from fairshare.work import QueueKey
 
 # The tests that probe the planner's inside (replace one of its methods, count the
 # lookups of one of its dictionaries) plan from the engine's sources: a compiled planner
