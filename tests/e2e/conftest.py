@@ -36,6 +36,13 @@ def fast_password_hashing(settings: Any) -> None:
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
+# How long a page may take to load is the page benchmark's to say
+# (`bench/bench_pages.py`), not a test's: `make test` runs its three suites at once on
+# two cores, where the telemetry page's charts took longer than Playwright's default of
+# 30 s to draw in two fresh-clone runs, against a few seconds on a quiet machine.
+PAGE_TIMEOUT_MS = 120_000
+
+
 @dataclass
 class Session:
     """One browser page plus everything it did that a test checks afterwards."""
@@ -56,6 +63,15 @@ class Session:
         self.page.fill("#id_password", password)
         self.page.click("button[type=submit]")
         self.page.wait_for_load_state("networkidle")
+
+    def another_context(self, **options: Any) -> Any:
+        """Another browser context signed in as this one is (its cookies), with
+        ``options`` (a viewport, a colour scheme) and the same timeout."""
+        context = self.page.context.browser.new_context(
+            storage_state=self.page.context.storage_state(), **options
+        )
+        context.set_default_timeout(PAGE_TIMEOUT_MS)
+        return context
 
     def screenshot(self, name: str) -> None:
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
@@ -87,6 +103,7 @@ def _browser() -> Iterator[Any]:
 @pytest.fixture
 def browser_session(live_server: Any, _browser: Any) -> Iterator[Session]:
     context = _browser.new_context(viewport={"width": 1440, "height": 900}, accept_downloads=True)
+    context.set_default_timeout(PAGE_TIMEOUT_MS)
     page = context.new_page()
     session = Session(page=page, base_url=live_server.url)
 

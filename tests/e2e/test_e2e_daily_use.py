@@ -156,9 +156,8 @@ def test_rank_log_follows_its_newest_line_and_hides_the_trap_events(
 
 def _phone(session: Session, width: int = 390, height: int = 844) -> Any:
     """A page of the signed-in session in a context of the given size."""
-    context = session.page.context.browser.new_context(
+    context = session.another_context(
         viewport={"width": width, "height": height},
-        storage_state=session.page.context.storage_state(),
     )
     return context.new_page()
 

@@ -103,10 +103,9 @@ def test_cancel_job_stays_red_in_dark_mode(world: Any, browser_session: Session)
         "getComputedStyle(document.querySelector('#cancel-form button.danger')).color"
     )
     assert _reddish(light), light
-    dark = session.page.context.browser.new_context(
+    dark = session.another_context(
         viewport={"width": 1440, "height": 900},
         color_scheme="dark",
-        storage_state=session.page.context.storage_state(),
     )
     try:
         page = dark.new_page()

@@ -81,10 +81,9 @@ def test_phone_width_in_dark_mode(world: Any, browser_session: Session) -> None:
     session = browser_session
     session.login("researcher", PASSWORD)
     # The signed-in cookies carry over to a phone-sized, dark context.
-    phone = session.page.context.browser.new_context(
+    phone = session.another_context(
         viewport={"width": 390, "height": 844},
         color_scheme="dark",
-        storage_state=session.page.context.storage_state(),
     )
     page = phone.new_page()
     errors: list[str] = []
