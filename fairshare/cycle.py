@@ -301,6 +301,7 @@ class FlavorPlanner(FlavorSearches):
         guarantee = self.ledger.guarantee
         parent = self.tree.parent
         children = self.tree.children
+        child = queue
         above = parent[queue]
         while above >= 0:
             # The ancestor's own usage counts its children's, so the job fits nowhere
@@ -308,23 +309,13 @@ class FlavorPlanner(FlavorSearches):
             # stop here without looking at the siblings.
             room = guarantee[above] - gpus
             if usage[above] <= room:
-                # What the ancestor's subtree holds: the queue's usage, and beside its
-                # path, at every level up to the ancestor, each other child's guarantee
-                # or its usage where larger (a guarantee two levels down that nobody
-                # uses is held as much as a sibling's).
-                held = usage[queue]
-                child = queue
-                level = parent[queue]
-                while True:
-                    for other in children[level]:
-                        if other != child:
-                            held += max(guarantee[other], usage[other])
-                    if level == above:
-                        break
-                    child = level
-                    level = parent[level]
+                held = usage[child]
+                for other in children[above]:
+                    if other != child:
+                        held += max(guarantee[other], usage[other])
                 if held <= room:
                     return False
+            child = above
             above = parent[above]
         return True
 
@@ -481,10 +472,14 @@ class FlavorPlanner(FlavorSearches):
                 continue
             if self.ledger.quota_reason(job.queue, ranks * gpus_per_rank, job.priority_class):
                 continue
-            if self._guarantee_rank(job.queue, ranks * gpus_per_rank) > 0:
-                # A size beyond the guarantees would borrow GPUs that another team's
-                # work inside its own guarantee, planned later in this pass, needs: that
-                # work would reclaim them in the next plan (an admit-then-reclaim flap).
+            if (
+                self.ledger.usage[job.queue] + ranks * gpus_per_rank
+                > self.ledger.guarantee[job.queue]
+            ):
+                # A size beyond its queue's own guarantee would borrow GPUs that another
+                # team's work inside its own guarantee, planned later in this pass,
+                # needs: that work would reclaim them in the next plan (an
+                # admit-then-reclaim flap).
                 if others_wait is None:
                     others_wait = self._others_wait_inside_guarantee()
                 if others_wait:

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from fairshare import Node, QuotaChange, consequences_to_dict, diff
 from fairshare.consolidation import restart_in_any_order
-from fairshare.cycle import FlavorPlanner
 from fairshare.elastic import may_grow, shrink_costs_less
 from fairshare.nodes import NodeMap
 from fairshare.rules import (
@@ -33,7 +32,6 @@ from fairshare.rules import (
     r10_place,
     r11_releasing_first,
 )
-from fairshare.tree import prepare
 from fairshare.work import PendingJob, in_queue_order
 
 CLS = {c.name: c for c in CLASSES}
@@ -326,25 +324,3 @@ def test_may_grow_only_an_elastic_gang_below_its_largest_size_of_a_class_that_al
     assert not may_grow(gang.at(4).running("n0").build(), False)
     assert not may_grow(w("f").gang(8, 1).elastic(2, 4, 8).running("n0").build(), True)
     assert not may_grow(w("g").gang(4, 1).running("n0").build(), True)
-
-
-def test_a_guarantee_two_levels_down_that_nobody_uses_is_held() -> None:
-    """Where more GPUs for a queue stand in the pass's order: g1 (guarantee 7, one GPU
-    used) beyond its own guarantee fits inside k's and t's only in the part that g0, its
-    sibling, neither uses nor holds; g0's unused GPU is held at t too, two levels up, so
-    7 more GPUs borrow (rank 2) while 6 stay inside every guarantee (rank 0)."""
-    snapshot = cluster(
-        nodes("n", 1, 8),
-        [
-            team("t", guarantee=8),
-            team("k", "t", guarantee=8),
-            team("g0", "k", guarantee=1),
-            team("g1", "k", guarantee=7),
-        ],
-        [w("x").queue("g1").gpus(1).running("n0")],
-    )
-    tree, classes, _ = prepare(snapshot)
-    planner = FlavorPlanner(snapshot, tree, classes, "h100", list(snapshot.workloads))
-    g0, g1 = tree.index["g0"], tree.index["g1"]
-    assert [planner._guarantee_rank(g1, gpus) for gpus in (6, 7)] == [0, 2]
-    assert [planner._guarantee_rank(g0, gpus) for gpus in (1, 2)] == [0, 2]
