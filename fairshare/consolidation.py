@@ -61,7 +61,7 @@ def restart_in_any_order(
     kinds = sorted(sizes)
     others = Counter(requeued)
     other_kinds = sorted(others)
-    settled: set[tuple[tuple[int, ...], tuple[int, ...], bool]] = set()
+    settled: set[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]] = set()
 
     def place(rooms: tuple[int, ...], gpus: int) -> tuple[int, ...] | None:
         # R10 for one rank: the node with the least room that holds it.
@@ -93,7 +93,7 @@ def restart_in_any_order(
     def starts(
         rooms: tuple[int, ...], counts: tuple[int, ...], gang_left: bool, waiting: tuple[int, ...]
     ) -> bool:
-        key = (rooms, (*counts, -1, *waiting), gang_left)
+        key = (rooms, counts, waiting, gang_left)
         if key in settled:
             return True
         for i, count in enumerate(counts):
