@@ -60,16 +60,24 @@ class DrillBase:
         critical_seconds: float = CRITICAL_SECONDS,
         seed: int | None = None,
         notice: str = "on",
+        critical_at_step: int | None = None,
     ) -> None:
         if ranks < 1 or ranks > 256:
             raise DrillError("--ranks must be between 1 and 256")
+        if critical_at_step is not None and not 1 <= critical_at_step < steps:
+            raise DrillError(
+                f"--critical-at-step must be between 1 and {steps - 1} (below --steps), "
+                f"got {critical_at_step}"
+            )
         self.ranks = ranks
         self.grace = grace
         self.runtime = runtime
         self.say = say
         self.steps = steps
-        # The step the borrower has reached when the critical job is submitted.
-        self.steady_step = steps * 3 // 4
+        # The step the borrower has reached when the critical job is submitted: three
+        # quarters through by default; the steps after it are the time the eviction
+        # has to land before the borrower ends on its own.
+        self.steady_step = steps * 3 // 4 if critical_at_step is None else critical_at_step
         self.critical_seconds = critical_seconds
         self.random = random.Random(seed)
         if notice not in NOTICE_MODES:

@@ -415,6 +415,7 @@ def run_drill(
     steps: int = STEPS,
     critical_seconds: float = CRITICAL_SECONDS,
     notice: str = "on",
+    critical_at_step: int | None = None,
 ) -> DrillResult:
     """Run the drill (or `chaos` rounds of it) and store a DrillRun row. `notice`
     is on, off or both: with both, the round runs without the checkpoint notice,
@@ -433,6 +434,7 @@ def run_drill(
         steps=steps,
         critical_seconds=critical_seconds,
         notice=notice,
+        critical_at_step=critical_at_step,
     )
     drill.setup()
     drill.log(f"reference run first ({ranks} ranks)")

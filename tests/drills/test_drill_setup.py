@@ -121,3 +121,17 @@ def test_a_refused_setup_is_reported_and_changes_nothing(settings: Any) -> None:
         _drill(4).setup()
     assert not Quota.objects.filter(team__slug="drill").exists()
     assert _quotas() == {**quotas, "drill-borrower": 0}
+
+
+def test_the_critical_job_comes_three_quarters_through_unless_told_a_step() -> None:
+    assert Drill(ranks=4, grace=None, runtime="local", say=print, steps=120).steady_step == 90
+    told = Drill(ranks=4, grace=None, runtime="local", say=print, steps=150, critical_at_step=40)
+    assert told.steady_step == 40
+
+
+@pytest.mark.parametrize("step", [0, 150, 200])
+def test_a_critical_step_outside_the_run_is_refused(step: int) -> None:
+    from drills.base import DrillError
+
+    with pytest.raises(DrillError, match=r"--critical-at-step must be between 1 and 149"):
+        Drill(ranks=4, grace=None, runtime="local", say=print, steps=150, critical_at_step=step)

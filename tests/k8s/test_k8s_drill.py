@@ -82,13 +82,14 @@ def test_drill_on_kubernetes(
             "--ranks",
             str(RANKS),
             "--steps",
-            # The critical job comes at three quarters of the steps; the eviction (the
-            # notice's save, then the signal through the API server) must land before
-            # the borrower's last step, or there is nothing to resume. 30 steps of
-            # 0.2 s left 1.6 s for it, and 60 steps about 3 s, which a loaded machine
-            # used up (the signal came after the last step, and ranks that had left
-            # their trap died of it: 143).
-            "100",
+            "150",
+            # The critical job comes at step 40, leaving 110 steps of 0.2 s (22 s) for the
+            # eviction (the notice's save, then the signal through the API server) to land
+            # before the borrower's last step. At three quarters of 100 steps a loaded
+            # machine's signal came 8.6 s after the decision, past the last step: ranks
+            # that had left their trap died of it (143).
+            "--critical-at-step",
+            "40",
             "--critical-seconds",
             "5",
         ],

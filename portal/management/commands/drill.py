@@ -44,6 +44,14 @@ class Command(BaseCommand):
         parser.add_argument(
             "--critical-seconds", type=float, default=30.0, help="how long the critical job runs"
         )
+        parser.add_argument(
+            "--critical-at-step",
+            type=int,
+            default=None,
+            metavar="STEP",
+            help="submit the critical job once the borrower reaches this step (default: three "
+            "quarters of --steps); the steps after it are the eviction's time to land",
+        )
         parser.add_argument("--seed", type=int, default=None, help="seed of the chaos choices")
         parser.add_argument(
             "--notice",
@@ -77,6 +85,7 @@ class Command(BaseCommand):
                 seed=options["seed"],
                 steps=options["steps"],
                 critical_seconds=options["critical_seconds"],
+                critical_at_step=options["critical_at_step"],
                 notice=options["notice"],
                 say=lambda line: self.stdout.write(line),
             )
