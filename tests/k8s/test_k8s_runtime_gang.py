@@ -14,7 +14,12 @@ from kubernetes import client
 
 from preemption.runtimes.base import GangId, RuntimeTemporaryError
 from preemption.runtimes.kubernetes import KubernetesRuntime
-from preemption.runtimes.kubernetes.config import EXIT_CODE_FINALIZER, gang_name, pod_name
+from preemption.runtimes.kubernetes.config import (
+    EXIT_CODE_FINALIZER,
+    gang_name,
+    gang_selector,
+    pod_name,
+)
 from preemption.runtimes.kubernetes.observe import gang_guard_victims
 from tests.k8s.conftest import delete_namespace
 from tools.k8s.agent_state import ANNOTATION_EXIT_ON_TERM, ANNOTATION_RUN, ANNOTATION_TERM_SECONDS
@@ -221,6 +226,43 @@ def test_a_rank_never_scheduled_ends_with_the_gang(make_runtime: MakeRuntime, na
         (143, False),
         (None, True),
     ]
+
+
+def test_forget_releases_a_finalizer_of_a_pod_that_changed_since_it_was_listed(
+    make_runtime: MakeRuntime, k8s_api: client.ApiClient, namespace: str
+):
+    runtime = make_runtime(pod_annotations={ANNOTATION_RUN: "process"})
+    core = client.CoreV1Api(k8s_api)
+    spec = gang_spec(111, {"gpu-node-2": 2}, command="true")
+    gang = spec.gang
+    runtime.launch(spec)
+    wait_for(lambda: all_in(runtime, gang, "exited", 2), timeout=120)
+    selector = gang_selector(gang)
+    listed = core.list_namespaced_pod(namespace, label_selector=selector)
+    for pod in listed.items:
+        # A write after the list, as a kubelet's late status update is.
+        core.patch_namespaced_pod(
+            pod.metadata.name, namespace, {"metadata": {"labels": {"touched": "yes"}}}
+        )
+    cluster_core = runtime.cluster.core
+    real_list = cluster_core.list_namespaced_pod
+    stale = [listed]
+    cluster_core.list_namespaced_pod = lambda *args, **kwargs: (
+        stale.pop() if stale else real_list(*args, **kwargs)
+    )
+    try:
+        runtime.forget(gang)
+    finally:
+        cluster_core.list_namespaced_pod = real_list
+    assert not stale, "forget read the gang's pods through another call"
+    for pod in core.list_namespaced_pod(namespace, label_selector=selector).items:
+        assert EXIT_CODE_FINALIZER not in (pod.metadata.finalizers or [])
+    # With the finalizers released, the gang record's collection removes the pods.
+    wait_for(
+        lambda: not core.list_namespaced_pod(namespace, label_selector=selector).items,
+        timeout=120,
+        what="the forgotten gang's pods to go",
+    )
 
 
 def test_ranks_run_the_command_with_rendezvous_and_trap_environment(

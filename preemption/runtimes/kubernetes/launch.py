@@ -18,7 +18,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from preemption.runtimes.base import GangId, GangSpec, mtbp_text
+from preemption.runtimes.base import GangId, GangSpec, RuntimeTemporaryError, mtbp_text
 from preemption.runtimes.kubernetes.cluster import Cluster, is_gone, translate
 from preemption.runtimes.kubernetes.config import (
     ATTEMPT_LABEL,
@@ -206,6 +206,59 @@ def _try(call: Callable[[], None]) -> Exception | None:
     return None
 
 
+# How many times forget() reads a pod afresh when its finalizers changed under it.
+RELEASE_TRIES = 5
+
+
+def _try_release(cluster: Cluster, namespace: str) -> Callable[[Any], Exception | None]:
+    """The call that releases one pod's exit-code finalizer; it returns the error
+    (translated) that kept it, or None."""
+
+    def release(pod: Any) -> Exception | None:
+        for _ in range(RELEASE_TRIES):
+            finalizers = pod.metadata.finalizers or []
+            if EXIT_CODE_FINALIZER not in finalizers:
+                return None
+            remaining = [f for f in finalizers if f != EXIT_CODE_FINALIZER]
+            try:
+                # Against the version read: the list replaced is exactly the one read,
+                # so a finalizer someone else added meanwhile is never dropped.
+                cluster.core.patch_namespaced_pod(
+                    pod.metadata.name,
+                    namespace,
+                    [
+                        {"op": "test", "path": "/metadata/resourceVersion",
+                         "value": pod.metadata.resource_version},
+                        {"op": "replace", "path": "/metadata/finalizers", "value": remaining},
+                    ],
+                )  # fmt: skip
+                return None
+            except ApiException as error:
+                if is_gone(error):
+                    return None
+                if error.status not in (409, 422):
+                    return translate(error, f"release the finalizer of pod {pod.metadata.name}")
+            # The pod changed since it was read (its kubelet wrote its status): read it
+            # again and release against that version. Listed by name, not read: the
+            # worker's role lists pods and has no need to get one.
+            name = pod.metadata.name
+            try:
+                found = cluster.core.list_namespaced_pod(
+                    namespace, field_selector=f"metadata.name={name}"
+                ).items
+            except ApiException as error:
+                return translate(error, f"read pod {name}")
+            if not found:
+                return None
+            pod = found[0]
+        return RuntimeTemporaryError(
+            f"release the finalizer of pod {pod.metadata.name}: it changed "
+            f"{RELEASE_TRIES} times while being released"
+        )
+
+    return release
+
+
 def publish_preemption_risk(
     cluster: Cluster, gang: GangId, mtbp_seconds: float, *, team: str
 ) -> None:
@@ -236,30 +289,20 @@ def forget(cluster: Cluster, gang: GangId) -> None:
     """Release the pods' exit-code finalizers and delete the gang record.
 
     Deleting the ConfigMap garbage-collects the Service, the Secret and the
-    pods through their owner references.
+    pods through their owner references. A finalizer that could not be released
+    raises, with the record kept, so that the next forget tries again: a pod left
+    with it would stay Terminating for ever.
     """
     location = cluster.gang_location(gang)
     if location is None:
         return
     namespace = location[0]
     pods = cluster.core.list_namespaced_pod(namespace, label_selector=gang_selector(gang)).items
-
-    def release(pod: Any) -> None:
-        if EXIT_CODE_FINALIZER not in (pod.metadata.finalizers or []):
-            return
-        remaining = [f for f in pod.metadata.finalizers if f != EXIT_CODE_FINALIZER]
-        with contextlib.suppress(ApiException):
-            cluster.core.patch_namespaced_pod(
-                pod.metadata.name,
-                namespace,
-                [
-                    {"op": "test", "path": "/metadata/resourceVersion",
-                     "value": pod.metadata.resource_version},
-                    {"op": "replace", "path": "/metadata/finalizers", "value": remaining},
-                ],
-            )  # fmt: skip
-
-    list(cluster.pool.map(release, pods))
+    errors = [error for error in cluster.pool.map(_try_release(cluster, namespace), pods) if error]
+    if errors:
+        # The record stays until every finalizer is released: a pod whose finalizer is
+        # left would stay Terminating for ever once the record's collection deletes it.
+        raise errors[0]
     # The garbage collector would remove it with the gang record; deleting it here
     # does not leave that to a collector that may be slow or, in tests, absent.
     with contextlib.suppress(ApiException):
