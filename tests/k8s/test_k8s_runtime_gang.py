@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -27,6 +28,19 @@ from tools.k8s.gangs import all_in, gang_spec, phases
 from tools.k8s.wait import wait_for
 
 MakeRuntime = Callable[..., KubernetesRuntime]
+
+
+def pods_left(core: client.CoreV1Api, namespace: str) -> list[tuple[str, Any, bool, str]]:
+    """The pods of ``namespace``: name, finalizers, whether deleted, phase."""
+    return [
+        (
+            pod.metadata.name,
+            pod.metadata.finalizers,
+            pod.metadata.deletion_timestamp is not None,
+            pod.status.phase,
+        )
+        for pod in core.list_namespaced_pod(namespace).items
+    ]
 
 
 def test_sixteen_rank_gang_is_bound_to_its_nodes_and_evicted_as_one(
@@ -390,7 +404,10 @@ def test_namespace_per_team_runs_the_gang_in_a_namespace_it_creates(
         runtime.signal(gang, 5)
         wait_for(lambda: all_in(runtime, gang, "exited", 2), timeout=120)
         runtime.forget(gang)
-        wait_for(lambda: not core.list_namespaced_pod(team_namespace).items, timeout=120)
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: not pods_left(core, team_namespace), timeout=120)
+        # Empty, or what holds each pod that stayed.
+        assert pods_left(core, team_namespace) == []
     finally:
         delete_namespace(core, team_namespace)
 
