@@ -20,15 +20,30 @@ library adds one for both databases, so it is written here.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 from django.db import connections, router
 from django.db.models import Field, Model
+
+M = TypeVar("M", bound=Model)
 
 # Rows per statement: with a handful of fields, far below SQLite's 32,766
 # parameters and small enough for PostgreSQL to plan at once.
 BATCH = 500
 # Rows per statement on PostgreSQL, where each column's values go as one array.
 ARRAY_BATCH = 10_000
+
+
+def row_values(model: type[M], pk: object, **values: object) -> M:
+    """An instance of `model` that holds its primary key and `values` (by attribute
+    name) and nothing else, to hand to `update_rows`, which reads no other field.
+    It is built without the model's `__init__`, which sets every field through its
+    descriptor and looks up each default: about 10 us a row, 50 ms of the reconcile
+    pass that records 3,000 ranks' and 1,920 stops' signals (this takes 0.5 us)."""
+    obj = model.__new__(model)
+    obj.__dict__[model._meta.pk.attname] = pk  # type: ignore[union-attr]
+    obj.__dict__.update(values)
+    return obj
 
 
 def update_rows(

@@ -25,7 +25,7 @@ from django.db import transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from core.rows import update_rows
+from core.rows import row_values, update_rows
 from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
 from preemption.reconcile.hold import launches_held
 from preemption.reconcile.steps import ACTION_LEASE, Step, among, guarded
@@ -198,7 +198,8 @@ def _sent_at_once(steps: list[Step], name: str, now: datetime) -> None:
         .values_list("pk", flat=True)
     )
     update_rows(
-        [PreemptionEvent(pk=pk, **{name: by_event[pk].called_at or now}) for pk in unsent], [name]
+        [row_values(PreemptionEvent, pk, **{name: by_event[pk].called_at or now}) for pk in unsent],
+        [name],
     )
 
 
@@ -217,7 +218,7 @@ def _signals_sent(steps: list[Step], now: datetime) -> None:
     )
     update_rows(
         [
-            Rank(pk=pk, signal_sent_at=by_attempt[attempt_id].called_at or now)
+            row_values(Rank, pk, signal_sent_at=by_attempt[attempt_id].called_at or now)
             for pk, attempt_id, index in unsent
             if index in alive[attempt_id]
         ],

@@ -13,7 +13,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from core.rows import update_rows
+from core.rows import row_values, update_rows
 from preemption.models import Attempt, Job, JobState, Rank
 from tests import builders
 
@@ -123,3 +123,22 @@ def test_what_it_cannot_write_is_refused_before_any_write(world: Any) -> None:
     with pytest.raises(ValueError, match="cannot restrict"):
         update_rows([rank], ["state"], only={"state": []})
     assert Rank.objects.get(pk=rank.pk).state == Rank.State.RUNNING
+
+
+def test_rows_known_by_their_key_alone_write_only_the_values_given(world: Any) -> None:
+    ranks = ranks_of(world, 3)
+    sent = timezone.now().replace(microsecond=0)
+    stand_ins = [
+        row_values(Rank, rank.pk, signal_sent_at=sent + timedelta(seconds=i))
+        for i, rank in enumerate(ranks[:2])
+    ]
+    assert [obj.pk for obj in stand_ins] == [rank.pk for rank in ranks[:2]]
+    assert update_rows(stand_ins, ["signal_sent_at"]) == 2
+    rows = {row["pk"]: row for row in Rank.objects.values("pk", "signal_sent_at", "state", "pid")}
+    for i, rank in enumerate(ranks):
+        assert rows[rank.pk] == {
+            "pk": rank.pk,
+            "signal_sent_at": sent + timedelta(seconds=i) if i < 2 else None,
+            "state": Rank.State.RUNNING,
+            "pid": 7,
+        }
