@@ -111,20 +111,28 @@ def test_notice_commits_while_training_goes_on_and_the_eviction_saves_only_the_r
 
     stop_step = first.ranks[0].steps()[-1][0]
     assert stop_step >= notice_step + 3
+    noticed = 0
     for rank in first.ranks:
         events = rank.events()
         names = _names(events)
-        expected = ["trap_ready", "notice_received", "checkpoint_started", "checkpoint_committed"]
+        # A rank whose own copy of the notice came after the gang had answered it (a
+        # loaded machine) saved with the others and drops that copy unreported.
+        own_notice = "notice_received" in names
+        noticed += own_notice
+        expected = ["trap_ready", *(["notice_received"] if own_notice else [])]
+        expected += ["checkpoint_started", "checkpoint_committed"]
         # Rank 1's SIGTERM reaches the others through the gang's relay.
         expected.append("signal_received" if rank.rank == 1 else "stop_heard")
         expected += ["checkpoint_started", "checkpoint_committed", "exiting"]
         assert names == expected, (rank.rank, names)
         if rank.rank != 1:
-            heard = events[4]
+            heard = events[names.index("stop_heard")]
             assert heard["from_rank"] == 1, heard
             assert heard["at"] >= heard["signalled_at"], heard
         final = events[-2]
         assert (final["step"], final["notice"], final["background"]) == (stop_step, False, False)
+    # The notice the gang answered was some rank's own.
+    assert noticed >= 1
     assert json.loads((checkpoint_dir / "latest").read_text())["step"] == stop_step
     _resume_and_compare(tmp_path, checkpoint_dir, first, reference)
 
