@@ -16,6 +16,9 @@ tree with lists of work rather than recursive inner functions (each of which wou
 hold itself and, through its closure, the tree and its memo of common ancestors:
 about 48,000 objects on the engine benchmark's cluster).
 
+The reconcile pass (preemption.reconcile.passes) pauses it the same way, for the same
+reason: the rows and observations of a first pass over a large cluster.
+
 The standard library has the switch (`gc.disable`) but no scoped form of it that
 leaves a collector someone else paused as it found it, hence this helper.
 """
