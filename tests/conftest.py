@@ -14,6 +14,7 @@ installation that existed before teams had priority classes.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
@@ -281,6 +282,19 @@ def build_world() -> World:
 @pytest.fixture
 def world(db: Any) -> World:
     return build_world()
+
+
+@pytest.fixture
+def collector_on() -> Iterator[None]:
+    """Python's cyclic garbage collector on for the test, and as it was afterwards: for
+    tests of the code that pauses it (fairshare.collector_paused)."""
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    if was:
+        gc.enable()
+    else:
+        gc.disable()
 
 
 @contextmanager

@@ -13,17 +13,6 @@ from fairshare import collector_paused
 from fairshare.native import python_sources
 
 
-@pytest.fixture
-def collector_on():
-    was = gc.isenabled()
-    gc.enable()
-    yield
-    if was:
-        gc.enable()
-    else:
-        gc.disable()
-
-
 def test_the_collector_is_off_inside_and_on_again_after(collector_on):
     with collector_paused():
         assert not gc.isenabled()

@@ -5,7 +5,6 @@ ended well or raised, and still off where its caller had turned it off."""
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,17 +17,6 @@ from preemption.runtimes.mimic import MimicRuntime
 from tests import builders
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def collector_on() -> Iterator[None]:
-    was = gc.isenabled()
-    gc.enable()
-    yield
-    if was:
-        gc.enable()
-    else:
-        gc.disable()
 
 
 def running(world: Any, mimic: MimicRuntime) -> Job:
