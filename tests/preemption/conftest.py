@@ -13,14 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from preemption.cycle import schedule_cycle
-from preemption.models import Job
+from preemption.models import Job, JobState, Rank
 from preemption.reconcile import reconcile_jobs
+from preemption.reconcile.steps import gang_spec
 from preemption.runtime import inventory, use_runtime
 from preemption.runtimes import GangId, LocalRuntime
 from preemption.runtimes.mimic import MimicRuntime
 from preemption.runtimes.runner import RunnerAccount
+from tests import builders
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = shlex.quote(sys.executable)
@@ -98,3 +101,14 @@ def mimic(world: Any, tmp_path: Path, settings: Any) -> Iterator[MimicRuntime]:
         yield runtime
     finally:
         use_runtime(None)
+
+
+def launched(
+    world: Any, mimic: MimicRuntime, *, ranks: int = 2, state: str = JobState.RUNNING
+) -> Job:
+    """A job of `ranks` ranks whose gang the mimic runtime runs and whose ranks are
+    recorded as starting."""
+    job = builders.job(world, world.vision, state=state, ranks=ranks)
+    attempt = builders.attempt(job, launched_at=timezone.now())
+    mimic.launch(gang_spec(job, attempt, builders.ranks(attempt, state=Rank.State.STARTING)))
+    return job

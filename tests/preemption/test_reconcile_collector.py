@@ -8,24 +8,13 @@ import gc
 from typing import Any
 
 import pytest
-from django.utils import timezone
 
-from preemption.models import Job, JobState, Rank
+from preemption.models import Rank
 from preemption.reconcile import reconcile_jobs
-from preemption.reconcile.steps import gang_spec
 from preemption.runtimes.mimic import MimicRuntime
-from tests import builders
+from tests.preemption.conftest import launched
 
 pytestmark = pytest.mark.django_db
-
-
-def running(world: Any, mimic: MimicRuntime) -> Job:
-    """A job whose gang the runtime runs and whose ranks are still recorded as starting."""
-    job = builders.job(world, world.vision, state=JobState.RUNNING, ranks=2)
-    attempt = builders.attempt(job, launched_at=timezone.now())
-    ranks = builders.ranks(attempt, state=Rank.State.STARTING)
-    mimic.launch(gang_spec(job, attempt, ranks))
-    return job
 
 
 def watch_observe(mimic: MimicRuntime, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
@@ -44,7 +33,7 @@ def watch_observe(mimic: MimicRuntime, monkeypatch: pytest.MonkeyPatch) -> list[
 def test_a_pass_runs_with_the_collector_off_and_turns_it_on_again(
     world: Any, mimic: MimicRuntime, monkeypatch: pytest.MonkeyPatch, collector_on: None
 ) -> None:
-    job = running(world, mimic)
+    job = launched(world, mimic)
     seen = watch_observe(mimic, monkeypatch)
     assert reconcile_jobs(runtime=mimic) == 1
     assert seen and not any(seen)
@@ -58,7 +47,7 @@ def test_a_pass_runs_with_the_collector_off_and_turns_it_on_again(
 def test_a_pass_for_named_jobs_runs_with_the_collector_off_too(
     world: Any, mimic: MimicRuntime, monkeypatch: pytest.MonkeyPatch, collector_on: None
 ) -> None:
-    job = running(world, mimic)
+    job = launched(world, mimic)
     seen = watch_observe(mimic, monkeypatch)
     assert reconcile_jobs(job_ids=[job.pk], runtime=mimic) == 1
     assert seen and not any(seen)
@@ -68,7 +57,7 @@ def test_a_pass_for_named_jobs_runs_with_the_collector_off_too(
 def test_a_pass_that_raises_still_turns_the_collector_on_again(
     world: Any, mimic: MimicRuntime, monkeypatch: pytest.MonkeyPatch, collector_on: None
 ) -> None:
-    running(world, mimic)
+    launched(world, mimic)
 
     def broken(gang: Any = None) -> Any:
         raise ValueError("a record that is not JSON")
@@ -82,7 +71,7 @@ def test_a_pass_that_raises_still_turns_the_collector_on_again(
 def test_a_pass_keeps_a_pause_of_its_caller(
     world: Any, mimic: MimicRuntime, monkeypatch: pytest.MonkeyPatch, collector_on: None
 ) -> None:
-    running(world, mimic)
+    launched(world, mimic)
     gc.disable()
     assert reconcile_jobs(runtime=mimic) == 1
     assert not gc.isenabled()

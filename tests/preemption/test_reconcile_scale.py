@@ -19,10 +19,10 @@ from django.utils import timezone
 
 from preemption.models import Attempt, Job, JobState, PreemptionEvent, Rank
 from preemption.reconcile import reconcile_jobs
-from preemption.reconcile.steps import gang_spec
 from preemption.runtimes import GangId
 from preemption.runtimes.mimic import MimicRuntime
 from tests import builders
+from tests.preemption.conftest import launched
 
 pytestmark = pytest.mark.django_db
 
@@ -37,15 +37,6 @@ class Gangs:
     admitted: list[Job]
     victims: list[Job]
     deaf: list[Job]
-
-
-def launched(world: Any, mimic: MimicRuntime, *, state: str = JobState.RUNNING) -> Job:
-    """A job whose gang the runtime runs and whose ranks are recorded as starting."""
-    job = builders.job(world, world.vision, state=state, ranks=RANKS)
-    attempt = builders.attempt(job, launched_at=timezone.now())
-    ranks = builders.ranks(attempt, state=Rank.State.STARTING)
-    mimic.launch(gang_spec(job, attempt, ranks))
-    return job
 
 
 def stop(job: Job, *, signalled: bool) -> None:
@@ -66,15 +57,15 @@ def stop(job: Job, *, signalled: bool) -> None:
 
 
 def gangs(world: Any, mimic: MimicRuntime, count: int) -> Gangs:
-    starting = [launched(world, mimic) for _ in range(count)]
+    starting = [launched(world, mimic, ranks=RANKS) for _ in range(count)]
     admitted = []
     for _ in range(count):
         job = builders.job(world, world.nlp, state=JobState.ADMITTED, ranks=RANKS)
         attempt = builders.attempt(job, action=Attempt.Action.LAUNCH)
         builders.ranks(attempt, state=Rank.State.STARTING)
         admitted.append(job)
-    victims = [launched(world, mimic) for _ in range(count)]
-    deaf = [launched(world, mimic) for _ in range(count)]
+    victims = [launched(world, mimic, ranks=RANKS) for _ in range(count)]
+    deaf = [launched(world, mimic, ranks=RANKS) for _ in range(count)]
     for job in victims:
         stop(job, signalled=False)
     for job in deaf:
