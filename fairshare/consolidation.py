@@ -18,7 +18,7 @@ from .candidates import VictimCandidates
 from .ledger import QuotaLedger
 from .model import CONSOLIDATE, RECLAIM
 from .nodes import NodeMap, Placement
-from .preemption import Victims, r3_budget, reclaimable_by_node, room_on
+from .preemption import Victims, list_on_nodes, r3_budget, reclaimable_by_node, room_on
 from .work import PendingJob, RunningWork, by_gpus, by_order
 
 # How many consolidation searches a plan may run: each is a pass over the running work.
@@ -27,41 +27,45 @@ CONSOLIDATIONS_PER_PLAN = 8
 
 def restart_in_any_order(
     rooms_by_size: Mapping[int, int],
-    moved: Iterable[int],
+    moved: Iterable[tuple[int, int]],
     gang: tuple[int, int] | None,
     requeued: Iterable[int] = (),
 ) -> bool:
-    """Whether the next plan starts every moved job (``moved``: GPUs of each, one node
-    each) and the gang (``gang``: ranks, GPUs per rank), whatever order it plans them in,
-    with the jobs reclaimed beside them (``requeued``: GPUs of each, one node each)
-    planned anywhere among them: each of those takes the room that best fits it, or
-    waits if none holds it. A reclaimed job requeued inside its queue's guarantee may
-    well be planned before a moved job and take the room the move counted on.
+    """Whether the next plan starts the gang (``gang``: ranks, GPUs per rank) and then
+    every moved job (``moved``: ranks and GPUs per rank of each, all its ranks on one
+    node now), whatever order it plans the moved jobs in, with the jobs reclaimed beside
+    them (``requeued``: GPUs of each, one node each) planned anywhere among them: each
+    of those takes the room that best fits it, or waits if none holds it. A reclaimed
+    job requeued inside its queue's guarantee may well be planned before a moved job and
+    take the room the move counted on.
 
-    The holes a consolidation keeps for the moved jobs bind only this plan. In the next
-    one the moved jobs are pending work like any other: each goes, in queue order, to
-    the node with the least room that holds it (R10), not to its hole. Best fit depends
-    on the order: with 1, 2 and 3 GPUs free elsewhere, jobs of 2, 2, 1 and 1 GPUs all fit
-    when the larger go first, but a 1-GPU job planned first takes the single free GPU,
-    the second the node with 2, and one 2-GPU job is left without room; it then waits or
-    preempts, and its queue loses more than the restart. The queue order of the next
-    plan depends on what it admits, so every order is tried here, on ``rooms_by_size``
-    (how many nodes have each number of GPUs free once the plan's victims exit, see
-    ``_RoomsOnceExited``). The moved jobs are few, and the search only counts how many
-    of each size are left, so it stays small.
+    The gang goes first: every job that gave way to it names it (``Workload.preemptor``)
+    and is planned after it while it waits (``FlavorPlanner._pass``), so no moved job
+    takes back the node cleared for it. The holes a consolidation keeps for the moved
+    jobs bind only this plan. In the next one the moved jobs are pending work like any
+    other: each goes, in queue order, to the node with the least room that holds all
+    its ranks, else over the nodes with the most room (R10, ``NodeMap.place_free``), not
+    to its hole. Best fit depends on the order: with 1, 2 and 3 GPUs free elsewhere,
+    jobs of 2, 2, 1 and 1 GPUs all fit when the larger go first, but a 1-GPU job planned
+    first takes the single free GPU, the second the node with 2, and one 2-GPU job is
+    left without room; it then waits or preempts, and its queue loses more than the
+    restart. The queue order of the next plan depends on what it admits, so every order
+    is tried here, on ``rooms_by_size`` (how many nodes have each number of GPUs free
+    once the plan's victims exit, see ``_RoomsOnceExited``). The moved jobs are few, and
+    the search only counts how many of each shape are left, so it stays small.
 
-    Only the sizes of the rooms matter, and a search places at most one moved job per
-    room and the gang's ranks on at most as many rooms: every placement takes the
-    smallest room that holds it or the largest room there is, so with at least as many
-    rooms of a size as placements, a room of that size is left for each of them, and
-    further rooms of that size change no answer. They are left out: on a large cluster
+    Only the sizes of the rooms matter, and a search touches at most one room per rank
+    it places (the gang's and the moved jobs') and per requeued job: every placement
+    takes the smallest room that holds it or the largest room there is, so with at
+    least as many rooms of a size as placements, a room of that size is left for each
+    of them, and further rooms of that size change no answer. They are left out: on a large cluster
     thousands of nodes have room, while these searches place a handful of jobs.
     """
-    sizes = Counter(moved)
-    kinds = sorted(sizes)
+    shapes = Counter(moved)
+    kinds = sorted(shapes)
     others = Counter(requeued)
     other_kinds = sorted(others)
-    settled: set[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]] = set()
+    settled: set[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = set()
 
     def place(rooms: tuple[int, ...], gpus: int) -> tuple[int, ...] | None:
         # R10 for one rank: the node with the least room that holds it.
@@ -90,45 +94,47 @@ def restart_in_any_order(
             ranks -= fit
             left.sort()
 
-    def starts(
-        rooms: tuple[int, ...], counts: tuple[int, ...], gang_left: bool, waiting: tuple[int, ...]
-    ) -> bool:
-        key = (rooms, counts, waiting, gang_left)
+    def starts(rooms: tuple[int, ...], counts: tuple[int, ...], waiting: tuple[int, ...]) -> bool:
+        key = (rooms, counts, waiting)
         if key in settled:
             return True
         for i, count in enumerate(counts):
             if count:
-                after = place(rooms, kinds[i])
+                after = place_gang(rooms, *kinds[i])
                 if after is None:
                     return False
                 left = (*counts[:i], count - 1, *counts[i + 1 :])
-                if not starts(after, left, gang_left, waiting):
+                if not starts(after, left, waiting):
                     return False
-        if gang_left and gang is not None:
-            after = place_gang(rooms, *gang)
-            if after is None or not starts(after, counts, False, waiting):
-                return False
         for i, count in enumerate(waiting):
             if count:
                 # Planned here: it starts where it fits best, or waits and takes nothing.
                 after = place(rooms, other_kinds[i]) or rooms
                 left = (*waiting[:i], count - 1, *waiting[i + 1 :])
-                if not starts(after, counts, gang_left, left):
+                if not starts(after, counts, left):
                     return False
         settled.add(key)
         return True
 
-    placements = sum(sizes.values()) + sum(others.values()) + (gang[0] if gang is not None else 0)
+    placements = (
+        sum(ranks * count for (ranks, _), count in shapes.items())
+        + sum(others.values())
+        + (gang[0] if gang is not None else 0)
+    )
     rooms = tuple(
         size
         for size in sorted(rooms_by_size)
         if size > 0
         for _ in range(min(rooms_by_size[size], placements))
     )
+    if gang is not None:
+        placed = place_gang(rooms, *gang)
+        if placed is None:
+            return False
+        rooms = placed
     return starts(
         rooms,
-        tuple(sizes[kind] for kind in kinds),
-        gang is not None,
+        tuple(shapes[kind] for kind in kinds),
         tuple(others[kind] for kind in other_kinds),
     )
 
@@ -138,10 +144,11 @@ def consolidate(
 ) -> tuple[Victims, Placement, list[tuple[int, int]]] | None:
     """Move small jobs so that ``job`` fits; the caller checked its guarantee and free GPUs.
 
-    A job may move when it is preemptible, sits on one node, is smaller than one rank of
-    the gang and has run its minimum runtime for consolidation; it
-    is requeued and restarts at once on GPUs free elsewhere (its "hole", kept for it in
-    this plan). Nodes are cleared fewest moved GPUs per rank first. Returns the victims,
+    A job may move when it is preemptible, sits on one node, its ranks are smaller than
+    one rank of the gang and it has run its minimum runtime for consolidation; it is
+    requeued and restarts at once on GPUs free elsewhere (a "hole" per rank, kept for it
+    in this plan): a gang of small ranks may spread over holes that no rank of the gang
+    fits in. Nodes are cleared fewest moved GPUs per rank first. Returns the victims,
     the gang's placement and the holes as (node, GPUs), or None.
     """
     workload = job.workload
@@ -149,7 +156,7 @@ def consolidate(
     ranks = workload.ranks
     free = nodes.free
     releasing = nodes.releasing
-    movable = _movable_by_node(victims, gpus_per_rank, None)
+    movable = _movable_by_node(victims, gpus_per_rank, None, by_rank=True)
     offers: list[tuple[tuple[float, float, int], list[RunningWork], int, int]] = []
     for node, runs in movable.items():
         offer = room_on(nodes, node, runs, gpus_per_rank, ranks, None)
@@ -175,32 +182,40 @@ def consolidate(
     hostable = nodes.hostable_ranks(gpus_per_rank)
     cleared: set[int] = set()
     moved_jobs: list[RunningWork] = []
-    hole_of: dict[int, tuple[int, int]] = {}
+    hole_of: dict[int, list[tuple[int, int]]] = {}
     hosting: set[int] = set()
+    moving_ids: set[int] = set()
     for _, runs, gained, node in offers:
-        if node in hosting:
-            # Moved jobs restart there: it cannot be cleared as well.
+        if node in hosting or any(id(run) in moving_ids for run in runs):
+            # Moved jobs restart there, or a gang of several nodes moves off it already
+            # (its other GPUs here counted): it cannot be cleared as well.
             continue
         filled: dict[int, int] = {}
-        found: dict[int, tuple[int, int]] = {}
-        for run in sorted(runs, key=lambda run: -run.gpus):
-            best = min(
-                (
-                    other
-                    for other, gpus in spare.items()
-                    if other != node and gpus - filled.get(other, 0) >= run.gpus
-                ),
-                key=lambda other: (spare[other] - filled.get(other, 0), other),
-                default=None,
-            )
-            if best is None:
+        found: dict[int, list[tuple[int, int]]] = {}
+        for run in sorted(runs, key=lambda run: -run.workload.gpus_per_rank):
+            rank_gpus = run.workload.gpus_per_rank
+            holes: list[tuple[int, int]] = []
+            for _ in range(run.workload.ranks):
+                best = min(
+                    (
+                        other
+                        for other, gpus in spare.items()
+                        if other != node and gpus - filled.get(other, 0) >= rank_gpus
+                    ),
+                    key=lambda other: (spare[other] - filled.get(other, 0), other),
+                    default=None,
+                )
+                if best is None:
+                    break
+                filled[best] = filled.get(best, 0) + rank_gpus
+                holes.append((best, rank_gpus))
+            if len(holes) < run.workload.ranks:
                 break
-            filled[best] = filled.get(best, 0) + run.gpus
-            found[id(run)] = (best, run.gpus)
+            found[id(run)] = holes
         if len(found) < len(runs):
             continue
         moving = [*moved_jobs, *runs]
-        if not restart_in_any_order(rooms.after(moving), [run.gpus for run in moving], None):
+        if not restart_in_any_order(rooms.after(moving), _shapes(moving), None):
             # The next plan might not start them all, whatever the holes kept here.
             continue
         for other, gpus in filled.items():
@@ -209,6 +224,8 @@ def consolidate(
         hosting.update(filled)
         cleared.add(node)
         moved_jobs.extend(runs)
+        for run in runs:
+            moving_ids.add(id(run))
         hole_of.update(found)
         hostable += gained
         if hostable >= ranks:
@@ -218,7 +235,7 @@ def consolidate(
     room_after = {
         node: free[node]
         + releasing[node]
-        + sum(run.gpus for run in moved_jobs if run.nodes[0][0] == node)
+        + sum(gpus for run in moved_jobs for on, gpus in run.nodes if on == node)
         for node in cleared
     }
     placement = nodes.place_on(ranks, gpus_per_rank, room_after)
@@ -226,25 +243,34 @@ def consolidate(
         return None
     used = {node for node, _ in placement}
     # Jobs on a cleared node the placement does not use stay where they are.
-    kept = [run for run in moved_jobs if run.nodes[0][0] in used]
+    kept = [run for run in moved_jobs if any(node in used for node, _ in run.nodes)]
     if not kept or not restart_in_any_order(
-        rooms.after(kept), [run.gpus for run in kept], (ranks, gpus_per_rank)
+        rooms.after(kept), _shapes(kept), (ranks, gpus_per_rank)
     ):
         return None
-    holes = [hole_of[id(run)] for run in kept]
+    holes = [hole for run in kept for hole in hole_of[id(run)]]
     return [(run, CONSOLIDATE) for run in kept], placement, holes
+
+
+def _shapes(runs: Iterable[RunningWork]) -> list[tuple[int, int]]:
+    """Ranks and GPUs per rank of each of ``runs``, as ``restart_in_any_order`` takes
+    moved jobs."""
+    return [(run.workload.ranks, run.workload.gpus_per_rank) for run in runs]
 
 
 def _movable_by_node(
     victims: VictimCandidates,
     gpus_per_rank: int,
     inside: list[bool] | None,
+    *,
+    by_rank: bool = False,
 ) -> dict[int, list[RunningWork]]:
     """Per node, the running jobs a consolidation may move off it, in candidate order:
-    on one node, smaller than a rank of the gang, past their minimum runtime before
-    consolidation, neither a victim nor admitted in this plan, and of a queue that
-    ``inside`` marks True (any queue with None)."""
-    # A plain dict, as in ``reclaimable_by_node``.
+    on one node and smaller than a rank of the gang (with ``by_rank``, on any nodes and
+    each rank smaller: they restart rank by rank in holes of that size, and one on
+    several nodes is listed on each), past their minimum runtime before consolidation,
+    neither a victim nor admitted in this plan, and of a queue that ``inside`` marks
+    True (any queue with None)."""
     movable: dict[int, list[RunningWork]] = {}
     for queue, runs in enumerate(victims.by_queue):
         if inside is not None and not inside[queue]:
@@ -253,17 +279,15 @@ def _movable_by_node(
             if (
                 run.victim
                 or run.planned
-                or len(run.nodes) != 1
-                or run.gpus >= gpus_per_rank
                 or run.runtime < run.minimum[CONSOLIDATE]
+                or (
+                    run.workload.gpus_per_rank >= gpus_per_rank
+                    if by_rank
+                    else len(run.nodes) != 1 or run.gpus >= gpus_per_rank
+                )
             ):
                 continue
-            node = run.nodes[0][0]
-            listed = movable.get(node)
-            if listed is None:
-                movable[node] = [run]
-            else:
-                listed.append(run)
+            list_on_nodes(movable, run)
     return movable
 
 
@@ -456,7 +480,7 @@ def reclaim_and_move(
             ],
         )
         if not restart_in_any_order(
-            rooms.after(exiting), [run.gpus for run in [*moving, *moved]], None, requeued
+            rooms.after(exiting), _shapes([*moving, *moved]), None, requeued
         ):
             # The next plan might not start them all, whatever the holes kept here.
             continue
@@ -485,7 +509,7 @@ def reclaim_and_move(
         return None
     if not restart_in_any_order(
         rooms.after([run for run, _ in chosen.values()]),
-        [run.gpus for run, reason in chosen.values() if reason == CONSOLIDATE],
+        _shapes([run for run, reason in chosen.values() if reason == CONSOLIDATE]),
         (ranks, gpus_per_rank),
         _requeued_inside_guarantee(
             ledger,

@@ -106,6 +106,18 @@ class FlavorPlanner(FlavorSearches):
         self.pass_heap = heap
         self.pass_pending = pending
         self.pass_position = position
+        # The workloads of this pass that others gave way to and that have yet to be
+        # planned in it; the pending workloads held back until each is.
+        awaited: set[str] = set()
+        if self.awaited:
+            awaited = {
+                job.workload.id
+                for jobs in pending
+                for job in jobs
+                if job.workload.id in self.awaited
+            }
+        self.pass_awaited = awaited
+        deferred: dict[str, list[PendingJob]] = {}
         heappop = heapq.heappop
         heappush = heapq.heappush
         ledger = self.ledger
@@ -120,7 +132,10 @@ class FlavorPlanner(FlavorSearches):
             queue = heappop(heap).queue
             jobs = pending[queue]
             at = position[queue]
-            self._plan_job(jobs[at])
+            if awaited:
+                self._plan_in_turn(jobs[at], deferred)
+            else:
+                self._plan_job(jobs[at])
             at += 1
             if at < len(jobs):
                 # The key of _queue_key, spelled out: this loop runs once per workload.
@@ -147,6 +162,34 @@ class FlavorPlanner(FlavorSearches):
                 if at < len(jobs):
                     heappush(heap, key)
             position[queue] = at
+        # Held back for a workload that never came (two that gave way to each other).
+        for followers in deferred.values():
+            for job in followers:
+                self._plan_job(job)
+        awaited.clear()
+
+    def _plan_in_turn(self, job: PendingJob, deferred: dict[str, list[PendingJob]]) -> None:
+        """Plan ``job``, unless it gave way to a workload this pass has yet to plan: then
+        it is held back in ``deferred`` and planned right after that one.
+
+        The GPUs a job's victims free are kept for it while they are released; once a
+        victim has exited and is pending again, only the order keeps them. A victim
+        inside its own guarantee, or moved aside by a consolidation, would go first by
+        age and take back the GPUs it had just freed (a moved gang restarts on the node
+        cleared for the job it moved for, its one node with room for all its ranks).
+        Planned after the job it gave way to, it takes only what that job leaves.
+        """
+        awaited = self.pass_awaited
+        workload = job.workload
+        preemptor = workload.preemptor
+        if preemptor is not None and preemptor != workload.id and preemptor in awaited:
+            deferred.setdefault(preemptor, []).append(job)
+            return
+        self._plan_job(job)
+        if workload.id in awaited:
+            awaited.discard(workload.id)
+            for follower in deferred.pop(workload.id, []):
+                self._plan_in_turn(follower, deferred)
 
     def _wait_in_a_row(
         self, jobs: list[PendingJob], at: int, key: QueueKey, first: QueueKey | None
@@ -182,6 +225,7 @@ class FlavorPlanner(FlavorSearches):
         outcome: WaitOutcome | None = None
         count = len(jobs)
         kept = self.kept
+        awaited = self.pass_awaited
         while at < count:
             job = jobs[at]
             workload = job.workload
@@ -189,6 +233,7 @@ class FlavorPlanner(FlavorSearches):
                 workload.topology_level is not None
                 or workload.sizes
                 or (kept and workload.id in kept)
+                or (awaited and (workload.id in awaited or workload.preemptor is not None))
             ):
                 break
             if job.gpus != gpus:

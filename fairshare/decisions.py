@@ -96,6 +96,8 @@ class FlavorDecisions:
         self.growable: list[tuple[Workload, int, PriorityClass]] = []
         terminating: list[tuple[str, tuple[tuple[int, int], ...]]] = []
         freed_for: list[tuple[str, str, tuple[tuple[int, int], ...]]] = []
+        # The workloads that pending ones gave way to (their preemptors).
+        gave_way: list[str] = []
         for workload in workloads:
             queue = tree.index[workload.queue]
             priority_class = classes[workload.priority_class]
@@ -103,6 +105,8 @@ class FlavorDecisions:
             leaf_demand[queue] += gpus
             if workload.state == PENDING:
                 pending[queue].append(PendingJob(workload, queue, priority_class))
+                if workload.preemptor is not None:
+                    gave_way.append(workload.preemptor)
                 continue
             on_nodes = tuple(
                 (nodes.index[node], ranks * workload.gpus_per_rank)
@@ -154,6 +158,15 @@ class FlavorDecisions:
                 terminating.append((victim, on_nodes))
         for victims in self.kept.values():
             victims.sort(key=lambda entry: (len(entry[0]), entry[0]))
+        # Pending workloads that gave way to one that still waits are planned after it
+        # (FlavorPlanner._pass): the ids of the workloads some of them wait for.
+        self.awaited: set[str] = set()
+        # Those of the pass being run, not planned in it yet (FlavorPlanner._plan_in_turn).
+        self.pass_awaited: set[str] = set()
+        if gave_way:
+            if not waiting_ids:
+                waiting_ids = {job.workload.id for jobs in pending for job in jobs}
+            self.awaited = {preemptor for preemptor in gave_way if preemptor in waiting_ids}
         terminating.sort(key=lambda entry: (len(entry[0]), entry[0]))
         nodes.occupy(held, terminating)
         # The free GPUs beside them that its placement counted on, as far as the nodes

@@ -181,7 +181,9 @@ class Workload:
     workloads. ``topology_level`` asks for all ranks inside one domain of that level
     of ``Node.topology``. ``preemptor`` is, for a terminating workload, the pending
     workload its GPUs are being freed for: they are kept for that workload while it
-    waits, and go to others only once it is planned without them.
+    waits, and go to others only once it is planned without them. For a pending
+    workload (a victim requeued), it is the workload it gave way to: while that one
+    waits too, it is planned first, so that the GPUs the victim freed reach it.
 
     ``sizes`` makes a gang elastic: every rank count it may run at, ascending, ``ranks``
     among them. A pending elastic gang is admitted at the largest of its sizes up to

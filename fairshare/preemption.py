@@ -312,8 +312,6 @@ def reclaimable_by_node(
     line = ledger.line
     lca_row = tree.lca_row(queue)
     chains: dict[int, tuple[int, ...]] = {}
-    # A plain dict rather than a defaultdict: compiled, each missing node went through
-    # the defaultdict's Python-level factory call (200,000 a running-heavy plan).
     on_node: dict[int, list[RunningWork]] = {}
     for donor in ledger.over_guarantee:
         if donor == queue or usage[donor] - waiting[donor] <= line[donor]:
@@ -327,13 +325,20 @@ def reclaimable_by_node(
         for i in range(victims.first_live[donor], len(runs)):
             run = runs[i]
             if not run.victim and not victims.is_protected(run, RECLAIM):
-                for node, _ in run.nodes:
-                    listed = on_node.get(node)
-                    if listed is None:
-                        on_node[node] = [run]
-                    else:
-                        listed.append(run)
+                list_on_nodes(on_node, run)
     return chains, on_node
+
+
+def list_on_nodes(by_node: dict[int, list[RunningWork]], run: RunningWork) -> None:
+    """Add ``run`` to the list of each node it runs on in ``by_node``: a plain dict
+    rather than a defaultdict, whose Python-level factory call compiled code made for
+    each missing node (200,000 a running-heavy plan)."""
+    for node, _ in run.nodes:
+        listed = by_node.get(node)
+        if listed is None:
+            by_node[node] = [run]
+        else:
+            listed.append(run)
 
 
 def r3_budget(

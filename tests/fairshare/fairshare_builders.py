@@ -163,6 +163,10 @@ class WorkloadBuilder:
         self.running(*nodes_)
         return self._with(state="terminating", preemptor=freed_for)
 
+    def gave_way_to(self, preemptor: str) -> WorkloadBuilder:
+        """Pending again after it was preempted for ``preemptor``, as a requeued victim."""
+        return self._with(preemptor=preemptor)
+
     def build(self) -> Workload:
         return self._w
 

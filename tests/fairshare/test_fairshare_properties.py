@@ -211,7 +211,8 @@ def _held_per_node(snapshot: Snapshot, p: Plan) -> dict[str, int]:
 
 def apply_plan(snapshot: Snapshot, p: Plan, now: float, *, in_grace: bool = False) -> Snapshot:
     """The next snapshot: admitted workloads run; the plan's victims have exited and are
-    requeued as pending, or, ``in_grace``, still save: terminating, each for the
+    requeued as pending, each naming the workload it gave way to (as the portal and the
+    simulation requeue them), or, ``in_grace``, still save: terminating, each for the
     workload it was preempted for.
 
     Workloads that were already terminating in the random snapshot were picked by some
@@ -236,7 +237,12 @@ def apply_plan(snapshot: Snapshot, p: Plan, now: float, *, in_grace: bool = Fals
             w = dataclasses.replace(w, state="terminating", preemptor=victims[w.id])
         elif w.id in victims:
             w = dataclasses.replace(
-                w, state="pending", placement=(), admitted_at=None, last_checkpoint_at=None
+                w,
+                state="pending",
+                placement=(),
+                admitted_at=None,
+                last_checkpoint_at=None,
+                preemptor=victims[w.id],
             )
         workloads.append(w)
     return dataclasses.replace(snapshot, now=now, workloads=tuple(workloads))
@@ -630,15 +636,17 @@ def test_no_flapping(snapshot: Snapshot) -> None:
 
 @st.composite
 def fragmented(draw: st.DrawFn) -> Snapshot:
-    """8-GPU nodes each left with a few free GPUs by small one-node jobs, guarantees that
-    add up to the cluster, and one pending gang of 8-GPU ranks in team t0, which holds
-    little: the case consolidation is for."""
+    """8-GPU nodes each left with a few free GPUs by small one-node jobs (some of them
+    gangs of two ranks), guarantees that add up to the cluster, and one pending gang of
+    8-GPU or 4-GPU ranks in team t0, which holds little: the case consolidation is
+    for."""
     count = draw(st.integers(3, 6))
     node_list = [Node(f"n{i}", "h100", 8) for i in range(count)]
     capacity = 8 * count
     teams = draw(st.integers(2, 3))
     ranks = draw(st.integers(1, 2))
-    own = draw(st.integers(8 * ranks, capacity))
+    gpus_per_rank = draw(st.sampled_from((8, 8, 4)))
+    own = draw(st.integers(gpus_per_rank * ranks, capacity))
     rest = capacity - own
     cut = draw(st.integers(0, rest))
     guarantees = [own, cut, rest - cut][:teams]
@@ -655,6 +663,8 @@ def fragmented(draw: st.DrawFn) -> Snapshot:
         free=(1, 5),
         sizes=(1, 1, 2, 2, 4),
         teams=[1, 1, 1, 0][: teams + 1],
+        gpus_per_rank=gpus_per_rank,
+        split=True,
     )
 
 
@@ -667,16 +677,20 @@ def _small_jobs_and_a_gang(
     free: tuple[int, int],
     sizes: tuple[int, ...],
     teams: list[int],
+    gpus_per_rank: int = 8,
+    split: bool = False,
 ) -> Snapshot:
     """Each node filled with running one-node jobs of `sizes` GPUs (of queues t<teams>,
-    all but `free` GPUs of it, drawn in that range), and the pending gang of `ranks`
-    8-GPU ranks in t0."""
+    all but `free` GPUs of it, drawn in that range; with `split`, some of an even size
+    are two ranks of half of it), and the pending gang of `ranks` ranks of
+    `gpus_per_rank` GPUs in t0."""
     workloads: list[Workload] = []
     for node in node_list:
         room = 8 - draw(st.integers(*free))
         while room > 0:
             gpus = min(room, draw(st.sampled_from(sizes)))
             room -= gpus
+            halves = split and gpus % 2 == 0 and draw(st.booleans())
             admitted = NOW - draw(st.integers(0, 4000))
             workloads.append(
                 Workload(
@@ -686,12 +700,12 @@ def _small_jobs_and_a_gang(
                         st.sampled_from(("normal", "normal", "low", "high", "pinned"))
                     ),
                     flavor="h100",
-                    ranks=1,
-                    gpus_per_rank=gpus,
+                    ranks=2 if halves else 1,
+                    gpus_per_rank=gpus // 2 if halves else gpus,
                     state="running",
                     submitted_at=admitted - 10,
                     admitted_at=admitted,
-                    placement=((node.name, 1),),
+                    placement=((node.name, 2 if halves else 1),),
                 )
             )
     workloads.append(
@@ -701,7 +715,7 @@ def _small_jobs_and_a_gang(
             priority_class="normal",
             flavor="h100",
             ranks=ranks,
-            gpus_per_rank=8,
+            gpus_per_rank=gpus_per_rank,
             state="pending",
             submitted_at=NOW - 5,
         )
@@ -734,9 +748,11 @@ def crowded(draw: st.DrawFn) -> Snapshot:
 
 
 def moved_jobs_restart(snapshot: Snapshot) -> None:
-    """Consolidation moves only small, preemptible jobs that ran long enough, for a gang
-    inside its guarantee; once they exit, the next plan starts the gang and every moved
-    job at once, and neither they nor any other job preempts anything for them.
+    """Consolidation moves only preemptible jobs of ranks smaller than the gang's that
+    ran long enough, for a gang inside its guarantee; once they exit, the next plan
+    starts the gang and every moved job at once (a moved gang of several ranks too,
+    wherever its ranks go), and neither they nor any other job preempts anything for
+    them.
 
     When no GPU is free, the plan reclaims donor work besides (reclaim and move). A job
     reclaimed there is requeued as after any reclaim, and the next plan may start it by
@@ -757,7 +773,7 @@ def moved_jobs_restart(snapshot: Snapshot) -> None:
         victim = by_id[e.id]
         assert e.preemptor == "gang"
         assert CLASS_BY_NAME[victim.priority_class].preemptible
-        assert victim.gpus < gang.gpus_per_rank
+        assert victim.gpus_per_rank < gang.gpus_per_rank
         assert victim.admitted_at is not None and NOW - victim.admitted_at >= 600
     second = checked_plan(apply_plan(snapshot, first, NOW + 1))
     assert {e.preemptor for e in second.preempt} <= reclaimed, (first, second)
@@ -775,6 +791,30 @@ def test_a_job_moved_for_a_gang_restarts_in_the_next_cycle(snapshot: Snapshot) -
 @given(crowded())
 def test_a_job_moved_on_a_full_cluster_restarts_in_the_next_cycle(snapshot: Snapshot) -> None:
     moved_jobs_restart(snapshot)
+
+
+def test_a_moved_gang_restarts_on_the_holes_after_the_job_it_moved_for() -> None:
+    # a1 (4 GPUs, inside a's guarantee) finds 2, 2 and 1 GPUs free and nobody above a
+    # guarantee; b's gang bm of two 2-GPU ranks moves off n2. Requeued, bm would go first
+    # by age and take n2 back, the one node that holds both its ranks; it names a1, so
+    # the next plan starts a1 on n2 first and then bm, a rank on each node of 2.
+    snapshot = cluster(
+        nodes("n", 3, 8),
+        [team("a", guarantee=5), team("b", guarantee=19)],
+        [
+            workload("b1").queue("b").gpus(6).running("n0"),
+            workload("b2").queue("b").gpus(6).running("n1"),
+            workload("bm").queue("b").gang(2, 2).running("n2"),
+            workload("b3").queue("b").gpus(3).running("n2", since=300),
+            workload("a1").gpus(4),
+        ],
+    )
+    first = checked_plan(snapshot)
+    assert [(e.id, e.reason, e.preemptor) for e in first.preempt] == [("bm", "consolidate", "a1")]
+    second = checked_plan(apply_plan(snapshot, first, NOW + 60))
+    placed = {a.id: a.placement for a in second.admit}
+    assert placed == {"a1": (("n2", 1),), "bm": (("n0", 1), ("n1", 1))}, second
+    assert not second.preempt
 
 
 # Gang shapes (ranks, GPUs per rank) from single GPUs to whole nodes and multi-node gangs.

@@ -136,68 +136,84 @@ def test_r10_place_best_fit_and_packing() -> None:
     assert r10_place(2, 8, {"a": 8, "b": 7}) is None
 
 
+def _one_rank(*gpus: int) -> list[tuple[int, int]]:
+    """Moved jobs of one rank of each of ``gpus``, as restart_in_any_order takes them."""
+    return [(1, g) for g in gpus]
+
+
 def test_r10_moved_jobs_restart_in_any_order() -> None:
     # Largest first fits 2, 2, 1 and 1 into 1, 2 and 3 free GPUs; two 1-GPU jobs first
     # leave a 2-GPU job without room.
-    assert not restart_in_any_order(Counter([1, 2, 3]), [2, 2, 1, 1], None)
-    assert restart_in_any_order(Counter([1, 2, 4]), [2, 2, 1, 1], None)
-    # The gang counts in the order too: a moved job planned before it must not take the
-    # node cleared for it.
-    assert not restart_in_any_order(Counter([8, 1, 2, 3]), [2, 2, 1, 1], (1, 8))
-    assert restart_in_any_order(Counter([8, 1, 2, 4]), [2, 2, 1, 1], (1, 8))
-    assert restart_in_any_order(Counter([8, 8, 4]), [4], (2, 8))
-    assert not restart_in_any_order(Counter([8, 8, 3]), [4], (2, 8))
-    # Many nodes of a size count as many as the jobs placed: 1,000 nodes with one GPU
+    assert not restart_in_any_order(Counter([1, 2, 3]), _one_rank(2, 2, 1, 1), None)
+    assert restart_in_any_order(Counter([1, 2, 4]), _one_rank(2, 2, 1, 1), None)
+    # The gang goes first and takes the node cleared for it; the moved jobs must then
+    # restart, in any order, on what it leaves.
+    assert not restart_in_any_order(Counter([8, 1, 2, 3]), _one_rank(2, 2, 1, 1), (1, 8))
+    assert restart_in_any_order(Counter([8, 1, 2, 4]), _one_rank(2, 2, 1, 1), (1, 8))
+    assert restart_in_any_order(Counter([8, 8, 4]), _one_rank(4), (2, 8))
+    assert not restart_in_any_order(Counter([8, 8, 3]), _one_rank(4), (2, 8))
+    # A moved gang of two 2-GPU ranks, off the node that then has 5 free: planned before
+    # the 4-GPU job it moved for, it would take that node (the one node holding both its
+    # ranks); after it, a rank goes to each node with 2 free.
+    assert restart_in_any_order(Counter([5, 2, 2]), [(2, 2)], (1, 4))
+    assert not restart_in_any_order(Counter([5, 2]), [(2, 2)], (1, 4))
+    # Many nodes of a size count as many as the ranks placed: 1,000 nodes with one GPU
     # free do not hold a job of two, and two such jobs need two nodes of two.
-    assert not restart_in_any_order({1: 1_000, 2: 1}, [2, 2], None)
-    assert restart_in_any_order({1: 1_000, 2: 2}, [2, 2], None)
+    assert not restart_in_any_order({1: 1_000, 2: 1}, _one_rank(2, 2), None)
+    assert restart_in_any_order({1: 1_000, 2: 2}, _one_rank(2, 2), None)
+    # A gang of two 1-GPU ranks spreads over two nodes of 1 when it must, but packs onto
+    # the node of 2 when that holds it: planned first, it leaves the 2-GPU job none.
+    assert restart_in_any_order({1: 1_000}, [(2, 1)], None)
+    assert not restart_in_any_order({1: 1_000, 2: 1}, [(2, 1), (1, 2)], None)
     # A reclaimed job requeued inside its guarantee may come first and take the room:
     # a 6-GPU moved job and a 2-GPU requeued one need 8 free on one node, or two nodes.
-    assert restart_in_any_order(Counter([7]), [6], None)
-    assert not restart_in_any_order(Counter([7]), [6], None, [2])
-    assert restart_in_any_order(Counter([8]), [6], None, [2])
-    assert restart_in_any_order(Counter([7, 2]), [6], None, [2])
+    assert restart_in_any_order(Counter([7]), _one_rank(6), None)
+    assert not restart_in_any_order(Counter([7]), _one_rank(6), None, [2])
+    assert restart_in_any_order(Counter([8]), _one_rank(6), None, [2])
+    assert restart_in_any_order(Counter([7, 2]), _one_rank(6), None, [2])
     # One that finds no room waits and takes nothing.
-    assert restart_in_any_order(Counter([7]), [6], None, [8])
+    assert restart_in_any_order(Counter([7]), _one_rank(6), None, [8])
+
+
+def _place(left: list[int], ranks: int, gpus_per_rank: int) -> bool:
+    """Place a gang on the rooms ``left`` (one per node) as NodeMap.place_free does;
+    whether it fit."""
+    node_map = NodeMap([Node(f"n{i}", "h100", 8) for i in range(len(left))])
+    node_map.occupy([8 - room for room in left], [])
+    placement = node_map.place_free(ranks, gpus_per_rank)
+    if placement is None:
+        return False
+    for node, count in placement:
+        left[node] -= count * gpus_per_rank
+    return True
 
 
 def _starts_in_every_order(
-    rooms: list[int], moved: list[int], gang: tuple[int, int] | None
+    rooms: list[int], moved: list[tuple[int, int]], gang: tuple[int, int] | None
 ) -> bool:
-    """restart_in_any_order's question answered by trying every order of the moved jobs
-    and the gang, one room per node, each job on the node with the least room that holds
-    it and the gang as NodeMap.place_free places it."""
-    items: list[int | None] = [*moved, *([None] if gang is not None else [])]
-    for order in set(itertools.permutations(items)):
-        left = sorted(rooms)
-        for item in order:
-            if item is not None:
-                holding = [room for room in left if room >= item]
-                if not holding:
-                    return False
-                left.remove(min(holding))
-                left.append(min(holding) - item)
-            else:
-                assert gang is not None
-                node_map = NodeMap([Node(f"n{i}", "h100", 8) for i in range(len(left))])
-                node_map.occupy([8 - room for room in left], [])
-                placement = node_map.place_free(*gang)
-                if placement is None:
-                    return False
-                for node, ranks in placement:
-                    left[node] -= ranks * gang[1]
-            left.sort()
+    """restart_in_any_order's question answered by placing the gang first and then the
+    moved jobs in every order, one room per node, each as NodeMap.place_free places it."""
+    first = list(rooms)
+    if gang is not None and not _place(first, *gang):
+        return False
+    for order in set(itertools.permutations(moved)):
+        left = list(first)
+        for shape in order:
+            if not _place(left, *shape):
+                return False
     return True
 
 
 @settings(max_examples=400, deadline=None)
 @given(
     rooms=st.lists(st.integers(0, 8), max_size=12),
-    moved=st.lists(st.sampled_from((1, 2, 4)), min_size=1, max_size=4),
+    moved=st.lists(
+        st.sampled_from(((1, 1), (1, 2), (1, 4), (2, 1), (2, 2))), min_size=1, max_size=4
+    ),
     gang=st.none() | st.tuples(st.integers(1, 3), st.sampled_from((4, 8))),
 )
 def test_r10_restart_in_any_order_tries_every_order(
-    rooms: list[int], moved: list[int], gang: tuple[int, int] | None
+    rooms: list[int], moved: list[tuple[int, int]], gang: tuple[int, int] | None
 ) -> None:
     assert restart_in_any_order(Counter(rooms), moved, gang) == _starts_in_every_order(
         rooms, moved, gang
