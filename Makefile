@@ -16,7 +16,7 @@ TEST_ENV := DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_UR
 SQLITE_TESTS ?= tests/portal/pages tests/portal/api tests/preemption/test_cycle_writes.py \
 	tests/preemption/test_cycle_requests.py tests/preemption/test_decide_act.py \
 	tests/preemption/test_reconcile_writes.py tests/preemption/test_resize_cycle.py \
-	tests/preemption/test_reconcile_collector.py \
+	tests/preemption/test_reconcile_collector.py tests/preemption/test_gave_way.py \
 	tests/core/test_rows.py tests/e2e \
 	--deselect tests/e2e/test_e2e_portal.py::test_gracetrap_wheel_downloads_and_installs_into_a_fresh_venv
 SQLITE_TEST_ENV := DATABASE_URL=sqlite:///$(CURDIR)/var/test/sqlite/portal.sqlite3 \

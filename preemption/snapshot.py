@@ -15,10 +15,12 @@ from django.db import connection, models
 from django.db.models import (
     BooleanField,
     Case,
+    Exists,
     ExpressionWrapper,
     F,
     FloatField,
     Max,
+    OuterRef,
     Q,
     TextField,
     When,
@@ -211,12 +213,14 @@ def _workload(
     attempt: tuple[list[dict[str, Any]], float, int | None] | None = None,
     checkpoint: float | None = None,
     resizable: bool = False,
+    gave_way_to: int | None = None,
 ) -> fairshare.Workload:
     """The workload of one row of `read_snapshot`'s jobs query; for running work, with
     where its open attempt runs, since when, and its last checkpoint of that attempt
     (a checkpoint of an earlier attempt is not one of this admission's); for a job
-    being preempted, the job its GPUs are freed for. An elastic job's row carries
-    its `rank_sizes` as JSON text, a fixed one's none."""
+    being preempted, the job its GPUs are freed for; for a requeued victim, the
+    waiting job it gave way to (`gave_way_to`, see `_gave_way`). An elastic job's row
+    carries its `rank_sizes` as JSON text, a fixed one's none."""
     (
         job_id,
         team_id,
@@ -245,7 +249,7 @@ def _workload(
     )
     placement: tuple[tuple[str, int], ...] = ()
     admitted_at = None
-    preemptor = None
+    preemptor = None if gave_way_to is None else workload_id(gave_way_to)
     if attempt is not None:
         if engine_state == "terminating" and attempt[2] is not None:
             preemptor = workload_id(attempt[2])
@@ -314,6 +318,41 @@ def _resizing(
             placement=gone,
         ),
     ]
+
+
+def _gave_way() -> dict[int, int]:
+    """Each requeued victim whose preemptor still waits, with that preemptor.
+
+    Once a victim has exited and waits again, the GPUs it freed are free GPUs: only the
+    order of the next plan gives them to the job they were freed for. A victim inside
+    its own guarantee goes by age, often before that job, and a job moved aside by a
+    consolidation would take back the node cleared for it; named here, each is planned
+    after its preemptor (`fairshare.Workload.preemptor`). Only the stop that requeued
+    the victim counts (none of its attempts came after it), and only while its
+    preemptor has not started since (one admitted and requeued again owes it nothing):
+    a handful of rows, the victims and preemptors both waiting."""
+    newer_attempt = Attempt.objects.filter(
+        job=OuterRef("job_id"), number__gt=OuterRef("victim_attempt__number")
+    )
+    started_since = Attempt.objects.filter(
+        job=OuterRef("preemptor_id"), admitted_at__gte=OuterRef("decided_at")
+    )
+    return dict(
+        PreemptionEvent.objects.filter(
+            job__state=JobState.REQUEUED,
+            preemptor__state__in=WAITING_STATES,
+            reason__in=[
+                PreemptionEvent.Reason.RECLAIM,
+                PreemptionEvent.Reason.PRIORITY,
+                PreemptionEvent.Reason.FAIR_SHARE,
+                PreemptionEvent.Reason.CONSOLIDATE,
+            ],
+        )
+        .exclude(Exists(newer_attempt))
+        .exclude(Exists(started_since))
+        .order_by("decided_at")
+        .values_list("job_id", "preemptor_id")
+    )
 
 
 def build_snapshot(
@@ -479,6 +518,7 @@ def read_snapshot(
         .annotate(last=_seconds(Max("committed_at")))
         .values_list("job_id", "last")
     }
+    gave_way = _gave_way()
     workloads = []
     names = (team_slugs, class_names, flavor_names)
     built: Built = {}
@@ -489,10 +529,12 @@ def read_snapshot(
             continue
         row = whole[:WORKLOAD_COLUMNS]
         engine_state = ENGINE_STATE[state]
+        gave_way_to = None
         if engine_state == "pending":
             if backing_off:
                 continue
-            source: tuple[Any, ...] = row
+            gave_way_to = gave_way.get(job_id)
+            source: tuple[Any, ...] = row if gave_way_to is None else (row, gave_way_to)
             attempt = checkpoint = None
             resizable = False
         else:
@@ -514,7 +556,9 @@ def read_snapshot(
         if kept is not None and kept[0] == source:
             workload = kept[1]
         else:
-            workload = _workload(row, engine_state, names, attempt, checkpoint, resizable)
+            workload = _workload(
+                row, engine_state, names, attempt, checkpoint, resizable, gave_way_to
+            )
         built[job_id] = (source, workload)
         workloads.append(workload)
     if reuse:

@@ -15,8 +15,10 @@ How a job runs:
 * A victim with a grace window of at least ``save_seconds`` saves at once, exits
   ``save_seconds`` later and loses nothing; otherwise the trap skips the save, the victim exits at
   once and loses the work since its last committed checkpoint.  Its GPUs stay held until it exits.
-* A requeued job is pending again as soon as it exits.  When admitted again it first spends
-  ``restart_seconds`` restoring its checkpoint (holding its GPUs, doing no work), then continues.
+* A requeued job is pending again as soon as it exits, naming the job it was preempted for
+  (``Workload.preemptor``) until that job is admitted: the engine plans that one first, as
+  the portal's snapshot has it.  When admitted again it first spends ``restart_seconds``
+  restoring its checkpoint (holding its GPUs, doing no work), then continues.
 * A job of ``gpus`` GPUs is a gang of ranks: one rank when it fits one node, else
   ``gpus / r`` ranks of ``r`` GPUs, ``r`` the largest divisor of ``gpus`` not above the largest
   node.  Jobs that no placement of the cluster can ever hold are counted and left out.
@@ -244,6 +246,9 @@ class Simulation:
         # The ranks shrinks gave up, until their stop is over: (job index, GPUs) by the
         # terminating workload's id.
         self.releasing: dict[str, tuple[int, int]] = {}
+        # Requeued victims pending again, by the job each gave way to, until that job
+        # is admitted.
+        self.gave_way: dict[str, list[SimJob]] = {}
         self.elastic_count = len(elastic)
         self.plan_calls = 0
         self.plan_seconds = 0.0
@@ -289,7 +294,7 @@ class Simulation:
             return {}
         return {"topology_level": TOPOLOGY_LEVEL, "topology_required": wanted == "required"}
 
-    def _pending_workload(self, job: SimJob) -> Any:
+    def _pending_workload(self, job: SimJob, preemptor: str | None = None) -> Any:
         return fairshare.Workload(
             id=job.id,
             queue=self._queue_of(job),
@@ -299,6 +304,7 @@ class Simulation:
             gpus_per_rank=job.gpus_per_rank,
             state="pending",
             submitted_at=job.submitted_at,
+            preemptor=preemptor,
             sizes=job.sizes,
             **self._topology(job),
         )
@@ -374,11 +380,15 @@ class Simulation:
             return
         self._make_pending(job, now, requeued=False)
 
-    def _make_pending(self, job: SimJob, now: float, *, requeued: bool) -> None:
+    def _make_pending(
+        self, job: SimJob, now: float, *, requeued: bool, gave_way_to: str | None = None
+    ) -> None:
         job.state = "pending"
         job.pending_since = now
-        job.workload = self._pending_workload(job)
+        job.workload = self._pending_workload(job, gave_way_to)
         self.pending[job.id] = job.workload
+        if gave_way_to is not None:
+            self.gave_way.setdefault(gave_way_to, []).append(job)
         self.ledger.job_pending(
             job.team, job.gpus, requeued=requeued, job=self._key(job), least=job.least_gpus
         )
@@ -391,6 +401,11 @@ class Simulation:
 
     def _admit(self, job: SimJob, placement: Any, now: float) -> None:
         del self.pending[job.id]
+        # The jobs that gave way to this one no longer wait for it to be planned first.
+        for follower in self.gave_way.pop(job.id, ()):
+            if follower.state == "pending" and follower.workload.preemptor == job.id:
+                follower.workload = replace(follower.workload, preemptor=None)
+                self.pending[follower.id] = follower.workload
         ranks = sum(count for _, count in placement)
         self.ledger.job_admitted(
             job.team,
@@ -491,7 +506,8 @@ class Simulation:
         self._decay_to(now)
         del self.running[job.id]
         self.ledger.gpus_released(job.team, job.held_gpus, finished=False)
-        self._make_pending(job, now, requeued=True)
+        # Pending again, it names the job it gave way to, which the engine plans first.
+        self._make_pending(job, now, requeued=True, gave_way_to=job.workload.preemptor)
         # The exit of a victim queues an extra cycle right away, as an event does in the portal.
         self._want_cycle(now)
 
