@@ -26,7 +26,10 @@ Elastic jobs (issue 47): on the shared traces, whole-gang eviction against
 ``--elastic-share`` of the multi-GPU jobs elastic (simulation/elastic.py), side by side with
 the ratios to the goals: the openb trace with the Helios Venus quotas of one day, arrivals
 compressed by ``--elastic-openb-arrival-scale``, and each Sia workload on ``--sia-gpus`` GPUs
-(the Sia paper's cluster) shared by ``--sia-teams`` teams of equal guarantee.
+(the Sia paper's cluster) shared by ``--sia-teams`` teams of equal guarantee. Which jobs are
+elastic is drawn from the seed, and one job's move changes every decision after it: each
+Sia workload is replayed again for ``--elastic-seeds`` draws, and the spread of each
+figure over them printed.
 
 Speed: wall time of 100,000 jobs on 1,000 GPUs (125 nodes of 8), with the part spent inside
 ``fairshare.plan``.
@@ -37,7 +40,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import math
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simulation.cli import DEFAULT_HELIOS_QUOTAS, DEFAULT_OPENB_TRACE, SHARED_DATA, progress_bar
-from simulation.elastic import compare_elastic, comparison_lines
+from simulation.elastic import compare_elastic, comparison_lines, owner_waits
 from simulation.engine import SimulationConfig, simulate
 from simulation.fairness import surplus_fairness, teams_wanting_surplus
 from simulation.report import ALLOCATION_GOAL, Report
@@ -276,6 +281,37 @@ def elastic_table(
     print(f"    {cpu:.1f} s CPU for both runs")
 
 
+def elastic_over_seeds(
+    trace: list[TraceJob], config: SimulationConfig, seeds: int, share: float
+) -> None:
+    """The Sia workload ``trace`` replayed for ``seeds`` draws of its elastic jobs: the
+    spread of the goals' figures over them."""
+    completion: list[float] = []
+    owners: list[float] = []
+    below: list[float] = []
+    whole_gang_below = 0.0
+    for seed in range(seeds):
+        comparison = compare_elastic(trace, dataclasses.replace(config, seed=seed), share)
+        base, elastic_run = comparison.whole_gang, comparison.elastic
+        completion.append(
+            elastic_run.completion_time_seconds["mean"] / base.completion_time_seconds["mean"]
+        )
+        waited = owner_waits(elastic_run)["mean"]
+        owners.append(owner_waits(base)["mean"] / waited if waited else math.inf)
+        below.append(elastic_run.longest_below_guarantee_line_seconds)
+        whole_gang_below = base.longest_below_guarantee_line_seconds
+    bound = config.cycle_seconds + config.grace_seconds
+    print(
+        f"    over {seeds} draws of the elastic jobs (seeds 0-{seeds - 1}): mean completion "
+        f"{statistics.mean(completion):.2f}x whole-gang's (max {max(completion):.2f}x, above "
+        f"0.8x in {sum(c > 0.8 for c in completion)}); owners wait "
+        f"{statistics.mean(owners):.2f}x less on mean (under 2x in "
+        f"{sum(o < 2 for o in owners)}); longest below line median "
+        f"{statistics.median(below):.0f} s, max {max(below):.0f} s, over the bound of "
+        f"{bound:g} s in {sum(b > bound for b in below)} (whole-gang {whole_gang_below:.0f} s)"
+    )
+
+
 def elastic(args: argparse.Namespace) -> None:
     print(
         f"Elastic jobs: whole-gang eviction against {args.elastic_share:g} of the multi-GPU jobs "
@@ -319,6 +355,13 @@ def elastic(args: argparse.Namespace) -> None:
             config(uniform_cluster(args.sia_gpus // 8, 8), teams),
             args,
         )
+        if args.elastic_seeds > 1:
+            elastic_over_seeds(
+                load_trace(path, "sia", teams, args.seed),
+                config(uniform_cluster(args.sia_gpus // 8, 8), teams),
+                args.elastic_seeds,
+                args.elastic_share,
+            )
 
 
 def speed(args: argparse.Namespace) -> None:
@@ -376,6 +419,12 @@ def main() -> int:
     parser.add_argument("--elastic-openb-arrival-scale", type=float, default=0.0005)
     parser.add_argument("--sia-gpus", type=int, default=64)
     parser.add_argument("--sia-teams", type=int, default=4)
+    parser.add_argument(
+        "--elastic-seeds",
+        type=int,
+        default=16,
+        help="draws of the elastic jobs each Sia workload is replayed for (1: the table alone)",
+    )
     parser.add_argument("--skip-goals", action="store_true")
     parser.add_argument("--skip-fairness", action="store_true")
     parser.add_argument("--skip-topology", action="store_true")
