@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +199,11 @@ def test_a_notice_never_answered_is_followed_by_the_eviction_at_the_notice_deadl
     # Nobody committed: the eviction waited for the notice deadline, and no longer.
     assert event.signal_sent_at >= event.notice_deadline
     assert (event.signal_sent_at - event.notice_deadline).total_seconds() < 5
-    assert abs((event.notice_deadline - event.decided_at).total_seconds() - 3) < 1
+    # The 3-s window runs from the moment the reconcile pass sends the notice: never
+    # shorter than 3 s from the decision, never longer than 3 s after the notice was
+    # sent (a pass that comes late on a loaded machine starts the window late).
+    window = timedelta(seconds=3)
+    assert event.decided_at + window <= event.notice_deadline <= event.notice_sent_at + window
     for rank in (0, 1, 2):
         assert "NOTICE" in log_lines(borrower, 1, rank)
     assert event.outcome == "graceful" and event.killed_at is None
