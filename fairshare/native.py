@@ -54,6 +54,7 @@ COMPILED = (
     "ledger",
     "model",
     "nodes",
+    "order",
     "preemption",
     "reclaim_scan",
     "rules",

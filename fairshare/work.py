@@ -187,9 +187,9 @@ def _by_id(job: PendingJob) -> str:
 
 class QueueKey:
     """The key of a queue in a pass's heap: how far beyond the guarantees its next job
-    goes (``rank``, as ``cycle.FlavorPlanner._guarantee_rank`` says), INSIDE_OWN_GUARANTEE for a job inside its
+    goes (``rank``, as ``order.FlavorOrder._guarantee_rank`` says), INSIDE_OWN_GUARANTEE for a job inside its
     queue's own guarantee and otherwise usage minus fair share (``distance``, see
-    ``FlavorPlanner._queue_key``), the next job's submission, the queue's name and index, compared in
+    ``FlavorOrder._queue_key``), the next job's submission, the queue's name and index, compared in
     that order.
 
     A class with its own comparison rather than the tuple of them: compiled, ``__lt__``

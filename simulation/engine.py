@@ -246,8 +246,7 @@ class Simulation:
         # The ranks shrinks gave up, until their stop is over: (job index, GPUs) by the
         # terminating workload's id.
         self.releasing: dict[str, tuple[int, int]] = {}
-        # Requeued victims pending again, by the job each gave way to, until that job
-        # is admitted.
+        # Requeued victims pending again, by the job each gave way to, until it starts.
         self.gave_way: dict[str, list[SimJob]] = {}
         self.elastic_count = len(elastic)
         self.plan_calls = 0
